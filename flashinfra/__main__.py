@@ -1,0 +1,5 @@
+import sys
+
+from flashinfra.cli import main
+
+sys.exit(main())

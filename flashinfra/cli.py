@@ -1,0 +1,33 @@
+"""The ``flashinfra`` command line: one sub-command per concern, each registered by its own package.
+
+Each module in ``COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its sub-commands and sets
+``func`` on them. Registration must stay cheap (no torch import at module level), so ``flashinfra
+--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "flashinfra.model.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashinfra", description="Inference engine for GLM-5.3-Flash.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

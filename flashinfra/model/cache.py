@@ -1,0 +1,71 @@
+"""``ModelCache``: the engine-owned cache tensors of one model, for every layer.
+
+- MLA layers: the compressed latent (``kv_lora_rank`` values per token), paged.
+- Full-indexer MLA layers: per token the indexer key and its k-pool gate score (``2 * index_head_dim``),
+  paged with the same block tables (shared-indexer layers keep nothing).
+- KDA layers: per state slot the conv state (last ``W - 1`` inputs of q|k|v) and the recurrent state
+  ``[H, K, V]`` (float32 by default).
+
+The cache does not decide who owns which block or slot: the cache manager does, and passes the result in
+a ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashinfra.config import TextConfig
+
+
+@dataclass
+class ModelCache:
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    mla_latent: dict[int, torch.Tensor]  # layer -> [num_blocks, block_size, kv_lora_rank]
+    indexer_keys: dict[int, torch.Tensor]  # layer -> [num_blocks, block_size, 2 * index_head_dim]
+    conv_state: dict[int, torch.Tensor]  # layer -> [num_slots, 3 * linear_dim, W - 1]
+    recurrent_state: dict[int, torch.Tensor]  # layer -> [num_slots, H, K, V]
+
+    @staticmethod
+    def allocate(
+        cfg: TextConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> "ModelCache":
+        def paged(width: int) -> torch.Tensor:
+            return torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+
+        H, K = cfg.linear_num_heads, cfg.linear_head_dim
+        return ModelCache(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            mla_latent={i: paged(cfg.kv_lora_rank) for i in cfg.mla_layers},
+            indexer_keys={i: paged(2 * cfg.index_head_dim) for i in cfg.indexer_layers},
+            conv_state={
+                i: torch.zeros(num_slots, 3 * cfg.linear_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                for i in cfg.kda_layers
+            },
+            recurrent_state={
+                i: torch.zeros(num_slots, H, K, K, dtype=state_dtype, device=device) for i in cfg.kda_layers
+            },
+        )
+
+    @staticmethod
+    def bytes_per_block(cfg: TextConfig, block_size: int, dtype: torch.dtype) -> int:
+        width = len(cfg.mla_layers) * cfg.kv_lora_rank + len(cfg.indexer_layers) * 2 * cfg.index_head_dim
+        return width * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def bytes_per_slot(cfg: TextConfig, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+        conv = 3 * cfg.linear_dim * (W - 1) * torch.empty((), dtype=dtype).element_size()
+        rec = H * K * K * torch.empty((), dtype=state_dtype).element_size()
+        return len(cfg.kda_layers) * (conv + rec)
