@@ -1,0 +1,169 @@
+"""Wire messages between the server process and the engine process.
+
+Everything that crosses the ZeroMQ boundary is one of these msgspec structs, encoded as msgpack (never
+pickle). The tagged unions ``ServerToEngine`` and ``EngineToServer`` are what each side decodes. The same
+structs are used in-process by the offline ``LLM`` API.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling and stopping parameters (tokens only; stop strings live in the server)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # reproducible per request, independent of the batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_model_len: int) -> None:
+        """Raise ``ValueError`` naming the offending field if any parameter is out of range."""
+
+        def bad(field: str, value: object, why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter {field}={value!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.max_tokens > max_model_len:
+            raise bad("max_tokens", self.max_tokens, f"exceeds the model's maximum length {max_model_len}")
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(field, value, "must be a finite number")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "must be an integer in [0, 20]")
+
+
+class EngineRequest(msgspec.Struct, tag=True):
+    """A new generation request, already tokenized by the server."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Stop these requests now (client gone, stop string seen); unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Ask the engine process to exit its loop cleanly."""
+
+
+class TokenLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class RequestOutput(msgspec.Struct):
+    """The tokens a request produced in one engine step (an incremental delta, not the whole text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct):
+    num_waiting: int
+    num_running: int
+    cache_usage: float  # fraction of paged KV blocks in use
+    num_preemptions_total: int
+    state_slot_usage: float = 0.0  # fraction of KDA state slots in use
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_prefix_hit_tokens_total: int = 0
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_requests_finished_total: int = 0
+    step_duration_s: float = 0.0
+    num_batched_tokens: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats | None
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    """Sent once by the engine process when the model is loaded and the cache allocated."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = []
+    num_blocks: int = 0
+    block_size: int = 0
+    max_num_seqs: int = 0
+
+
+class EngineError(msgspec.Struct, tag=True):
+    """The engine process failed fatally (e.g. the model could not be loaded); it exits after sending."""
+
+    message: str
+
+
+ServerToEngine = EngineRequest | AbortRequest | Shutdown
+EngineToServer = EngineOutputs | EngineReady | EngineError
+
+_encoder = msgspec.msgpack.Encoder()
+_server_decoder = msgspec.msgpack.Decoder(ServerToEngine)
+_engine_decoder = msgspec.msgpack.Decoder(EngineToServer)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_server_message(data: bytes) -> EngineRequest | AbortRequest | Shutdown:
+    """Decode what the server sends to the engine."""
+    return _server_decoder.decode(data)
+
+
+def decode_engine_message(data: bytes) -> EngineOutputs | EngineReady | EngineError:
+    """Decode what the engine sends to the server."""
+    return _engine_decoder.decode(data)
