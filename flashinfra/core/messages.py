@@ -32,7 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are greedy: dividing logits by them would overflow."""
+        return self.temperature < 1e-5
 
     def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError`` naming the offending field if any parameter is out of range."""
