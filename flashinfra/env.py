@@ -26,3 +26,22 @@ def use_reference_kernels() -> bool:
 def triton_interpret() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def agent_endpoint() -> tuple[str | None, str | None, str | None]:
+    """(base URL, model, API key) of the Infra Agent's chat-completions endpoint:
+    ``FLASHINFRA_AGENT_BASE_URL`` / ``FLASHINFRA_AGENT_MODEL`` / ``FLASHINFRA_AGENT_API_KEY``, falling back
+    to ``OPENAI_BASE_URL`` / ``OPENAI_MODEL`` / ``OPENAI_API_KEY``. Command-line flags take precedence."""
+    get = os.environ.get
+    return (get("FLASHINFRA_AGENT_BASE_URL") or get("OPENAI_BASE_URL") or None,
+            get("FLASHINFRA_AGENT_MODEL") or get("OPENAI_MODEL") or None,
+            get("FLASHINFRA_AGENT_API_KEY") or get("OPENAI_API_KEY") or None)
+
+
+SANDBOX_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "FLASHINFRA_REFERENCE", "TRITON_INTERPRET",
+                       "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def sandbox_passthrough() -> dict[str, str]:
+    """The only variables the Infra Agent passes on to candidate code (never keys or tokens)."""
+    return {k: os.environ[k] for k in SANDBOX_PASSTHROUGH if k in os.environ}
