@@ -1,0 +1,78 @@
+"""``load_model``: the stable entry point for tests, tools and the engine.
+
+``LoadedModel`` bundles the model, its config and device, and offers the two calls everything else
+needs: ``forward`` over a packed ``ForwardBatch`` with caller-owned caches, and ``logits`` for a list of
+prompts run as one packed prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashinfra.config import ModelConfig, load_config
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.glm5_next import Glm5NextModel
+from flashinfra.model.loader import CheckpointReader, LoadReport, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: Glm5NextModel
+    dtype: torch.dtype
+    device: torch.device
+    report: LoadReport
+
+    def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
+        return ModelCache.allocate(self.config.text, num_blocks, block_size, num_slots, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        return self.model(input_ids, batch, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def logits(self, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+        """One ``[len, vocab]`` float32 tensor per prompt; all prompts run as one packed prefill."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("logits: every prompt needs at least one token")
+        vocab = self.config.text.vocab_size
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise ValueError(f"logits: token ids must lie in [0, {vocab})")
+        tables, next_block = [], 0
+        for p in prompts:
+            n = (len(p) + block_size - 1) // block_size
+            tables.append(list(range(next_block, next_block + n)))
+            next_block += n
+        cache = self.allocate_cache(next_block, block_size, len(prompts))
+        batch = ForwardBatch.build(
+            [len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), tables, block_size, self.device
+        )
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        logits = self.compute_logits(self.forward(ids, batch, cache))
+        return list(logits.split([len(p) for p in prompts]))
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    path = Path(path)
+    config = load_config(path)
+    torch_dtype, device = resolve_dtype(dtype), torch.device(device)
+    with torch.device(device):
+        model = Glm5NextModel(config.text, torch_dtype, config.has_lm_head)
+    report = load_weights(model, config, CheckpointReader(path))
+    return LoadedModel(path, config, model.eval(), torch_dtype, device, report)

@@ -1,0 +1,128 @@
+"""Small random GLM-5.3-Flash checkpoints in the release format, and the built-in default model.
+
+``write_tiny_checkpoint`` writes ``config.json`` (nested ``text_config`` form) and ``model.safetensors``
+with per-expert tensors and the release names (``q_conv1d``, ``hc_attn_fn``...), exactly what a
+transformers ``save_pretrained`` writes, plus a byte-level BPE tokenizer with GLM's special tokens and
+chat template. Every layer kind is present by default: KDA and MLA layers, a full and a shared
+indexer, a dense MLP layer and MoE layers, mHC.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from flashinfra import env
+from flashinfra.config import resolve_config
+from flashinfra.model.glm5_next import Glm5NextModel
+from flashinfra.model.weights import weight_layout
+
+SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+TINY_TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16,
+    qk_rope_head_dim=0, index_topk=8, index_head_dim=16, index_n_heads=4, index_kpool=4, linear_head_dim=16,
+    linear_num_heads=4, linear_conv_kernel_dim=4, hc_mult=4, pad_token_id=0, tie_word_embeddings=False,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention",
+                 "indexed_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse", "sparse"],
+    indexer_types=["full", "full", "full", "full", "shared", "full"],
+    max_position_embeddings=4096, rms_norm_eps=1e-5,
+)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A model reads text and writes text. "
+    "The capital of France is Paris. Engines serve many requests at once, batching their tokens. "
+    "Hello, world! How are you today? I am fine, thank you. Numbers: 0 1 2 3 4 5 6 7 8 9. "
+)
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random values of a plausible scale for each kind of tensor."""
+    base = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+    if "norm" in base or "layernorm" in base:
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if base == "A_log":
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+    if base in ("dt_bias", "e_score_correction_bias") or name.endswith("_base") or name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("_scale"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    return torch.randn(shape, generator=g) / math.sqrt(fan_in)
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
+    }, indent=2))
+
+
+def write_tiny_checkpoint(path: str | Path, seed: int = 0, tokenizer: bool = True, **overrides: Any) -> Path:
+    """Write a random checkpoint (release format) with ``TINY_TEXT_CONFIG`` updated by ``overrides``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = {**TINY_TEXT_CONFIG, **overrides, "model_type": "glm5_next_text"}
+    raw = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+           "tie_word_embeddings": text["tie_word_embeddings"]}
+    cfg = resolve_config(raw)
+    if tokenizer:
+        eos = 0  # <|endoftext|> is the first special token
+        text.setdefault("eos_token_id", [eos, SPECIAL_TOKENS.index("<|user|>")])
+        raw["text_config"] = text
+        cfg = resolve_config(raw)
+    with torch.device("meta"):
+        model = Glm5NextModel(cfg.text, torch.float32, cfg.has_lm_head)
+    params = dict(model.named_parameters())
+    layout = weight_layout(cfg.text, params, cfg.weight_prefix, "lm_head.weight" if cfg.has_lm_head else None)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {c.name: _init_tensor(c.name, c.shape, g) for forms in layout.values() for c in forms[0]}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    if tokenizer:
+        write_tokenizer(path, text["vocab_size"])
+    return path
+
+
+def default_model_dir() -> Path:
+    """The built-in default model, created on first use (atomically, so concurrent first uses are safe)."""
+    target = env.cache_dir() / "default-model-random-v1"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".default-model-"))
+    try:
+        write_tiny_checkpoint(tmp, seed=0)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

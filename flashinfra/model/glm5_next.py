@@ -1,0 +1,75 @@
+"""The GLM-5.3-Flash text model over a packed batch: embedding, mHC decoder layers, norm, head.
+
+Every decoder layer is two hyper-connected sub-blocks: (input norm -> KDA or MLA) and
+(post-attention norm -> dense MLP or MoE). The model is stateless: caches come in a ``ModelCache`` and
+sequence layout in a ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashinfra.config import LINEAR_ATTENTION, TextConfig
+from flashinfra.kernels.norms import rms_norm
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.kda import KDAttention
+from flashinfra.model.mhc import HyperConnection
+from flashinfra.model.mla import MLAttention
+from flashinfra.model.moe import DenseMLP, MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.is_kda = cfg.layer_types[layer] == LINEAR_ATTENTION
+        self.attn = KDAttention(cfg, layer, dtype) if self.is_kda else MLAttention(cfg, layer, dtype)
+        self.mlp = (
+            MoE(cfg, dtype)
+            if cfg.mlp_layer_types[layer] == "sparse"
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, dtype)
+        )
+        self.input_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.attn_hc = HyperConnection(cfg, dtype)
+        self.ffn_hc = HyperConnection(cfg, dtype)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
+        def attention(x):
+            x = rms_norm(x, self.input_norm, self.eps)
+            return self.attn(x, batch, cache) if self.is_kda else self.attn(x, batch, cache, masks)
+
+        streams = self.attn_hc(streams, attention)
+        return self.ffn_hc(streams, lambda x: self.mlp(rms_norm(x, self.post_attn_norm, self.eps)))
+
+
+class Glm5NextModel(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype, has_lm_head: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            if has_lm_head
+            else None
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """input_ids [T] packed -> final hidden states [T, D] (after the final norm)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
+        masks: dict[int, list[torch.Tensor]] = {}
+        for layer in self.layers:
+            streams = layer(streams, batch, cache, masks)
+        return rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return F.linear(hidden, head).float()

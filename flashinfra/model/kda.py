@@ -1,0 +1,67 @@
+"""KDA (Kimi Delta Attention) layer: linear attention with a per-channel forget gate.
+
+One input GEMM gives q|k|v, the forget-gate and output-gate low-rank inputs and beta's logits; a short
+causal conv with SiLU runs over q|k|v; the delta-rule recurrence runs over each sequence from its state
+slot; a gated RMSNorm and the output projection finish. Decode batches use the one-step ops, any other
+batch (fresh prefills, chunks, mixed) the chunked ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashinfra.config import TextConfig
+from flashinfra.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
+from flashinfra.kernels.kda_decode import kda_decode
+from flashinfra.kernels.kda_gate import kda_gate_ref
+from flashinfra.kernels.kda_prefill import kda_prefill
+from flashinfra.kernels.norms import gated_rms_norm
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+
+
+class KDAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        H, K, D = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size
+        self.layer, self.H, self.K = layer, H, K
+        self.lower_bound, self.eps = cfg.linear_lower_bound, cfg.rms_norm_eps
+        self.splits = [3 * H * K, K, K, H]  # q|k|v, forget-gate input, output-gate input, beta logits
+
+        def param(*shape, dt=dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
+
+        self.in_proj = param(sum(self.splits), D)
+        self.conv_weight = param(3 * H * K, cfg.linear_conv_kernel_dim, dt=torch.float32)
+        self.f_b_proj = param(H * K, K)
+        self.g_b_proj = param(H * K, K)
+        self.dt_bias = param(H * K, dt=torch.float32)
+        self.A_log = param(H, dt=torch.float32)
+        self.o_norm = param(K)
+        self.o_proj = param(D, H * K)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        T, H, K = x.shape[0], self.H, self.K
+        qkv, f_a, g_a, b = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        if batch.is_decode:
+            qkv = causal_conv1d_decode(qkv, self.conv_weight, conv_state, batch.state_slots_t)
+        else:
+            qkv = causal_conv1d_prefill(
+                qkv, self.conv_weight, conv_state, batch.cu_seqlens_list, list(batch.state_slots),
+                batch.has_initial_state,
+            )
+        q, k, v = qkv.view(T, 3, H, K).unbind(1)
+        g = kda_gate_ref(F.linear(f_a, self.f_b_proj).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b).float()
+        if batch.is_decode:
+            o = kda_decode(q, k, v, g, beta, state, batch.state_slots_t)
+        else:
+            o = kda_prefill(
+                q, k, v, g, beta, state, batch.cu_seqlens_list, list(batch.state_slots), batch.has_initial_state
+            )
+        gate = F.linear(g_a, self.g_b_proj).view(T, H, K)
+        o = gated_rms_norm(o, gate, self.o_norm, self.eps)
+        return F.linear(o.reshape(T, H * K), self.o_proj)

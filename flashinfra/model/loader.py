@@ -1,0 +1,143 @@
+"""Checkpoint loading: safetensors (single file or sharded), memory-mapped, strict.
+
+Tensors are read one at a time from the memory-mapped files straight into the model's parameters, so no
+second full copy of the model exists. Block-FP8 weights (``weight_scale_inv`` per ``[128, 128]`` block)
+are dequantized on the way in. Any missing, unexpected or mis-shaped tensor is an error that names every
+one of them; nothing is skipped silently. The MTP block (layer ``num_hidden_layers``) and the vision
+tower are recognised and kept as a name -> file index for the parts that use them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flashinfra.config import ModelConfig
+from flashinfra.model.weights import Copy, Form, weight_layout
+
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model; the message names every offending tensor."""
+
+
+class CheckpointReader:
+    """Name -> tensor access over the safetensors files of a checkpoint directory."""
+
+    def __init__(self, model_dir: str | Path):
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: root / f for name, f in weight_map.items()}
+        else:
+            shards = sorted(root.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"no safetensors files in {root}")
+            self.files = {}
+            for shard in shards:
+                with safe_open(shard, framework="pt") as f:
+                    self.files.update({name: shard for name in f.keys()})
+        self._handles: dict[Path, object] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._handles:
+            if not path.is_file():
+                raise CheckpointError(f"shard {path.name} (holding {name}) is missing")
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path]
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        if name not in self._meta:
+            sl = self._handle(name).get_slice(name)
+            self._meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        return self._meta[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def scale_name(name: str) -> str:
+    return name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+
+
+def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w`` [..., R, C] in FP8, ``scale_inv`` [..., ceil(R/br), ceil(C/bc)] -> float32 ``w * scale``."""
+    br, bc = block
+    R, C = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(br, dim=-2)[..., :R, :].repeat_interleave(bc, dim=-1)[..., :C]
+    return w.float() * s
+
+
+@dataclass
+class LoadReport:
+    loaded: int  # checkpoint tensors read into parameters
+    extra: dict[str, Path]  # recognised tensors kept for later parts (MTP, vision): name -> file
+
+
+def _choose_form(forms: list[Form], names: set[str]) -> tuple[Form | None, list[str]]:
+    for form in forms:
+        if all(c.name in names for c in form):
+            return form, []
+    return None, [c.name for c in forms[0] if c.name not in names]
+
+
+def _is_extra(name: str, cfg: ModelConfig) -> bool:
+    mtp = f"{cfg.weight_prefix}layers.{cfg.text.num_hidden_layers}."
+    return name.startswith(mtp) or name.startswith("model.visual.")
+
+
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: CheckpointReader) -> LoadReport:
+    params = dict(model.named_parameters())
+    head = "lm_head.weight" if cfg.has_lm_head else None
+    layout = weight_layout(cfg.text, params, cfg.weight_prefix, head)
+    names = reader.names()
+    qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
+    block = tuple(qcfg.get("weight_block_size", (128, 128)))
+
+    missing: list[str] = []
+    misshaped: list[str] = []
+    plan: list[tuple[str, Copy]] = []
+    consumed: set[str] = set()
+    for pname, forms in layout.items():
+        form, absent = _choose_form(forms, names)
+        if form is None:
+            missing.extend(absent)
+            continue
+        for copy in form:
+            shape, dtype = reader.meta(copy.name)
+            if shape != copy.shape:
+                misshaped.append(f"{copy.name}: checkpoint {list(shape)}, model expects {list(copy.shape)}")
+            if dtype in FP8_DTYPES:
+                sname = scale_name(copy.name)
+                if sname not in names:
+                    missing.append(f"{sname} (scale of FP8 tensor {copy.name})")
+                consumed.add(sname)
+            consumed.add(copy.name)
+            plan.append((pname, copy))
+    extra = {n: reader.files[n] for n in names - consumed if _is_extra(n, cfg)}
+    unexpected = sorted(names - consumed - set(extra))
+    if missing or misshaped or unexpected:
+        lines = [f"checkpoint does not match the {cfg.architecture} model:"]
+        lines += [f"  missing: {n}" for n in missing]
+        lines += [f"  mis-shaped: {n}" for n in misshaped]
+        lines += [f"  unexpected: {n}" for n in unexpected]
+        raise CheckpointError("\n".join(lines))
+
+    for pname, copy in plan:
+        dest = params[pname].data[copy.index] if copy.index else params[pname].data
+        t = reader.get(copy.name)
+        if reader.meta(copy.name)[1] in FP8_DTYPES:
+            t = dequantize_block_fp8(t, reader.get(scale_name(copy.name)), block)
+        dest.copy_(t.view(dest.shape))
+    return LoadReport(loaded=len(plan), extra=extra)

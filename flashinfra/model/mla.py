@@ -1,0 +1,96 @@
+"""MLA layer without RoPE, attending sparsely over the DSA indexer's selection.
+
+The cache holds one ``kv_lora_rank`` latent per token (after ``kv_a_layernorm``). Prefill expands the
+latent into per-head keys and values with ``kv_b_proj``; decode uses the absorbed form: ``kv_b``'s key
+half is folded into the query and its value half into the output, so attention runs on the latent
+directly and the cache stays ``kv_lora_rank`` values per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashinfra.config import TextConfig
+from flashinfra.kernels.norms import rms_norm
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.indexer import Indexer
+
+
+def gather_seq(paged: torch.Tensor, blocks: tuple[int, ...], n: int) -> torch.Tensor:
+    """The first ``n`` entries of one sequence from a paged cache ``[num_blocks, block_size, W]``."""
+    return paged[list(blocks)].flatten(0, 1)[:n]
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.H, self.R = layer, cfg.num_attention_heads, cfg.kv_lora_rank
+        self.Dq, self.Dv, self.eps = cfg.qk_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
+        self.scaling = self.Dq**-0.5
+        self.q_lora = cfg.q_lora_rank
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        D = cfg.hidden_size
+        self.qkv_a_proj = param(self.q_lora + self.R, D)  # q_a_proj | kv_a_proj_with_mqa
+        self.qkv_a_bias = param(self.q_lora + self.R) if cfg.attention_bias else None
+        self.q_a_norm = param(self.q_lora)
+        self.kv_a_norm = param(self.R)
+        self.q_b_proj = param(self.H * self.Dq, self.q_lora)
+        self.kv_b_proj = param(self.H * (self.Dq + self.Dv), self.R)
+        self.o_proj = param(D, self.H * self.Dv)
+        self.o_bias = param(D) if cfg.attention_bias else None
+        self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == "full" else None
+        self.source = cfg.indexer_source(layer)  # the layer whose selection this one uses
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict[int, list[torch.Tensor]]
+    ) -> torch.Tensor:
+        """``masks`` maps a full-indexer layer to its per-sequence selections; this layer adds its own."""
+        T = x.shape[0]
+        q_a, kv_a = F.linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
+        q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
+        q = F.linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
+        latent = cache.mla_latent[self.layer]
+        latent.view(-1, self.R)[batch.slot_mapping] = rms_norm(kv_a, self.kv_a_norm, self.eps).to(latent.dtype)
+        if self.indexer is not None:
+            masks[self.layer] = self._select(x, q_resid, batch, cache)
+        selection = masks[self.source]
+        attend = self._decode if batch.is_decode else self._prefill
+        out = torch.empty(T, self.H, self.Dv, dtype=x.dtype, device=x.device)
+        for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
+            c = gather_seq(latent, batch.block_tables[b], batch.seq_lens[b])
+            out[bos:eos] = attend(q[bos:eos], c, selection[b])
+        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+
+    def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
+        entries, q, w = self.indexer.project(x, q_resid)
+        keys = cache.indexer_keys[self.layer]
+        keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
+        out = []
+        for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
+            seq_entries = gather_seq(keys, batch.block_tables[b], batch.seq_lens[b])
+            out.append(self.indexer.select(seq_entries, q[bos:eos], w[bos:eos]))
+        return out
+
+    def _prefill(self, q: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [L, H, Dq], latent c [N, R], mask [L, N] -> [L, H, Dv]."""
+        kv = F.linear(c, self.kv_b_proj).view(-1, self.H, self.Dq + self.Dv)
+        k, v = kv.split([self.Dq, self.Dv], dim=-1)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scaling
+        ).transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Absorbed form: scores and values on the latent, kv_b folded into q and the output."""
+        w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
+        w_uk, w_uv = w[:, : self.Dq], w[:, self.Dq :]  # [H, Dq, R], [H, Dv, R]
+        q_lat = torch.einsum("lhd,hdr->lhr", q, w_uk)  # [L, H, R]
+        scores = torch.einsum("lhr,nr->lhn", q_lat.float(), c.float()) * self.scaling
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        o_lat = torch.einsum("lhn,nr->lhr", torch.softmax(scores, dim=-1), c.float()).to(q.dtype)
+        return torch.einsum("lhr,hvr->lhv", o_lat, w_uv)
