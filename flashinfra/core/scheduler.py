@@ -213,12 +213,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         self.num_preemptions_total += 1
-        self._emit(
-            "preemption",
-            request_id=req.request_id,
-            num_tokens=req.num_tokens,
-            cache_usage=self.cache.block_usage(),
-        )
+        self._emit("preempt", request_id=req.request_id, reason="no free cache blocks", num_tokens=req.num_tokens)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -248,7 +248,7 @@ def test_events_hook_receives_queue_waits_and_preemptions():
         plan = sched.schedule()
         sched.update(plan, runner.execute(plan, cfg))
     kinds = [k for k, _ in sink.events]
-    assert "preemption" in kinds
+    assert "preempt" in kinds
     waits = [f["wait_s"] for k, f in sink.events if k == "queue_wait"]
     assert len(waits) == 3 and all(w == pytest.approx(0.5) for w in waits)
 
