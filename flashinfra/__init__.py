@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load_model": ("flashinfra.model.api", "load_model"),
+    "LLM": ("flashinfra.llm", "LLM"),
+    "SamplingParams": ("flashinfra.core.messages", "SamplingParams"),
 }
 
 
