@@ -1,0 +1,181 @@
+"""The FastAPI application: routes, API-key check, lifespan (engine start and stop), streaming.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (optionally SSE-streamed, with
+``stream_options.include_usage``), ``GET /v1/models``, ``GET /health`` (503 once the engine is gone),
+``GET /metrics`` (Prometheus). With an API key set, every ``/v1/`` route needs ``Authorization: Bearer
+KEY``. Shutdown order (uvicorn's): stop accepting, let in-flight requests finish, then the lifespan exit
+stops the engine, so in-flight requests drain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from flashinfra.server.engine_client import EngineClient, EngineLauncher
+from flashinfra.server.errors import bad_request, error_body, error_response, install_error_handlers
+from flashinfra.server.formatting import ChatFormatter, CompletionFormatter, sse
+from flashinfra.server.metrics import ServerMetrics
+from flashinfra.server.protocol import ChatCompletionRequest, CompletionRequest
+from flashinfra.server.serving import (Choice, ServerState, check_prompt, make_choices, new_request_id,
+                                       run_choices, submit, tokenize)
+from flashinfra.server.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_path: Path
+    launcher: EngineLauncher
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_pending: int = 1024
+    tokenizer_threads: int = 4
+    engine_start_timeout_s: float = 900.0
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tokenizer = Tokenizer(config.model_path)
+        client = EngineClient(config.launcher, max_pending=config.max_pending)
+        metrics = ServerMetrics(lambda: client.stats, lambda: client.num_pending)
+        executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="flashinfra-tokenize")
+        try:
+            info = await client.start(config.engine_start_timeout_s)
+            app.state.server = ServerState(
+                client=client, tokenizer=tokenizer, model_name=config.served_model_name or info.model_name,
+                max_model_len=info.max_model_len, metrics=metrics, executor=executor,
+                vocab_size=info.vocab_size)
+            yield
+        finally:
+            await client.shutdown()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="flashinfra", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if config.api_key is not None and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                       config.api_key.encode()):
+                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health(request: Request):
+        state: ServerState = request.app.state.server
+        if not state.client.healthy:
+            return error_response(503, state.client.dead_reason or "the engine is not running")
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        state: ServerState = request.app.state.server
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state: ServerState = request.app.state.server
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "flashinfra", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        state: ServerState = request.app.state.server
+        _check_model(state, body.model)
+        prompts, echo_texts = [], {}
+        for prompt in body.prompts():
+            ids = await tokenize(state, prompt) if isinstance(prompt, str) else list(prompt)
+            prompts.append(ids)
+        max_tokens = [check_prompt(state, ids, body.max_tokens, 16) for ids in prompts]
+        sampling = [body.sampling_params(mt, body.num_logprobs) for mt in max_tokens]
+        request_id = new_request_id("cmpl")
+        choices = make_choices(state, request_id, prompts, sampling, body.n, body.stop_strings,
+                               body.include_stop_str_in_output, body.skip_special_tokens)
+        if body.echo:
+            raw = body.prompts()
+            echo_texts = {c.index: (raw[c.index // body.n] if isinstance(raw[c.index // body.n], str)
+                                    else state.tokenizer.decode(c.prompt_ids)) for c in choices}
+        fmt = CompletionFormatter(request_id, body.model, state.tokenizer, body.logprobs is not None, echo_texts)
+        queue = await submit(state, choices)
+        return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        state: ServerState = request.app.state.server
+        _check_model(state, body.model)
+        messages = [msg.as_template_dict() for msg in body.messages]
+        prompt_ids = await tokenize(state, "", chat=messages, add_generation_prompt=body.add_generation_prompt,
+                                    template_kwargs=body.chat_template_kwargs)
+        max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, None, "messages")
+        request_id = new_request_id("chatcmpl")
+        choices = make_choices(state, request_id, [prompt_ids], [body.sampling_params(max_tokens, body.num_logprobs)],
+                               body.n, body.stop_strings, body.include_stop_str_in_output,
+                               body.skip_special_tokens)
+        fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices))
+        queue = await submit(state, choices)
+        return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
+
+    return app
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise bad_request(f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                          "model")
+
+
+async def _respond(state: ServerState, request: Request, choices: list[Choice], queue, fmt: CompletionFormatter,
+                   stream: bool, include_usage: bool, arrival: float):
+    def cleanup() -> None:
+        # Runs even if the stream was cancelled before its first chunk: nothing stays in the engine.
+        state.client.abort_soon([c.request_id for c in choices if c.finish_reason is None])
+
+    if stream:
+        return StreamingResponse(_stream(state, request, choices, queue, fmt, include_usage, arrival),
+                                 media_type="text/event-stream", background=BackgroundTask(cleanup))
+    try:
+        async for event in run_choices(state, request, choices, queue, arrival):
+            fmt.add(event)
+    finally:
+        cleanup()
+    failed = next((c for c in choices if c.finish_reason == "error"), None)
+    if failed is not None:
+        return error_response(500, f"generation failed: {failed.error}", code="engine_error")
+    if any(c.finish_reason is None for c in choices):
+        return Response(status_code=499)  # the client went away; nobody reads this
+    return JSONResponse(fmt.final(choices))
+
+
+async def _stream(state: ServerState, request: Request, choices: list[Choice], queue, fmt: CompletionFormatter,
+                  include_usage: bool, arrival: float) -> AsyncIterator[str]:
+    def with_usage(chunk: dict) -> dict:
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    for chunk in fmt.stream_start():
+        yield sse(with_usage(chunk))
+    async for event in run_choices(state, request, choices, queue, arrival):
+        if event.choice.finish_reason == "error":
+            yield sse(error_body(500, f"generation failed: {event.choice.error}", code="engine_error"))
+            return
+        yield sse(with_usage(fmt.chunk(event)))
+    if include_usage:
+        yield sse(fmt.usage_chunk(choices))
+    yield sse("[DONE]")

@@ -1,0 +1,76 @@
+"""``flashinfra serve``: the OpenAI-compatible HTTP server (with its engine process).
+
+Registration is torch-free; ``run`` resolves the model directory (the built-in default model when no
+``--model`` is given), builds the engine's ``EngineConfig`` and runs uvicorn, which drains in-flight
+requests on SIGINT/SIGTERM before the engine is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in default model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model argument, or 'default')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    p.add_argument("--max-pending", type=int, default=1024,
+                   help="in-flight sub-requests the server accepts before answering 429")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="paged cache blocks (default: from memory)")
+    p.add_argument("--kv-cache-memory", default=None, help="cache memory budget, e.g. 2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--events-path", default=None, help="write the engine's runtime events (JSONL) here")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def engine_config_from_args(args: argparse.Namespace, model_path: str):
+    from flashinfra.core.engine_config import EngineConfig, parse_memory
+
+    return EngineConfig(
+        model=model_path, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, seed=args.seed, events_path=args.events_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    import uvicorn
+
+    from flashinfra.core.engine_process import run_engine_process
+    from flashinfra.server.app import ServerConfig, create_app
+    from flashinfra.server.engine_client import spawn_launcher
+
+    if args.model is None:
+        from flashinfra.model.factory import default_model_dir
+
+        model_path = default_model_dir()
+        name = args.served_model_name or "default"
+    else:
+        model_path = Path(args.model)
+        name = args.served_model_name or args.model
+    if not (model_path / "config.json").is_file():
+        raise SystemExit(f"serve: {model_path} is not a checkpoint directory (no config.json)")
+    engine_config = engine_config_from_args(args, str(model_path))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(model_path=model_path, launcher=spawn_launcher(run_engine_process, config=engine_config),
+                          served_model_name=name, api_key=args.api_key, max_pending=args.max_pending)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    return 0

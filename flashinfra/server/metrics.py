@@ -1,0 +1,89 @@
+"""Prometheus metrics of the server (``/metrics``).
+
+Owns one ``CollectorRegistry`` per app (so tests can run several servers in one process): latency
+histograms measured in the server (time to first token, time per output token, end-to-end latency),
+token and request counters, and the engine's own figures (queue length, running requests, cache usage,
+preemptions) read from the latest ``EngineStats`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from flashinfra.core.messages import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Reads the engine's figures at scrape time, so they are never stale by more than one step."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int]):
+        self._get_stats = get_stats
+        self._get_pending = get_pending
+
+    def collect(self):
+        stats = self._get_stats()
+        pending = GaugeMetricFamily("flashinfra_server_pending_requests",
+                                    "Sub-requests the server has sent to the engine and not seen finish")
+        pending.add_metric([], self._get_pending())
+        yield pending
+        if stats is None:
+            return
+        gauges = (
+            ("flashinfra_num_requests_waiting", "Requests waiting in the engine's queue", stats.num_waiting),
+            ("flashinfra_num_requests_running", "Requests in the engine's running batch", stats.num_running),
+            ("flashinfra_cache_usage_ratio", "Fraction of paged KV cache blocks in use", stats.cache_usage),
+            ("flashinfra_state_slot_usage_ratio", "Fraction of KDA state slots in use",
+             stats.state_slot_usage),
+        )
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], float(value))
+            yield gauge
+        counters = (
+            ("flashinfra_num_preemptions", "Requests preempted (recomputed) because the cache ran out",
+             stats.num_preemptions_total),
+            ("flashinfra_engine_prompt_tokens", "Prompt tokens the engine has taken in",
+             stats.num_prompt_tokens_total),
+            ("flashinfra_engine_generation_tokens", "Tokens the engine has generated",
+             stats.num_generation_tokens_total),
+            ("flashinfra_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+             stats.num_prefix_hit_tokens_total),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], float(value))
+            yield counter
+
+
+class ServerMetrics:
+    """The server's metrics; ``render()`` gives the Prometheus text format."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("flashinfra_time_to_first_token_seconds",
+                              "Time from request arrival to its first output token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("flashinfra_time_per_output_token_seconds",
+                              "Mean time between output tokens of a finished sequence (after the first)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("flashinfra_e2e_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("flashinfra_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("flashinfra_generation_tokens", "Output tokens sent to clients",
+                                         registry=r)
+        self.requests = Counter("flashinfra_request_success", "Finished sequences by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("flashinfra_requests_rejected", "Requests refused, by HTTP status",
+                                ["status"], registry=r)
+        r.register(_EngineCollector(get_stats, get_pending))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
