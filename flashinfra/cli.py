@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = (
     "flashinfra.model.cli",
+    "flashinfra.feedback.cli",
     "flashinfra.server.cli",
 )
 
