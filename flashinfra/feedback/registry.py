@@ -201,6 +201,18 @@ def compare(name: str, out: Any, ref: Any, dtype: Any = None, atol: float | None
     return result
 
 
+def poison_(tensor):
+    """Fill ``tensor`` in place with values no correct kernel writes (NaN for floats, the dtype's
+    minimum for integers), so an output element the fast path forgets to write cannot pass."""
+    import torch
+
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.fill_(float("nan"))
+    if tensor.dtype == torch.bool:
+        raise ValueError("a bool tensor cannot be poisoned; compare a non-bool view of it")
+    return tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     index = []
     for size in reversed(shape):

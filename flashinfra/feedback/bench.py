@@ -1,0 +1,266 @@
+"""The microbenchmark runner: ``flashinfra bench NAME... | ceilings | serve ARGS``.
+
+For each benchmark: warm-up calls, then timed calls of ``spec.fn(*inputs)``, each on fresh inputs from
+``spec.make_inputs(seed)`` made before its timer starts. On CUDA every timed call is preceded by an L2
+flush (a write over a buffer larger than L2) and a synchronize, and timed with CUDA events; on the CPU
+with ``perf_counter``. Reported: median and spread (min, p10, p90, max, IQR), achieved bytes/s and
+FLOP/s as fractions of the measured ceilings, the re-check of a timed output (``spec.check``), and flags:
+``cached`` when outputs stay identical across different inputs, ``inputs_not_fresh`` when
+``make_inputs`` ignores its seed.
+
+torch is imported only when the device or the benchmark needs it, so pure-Python benchmarks (and the
+A/B worker subprocesses that run them) start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from flashinfra.feedback import registry
+from flashinfra.feedback.registry import BenchContext, BenchSpec
+
+L2_FLUSH_BYTES = 256 << 20  # H200 L2 is 60 MiB: four times that evicts it
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _as_args(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _snapshot(value: Any) -> Any:
+    """A detached copy of an output (tensors to CPU), for comparing outputs across calls."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_snapshot(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
+def _identical(a: Any, b: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()))
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_identical, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    return a == b
+
+
+class _Timer:
+    """Times one call: CUDA events after an L2 flush and a synchronize, or perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            import torch
+
+            self.torch = torch
+            self.flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn, args: tuple) -> tuple[float, Any]:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return time.perf_counter() - t0, out
+        torch = self.torch
+        self.flush_buffer.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        out = fn(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize_times(times: list[float]) -> dict[str, float]:
+    s = sorted(times)
+    median = statistics.median(s)
+    return {"median_s": median, "min_s": s[0], "max_s": s[-1], "p10_s": _quantile(s, 0.1),
+            "p90_s": _quantile(s, 0.9), "iqr_s": _quantile(s, 0.75) - _quantile(s, 0.25),
+            "rel_spread": (_quantile(s, 0.9) - _quantile(s, 0.1)) / median if median > 0 else 0.0,
+            "runs": len(s)}
+
+
+def run_spec(name: str, spec: BenchSpec, device: str, runs: int = 30, warmup: int = 3, seed: int = 0,
+             max_seconds: float | None = None, ceilings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Time ``spec`` and return its figures (see the module docstring)."""
+    if runs < 2:
+        raise ValueError("a benchmark needs at least 2 timed runs (cached-output detection compares two)")
+    timer = _Timer(device)
+    for i in range(warmup):
+        timer(spec.fn, _as_args(spec.make_inputs(seed + 1_000_000 + i)))
+    times, flags = [], []
+    first_inputs = first_out = None
+    compared = identical_outputs = 0
+    started = time.perf_counter()
+    for i in range(runs):
+        args = _as_args(spec.make_inputs(seed + i))
+        # The first few calls are compared: different inputs giving bit-identical outputs mean the op
+        # returns a cached result instead of computing.
+        inputs = _snapshot(args) if i < 4 else None
+        seconds, out = timer(spec.fn, args)
+        times.append(seconds)
+        if i == 0:
+            first_inputs, first_out = inputs, _snapshot(out)
+        elif inputs is not None:
+            if _identical(first_inputs, inputs):
+                if "inputs_not_fresh" not in flags:
+                    flags.append("inputs_not_fresh")
+            else:
+                compared += 1
+                identical_outputs += _identical(first_out, _snapshot(out))
+        if max_seconds is not None and i >= 4 and time.perf_counter() - started > max_seconds:
+            break
+    if compared and identical_outputs == compared:
+        flags.append("cached")
+    result: dict[str, Any] = {"name": name, "device": device, "description": spec.description,
+                              "params": spec.params, "bytes": spec.bytes, "flops": spec.flops,
+                              **summarize_times(times), "flags": flags}
+    median = result["median_s"]
+    if median > 0:
+        result["bytes_per_s"] = spec.bytes / median
+        result["flops_per_s"] = spec.flops / median
+    if ceilings and median > 0:
+        bw_frac = result["bytes_per_s"] / ceilings["copy_bytes_per_s"]
+        fl_frac = result["flops_per_s"] / ceilings["matmul_flops_per_s"]
+        result.update(frac_copy_bandwidth=bw_frac, frac_matmul=fl_frac,
+                      bound="memory" if bw_frac >= fl_frac else "compute")
+    if spec.check is not None:
+        checked = spec.check(args, out)
+        checked = checked if isinstance(checked, (list, tuple)) else [checked]
+        result["check"] = [c.to_dict() for c in checked]
+        if not all(c.passed for c in checked):
+            flags.append("wrong_output")
+    result["passed"] = not flags
+    return result
+
+
+def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = None, seed: int = 0,
+                   ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS
+                   ) -> dict[str, Any]:
+    errors = registry.load_providers(providers)
+    entries = registry.select(registry.benchmarks(), patterns)
+    results = []
+    for entry in entries:
+        try:
+            spec = entry.fn(ctx)
+            results.append(run_spec(entry.name, spec, ctx.device, runs=runs or (10 if ctx.quick else 50),
+                                    seed=seed, max_seconds=None if runs else (1.0 if ctx.quick else 5.0),
+                                    ceilings=ceilings))
+        except Exception as exc:
+            results.append({"name": entry.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
+    return {"date": datetime.now(timezone.utc).isoformat(), "device": ctx.device, "dtype": ctx.dtype,
+            "quick": ctx.quick, "ceilings": ceilings,
+            "provider_errors": [{"module": m, "error": e} for m, e in errors], "benchmarks": results}
+
+
+def format_text(report: dict[str, Any]) -> str:
+    lines = [f"ERROR importing provider {e['module']}:\n{e['error']}" for e in report["provider_errors"]]
+    for r in report["benchmarks"]:
+        if "error" in r:
+            lines.append(f"FAIL {r['name']}: {r['error']}")
+            continue
+        text = (f"{'ok  ' if r['passed'] else 'FLAG'} {r['name']}: median {r['median_s'] * 1e6:.1f} us "
+                f"(p10 {r['p10_s'] * 1e6:.1f}, p90 {r['p90_s'] * 1e6:.1f}, n={r['runs']})")
+        if "frac_copy_bandwidth" in r:
+            text += (f"  {r['bytes_per_s'] / 1e9:.1f} GB/s = {100 * r['frac_copy_bandwidth']:.1f}% of copy, "
+                     f"{r['flops_per_s'] / 1e12:.3f} TFLOP/s = {100 * r['frac_matmul']:.1f}% of matmul "
+                     f"[{r['bound']}-bound]")
+        if r["flags"]:
+            text += "  flags: " + ", ".join(r["flags"])
+        lines.append(text)
+        for c in r.get("check", []):
+            if not c["passed"]:
+                lines.append(f"    check {c['name']}: max_abs={c['max_abs']} rel_norm={c['rel_norm']} "
+                             f"bad={c['num_bad']} at {c['bad_indices']} {c['message']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashinfra bench", description=(
+        "Run microbenchmarks (names, prefixes, globs or tags), or 'ceilings' to measure this machine, or "
+        "'serve ARGS...' to run the serving benchmark."))
+    p.add_argument("names", nargs="+")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quick", action="store_true", help="small sizes, few runs")
+    p.add_argument("--runs", type=int, default=None, help="timed runs per benchmark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-roofline", action="store_true", help="skip ceilings (no fractions reported)")
+    p.add_argument("--provider", action="append", default=[], help="extra module registering benchmarks")
+    p.add_argument("--output", default=None, help="also write the JSON report here")
+    return p
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        from flashinfra.server.bench_serve import main as serve_main
+    except ModuleNotFoundError as exc:
+        if exc.name in ("flashinfra.server", "flashinfra.server.bench_serve"):
+            print("error: 'bench serve' needs flashinfra.server.bench_serve, which is not installed",
+                  file=sys.stderr)
+            return 2
+        raise
+    return int(serve_main(argv) or 0)
+
+
+def cli_main(argv: list[str]) -> int:
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
+    args = build_parser().parse_args(argv)
+    device = args.device or default_device()
+    if args.names == ["ceilings"]:
+        from flashinfra.feedback import ceilings
+
+        measured = ceilings.measure(device, quick=args.quick)
+        path = ceilings.save(measured)
+        print(json.dumps(measured, indent=2) if args.json else ceilings.format_text(measured) + f"\n  saved {path}")
+        return 0
+    ceil = None
+    if not args.no_roofline:
+        from flashinfra.feedback import ceilings
+
+        ceil = ceilings.load_or_measure(device)
+    ctx = BenchContext(device=device, dtype=args.dtype, quick=args.quick)
+    try:
+        report = run_benchmarks(args.names, ctx, runs=args.runs, seed=args.seed, ceilings=ceil,
+                                providers=registry.PROVIDERS + tuple(args.provider))
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2, default=str)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(text if args.json else format_text(report))
+    ok = all(r.get("passed") for r in report["benchmarks"]) and not report["provider_errors"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""Checks, including the planted off-by-one kernel that the check must locate."""
+
+import json
+
+import torch
+
+from flashinfra import cli
+from flashinfra.feedback import check
+from flashinfra.feedback.registry import compare, register_check
+
+
+def rowwise_scale_off_by_one(x: torch.Tensor) -> torch.Tensor:
+    """A 'kernel' writing out[i, j] = 2 * x[i, j] with a loop bound off by one: the last column is
+    never written."""
+    out = torch.full_like(x, float("nan"))  # poisoned before the run
+    for j in range(x.shape[1] - 1):
+        out[:, j] = 2 * x[:, j]
+    return out
+
+
+def shifted_read(x: torch.Tensor) -> torch.Tensor:
+    """Reads one row too far from row 5 on: rows 5.. are wrong values, not NaN."""
+    out = 2 * x.clone()
+    out[5:-1] = 2 * x[6:]
+    return out
+
+
+@register_check("planted.offbyone", tags=("planted",))
+def check_planted():
+    x = torch.randn(13, 7)
+    return [compare("planted.offbyone.loop_bound", rowwise_scale_off_by_one(x), 2 * x.double()),
+            compare("planted.offbyone.shifted_read", shifted_read(x), 2 * x.double())]
+
+
+@register_check("planted.raises")
+def check_raises():
+    raise RuntimeError("kernel launch failed")
+
+
+def test_off_by_one_is_reported_with_its_location():
+    runs, errors, seed = check.run_checks(["planted.offbyone"], seed=3)
+    assert errors == []
+    (run,) = runs
+    assert not run.passed
+    loop, shifted = run.results
+    assert loop.num_bad == 13 and loop.num_nonfinite == 13
+    assert loop.bad_extent == [(0, 12), (6, 6)]  # every row, only the last column
+    assert loop.bad_indices[0] == (0, 6)
+    assert not shifted.passed and shifted.bad_extent[0] == (5, 11)  # rows 5..11, the last row is right
+    assert shifted.max_abs > 0.01 and shifted.worst_index[0] in range(5, 12)
+    text = check.format_text(runs, errors, seed)
+    assert "FAIL planted.offbyone" in text and "extent 0..12 x 6..6" in text
+
+
+def test_exception_in_check_is_a_failure_not_a_crash():
+    runs, _, _ = check.run_checks(["planted.raises", "op.kda_gate"], seed=1)
+    by_name = {r.name: r for r in runs}
+    assert not by_name["planted.raises"].passed
+    assert "kernel launch failed" in by_name["planted.raises"].error
+    assert by_name["op.kda_gate"].passed
+
+
+def test_builtin_op_checks_pass():
+    runs, errors, _ = check.run_checks(["op"])
+    assert errors == []
+    assert runs and all(r.passed for r in runs), check.format_text(runs, errors, 0)
+
+
+def test_cli_check_json(capsys):
+    rc = cli.main(["check", "planted.offbyone", "op.kda_gate", "--json", "--seed", "5"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["seed"] == 5 and not report["passed"]
+    planted = next(c for c in report["checks"] if c["name"] == "planted.offbyone")
+    assert planted["results"][0]["bad_extent"] == [[0, 12], [6, 6]]
+    assert cli.main(["check", "op.kda_gate"]) == 0
+    assert cli.main(["check", "no.such.check"]) == 2
