@@ -3,12 +3,22 @@
 The conv state of a sequence holds its last ``W - 1`` inputs (before the conv), so a later chunk or a
 decode step continues exactly where the previous one stopped. The conv runs in the weight's dtype
 (float32 in GLM-5.3-Flash) and its output is cast back to the input's dtype.
+
+Triton path: prefill is two launches, the conv (each program a block of tokens of one sequence and a
+block of channels, reading the history from the slot) and then the state update (one program per
+sequence and channel block), so that no program overwrites a slot another program still reads. Decode
+is one launch that reads the slot, convolves and writes the shifted slot back. Both accept ``x`` with a
+row stride (a column slice of a wider projection output) as long as channels are contiguous.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
 
 
 def causal_conv1d_prefill_ref(
@@ -43,9 +53,158 @@ def causal_conv1d_decode_ref(
     return F.silu(y).to(x.dtype)
 
 
+@triton.jit
+def causal_conv1d_prefill_kernel(
+    x, w, conv_state, y, cu_seqlens, chunk_indices, state_slots, has_initial_state,
+    stride_x, stride_y, C,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    i_c, i_chunk = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_chunk).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_chunk + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)  # position in the sequence
+    has_init = (tl.load(has_initial_state + i_n) + tl.zeros([BT], tl.int32)) != 0
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_t, m_c = o_t < L, o_c < C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i_w in tl.static_range(W):
+        p = o_t - (W - 1) + i_w  # source position; negative: the history in the slot
+        m_x = (p >= 0) & m_t
+        b_x = tl.load(x + (bos + p)[:, None] * stride_x + o_c[None, :], mask=m_x[:, None] & m_c[None, :], other=0.0)
+        m_h = (p < 0) & m_t & has_init
+        p_h = conv_state + slot * C * (W - 1) + o_c[None, :] * (W - 1) + (W - 1 + p)[:, None]
+        b_h = tl.load(p_h, mask=m_h[:, None] & m_c[None, :], other=0.0).to(b_x.dtype)
+        b_w = tl.load(w + o_c * W + i_w, mask=m_c, other=0.0).to(tl.float32)
+        acc += (b_x + b_h).to(tl.float32) * b_w[None, :]
+    acc = acc * tl.sigmoid(acc)
+    tl.store(y + (bos + o_t)[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
+             mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def causal_conv1d_state_kernel(
+    x, conv_state, cu_seqlens, state_slots, has_initial_state, stride_x, C,
+    W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+):
+    """New slot content: the last W - 1 inputs of [history, x]; all of it is read before any store."""
+    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_j = tl.arange(0, BW)
+    has_init = (tl.load(has_initial_state + i_n) + tl.zeros([BW], tl.int32)) != 0
+    m_c, m_j = o_c < C, o_j < W - 1
+    p = L - (W - 1) + o_j  # source position of new slot column j
+    m = m_c[:, None] & m_j[None, :]
+    p_s = conv_state + slot * C * (W - 1) + o_c[:, None] * (W - 1)
+    b_x = tl.load(x + (bos + p)[None, :] * stride_x + o_c[:, None], mask=m & (p >= 0)[None, :], other=0.0)
+    b_h = tl.load(p_s + (W - 1 + p)[None, :], mask=m & ((p < 0) & has_init)[None, :], other=0.0)
+    b_new = b_x.to(conv_state.dtype.element_ty) + b_h
+    tl.debug_barrier()
+    tl.store(p_s + o_j[None, :], b_new, mask=m)
+
+
+@triton.jit
+def causal_conv1d_decode_kernel(
+    x, w, conv_state, y, state_slots, stride_x, stride_y, C,
+    W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+):
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_j = tl.arange(0, BW)
+    m_c, m_j = o_c < C, o_j < W - 1
+    m = m_c[:, None] & m_j[None, :]
+    p_s = conv_state + slot * C * (W - 1) + o_c[:, None] * (W - 1) + o_j[None, :]
+    b_h = tl.load(p_s, mask=m, other=0.0)  # [BC, BW] the last W - 1 inputs
+    b_x = tl.load(x + i_b * stride_x + o_c, mask=m_c, other=0.0)  # [BC]
+    b_w = tl.load(w + o_c[:, None] * W + o_j[None, :], mask=m, other=0.0).to(tl.float32)
+    b_wl = tl.load(w + o_c * W + W - 1, mask=m_c, other=0.0).to(tl.float32)
+    # The reference casts the history to x's dtype before the conv: do the same so both agree bit for bit.
+    acc = tl.sum(b_h.to(b_x.dtype).to(tl.float32) * b_w, 1) + b_x.to(tl.float32) * b_wl
+    acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_b * stride_y + o_c, acc.to(y.dtype.element_ty), mask=m_c)
+    # Shift: new column j is old column j + 1, the last one is x.
+    b_next = tl.load(p_s + 1, mask=m & (o_j < W - 2)[None, :], other=0.0)
+    b_next = tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
+    tl.debug_barrier()
+    tl.store(p_s, b_next, mask=m)
+
+
+def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[int, int]:
+    C, W = weight.shape
+    if x.dim() != 2 or x.shape[1] != C or x.stride(1) != 1:
+        raise ValueError(f"causal_conv1d: x must be [T, {C}] with contiguous channels, got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (C, W - 1) or not conv_state.is_contiguous():
+        raise ValueError(f"causal_conv1d: conv_state must be contiguous [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
+    if W < 2:
+        raise ValueError(f"causal_conv1d: kernel width must be at least 2, got {W}")
+    return C, W
+
+
+def _as_index_tensor(values, device) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=torch.int32)
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def chunk_indices(cu_seqlens: list[int], chunk: int) -> list[tuple[int, int]]:
+    """``(sequence, chunk)`` for every chunk of ``chunk`` tokens of every sequence."""
+    return [(n, i) for n in range(len(cu_seqlens) - 1) for i in range(triton.cdiv(cu_seqlens[n + 1] - cu_seqlens[n], chunk))]
+
+
+def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state,
+                                 BT: int = 64, BC: int = 128) -> torch.Tensor:
+    C, W = _check_conv_args(x, weight, conv_state)
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if cu[0] != 0 or cu[-1] != x.shape[0] or any(b > e for b, e in zip(cu, cu[1:])):
+        raise ValueError(f"causal_conv1d_prefill: cu_seqlens must rise from 0 to {x.shape[0]}, got {cu}")
+    B = len(cu) - 1
+    if len(state_slots) != B or len(has_initial_state) != B:
+        raise ValueError("causal_conv1d_prefill: need one state slot and one has_initial_state per sequence")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    chunks = chunk_indices(cu, BT)
+    if not chunks:
+        return y
+    dev = x.device
+    cu_t = _as_index_tensor(cu, dev)
+    slots_t = _as_index_tensor(state_slots, dev)
+    init_t = _as_index_tensor([bool(h) for h in has_initial_state] if not isinstance(has_initial_state, torch.Tensor) else has_initial_state, dev)
+    idx_t = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
+    causal_conv1d_prefill_kernel[(triton.cdiv(C, BC), len(chunks))](
+        x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
+    )
+    causal_conv1d_state_kernel[(triton.cdiv(C, BC), B)](
+        x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
+    )
+    return y
+
+
+def causal_conv1d_decode_launch(x, weight, conv_state, state_slots, BC: int = 256) -> torch.Tensor:
+    C, W = _check_conv_args(x, weight, conv_state)
+    if state_slots.shape != (x.shape[0],):
+        raise ValueError(f"causal_conv1d_decode: state_slots must be [{x.shape[0]}], got {tuple(state_slots.shape)}")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    causal_conv1d_decode_kernel[(triton.cdiv(C, BC), x.shape[0])](
+        x, weight, conv_state, y, state_slots, x.stride(0), y.stride(0), C,
+        W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
+    )
+    return y
+
+
 def causal_conv1d_prefill(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state):
+    if use_triton(x, weight, conv_state):
+        return causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state)
     return causal_conv1d_prefill_ref(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state)
 
 
 def causal_conv1d_decode(x, weight, conv_state, state_slots):
+    if use_triton(x, weight, conv_state, state_slots):
+        return causal_conv1d_decode_launch(x, weight, conv_state, state_slots)
     return causal_conv1d_decode_ref(x, weight, conv_state, state_slots)

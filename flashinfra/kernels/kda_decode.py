@@ -1,12 +1,19 @@
 """KDA decode: one token per sequence, the recurrent state read from and written back to its slot.
 
 Same recurrence as ``kda_prefill`` (see there), one step: decay, delta-rule update, read-out.
+
+Triton path: one program per (sequence, head, block of ``BV`` value columns) holds its ``[K, BV]`` slice
+of the state in registers, so the state is read once and written once, in place. The state may be
+float32 or bfloat16 (the arithmetic is float32 either way; a bf16 state is rounded once per step).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
 
 
@@ -30,5 +37,70 @@ def kda_decode_ref(
     return o.to(dtype)
 
 
+@triton.jit
+def kda_decode_kernel(
+    q, k, v, g, beta, o, state, state_slots,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
+    b_q = tl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_bh).to(tl.float32)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_s = b_s * tl.exp(b_g)[:, None]
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0)
+    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+
+
+def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, int, int]:
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != (B, H, K) or v.shape != (B, H, V) or g.shape != (B, H, K) or beta.shape != (B, H):
+        raise ValueError(
+            f"kda_decode: shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
+        )
+    if state.dim() != 4 or state.shape[1:] != (H, K, V) or not state.is_contiguous():
+        raise ValueError(f"kda_decode: state must be contiguous [slots, {H}, {K}, {V}], got {tuple(state.shape)}")
+    if state_slots.shape != (B,):
+        raise ValueError(f"kda_decode: state_slots must be [{B}], got {tuple(state_slots.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("kda_decode: q, k, v need a contiguous last dim")
+    return B, H, K, V
+
+
+def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int = 4):
+    B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
+    o = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    BK = triton.next_power_of_2(K)
+    BV = BV or min(triton.next_power_of_2(V), 32)
+    g, beta = g.contiguous(), beta.contiguous()
+    kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, o, state, state_slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
+        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps,
+    )
+    return o
+
+
 def kda_decode(q, k, v, g, beta, state, state_slots):
+    if use_triton(q, k, v, g, beta, state, state_slots):
+        return kda_decode_launch(q, k, v, g, beta, state, state_slots)
     return kda_decode_ref(q, k, v, g, beta, state, state_slots)
