@@ -1,0 +1,183 @@
+"""Data step for the default model: English text from Debian packages, cleaned and split.
+
+Owns: fetching the source packages with ``apt-get download`` (no root side effects: nothing is
+installed, each ``.deb`` is unpacked with ``dpkg -x`` into the work folder), turning each source into
+plain-text documents, and the fixed train / held-out split. Leaves tokenizing and training to
+``tokenizer.py`` and ``train_model.py``.
+
+Sources (Debian bookworm):
+- ``bible-kjv-text`` (+ the ``bible-kjv`` reader, run from the unpacked package): one document per chapter.
+- ``fortunes-min`` and ``fortunes``: one document per fortune.
+- ``python3.11-doc``: the Python manual in GNU info form, one document per info node.
+
+Split rule: within each source, document number ``i`` (in the order the source gives them) is held out
+when ``i % 20 == 19``; everything else is training text.
+
+Writes into ``--out``: ``train.jsonl`` and ``heldout.jsonl`` (one ``{"source", "text"}`` per line),
+``heldout.txt`` (the held-out documents as plain text, separated by blank lines) and ``manifest.json``
+(package versions and file hashes, document and character counts).
+
+    python train/data.py --out .gpu/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import re
+import subprocess
+import unicodedata
+from pathlib import Path
+
+PACKAGES = ("bible-kjv-text", "bible-kjv", "fortunes-min", "fortunes", "python3.11-doc")
+HELDOUT_EVERY = 20
+MIN_DOC_CHARS = 40
+
+_UNDERLINE = re.compile(r"^\s*([=*\-.~^#_+])\1{2,}\s*$")
+_MENU_ITEM = re.compile(r"^\* .*::|^\* [^:]+: .*\.( \(line +\d+\))?$|^\* Menu:")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Info cross-references: "*note LABEL: 1a2." (Sphinx anchor ids) or "*note LABEL::".
+_XREF = re.compile(r"\*[Nn]ote\s+([^:*]{1,120}?)(?::\s*[0-9a-f]+([.,])|::)")
+_SENTENCE_END = re.compile(r"\s*\n\n|\s*$|\s+[A-Z]")
+
+
+def fetch_packages(work: Path) -> dict[str, dict[str, str]]:
+    """Download the packages into ``work/debs`` and unpack each into ``work/root``."""
+    debs, root = work / "debs", work / "root"
+    debs.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs, check=True, capture_output=True)
+    found: dict[str, dict[str, str]] = {}
+    for deb in sorted(debs.glob("*.deb")):
+        name, version = deb.name.split("_")[:2]
+        if name not in PACKAGES:
+            continue
+        subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+        found[name] = {"file": deb.name, "version": version, "sha256": hashlib.sha256(deb.read_bytes()).hexdigest()}
+    missing = sorted(set(PACKAGES) - set(found))
+    if missing:
+        raise RuntimeError(f"apt-get download did not deliver: {', '.join(missing)}")
+    return found
+
+
+def normalize(text: str) -> str:
+    """NFC, tabs expanded, control characters dropped, trailing spaces and runs of blank lines removed."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").expandtabs(4)
+    text = _CONTROL.sub("", text)
+    lines = [line.rstrip() for line in text.split("\n")]
+    text = "\n".join(lines)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+def bible_documents(root: Path) -> list[str]:
+    """One document per chapter: the chapter title, then one verse per line (verse numbers dropped)."""
+    reader = root / "usr/bin/bible"
+    out = subprocess.run(
+        [str(reader), "-p", str(root / "usr/lib"), "-d", "bible.data", "-l", "100000", "Gen1:1-Rev22:21"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    docs: list[list[str]] = []
+    for line in out.split("\n"):
+        verse = re.match(r"^\s+\d+ (.*)$", line)
+        if verse:
+            docs[-1].append(verse.group(1))
+        elif line.strip():
+            docs.append([line.strip(), ""])
+    return [normalize("\n".join(doc)) for doc in docs]
+
+
+def fortune_documents(root: Path) -> list[str]:
+    """One document per fortune, files in name order; ``.dat`` indexes and ``.u8`` links skipped."""
+    folder = root / "usr/share/games/fortunes"
+    docs: list[str] = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".dat", ".u8") or path.is_symlink() or not path.is_file():
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        docs.extend(normalize(chunk) for chunk in re.split(r"\n%\n", "\n" + text + "\n"))
+    return docs
+
+
+def _strip_xrefs(text: str) -> str:
+    """Keep a reference's label; keep its closing '.' only where it also ends a sentence."""
+
+    def label(m: re.Match) -> str:
+        end = m.group(2) or ""
+        if end == "." and not _SENTENCE_END.match(text, m.end()):
+            end = ""
+        return " ".join(m.group(1).split()) + end
+
+    return _XREF.sub(label, text)
+
+
+def python_doc_documents(root: Path) -> list[str]:
+    """One document per info node of the Python manual, without node headers, menus and rule lines."""
+    raw = gzip.decompress((root / "usr/share/info/python3.11.info.gz").read_bytes()).decode("utf-8", "replace")
+    docs: list[str] = []
+    for node in raw.split("\x1f")[1:]:
+        lines = node.split("\n")
+        if not lines or not lines[1].startswith("File: "):
+            continue  # tag tables and indirect tables, not prose
+        kept = [line for line in lines[2:] if not _UNDERLINE.match(line) and not _MENU_ITEM.match(line)]
+        docs.append(normalize(_strip_xrefs("\n".join(kept))))
+    return docs
+
+
+SOURCES = {
+    "bible": bible_documents,
+    "fortunes": fortune_documents,
+    "python-doc": python_doc_documents,
+}
+
+
+def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
+    """The fixed rule: document ``i`` is held out when ``i % HELDOUT_EVERY == HELDOUT_EVERY - 1``."""
+    docs = [d for d in docs if len(d) >= MIN_DOC_CHARS]
+    train = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
+    heldout = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    return train, heldout
+
+
+def build(out: Path) -> dict:
+    packages = fetch_packages(out)
+    manifest: dict = {"packages": packages, "heldout_every": HELDOUT_EVERY, "sources": {}}
+    train_rows: list[dict] = []
+    heldout_rows: list[dict] = []
+    for name, extract in SOURCES.items():
+        train, heldout = split_documents(extract(out / "root"))
+        if not train or not heldout:
+            raise RuntimeError(f"source {name} gave no documents")
+        train_rows += [{"source": name, "text": t} for t in train]
+        heldout_rows += [{"source": name, "text": t} for t in heldout]
+        manifest["sources"][name] = {
+            "train_docs": len(train),
+            "heldout_docs": len(heldout),
+            "train_chars": sum(map(len, train)),
+            "heldout_chars": sum(map(len, heldout)),
+        }
+    for fname, rows in (("train.jsonl", train_rows), ("heldout.jsonl", heldout_rows)):
+        with open(out / fname, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out / "heldout.txt").write_text("\n\n".join(r["text"] for r in heldout_rows) + "\n", encoding="utf-8")
+    for fname in ("train.jsonl", "heldout.jsonl", "heldout.txt"):
+        manifest[fname] = hashlib.sha256((out / fname).read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(".gpu/data"), help="work folder (git-ignored)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(build(args.out), indent=2))
+
+
+if __name__ == "__main__":
+    main()
