@@ -1,0 +1,15 @@
+"""The Infra Agent: a goal-driven optimization loop on the dense feedback of ``flashinfra.feedback``.
+
+A person writes a goals file (targets, acceptance criteria, guardrails, budgets); ``flashinfra agent run``
+lets a language model behind any OpenAI-compatible chat-completions endpoint form hypotheses, edit code
+in one git worktree per candidate and prove each candidate with checks, benchmarks, traces, runtime-event
+summaries and A/B experiments. Candidate code runs in limited, network-less subprocesses. Candidates that
+pass wait for a person: ``flashinfra agent review | approve | reject``. ``flashinfra mcp`` exposes the
+same feedback tools to external coding agents over MCP.
+
+Modules: ``goals`` (the goals file), ``paths`` (repository confinement and guardrails), ``sandbox``
+(limited subprocesses), ``guard`` + ``worker`` (what runs inside them), ``worktree`` (git), ``evaluate``
+(the gate a candidate must pass), ``llm`` (chat-completions client), ``tools`` (the tool set),
+``journal`` + ``report`` (JSONL journal, Markdown report), ``loop`` (the campaign), ``review`` (human
+approval), ``mcp_server`` and ``cli``.
+"""

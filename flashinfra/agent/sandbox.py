@@ -1,0 +1,149 @@
+"""Limited subprocesses for untrusted candidate code.
+
+``run_limited(argv, cwd, limits, env)`` starts ``argv`` in its own session with CPU-time, address-space,
+file-size and core-dump limits (``resource.setrlimit``), in a fresh network namespace when the OS allows
+it (``unshare -n``: no interface but a downed loopback), and kills the whole process group at the wall
+clock timeout. It never raises for what the child does; the ``Outcome`` says how it ended. What runs
+inside (the audit-hook tripwire that stops file reads outside the repository and connection attempts)
+lives in ``flashinfra.agent.guard``; this module is the OS-level boundary around it.
+
+``candidate_env`` builds a child environment from scratch (an allowlist, never a copy of ours), so an
+API key in the agent's environment cannot reach candidate code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashinfra import env as fi_env
+from flashinfra.agent.goals import SandboxLimits
+
+VIOLATION_EXIT = 86  # the guard's exit status after it stopped a forbidden action
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    stdout: str
+    stderr: str
+    violations: list[dict] = field(default_factory=list)
+    network_isolation: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and not self.violations
+
+    def failure(self) -> str:
+        """One line saying why the run does not count; empty when it does."""
+        if self.violations:
+            v = self.violations[0]
+            return f"stopped by the sandbox: {v.get('kind')} {v.get('detail')}"
+        if self.timed_out:
+            return f"killed at the {self.wall_s:.0f} s timeout"
+        if self.returncode != 0:
+            tail = (self.stderr.strip().splitlines() or ["(no output)"])[-1]
+            if self.returncode is not None and self.returncode < 0:
+                tail = f"signal {signal.Signals(-self.returncode).name}; {tail}"
+            return f"exit status {self.returncode}: {tail[:300]}"
+        return ""
+
+    def to_dict(self) -> dict:
+        return {"returncode": self.returncode, "timed_out": self.timed_out, "wall_s": round(self.wall_s, 3),
+                "violations": self.violations, "network_isolation": self.network_isolation,
+                "stderr_tail": self.stderr[-2000:]}
+
+
+@functools.lru_cache(maxsize=1)
+def network_isolation() -> tuple[tuple[str, ...], str]:
+    """(argv prefix that starts a command in a new network namespace, description). The prefix is empty,
+    and the description says why, when no namespace can be made here."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return (), "unavailable: no unshare(1) on this machine"
+    for prefix in ((unshare, "-n", "--"), (unshare, "-r", "-n", "--")):
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return (), f"unavailable: {exc}"
+        if probe.returncode == 0:
+            return prefix, "network namespace (" + " ".join(prefix[1:-1]) + ")"
+    reason = probe.stderr.decode(errors="replace").strip().splitlines()
+    return (), "unavailable: " + (reason[-1] if reason else "unshare failed")
+
+
+def _limit(limits: SandboxLimits):
+    cpu = int(limits.cpu_s)
+    memory = int(limits.memory_mb) * 2**20
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**30, 2**30))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def candidate_env(pythonpath: list[Path], home: Path, secrets: tuple[str, ...] = ()) -> dict[str, str]:
+    """A fresh environment for candidate code: the allowlisted variables, HOME/TMPDIR in the evaluation's
+    own directory, and PYTHONPATH. Any value containing one of ``secrets`` is dropped."""
+    tmp = home / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    child = dict(fi_env.sandbox_passthrough())
+    child.update(HOME=str(home), TMPDIR=str(tmp), PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1",
+                 PYTHONPATH=os.pathsep.join(str(p) for p in pythonpath))
+    return {k: v for k, v in child.items() if not any(s and s in v for s in secrets)}
+
+
+def run_limited(argv: list[str], cwd: Path, limits: SandboxLimits, env: dict[str, str],
+                violations_file: Path | None = None, timeout_s: float | None = None) -> Outcome:
+    """Run ``argv`` under the limits; see the module docstring."""
+    prefix, isolation = network_isolation()
+    timeout = limits.timeout_s if timeout_s is None else timeout_s
+    start = time.monotonic()
+    proc = subprocess.Popen([*prefix, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_limit(limits))
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        stdout, stderr = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+            proc.wait()
+    # Whatever the child left running in its session goes too (a fork that outlived it).
+    _kill_group(proc)
+    outcome = Outcome(proc.returncode, timed_out, time.monotonic() - start,
+                      stdout.decode(errors="replace"), stderr.decode(errors="replace"),
+                      network_isolation=isolation)
+    if violations_file is not None and violations_file.exists():
+        for line in violations_file.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                outcome.violations.append(json.loads(line))
+            except json.JSONDecodeError:
+                outcome.violations.append({"kind": "unreadable", "detail": line[:200]})
+    if proc.returncode == VIOLATION_EXIT and not outcome.violations:
+        outcome.violations.append({"kind": "unknown", "detail": "the guard stopped the run without a record"})
+    return outcome
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
