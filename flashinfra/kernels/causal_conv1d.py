@@ -146,6 +146,14 @@ def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
     return C, W
 
 
+def _output(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"causal_conv1d: out must be {list(x.shape)} {x.dtype} with contiguous channels")
+    return out
+
+
 def _as_index_tensor(values, device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=torch.int32)
@@ -158,7 +166,7 @@ def chunk_indices(cu_seqlens: list[int], chunk: int) -> list[tuple[int, int]]:
 
 
 def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state,
-                                 BT: int = 64, BC: int = 128) -> torch.Tensor:
+                                 BT: int = 64, BC: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
     C, W = _check_conv_args(x, weight, conv_state)
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     if cu[0] != 0 or cu[-1] != x.shape[0] or any(b > e for b, e in zip(cu, cu[1:])):
@@ -166,7 +174,7 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
     B = len(cu) - 1
     if len(state_slots) != B or len(has_initial_state) != B:
         raise ValueError("causal_conv1d_prefill: need one state slot and one has_initial_state per sequence")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _output(out, x)
     chunks = chunk_indices(cu, BT)
     if not chunks:
         return y
@@ -184,11 +192,12 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
     return y
 
 
-def causal_conv1d_decode_launch(x, weight, conv_state, state_slots, BC: int = 256) -> torch.Tensor:
+def causal_conv1d_decode_launch(x, weight, conv_state, state_slots, BC: int = 256,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
     C, W = _check_conv_args(x, weight, conv_state)
     if state_slots.shape != (x.shape[0],):
         raise ValueError(f"causal_conv1d_decode: state_slots must be [{x.shape[0]}], got {tuple(state_slots.shape)}")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _output(out, x)
     if x.shape[0] == 0:
         return y
     causal_conv1d_decode_kernel[(triton.cdiv(C, BC), x.shape[0])](

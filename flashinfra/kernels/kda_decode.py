@@ -84,9 +84,12 @@ def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, 
     return B, H, K, V
 
 
-def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int = 4):
+def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int = 4,
+                      out: torch.Tensor | None = None):
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
-    o = torch.empty((B, H, V), dtype=q.dtype, device=q.device)
+    o = torch.empty((B, H, V), dtype=q.dtype, device=q.device) if out is None else out
+    if o.shape != (B, H, V) or o.dtype != q.dtype or not o.is_contiguous():
+        raise ValueError(f"kda_decode: out must be contiguous [{B}, {H}, {V}] {q.dtype}")
     if B == 0:
         return o
     BK = triton.next_power_of_2(K)

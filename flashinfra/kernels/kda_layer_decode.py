@@ -123,7 +123,8 @@ def kda_layer_decode_kernel(
 
 
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
-                            norm_weight, eps, state, state_slots, num_warps: int = 8):
+                            norm_weight, eps, state, state_slots, num_warps: int = 8,
+                            out: torch.Tensor | None = None):
     B = qkv.shape[0]
     if state.dim() != 4 or not state.is_contiguous():
         raise ValueError(f"kda_layer_decode: state must be contiguous [slots, H, K, V], got {tuple(state.shape)}")
@@ -148,7 +149,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         problems.append(f"state_slots {tuple(state_slots.shape)}")
     if problems:
         raise ValueError(f"kda_layer_decode: H={H} K={K} V={V}, bad shapes: " + "; ".join(problems))
-    out = torch.empty((B, H, V), dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        out = torch.empty((B, H, V), dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
+        raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     if B == 0:
         return out
     kda_layer_decode_kernel[(B * H,)](

@@ -198,6 +198,14 @@ def kda_prefill_kernel(
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"kda_prefill: out must be contiguous {list(shape)} {like.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
 def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int, device):
     """Validate the per-sequence arguments (lists or tensors) and move them to the device as int32."""
     def as_list(x):
@@ -216,7 +224,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
 
 
 def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
-            chain_precision, local_precision):
+            chain_precision, local_precision, out):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -234,7 +242,7 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     if BT & (BT - 1) or BT < 16:
         raise ValueError(f"kda_prefill: BT must be a power of two >= 16, got {BT}")
     B, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
-    o = torch.empty((T, H, V), dtype=q.dtype, device=q.device)
+    o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
     BK = max(triton.next_power_of_2(K), 16)
@@ -254,21 +262,22 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
 
 def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
                        BV: int | None = None, num_warps: int = 4, chain_precision: str = "tf32x3",
-                       local_precision: str = "tf32"):
+                       local_precision: str = "tf32", out: torch.Tensor | None = None):
     """Triton ``kda_prefill``. ``chain_precision`` is exposed for the test that shows plain tf32 is worse."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV, num_warps,
-                   chain_precision, local_precision)
+                   chain_precision, local_precision, out)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
                              state_slots, has_initial_state, *, BT: int = 16, BV: int | None = None,
-                             num_warps: int = 4, chain_precision: str = "tf32x3", local_precision: str = "tf32"):
+                             num_warps: int = 4, chain_precision: str = "tf32x3", local_precision: str = "tf32",
+                             out: torch.Tensor | None = None):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
                    (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, chain_precision,
-                   local_precision)
+                   local_precision, out)
 
 
 def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):

@@ -1,0 +1,93 @@
+"""Timing helpers shared by the KDA benchmark scripts: CUDA-event medians, eager and inside a CUDA graph,
+the copy-bandwidth ceiling, and the JSON result header (device, command, date)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+
+def time_eager(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of one call, each call bracketed by CUDA events (launch overhead included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_graph(fn, replays: int = 20, iters: int = 20) -> float:
+    """Median microseconds of one call captured in a CUDA graph, timed over ``replays`` back-to-back replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def many():
+        for _ in range(replays):
+            graph.replay()
+
+    return time_eager(many, iters=iters, warmup=2) / replays
+
+
+def copy_bandwidth_GBps() -> float:
+    """Device-to-device copy of 4 GiB, bytes read plus written, the ceiling for memory-bound kernels."""
+    x = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    us = time_eager(lambda: y.copy_(x), iters=10, warmup=2)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2**31 * 2 / us / 1e3
+
+
+def header() -> dict:
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def fla_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("fla-core")
+    except Exception:
+        return None
+
+
+def write_results(name: str, results: dict, copy_to: str | None = None) -> str:
+    """Write ``bench/results/<name>.json`` and, when ``copy_to`` is given, a copy in that folder."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(here, exist_ok=True)
+    text = json.dumps(results, indent=1, sort_keys=False)
+    path = os.path.join(here, f"{name}.json")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    if copy_to:
+        with open(os.path.join(copy_to, f"{name}.json"), "w") as f:
+            f.write(text + "\n")
+    return path

@@ -1,0 +1,137 @@
+"""KDA decode on the GPU: our bare recurrence, our fused whole-layer decode (fp32 and bf16 state) and
+flash-linear-attention's fused_recurrent_kda (bare, and with the conv update and gated RMSNorm it needs
+around it), H=64, K=V=128, at B=1, 16, 64, 256, eager and inside a CUDA graph, all in one run.
+
+    python bench/kda_decode.py [--out DIR]     -> bench/results/kda_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kda_common import copy_bandwidth_GBps, fla_version, header, time_eager, time_graph, write_results  # noqa: E402
+
+from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+
+H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
+C = 3 * H * K
+
+
+def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    return dict(
+        qkv=rnd(B, C), conv_weight=rnd(C, W, dtype=torch.float32, scale=0.5), conv_state=rnd(B, C, W - 1),
+        g_raw=rnd(B, H * K), beta_logits=rnd(B, H), gate=rnd(B, H * V), A_log=rnd(H, dtype=torch.float32, scale=0.3),
+        dt_bias=rnd(H * K, dtype=torch.float32), lower_bound=LB, norm_weight=rnd(V), eps=EPS,
+        state=rnd(B, H, K, V, dtype=state_dtype, scale=0.1),
+        state_slots=torch.randperm(B, device="cuda", generator=gen),
+    )
+
+
+def layer_bytes(B: int, state_bytes: int) -> int:
+    state = B * H * K * V * state_bytes * 2
+    conv = B * C * (W - 1) * 2 * 2
+    io = B * (C + H * K + H + H * V) * 2 + B * H * V * 2
+    return state + conv + io
+
+
+def check_layer(B: int, state_dtype: torch.dtype) -> float:
+    """Relative error of the fused kernel against the unfused reference computed in float64."""
+    a = layer_inputs(B, state_dtype, seed=123)
+    r = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in a.items()}
+    r = {**r, "conv_state": a["conv_state"].double().clone(), "state": a["state"].double().clone()}
+    ref = kda_layer_decode_ref(**r)
+    out = kda_layer_decode_launch(**a)
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also copy the JSON into this folder")
+    ap.add_argument("--batches", default="1,16,64,256")
+    args = ap.parse_args()
+    res = header()
+    res["fla"] = fla_version()
+    res["shape"] = dict(H=H, K=K, V=V, W=W)
+    res["copy_GBps"] = copy_bandwidth_GBps()
+    print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        row = {"B": B}
+        fp32 = layer_inputs(B, torch.float32, seed=B)
+        bf16 = layer_inputs(B, torch.bfloat16, seed=B + 1)
+        q, k, v = (t.view(B, H, -1) for t in fp32["qkv"].split([H * K, H * K, H * V], dim=1))
+        g = (LB * torch.sigmoid(torch.randn(B, H, K, device="cuda"))).float()
+        beta = torch.rand(B, H, device="cuda")
+        slots = fp32["state_slots"]
+        cases = {
+            "ours_recurrence_fp32": lambda: kda_decode_launch(q, k, v, g, beta, fp32["state"], slots),
+            "ours_layer_fp32": lambda: kda_layer_decode_launch(**fp32),
+            "ours_layer_bf16": lambda: kda_layer_decode_launch(**bf16),
+        }
+        row["bytes_layer_fp32"] = layer_bytes(B, 4)
+        row["bytes_layer_bf16"] = layer_bytes(B, 2)
+        row["bytes_recurrence_fp32"] = B * H * K * V * 4 * 2
+        try:
+            from fla.modules.causal_conv1d.ops import causal_conv1d_update
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from fla.ops.kda import fused_recurrent_kda
+
+            q4, k4, v4 = (t.unsqueeze(1).contiguous() for t in (q, k, v))
+            g4, beta4 = g.unsqueeze(1), beta.bfloat16().unsqueeze(1)
+            h0 = fp32["state"].clone()
+            cache = torch.randn(B, C, W, device="cuda", dtype=torch.bfloat16)
+            a = fp32
+
+            def fla_layer():
+                y, _ = causal_conv1d_update(a["qkv"], cache, weight=a["conv_weight"], activation="silu")
+                qq, kk, vv = (t.view(B, 1, H, -1) for t in y.split([H * K, H * K, H * V], dim=1))
+                o, ht = fused_recurrent_kda(
+                    qq, kk, vv, a["g_raw"].view(B, 1, H, K), a["beta_logits"].view(B, 1, H), A_log=a["A_log"],
+                    dt_bias=a["dt_bias"], scale=K**-0.5, initial_state=h0, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                    lower_bound=LB,
+                )
+                return rms_norm_gated(o.view(B * H, V), a["gate"].view(B * H, V), a["norm_weight"], None,
+                                      activation="sigmoid", eps=EPS)
+
+            cases["fla_recurrence_fp32"] = lambda: fused_recurrent_kda(
+                q4, k4, v4, g4, beta4, scale=K**-0.5, initial_state=h0, output_final_state=True)
+            cases["fla_layer_fp32"] = fla_layer
+        except ImportError as exc:
+            row["fla_error"] = repr(exc)
+        for name, fn in cases.items():
+            try:
+                row[f"{name}_eager_us"] = time_eager(fn)
+                row[f"{name}_graph_us"] = time_graph(fn)
+            except Exception as exc:  # one failing case must not hide the others' numbers
+                row[f"{name}_error"] = repr(exc)[:300]
+        for name, key in (("ours_layer_fp32", "bytes_layer_fp32"), ("ours_layer_bf16", "bytes_layer_bf16"),
+                          ("ours_recurrence_fp32", "bytes_recurrence_fp32"),
+                          ("fla_recurrence_fp32", "bytes_recurrence_fp32")):
+            if f"{name}_graph_us" in row:
+                row[f"{name}_graph_GBps"] = row[key] / row[f"{name}_graph_us"] / 1e3
+                row[f"{name}_graph_frac_copy"] = row[f"{name}_graph_GBps"] / res["copy_GBps"]
+        row["relerr_layer_fp32_vs_fp64"] = check_layer(min(B, 16), torch.float32)
+        row["relerr_layer_bf16_vs_fp64"] = check_layer(min(B, 16), torch.bfloat16)
+        rows.append(row)
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    res["rows"] = rows
+    write_results("kda_decode", res, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

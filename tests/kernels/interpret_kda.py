@@ -1,0 +1,58 @@
+"""The KDA and conv Triton kernels run by Triton's CPU interpreter at small sizes. Collected only through
+``test_kda_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1`` (the variable
+must be set before Triton compiles anything, and must not leak into the rest of the suite)."""
+
+import pytest
+import torch
+
+from flashinfra.kernels import kda_decode, kda_prefill
+from tests.kernels import kda_cases as cases
+
+
+@pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16]])
+def test_prefill_varlen(lens):
+    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16)
+
+
+def test_prefill_long_odd():
+    cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_prefill_gated(lower_bound):
+    cases.prefill_varlen("cpu", [21, 50], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1)
+
+
+def test_prefill_chunk32_and_ieee_chain():
+    cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2)
+
+
+def test_decode():
+    cases.decode("cpu", B=5, H=3, K=16, V=32, BV=16)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_layer_decode(state_dtype, lower_bound):
+    cases.layer_decode("cpu", B=3, H=2, K=16, state_dtype=state_dtype, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])
+def test_conv_prefill(lens):
+    cases.conv_prefill("cpu", lens, C=40, BT=16, BC=16)
+
+
+def test_conv_decode():
+    cases.conv_decode("cpu", B=4, C=70)
+
+
+def test_dispatch_runs_triton_under_interpreter():
+    """Under the interpreter the public ops take the Triton path: bad arguments raise the launchers'
+    errors, which the references do not check."""
+    q = torch.randn(3, 2, 16)
+    state = torch.zeros(2, 2, 16, 16)
+    with pytest.raises(ValueError, match="state slots must be distinct"):
+        kda_prefill.kda_prefill(q, q, q, -torch.rand(3, 2, 16), torch.rand(3, 2), state, [0, 1, 3], [0, 0],
+                                [False, False])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kda_decode.kda_decode(q, q, q, -torch.rand(3, 2, 8), torch.rand(3, 2), state, torch.tensor([0, 1, 0]))

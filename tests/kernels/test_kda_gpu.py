@@ -1,0 +1,74 @@
+"""KDA and conv kernels on a CUDA device at real sizes (H=64, K=V=128), against float64 references, and the
+precision of the state chain: plain tf32 there is measurably worse than tf32x3."""
+
+import pytest
+import torch
+
+from flashinfra.kernels import kda_decode, kda_prefill
+from tests.kernels import kda_cases as cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_varlen_real_size(dtype):
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=dtype)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_prefill_gated_real_size(lower_bound):
+    cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
+                         lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("launch", [dict(BT=32), dict(BV=32), dict(BV=128, num_warps=8), dict(chain_precision="ieee")])
+def test_prefill_variants(launch):
+    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, **launch)
+
+
+@pytest.mark.parametrize("B", [1, 64, 67])
+def test_decode_real_size(B):
+    cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 33])
+def test_layer_decode_real_size(B, state_dtype):
+    cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16)
+
+
+def test_conv_real_size():
+    cases.conv_prefill("cuda", [1000, 63, 1], C=3 * 64 * 128, dtype=torch.bfloat16)
+    cases.conv_decode("cuda", B=65, C=3 * 64 * 128, dtype=torch.bfloat16)
+
+
+def test_public_ops_dispatch_to_triton_on_cuda():
+    """On CUDA the public ops run the kernels: a bad argument raises the launcher's error."""
+    q = torch.randn(3, 2, 16, device="cuda")
+    state = torch.zeros(2, 2, 16, 16, device="cuda")
+    with pytest.raises(ValueError, match="state slots must be distinct"):
+        kda_prefill.kda_prefill(q, q, q, -torch.rand(3, 2, 16, device="cuda"), torch.rand(3, 2, device="cuda"),
+                                state, [0, 1, 3], [0, 0], [False, False])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kda_decode.kda_decode(q, q, q, -torch.rand(3, 2, 8, device="cuda"), torch.rand(3, 2, device="cuda"), state,
+                              torch.tensor([0, 1, 0], device="cuda"))
+
+
+def test_plain_tf32_state_chain_is_worse_than_tf32x3():
+    """Slow decay (long memory), T=16384: the final state's error against float64 with the state products in
+    plain tf32 is several times that with tf32x3 (which is at fp32 level)."""
+    T, H, K = 16384, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(T, H, K, device="cuda", generator=gen) for _ in range(3))
+    g = -0.02 * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    s64 = torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda")
+    ref = kda_prefill.kda_prefill_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, [0, T],
+                                      [0], [False])
+    errs = {}
+    for prec in ("tf32", "tf32x3"):
+        s = torch.full((1, H, K, K), float("nan"), device="cuda")
+        o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec)
+        errs[prec] = (float((s.double() - s64).norm() / s64.norm()), float((o.double() - ref).norm() / ref.norm()))
+    assert errs["tf32x3"][0] < 2e-4, errs
+    assert errs["tf32"][0] > 3 * errs["tf32x3"][0], errs
