@@ -59,7 +59,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _cmd_events(args: argparse.Namespace) -> int:
     from flashinfra.feedback import events_summary
 
-    summary = events_summary.summarize_file(args.file, windows=args.windows)
+    summary = events_summary.summarize(args.file, windows=args.windows)
     if args.json:
         _print_json(summary)
     else:
