@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "flashinfra.model.cli",
     "flashinfra.feedback.cli",
     "flashinfra.server.cli",
+    "flashinfra.agent.cli",
 )
 
 
