@@ -1,0 +1,105 @@
+"""Offline generation: ``flashinfra.LLM(model).generate(prompts, SamplingParams(...))``.
+
+Runs an ``EngineCore`` in this process (no server, no ZeroMQ) and steps it until every prompt is done;
+all prompts are batched together by the scheduler. Prompts are text (tokenized with the checkpoint's
+``tokenizer.json``) or lists of token ids. Stop strings are a server feature; here generation stops on
+EOS, ``stop_token_ids`` or ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from flashinfra.core.engine_config import EngineConfig
+from flashinfra.core.engine_core import EngineCore
+from flashinfra.core.messages import EngineRequest, SamplingParams, TokenLogprob
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when the checkpoint has no tokenizer
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        """``model``: checkpoint directory (None: the built-in default model); ``engine_args``: any
+        ``EngineConfig`` field (``num_blocks``, ``max_num_seqs``, ``dtype``, ``device``...)."""
+        self.engine = EngineCore(EngineConfig(model=str(model) if model is not None else None, **engine_args))
+        self.tokenizer = _load_tokenizer(self.engine.model.path)
+        self._ids = itertools.count()
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (batched); outputs in prompt order. Invalid input raises ValueError
+        before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        requests, outputs = [], {}
+        for prompt, p in zip(prompts, params):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.encode(prompt) if text is not None else [int(t) for t in prompt]
+            rid = f"llm-{next(self._ids)}"
+            requests.append(EngineRequest(rid, ids, p, time.time()))
+            outputs[rid] = GenerationOutput(rid, text, ids, [], None, None, [] if p.logprobs is not None else None)
+        for req in requests:
+            req.sampling.validate(self.engine.max_model_len)
+        added = []
+        try:
+            for req in requests:
+                self.engine.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            self.engine.abort(added)
+            self.engine.step()
+            raise
+        while self.engine.has_work():
+            for out in self.engine.step():
+                g = outputs.get(out.request_id)
+                if g is None:
+                    continue
+                g.token_ids.extend(out.new_token_ids)
+                if out.logprobs is not None and g.logprobs is not None:
+                    g.logprobs.extend(out.logprobs)
+                if out.finished:
+                    g.finish_reason, g.error = out.finish_reason, out.error
+        result = [outputs[r.request_id] for r in requests]
+        for g in result:
+            g.text = self.decode(g.token_ids)
+        return result
+
+
+def _load_tokenizer(path: Path) -> Any:
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))

@@ -1,0 +1,110 @@
+"""``ModelRunner``: executes a scheduler ``Plan`` on the model and returns a ``StepResult``.
+
+It owns the cache tensors (``ModelCache``) and one ``torch.Generator`` per request that samples, kept
+until the scheduler reports the request finished (so a request preempted and recomputed continues its
+random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
+logits only at the positions where a next token is sampled, and samples them. ``size_cache`` turns a
+memory budget into a number of blocks and slots.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from flashinfra.core.engine_config import EngineConfig
+from flashinfra.core.plan import Plan, StepResult
+from flashinfra.model.api import LoadedModel
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.runner.sampler import SamplingRow, sample
+
+CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
+GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
+
+
+def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+    """Number of paged blocks: ``num_blocks`` if given, else what the memory budget holds after the
+    ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use."""
+    text = model.config.text
+    per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype)
+    per_slot = ModelCache.bytes_per_slot(text, model.dtype)
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * GPU_CACHE_FRACTION)
+        else:
+            budget = CPU_DEFAULT_CACHE_BYTES
+    left = budget - config.max_num_seqs * per_slot
+    if left < per_block:
+        raise ValueError(
+            f"a cache budget of {budget} bytes does not hold {config.max_num_seqs} KDA state slots "
+            f"({per_slot} bytes each) and one block ({per_block} bytes); raise kv_cache_memory or lower max_num_seqs"
+        )
+    return max(1, min(left // max(per_block, 1), config.max_num_seqs * blocks_per_seq))
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.cache = model.allocate_cache(num_blocks, block_size, num_slots)
+        self.generators: dict[str, torch.Generator] = {}
+        self._seeds = random.Random(seed)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        g = self.generators.get(request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
+            self.generators[request_id] = g
+        return g
+
+    @torch.inference_mode()
+    def execute(self, plan: Plan) -> StepResult:
+        for rid in plan.finished_ids:
+            self.generators.pop(rid, None)
+        result = StepResult()
+        if plan.is_empty:
+            return result
+        sched = plan.scheduled
+        batch = ForwardBatch.build(
+            [sr.num_new_tokens for sr in sched],
+            [sr.context_len for sr in sched],
+            [sr.state_slot for sr in sched],
+            [sr.block_table for sr in sched],
+            self.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, batch, self.cache)
+        last = batch.last_token_indices
+        picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
+        if not picks:
+            return result
+        idx = torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        rows = [
+            SamplingRow(
+                sr.sampling,
+                sr.prompt_token_ids,
+                sr.output_token_ids,
+                None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed),
+            )
+            for sr, _ in picks
+        ]
+        tokens, logprobs, errors = sample(logits, rows)
+        for (sr, _), tok, lp, err in zip(picks, tokens, logprobs, errors):
+            if err is not None:
+                result.errors[sr.request_id] = err
+                continue
+            result.sampled[sr.request_id] = tok
+            if lp is not None:
+                result.logprobs[sr.request_id] = lp
+        return result
