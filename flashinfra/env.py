@@ -45,3 +45,9 @@ SANDBOX_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "FLASHINFRA_REFERENCE", "
 def sandbox_passthrough() -> dict[str, str]:
     """The only variables the Infra Agent passes on to candidate code (never keys or tokens)."""
     return {k: os.environ[k] for k in SANDBOX_PASSTHROUGH if k in os.environ}
+
+
+def triton_interpreter_environ() -> dict[str, str]:
+    """This process's environment plus ``TRITON_INTERPRET=1``: for a child process that runs Triton kernels
+    on the CPU (the variable must be set before Triton compiles anything)."""
+    return dict(os.environ, TRITON_INTERPRET="1")
