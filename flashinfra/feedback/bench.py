@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from flashinfra.feedback import registry
@@ -173,7 +174,8 @@ def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = No
                                     ceilings=ceilings))
         except Exception as exc:
             results.append({"name": entry.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
-    return {"date": datetime.now(timezone.utc).isoformat(), "device": ctx.device, "dtype": ctx.dtype,
+    return {"date": datetime.now(timezone.utc).isoformat(), "source": str(Path(registry.__file__).parent.parent),
+            "device": ctx.device, "dtype": ctx.dtype,
             "quick": ctx.quick, "ceilings": ceilings,
             "provider_errors": [{"module": m, "error": e} for m, e in errors], "benchmarks": results}
 
@@ -213,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-roofline", action="store_true", help="skip ceilings (no fractions reported)")
     p.add_argument("--provider", action="append", default=[], help="extra module registering benchmarks")
+    p.add_argument("--no-default-providers", action="store_true",
+                   help="load only the --provider modules, not flashinfra's own")
     p.add_argument("--output", default=None, help="also write the JSON report here")
     return p
 
@@ -249,7 +253,8 @@ def cli_main(argv: list[str]) -> int:
     ctx = BenchContext(device=device, dtype=args.dtype, quick=args.quick)
     try:
         report = run_benchmarks(args.names, ctx, runs=args.runs, seed=args.seed, ceilings=ceil,
-                                providers=registry.PROVIDERS + tuple(args.provider))
+                                providers=(() if args.no_default_providers else registry.PROVIDERS)
+                                + tuple(args.provider))
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2

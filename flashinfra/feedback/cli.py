@@ -128,6 +128,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--provider", action="append", default=[], help="extra module registering benchmarks")
+    p.add_argument("--no-default-providers", action="store_true",
+                   help="load only the --provider modules, not flashinfra's own")
     p.add_argument("--min-effect", type=float, default=0.02, help="smallest relative change worth a verdict")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_ab)
