@@ -160,3 +160,13 @@ def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(llm, monkeypatc
     monkeypatch.setattr(model, "forward", real)
     again = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert again.finish_reason == "length" and again.token_ids[:1] == outs[0].token_ids
+
+
+def test_generate_command_prints_the_greedy_continuation(llm, ckpt, capsys):
+    from flashinfra.cli import main
+
+    assert main(["generate", "--model", str(ckpt), "--max-tokens", "5", "--device", "cpu", "The", "capital"]) == 0
+    want = llm.generate("The capital", SamplingParams(max_tokens=5, temperature=0.0))[0].text
+    assert capsys.readouterr().out == "The capital" + want + "\n"
+    with pytest.raises(SystemExit, match="top_p"):
+        main(["generate", "--model", str(ckpt), "--top-p", "0", "x"])

@@ -1,4 +1,5 @@
-"""``flashinfra generate``: greedy generation from a prompt, on the built-in default model by default."""
+"""``flashinfra generate``: generate text from a prompt with the offline ``LLM`` (built-in default model
+unless ``--model`` is given); greedy unless ``--temperature`` is above 0."""
 
 from __future__ import annotations
 
@@ -6,45 +7,32 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt (greedy)")
-    p.add_argument("prompt", nargs="+", help="prompt text")
+    p = subparsers.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("prompt", nargs="+", help="prompt text (several words are joined with spaces)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in default model)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tokenizers import Tokenizer
+    from flashinfra.core.messages import SamplingParams
+    from flashinfra.llm import LLM
 
-    import flashinfra
-    from flashinfra.model.factory import default_model_dir
-    from flashinfra.model.forward_batch import ForwardBatch
-
-    path = args.model or default_model_dir()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = flashinfra.load_model(path, dtype=args.dtype, device=device)
-    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
-    ids = tok.encode(" ".join(args.prompt)).ids
-    if not ids:
-        raise SystemExit("generate: the prompt encodes to no tokens")
-    block = 16
-    total = len(ids) + args.max_tokens
-    table = list(range((total + block - 1) // block))
-    cache = model.allocate_cache(len(table), block, 1)
-    eos = set(model.config.text.eos_token_id)
-    out: list[int] = []
-    pending, context = ids, 0
-    for _ in range(args.max_tokens):
-        batch = ForwardBatch.build([len(pending)], [context], [0], [table], block, device)
-        hidden = model.forward(torch.tensor(pending, device=device), batch, cache)
-        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        context += len(pending)
-        if token in eos:
-            break
-        out.append(token)
-        pending = [token]
-    print(tok.decode(ids + out))
+    prompt = " ".join(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1)
+        out = llm.generate(prompt, params)[0]
+    except ValueError as e:
+        raise SystemExit(f"generate: {e}") from None
+    if out.finish_reason == "error":
+        raise SystemExit(f"generate: {out.error}")
+    print(prompt + (out.text or ""))
     return 0
