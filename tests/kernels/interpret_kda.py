@@ -56,3 +56,7 @@ def test_dispatch_runs_triton_under_interpreter():
                                 [False, False])
     with pytest.raises(ValueError, match="shapes disagree"):
         kda_decode.kda_decode(q, q, q, -torch.rand(3, 2, 8), torch.rand(3, 2), state, torch.tensor([0, 1, 0]))
+
+
+def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
+    cases.tiny_model_greedy_same(tmp_path, monkeypatch, "cpu")

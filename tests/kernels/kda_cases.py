@@ -164,3 +164,39 @@ def conv_decode(device: str, B: int, C: int, W: int = 4, dtype=torch.float32, se
     rel, atol, rtol = tolerances(dtype, "cpu")
     assert_close("y", out, ref, rel, atol, rtol)
     assert torch.equal(cs.double(), cs64), "conv state must match the reference bit for bit"
+
+
+def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill ``prompt`` then decode ``steps`` tokens greedily, one sequence, through the model's forward."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    bs, dev = 16, model.device
+    table = list(range((len(prompt) + steps + bs - 1) // bs))
+    cache = model.allocate_cache(len(table), bs, 2)
+    batch = ForwardBatch.build([len(prompt)], [0], [1], [table], bs, dev)
+    hidden = model.forward(torch.tensor(prompt, device=dev), batch, cache)
+    logits = [model.compute_logits(hidden[-1:])[0]]
+    tokens = [int(logits[-1].argmax())]
+    for i in range(steps - 1):
+        batch = ForwardBatch.build([1], [len(prompt) + i], [1], [table], bs, dev)
+        hidden = model.forward(torch.tensor(tokens[-1:], device=dev), batch, cache)
+        logits.append(model.compute_logits(hidden)[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def tiny_model_greedy_same(tmp_path, monkeypatch, device: str, steps: int = 8):
+    """The tiny model's greedy tokens (prefill + decode) are the same with the kernels and with the references."""
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=1), dtype="float32", device=device)
+    prompt = torch.randint(1, model.config.text.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    fast, fast_logits = greedy(model, prompt, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref, ref_logits = greedy(model, prompt, steps)
+    assert fast == ref
+    for a, b in zip(fast_logits, ref_logits):
+        assert float((a - b).norm() / b.norm()) < 1e-2

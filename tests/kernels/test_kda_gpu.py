@@ -72,3 +72,8 @@ def test_plain_tf32_state_chain_is_worse_than_tf32x3():
         errs[prec] = (float((s.double() - s64).norm() / s64.norm()), float((o.double() - ref).norm() / ref.norm()))
     assert errs["tf32x3"][0] < 2e-4, errs
     assert errs["tf32"][0] > 3 * errs["tf32x3"][0], errs
+
+
+
+def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
+    cases.tiny_model_greedy_same(tmp_path, monkeypatch, "cuda")
