@@ -3,6 +3,7 @@ preemption), agreement with a full recomputation, stops, logprobs, bad input, an
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -49,14 +50,21 @@ def test_greedy_alone_equals_in_a_mixed_batch(llm, mixed):
     assert llm.engine.stats().num_preemptions_total == 0
 
 
-def test_greedy_is_unchanged_when_a_tiny_cache_forces_preemption(mixed, ckpt):
+def test_greedy_is_unchanged_when_a_tiny_cache_forces_preemption(mixed, ckpt, tmp_path):
     prompts, params, solo = mixed
-    small = flashinfra.LLM(ckpt, num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=48)
+    events = tmp_path / "events.jsonl"
+    small = flashinfra.LLM(ckpt, num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
+                           events_path=str(events))
     batch = small.generate(prompts, params)
     assert [o.token_ids for o in batch] == solo
     stats = small.engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.num_blocks_free == 20 and stats.cache_usage == 0.0
+    small.engine.events.close()
+    kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
+    assert kinds.count("preempt") == stats.num_preemptions_total
+    assert kinds.count("queue_wait") == len(prompts)
+    assert kinds.count("step") == kinds.count("cache") > 0
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
