@@ -35,7 +35,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
     num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
     topk_group=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16,
-    qk_rope_head_dim=0, index_topk=8, index_head_dim=16, index_n_heads=4, index_kpool=4, linear_head_dim=16,
+    qk_rope_head_dim=0, index_topk=8, index_head_dim=16, index_n_heads=16, index_kpool=4, linear_head_dim=16,
     linear_num_heads=4, linear_conv_kernel_dim=4, hc_mult=4, pad_token_id=0, tie_word_embeddings=False,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention",
                  "indexed_attention", "linear_attention"],
@@ -73,7 +73,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
@@ -112,7 +113,7 @@ def write_tiny_checkpoint(path: str | Path, seed: int = 0, tokenizer: bool = Tru
 
 def default_model_dir() -> Path:
     """The built-in default model, created on first use (atomically, so concurrent first uses are safe)."""
-    target = env.cache_dir() / "default-model-random-v1"
+    target = env.cache_dir() / "default-model-random-v2"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,10 @@ of gate score + a learned per-position bias) weights their keys. A query scores 
 ``sum_h w_h * relu(q_h . k_pool / sqrt(d))`` and keeps the best ``index_topk / kpool`` pools whose last
 token it can see (causality over the cached tokens); the incomplete tail pool (the last
 ``(pos + 1) % kpool`` tokens) is always kept. The result is a boolean ``[L, N]`` mask per sequence.
+
+Ties (pools whose every head scores ReLU 0 tie at exactly 0) go to the more recent pool. transformers'
+``topk`` leaves ties to its sort order, which changes with the number of pools in the tensor, so there a
+query's selection differs between a full prefill, a chunk and a decode step; here it never does.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class Indexer(nn.Module):
         pool_end = torch.arange(P, device=q.device) * kp + kp - 1
         visible = pool_end[None, :] <= q_pos[:, None]  # [L, P]
         index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
-        chosen = index_scores.topk(min(self.topk // kp, P), dim=-1).indices  # [L, k]
+        chosen = top_pools(index_scores, min(self.topk // kp, P))  # [L, k]
         pool_mask = torch.zeros(L, P, dtype=torch.bool, device=q.device)
         pool_mask.scatter_(1, chosen, visible.gather(1, chosen))
         mask = torch.zeros(L, N, dtype=torch.bool, device=q.device)
@@ -68,3 +72,10 @@ class Indexer(nn.Module):
             tail_start = q_pos + 1 - (q_pos + 1) % kp
             mask |= (pos[None, :] >= tail_start[:, None]) & (pos[None, :] <= q_pos[:, None])
         return mask
+
+
+def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best pools per row, ties going to the higher (more recent) index."""
+    P = scores.shape[-1]
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    return P - 1 - order
