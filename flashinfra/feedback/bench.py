@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -160,6 +162,20 @@ def run_spec(name: str, spec: BenchSpec, device: str, runs: int = 30, warmup: in
     return result
 
 
+def machine_info() -> dict[str, Any]:
+    """What else was running: CPU timings on a shared, oversubscribed host are not comparable."""
+    info: dict[str, Any] = {"host": platform.node(), "cpu_count": os.cpu_count()}
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1m"] = os.getloadavg()[0]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
 def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = None, seed: int = 0,
                    ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS
                    ) -> dict[str, Any]:
@@ -175,13 +191,17 @@ def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = No
         except Exception as exc:
             results.append({"name": entry.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
     return {"date": datetime.now(timezone.utc).isoformat(), "source": str(Path(registry.__file__).parent.parent),
-            "device": ctx.device, "dtype": ctx.dtype,
+            "machine": machine_info(), "device": ctx.device, "dtype": ctx.dtype,
             "quick": ctx.quick, "ceilings": ceilings,
             "provider_errors": [{"module": m, "error": e} for m, e in errors], "benchmarks": results}
 
 
 def format_text(report: dict[str, Any]) -> str:
     lines = [f"ERROR importing provider {e['module']}:\n{e['error']}" for e in report["provider_errors"]]
+    m = report.get("machine", {})
+    if m.get("loadavg_1m") is not None and m.get("cpu_count") and m["loadavg_1m"] > m["cpu_count"]:
+        lines.append(f"warning: load average {m['loadavg_1m']:.1f} exceeds {m['cpu_count']} CPUs; CPU timings "
+                     "include waiting for other processes")
     for r in report["benchmarks"]:
         if "error" in r:
             lines.append(f"FAIL {r['name']}: {r['error']}")

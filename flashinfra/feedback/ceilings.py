@@ -27,6 +27,15 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def copy_numel(device: str, quick: bool) -> int:
+    """Elements of the float32 copy: 1 GiB on the GPU (far beyond L2), 64 MiB on the CPU."""
+    return (1 << 28 if device.startswith("cuda") else 1 << 24) >> (4 if quick else 0)
+
+
+def matmul_size(device: str, quick: bool) -> int:
+    return (8192 if device.startswith("cuda") else 1024) >> (1 if quick else 0)
+
+
 def _best_seconds(fn, device: str, reps: int) -> float:
     import torch
 
@@ -54,13 +63,12 @@ def measure(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     import torch
 
     cuda = device.startswith("cuda")
-    numel = (1 << 28 if cuda else 1 << 24) >> (4 if quick else 0)  # GPU: 1 GiB fp32, far beyond L2
-    src = torch.randn(numel, device=device)
+    src = torch.randn(copy_numel(device, quick), device=device)
     dst = torch.empty_like(src)
     copy_s = _best_seconds(lambda: dst.copy_(src), device, reps=5 if quick else 20)
     result: dict[str, Any] = {"copy_bytes_per_s": 2 * src.numel() * src.element_size() / copy_s}
     del src, dst
-    n = (8192 if cuda else 1024) >> (1 if quick else 0)
+    n = matmul_size(device, quick)
     for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         mm_s = _best_seconds(lambda: torch.mm(a, b), device, reps=3 if quick else 10)

@@ -60,8 +60,8 @@ def test_exception_in_check_is_a_failure_not_a_crash():
     assert by_name["op.kda_gate"].passed
 
 
-def test_builtin_op_checks_pass():
-    runs, errors, _ = check.run_checks(["op"])
+def test_builtin_op_and_ceiling_checks_pass():
+    runs, errors, _ = check.run_checks(["op", "ceilings"])
     assert errors == []
     assert runs and all(r.passed for r in runs), check.format_text(runs, errors, 0)
 
