@@ -159,7 +159,9 @@ def format_text(r: dict[str, Any]) -> str:
             f"  A/A = {r['aa_ratio']:.3f} (95% CI {r['aa_ci95'][0]:.3f}..{r['aa_ci95'][1]:.3f}): noise floor "
             f"{100 * r['noise_floor']:.1f}%, threshold {100 * r['threshold']:.1f}%\n"
             f"  median A {r['median_a_s'] * 1e6:.1f} us, B {r['median_b_s'] * 1e6:.1f} us over {r['rounds']} rounds"
-            + (f"\n  flags: {r['flags']}" if any(r["flags"].values()) else ""))
+            + (f"\n  flags: {r['flags']}" if any(r["flags"].values()) else "")
+            + (f"\n  warning: A/A runs differ by up to {100 * r['noise_floor']:.0f}%; this machine cannot resolve "
+               "smaller changes (other load? fewer rounds than needed?)" if r["noise_floor"] > 0.2 else ""))
 
 
 def cli_main(args) -> int:

@@ -28,12 +28,13 @@ def _list_entries(what: str) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from flashinfra.feedback import check
+    from flashinfra.feedback import check, registry
 
     if args.list:
         return _list_entries("checks")
     try:
-        runs, errors, seed = check.run_checks(args.names, seed=args.seed)
+        runs, errors, seed = check.run_checks(args.names, seed=args.seed,
+                                              providers=registry.PROVIDERS + tuple(args.provider))
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
@@ -87,6 +88,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--seed", type=int, default=None, help="replay a run (default: a fresh seed)")
     p.add_argument("--list", action="store_true", help="list the registered checks and exit")
+    p.add_argument("--provider", action="append", default=[], help="extra module registering checks")
     p.set_defaults(func=_cmd_check)
 
     p = subparsers.add_parser(

@@ -74,3 +74,18 @@ def test_cli_check_json(capsys):
     assert planted["results"][0]["bad_extent"] == [[0, 12], [6, 6]]
     assert cli.main(["check", "op.kda_gate"]) == 0
     assert cli.main(["check", "no.such.check"]) == 2
+
+
+def test_cli_lists_checks_and_loads_extra_providers(tmp_path, monkeypatch, capsys):
+    (tmp_path / "extra_checks_mod.py").write_text(
+        "import torch\n"
+        "from flashinfra.feedback.registry import compare, register_check\n"
+        "@register_check('extra.zero', tags=('extra',))\n"
+        "def zero():\n"
+        "    return compare('extra.zero', torch.zeros(3), torch.zeros(3, dtype=torch.float64))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["check", "extra", "--provider", "extra_checks_mod"]) == 0
+    assert "PASS extra.zero" in capsys.readouterr().out
+    assert cli.main(["check", "--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "op.kda_decode\tkernel,kda\tflashinfra.feedback.checks" in listing and "extra.zero" in listing
