@@ -63,16 +63,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="flashinfra", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if config.api_key is not None and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                       config.api_key.encode()):
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     @app.get("/health")
     async def health(request: Request):
@@ -110,7 +102,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             raw = body.prompts()
             echo_texts = {c.index: (raw[c.index // body.n] if isinstance(raw[c.index // body.n], str)
                                     else state.tokenizer.decode(c.prompt_ids)) for c in choices}
-        fmt = CompletionFormatter(request_id, body.model, state.tokenizer, body.logprobs is not None, echo_texts)
+        fmt = CompletionFormatter(request_id, body.model, state.tokenizer, body.logprobs is not None, echo_texts,
+                                  body.return_token_ids)
         queue = await submit(state, choices)
         return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
 
@@ -127,11 +120,32 @@ def create_app(config: ServerConfig) -> FastAPI:
         choices = make_choices(state, request_id, [prompt_ids], [body.sampling_params(max_tokens, body.num_logprobs)],
                                body.n, body.stop_strings, body.include_stop_str_in_output,
                                body.skip_special_tokens)
-        fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices))
+        fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
+                            body.return_token_ids)
         queue = await submit(state, choices)
         return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
 
     return app
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer KEY`` on ``/v1/`` routes. Plain ASGI (not ``BaseHTTPMiddleware``) so
+    that streaming responses and client-disconnect detection pass through untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
+                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _check_model(state: ServerState, model: str) -> None:
@@ -150,8 +164,9 @@ async def _respond(state: ServerState, request: Request, choices: list[Choice], 
         return StreamingResponse(_stream(state, request, choices, queue, fmt, include_usage, arrival),
                                  media_type="text/event-stream", background=BackgroundTask(cleanup))
     try:
-        async for event in run_choices(state, request, choices, queue, arrival):
-            fmt.add(event)
+        async with contextlib.aclosing(run_choices(state, request, choices, queue, arrival)) as events:
+            async for event in events:
+                fmt.add(event)
     finally:
         cleanup()
     failed = next((c for c in choices if c.finish_reason == "error"), None)
@@ -171,11 +186,13 @@ async def _stream(state: ServerState, request: Request, choices: list[Choice], q
 
     for chunk in fmt.stream_start():
         yield sse(with_usage(chunk))
-    async for event in run_choices(state, request, choices, queue, arrival):
-        if event.choice.finish_reason == "error":
-            yield sse(error_body(500, f"generation failed: {event.choice.error}", code="engine_error"))
-            return
-        yield sse(with_usage(fmt.chunk(event)))
+    async with contextlib.aclosing(run_choices(state, request, choices, queue, arrival)) as events:
+        async for event in events:
+            if event.choice.finish_reason == "error":
+                yield sse(error_body(500, f"generation failed: {event.choice.error}", code="engine_error"))
+                return
+            if event.text or event.finish_reason is not None or fmt.want_logprobs or fmt.want_token_ids:
+                yield sse(with_usage(fmt.chunk(event)))
     if include_usage:
         yield sse(fmt.usage_chunk(choices))
     yield sse("[DONE]")

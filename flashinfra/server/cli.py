@@ -47,15 +47,31 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str):
         max_model_len=args.max_model_len, seed=args.seed, events_path=args.events_path)
 
 
+def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
+    """The engine process's entry point when the server starts it.
+
+    The engine's lifetime belongs to the server (``Shutdown`` after draining; it also exits when its
+    parent dies), so a SIGTERM or SIGINT sent to the whole process group (systemd, a terminal's Ctrl-C)
+    must not kill it while the server drains in-flight requests.
+    """
+    import signal
+
+    from flashinfra.core.engine_process import run_engine
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_engine(config, input_addr, output_addr)
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
+    import multiprocessing
     from pathlib import Path
 
+    import msgspec
     import uvicorn
 
-    from flashinfra.core.engine_process import run_engine_process
     from flashinfra.server.app import ServerConfig, create_app
-    from flashinfra.server.engine_client import spawn_launcher
 
     if args.model is None:
         from flashinfra.model.factory import default_model_dir
@@ -69,7 +85,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"serve: {model_path} is not a checkpoint directory (no config.json)")
     engine_config = engine_config_from_args(args, str(model_path))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(model_path=model_path, launcher=spawn_launcher(run_engine_process, config=engine_config),
+
+    def launch(input_addr: str, output_addr: str):
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=engine_main, args=(msgspec.msgpack.encode(engine_config), input_addr, output_addr),
+                           name="flashinfra-engine", daemon=True)
+        proc.start()
+        return proc
+
+    config = ServerConfig(model_path=model_path, launcher=launch,
                           served_model_name=name, api_key=args.api_key, max_pending=args.max_pending)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")

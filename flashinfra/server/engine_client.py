@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import shutil
 import tempfile
 import time
@@ -123,8 +122,7 @@ class EngineClient:
         message is sent by a task of its own."""
         ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
         if ids and self.dead_reason is None and not self._send.closed:
-            task = asyncio.get_running_loop().create_task(
-                self._send.send(m.encode(m.AbortRequest(request_ids=ids))))
+            task = asyncio.ensure_future(self._send.send(m.encode(m.AbortRequest(request_ids=ids))))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -207,16 +205,3 @@ class EngineClient:
             proc.join(timeout=10)
         else:
             proc.wait(timeout=10)
-
-
-def spawn_launcher(target: Callable[..., None], **engine_kwargs: Any) -> EngineLauncher:
-    """A launcher that runs ``target(input_addr, output_addr, **engine_kwargs)`` in a spawned process."""
-
-    def launch(input_addr: str, output_addr: str):
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=target, args=(input_addr, output_addr), kwargs=engine_kwargs,
-                           name="flashinfra-engine", daemon=True)
-        proc.start()
-        return proc
-
-    return launch

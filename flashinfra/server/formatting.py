@@ -51,8 +51,11 @@ class CompletionLogprobs:
             text = tok.token_text(token_id)
             self.tokens.append(text)
             self.token_logprobs.append(_finite(logprob))
-            top_dict = {tok.token_text(t): _finite(lp) for t, lp in top}
-            top_dict.setdefault(text, _finite(logprob))
+            # Distinct ids can decode to the same text (e.g. partial UTF-8 bytes): keep the first, which
+            # is the sampled token, then the most likely.
+            top_dict = {text: _finite(logprob)}
+            for t, lp in top:
+                top_dict.setdefault(tok.token_text(t), _finite(lp))
             self.top_logprobs.append(top_dict)
             self.text_offset.append(self.base_offset + offset)
 
@@ -80,12 +83,13 @@ class CompletionFormatter:
     object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, tok: Tokenizer, want_logprobs: bool,
-                 echo_texts: dict[int, str] | None = None):
+                 echo_texts: dict[int, str] | None = None, want_token_ids: bool = False):
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.tok = tok
         self.want_logprobs = want_logprobs
+        self.want_token_ids = want_token_ids
         self.echo_texts = echo_texts or {}
         self._logprobs: dict[int, CompletionLogprobs] = {}
         self._texts: dict[int, list[str]] = {}
@@ -110,8 +114,14 @@ class CompletionFormatter:
             logprobs = CompletionLogprobs()
             logprobs.add(self.tok, event.logprobs)
             logprobs = logprobs.body()
-        return self._envelope([{"index": event.choice.index, "text": event.text, "logprobs": logprobs,
-                                "finish_reason": event.finish_reason}], self.object_name)
+        choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
+                  "finish_reason": event.finish_reason}
+        return self._envelope([self._with_ids(choice, event.token_ids)], self.object_name)
+
+    def _with_ids(self, choice: dict, token_ids: list[int]) -> dict:
+        if self.want_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
 
     def add(self, event: ChoiceEvent) -> None:
         self._texts.setdefault(event.choice.index, []).append(event.text)
@@ -124,7 +134,8 @@ class CompletionFormatter:
             text = self.echo_texts.get(c.index, "") + "".join(self._texts.get(c.index, []))
             lp = self._logprobs.get(c.index)
             logprobs = (lp or CompletionLogprobs()).body() if self.want_logprobs else None
-            out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            out.append(self._with_ids({"index": c.index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": c.finish_reason}, c.detok.token_ids))
         body = self._envelope(out, self.object_name)
         body["usage"] = count_usage(choices)
         return body
@@ -140,8 +151,9 @@ class ChatFormatter(CompletionFormatter):
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, tok: Tokenizer, want_logprobs: bool, num_choices: int):
-        super().__init__(request_id, model, tok, want_logprobs)
+    def __init__(self, request_id: str, model: str, tok: Tokenizer, want_logprobs: bool, num_choices: int,
+                 want_token_ids: bool = False):
+        super().__init__(request_id, model, tok, want_logprobs, want_token_ids=want_token_ids)
         self.num_choices = num_choices
         self._entries: dict[int, list[dict]] = {}
 
@@ -154,8 +166,9 @@ class ChatFormatter(CompletionFormatter):
         if self.want_logprobs:
             logprobs = {"content": chat_logprobs_content(self.tok, event.logprobs), "refusal": None}
         delta = {"content": event.text} if event.text or event.finish_reason is None else {}
-        return self._envelope([{"index": event.choice.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": event.finish_reason}], self.object_name)
+        choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": event.finish_reason}
+        return self._envelope([self._with_ids(choice, event.token_ids)], self.object_name)
 
     def add(self, event: ChoiceEvent) -> None:
         self._texts.setdefault(event.choice.index, []).append(event.text)
@@ -169,10 +182,11 @@ class ChatFormatter(CompletionFormatter):
             logprobs = None
             if self.want_logprobs:
                 logprobs = {"content": self._entries.get(c.index, []), "refusal": None}
-            out.append({"index": c.index,
-                        "message": {"role": "assistant", "content": "".join(self._texts.get(c.index, [])),
-                                    "refusal": None},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+            out.append(self._with_ids({"index": c.index,
+                                       "message": {"role": "assistant", "refusal": None,
+                                                   "content": "".join(self._texts.get(c.index, []))},
+                                       "logprobs": logprobs, "finish_reason": c.finish_reason},
+                                      c.detok.token_ids))
         body = self._envelope(out, "chat.completion")
         body["usage"] = count_usage(choices)
         return body

@@ -50,6 +50,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # extension: each choice also carries its generated token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -67,6 +67,7 @@ class ChoiceEvent:
 
     choice: Choice
     text: str
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]], int]] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -185,7 +186,7 @@ async def run_choices(state: ServerState, request: Request, choices: list[Choice
                 if item.finished is False:  # stopped by a stop string: the engine must stop too
                     state.client.abort_soon([choice.request_id])
                 _record_finish(state, choice, arrival)
-            if event.text or event.logprobs or event.finish_reason is not None:
+            if event.text or event.token_ids or event.finish_reason is not None:
                 yield event
     finally:
         watcher.cancel()
@@ -201,6 +202,7 @@ def _apply_output(state: ServerState, choice: Choice, out: RequestOutput, arriva
         if detok.stopped:
             break
         offset = detok.add_token(token_id)
+        event.token_ids.append(token_id)
         choice.num_tokens += 1
         if choice.first_token_time is None:
             choice.first_token_time = now

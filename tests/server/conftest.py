@@ -1,7 +1,19 @@
-"""Shared fixtures of the server tests: the tiny checkpoint's tokenizer (no engine needed)."""
+"""Shared fixtures of the server tests: the tiny checkpoint's tokenizer, and a real ``flashinfra serve``
+process on loopback (one per test module; killed in teardown)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
 import pytest
 
 
@@ -19,3 +31,76 @@ def tokenizer(tokenizer_dir):
     from flashinfra.server.tokenizer import Tokenizer
 
     return Tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from flashinfra.model.factory import default_model_dir
+
+    return default_model_dir()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    api_key: str | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metric(self, name: str) -> float | None:
+        """One unlabelled sample of /metrics, or None when absent."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else None
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(tmp_path: Path, model_dir: Path, *args: str, api_key: str | None = None,
+                 timeout: float = 300.0) -> ServerProcess:
+    """``flashinfra serve`` in a subprocess on a free loopback port, ready (health 200) when returned."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "flashinfra", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--device", "cpu",
+           "--log-level", "warning", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, api_key)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"server not ready after {timeout} s:\n{server.log()}")
+        time.sleep(0.25)
