@@ -127,15 +127,17 @@ def run_spec(name: str, spec: BenchSpec, device: str, runs: int = 30, warmup: in
         inputs = _snapshot(args) if i < 4 else None
         seconds, out = timer(spec.fn, args)
         times.append(seconds)
+        # An op that returns None writes into its arguments: they are its output.
+        observed = out if out is not None else args
         if i == 0:
-            first_inputs, first_out = inputs, _snapshot(out)
+            first_inputs, first_out = inputs, _snapshot(observed)
         elif inputs is not None:
             if _identical(first_inputs, inputs):
                 if "inputs_not_fresh" not in flags:
                     flags.append("inputs_not_fresh")
             else:
                 compared += 1
-                identical_outputs += _identical(first_out, _snapshot(out))
+                identical_outputs += _identical(first_out, _snapshot(observed))
         if max_seconds is not None and i >= 4 and time.perf_counter() - started > max_seconds:
             break
     if compared and identical_outputs == compared:

@@ -180,9 +180,3 @@ class GilProbe:
             lines += [f"    {line}" for line in s.culprit_lines()]
         return "\n".join(lines)
 
-
-def from_threshold_ms(threshold_ms: float | None, events=None) -> GilProbe | None:
-    """A started probe for the engine when a threshold is configured (``env.gil_probe_threshold_ms``)."""
-    if not threshold_ms:
-        return None
-    return GilProbe(threshold_s=threshold_ms / 1e3, events=events).start()

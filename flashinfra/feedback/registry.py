@@ -112,9 +112,10 @@ class CheckResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in ("max_abs", "rel_norm"):
-            if not math.isfinite(d[key]):
-                d[key] = str(d[key])
+        # Strict JSON has no NaN/inf: such figures become the strings "nan", "inf", "-inf".
+        for key, value in d.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                d[key] = str(value)
         return d
 
     def summary(self) -> str:

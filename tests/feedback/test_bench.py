@@ -105,3 +105,20 @@ def test_bench_serve_absent_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "flashinfra.server.bench_serve", None)
     assert cli.main(["bench", "serve", "--x"]) == 2
     assert "bench_serve" in capsys.readouterr().err
+
+
+def test_in_place_op_returning_none_is_judged_by_its_arguments():
+    def make_inputs(seed):
+        return torch.empty(8), torch.randn(8, generator=torch.Generator().manual_seed(seed))
+
+    def double_into(out, x):
+        out.copy_(2 * x)
+
+    r = bench.run_spec("inplace", BenchSpec(fn=double_into, make_inputs=make_inputs), "cpu", runs=4, warmup=0)
+    assert r["flags"] == []
+
+
+def test_check_result_json_is_strict():
+    r = compare("nan", torch.tensor([float("nan")]), torch.tensor([1.0], dtype=torch.float64))
+    text = json.dumps(r.to_dict(), allow_nan=False)
+    assert '"worst_out": "nan"' in text and '"max_abs": "inf"' in text
