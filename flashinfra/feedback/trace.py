@@ -75,8 +75,9 @@ def summarize_trace(trace: dict[str, Any] | str | Path, top: int = 15) -> dict[s
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP_PREFIX)),
                    key=lambda e: e["ts"])
+    # Kernel -> the CPU time of its launch (cudaLaunchKernel, or cuLaunchKernel for Triton), by correlation id.
     launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
 
     by_kernel: dict[str, list[float]] = defaultdict(list)
     for k in kernels:
