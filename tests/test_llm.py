@@ -178,3 +178,21 @@ def test_generate_command_prints_the_greedy_continuation(llm, ckpt, capsys):
     assert capsys.readouterr().out == "The capital" + want + "\n"
     with pytest.raises(SystemExit, match="top_p"):
         main(["generate", "--model", str(ckpt), "--top-p", "0", "x"])
+
+
+def test_prefix_cache_hits_give_the_cold_tokens(ckpt):
+    rng = random.Random(5)
+    system = [rng.randrange(10, 512) for _ in range(14)]
+    prompts = [system + [rng.randrange(10, 512) for _ in range(rng.randrange(1, 6))] for _ in range(3)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    cold = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, prefix_cache_slots=0)
+    warm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4)
+    first = [o.token_ids for o in warm.generate(prompts, params)]
+    assert first == [o.token_ids for o in cold.generate(prompts, params)]
+    # a repeated prompt and a second conversation turn start from cached prefixes
+    turn = prompts[0] + first[0] + [33, 44]
+    follow = [prompts[1], turn]
+    hits = warm.engine.stats().num_prefix_hit_tokens_total
+    assert [o.token_ids for o in warm.generate(follow, params)] == [o.token_ids for o in cold.generate(follow, params)]
+    assert warm.engine.stats().num_prefix_hit_tokens_total - hits >= 2 * 12
+    assert cold.engine.stats().num_prefix_hit_tokens_total == 0

@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per step
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the cache)
     max_prefill_chunk: int = 0  # most tokens one request takes in a step (0: the whole budget)
+    prefix_cache_slots: int | None = None  # KDA checkpoints kept for prefix caching (None: max_num_seqs; 0: off)
     seed: int = 0  # seeds the generators of requests that give no seed
     events_path: str | None = None  # JSONL runtime events (flashinfra.feedback.events)
 
@@ -46,6 +47,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_slots is not None and self.prefix_cache_slots < 0:
+            raise ValueError(f"prefix_cache_slots must be >= 0, got {self.prefix_cache_slots}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -54,3 +57,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+
+    @property
+    def resolved_prefix_slots(self) -> int:
+        return self.max_num_seqs if self.prefix_cache_slots is None else self.prefix_cache_slots

@@ -42,7 +42,8 @@ class EngineCore:
         max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         num_blocks = size_cache(model, config, max_model_len)
         self.events = events if events is not None else _make_events(config.events_path)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed)
+        prefix_slots = config.resolved_prefix_slots
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -50,7 +51,7 @@ class EngineCore:
                 max_model_len=max_model_len,
                 max_prefill_chunk=config.max_prefill_chunk,
             ),
-            HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs),
+            HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots),
             events=self.events,
         )
         self._pending: list[RequestOutput] = []

@@ -112,11 +112,11 @@ class RequestOutput(msgspec.Struct):
 class EngineStats(msgspec.Struct):
     num_waiting: int
     num_running: int
-    cache_usage: float  # fraction of paged KV blocks in use
+    cache_usage: float  # fraction of paged KV blocks held by requests (cached prefixes alone count as free)
     num_preemptions_total: int
     state_slot_usage: float = 0.0  # fraction of KDA state slots in use
     num_blocks_total: int = 0
-    num_blocks_free: int = 0
+    num_blocks_free: int = 0  # free or held only by the prefix cache
     num_prefix_hit_tokens_total: int = 0
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0

@@ -23,6 +23,8 @@ class ScheduledRequest:
     sampling: SamplingParams
     prompt_token_ids: list[int]  # read-only views for penalties
     output_token_ids: list[int]
+    load_state_from: int | None = None  # prefix hit: copy this checkpoint slot into state_slot first
+    save_state_to: int | None = None  # after the step, copy state_slot into this checkpoint slot
 
     @property
     def num_new_tokens(self) -> int:

@@ -38,6 +38,17 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._block_hashes: tuple[int, list[int]] | None = None
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks: entry ``i`` identifies the first ``i + 1`` blocks."""
+        if self._block_hashes is None or self._block_hashes[0] != block_size:
+            hashes, h = [], 0
+            for start in range(0, self.num_prompt_tokens - block_size + 1, block_size):
+                h = hash((h, tuple(self.prompt_token_ids[start : start + block_size])))
+                hashes.append(h)
+            self._block_hashes = (block_size, hashes)
+        return self._block_hashes[1]
 
     @property
     def num_prompt_tokens(self) -> int:

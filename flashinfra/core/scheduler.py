@@ -9,6 +9,10 @@ runs out of blocks, the most recently admitted running request is preempted by r
 state slot are freed and it goes back to the front of the queue with ``num_computed_tokens = 0``, keeping
 the tokens it already generated. No new request is admitted in a step that preempted.
 
+With prefix caching on (the cache manager has checkpoint slots), a request admitted with nothing computed
+starts after the longest cached prefix of its tokens (its KDA state is loaded from the checkpoint), and a
+prefill chunk that would cross its prompt's checkpoint position stops there so the state can be saved.
+
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
 """
@@ -62,6 +66,7 @@ class Scheduler:
         self._step_id = 0
         self._freed_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_prefix_hit_tokens_total = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_finished_total = 0
@@ -101,13 +106,13 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_prefill_chunk or budget
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int | None, int | None]] = []  # req, tokens, load, save
         preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget, chunk)
+            n = self._chunk(req, min(budget, chunk))
             target = req.num_computed_tokens + n
             while not self.cache.can_allocate(req, target):
                 victim = self.running[-1]
@@ -118,21 +123,31 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: every later request is gone too
             self.cache.allocate(req, target)
-            scheduled.append((req, n))
+            scheduled.append((req, n, None, self._save_slot(req, n)))
             budget -= n
             i += 1
 
         now = self.clock()
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget, chunk)
+            hit = None
+            if self.cache.prefix_caching and req.num_computed_tokens == 0:
+                hit = self.cache.match_prefix(req)
+                if hit is not None:
+                    self.cache.use_prefix(req, hit)
+            n = self._chunk(req, min(budget, chunk))
             if not self.cache.can_allocate(req, req.num_computed_tokens + n):
+                if hit is not None:  # undo: give the shared blocks back, start from 0 next time
+                    self.cache.free(req)
+                    req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.cache.allocate(req, req.num_computed_tokens + n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append((req, n))
+            if hit is not None:
+                self.num_prefix_hit_tokens_total += len(hit.tokens)
+            scheduled.append((req, n, None if hit is None else hit.slot, self._save_slot(req, n)))
             budget -= n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -142,7 +157,7 @@ class Scheduler:
         freed, self._freed_ids = self._freed_ids, []
         plan = Plan(
             step_id=self._step_id,
-            scheduled=[self._scheduled(req, n) for req, n in scheduled],
+            scheduled=[self._scheduled(*entry) for entry in scheduled],
             preempted_ids=preempted,
             finished_ids=freed,
         )
@@ -153,9 +168,16 @@ class Scheduler:
         outputs = []
         for sr in plan.scheduled:
             req = self.requests.get(sr.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
+                if sr.save_state_to is not None:
+                    self.cache.release_checkpoint_slot(sr.save_state_to)
+                continue
             req.num_computed_tokens += sr.num_new_tokens
+            if sr.save_state_to is not None:
+                if sr.request_id in result.errors:
+                    self.cache.release_checkpoint_slot(sr.save_state_to)
+                else:
+                    self.cache.register_prefix(req, req.num_computed_tokens, sr.save_state_to)
             if sr.request_id in result.errors:
                 self._finish(req, "error", result.errors[sr.request_id])
                 outputs.append(self._output(req, [], None))
@@ -182,7 +204,8 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             state_slot_usage=self.cache.slot_usage(),
             num_blocks_total=self.cache.num_blocks,
-            num_blocks_free=self.cache.num_free_blocks,
+            num_blocks_free=self.cache.num_reclaimable_blocks,
+            num_prefix_hit_tokens_total=self.num_prefix_hit_tokens_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_requests_finished_total=self.num_requests_finished_total,
@@ -191,7 +214,27 @@ class Scheduler:
         )
 
     # ---- internals ----
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _chunk(self, req: Request, limit: int) -> int:
+        """Tokens ``req`` computes this step: up to ``limit``, stopping at its prefix checkpoint position
+        when that prefix is not cached yet."""
+        start = req.num_computed_tokens
+        n = min(req.num_pending_tokens, limit)
+        if self.cache.prefix_caching:
+            c = self.cache.checkpoint_position(req)
+            if start < c < start + n and not self.cache.has_prefix(req, c):
+                n = c - start
+        return n
+
+    def _save_slot(self, req: Request, n: int) -> int | None:
+        """A checkpoint slot to save ``req``'s KDA state into if this step ends at its checkpoint position."""
+        if not self.cache.prefix_caching:
+            return None
+        c = self.cache.checkpoint_position(req)
+        if c == 0 or req.num_computed_tokens + n != c or self.cache.has_prefix(req, c):
+            return None
+        return self.cache.reserve_checkpoint_slot()
+
+    def _scheduled(self, req: Request, n: int, load: int | None, save: int | None) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
@@ -203,6 +246,8 @@ class Scheduler:
             sampling=req.sampling,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            load_state_from=load,
+            save_state_to=save,
         )
 
     def _preempt(self, req: Request) -> None:

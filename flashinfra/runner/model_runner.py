@@ -1,6 +1,7 @@
 """``ModelRunner``: executes a scheduler ``Plan`` on the model and returns a ``StepResult``.
 
-It owns the cache tensors (``ModelCache``) and one ``torch.Generator`` per request that samples, kept
+It owns the cache tensors (``ModelCache``; state slots ``num_slots ..`` hold prefix checkpoints, copied
+in before and out after the forward pass as the plan says) and one ``torch.Generator`` per request that samples, kept
 until the scheduler reports the request finished (so a request preempted and recomputed continues its
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
 logits only at the positions where a next token is sampled, and samples them. ``size_cache`` turns a
@@ -30,6 +31,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
     text = model.config.text
     per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype)
     per_slot = ModelCache.bytes_per_slot(text, model.dtype)
+    num_slots = config.max_num_seqs + config.resolved_prefix_slots
     blocks_per_seq = -(-max_model_len // config.block_size)
     if config.num_blocks is not None:
         return config.num_blocks
@@ -40,21 +42,22 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
             budget = int(free * GPU_CACHE_FRACTION)
         else:
             budget = CPU_DEFAULT_CACHE_BYTES
-    left = budget - config.max_num_seqs * per_slot
+    left = budget - num_slots * per_slot
     if left < per_block:
         raise ValueError(
-            f"a cache budget of {budget} bytes does not hold {config.max_num_seqs} KDA state slots "
-            f"({per_slot} bytes each) and one block ({per_block} bytes); raise kv_cache_memory or lower max_num_seqs"
+            f"a cache budget of {budget} bytes does not hold {num_slots} KDA state slots ({per_slot} bytes "
+            f"each) and one block ({per_block} bytes); raise kv_cache_memory, lower max_num_seqs or prefix_cache_slots"
         )
     return max(1, min(left // max(per_block, 1), config.max_num_seqs * blocks_per_seq))
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0) -> None:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
+                 num_prefix_slots: int = 0) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.cache = model.allocate_cache(num_blocks, block_size, num_slots)
+        self.cache = model.allocate_cache(num_blocks, block_size, num_slots + num_prefix_slots)
         self.generators: dict[str, torch.Generator] = {}
         self._seeds = random.Random(seed)
 
@@ -65,6 +68,16 @@ class ModelRunner:
             g.manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
             self.generators[request_id] = g
         return g
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KDA conv and recurrent states from slot ``src`` to slot ``dst`` for every (src, dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for states in (self.cache.conv_state, self.cache.recurrent_state):
+            for t in states.values():
+                t[dst] = t[src]
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepResult:
@@ -83,7 +96,9 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
+        self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
         hidden = self.model.forward(input_ids, batch, self.cache)
+        self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
         last = batch.last_token_indices
         picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
         if not picks:

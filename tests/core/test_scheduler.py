@@ -32,19 +32,26 @@ def next_token(tokens: list[int]) -> int:
 
 
 class SimRunner:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0) -> None:
         self.block_size = block_size
         self.paged: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.slots: list[list[int] | None] = [None] * num_slots
+        self.slots: list[list[int] | None] = [None] * (num_slots + num_prefix_slots)
 
     def execute(self, plan: Plan, limits: SchedulerConfig) -> StepResult:
         assert plan.num_tokens <= limits.max_num_batched_tokens
         assert len(plan.scheduled) <= limits.max_num_seqs
         slots_used = [sr.state_slot for sr in plan.scheduled]
         assert len(set(slots_used)) == len(slots_used), "two requests share a KDA slot"
-        blocks_used = [b for sr in plan.scheduled for b in sr.block_table]
-        assert len(set(blocks_used)) == len(blocks_used), "two requests share a block"
+        bs = self.block_size
+        for sr in plan.scheduled:  # blocks written this step belong to the writer alone
+            written = {sr.block_table[p // bs] for p in range(sr.context_len, sr.context_len + sr.num_new_tokens)}
+            for other in plan.scheduled:
+                if other is not sr:
+                    assert not written & set(other.block_table), "a block written this step is shared"
         result = StepResult()
+        for sr in plan.scheduled:  # prefix hits: load checkpoints before the step
+            if sr.load_state_from is not None:
+                self.slots[sr.state_slot] = list(self.slots[sr.load_state_from])
         for sr in plan.scheduled:
             bs = self.block_size
             end = sr.context_len + sr.num_new_tokens
@@ -64,6 +71,10 @@ class SimRunner:
                 tok = next_token(full)
                 result.sampled[sr.request_id] = tok
                 result.logprobs[sr.request_id] = TokenLogprob(tok, -1.0, [])
+        for sr in plan.scheduled:  # checkpoints are saved after the step
+            if sr.save_state_to is not None:
+                assert sr.context_len + sr.num_new_tokens == (len(sr.prompt_token_ids) - 1) // self.block_size * self.block_size
+                self.slots[sr.save_state_to] = list(self.slots[sr.state_slot])
         return result
 
 
@@ -72,24 +83,35 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, rng: random.Random,
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), 0.0, eos_token_ids=frozenset())
 
 
-def run_all(requests, cfg: SchedulerConfig, num_blocks: int, block_size: int, num_slots: int, max_steps=10_000):
-    sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots))
-    runner = SimRunner(num_blocks, block_size, num_slots)
-    for r in requests:
+def run_all(requests, cfg: SchedulerConfig, num_blocks: int, block_size: int, num_slots: int, max_steps=10_000,
+            num_prefix_slots: int = 0, sched=None, runner=None, waves=None):
+    """Run ``requests`` to completion (``waves``: lists of requests added one wave after another)."""
+    sched = sched or Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, num_prefix_slots))
+    runner = runner or SimRunner(num_blocks, block_size, num_slots, num_prefix_slots)
+    waves = waves or [requests]
+    requests = [r for w in waves for r in w]
+    for r in waves[0]:
         sched.add_request(r)
+    waves = waves[1:]
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     reasons: dict[str, str] = {}
     for _ in range(max_steps):
         if not sched.has_unfinished():
-            break
+            if not waves:
+                break
+            for r in waves.pop(0):
+                sched.add_request(r)
         plan = sched.schedule()
         assert not plan.is_empty, "scheduler stalled with unfinished requests"
         for out in sched.update(plan, runner.execute(plan, cfg)):
             outputs[out.request_id] += out.new_token_ids
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
-        assert sched.cache.num_free_blocks + sum(len(r.block_ids) for r in sched.running) == num_blocks
+        if not sched.cache.prefix_caching:
+            assert sched.cache.num_free_blocks + sum(len(r.block_ids) for r in sched.running) == num_blocks
     assert not sched.has_unfinished()
+    assert sched.cache.num_reclaimable_blocks == num_blocks and sched.stats().cache_usage == 0.0
+    sched.cache.clear_prefixes()
     assert sched.cache.num_free_blocks == num_blocks and sched.cache.num_free_slots == num_slots
     return outputs, reasons, sched
 
@@ -126,6 +148,44 @@ def test_tiny_cache_forces_preemption_and_keeps_outputs():
     assert outputs == truth
     assert sched.num_preemptions_total > 0
     assert sum(r.num_preemptions for r in reqs) == sched.num_preemptions_total
+
+
+@pytest.mark.parametrize("num_blocks", [400, 40])
+def test_prefix_cache_hits_are_token_exact(num_blocks):
+    """Shared system prompts, repeated prompts and multi-turn continuations hit the prefix cache; outputs
+    are those of a cold run, and the simulated KDA slot checks that the loaded state is the right one."""
+    rng = random.Random(9)
+    system = [rng.randrange(8, VOCAB) for _ in range(21)]
+    first = [make_request(f"a{i}", 0, rng.randrange(2, 8), rng) for i in range(6)]
+    for r in first:
+        r.prompt_token_ids = system + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 9))]
+        r.__post_init__()
+    truth = {r.request_id: expected_output(r) for r in first}
+    second = []
+    for i, r in enumerate(first):  # repeat each prompt, and continue each conversation
+        again = Request(f"b{i}", list(r.prompt_token_ids), r.sampling, 0.0)
+        turn = Request(f"c{i}", r.prompt_token_ids + truth[r.request_id] + [11, 12, 13], SamplingParams(max_tokens=4), 0.0)
+        second += [again, turn]
+    truth.update({r.request_id: expected_output(r) for r in second})
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
+    outputs, _, sched = run_all(None, cfg, num_blocks, 4, 6, num_prefix_slots=8, waves=[first, second])
+    assert outputs == truth
+    assert sched.num_prefix_hit_tokens_total >= 12 * 4
+    if num_blocks == 40:  # small enough that hits and preemptions mix
+        assert sched.num_preemptions_total > 0
+
+
+def test_prefix_cache_evicts_before_preempting():
+    rng = random.Random(10)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    cache = HybridCacheManager(12, 4, 2, num_prefix_slots=4)
+    sched = Scheduler(cfg, cache)
+    runner = SimRunner(12, 4, 2, 4)
+    waves = [[make_request(f"w{i}", 9, 2, rng)] for i in range(4)]  # each leaves a cached 8-token prefix
+    run_all(None, cfg, 12, 4, 2, sched=sched, runner=runner, waves=waves)
+    big = make_request("big", 30, 10, rng)
+    outputs, _, _ = run_all(None, cfg, 12, 4, 2, sched=sched, runner=runner, waves=[[big]])
+    assert outputs["big"] == expected_output(big) and sched.num_preemptions_total == 0
 
 
 def test_chunked_prefill_respects_budget_and_chunk_cap():
