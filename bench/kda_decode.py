@@ -61,6 +61,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--variants", action="store_true", help="also time block-size variants at B=64")
     args = ap.parse_args()
     res = header()
     res["fla"] = fla_version()
@@ -112,6 +113,13 @@ def main() -> int:
             cases["fla_layer_fp32"] = fla_layer
         except ImportError as exc:
             row["fla_error"] = repr(exc)
+        if B == 64 and args.variants:
+            for kw in (dict(BV=16), dict(BV=64), dict(BV=32, num_warps=2), dict(BV=32, num_warps=8)):
+                tag = "_".join(f"{k}{v}" for k, v in kw.items())
+                cases[f"ours_layer_fp32_{tag}"] = lambda kw=kw: kda_layer_decode_launch(**fp32, **kw)
+                cases[f"ours_layer_bf16_{tag}"] = lambda kw=kw: kda_layer_decode_launch(**bf16, **kw)
+                cases[f"ours_recurrence_fp32_{tag}"] = lambda kw=kw: kda_decode_launch(q, k, v, g, beta, fp32["state"],
+                                                                                       slots, **kw)
         for name, fn in cases.items():
             try:
                 row[f"{name}_eager_us"] = time_eager(fn)
@@ -127,7 +135,7 @@ def main() -> int:
         row["relerr_layer_fp32_vs_fp64"] = check_layer(min(B, 16), torch.float32)
         row["relerr_layer_bf16_vs_fp64"] = check_layer(min(B, 16), torch.bfloat16)
         rows.append(row)
-        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     res["rows"] = rows
     write_results("kda_decode", res, args.out)
     return 0

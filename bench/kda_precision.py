@@ -54,13 +54,16 @@ def prefill_case(T: int, regime: str, H: int = 2, K: int = 128) -> dict:
         row[f"{name}_relerr_tail4096"] = rel(o[tail], ref[tail])
         row[f"{name}_state_relerr"] = rel(s, s64)
 
-    for prec in ("tf32x3", "tf32", "ieee"):
+    for chain, local in (("tf32x3", "tf32"), ("tf32", "tf32"), ("tf32x3", "tf32x3"), ("tf32", "tf32x3"),
+                         ("ieee", "ieee")):
+        name = f"ours_chain_{chain}_local_{local}"
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=prec)
-        record(f"ours_{prec}", o, s)
+        o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=chain, local_precision=local)
+        record(name, o, s)
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        o = kda_prefill_launch(q.float(), k, v, g, beta, s, cu, slots, init, chain_precision=prec)
-        record(f"ours_{prec}_fp32out", o, s)
+        o = kda_prefill_launch(q.float(), k, v, g, beta, s, cu, slots, init, chain_precision=chain,
+                               local_precision=local)
+        record(name + "_fp32out", o, s)
     try:
         from fla.ops.kda import chunk_kda
 
@@ -121,7 +124,11 @@ def main() -> int:
     res["prefill"], res["decode"] = [], []
     for T in [int(t) for t in args.lengths.split(",")]:
         for regime in ("slow_decay", "lower_bound"):
-            row = prefill_case(T, regime)
+            try:
+                row = prefill_case(T, regime)
+            except torch.cuda.OutOfMemoryError as exc:
+                row = {"T": T, "regime": regime, "error": repr(exc)[:300]}
+                torch.cuda.empty_cache()
             res["prefill"].append(row)
             print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     for regime in ("typical", "slow_decay"):

@@ -57,38 +57,51 @@ def kda_layer_decode_ref(
 
 
 @triton.jit
-def _conv_silu_step(x_row, w, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
-    """Conv + SiLU of one token on channels ``ch``; shifts the token into the slot. float32, rounded
-    through x's dtype as the unfused conv output is."""
+def _conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
+    dtype as the unfused conv output is."""
     o_j = tl.arange(0, BW)
     mm = m[:, None] & (o_j < W - 1)[None, :]
-    p_s = cs_slot + ch[:, None] * (W - 1) + o_j[None, :]
-    b_h = tl.load(p_s, mask=mm, other=0.0)
+    b_h = tl.load(cs_slot + ch[:, None] * (W - 1) + o_j[None, :], mask=mm, other=0.0)
     b_x = tl.load(x_row + ch, mask=m, other=0.0)
     b_w = tl.load(w + ch[:, None] * W + o_j[None, :], mask=mm, other=0.0).to(tl.float32)
     b_wl = tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
     acc = tl.sum(b_h.to(b_x.dtype).to(tl.float32) * b_w, 1) + b_x.to(tl.float32) * b_wl
     acc = acc * tl.sigmoid(acc)
+    return acc.to(b_x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
+    o_j = tl.arange(0, BW)
+    mm = m[:, None] & (o_j < W - 1)[None, :]
+    p_s = cs_slot + ch[:, None] * (W - 1) + o_j[None, :]
     b_next = tl.load(p_s + 1, mask=mm & (o_j < W - 2)[None, :], other=0.0)
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
     b_next = tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
     tl.debug_barrier()
     tl.store(p_s, b_next, mask=mm)
-    return acc.to(b_x.dtype).to(tl.float32)
 
 
 @triton.jit
 def kda_layer_decode_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_w, eps,
-    state, state_slots, out,
+    state, state_slots, out, arrivals,
     stride_x, stride_g, stride_b, stride_gate, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
 ):
-    i_bh = tl.program_id(0)
+    """Grid (V / BV, B * H). Each program owns a [K, BV] slice of one head's state and the conv slot of its
+    BV value channels. The RMSNorm needs the head's whole output, and the q/k conv slot may be shifted
+    only once every program of the head has read it: the last program of the head to arrive (counted in
+    ``arrivals``, an acquire-release atomic, so it sees the others' writes) does both, then resets its
+    counter for the next call."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
     # The state load goes first: it is the big one, and nothing it needs comes from the conv.
@@ -97,9 +110,10 @@ def kda_layer_decode_kernel(
     C = 2 * H * K + H * V
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * C * (W - 1)
-    b_q = _conv_silu_step(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
-    b_k = _conv_silu_step(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    b_v = _conv_silu_step(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
+    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
     b_g = tl.load(g_raw + i_b * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
     b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -114,16 +128,25 @@ def kda_layer_decode_kernel(
     b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
     b_s = b_s + b_k[:, None] * b_delta[None, :]
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    b_o = tl.sum(b_s * b_q[:, None], 0)
-    b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-    b_gate = tl.load(gate + i_b * stride_gate + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_o = b_o * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
-    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    # The unnormalised output, rounded to the output dtype as the unfused path rounds it before the norm.
+    tl.store(out + i_bh * V + o_v, tl.sum(b_s * b_q[:, None], 0).to(out.dtype.element_ty), mask=m_v)
+    arrived = tl.atomic_add(arrivals + i_bh, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.cdiv(V, BV) - 1:
+        _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+        _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+        o_f = tl.arange(0, BVF)
+        m_f = o_f < V
+        b_o = tl.load(out + i_bh * V + o_f, mask=m_f, other=0.0, cache_modifier=".cg").to(tl.float32)
+        b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
+        b_gate = tl.load(gate + i_b * stride_gate + i_h * V + o_f, mask=m_f, other=0.0).to(tl.float32)
+        b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+        tl.debug_barrier()
+        tl.store(out + i_bh * V + o_f, b_o.to(out.dtype.element_ty), mask=m_f)
+        tl.atomic_xchg(arrivals + i_bh, 0)
 
 
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
-                            norm_weight, eps, state, state_slots, num_warps: int = 8,
+                            norm_weight, eps, state, state_slots, BV: int | None = None, num_warps: int = 4,
                             out: torch.Tensor | None = None):
     B = qkv.shape[0]
     if state.dim() != 4 or not state.is_contiguous():
@@ -155,12 +178,15 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     if B == 0:
         return out
-    kda_layer_decode_kernel[(B * H,)](
+    BVF = triton.next_power_of_2(V)
+    BV = min(BV or 32, BVF)
+    arrivals = torch.zeros(B * H, dtype=torch.int32, device=qkv.device)
+    kda_layer_decode_kernel[(triton.cdiv(V, BV), B * H)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log.contiguous(), dt_bias.float().contiguous(),
         float(lower_bound) if lower_bound is not None else 0.0, norm_weight.contiguous(), float(eps),
-        state, state_slots, out,
+        state, state_slots, out, arrivals,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), gate.stride(0), K**-0.5,
-        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), W=W,
+        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, BVF=BVF, W=W,
         BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
     )
     return out

@@ -34,7 +34,7 @@ def test_decode():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_layer_decode(state_dtype, lower_bound):
-    cases.layer_decode("cpu", B=3, H=2, K=16, state_dtype=state_dtype, lower_bound=lower_bound)
+    cases.layer_decode("cpu", B=3, H=2, K=32, state_dtype=state_dtype, lower_bound=lower_bound, BV=16)
 
 
 @pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])

@@ -78,7 +78,8 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         else:
             ref = pre.kda_prefill_ref(*args, s64, [0, lens[n]], [0], [i])
         assert_close(f"o[seq {n}]", out[sl], ref, rel, atol, rtol)
-        assert_close(f"state[seq {n}]", state[s], s64[0], 2e-5 if device == "cpu" else 2e-3, 1e-4, 1e-3)
+        state_tol = (2e-5, 1e-4, 1e-3) if device == "cpu" else (2e-3, 2e-3, 2e-3)
+        assert_close(f"state[seq {n}]", state[s], s64[0], *state_tol)
     untouched = [s for s in range(num_slots) if s not in slots]
     assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"
 
@@ -104,7 +105,7 @@ def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, see
 
 
 def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
-                 lower_bound=-5.0, seed=0, W=4):
+                 lower_bound=-5.0, seed=0, W=4, **launch):
     gen = torch.Generator(device=device).manual_seed(seed)
     C = 3 * H * K
 
@@ -120,12 +121,12 @@ def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32,
     ref = layer.kda_layer_decode_ref(**r)
     conv_before, state_before = a["conv_state"].clone(), a["state"].clone()
     out = torch.full((B, H, K), NAN, dtype=dtype, device=device)
-    layer.kda_layer_decode_launch(**a, out=out)
+    layer.kda_layer_decode_launch(**a, out=out, **launch)
     rel, atol, rtol = tolerances(dtype, device)
     assert_close("o", out, ref, rel, atol, rtol)
-    if state_dtype == torch.float32:
+    if state_dtype == torch.float32 and dtype == torch.float32:
         assert_close("state", a["state"], r["state"], 1e-6, 1e-5, 1e-4)
-    else:  # one bf16 rounding of the new state
+    else:  # one bf16 rounding of the new state, or of the conv output that feeds it
         assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
     assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
     others = [s for s in range(B + 2) if s not in a["state_slots"].tolist()]
@@ -186,16 +187,32 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.
 
 
 def tiny_model_greedy_same(tmp_path, monkeypatch, device: str, steps: int = 8):
-    """The tiny model's greedy tokens (prefill + decode) are the same with the kernels and with the references."""
+    """The tiny model's greedy tokens (prefill + decode) are the same with the KDA/conv kernels and with their
+    references. Every other op runs its reference in both runs, so only these kernels are compared."""
     from flashinfra.kernels import dispatch
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
 
+    mine = (conv, dec, pre)
+    calls = {}
+    for mod in mine:
+        for name in [n for n in vars(mod) if n.endswith("_launch")]:
+            def counted(*args, _f=getattr(mod, name), _n=name, **kwargs):
+                calls[_n] = calls.get(_n, 0) + 1
+                return _f(*args, **kwargs)
+
+            monkeypatch.setattr(mod, name, counted)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
     model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=1), dtype="float32", device=device)
     prompt = torch.randint(1, model.config.text.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
-    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    for mod in mine:
+        monkeypatch.setattr(mod, "use_triton", lambda *tensors: True)
     fast, fast_logits = greedy(model, prompt, steps)
-    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    for name in ("kda_prefill_launch", "kda_decode_launch", "causal_conv1d_prefill_launch",
+                 "causal_conv1d_decode_launch"):
+        assert calls.get(name, 0) > 0, f"{name} never ran: {calls}"
+    for mod in mine:
+        monkeypatch.setattr(mod, "use_triton", lambda *tensors: False)
     ref, ref_logits = greedy(model, prompt, steps)
     assert fast == ref
     for a, b in zip(fast_logits, ref_logits):

@@ -37,6 +37,11 @@ def test_layer_decode_real_size(B, state_dtype):
     cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("launch", [dict(BV=16), dict(BV=64, num_warps=8), dict(BV=128)])
+def test_layer_decode_block_variants(launch):
+    cases.layer_decode("cuda", B=9, H=64, K=128, dtype=torch.bfloat16, **launch)
+
+
 def test_conv_real_size():
     cases.conv_prefill("cuda", [1000, 63, 1], C=3 * 64 * 128, dtype=torch.bfloat16)
     cases.conv_decode("cuda", B=65, C=3 * 64 * 128, dtype=torch.bfloat16)
@@ -55,8 +60,9 @@ def test_public_ops_dispatch_to_triton_on_cuda():
 
 
 def test_plain_tf32_state_chain_is_worse_than_tf32x3():
-    """Slow decay (long memory), T=16384: the final state's error against float64 with the state products in
-    plain tf32 is several times that with tf32x3 (which is at fp32 level)."""
+    """Slow decay (long memory), T=16384, in-chunk products in tf32x3 so that only the state chain differs:
+    the final state's error against float64 with the chain in plain tf32 is many times that with tf32x3
+    (which stays near fp32 rounding)."""
     T, H, K = 16384, 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(T, H, K, device="cuda", generator=gen) for _ in range(3))
@@ -68,11 +74,11 @@ def test_plain_tf32_state_chain_is_worse_than_tf32x3():
     errs = {}
     for prec in ("tf32", "tf32x3"):
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec)
+        o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec,
+                                           local_precision="tf32x3")
         errs[prec] = (float((s.double() - s64).norm() / s64.norm()), float((o.double() - ref).norm() / ref.norm()))
-    assert errs["tf32x3"][0] < 2e-4, errs
-    assert errs["tf32"][0] > 3 * errs["tf32x3"][0], errs
-
+    assert errs["tf32x3"][0] < 1e-4, errs
+    assert errs["tf32"][0] > 5 * errs["tf32x3"][0], errs
 
 
 def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
