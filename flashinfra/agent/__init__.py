@@ -8,8 +8,9 @@ pass wait for a person: ``flashinfra agent review | approve | reject``. ``flashi
 same feedback tools to external coding agents over MCP.
 
 Modules: ``goals`` (the goals file), ``paths`` (repository confinement and guardrails), ``sandbox``
-(limited subprocesses), ``guard`` + ``worker`` (what runs inside them), ``worktree`` (git), ``evaluate``
-(the gate a candidate must pass), ``llm`` (chat-completions client), ``tools`` (the tool set),
-``journal`` + ``report`` (JSONL journal, Markdown report), ``loop`` (the campaign), ``review`` (human
-approval), ``mcp_server`` and ``cli``.
+(limited, network-less subprocesses), ``guard`` + ``worker`` (what runs inside them), ``worktree``
+(git), ``evaluate`` (sandboxed runs and the gate a candidate must pass), ``abstats`` (the A/B verdict),
+``campaign`` (state on disk), ``llm`` (chat-completions client), ``tools`` (the tool set), ``journal`` +
+``report`` (JSONL journal, Markdown report), ``loop`` (the campaign), ``review`` (human approval),
+``mcp_server`` and ``cli``.
 """

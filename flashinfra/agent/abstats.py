@@ -1,17 +1,20 @@
 """The statistic behind an A/B verdict: baseline (A) and candidate (B) per-block medians from interleaved
-subprocess rounds, an A/A noise floor, and an exact one-sided Mann-Whitney test.
+subprocess rounds, an A/A noise floor, and the Mann-Whitney test of ``flashinfra.feedback.stats``.
 
 ``compare(a, b, direction, min_effect)`` says ``better``, ``worse`` or ``no difference``. "Better" needs
-all three: the relative change of the medians beyond the noise floor (the spread of the baseline's own
-blocks, measured in different subprocesses: what an A/A run would show), beyond ``min_effect``, and a
-one-sided p-value below ``alpha``.
+all three: the relative change of the medians beyond the noise floor (how far apart the baseline's own
+subprocesses land: what an A/A run would show), beyond ``min_effect``, and a
+Mann-Whitney p-value below ``alpha`` (two-sided; the direction comes from the medians). This differs
+from ``flashinfra.feedback.ab`` (whole subprocess rounds of A, B, A' per sample) in taking several block
+medians per subprocess, so that a candidate is judged with four subprocesses instead of nine or more.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from dataclasses import asdict, dataclass
+
+from flashinfra.feedback.stats import mann_whitney
 
 
 @dataclass(frozen=True)
@@ -34,51 +37,38 @@ class ABResult:
                 f"p={self.p_value:.3g}, n={self.n_baseline}+{self.n_candidate})")
 
 
-def mann_whitney_p(low: list[float], high: list[float]) -> float:
-    """Exact one-sided p-value that ``low`` tends to be smaller than ``high`` (ties count one half):
-    the fraction of relabellings of the pooled values whose U is at least the observed one."""
-    def u_stat(xs, ys):
-        return sum(1.0 if x < y else 0.5 if x == y else 0.0 for x in xs for y in ys)
-
-    pooled = list(low) + list(high)
-    n = len(low)
-    observed = u_stat(low, high)
-    if len(pooled) > 20:
-        raise ValueError("exact Mann-Whitney is for small samples (at most 20 values)")
-    hits = total = 0
-    for chosen in itertools.combinations(range(len(pooled)), n):
-        picked = set(chosen)
-        xs = [pooled[i] for i in chosen]
-        ys = [pooled[i] for i in range(len(pooled)) if i not in picked]
-        hits += u_stat(xs, ys) >= observed - 1e-12
-        total += 1
-    return hits / total
-
-
-def noise_floor(values: list[float]) -> float:
-    """Relative spread (max - min) / median of repeated measurements of one revision."""
-    if len(values) < 2:
+def noise_floor(groups: list[list[float]]) -> float:
+    """What an A/A experiment shows: the largest relative difference between the medians of the same
+    revision measured in different subprocesses (one group per subprocess). With a single group, the
+    interquartile range of its values relative to their median."""
+    groups = [g for g in groups if g]
+    pooled = [v for g in groups for v in g]
+    if len(pooled) < 2:
         return 0.0
-    med = statistics.median(values)
-    return (max(values) - min(values)) / med if med else 0.0
+    med = statistics.median(pooled)
+    if not med:
+        return 0.0
+    if len(groups) >= 2:
+        medians = [statistics.median(g) for g in groups]
+        return (max(medians) - min(medians)) / med
+    q = statistics.quantiles(pooled, n=4)
+    return (q[2] - q[0]) / med
 
 
-def compare(a: list[float], b: list[float], direction: str = "lower", min_effect: float = 0.03,
+def compare(a_groups: list[list[float]], b: list[float], direction: str = "lower", min_effect: float = 0.03,
             alpha: float = 0.05) -> ABResult:
+    """``a_groups``: the baseline's values per subprocess (for the A/A noise floor); ``b``: the candidate's."""
+    a = [v for g in a_groups for v in g]
     if len(a) < 2 or len(b) < 2:
         raise ValueError("an A/B comparison needs at least two measurements per side")
     ma, mb = statistics.median(a), statistics.median(b)
-    if direction == "lower":
-        change = (ma - mb) / ma if ma else 0.0
-        p_better, p_worse = mann_whitney_p(b, a), mann_whitney_p(a, b)
+    change = ((ma - mb) if direction == "lower" else (mb - ma)) / ma if ma else 0.0
+    p = mann_whitney(b, a)["p_value"]
+    floor = max(noise_floor(a_groups), min_effect)
+    if change > floor and p < alpha:
+        verdict = "better"
+    elif -change > floor and p < alpha:
+        verdict = "worse"
     else:
-        change = (mb - ma) / ma if ma else 0.0
-        p_better, p_worse = mann_whitney_p(a, b), mann_whitney_p(b, a)
-    floor = max(noise_floor(a), min_effect)
-    if change > floor and p_better < alpha:
-        verdict, p = "better", p_better
-    elif -change > floor and p_worse < alpha:
-        verdict, p = "worse", p_worse
-    else:
-        verdict, p = "no difference", min(p_better, p_worse)
-    return ABResult(ma, mb, change, noise_floor(a), p, verdict, len(a), len(b))
+        verdict = "no difference"
+    return ABResult(ma, mb, change, noise_floor(a_groups), p, verdict, len(a), len(b))

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flashinfra
-from flashinfra.agent import abstats, criteria, worktree
+from flashinfra.agent import abstats, worktree
 from flashinfra.agent.goals import Goals
 from flashinfra.agent.paths import Guardrails
 from flashinfra.agent.sandbox import Outcome, candidate_env, run_limited
+from flashinfra.feedback import goals as fb_goals
 
 BLOCKS = 3  # benchmark blocks per subprocess; each block's median is one sample of the A/B statistic
 
@@ -91,9 +92,15 @@ def check_metrics(checks_json: dict) -> dict[str, float]:
     return metrics
 
 
-def bench_metrics(blocks: dict[str, list[float]]) -> dict[str, float]:
+def _flat(groups: list[list[float]]) -> list[float]:
+    return [v for g in groups for v in g]
+
+
+def bench_metrics(blocks: dict[str, list[list[float]]]) -> dict[str, float]:
+    """Benchmark figures from block medians grouped by subprocess."""
     metrics = {}
-    for name, values in blocks.items():
+    for name, groups in blocks.items():
+        values = _flat(groups)
         metrics[name] = metrics[f"{name}.median_s"] = statistics.median(values)
         metrics[f"{name}.min_s"] = min(values)
     return metrics
@@ -161,17 +168,18 @@ class Gate:
                     if b.get("error") or b.get("flags"):
                         if side == "B":
                             verdict["reasons"].append(f"benchmark {name}: {b.get('error') or b['flags']}")
-                    blocks[side].setdefault(name, []).extend(b.get("block_medians", []))
+                    blocks[side].setdefault(name, []).append(b.get("block_medians", []))
                 if verdict["reasons"]:
                     return verdict
         metrics = {s: {**check_metrics(checks.get(s, {})), **bench_metrics(blocks[s])} for s in ("A", "B")}
         verdict["metrics"] = metrics
         for c in g.criteria:
-            res = criteria.evaluate(c.name, c.expr, metrics["B"])
-            verdict["criteria"].append(res.to_dict())
-            if not res.holds:
-                value = "" if res.value is None else f" (value {res.value:.4g})"
-                verdict["reasons"].append(f"criterion {c.name!r} does not hold: {c.expr}{value} {res.error}".rstrip())
+            res = fb_goals.evaluate(c.name, c.expr, metrics["B"])
+            verdict["criteria"].append(res)
+            if not res["passed"]:
+                value = "" if res["value"] is None else f" (value {res['value']:.4g})"
+                verdict["reasons"].append(f"criterion {c.name!r} does not hold: {c.expr}{value} "
+                                          f"{res['error'] or ''}".rstrip())
         for t in g.targets:
             verdict["targets"].append(self._target(t, blocks, metrics, verdict["reasons"]))
         verdict["passed"] = not verdict["reasons"]
@@ -180,7 +188,7 @@ class Gate:
     def _target(self, t, blocks, metrics, reasons) -> dict:
         g = self.goals
         if t.metric in blocks["A"] and t.metric in blocks["B"]:
-            ab = abstats.compare(blocks["A"][t.metric], blocks["B"][t.metric], t.direction, g.min_effect)
+            ab = abstats.compare(blocks["A"][t.metric], _flat(blocks["B"][t.metric]), t.direction, g.min_effect)
             if ab.verdict != "better":
                 reasons.append(f"target {t.metric}: no improvement beyond the noise floor ({ab.summary()})")
             return {"metric": t.metric, **ab.to_dict(), "summary": ab.summary()}

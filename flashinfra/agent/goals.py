@@ -17,8 +17,8 @@
     metric = "prefill_with_transfer"
     direction = "lower"
 
-    [[criterion]]                          # must hold on the candidate
-    name = "transfer overhead"
+    [[criterion]]                          # must hold on the candidate (or metric/op/threshold, as in
+    name = "transfer overhead"             # the goals files of ``flashinfra goals check``)
     expr = "prefill_with_transfer / prefill_alone <= 1.05"
 
     [guardrails]
@@ -37,8 +37,8 @@
 
 Metrics (names usable in ``metric`` and ``expr``): each benchmark's median seconds under its own name
 (``B``, also ``B.median_s``, ``B.min_s``), and each check result's ``R.rel_norm``, ``R.max_abs`` and
-``R.passed`` (1 or 0). This module parses and validates; evaluating expressions lives in
-``flashinfra.agent.criteria``, enforcing guardrails in ``flashinfra.agent.paths``.
+``R.passed`` (1 or 0). This module parses and validates; expressions are evaluated by
+``flashinfra.feedback.goals``, guardrails enforced by ``flashinfra.agent.paths``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flashinfra.feedback import goals as fb_goals
 
 # Paths a candidate may never change, whatever the goals file says: the evidence and its judges.
 ALWAYS_READ_ONLY = (
@@ -184,9 +186,12 @@ def load_goals(path: str | Path) -> Goals:
         targets.append(Target(t["metric"], direction))
     criteria = []
     for i, c in enumerate(data.get("criterion", [])):
-        if not isinstance(c, dict) or not isinstance(c.get("expr"), str):
-            raise GoalsError(f"criterion[{i}].expr must be a string")
-        criteria.append(Criterion(str(c.get("name", c["expr"])), c["expr"]))
+        if not isinstance(c, dict):
+            raise GoalsError(f"criterion[{i}] must be a table")
+        try:
+            criteria.append(Criterion(*fb_goals.criterion_expr(c, i)))
+        except fb_goals.GoalsError as exc:
+            raise GoalsError(f"criterion[{i}]: {exc}") from None
     editable = _strings(guardrails, "editable", "guardrails")
     if not editable:
         raise GoalsError("guardrails.editable must name at least one path: the agent needs somewhere to work")

@@ -34,7 +34,7 @@ class Reply:
 
 class ChatClient:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0,
-                 retries: int = 3, temperature: float | None = None):
+                 retries: int = 3, temperature: float | None = None, backoff_s: float = 1.0):
         if not base_url:
             raise LLMError("no endpoint: pass --base-url or set FLASHINFRA_AGENT_BASE_URL")
         if not model:
@@ -42,6 +42,7 @@ class ChatClient:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.retries = retries
+        self.backoff_s = backoff_s
         self.temperature = temperature
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
@@ -53,7 +54,7 @@ class ChatClient:
         body = {"model": self.model, "messages": messages, "tools": tools, "tool_choice": "auto"}
         if self.temperature is not None:
             body["temperature"] = self.temperature
-        delay = 1.0
+        delay = self.backoff_s
         for attempt in range(self.retries + 1):
             start = time.monotonic()
             try:

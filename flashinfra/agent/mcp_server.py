@@ -10,6 +10,7 @@ flashinfra's own providers are used.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from flashinfra.agent import worktree
 from flashinfra.agent.campaign import STATE_DIR, campaign_dir
 from flashinfra.agent.evaluate import Runner
 from flashinfra.agent.goals import Goals, load_goals
-from flashinfra.agent.tools import FEEDBACK_SPECS, FeedbackTools
+from flashinfra.agent.tools import FEEDBACK_SPECS, FeedbackTools, ToolError
+from flashinfra.agent.worktree import GitError
 
 
 def default_goals(repo: Path) -> Goals:
@@ -55,6 +57,7 @@ def build_tools(repo: Path, goals_path: Path | None) -> FeedbackTools:
 def build_server(repo: Path, goals_path: Path | None = None):
     try:
         from mcp.server.mcpserver import MCPServer
+        from mcp.server.mcpserver.exceptions import ToolError as MCPToolError
     except ModuleNotFoundError as exc:
         raise RuntimeError("flashinfra mcp needs the MCP SDK: pip install 'flashinfra[agent]'") from exc
     tools = build_tools(repo, goals_path)
@@ -82,6 +85,9 @@ def build_server(repo: Path, goals_path: Path | None = None):
     def gil_probe(names: list[str] | None = None) -> str:
         return tools.gil_probe(names)
 
+    def trace(benchmark: str) -> str:
+        return tools.trace(benchmark)
+
     def summarize_events(path: str) -> str:
         return tools.summarize_events(path)
 
@@ -89,14 +95,28 @@ def build_server(repo: Path, goals_path: Path | None = None):
         tools.base_tree = tools.base_tree_for(base)
         return tools.ab_test(candidate="working", names=names)
 
-    for fn in (list_files, read_file, search_code, run_checks, run_benchmarks, gil_probe, summarize_events,
+    for fn in (list_files, read_file, search_code, run_checks, run_benchmarks, gil_probe, trace, summarize_events,
                ab_test):
         description = doc[fn.__name__]
         if fn is ab_test:
             description = "A/B experiment: the working tree (B) against a revision (A, default HEAD), " \
                           "interleaved subprocess rounds, noise floor and verdict per benchmark."
-        server.add_tool(fn, name=fn.__name__, description=description)
+        server.add_tool(_answering(fn, MCPToolError), name=fn.__name__, description=description)
     return server
+
+
+def _answering(fn, error_type):
+    """``fn`` with the errors a caller can act on (a path refused, a run stopped, a bad pattern) passed to
+    the client as tool errors with their message, instead of the SDK's generic crash report."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ToolError, PermissionError, KeyError, ValueError, FileNotFoundError, GitError) as exc:
+            raise error_type(str(exc.args[0] if exc.args else exc)) from exc
+
+    return call
 
 
 def main(repo: Path, goals_path: Path | None = None) -> int:

@@ -53,7 +53,7 @@ def render(records: list[dict]) -> str:
             lines.append(f"- target `{t['metric']}`: {t.get('summary') or t['verdict']}")
         for c in verdict.get("criteria", []):
             lines.append(f"- criterion {c['name']!r} `{c['expr']}`: value {_fmt(c['value'])}, "
-                         f"{'holds' if c['holds'] else 'fails'}")
+                         f"{'holds' if c['passed'] else 'fails'}")
         lines.append("")
     if refused:
         lines += ["## Refused edits", ""] + [f"- {r['candidate']}: {r['reason']}" for r in refused] + [""]

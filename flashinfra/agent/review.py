@@ -34,7 +34,7 @@ def review_text(campaign: Campaign, cid: str | None = None) -> str:
             parts.append(f"  target {t['metric']}: {t.get('summary') or t['verdict']}")
         for x in v.get("criteria", []):
             parts.append(f"  criterion {x['name']!r} {x['expr']}: value {x['value']} "
-                         f"{'holds' if x['holds'] else 'fails'}")
+                         f"{'holds' if x['passed'] else 'fails'}")
         checks = {k: val for k, val in v.get("metrics", {}).get("B", {}).items() if k.endswith(".passed")}
         if checks:
             parts.append("  checks: " + ", ".join(f"{k[:-7]} {'pass' if val else 'FAIL'}" for k, val in checks.items()

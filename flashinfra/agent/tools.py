@@ -1,7 +1,7 @@
 """The tools the model (or an MCP client) calls, with their JSON schemas.
 
 ``FeedbackTools`` reads and measures a tree: ``list_files``, ``read_file``, ``search_code``,
-``run_checks``, ``run_benchmarks``, ``gil_probe``, ``summarize_events``, ``ab_test``. ``CampaignTools`` adds
+``run_checks``, ``run_benchmarks``, ``gil_probe``, ``trace``, ``summarize_events``, ``ab_test``. ``CampaignTools`` adds
 what changes code and decides: ``new_candidate``, ``edit_file``, ``write_file``, ``apply_patch``,
 ``show_diff``, ``submit_candidate``, ``finish``. Every tool takes and returns plain JSON-able values; a
 tool returns text written for the model, and raises ``ToolError`` (or a ``PermissionError``/``KeyError``/
@@ -17,9 +17,10 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from flashinfra.agent import abstats, criteria, worktree
+from flashinfra.agent import abstats, worktree
 from flashinfra.agent.evaluate import BLOCKS, Runner, bench_metrics
 from flashinfra.agent.paths import PathError, confine
+from flashinfra.feedback import goals as fb_goals
 
 MAX_READ_LINES = 400
 MAX_HITS = 100
@@ -50,6 +51,8 @@ FEEDBACK_SPECS = {
     "gil_probe": _schema("Run benchmarks under the GIL probe: stalls, their durations and every thread's "
                          "stack during the stall; stalls also go to a runtime-event file.",
                          {"names": _LS, "candidate": _CAND}),
+    "trace": _schema("Profile one benchmark with torch.profiler: Chrome trace file, top ops/kernels by time, "
+                     "GPU idle gaps, time per step.", {"benchmark": _S, "candidate": _CAND}, ("benchmark",)),
     "summarize_events": _schema("Summarize a runtime-event JSONL file (from gil_probe or the repository).",
                                 {"path": _S, "candidate": _CAND}, ("path",)),
     "ab_test": _schema("A/B experiment: candidate vs base revision, interleaved subprocess rounds, noise "
@@ -157,17 +160,17 @@ class FeedbackTools:
                         blocks=1)
         lines, blocks = [], {}
         for name, b in run.result["bench"].items():
-            blocks[name] = b["block_medians"]
+            blocks[name] = [b["block_medians"]]
             last = b["last"]
             lines.append(f"{name}: median {last['median_s'] * 1e3:.3f} ms (p10 {last['p10_s'] * 1e3:.3f}, "
                          f"p90 {last['p90_s'] * 1e3:.3f}, n={last['runs']})"
                          + (f" flags: {', '.join(b['flags'])}" if b["flags"] else ""))
         metrics = bench_metrics(blocks)
         for c in self.goals.criteria:
-            res = criteria.evaluate(c.name, c.expr, metrics)
-            if not res.error:
-                value = "" if res.value is None else f" (value {res.value:.4g})"
-                lines.append(f"criterion {c.name!r}: {c.expr}{value} -> {'holds' if res.holds else 'NOT MET'}")
+            res = fb_goals.evaluate(c.name, c.expr, metrics)
+            if not res["error"]:
+                value = "" if res["value"] is None else f" (value {res['value']:.4g})"
+                lines.append(f"criterion {c.name!r}: {c.expr}{value} -> {'holds' if res['passed'] else 'NOT MET'}")
         return "\n".join(lines)
 
     def gil_probe(self, names: list[str] | None = None, candidate: str | None = None) -> str:
@@ -175,6 +178,10 @@ class FeedbackTools:
         gil = run.result["gil"]
         texts = [f"[{name}] {r['text']}" for name, r in gil["reports"].items()]
         return "\n".join(texts) + f"\nruntime events: {gil['events']}"
+
+    def trace(self, benchmark: str, candidate: str | None = None) -> str:
+        run = self._run(candidate, ["trace"], benchmark=benchmark, steps=3)
+        return run.result["trace"]["text"] + f"\nChrome trace: {run.result['trace']['path']}"
 
     def summarize_events(self, path: str, candidate: str | None = None) -> str:
         from flashinfra.feedback import events_summary
@@ -197,10 +204,11 @@ class FeedbackTools:
                 if run.failure:
                     raise ToolError(f"{'candidate' if side == 'B' else 'baseline'} run failed: {run.failure}")
                 for name, b in run.result["bench"].items():
-                    blocks[side].setdefault(name, []).extend(b["block_medians"])
+                    blocks[side].setdefault(name, []).append(b["block_medians"])
         lines = []
         for name in blocks["A"]:
-            res = abstats.compare(blocks["A"][name], blocks["B"][name], "lower", self.goals.min_effect)
+            b_values = [v for group in blocks["B"][name] for v in group]
+            res = abstats.compare(blocks["A"][name], b_values, "lower", self.goals.min_effect)
             lines.append(f"{name}: {res.summary()}".replace("better", "faster").replace("worse", "slower"))
         return "\n".join(lines)
 
@@ -289,7 +297,7 @@ class CampaignTools(FeedbackTools):
         lines = [f"candidate {c.id}: {'PASSED (waits for human approval)' if v['passed'] else 'REJECTED'}"]
         lines += [f"- {r}" for r in v["reasons"]]
         lines += [f"- target {t['metric']}: {t.get('summary') or t['verdict']}" for t in v["targets"]]
-        lines += [f"- criterion {x['name']!r}: value {x['value']} -> {'holds' if x['holds'] else 'fails'}"
+        lines += [f"- criterion {x['name']!r}: value {x['value']} -> {'holds' if x['passed'] else 'fails'}"
                   for x in v["criteria"]]
         return "\n".join(lines)
 

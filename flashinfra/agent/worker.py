@@ -1,6 +1,6 @@
 """What runs inside an evaluation subprocess: ``python -m flashinfra.agent.worker SPEC.json``.
 
-The spec names tasks (``checks``, ``bench``, ``gil``), the provider modules that register the
+The spec names tasks (``checks``, ``bench``, ``gil``, ``trace``), the provider modules that register the
 repository's checks and benchmarks, what to run, the allowed roots and where to write. The worker imports
 the trusted machinery first (``flashinfra.feedback``, torch), then arms ``flashinfra.agent.guard``, and
 only then imports the providers: candidate code never runs unguarded. The result is one JSON file.
@@ -61,7 +61,7 @@ def _gil(spec: dict) -> dict:
     reports = {}
     for entry in registry.select(registry.benchmarks(), spec.get("benchmarks") or None):
         bspec = entry.fn(ctx)
-        probe = gil_probe.GilProbe(threshold_s=float(spec.get("threshold_s", 0.002)), interval_s=0.002,
+        probe = gil_probe.GilProbe(threshold_s=float(spec.get("threshold_s", 0.005)), interval_s=0.002,
                                    events=log)
         with log.span("benchmark", name=entry.name), probe:
             bench.run_spec(entry.name, bspec, ctx.device, runs=int(spec.get("repeats", 3)), warmup=1)
@@ -69,7 +69,28 @@ def _gil(spec: dict) -> dict:
     return {"reports": reports, "events": str(log.path)}
 
 
-TASKS = {"checks": _checks, "bench": _bench, "gil": _gil}
+def _trace(spec: dict) -> dict:
+    """One benchmark's calls under torch.profiler: a Chrome trace in the workdir and its summary."""
+    from flashinfra.feedback import registry, trace
+
+    ctx = _context()
+    (entry,) = [e for e in registry.select(registry.benchmarks(), [spec["benchmark"]])
+                if e.name == spec["benchmark"]] or [None]
+    if entry is None:
+        raise KeyError(f"no benchmark named {spec['benchmark']!r}")
+    bspec = entry.fn(ctx)
+    inputs = {i: bspec.make_inputs(i) for i in range(-1, int(spec.get("steps", 3)))}
+
+    def step(i: int):
+        args = inputs[max(i, -1)]
+        return bspec.fn(*(args if isinstance(args, (tuple, list)) else (args,)))
+
+    path = trace.profile_steps(step, int(spec.get("steps", 3)), ctx.device, Path(spec["workdir"]) / "trace")
+    summary = trace.summarize_trace(path)
+    return {"path": str(path), "text": trace.format_text(summary)}
+
+
+TASKS = {"checks": _checks, "bench": _bench, "gil": _gil, "trace": _trace}
 
 
 def main(argv: list[str]) -> int:

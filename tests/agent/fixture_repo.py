@@ -3,8 +3,8 @@ way any repository does, for the Infra Agent's acceptance tests.
 
 - ``engine/transfer.py``: the KV-transfer thread checksums each page with ``sum(bytes)``, one C call that
   holds the GIL for milliseconds and stalls the prefill thread (signal: the GIL probe and the
-  ``prefill_with_transfer / prefill_alone`` criterion). The fix computes the same sum with a torch op,
-  which releases the GIL.
+  ``prefill_with_transfer / prefill_alone`` criterion). The fix computes the same sum with a numpy
+  reduction, which releases the GIL.
 - ``engine/rowsum.py``: a per-row Python loop (signal: ``kernel.rowsum`` is far slower than copying the
   same tensor). The fix is one vectorised reduction.
 - ``engine/scan.py``: a chunked running sum whose carry between chunks is stored in bfloat16; exact for
@@ -27,7 +27,7 @@ FILES = {
         import torch
 
 
-        def prefill(x, w, layers=2500):
+        def prefill(x, w, layers=5000):
             h = x
             for _ in range(layers):
                 h = torch.tanh(h @ w)
@@ -102,7 +102,7 @@ FILES = {
         torch.set_num_threads(1)  # the toy engine runs one op at a time; timings stay comparable
 
 
-        def _pages(seed, n=4, numel=65536):
+        def _pages(seed, n=3, numel=512 * 1024):
             g = torch.Generator().manual_seed(seed)
             return [torch.randn(numel, generator=g) for _ in range(n)]
 
@@ -259,7 +259,7 @@ GOALS = {
 FIXES = {
     "transfer": {
         "correct": ("engine/transfer.py", "return sum(page.numpy().tobytes())",
-                    "return int(page.view(torch.uint8).sum(dtype=torch.int64))"),
+                    "return int(page.numpy().view(\"uint8\").sum(dtype=\"int64\"))"),
         "breaks": ("engine/transfer.py", "return sum(page.numpy().tobytes())", "return 0"),
         "noop": ("engine/transfer.py", "self.sums = []", "self.sums = list()"),
     },

@@ -1,7 +1,8 @@
 """A scripted LLM: an OpenAI-compatible chat-completions server on loopback that replays a fixed sequence
 of turns (tool calls, or plain text), and records every request it receives.
 
-A turn is a list of ``(tool_name, arguments)`` pairs, or a string (an answer without tool calls). After
+A turn is a list of ``(tool_name, arguments)`` pairs, a string (an answer without tool calls), or a
+function of the conversation so far returning either (to use what a tool answered earlier). After
 the last turn it answers with plain text, so a loop that keeps asking ends on its own.
 """
 
@@ -48,6 +49,8 @@ class ScriptedLLM:
                 return 503, {"error": "warming up"}
             turn_no = len([m for m in body["messages"] if m["role"] == "assistant"])
             turn = self.turns[turn_no] if turn_no < len(self.turns) else "script finished"
+            if callable(turn):
+                turn = turn(body["messages"])
         if isinstance(turn, str):
             message = {"role": "assistant", "content": turn}
         else:

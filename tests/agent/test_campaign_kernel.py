@@ -26,7 +26,8 @@ def test_kernel_campaign(repo, api_key, listener, tmp_path, capsys):
     loop_head = "for i in range(x.shape[0]):"
     turns = [
         [("run_benchmarks", {}), ("run_checks", {"patterns": ["kernel"]})],
-        [("read_file", {"path": "engine/rowsum.py"}), ("search_code", {"pattern": r"def rowsum"})],
+        [("read_file", {"path": "engine/rowsum.py"}), ("search_code", {"pattern": r"def rowsum"}),
+         ("trace", {"benchmark": "kernel.rowsum"})],
         [("new_candidate", {"hypothesis": "the per-row Python loop dominates; one reduction removes it"}),
          _edit("c1", fixes["correct"]), ("submit_candidate", {"candidate": "c1", "summary": "vectorised"})],
         [("new_candidate", {"hypothesis": "accumulate in bfloat16 for speed"}), _edit("c2", fixes["breaks"]),
@@ -63,6 +64,9 @@ def test_kernel_campaign(repo, api_key, listener, tmp_path, capsys):
     assert "kernel.rowsum: median" in results["call_0_0"] and "NOT MET" in results["call_0_0"]
     assert "PASS kernel.rowsum" in results["call_0_1"]
     assert "engine/rowsum.py:5: def rowsum" in results["call_1_1"]
+    # The trace shows one reduction per row: 1024 aten::sum calls per step, 3 steps.
+    assert "top CPU ops" in results["call_1_2"]
+    assert any("aten::sum" in line and " 3072 " in line for line in results["call_1_2"].splitlines())
 
     c = Campaign.open(repo / "goals/kernel.toml", must_exist=True).candidates
     assert c["c1"].status == "passed", c["c1"].verdict["reasons"]

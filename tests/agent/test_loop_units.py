@@ -1,0 +1,137 @@
+"""A/B statistic, journal, LLM client, crash/resume and budgets of the loop, and the gate's guardrail
+backstop."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from flashinfra.agent import abstats, tools
+from flashinfra.agent.campaign import Campaign
+from flashinfra.agent.journal import REDACTED, Journal, read
+from flashinfra.agent.llm import ChatClient, LLMError
+from flashinfra.agent.loop import Loop
+from tests.agent.scripted_llm import ScriptedLLM
+
+
+def test_abstats_verdicts():
+    base = [[1.00, 1.01, 0.99], [1.02, 1.00, 1.01]]
+    assert abstats.compare(base, [0.70, 0.71, 0.69, 0.70, 0.72, 0.71]).verdict == "better"
+    assert abstats.compare(base, [1.30, 1.31, 1.29, 1.33, 1.30, 1.32]).verdict == "worse"
+    same = abstats.compare(base, [1.00, 1.02, 0.99, 1.01, 1.00, 1.01])
+    assert same.verdict == "no difference" and abs(same.change) < 0.02
+    # A noisy baseline (A/A apart by 50%) hides a 30% gain.
+    noisy = abstats.compare([[1.0, 1.0, 1.0], [1.5, 1.5, 1.5]], [0.85] * 6)
+    assert noisy.verdict == "no difference" and noisy.noise_floor == pytest.approx(0.4, abs=0.01)
+    assert abstats.compare([[2.0] * 3, [2.0] * 3], [3.0] * 6, direction="higher").verdict == "better"
+    with pytest.raises(ValueError):
+        abstats.compare([[1.0]], [1.0, 2.0])
+
+
+def test_journal_redacts_and_survives_a_torn_line(tmp_path):
+    j = Journal(tmp_path / "j.jsonl", secrets=("sk-123",))
+    j.write("message", message={"content": "key sk-123 here", "nested": [{"k": "sk-123"}]})
+    text = (tmp_path / "j.jsonl").read_text()
+    assert "sk-123" not in text and text.count(REDACTED) == 2
+    with open(tmp_path / "j.jsonl", "a") as f:
+        f.write('{"kind": "tool_ca')
+    assert [r["kind"] for r in read(tmp_path / "j.jsonl")] == ["message"]
+    (tmp_path / "bad.jsonl").write_text('{"kind": "a"}\nnot json\n{"kind": "b"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        list(read(tmp_path / "bad.jsonl"))
+
+
+def test_llm_client_retries_and_errors():
+    turns = [[("list_files", {"path": "."})]]
+    with ScriptedLLM(turns, fail_first=2) as llm:
+        client = ChatClient(llm.base_url, "scripted", "sk-secret-abc", backoff_s=0.01)
+        reply = client.complete([{"role": "user", "content": "hi"}], tools.openai_tools(tools.FEEDBACK_SPECS))
+        assert reply.message["tool_calls"][0]["function"]["name"] == "list_files"
+        assert reply.prompt_tokens > 0 and len(llm.requests) == 3
+        assert llm.requests[-1]["tools"][0]["function"]["name"] == "list_files"
+        assert llm.headers[-1]["Authorization"] == "Bearer sk-secret-abc"
+        bad = ChatClient(llm.base_url.replace("/v1", "/nope"), "scripted", "sk-secret-abc", backoff_s=0.01)
+        with pytest.raises(LLMError, match="HTTP 404") as err:
+            bad.complete([], [])
+        assert "sk-secret-abc" not in str(err.value)
+        client.close()
+        bad.close()
+    with pytest.raises(LLMError, match="no endpoint"):
+        ChatClient("", "m")
+
+
+class Crash(BaseException):
+    """Stands for the process dying mid-tool (not an error the loop may catch)."""
+
+
+def _goals(tmp_path, repo, iterations=20):
+    path = tmp_path / f"goals-{iterations}.toml"
+    path.write_text(textwrap.dedent(f"""
+        [campaign]
+        name = "resume{iterations}"
+        providers = ["engine.checks"]
+        [[criterion]]
+        expr = "kernel.rowsum / kernel.copy <= 3"
+        [guardrails]
+        editable = ["engine/**"]
+        [budgets]
+        iterations = {iterations}
+        """))
+    return path
+
+
+def test_resume_after_a_crash(repo, tmp_path, monkeypatch):
+    goals = _goals(tmp_path, repo)
+    turns = [[("new_candidate", {"hypothesis": "h1"})],
+             [("read_file", {"path": "engine/rowsum.py", "candidate": "c1"}), ("list_files", {"path": "engine"})],
+             [("show_diff", {"candidate": "c1"})],
+             [("finish", {"summary": "done"})]]
+    real_read = tools.CampaignTools.read_file
+
+    def crashing_read(self, *args, **kwargs):
+        raise Crash()
+
+    monkeypatch.setattr(tools.CampaignTools, "read_file", crashing_read)
+    with ScriptedLLM(turns) as llm:
+        campaign = Campaign.open(goals, repo=repo)
+        with pytest.raises(Crash):
+            Loop(campaign, ChatClient(llm.base_url, "m")).run()
+        monkeypatch.setattr(tools.CampaignTools, "read_file", real_read)
+        resumed = Campaign.open(goals, repo=repo, must_exist=True)
+        assert resumed.resumed and list(resumed.candidates) == ["c1"]
+        loop = Loop(resumed, ChatClient(llm.base_url, "m"))
+        assert loop.turns == 2
+        assert loop.run() == "finished"
+        final = llm.requests[-1]["messages"]
+    answers = {m["tool_call_id"]: m["content"] for m in final if m["role"] == "tool"}
+    assert answers["call_1_0"].startswith("interrupted") and answers["call_1_1"].startswith("interrupted")
+    assert answers["call_2_0"] == "(no change)"
+    kinds = [r["kind"] for r in read(resumed.journal.path)]
+    assert kinds.count("campaign_start") == 1 and "resume" in kinds and kinds[-1] == "campaign_end"
+    assert "## End" in (resumed.dir / "report.md").read_text()
+
+
+def test_budget_stops_the_loop(repo, tmp_path):
+    goals = _goals(tmp_path, repo, iterations=2)
+    with ScriptedLLM([[("list_files", {})]] * 5) as llm:
+        campaign = Campaign.open(goals, repo=repo)
+        reason = Loop(campaign, ChatClient(llm.base_url, "m")).run()
+    assert reason == "budget: iteration budget spent (2/2)" and len(llm.requests) == 2
+    assert Loop(Campaign.open(goals, repo=repo, must_exist=True), None).run() == "campaign already finished"
+
+
+def test_gate_backstop_for_read_only_edits_and_symlinks(repo, tmp_path):
+    campaign = Campaign.open(_goals(tmp_path, repo), repo=repo)
+    c = campaign.new_candidate("edit the evidence directly")
+    tree = campaign.tree(c.id)
+    (tree / "engine" / "checks.py").write_text("# nothing to check\n")
+    os.symlink("/etc/hostname", tree / "engine" / "host.txt")
+    campaign.submit(c.id, "")
+    reasons = campaign.candidates[c.id].verdict["reasons"]
+    assert any("engine/checks.py is read-only" in r for r in reasons)
+    assert any("engine/host.txt is a symlink" in r for r in reasons)
+    assert campaign.candidates[c.id].commit is None
+    assert not (campaign.dir / "runs").exists() or not any((campaign.dir / "runs").iterdir())
+    records = [json.loads(line) for line in campaign.journal.path.read_text().splitlines()]
+    assert [r["kind"] for r in records if r["kind"] == "measurement"] == []

@@ -1,0 +1,108 @@
+"""The sandbox around candidate code: limits, timeouts, network namespace, environment, and the guard."""
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flashinfra.agent.goals import SandboxLimits
+from flashinfra.agent.guard import VIOLATION_EXIT
+from flashinfra.agent.sandbox import candidate_env, network_isolation, run_limited
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, code, limits=SandboxLimits(timeout_s=20, cpu_s=20, memory_mb=2048), secrets=()):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    env = candidate_env([ROOT], work, secrets)
+    return run_limited([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, limits=limits, env=env,
+                       violations_file=work / "violations.jsonl")
+
+
+def test_timeout_kills_the_whole_group(tmp_path):
+    out = _run(tmp_path, """
+        import subprocess, time
+        child = subprocess.Popen(["sleep", "60"])
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """, SandboxLimits(timeout_s=1.5, cpu_s=20, memory_mb=2048))
+    assert out.timed_out and not out.ok and "timeout" in out.failure()
+    grandchild = int(out.stdout.split()[0])
+    status = Path(f"/proc/{grandchild}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()
+
+
+def test_cpu_and_memory_limits(tmp_path):
+    out = _run(tmp_path, "while True: pass", SandboxLimits(timeout_s=30, cpu_s=1, memory_mb=2048))
+    assert not out.timed_out and out.returncode is not None and out.returncode < 0
+    assert "SIGXCPU" in out.failure() or "SIGKILL" in out.failure()
+    out = _run(tmp_path, "x = bytearray(3 * 2**30)", SandboxLimits(timeout_s=30, cpu_s=20, memory_mb=512))
+    assert out.returncode == 1 and "MemoryError" in out.stderr
+
+
+def test_network_namespace(tmp_path, listener):
+    port, accepted = listener
+    prefix, description = network_isolation()
+    if not prefix:
+        assert description.startswith("unavailable")
+        pytest.skip(f"network namespaces {description}")
+    out = _run(tmp_path, f"""
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2)
+            print("connected")
+        except OSError as exc:
+            print("refused", exc.errno)
+        """)
+    assert out.returncode == 0 and out.stdout.startswith("refused"), out.stdout + out.stderr
+    assert accepted == [] and out.network_isolation.startswith("network namespace")
+
+
+def test_environment_is_an_allowlist(tmp_path, monkeypatch):
+    key = "sk-sandbox-secret-value-1234"
+    monkeypatch.setenv("FLASHINFRA_AGENT_API_KEY", key)
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    monkeypatch.setenv("PATH", os.environ["PATH"])
+    out = _run(tmp_path, "import os, json; print(json.dumps(dict(os.environ)))", secrets=(key,))
+    assert out.ok and key not in out.stdout
+    assert '"HOME": "' + str(tmp_path / "work") in out.stdout and '"PATH"' in out.stdout
+
+
+GUARDED = """
+    import sys
+    from flashinfra.agent import guard
+    guard.arm([{repo!r}, *guard.python_roots()], [{work!r}], {report!r})
+    open({inside!r}).read()
+    open({work!r} + "/out.txt", "w").write("ok")
+    {action}
+    print("not stopped")
+    """
+
+
+@pytest.mark.parametrize("action, kind, detail", [
+    ("open({outside!r}).read()", "file", "read {outside}"),
+    ("open({repo!r} + '/new.txt', 'w')", "file", "write {repo}/new.txt"),
+    ("import os; os.listdir('/etc')", "file", "list /etc"),
+    ("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)", "network", "socket.connect"),
+    ("import subprocess; subprocess.run(['cat', {outside!r}])", "process", "subprocess.Popen"),
+])
+def test_guard_stops_and_records(tmp_path, action, kind, detail):
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    repo.mkdir()
+    work.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    names = dict(repo=str(repo), work=str(work), outside=str(outside), inside=str(repo / "a.py"),
+                 report=str(work / "violations.jsonl"))
+    code = GUARDED.format(action=action.format(**names), **names)
+    out = _run(tmp_path, code)
+    assert out.returncode == VIOLATION_EXIT and "not stopped" not in out.stdout
+    assert [v["kind"] for v in out.violations] == [kind]
+    assert detail.format(**names) in out.violations[0]["detail"]
+    assert any("<string>" in frame for frame in out.violations[0]["stack"])
+    assert out.failure().startswith(f"stopped by the sandbox: {kind}")
+    assert (work / "out.txt").read_text() == "ok"
