@@ -179,17 +179,32 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = None, seed: int = 0,
-                   ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS
-                   ) -> dict[str, Any]:
+                   ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS,
+                   gil_probe_ms: float | None = None) -> dict[str, Any]:
+    """Run the matching benchmarks; with ``gil_probe_ms`` each runs under a GIL probe of that threshold
+    and its result carries the stalls (count, durations, the culprit frames)."""
     errors = registry.load_providers(providers)
     entries = registry.select(registry.benchmarks(), patterns)
     results = []
     for entry in entries:
         try:
             spec = entry.fn(ctx)
-            results.append(run_spec(entry.name, spec, ctx.device, runs=runs or (10 if ctx.quick else 50),
-                                    seed=seed, max_seconds=None if runs else (1.0 if ctx.quick else 5.0),
-                                    ceilings=ceilings))
+            probe = None
+            if gil_probe_ms:
+                from flashinfra.feedback.gil_probe import GilProbe
+
+                probe = GilProbe(threshold_s=gil_probe_ms / 1e3, interval_s=min(0.01, gil_probe_ms / 2e3)).start()
+            try:
+                result = run_spec(entry.name, spec, ctx.device, runs=runs or (10 if ctx.quick else 50), seed=seed,
+                                  max_seconds=None if runs else (1.0 if ctx.quick else 5.0), ceilings=ceilings)
+            finally:
+                if probe is not None:
+                    probe.stop()
+            if probe is not None:
+                report = probe.report()
+                result["gil_stalls"] = {k: report[k] for k in ("count", "total_s", "max_s", "threshold_s")}
+                result["gil_stalls"]["culprits"] = sorted({line for st in probe.stalls for line in st.culprit_lines()})
+            results.append(result)
         except Exception as exc:
             results.append({"name": entry.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
     return {"date": datetime.now(timezone.utc).isoformat(), "source": str(Path(registry.__file__).parent.parent),
@@ -217,6 +232,11 @@ def format_text(report: dict[str, Any]) -> str:
         if r["flags"]:
             text += "  flags: " + ", ".join(r["flags"])
         lines.append(text)
+        if "gil_stalls" in r:
+            g = r["gil_stalls"]
+            lines.append(f"    GIL stalls over {g['threshold_s'] * 1e3:g} ms: {g['count']}, total {g['total_s'] * 1e3:.1f} ms, "
+                         f"longest {g['max_s'] * 1e3:.1f} ms")
+            lines += [f"      {c}" for c in g["culprits"][:8]]
         for c in r.get("check", []):
             if not c["passed"]:
                 lines.append(f"    check {c['name']}: max_abs={c['max_abs']} rel_norm={c['rel_norm']} "
@@ -240,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-default-providers", action="store_true",
                    help="load only the --provider modules, not flashinfra's own")
     p.add_argument("--output", default=None, help="also write the JSON report here")
+    p.add_argument("--gil-probe-ms", type=float, default=None,
+                   help="run each benchmark under a GIL probe with this stall threshold")
     return p
 
 
@@ -276,7 +298,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         report = run_benchmarks(args.names, ctx, runs=args.runs, seed=args.seed, ceilings=ceil,
                                 providers=(() if args.no_default_providers else registry.PROVIDERS)
-                                + tuple(args.provider))
+                                + tuple(args.provider), gil_probe_ms=args.gil_probe_ms)
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2

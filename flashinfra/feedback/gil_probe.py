@@ -95,6 +95,7 @@ class GilProbe:
         self._thread: threading.Thread | None = None
         self._dump = None
         self._names: dict[int, str] = {}
+        self._started = self._stopped = None
 
     def start(self) -> "GilProbe":
         if self._thread is not None:
@@ -102,6 +103,7 @@ class GilProbe:
         if self.native_stacks:
             self._dump = tempfile.TemporaryFile()
         self._stop.clear()
+        self._started, self._stopped = time.perf_counter(), None
         self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
         return self
@@ -111,6 +113,7 @@ class GilProbe:
             return
         self._stop.set()
         self._thread.join()
+        self._stopped = time.perf_counter()
         self._thread = None
         if self._dump is not None:
             faulthandler.cancel_dump_traceback_later()
@@ -169,7 +172,9 @@ class GilProbe:
             self.on_stall(stall)
 
     def report(self) -> dict[str, Any]:
-        return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s,
+        probed = ((self._stopped or time.perf_counter()) - self._started) if self._started else 0.0
+        return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s, "probed_s": probed,
+                "stalled_fraction": self.total_s / probed if probed else 0.0,
                 "threshold_s": self.threshold_s, "stalls": [asdict(s) for s in self.stalls]}
 
     def format_text(self) -> str:

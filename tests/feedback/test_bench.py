@@ -122,3 +122,21 @@ def test_check_result_json_is_strict():
     r = compare("nan", torch.tensor([float("nan")]), torch.tensor([1.0], dtype=torch.float64))
     text = json.dumps(r.to_dict(), allow_nan=False)
     assert '"worst_out": "nan"' in text and '"max_abs": "inf"' in text
+
+
+def _hold_gil(n):
+    return sum(range(n))  # one C call holding the GIL
+
+
+@register_benchmark("planted.gil_hog", tags=("planted",))
+def bench_gil_hog(ctx: BenchContext) -> BenchSpec:
+    return BenchSpec(fn=_hold_gil, make_inputs=lambda seed: (3 * 10**7 + seed,))
+
+
+def test_bench_under_gil_probe_names_the_culprit(tmp_path, capsys):
+    assert cli.main(["bench", "planted.gil_hog", "--device", "cpu", "--runs", "2", "--no-roofline",
+                     "--gil-probe-ms", "100", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["benchmarks"]
+    stalls = r["gil_stalls"]
+    assert stalls["count"] >= 1 and stalls["max_s"] >= 0.1
+    assert any("in _hold_gil: return sum(range(n))" in c for c in stalls["culprits"]), stalls

@@ -27,6 +27,8 @@ def test_probe_reports_gil_holder_with_its_stack(tmp_path):
     longest = max(probe.stalls, key=lambda s: s.duration_s)
     assert 0.2 <= longest.duration_s <= held + 0.1
     assert probe.max_s == longest.duration_s and probe.total_s >= longest.duration_s
+    report = probe.report()
+    assert report["probed_s"] >= held and 0 < report["stalled_fraction"] <= 1
     assert longest.source == "during"
     hog_stack = longest.stacks["hog"]
     assert "in hold_the_gil: return sum(range(10**8))" in hog_stack[-1]
