@@ -38,7 +38,7 @@ def alone(llm, prompts, params):
 @pytest.fixture(scope="module")
 def mixed(llm):
     """Mixed-length greedy requests and what each generates when it runs alone."""
-    prompts, params = mixed_prompts(0, 8)
+    prompts, params = mixed_prompts(0, 7, max_len=30)
     return prompts, params, alone(llm, prompts, params)
 
 
