@@ -87,33 +87,30 @@ def _conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
 @triton.jit
 def kda_layer_decode_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_w, eps,
-    state, state_slots, out, arrivals,
+    state, state_slots, out,
     stride_x, stride_g, stride_b, stride_gate, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
 ):
-    """Grid (V / BV, B * H). Each program owns a [K, BV] slice of one head's state and the conv slot of its
-    BV value channels. The RMSNorm needs the head's whole output, and the q/k conv slot may be shifted
-    only once every program of the head has read it: the last program of the head to arrive (counted in
-    ``arrivals``, an acquire-release atomic, so it sees the others' writes) does both, then resets its
-    counter for the next call."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    """Grid (B * H,). One program per head: it walks the head's state in [K, BV] blocks (the next block's
+    load issued before the current block's arithmetic, so a block's memory latency hides behind the
+    previous one), keeping the register footprint of one block while the RMSNorm still sees the whole
+    output. The unnormalised output goes through ``out`` (rounded to its dtype, as the unfused path rounds
+    it before the norm); the conv slot is shifted last, after every read of it."""
+    i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    # The state load goes first: it is the big one, and nothing it needs comes from the conv.
-    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
+    o_b = tl.arange(0, BV)
+    m_k = o_k < K
+    p_s0 = state + (slot * H + i_h) * K * V + o_k[:, None] * V
+    # The first state block goes first: it is the big load, and nothing it needs comes from the conv.
+    b_s = tl.load(p_s0 + o_b[None, :], mask=m_k[:, None] & (o_b < V)[None, :], other=0.0).to(tl.float32)
     C = 2 * H * K + H * V
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * C * (W - 1)
     b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
     b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
-    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
     b_g = tl.load(g_raw + i_b * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
     b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -121,28 +118,38 @@ def kda_layer_decode_kernel(
         b_g = lower_bound * tl.sigmoid(b_rate * b_g)
     else:
         b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+    b_decay = tl.exp(b_g)
     b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_b + i_h).to(tl.float32))
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_s = b_s * tl.exp(b_g)[:, None]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    # The unnormalised output, rounded to the output dtype as the unfused path rounds it before the norm.
-    tl.store(out + i_bh * V + o_v, tl.sum(b_s * b_q[:, None], 0).to(out.dtype.element_ty), mask=m_v)
-    arrived = tl.atomic_add(arrivals + i_bh, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.cdiv(V, BV) - 1:
-        _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-        _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-        o_f = tl.arange(0, BVF)
-        m_f = o_f < V
-        b_o = tl.load(out + i_bh * V + o_f, mask=m_f, other=0.0, cache_modifier=".cg").to(tl.float32)
-        b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-        b_gate = tl.load(gate + i_b * stride_gate + i_h * V + o_f, mask=m_f, other=0.0).to(tl.float32)
-        b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
-        tl.debug_barrier()
-        tl.store(out + i_bh * V + o_f, b_o.to(out.dtype.element_ty), mask=m_f)
-        tl.atomic_xchg(arrivals + i_bh, 0)
+    b_ss = tl.zeros([BV], dtype=tl.float32)  # per-lane partial sums of o^2
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + o_b
+        m_v = o_v < V
+        m_n = (o_v + BV) < V
+        b_next = tl.load(p_s0 + (o_v + BV)[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+        b_s = b_s * b_decay[:, None]
+        b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+        b_s = b_s + b_k[:, None] * b_delta[None, :]
+        tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+        b_o = tl.sum(b_s * b_q[:, None], 0).to(out.dtype.element_ty)
+        tl.store(out + i_bh * V + o_v, b_o, mask=m_v)
+        b_o = b_o.to(tl.float32)
+        b_ss += tl.where(m_v, b_o * b_o, 0.0)
+        b_s = b_next.to(tl.float32)
+    tl.debug_barrier()  # this program's own output stores are read back below, by other threads
+    o_f = tl.arange(0, BVF)
+    m_f = o_f < V
+    b_o = tl.load(out + i_bh * V + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o / tl.sqrt(tl.sum(b_ss) / V + eps)
+    b_gate = tl.load(gate + i_b * stride_gate + i_h * V + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+    tl.debug_barrier()
+    tl.store(out + i_bh * V + o_f, b_o.to(out.dtype.element_ty), mask=m_f)
+    _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+    _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
 
 
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
@@ -180,11 +187,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         return out
     BVF = triton.next_power_of_2(V)
     BV = min(BV or 32, BVF)
-    arrivals = torch.zeros(B * H, dtype=torch.int32, device=qkv.device)
-    kda_layer_decode_kernel[(triton.cdiv(V, BV), B * H)](
+    kda_layer_decode_kernel[(B * H,)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log.contiguous(), dt_bias.float().contiguous(),
         float(lower_bound) if lower_bound is not None else 0.0, norm_weight.contiguous(), float(eps),
-        state, state_slots, out, arrivals,
+        state, state_slots, out,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), gate.stride(0), K**-0.5,
         H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, BVF=BVF, W=W,
         BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
