@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flashinfra.agent import journal as journal_mod
-from flashinfra.agent import worktree
+from flashinfra.agent import sandbox, worktree
 from flashinfra.agent.evaluate import Gate, Runner
 from flashinfra.agent.goals import Goals, load_goals
 
@@ -73,7 +73,8 @@ class Campaign:
         else:
             self.base_sha = worktree.rev_parse(repo, goals.base)
             self.journal.write("campaign_start", name=goals.name, goals_file=str(goals.path), repo=str(repo),
-                               base=self.base_sha, goals=goals.describe())
+                               base=self.base_sha, goals=goals.describe(), limits=asdict(goals.sandbox),
+                               network_isolation=sandbox.network_isolation()[1])
         self.base_tree = worktree.ensure_worktree(repo, self.dir / "base", self.base_sha)
         self.runner = Runner(goals, self.dir / "runs", secrets)
         self.gate = Gate(goals, self.runner, self.base_tree, self.base_sha)

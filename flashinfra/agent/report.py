@@ -19,8 +19,9 @@ def render(records: list[dict]) -> str:
     if start is None:
         return "# Infra Agent campaign\n\n(empty journal)\n"
     lines = [f"# Infra Agent campaign `{start['name']}`", "", f"Repository `{start['repo']}`, base "
-             f"`{start['base'][:12]}`, goals file `{start['goals_file']}`.", "", "## Goals", "", "```",
-             start["goals"], "```", ""]
+             f"`{start['base'][:12]}`, goals file `{start['goals_file']}`.", "",
+             f"Sandbox: {start.get('limits')}; network: {start.get('network_isolation')}.", "", "## Goals", "",
+             "```", start["goals"], "```", ""]
     calls = [r for r in records if r["kind"] == "llm_call"]
     if calls:
         last = calls[-1]

@@ -39,6 +39,7 @@ class Outcome:
     stderr: str
     violations: list[dict] = field(default_factory=list)
     network_isolation: str = ""
+    timeout_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -50,7 +51,7 @@ class Outcome:
             v = self.violations[0]
             return f"stopped by the sandbox: {v.get('kind')} {v.get('detail')}"
         if self.timed_out:
-            return f"killed at the {self.wall_s:.0f} s timeout"
+            return f"killed at the {self.timeout_s:g} s timeout"
         if self.returncode != 0:
             tail = (self.stderr.strip().splitlines() or ["(no output)"])[-1]
             if self.returncode is not None and self.returncode < 0:
@@ -130,7 +131,7 @@ def run_limited(argv: list[str], cwd: Path, limits: SandboxLimits, env: dict[str
     _kill_group(proc)
     outcome = Outcome(proc.returncode, timed_out, time.monotonic() - start,
                       stdout.decode(errors="replace"), stderr.decode(errors="replace"),
-                      network_isolation=isolation)
+                      network_isolation=isolation, timeout_s=timeout)
     if violations_file is not None and violations_file.exists():
         for line in violations_file.read_text(encoding="utf-8", errors="replace").splitlines():
             try:

@@ -7,10 +7,31 @@ from flashinfra.cli import main
 from tests.agent.fixture_repo import FIXES
 from tests.agent.scripted_llm import ScriptedLLM
 
+CORRECT = "sum(bytes) holds the GIL for the whole page; a numpy reduction gives the same sum and releases it"
+TIMING = ("criterion 'transfer overhead", "target prefill_with_transfer: no improvement")
 
-def _edit(cid, fix):
-    path, old, new = fix
-    return ("edit_file", {"candidate": cid, "path": path, "old_text": old, "new_text": new})
+
+def _candidates(messages) -> int:
+    return sum(1 for m in messages if m.get("role") == "tool" and re.match(r"candidate c\d+ created", m["content"]))
+
+
+def _try(hypothesis, fix):
+    """New candidate + edit + submit, numbered after the candidates the conversation already made."""
+    def turn(messages):
+        cid = f"c{_candidates(messages) + 1}"
+        path, old, new = fix
+        return [("new_candidate", {"hypothesis": hypothesis}),
+                ("edit_file", {"candidate": cid, "path": path, "old_text": old, "new_text": new}),
+                ("submit_candidate", {"candidate": cid})]
+    return turn
+
+
+def _remeasure_if_noise(messages):
+    """What an agent does when the correct fix lost to timing noise only: measure a fresh candidate once."""
+    last = [m["content"] for m in messages if m.get("role") == "tool"][-1]
+    if "REJECTED" in last and not re.search(r"check |sandbox|failed|exit status|timeout", last):
+        return _try(CORRECT, FIXES["transfer"]["correct"])(messages)
+    return [("list_files", {"path": "engine"})]
 
 
 def _summarize_probe_events(messages):
@@ -24,14 +45,11 @@ def test_transfer_campaign(repo, api_key):
         [("run_benchmarks", {})],
         [("gil_probe", {"names": ["prefill_with_transfer"]})],
         _summarize_probe_events,
-        [("new_candidate", {"hypothesis": "sum(bytes) holds the GIL for the whole page; a numpy reduction "
-                                          "gives the same sum and releases it"}),
-         _edit("c1", fixes["correct"]), ("submit_candidate", {"candidate": "c1"})],
-        [("new_candidate", {"hypothesis": "skip the checksum"}), _edit("c2", fixes["breaks"]),
-         ("submit_candidate", {"candidate": "c2"})],
-        [("new_candidate", {"hypothesis": "a list() literal is faster"}), _edit("c3", fixes["noop"]),
-         ("submit_candidate", {"candidate": "c3"})],
-        [("finish", {"summary": "c1 releases the GIL in the transfer checksum"})],
+        _try(CORRECT, fixes["correct"]),
+        _remeasure_if_noise,
+        _try("skip the checksum", fixes["breaks"]),
+        _try("a list() literal is faster", fixes["noop"]),
+        [("finish", {"summary": "the transfer checksum now releases the GIL"})],
     ]
     with ScriptedLLM(turns) as llm:
         assert main(["agent", "run", "--goals", str(repo / "goals/transfer.toml"), "--base-url", llm.base_url,
@@ -47,10 +65,16 @@ def test_transfer_campaign(repo, api_key):
     assert "kv-transfer: " in probe and "in checksum: return sum(page.numpy().tobytes())" in probe
     assert "gil_stall" in results["call_2_0"]
 
-    c = Campaign.open(repo / "goals/transfer.toml", must_exist=True).candidates
-    assert c["c1"].status == "passed", c["c1"].verdict["reasons"]
-    assert c["c1"].verdict["criteria"][0]["value"] <= 1.05
-    assert c["c2"].status == "failed"
-    assert any("check transfer.roundtrip failed" in r and "transfer.checksums" in r for r in c["c2"].verdict["reasons"])
-    assert c["c3"].status == "failed"
-    assert any("no improvement beyond the noise floor" in r for r in c["c3"].verdict["reasons"])
+    by_hypothesis = {}
+    for c in Campaign.open(repo / "goals/transfer.toml", must_exist=True).candidates.values():
+        by_hypothesis.setdefault(c.hypothesis, []).append(c)
+    correct = by_hypothesis[CORRECT]
+    assert [c.status for c in correct][-1] == "passed", [c.verdict["reasons"] for c in correct]
+    assert correct[-1].verdict["criteria"][0]["value"] <= 1.05
+    assert all(r.startswith(TIMING) for c in correct[:-1] for r in c.verdict["reasons"])
+    (breaks,) = by_hypothesis["skip the checksum"]
+    assert breaks.status == "failed"
+    assert any("check transfer.roundtrip failed" in r and "transfer.checksums" in r for r in breaks.verdict["reasons"])
+    (noop,) = by_hypothesis["a list() literal is faster"]
+    assert noop.status == "failed"
+    assert any("no improvement beyond the noise floor" in r for r in noop.verdict["reasons"])

@@ -135,3 +135,18 @@ def test_gate_backstop_for_read_only_edits_and_symlinks(repo, tmp_path):
     assert not (campaign.dir / "runs").exists() or not any((campaign.dir / "runs").iterdir())
     records = [json.loads(line) for line in campaign.journal.path.read_text().splitlines()]
     assert [r["kind"] for r in records if r["kind"] == "measurement"] == []
+
+
+def test_runaway_candidate_is_killed_and_fails(repo, tmp_path):
+    goals = _goals(tmp_path, repo)
+    goals.write_text(goals.read_text() + "[sandbox]\ntimeout_s = 5\n")
+    campaign = Campaign.open(goals, repo=repo)
+    c = campaign.new_candidate("spin forever")
+    rowsum = campaign.tree(c.id) / "engine" / "rowsum.py"
+    rowsum.write_text("while True:\n    pass\n" + rowsum.read_text())
+    campaign.submit(c.id, "")
+    verdict = campaign.candidates[c.id].verdict
+    assert not verdict["passed"] and verdict["reasons"] == ["candidate run killed at the 5 s timeout"]
+    assert verdict["runs"][0]["timed_out"]
+    start = campaign.journal.records()[0]
+    assert start["limits"]["timeout_s"] == 5 and start["network_isolation"]
