@@ -28,8 +28,8 @@ from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill
 
 H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]
-VARIANTS = [dict(BT=16, BV=32, num_warps=4), dict(BT=16, BV=64, num_warps=8), dict(BT=32, BV=64, num_warps=4),
-            dict(BT=32, BV=32, num_warps=4), dict(BT=16, BV=64, num_warps=4, local_precision="tf32x3")]
+VARIANTS = [dict(method="fused", BV=64, num_warps=8), dict(BV=32), dict(BV=128), dict(BV=64, num_warps=8),
+            dict(BV=64, num_stages=3), dict(BT=32), dict(BV=64, local_precision="tf32x3")]
 
 
 def inputs(lens: list[int], seed: int):
@@ -48,7 +48,7 @@ def inputs(lens: list[int], seed: int):
     return a
 
 
-def run_case(label: str, lens: list[int], variants: list[dict], res: dict):
+def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_fla: bool):
     a = inputs(lens, seed=len(lens) + lens[0])
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
@@ -66,6 +66,8 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict):
     for kw in variants:
         cases["ours_" + "_".join(f"{k}{v}" for k, v in kw.items())] = ours(**kw)
     try:
+        if not with_fla:
+            raise ImportError("FLA left out of this run (--no-fla)")
         from fla.ops.kda import chunk_kda
 
         cu = torch.tensor(a["cu"], device="cuda", dtype=torch.int32)
@@ -109,14 +111,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--variants", action="store_true", help="also time block-size variants of our kernel")
+    ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its autotuning takes minutes)")
     args = ap.parse_args()
     res = header()
     res["fla"] = fla_version()
     res["shape"] = dict(H=H, K=K, V=V)
     res["anchors_Mtok_s"] = {"T8192": 4.09, "T65536": 4.43, "varlen16": 4.35}
-    run_case("T8192", [8192], VARIANTS if args.variants else [], res)
-    run_case("varlen16", VARLEN, VARIANTS if args.variants else [], res)
-    run_case("T65536", [65536], [], res)
+    run_case("T8192", [8192], VARIANTS if args.variants else [], res, not args.no_fla)
+    run_case("varlen16", VARLEN, VARIANTS if args.variants else [], res, not args.no_fla)
+    run_case("T65536", [65536], [], res, not args.no_fla)
     write_results("kda_prefill", res, args.out)
     return 0
 

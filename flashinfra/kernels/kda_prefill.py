@@ -31,6 +31,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import kda_gate_ref, l2norm_ref
+from flashinfra.kernels.kda_prefill_split import kda_prefill_split
 
 
 def kda_chunk_one_ref(
@@ -220,11 +221,11 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
     if any(not 0 <= s < num_slots for s in slots) or len(set(slots)) != B:
         raise ValueError(f"kda_prefill: state slots must be distinct and in [0, {num_slots}), got {slots}")
     t = torch.tensor([cu, slots + [0], init + [0]], dtype=torch.int32, device=device)
-    return B, t[0], t[1, :B], t[2, :B]
+    return cu, t[0], t[1, :B], t[2, :B]
 
 
-def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
-            chain_precision, local_precision, out):
+def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, method, BT, BV, num_warps,
+            num_stages, chain_precision, local_precision, out):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -241,12 +242,19 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
         raise ValueError("kda_prefill: beta must have contiguous heads")
     if BT & (BT - 1) or BT < 16:
         raise ValueError(f"kda_prefill: BT must be a power of two >= 16, got {BT}")
-    B, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
+    if method not in ("split", "fused"):
+        raise ValueError(f"kda_prefill: method must be 'split' or 'fused', got {method!r}")
+    cu, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
+    B = len(cu) - 1
     o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
     BK = max(triton.next_power_of_2(K), 16)
     BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
+    if method == "split":
+        return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
+                                 num_warps=num_warps, num_stages=num_stages, chain_precision=chain_precision,
+                                 local_precision=local_precision)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     kda_prefill_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, cu_t, slots_t, init_t, A_log, dt_bias,
@@ -260,24 +268,27 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     return o
 
 
-def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
-                       BV: int | None = None, num_warps: int = 4, chain_precision: str = "tf32x3",
-                       local_precision: str = "tf32", out: torch.Tensor | None = None):
-    """Triton ``kda_prefill``. ``chain_precision`` is exposed for the test that shows plain tf32 is worse."""
-    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV, num_warps,
-                   chain_precision, local_precision, out)
+def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *,
+                       method: str = "split", BT: int = 16, BV: int | None = None, num_warps: int = 4,
+                       num_stages: int = 2, chain_precision: str = "tf32x3", local_precision: str = "tf32",
+                       out: torch.Tensor | None = None):
+    """Triton ``kda_prefill``: ``method`` "split" (kda_prefill_split.py, two launches) or "fused" (one);
+    ``chain_precision`` is exposed for the test that shows plain tf32 is worse."""
+    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, method, BT, BV,
+                   num_warps, num_stages, chain_precision, local_precision, out)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                             state_slots, has_initial_state, *, BT: int = 16, BV: int | None = None,
-                             num_warps: int = 4, chain_precision: str = "tf32x3", local_precision: str = "tf32",
+                             state_slots, has_initial_state, *, method: str = "split", BT: int = 16,
+                             BV: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                             chain_precision: str = "tf32x3", local_precision: str = "tf32",
                              out: torch.Tensor | None = None):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
-                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, chain_precision,
-                   local_precision, out)
+                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), method, BT, BV, num_warps, num_stages,
+                   chain_precision, local_precision, out)
 
 
 def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):
