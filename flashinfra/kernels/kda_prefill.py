@@ -8,9 +8,12 @@ The reference is the chunked (WY) form: within a chunk of ``BT`` tokens the delt
 triangular system, and the state is carried from chunk to chunk. It reads each sequence's initial state
 from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
 
-Triton path (``kda_prefill_kernel``): one program per (sequence, head, block of ``BV`` value columns)
+Triton paths. "split" (the default, kda_prefill_split.py): one launch does every chunk's in-chunk work in
+parallel and a second walks the chunks with only the state products left in the sequential loop.
+"fused" (``kda_prefill_kernel``): one program per (sequence, head, block of ``BV`` value columns)
 walks its sequence chunk by chunk with the ``[K, BV]`` state in float32 registers, so nothing but the
-inputs, the output and the two state copies touches memory. Per chunk of ``BT`` tokens it L2-normalises
+inputs, the output and the two state copies touches memory, at the price of the whole chunk's work in
+the sequential loop. Both compute the same. Per chunk of ``BT`` tokens each L2-normalises
 q and k, computes the gate (``kda_prefill_gated``: from the raw projection, with its lower bound) and beta,
 the chunk-local cumulative decay, the in-chunk products against a reference row in the middle of the
 chunk (so no factor exceeds ``exp(80)``; a per-token log-decay below ``-80 / (BT / 2)`` is clamped there,
