@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "flashinfra.feedback.cli",
     "flashinfra.server.cli",
     "flashinfra.agent.cli",
+    "flashinfra.eval.cli",
 )
 
 
