@@ -1,0 +1,1 @@
+"""Accuracy measurements through the engine's model path (perplexity on text)."""
