@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flashinfra.core.cache_manager import HybridCacheManager
 from flashinfra.core.messages import SamplingParams, TokenLogprob
@@ -321,3 +323,69 @@ def test_scheduler_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(10, 60),
+    block_size=st.integers(1, 8),
+    num_slots=st.integers(1, 6),
+    prefix_slots=st.integers(0, 4),
+    budget=st.integers(8, 64),
+    chunk=st.integers(0, 24),
+    shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=12),
+    aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_size, num_slots, prefix_slots, budget,
+                                                           chunk, shapes, aborts, seed):
+    """Any cache size, budget and chunk cap, with shared prefixes and aborts at random steps: every request
+    that is not aborted gets exactly its cold-run tokens, aborted ones a prefix of them, and everything is
+    freed at the end."""
+    rng = random.Random(seed)
+    capacity = num_blocks * block_size
+    shared = [rng.randrange(8, VOCAB) for _ in range(16)]
+    reqs = []
+    for i, (plen, max_tokens, share) in enumerate(shapes):
+        plen = min(plen, capacity - 1)
+        prompt = (shared + [rng.randrange(8, VOCAB) for _ in range(plen)])[:plen] if share else \
+            [rng.randrange(8, VOCAB) for _ in range(plen)]
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0))
+    cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget, max_model_len=capacity,
+                          max_prefill_chunk=chunk)
+    sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, prefix_slots))
+    runner = SimRunner(num_blocks, block_size, num_slots, prefix_slots)
+    for r in reqs:
+        sched.add_request(r)
+    truth = {}
+    for r in reqs:
+        toks, out = list(r.prompt_token_ids), []
+        while len(out) < r.sampling.max_tokens and len(toks) < capacity:
+            out.append(next_token(toks))
+            toks.append(out[-1])
+        truth[r.request_id] = out
+    got = {r.request_id: [] for r in reqs}
+    reasons = {}
+    abort_at = {}
+    for step, idx in aborts:
+        abort_at.setdefault(step, []).append(f"r{idx}")
+    for step in range(5000):
+        for o in sched.abort(abort_at.get(step, [])):
+            reasons[o.request_id] = o.finish_reason
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        assert not plan.is_empty
+        for o in sched.update(plan, runner.execute(plan, cfg)):
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert not sched.has_unfinished() and set(reasons) == set(got)
+    for rid, toks in got.items():
+        if reasons[rid] == "abort":
+            assert toks == truth[rid][: len(toks)]
+        else:
+            assert toks == truth[rid] and reasons[rid] == "length"
+    assert sched.cache.num_reclaimable_blocks == num_blocks and sched.cache.num_free_slots == num_slots
+    sched.cache.clear_prefixes()
+    assert sched.cache.num_free_blocks == num_blocks
