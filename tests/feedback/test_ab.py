@@ -60,15 +60,15 @@ BENCH_ARGS = ["--device", "cpu", "--runs", "15", "--provider", "toybench", "--no
 
 
 def test_aa_says_no_difference(toy_repo):
-    r = ab.run_ab(toy_repo, "fast", "fast", "toy.spin", rounds=6, bench_args=BENCH_ARGS)
+    r = ab.run_ab(toy_repo, "fast", "fast", "toy.spin", rounds=8, bench_args=BENCH_ARGS)
     assert r["verdict"] == "no difference", ab.format_text(r)
-    assert r["commit_a"] == r["commit_b"] and len(r["runs"]["B"]) == 6
+    assert r["commit_a"] == r["commit_b"] and len(r["runs"]["B"]) == 8
     assert 0.5 < r["ratio_b_over_a"] < 1.5
 
 
 def test_2x_slowdown_says_slower(toy_repo, capsys):
     rc = cli.main(["ab", "--repo", str(toy_repo), "--a", "fast", "--b", "HEAD", "--bench", "toy.spin",
-                   "--rounds", "6", "--json", "--device", "cpu", "--runs", "15", "--provider", "toybench",
+                   "--rounds", "8", "--json", "--device", "cpu", "--runs", "15", "--provider", "toybench",
                    "--no-default-providers"])
     r = json.loads(capsys.readouterr().out)
     assert rc == 0
