@@ -7,7 +7,8 @@ than ``threshold_s`` every Python thread was starved for that long (a CPU oversu
 processes looks the same, and is worth knowing too). The stacks are taken *during* the stall by
 ``faulthandler``'s watchdog, a native thread that needs no GIL: each heartbeat re-arms it to fire
 ``interval_s + threshold_s`` later, so it fires only when the heartbeat is late. If it did not fire (a
-stall just over the threshold), the stacks come from ``sys._current_frames()`` right after the stall.
+stall just over the threshold), the stacks come from ``sys._current_frames()`` right after the stall;
+those are kept as ``stacks_after`` in any case.
 
 ``faulthandler`` has one such timer per process: while a probe runs it owns it (``native_stacks=False``
 leaves it alone). Each re-arm costs about 60 us, so the default 10 ms interval costs under 1% of a core.
@@ -37,6 +38,7 @@ class Stall:
     duration_s: float  # how long past that it ran
     source: str  # "during": stacks taken in the stall; "after": right after it
     stacks: dict[str, list[str]] = field(default_factory=dict)  # thread name -> frames, innermost last
+    stacks_after: dict[str, list[str]] = field(default_factory=dict)  # sys._current_frames() once it ended
 
     def culprit_lines(self) -> list[str]:
         """The innermost frame of every thread but the probe's own."""
@@ -159,8 +161,9 @@ class GilProbe:
     def _record(self, late: float, dump: str) -> None:
         names = {**self._names, **_thread_names()}
         stacks = parse_faulthandler_dump(dump, names) if dump else {}
+        after = current_stacks(names)
         stall = Stall(start=time.time() - late, duration_s=late, source="during" if stacks else "after",
-                      stacks=stacks or current_stacks(names))
+                      stacks=stacks or after, stacks_after=after)
         self.count += 1
         self.total_s += late
         self.max_s = max(self.max_s, late)

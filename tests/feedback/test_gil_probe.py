@@ -30,6 +30,7 @@ def test_probe_reports_gil_holder_with_its_stack(tmp_path):
     report = probe.report()
     assert report["probed_s"] >= held and 0 < report["stalled_fraction"] <= 1
     assert longest.source == "during"
+    assert "MainThread" in longest.stacks_after  # the structured sys._current_frames() view, after the stall
     hog_stack = longest.stacks["hog"]
     assert "in hold_the_gil: return sum(range(10**8))" in hog_stack[-1]
     assert any("hog: " in line and "sum(range" in line for line in longest.culprit_lines())
