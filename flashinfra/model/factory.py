@@ -1,4 +1,4 @@
-"""Small random GLM-5.3-Flash checkpoints in the release format, and the built-in default model.
+"""Small random GLM-5.3-Flash checkpoints in the release format, and the path of the built-in default model.
 
 ``write_tiny_checkpoint`` writes ``config.json`` (nested ``text_config`` form) and ``model.safetensors``
 with per-expert tensors and the release names (``q_conv1d``, ``hc_attn_fn``...), exactly what a
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from flashinfra import env
 from flashinfra.config import resolve_config
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.weights import weight_layout
@@ -112,18 +108,5 @@ def write_tiny_checkpoint(path: str | Path, seed: int = 0, tokenizer: bool = Tru
 
 
 def default_model_dir() -> Path:
-    """The built-in default model, created on first use (atomically, so concurrent first uses are safe)."""
-    target = env.cache_dir() / "default-model-random-v2"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".default-model-"))
-    try:
-        write_tiny_checkpoint(tmp, seed=0)
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The built-in default model: the small trained checkpoint shipped with the package (``train/`` made it)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "default-model"
