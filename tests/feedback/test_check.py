@@ -89,3 +89,26 @@ def test_cli_lists_checks_and_loads_extra_providers(tmp_path, monkeypatch, capsy
     assert cli.main(["check", "--list"]) == 0
     listing = capsys.readouterr().out
     assert "op.kda_decode\tkernel,kda\tflashinfra.feedback.checks" in listing and "extra.zero" in listing
+
+
+def test_op_checks_hold_the_triton_kernels_under_the_interpreter(tmp_path):
+    """The same checks, with the ops dispatching to their Triton kernels (run by Triton's CPU interpreter in a
+    child process, as the variable must be set before Triton starts)."""
+    import subprocess
+    import sys
+
+    from flashinfra import env
+
+    code = ("import json, torch\n"
+            "from flashinfra.kernels.dispatch import use_triton\n"
+            "from flashinfra.feedback import check\n"
+            "assert use_triton(torch.zeros(1)), 'ops would run their references'\n"
+            "runs, errors, seed = check.run_checks(['op'])\n"
+            "print(json.dumps(check.to_json(runs, errors, seed)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env.triton_interpreter_environ(), "FLASHINFRA_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["passed"], proc.stdout[-3000:]
+    assert {c["name"] for c in report["checks"]} == {"op.causal_conv1d", "op.kda_decode", "op.kda_gate",
+                                                     "op.kda_prefill"}
