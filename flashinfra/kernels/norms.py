@@ -1,13 +1,21 @@
-"""RMSNorm flavours of GLM-5.3-Flash, as references.
+"""RMSNorm flavours of GLM-5.3-Flash: references and fused Triton kernels.
 
 - ``rms_norm``: normalise in float32, cast back, then scale by the weight (in the input dtype).
 - ``gated_rms_norm``: the KDA output norm, entirely in float32, times ``sigmoid(gate)``, cast back.
-- ``unweighted_rms_norm``: the mHC input norm (no weight).
+- ``unweighted_rms_norm``: the mHC input norm (no weight); its fused form lives in ``mhc.py``.
+
+Triton path: one program per block of ``BT`` rows, each row read once and written once (the rows of a
+norm are at most a few thousand wide, so a whole row sits in registers). ``rms_norm`` rounds exactly where
+the reference rounds (the normalised row to the input dtype, then the product with the weight).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,9 +34,85 @@ def unweighted_rms_norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+@triton.jit
+def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, BT: tl.constexpr, BD: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m = (o_t < N)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_n = (b_x * b_r[:, None]).to(y.dtype.element_ty)  # the reference rounds here
+    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0)
+    b_y = b_w[None, :].to(tl.float32) * b_n.to(tl.float32)
+    tl.store(y + o_t[:, None].to(tl.int64) * stride_y + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gated_rms_norm_kernel(x, g, w, y, stride_x, stride_g, N, D, eps, BT: tl.constexpr, BD: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m = (o_t < N)[:, None] & (o_d < D)[None, :]
+    rows = o_t[:, None].to(tl.int64)
+    b_x = tl.load(x + rows * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g + rows * stride_g + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_y = b_w[None, :] * (b_x * b_r[:, None]) * tl.sigmoid(b_g)
+    tl.store(y + rows * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor, D: int, name: str) -> torch.Tensor:
+    if x.shape[-1] != D:
+        raise ValueError(f"{name}: last dim {x.shape[-1]} != weight size {D}")
+    x2 = x.reshape(-1, D)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _block_rows(D: int) -> tuple[int, int]:
+    BD = triton.next_power_of_2(D)
+    return BD, max(1, min(16, 4096 // BD))
+
+
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None):
+    D = weight.shape[0]
+    x2 = _rows(x, D, "rms_norm")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"rms_norm: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    N = x2.shape[0]
+    if N:
+        BD, BT = _block_rows(D)
+        rms_norm_kernel[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, BT=BT, BD=BD,
+                                               num_warps=4 if BD <= 2048 else 8)
+    return y
+
+
+def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out: torch.Tensor | None = None):
+    D = weight.shape[0]
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} != x {tuple(x.shape)}")
+    x2, g2 = _rows(x, D, "gated_rms_norm"), _rows(gate, D, "gated_rms_norm")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"gated_rms_norm: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    N = x2.shape[0]
+    if N:
+        BD, BT = _block_rows(D)
+        gated_rms_norm_kernel[(triton.cdiv(N, BT),)](x2, g2, weight, y, x2.stride(0), g2.stride(0), N, D, eps,
+                                                     BT=BT, BD=BD, num_warps=4)
+    return y
+
+
 def rms_norm(x, weight, eps):
+    if use_triton(x, weight):
+        return rms_norm_launch(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps):
+    if use_triton(x, gate, weight):
+        return gated_rms_norm_launch(x, gate, weight, eps)
     return gated_rms_norm_ref(x, gate, weight, eps)

@@ -29,6 +29,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, device
     state_slots_t: torch.Tensor  # [B] int64, device
     block_tables_t: torch.Tensor  # [B, max_blocks] int32, device (padded with 0)
+    seq_lens_t: torch.Tensor  # [B] int32, device: cached + new tokens per sequence
+    token_seq: torch.Tensor  # [T] int32, device: the sequence of each new token
+    positions: torch.Tensor  # [T] int32, device: each new token's position in its sequence
 
     @property
     def num_seqs(self) -> int:
@@ -75,12 +78,16 @@ class ForwardBatch:
         if not (len(query_lens) == len(context_lens) == len(state_slots) == len(block_tables)):
             raise ValueError("ForwardBatch.build: per-sequence lists differ in length")
         slots: list[int] = []
-        for q, c, table in zip(query_lens, context_lens, block_tables):
+        token_seq: list[int] = []
+        positions: list[int] = []
+        for b, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if q < 1:
                 raise ValueError("ForwardBatch.build: every sequence needs at least one new token")
             if (c + q + block_size - 1) // block_size > len(table):
                 raise ValueError(f"ForwardBatch.build: {c + q} tokens do not fit in {len(table)} blocks")
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+            token_seq.extend([b] * q)
+            positions.extend(range(c, c + q))
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
@@ -96,4 +103,7 @@ class ForwardBatch:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             state_slots_t=torch.tensor(state_slots, dtype=torch.int64, device=device),
             block_tables_t=torch.tensor(padded, dtype=torch.int32, device=device).view(len(block_tables), width),
+            seq_lens_t=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32, device=device),
+            token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
+            positions=torch.tensor(positions, dtype=torch.int32, device=device),
         )

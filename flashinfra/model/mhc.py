@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.norms import unweighted_rms_norm_ref
+from flashinfra.kernels.mhc import hc_post, hc_pre, hc_weights_ref
 
 
 class HyperConnection(nn.Module):
@@ -27,25 +26,10 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]), all float32."""
-        n = self.n
-        flat = unweighted_rms_norm_ref(streams.flatten(1).float(), self.norm_eps)
-        mix = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        return pre, post, comb
+        return hc_weights_ref(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps, self.norm_eps)
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Apply ``block`` (a function of the collapsed [T, D] input) as a hyper-connected sub-layer."""
-        pre, post, comb = self.weights(streams)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        out = block(collapsed)  # [T, D]
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        collapsed, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
+                                       self.norm_eps)
+        return hc_post(streams, block(collapsed), post, comb)

@@ -13,7 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dsa_indexer import dsa_select
 from flashinfra.kernels.norms import rms_norm
+from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
@@ -50,13 +53,16 @@ class MLAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict[int, list[torch.Tensor]]
     ) -> torch.Tensor:
-        """``masks`` maps a full-indexer layer to its per-sequence selections; this layer adds its own."""
+        """``masks`` maps a full-indexer layer to its selection; this layer adds its own. Reference path: a
+        list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
         T = x.shape[0]
         q_a, kv_a = F.linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
         q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
         q = F.linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
         latent = cache.mla_latent[self.layer]
         latent.view(-1, self.R)[batch.slot_mapping] = rms_norm(kv_a, self.kv_a_norm, self.eps).to(latent.dtype)
+        if use_triton(x, latent):
+            return self._forward_kernels(x, q, q_resid, batch, cache, masks)
         if self.indexer is not None:
             masks[self.layer] = self._select(x, q_resid, batch, cache)
         selection = masks[self.source]
@@ -65,6 +71,23 @@ class MLAttention(nn.Module):
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
             c = gather_seq(latent, batch.block_tables[b], batch.seq_lens[b])
             out[bos:eos] = attend(q[bos:eos], c, selection[b])
+        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+
+    def _forward_kernels(self, x, q, q_resid, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
+        """Tensors only (no per-sequence loop, no host sync): the indexer's selection as position lists,
+        then absorbed sparse attention over the paged latent for prefill and decode alike."""
+        if self.indexer is not None:
+            ix = self.indexer
+            entries, qi, w = ix.project(x, q_resid)
+            keys = cache.indexer_keys[self.layer]
+            keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
+            masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
+                                           batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
+        w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
+        q_lat = torch.einsum("lhd,hdr->lhr", q, w[:, : self.Dq])  # [T, H, R]
+        o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
+                                  batch.block_tables_t, self.scaling)
+        out = torch.einsum("lhr,hvr->lhv", o_lat, w[:, self.Dq :])
         return F.linear(out.flatten(1), self.o_proj, self.o_bias)
 
     def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:

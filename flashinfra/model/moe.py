@@ -13,11 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.fused_moe import clamped_swiglu, experts_ref, fused_moe
+from flashinfra.kernels.moe_route import route, route_ref
 
-
-def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+__all__ = ["DenseMLP", "MoE", "clamped_swiglu", "experts_ref", "route_ref"]
 
 
 class DenseMLP(nn.Module):
@@ -29,46 +28,6 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(clamped_swiglu(F.linear(x, self.gate_up_proj), self.limit), self.down_proj)
-
-
-def route_ref(
-    x: torch.Tensor,  # [T, D]
-    weight: torch.Tensor,  # [E, D] float32
-    bias: torch.Tensor,  # [E] float32
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, top_k] float32, ids [T, top_k] int64
-    E = weight.shape[0]
-    scores = F.linear(x.float(), weight.float()).sigmoid()
-    choice = scores + bias
-    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
-    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-    choice = choice.masked_fill(~group_mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
-    w = scores.gather(1, ids)
-    if norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * scaling, ids
-
-
-def experts_ref(
-    x: torch.Tensor,  # [T, D]
-    w13: torch.Tensor,  # [E, 2I, D]
-    w2: torch.Tensor,  # [E, D, I]
-    topk_weights: torch.Tensor,  # [T, k] float32
-    topk_ids: torch.Tensor,  # [T, k]
-    limit: float,
-) -> torch.Tensor:
-    out = torch.zeros_like(x)
-    for e in topk_ids.unique().tolist():
-        token, slot = torch.where(topk_ids == e)
-        h = F.linear(clamped_swiglu(F.linear(x[token], w13[e]), limit), w2[e])
-        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(out.dtype))
-    return out
 
 
 class MoE(nn.Module):
@@ -84,8 +43,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        w, ids = route_ref(
+        w, ids = route(
             x, self.router_weight, self.router_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )
-        return experts_ref(x, self.w13, self.w2, w, ids, c.swiglu_limit) + self.shared(x)
+        return fused_moe(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj, self.shared.down_proj)

@@ -1,0 +1,220 @@
+"""Fused MoE experts: sorted dispatch, grouped GEMMs with the clamped SwiGLU, weighted combine, shared expert.
+
+``experts_ref`` is the reference (a loop over the used experts). The Triton path:
+
+1. ``moe_align``: the ``T * k`` (token, expert) pairs sorted by expert, each expert's run padded to a
+   multiple of ``BM``, so every ``BM``-row block of the sorted list belongs to one expert. Built from
+   tensor ops only (no host sync), so it can be captured in a CUDA graph; its size is the static bound
+   ``min(T k + E (BM - 1), T k BM)`` and blocks past the real end exit at once.
+2. ``moe_gemm1_kernel``: per block of ``BM`` pairs and ``BN`` intermediate columns, the gate and up
+   products of that expert (two accumulators over the same ``x`` tile), then ``silu(min(gate, L)) *
+   clamp(up, -L, L)``, written once per pair.
+3. ``moe_gemm2_kernel``: the down projection of each pair, times its routing weight.
+4. ``moe_sum_kernel``: per token, the sum of its ``k`` pairs plus the shared expert's output.
+
+The shared expert runs through the same two kernels as a one-expert MoE over every token (weight 1).
+Only the weights of experts that received a token are read: at batch 1 that is ``k`` experts, which is
+what makes decode memory-bound on exactly the bytes it must touch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def experts_ref(
+    x: torch.Tensor,  # [T, D]
+    w13: torch.Tensor,  # [E, 2I, D]
+    w2: torch.Tensor,  # [E, D, I]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k]
+    limit: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == e)
+        h = F.linear(clamped_swiglu(F.linear(x[token], w13[e]), limit), w2[e])
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
+    """-> (sorted pair ids [S] int32 (padding: T*k), expert of each BM block [S / BM] int32, used length [1])."""
+    flat = topk_ids.reshape(-1).long()
+    Tk, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BM - 1) // BM * BM
+    ends = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices
+    sorted_e = flat[order]
+    first = counts.cumsum(0) - counts
+    dest = (ends - padded)[sorted_e] + torch.arange(Tk, device=dev) - first[sorted_e]
+    S = triton.cdiv(min(Tk + num_experts * (BM - 1), Tk * BM), BM) * BM
+    sorted_ids = torch.full((S,), Tk, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(0, S, BM, device=dev)
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:]
+
+
+@triton.jit
+def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, num_pairs, limit,
+                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    if i_m * BM >= tl.load(used):
+        return
+    pair = tl.load(sorted_ids + i_m * BM + tl.arange(0, BM))
+    m_p = pair < num_pairs
+    tok = (pair // TOPK).to(tl.int64)
+    e = tl.load(expert_ids + i_m).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    p_g = w + e * stride_we + o_n[None, :].to(tl.int64) * K
+    p_u = p_g + N * K
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_x = tl.load(x + tok[:, None] * stride_x + o_k[None, :], mask=m_p[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+        b_g = tl.load(p_g + o_k[:, None], mask=m_w, other=0.0)
+        b_u = tl.load(p_u + o_k[:, None], mask=m_w, other=0.0)
+        if IEEE:
+            acc_g += tl.dot(b_x, b_g, input_precision="ieee")
+            acc_u += tl.dot(b_x, b_u, input_precision="ieee")
+        else:
+            acc_g += tl.dot(b_x, b_g)
+            acc_u += tl.dot(b_x, b_u)
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    b_h = gate * tl.sigmoid(gate) * up
+    tl.store(h + pair[:, None].to(tl.int64) * N + o_n[None, :], b_h.to(h.dtype.element_ty),
+             mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit
+def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, num_pairs,
+                     N: tl.constexpr, K: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    if i_m * BM >= tl.load(used):
+        return
+    pair = tl.load(sorted_ids + i_m * BM + tl.arange(0, BM))
+    m_p = pair < num_pairs
+    rows = pair.to(tl.int64)
+    e = tl.load(expert_ids + i_m).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    p_w = w + e * stride_we + o_n[None, :].to(tl.int64) * K
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_h = tl.load(h + rows[:, None] * K + o_k[None, :], mask=m_p[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(b_h, b_w, input_precision="ieee")
+        else:
+            acc += tl.dot(b_h, b_w)
+    if WEIGHTED:
+        acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
+    tl.store(out + rows[:, None] * N + o_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(routed, shared, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    t = i_t.to(tl.int64)
+    acc = tl.load(shared + t * D + o_d, mask=m_d, other=0.0)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(routed + (t * TOPK + j) * D + o_d, mask=m_d, other=0.0)
+    tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
+
+
+def _config(num_pairs: int, num_experts: int) -> dict:
+    """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after."""
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return dict(BM=32, BN=64, BK=64, num_warps=4, num_stages=4)
+    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def _experts(x, w13, w2, topk_w, topk_ids, limit, routed_out):
+    """Run the grouped GEMMs for ``topk_ids`` [T, k] and write weighted pair outputs to ``routed_out`` [T k, D]."""
+    T, k = topk_ids.shape
+    E, N2, K = w13.shape
+    N = N2 // 2
+    cfg = _config(T * k, E)
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
+    ieee = x.dtype == torch.float32
+    h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
+    grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, BN))
+    moe_gemm1_kernel[grid1](x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), T * k, float(limit),
+                            N=N, K=K, TOPK=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+    D = w2.shape[1]
+    grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, BN))
+    moe_gemm2_kernel[grid2](h, w2, routed_out, routed_out if topk_w is None else topk_w, sorted_ids, expert_ids, used, w2.stride(0), T * k,
+                            N=D, K=N, WEIGHTED=topk_w is not None, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
+    T, D = x.shape
+    E, N2, K = w13.shape
+    if K != D or N2 % 2 or w2.shape != (E, D, N2 // 2):
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
+        raise ValueError(f"fused_moe: topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
+                         f"do not fit {T} tokens")
+    if shared_w13.dim() != 2 or shared_w13.shape[1] != D or shared_w2.shape != (D, shared_w13.shape[0] // 2):
+        raise ValueError(f"fused_moe: shared expert {tuple(shared_w13.shape)} / {tuple(shared_w2.shape)} does "
+                         f"not fit width {D}")
+    if not (w13.is_contiguous() and w2.is_contiguous() and shared_w13.is_contiguous() and shared_w2.is_contiguous()):
+        raise ValueError("fused_moe: expert weights must be contiguous")
+
+
+def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
+    """Routed experts plus the shared expert: ``experts_ref(...) + shared(x)`` in one pass of fused kernels."""
+    _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    y = torch.empty_like(x)
+    if T == 0:
+        return y
+    routed = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
+    _experts(x, w13, w2, topk_weights.float().contiguous(), topk_ids, limit, routed)
+    shared = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    every = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
+    _experts(x, shared_w13[None], shared_w2[None], None, every, limit, shared)
+    BD = min(1024, triton.next_power_of_2(D))
+    moe_sum_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, D, TOPK=k, BD=BD, num_warps=4)
+    return y
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
+    shared = F.linear(clamped_swiglu(F.linear(x, shared_w13), limit), shared_w2)
+    return experts_ref(x, w13, w2, topk_weights, topk_ids, limit) + shared
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
+    if use_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)

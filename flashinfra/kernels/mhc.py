@@ -1,0 +1,205 @@
+"""mHC (hyper-connection) ops: weights + Sinkhorn + collapse (``hc_pre``) and expand (``hc_post``).
+
+``hc_pre``: streams ``[T, n, D]`` -> the block input ``sum_i pre_i * stream_i`` ``[T, D]`` plus the
+``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` weights (float32). The weights come from one projection of
+the RMS-normalised flattened streams: since the norm is a scalar per token, ``mix = rstd * (x @ fn^T)``,
+so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot products together.
+``hc_post``: ``out_streams[i] = post_i * out + sum_j comb[j, i] * stream_j``.
+
+Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
+fills the chip) writes partial dot products and sums of squares; ``hc_pre_kernel`` (``BT`` tokens per
+program) adds the partials, applies sigmoid / softmax / Sinkhorn on the ``n x n`` matrices in registers
+and collapses the streams; ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.norms import unweighted_rms_norm_ref
+
+
+def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
+    """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]), all float32."""
+    flat = unweighted_rms_norm_ref(streams.flatten(1).float(), norm_eps)
+    mix = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_pre_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
+    """-> (collapsed [T, D] in the streams' dtype, post [T, n], comb [T, n, n])."""
+    pre, post, comb = hc_weights_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), post, comb
+
+
+def hc_post_ref(streams, out, post, comb):
+    """streams [T, n, D], block output [T, D] -> new streams [T, n, D]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+@triton.jit
+def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, IEEE: tl.constexpr):
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_n = tl.arange(0, BN)
+    m_t, m_n = o_t < T, o_n < NM
+    acc = tl.zeros([BT, BN], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_x = tl.load(x + o_t[:, None].to(tl.int64) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(fn + o_n[None, :] * K + o_k[:, None], mask=m_n[None, :] & m_k[:, None], other=0.0)
+        xf = b_x.to(tl.float32)
+        ss += tl.sum(xf * xf, 1)
+        if IEEE:
+            acc += tl.dot(xf, b_w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(b_x, b_w.to(b_x.dtype))
+    base = (i_s * T + o_t)
+    tl.store(part + base[:, None] * BN + o_n[None, :], acc, mask=m_t[:, None])
+    tl.store(sumsq + base, ss, mask=m_t)
+
+
+@triton.jit
+def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
+                  N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_i = tl.arange(0, N)
+    o_ij = o_i[:, None] * N + o_i[None, :]
+    p = part + o_t * BN
+    w_pre = tl.load(p[:, None] + o_i[None, :], mask=m_t[:, None], other=0.0)  # [BT, N]
+    w_post = tl.load(p[:, None] + N + o_i[None, :], mask=m_t[:, None], other=0.0)
+    w_comb = tl.load(p[:, None, None] + 2 * N + o_ij[None, :, :], mask=m_t[:, None, None], other=0.0)  # [BT, N, N]
+    ss = tl.load(sumsq + o_t, mask=m_t, other=0.0)
+    for s in range(1, SPLIT):
+        p = part + (s * T + o_t) * BN
+        w_pre += tl.load(p[:, None] + o_i[None, :], mask=m_t[:, None], other=0.0)
+        w_post += tl.load(p[:, None] + N + o_i[None, :], mask=m_t[:, None], other=0.0)
+        w_comb += tl.load(p[:, None, None] + 2 * N + o_ij[None, :, :], mask=m_t[:, None, None], other=0.0)
+        ss += tl.load(sumsq + s * T + o_t, mask=m_t, other=0.0)
+    rstd = tl.rsqrt(ss / (N * D) + norm_eps)
+    s_pre, s_post, s_comb = tl.load(scale), tl.load(scale + 1), tl.load(scale + 2)
+    pre = tl.sigmoid(w_pre * rstd[:, None] * s_pre + tl.load(base + o_i)[None, :]) + eps
+    pst = 2 * tl.sigmoid(w_post * rstd[:, None] * s_post + tl.load(base + N + o_i)[None, :])
+    c = w_comb * rstd[:, None, None] * s_comb + tl.load(base + 2 * N + o_ij)[None, :, :]
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = c / tl.sum(c, 2)[:, :, None] + eps
+    c = c / (tl.sum(c, 1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, 2)[:, :, None] + eps)
+        c = c / (tl.sum(c, 1)[:, None, :] + eps)
+    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
+    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
+    rows = o_t.to(tl.int64) * N * D
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m = m_t[:, None, None] & (o_d < D)[None, None, :]
+        b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
+        b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
+        tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
+                 mask=m_t[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_i = tl.arange(0, N)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < D
+    dt = y.dtype.element_ty
+    rows = o_t.to(tl.int64) * N * D
+    m2 = m_t[:, None] & m_d[None, :]
+    # the reference rounds the weights to the streams' dtype before using them
+    pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
+    b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = pst[:, :, None] * b_o[:, None, :]  # [BT, N(i), BD]
+    for j in tl.static_range(N):
+        c_j = tl.load(comb + o_t[:, None] * N * N + j * N + o_i[None, :], mask=m_t[:, None], other=0.0)  # [BT, i]
+        x_j = tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)  # [BT, BD]
+        acc += c_j.to(dt).to(tl.float32)[:, :, None] * x_j[:, None, :]
+    m3 = m_t[:, None, None] & m_d[None, None, :]
+    tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], acc.to(dt), mask=m3)
+
+
+def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
+    if streams.dim() != 3 or streams.shape[1] != n or not streams.is_contiguous():
+        raise ValueError(f"{name}: streams must be contiguous [T, {n}, D], got {tuple(streams.shape)}")
+    if n & (n - 1):
+        raise ValueError(f"{name}: the Triton path needs a power-of-two number of streams, got {n}")
+    return streams.shape[0], streams.shape[2]
+
+
+def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
+    T, D = _check(streams, n, "hc_pre")
+    NM, K = (2 + n) * n, n * D
+    if fn.shape != (NM, K) or base.shape != (NM,) or scale.shape != (3,):
+        raise ValueError(f"hc_pre: fn {tuple(fn.shape)} base {tuple(base.shape)} scale {tuple(scale.shape)} "
+                         f"do not fit {n} streams of width {D}")
+    dev = streams.device
+    y = torch.empty(T, D, dtype=streams.dtype, device=dev)
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T == 0:
+        return y, post, comb
+    BT, BN, BK = 16, max(16, triton.next_power_of_2(NM)), 128
+    blocks = triton.cdiv(T, BT)
+    SPLIT = max(1, min(64, 256 // blocks, triton.cdiv(K, BK)))
+    KS = triton.cdiv(triton.cdiv(K, SPLIT), BK) * BK
+    SPLIT = triton.cdiv(K, KS)
+    part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=dev)
+    sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=dev)
+    hc_mix_kernel[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
+                                   IEEE=streams.dtype == torch.float32, num_warps=4)
+    BT2 = min(16, triton.next_power_of_2(T))
+    hc_pre_kernel[(triton.cdiv(T, BT2),)](streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb,
+                                          T, D, SPLIT, iters, eps, norm_eps, N=n, BN=BN, BT=BT2,
+                                          BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), num_warps=4)
+    return y, post, comb
+
+
+def hc_post_launch(streams, out, post, comb):
+    n = streams.shape[1] if streams.dim() == 3 else 0
+    T, D = _check(streams, n, "hc_post")
+    if out.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n):
+        raise ValueError(f"hc_post: out {tuple(out.shape)} post {tuple(post.shape)} comb {tuple(comb.shape)} "
+                         f"do not fit streams {tuple(streams.shape)}")
+    y = torch.empty_like(streams)
+    if T:
+        BT = min(16, triton.next_power_of_2(T))
+        BD = max(16, min(1024 // BT, triton.next_power_of_2(D)))
+        hc_post_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](streams, out.contiguous(), post.contiguous(),
+                                                                 comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD,
+                                                                 num_warps=4)
+    return y
+
+
+def hc_pre(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
+    if use_triton(streams, fn, base, scale):
+        return hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
+    return hc_pre_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
+
+
+def hc_post(streams, out, post, comb):
+    if use_triton(streams, out, post, comb):
+        return hc_post_launch(streams, out, post, comb)
+    return hc_post_ref(streams, out, post, comb)

@@ -1,0 +1,110 @@
+"""MoE router: sigmoid scores, group-limited top-k with the correction bias, normalised and scaled weights.
+
+``route_ref`` is the reference (GLM / DeepSeek-V3 style): ``scores = sigmoid(x W^T)`` in float32; the
+choice uses ``scores + bias``; groups are ranked by the sum of their two best biased scores and only the
+``topk_group`` best groups stay eligible; the chosen experts' unbiased scores are normalised (when
+``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.
+
+Triton path: the router logits come from one float32 GEMM (cuBLAS); ``route_kernel`` then does
+everything else for ``BT`` tokens per program with all experts of a token in registers (``k`` rounds of
+arg-max), so routing is two launches whatever the number of groups. The selected experts come out in
+descending order of their biased score; exact ties between scores (which random float weights do not
+produce) may be broken differently from ``torch.topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
+
+
+def route_ref(
+    x: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [E, D] float32
+    bias: torch.Tensor,  # [E] float32
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, top_k] float32, ids [T, top_k] int64
+    E = weight.shape[0]
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    choice = choice.masked_fill(~group_mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, ids
+
+
+@triton.jit
+def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr, G: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_e = tl.arange(0, BE)
+    m_t, m_e = o_t < T, o_e < E
+    neg = float("-inf")
+    b_l = tl.load(logits + o_t[:, None] * E + o_e[None, :], mask=m_t[:, None] & m_e[None, :], other=0.0)
+    scores = tl.sigmoid(b_l)
+    choice = tl.where(m_e[None, :], scores + tl.load(bias + o_e, mask=m_e, other=0.0)[None, :], neg)
+    if G > 1:
+        gsize = E // G
+        gid = o_e // gsize
+        gscore = tl.zeros([BT, BE], dtype=tl.float32)
+        for g in tl.static_range(G):
+            c = tl.where((gid == g)[None, :], choice, neg)
+            first = tl.argmax(c, 1)
+            c2 = tl.where(o_e[None, :] == first[:, None], neg, c)
+            gscore = tl.where((gid == g)[None, :], (tl.max(c, 1) + tl.max(c2, 1))[:, None], gscore)
+        keep = tl.zeros([BT, BE], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(tl.where(keep | ~m_e[None, :], neg, gscore), 1) // gsize
+            keep = keep | (gid[None, :] == best[:, None])
+        choice = tl.where(keep, choice, neg)
+    total = tl.zeros([BT], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pick = tl.argmax(choice, 1)
+        hit = o_e[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), 1)
+        total += w
+        choice = tl.where(hit, neg, choice)
+        tl.store(id_out + o_t * TOPK + j, pick.to(id_out.dtype.element_ty), mask=m_t)
+        tl.store(w_out + o_t * TOPK + j, w, mask=m_t)
+    factor = scaling / (total + 1e-20) if NORM else tl.full([BT], scaling, tl.float32)
+    for j in tl.static_range(TOPK):
+        p = w_out + o_t * TOPK + j
+        tl.store(p, tl.load(p, mask=m_t, other=0.0) * factor, mask=m_t)
+
+
+def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
+    """-> (weights [T, top_k] float32, ids [T, top_k] int32)."""
+    E = weight.shape[0]
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
+        raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
+    logits = F.linear(x.float(), weight.float()).contiguous()
+    T = x.shape[0]
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    if T:
+        BE = triton.next_power_of_2(E)
+        BT = max(1, min(16, 4096 // BE))
+        route_kernel[(triton.cdiv(T, BT),)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling),
+                                            TOPK=top_k, G=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob,
+                                            BT=BT, BE=BE, num_warps=4)
+    return w, ids
+
+
+def route(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    if use_triton(x, weight, bias):
+        return route_launch(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+    return route_ref(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)

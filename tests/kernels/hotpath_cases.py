@@ -1,0 +1,119 @@
+"""Test cases of the hot-path kernels (norms, mHC, MoE, DSA indexer, sparse MLA), shared by the interpreter
+tests (CPU, small sizes) and the GPU tests (real sizes). Every case draws fresh random inputs, poisons the
+outputs with NaN where the launcher takes them, and compares with the reference computed in float64."""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfra.feedback.registry import compare
+
+NAN = float("nan")
+
+
+def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+
+def tol(dtype) -> dict:
+    return dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def check(name, out, ref, **kw):
+    r = compare(name, out, ref, **kw)
+    assert r.passed, r.summary()
+
+
+def _d(t):
+    return t.double() if t.is_floating_point() else t
+
+
+def norms(device: str, T: int, D: int, dtype=torch.float32, seed=0):
+    from flashinfra.kernels import norms as nm
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, w = rnd(T, D, device=device, gen=gen, dtype=dtype), rnd(D, device=device, gen=gen, dtype=dtype)
+    g = rnd(T, D, device=device, gen=gen, dtype=dtype)
+    out = torch.full_like(x, NAN)
+    nm.rms_norm_launch(x, w, 1e-5, out=out)
+    check("rms_norm", out, nm.rms_norm_ref(_d(x), _d(w), 1e-5), **tol(dtype))
+    if dtype != torch.float32:  # rounds where the reference rounds: equal to it in the same dtype
+        assert torch.equal(out, nm.rms_norm_ref(x, w, 1e-5)), "rms_norm must round like its reference"
+    out = torch.full_like(x, NAN)
+    nm.gated_rms_norm_launch(x, g, w, 1e-5, out=out)
+    check("gated_rms_norm", out, nm.gated_rms_norm_ref(_d(x), _d(g), _d(w), 1e-5), **tol(dtype))
+
+
+def hc_params(n: int, D: int, device, gen, dtype):
+    fn = rnd((2 + n) * n, n * D, device=device, gen=gen, dtype=dtype, scale=(n * D) ** -0.5)
+    base = rnd((2 + n) * n, device=device, gen=gen, scale=0.3)
+    scale = 1 + rnd(3, device=device, gen=gen, scale=0.3)
+    return fn, base, scale
+
+
+def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0):
+    from flashinfra.kernels import mhc as hc
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    streams = rnd(T, n, D, device=device, gen=gen, dtype=dtype)
+    fn, base, scale = hc_params(n, D, device, gen, dtype)
+    y, post, comb = hc.hc_pre_launch(streams, fn, base, scale, n, 20, 1e-6, 1e-5)
+    ry, rpost, rcomb = hc.hc_pre_ref(_d(streams), _d(fn), _d(base), _d(scale), n, 20, 1e-6, 1e-5)
+    wtol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    check("hc_pre.post", post, rpost, **wtol)
+    check("hc_pre.comb", comb, rcomb, **wtol)
+    check("hc_pre.collapsed", y, ry, **tol(dtype))
+    out = rnd(T, D, device=device, gen=gen, dtype=dtype)
+    new = hc.hc_post_launch(streams, out, post, comb)
+    check("hc_post", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype))
+
+
+def route(device: str, T: int, E: int, D: int, top_k: int, n_group: int, topk_group: int, seed=0):
+    from flashinfra.kernels import moe_route as mr
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, D, device=device, gen=gen)
+    weight, bias = rnd(E, D, device=device, gen=gen, scale=D**-0.5), rnd(E, device=device, gen=gen, scale=0.1)
+    w, ids = mr.route_launch(x, weight, bias, top_k, n_group, topk_group, True, 2.5)
+    rw, rids = mr.route_ref(_d(x), _d(weight), _d(bias), top_k, n_group, topk_group, True, 2.5)
+    # the same experts (as sets) with the same weights; the order within a token may differ
+    order, rorder = ids.long().sort(-1), rids.sort(-1)
+    assert torch.equal(order.values, rorder.values), "route: different experts chosen"
+    check("route.weights", w.gather(1, order.indices), rw.gather(1, rorder.indices), atol=1e-5, rtol=1e-4)
+
+
+def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, seed=0, limit=1.0):
+    """Random routing (with repeats of experts across tokens, some experts unused) against the float64 loop."""
+    from flashinfra.kernels import fused_moe as fm
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
+    w13 = rnd(E, 2 * I, D, device=device, gen=gen, dtype=dtype, scale=D**-0.5)
+    w2 = rnd(E, D, I, device=device, gen=gen, dtype=dtype, scale=I**-0.5)
+    sw13 = rnd(2 * I, D, device=device, gen=gen, dtype=dtype, scale=D**-0.5)
+    sw2 = rnd(D, I, device=device, gen=gen, dtype=dtype, scale=I**-0.5)
+    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, top_k, device=device, generator=gen)
+    out = fm.fused_moe_launch(x, w13, w2, w, ids, limit, sw13, sw2)
+    ref = fm.fused_moe_ref(_d(x), _d(w13), _d(w2), w.double(), ids.long(), limit, _d(sw13), _d(sw2))
+    check("fused_moe", out, ref, **tol(dtype))
+    return out
+
+
+def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0):
+    """Every pair appears once, each block holds pairs of one expert only, padding is the sentinel."""
+    from flashinfra.kernels.fused_moe import moe_align as align
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, E, (T, top_k), device=device, generator=gen)
+    sorted_ids, expert_ids, used = align(ids, E, BM)
+    n = int(used)
+    s = sorted_ids[:n].long().cpu()
+    real = s[s < T * top_k]
+    assert sorted(real.tolist()) == list(range(T * top_k))
+    flat = ids.reshape(-1).cpu()
+    for b in range(n // BM):
+        blk = s[b * BM:(b + 1) * BM]
+        blk = blk[blk < T * top_k]
+        assert blk.numel() and (flat[blk] == int(expert_ids[b])).all()
+    assert n % BM == 0 and n <= sorted_ids.numel()
