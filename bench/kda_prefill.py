@@ -28,8 +28,9 @@ from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill
 
 H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]
-VARIANTS = [dict(method="fused", BV=64, num_warps=8), dict(BV=32), dict(BV=128), dict(BV=64, num_warps=8),
-            dict(BV=64, num_stages=3), dict(BT=32), dict(BV=64, local_precision="tf32x3")]
+VARIANTS = [dict(BV=32, num_warps=4), dict(BV=128, num_warps=4), dict(BV=64, num_warps=4),
+            dict(BV=64, num_warps=4, num_stages=3), dict(BT=32, num_warps=4),
+            dict(BV=64, num_warps=4, local_precision="tf32x3")]
 
 
 def inputs(lens: list[int], seed: int):

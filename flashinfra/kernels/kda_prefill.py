@@ -8,19 +8,17 @@ The reference is the chunked (WY) form: within a chunk of ``BT`` tokens the delt
 triangular system, and the state is carried from chunk to chunk. It reads each sequence's initial state
 from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
 
-Triton paths. "split" (the default, kda_prefill_split.py): one launch does every chunk's in-chunk work in
-parallel and a second walks the chunks with only the state products left in the sequential loop.
-"fused" (``kda_prefill_kernel``): one program per (sequence, head, block of ``BV`` value columns)
-walks its sequence chunk by chunk with the ``[K, BV]`` state in float32 registers, so nothing but the
-inputs, the output and the two state copies touches memory, at the price of the whole chunk's work in
-the sequential loop. Both compute the same. Per chunk of ``BT`` tokens each L2-normalises
+Triton path (kda_prefill_split.py): one launch does every chunk's in-chunk work in parallel, a second
+walks each sequence's chunks with the state in float32 registers and only the state products in the
+sequential loop. (A single-launch version that also kept the in-chunk work in that loop measured 1.2 to
+1.5x slower on an H200; see bench/notes/kda_prefill.md.) Per chunk of ``BT`` tokens it L2-normalises
 q and k, computes the gate (``kda_prefill_gated``: from the raw projection, with its lower bound) and beta,
 the chunk-local cumulative decay, the in-chunk products against a reference row in the middle of the
 chunk (so no factor exceeds ``exp(80)``; a per-token log-decay below ``-80 / (BT / 2)`` is clamped there,
 a step that keeps less than ``exp(-10)`` of the state), the WY inverse ``(I - A)^-1`` as the product
 ``(I + A)(I + A^2)(I + A^4)...`` (A is nilpotent), and then the three products that touch the state.
 Those carry it from chunk to chunk, so rounding there compounds over the whole sequence: they run with
-``CHAIN_PRECISION`` ("tf32x3" by default, three tf32 products giving about fp32 accuracy; "ieee" works
+``chain_precision`` ("tf32x3" by default, three tf32 products giving about fp32 accuracy; "ieee" works
 too), never plain tf32, whose 10-bit mantissa shows up as a growing error on long sequences with slow
 decay (see tests/kernels/test_kda_gpu.py).
 """
@@ -30,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import kda_gate_ref, l2norm_ref
@@ -120,88 +117,6 @@ def kda_prefill_gated_ref(
     return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state)
 
 
-@triton.jit
-def kda_prefill_kernel(
-    q, k, v, g, beta, o, state, cu_seqlens, state_slots, has_initial_state, A_log, dt_bias, lower_bound,
-    stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    CHAIN_PRECISION: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    has_init = tl.load(has_initial_state + i_n) != 0
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    # A fresh sequence ignores whatever its slot holds (NaN included).
-    b_s = tl.where(has_init, tl.load(p_s, mask=m_s, other=0.0).to(tl.float32), 0.0)  # [BK, BV]
-    if GATE_IN_KERNEL:
-        b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    MID: tl.constexpr = BT // 2
-    G_MIN: tl.constexpr = -80.0 / MID
-    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
-    strict_lower = o_t[:, None] > o_t[None, :]
-    for i_t in range(0, tl.cdiv(L, BT)):
-        rows = bos + i_t * BT + o_t
-        m_t = i_t * BT + o_t < L
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                      other=0.0).to(tl.float32)
-        b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-        if GATE_IN_KERNEL:
-            b_g = b_g + b_bias[None, :]
-            if HAS_LOWER_BOUND:
-                b_g = lower_bound * tl.sigmoid(b_rate * b_g)
-            else:
-                b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
-        if BETA_LOGITS:
-            b_b = tl.sigmoid(b_b)
-        # Padding rows: zero decay and zero beta, so they change neither the cumsum's last row nor the state.
-        b_g = tl.where(m_tk, tl.maximum(b_g, G_MIN), 0.0)
-        b_b = tl.where(m_t, b_b, 0.0)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-        b_gc = tl.cumsum(b_g, 0)  # [BT, BK] decay from the chunk start, <= 0
-        b_gm = tl.sum(tl.where((o_t == MID)[:, None], b_gc, 0.0), 0)  # [BK] the reference row
-        b_gl = tl.sum(tl.where((o_t == BT - 1)[:, None], b_gc, 0.0), 0)  # [BK] the chunk's total decay
-        # exp(gc_i - gc_j) = exp(gc_i - gm) * exp(gm - gc_j): each factor within exp(+-80) for i, j in the chunk.
-        b_kl = b_k * tl.exp(b_gc - b_gm[None, :])
-        b_kr = b_k * tl.exp(b_gm[None, :] - b_gc)
-        b_ql = b_q * tl.exp(b_gc - b_gm[None, :])
-        b_A = tl.dot(b_kl, tl.trans(b_kr), input_precision=LOCAL_PRECISION)  # [BT, BT]
-        b_A = tl.where(strict_lower, -b_b[:, None] * b_A, 0.0)
-        b_Aqk = tl.dot(b_ql, tl.trans(b_kr), input_precision=LOCAL_PRECISION)
-        b_Aqk = tl.where(strict_lower | (o_t[:, None] == o_t[None, :]), b_Aqk, 0.0)
-        # (I - A)^-1 = (I + A)(I + A^2)(I + A^4)...(I + A^(BT/2)) since A^BT = 0.
-        b_Ai = eye + b_A
-        b_P = b_A
-        for _ in tl.static_range(LOG2_BT - 1):
-            b_P = tl.dot(b_P, b_P, input_precision=CHAIN_PRECISION)
-            b_Ai = b_Ai + tl.dot(b_Ai, b_P, input_precision=CHAIN_PRECISION)
-        b_u = tl.dot(b_Ai, b_v * b_b[:, None], input_precision=LOCAL_PRECISION)  # [BT, BV]
-        b_w = tl.dot(b_Ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LOCAL_PRECISION)  # [BT, BK]
-        b_vn = b_u - tl.dot(b_w, b_s, input_precision=CHAIN_PRECISION)
-        b_o = tl.dot(b_q * tl.exp(b_gc), b_s, input_precision=CHAIN_PRECISION)
-        b_o += tl.dot(b_Aqk, b_vn, input_precision=LOCAL_PRECISION)
-        tl.store(o + rows[:, None] * (H * V) + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
-        b_kd = b_k * tl.exp(b_gl[None, :] - b_gc)  # [BT, BK] decay from each token to the chunk end
-        b_s = b_s * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=CHAIN_PRECISION)
-    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-
-
 def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -227,7 +142,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
     return cu, t[0], t[1, :B], t[2, :B]
 
 
-def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, method, BT, BV, num_warps,
+def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
             num_stages, chain_precision, local_precision, out):
     T, H, K = q.shape
     V = v.shape[-1]
@@ -245,52 +160,37 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
         raise ValueError("kda_prefill: beta must have contiguous heads")
     if BT & (BT - 1) or BT < 16:
         raise ValueError(f"kda_prefill: BT must be a power of two >= 16, got {BT}")
-    if method not in ("split", "fused"):
-        raise ValueError(f"kda_prefill: method must be 'split' or 'fused', got {method!r}")
     cu, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
     B = len(cu) - 1
     o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
-    BK = max(triton.next_power_of_2(K), 16)
     BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
-    if method == "split":
-        return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
-                                 num_warps=num_warps, num_stages=num_stages, chain_precision=chain_precision,
-                                 local_precision=local_precision)
-    A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
-    kda_prefill_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g, beta, o, state, cu_t, slots_t, init_t, A_log, dt_bias,
-        float(lower_bound) if lower_bound is not None else 0.0,
-        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, LOG2_BT=BT.bit_length() - 1,
-        GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
-        BETA_LOGITS=gate is not None, CHAIN_PRECISION=chain_precision, LOCAL_PRECISION=local_precision,
-        num_warps=num_warps,
-    )
-    return o
+    return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
+                             num_warps=num_warps, num_stages=num_stages, chain_precision=chain_precision,
+                             local_precision=local_precision)
 
 
-def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *,
-                       method: str = "split", BT: int = 16, BV: int | None = None, num_warps: int = 4,
-                       num_stages: int = 2, chain_precision: str = "tf32x3", local_precision: str = "tf32",
+def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
+                       BV: int | None = None, num_warps: int = 8, num_stages: int = 2,
+                       chain_precision: str = "tf32x3", local_precision: str = "tf32",
                        out: torch.Tensor | None = None):
-    """Triton ``kda_prefill``: ``method`` "split" (kda_prefill_split.py, two launches) or "fused" (one);
+    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/results/kda_prefill.json);
     ``chain_precision`` is exposed for the test that shows plain tf32 is worse."""
-    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, method, BT, BV,
+    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
                    num_warps, num_stages, chain_precision, local_precision, out)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                             state_slots, has_initial_state, *, method: str = "split", BT: int = 16,
-                             BV: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                             state_slots, has_initial_state, *, BT: int = 16,
+                             BV: int | None = None, num_warps: int = 8, num_stages: int = 2,
                              chain_precision: str = "tf32x3", local_precision: str = "tf32",
                              out: torch.Tensor | None = None):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
-                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), method, BT, BV, num_warps, num_stages,
+                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, num_stages,
                    chain_precision, local_precision, out)
 
 

@@ -9,26 +9,22 @@ from flashinfra.kernels import kda_decode, kda_prefill
 from tests.kernels import kda_cases as cases
 
 
-@pytest.mark.parametrize("method", ["split", "fused"])
 @pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16]])
-def test_prefill_varlen(lens, method):
-    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16, method=method)
+def test_prefill_varlen(lens):
+    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16)
 
 
 def test_prefill_long_odd():
     cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3)
 
 
-@pytest.mark.parametrize("method", ["split", "fused"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_prefill_gated(lower_bound, method):
-    cases.prefill_varlen("cpu", [21, 50], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1,
-                         method=method)
+def test_prefill_gated(lower_bound):
+    cases.prefill_varlen("cpu", [21, 50], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1)
 
 
-@pytest.mark.parametrize("method", ["split", "fused"])
-def test_prefill_chunk32_and_ieee_chain(method):
-    cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2, method=method)
+def test_prefill_chunk32_and_ieee_chain():
+    cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2)
 
 
 def test_decode():
