@@ -4,7 +4,7 @@ The server binds two addresses (e.g. ``ipc://`` paths in a temp dir) and starts 
 ``start_engine_process(config, input_address, output_address)``; the engine connects a PULL socket to
 ``input_address`` (``EngineRequest`` / ``AbortRequest`` / ``Shutdown`` from the server) and a PUSH socket
 to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
-``EngineOutputs`` after every step). Messages are msgpack, never pickle; the config travels as msgpack
+``EngineOutputs`` after every step; ``EngineError`` if the loop itself fails). Messages are msgpack, never pickle; the config travels as msgpack
 too.
 
 Loop: take every message already waiting (never blocking while there is work), step once, send the step's
@@ -75,7 +75,11 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
             out.send(encode(EngineError(f"engine failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
             return
         out.send(encode(core.ready_message()))
-        _serve(core, inp, out, parent)
+        try:
+            _serve(core, inp, out, parent)
+        except Exception as e:  # a bug in the loop itself: tell the server before dying
+            out.send(encode(EngineError(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
+            raise
     finally:
         inp.close(linger=0)
         out.close()
