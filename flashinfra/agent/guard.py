@@ -39,20 +39,33 @@ _SYSTEM_READ = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/shm", "/proc/s
 
 
 def python_roots() -> list[str]:
-    """Where the interpreter's own code lives: stdlib, site-packages, the trusted flashinfra package."""
+    """Where the interpreter's own code lives: stdlib, site-packages, the trusted flashinfra package, and
+    the installed-distribution metadata beside any import path (``importlib.metadata`` reads it)."""
     import flashinfra
     import site
 
     roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     roots.update(site.getsitepackages())
     roots.add(os.path.dirname(os.path.abspath(flashinfra.__file__)))
+    for entry in (e or os.getcwd() for e in sys.path):
+        if os.path.isdir(entry):
+            roots.update(os.path.join(entry, name) for name in os.listdir(entry)
+                         if name.endswith((".dist-info", ".egg-info")))
     return sorted(os.path.realpath(r) for r in roots)
 
 
+def import_entries() -> list[str]:
+    """The import path's entries themselves: listing a directory entry or opening a zip entry (not reading
+    below them) is how imports and ``importlib.metadata`` find things."""
+    return sorted({os.path.realpath(e or os.getcwd()) for e in sys.path})
+
+
 class Guard:
-    def __init__(self, read_roots: list[str], write_roots: list[str], report_fd: int):
+    def __init__(self, read_roots: list[str], write_roots: list[str], report_fd: int,
+                 path_entries: list[str] = ()):
         self.write_roots = tuple(os.path.realpath(r) for r in write_roots)
         self.read_roots = tuple(os.path.realpath(r) for r in read_roots) + self.write_roots + _SYSTEM_READ
+        self.path_entries = frozenset(os.path.realpath(r) for r in path_entries)
         self.report_fd = report_fd
         self._busy = threading.local()
 
@@ -95,11 +108,11 @@ class Guard:
             writing = bool(mode and any(c in mode for c in "wax+")) or bool(flags & _WRITE_FLAGS)
             if writing and not self._under(path, self.write_roots):
                 self.stop("file", f"write {path}")
-            if not writing and not self._under(path, self.read_roots):
+            if not writing and path not in self.path_entries and not self._under(path, self.read_roots):
                 self.stop("file", f"read {path}")
         elif event in ("os.listdir", "os.scandir"):
             path = self._path(args[0] if args else ".")
-            if path is not None and not self._under(path, self.read_roots):
+            if path is not None and path not in self.path_entries and not self._under(path, self.read_roots):
                 self.stop("file", f"list {path}")
         elif event in _WRITE_EVENTS:
             for raw in args[:2]:
@@ -112,7 +125,7 @@ class Guard:
             self.stop("process", f"{event} {str(args[:2])[:200]}")
 
 
-def arm(read_roots: list[str], write_roots: list[str], report_path: str) -> None:
+def arm(read_roots: list[str], write_roots: list[str], report_path: str, path_entries: list[str] = ()) -> None:
     """Install the hook for the rest of this process's life."""
     fd = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    sys.addaudithook(Guard(read_roots, write_roots, fd))
+    sys.addaudithook(Guard(read_roots, write_roots, fd, path_entries))

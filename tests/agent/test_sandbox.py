@@ -74,7 +74,7 @@ def test_environment_is_an_allowlist(tmp_path, monkeypatch):
 GUARDED = """
     import sys
     from flashinfra.agent import guard
-    guard.arm([{repo!r}, *guard.python_roots()], [{work!r}], {report!r})
+    guard.arm([{repo!r}, *guard.python_roots()], [{work!r}], {report!r}, guard.import_entries())
     open({inside!r}).read()
     open({work!r} + "/out.txt", "w").write("ok")
     {action}
@@ -106,3 +106,16 @@ def test_guard_stops_and_records(tmp_path, action, kind, detail):
     assert any("<string>" in frame for frame in out.violations[0]["stack"])
     assert out.failure().startswith(f"stopped by the sandbox: {kind}")
     assert (work / "out.txt").read_text() == "ok"
+
+
+def test_guard_lets_the_runtime_work(tmp_path):
+    """Imports, installed-distribution metadata, temporary files in the workdir: all allowed."""
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    repo.mkdir()
+    work.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    names = dict(repo=str(repo), work=str(work), inside=str(repo / "a.py"), report=str(work / "violations.jsonl"))
+    action = ("import importlib.metadata, json, tempfile, email.parser; importlib.metadata.entry_points(); "
+              "tempfile.TemporaryFile().write(b'x')")
+    out = _run(tmp_path, GUARDED.format(action=action, **names))
+    assert out.ok and out.stdout.strip() == "not stopped", out.stderr + str(out.violations)
