@@ -28,7 +28,7 @@ def test_timeout_kills_the_whole_group(tmp_path):
         child = subprocess.Popen(["sleep", "60"])
         print(child.pid, flush=True)
         time.sleep(60)
-        """, SandboxLimits(timeout_s=1.5, cpu_s=20, memory_mb=2048))
+        """, SandboxLimits(timeout_s=4, cpu_s=20, memory_mb=2048))
     assert out.timed_out and not out.ok and "timeout" in out.failure()
     grandchild = int(out.stdout.split()[0])
     status = Path(f"/proc/{grandchild}/status")
