@@ -117,3 +117,116 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0):
         blk = blk[blk < T * top_k]
         assert blk.numel() and (flat[blk] == int(expert_ids[b])).all()
     assert n % BM == 0 and n <= sorted_ids.numel()
+
+
+def _paged(device, gen, lens: list[int], bs: int, width: int, dtype):
+    """A paged cache holding ``lens[b]`` random entries per sequence in shuffled blocks."""
+    need = [-(-n // bs) for n in lens]
+    W = max(need)
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(len(lens))).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n] + [0] * (W - n))
+        at += n
+    cache = rnd(sum(need) + 3, bs, width, device=device, gen=gen, dtype=dtype)
+    return cache, torch.tensor(tables, dtype=torch.int32, device=device)
+
+
+def _gather(cache, table, n):
+    bs = cache.shape[1]
+    return cache[table.long()].flatten(0, 1)[:n]
+
+
+def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=4,
+               ties=False, dtype=torch.float32, seed=0):
+    """dsa_select's positions equal the set the model's ``Indexer.select`` marks, query by query."""
+    from flashinfra.config import TextConfig
+    from flashinfra.kernels.dsa_indexer import dsa_select as select
+    from flashinfra.model.indexer import Indexer
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [c + q for c, q in zip(ctx, qlens)]
+    cache, tables = _paged(device, gen, lens, bs, 2 * Di, dtype)
+    T = sum(qlens)
+    q = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype)
+    w = rnd(T, Hi, device=device, gen=gen)
+    if ties:  # every q.k negative: every pool scores exactly 0, selection is decided by the tie rule alone
+        q, w = -q.abs(), w.abs()
+        cache[..., :Di] = cache[..., :Di].abs()
+    cfg = TextConfig(index_n_heads=Hi, index_head_dim=Di, index_kpool=kpool, index_topk=topk, hidden_size=32,
+                     q_lora_rank=16)
+    ix = Indexer(cfg, dtype).to(device)
+    ix.pool_ape.copy_(rnd(kpool, Di, device=device, gen=gen, dtype=dtype))
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
+                             device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    sel = select(cache, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True)
+    at = 0
+    for b, (c, n) in enumerate(zip(ctx, qlens)):
+        mask = ix.select(_gather(cache, tables[b], lens[b]), q[at:at + n], w[at:at + n])
+        for i in range(n):
+            got = sorted(p for p in sel[at + i].tolist() if p >= 0)
+            want = torch.nonzero(mask[i]).flatten().tolist()
+            assert got == want, f"seq {b} query {i} (pos {c + i}): kernel {got} vs reference {want}"
+        at += n
+    return sel
+
+
+def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S=11, split=None,
+               dtype=torch.float32, seed=0):
+    from flashinfra.kernels import sparse_mla as sm
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [c + q for c, q in zip(ctx, qlens)]
+    latent, tables = _paged(device, gen, lens, bs, R, dtype)
+    T = sum(qlens)
+    q = rnd(T, H, R, device=device, gen=gen, dtype=dtype)
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    rows = []
+    for c, n in zip(ctx, qlens):
+        for p in range(c, c + n):
+            pick = torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:S].tolist()
+            pick = pick + [-1] * (S - len(pick))
+            rows.append([pick[i] for i in torch.randperm(S, generator=torch.Generator().manual_seed(7 + p))])
+    sel = torch.tensor(rows, dtype=torch.int32, device=device)
+    out = sm.sparse_mla_launch(q, latent, sel, token_seq, tables, R**-0.5, split=split)
+    ref = sm.sparse_mla_ref(_d(q), _d(latent), sel, token_seq, tables, R**-0.5)
+    check("sparse_mla", out, ref, **tol(dtype))
+
+
+def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16):
+    """Packed prefill of all prompts, then ``steps`` decode steps of the whole batch; tokens and last logits."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
+    slots = list(range(len(prompts), 0, -1))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    ids = torch.tensor([t for p in prompts for t in p], device=dev)
+    hidden = model.forward(ids, batch, cache)
+    logits = model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])
+    tokens = [logits.argmax(-1).tolist()]
+    for i in range(steps - 1):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        logits = model.compute_logits(model.forward(torch.tensor(tokens[-1], device=dev), batch, cache))
+        tokens.append(logits.argmax(-1).tolist())
+    return tokens, logits
+
+
+def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="float32", steps: int = 6):
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    fast, fast_logits = batched_greedy(model, prompts, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref, ref_logits = batched_greedy(model, prompts, steps)
+    assert fast == ref
+    assert float((fast_logits - ref_logits).norm() / ref_logits.norm()) < (1e-4 if dtype == "float32" else 2e-2)
