@@ -9,7 +9,7 @@ from flashinfra.kernels import kda_decode, kda_prefill
 from tests.kernels import kda_cases as cases
 
 
-@pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16]])
+@pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16], [5, 0, 3]])
 def test_prefill_varlen(lens):
     cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16)
 
