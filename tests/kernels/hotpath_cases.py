@@ -162,15 +162,38 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
                              device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     sel = select(cache, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True)
-    at = 0
+    at, near_ties = 0, 0
     for b, (c, n) in enumerate(zip(ctx, qlens)):
-        mask = ix.select(_gather(cache, tables[b], lens[b]), q[at:at + n], w[at:at + n])
+        entries = _gather(cache, tables[b], lens[b])
+        mask = ix.select(entries, q[at:at + n], w[at:at + n])
         for i in range(n):
             got = sorted(p for p in sel[at + i].tolist() if p >= 0)
             want = torch.nonzero(mask[i]).flatten().tolist()
-            assert got == want, f"seq {b} query {i} (pos {c + i}): kernel {got} vs reference {want}"
+            if got != want:
+                near_ties += 1
+                _only_near_ties(got, want, entries, q[at + i], w[at + i], ix, c + i, topk, kpool)
         at += n
+    assert near_ties <= max(1, T // 50), f"{near_ties} of {T} queries differ (all at near-ties)"
     return sel
+
+
+def _only_near_ties(got, want, entries, q, w, ix, pos, topk, kpool):
+    """A selection may differ from the reference only by pools whose float64 scores tie (to rounding) with
+    the last pool selected; the tail must be the same."""
+    N = entries.shape[0]
+    P = N // kpool
+    keys, gates = entries[: P * kpool].double().view(P, kpool, -1).chunk(2, dim=-1)
+    probs = torch.softmax(gates + ix.pool_ape.double()[None], dim=1)
+    scores = torch.relu(q.double() @ (probs * keys).sum(1).t() * q.shape[-1] ** -0.5)  # [Hi, P]
+    score = w.double() @ scores  # [P]
+    visible = torch.arange(P, device=score.device) * kpool + kpool - 1 <= pos
+    vis_scores = score[visible]
+    kth = vis_scores.sort(descending=True).values[min(topk // kpool, vis_scores.numel()) - 1]
+    diff = set(got) ^ set(want)
+    for p in diff:
+        assert p < P * kpool, f"query at {pos}: tail positions differ: {sorted(diff)}"
+        gap = float((score[p // kpool] - kth).abs())
+        assert gap <= 1e-5 * float(score.abs().max()) + 1e-30, f"query at {pos}: pool {p // kpool} differs, gap {gap}"
 
 
 def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S=11, split=None,

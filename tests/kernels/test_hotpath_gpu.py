@@ -1,0 +1,62 @@
+"""Hot-path kernels on a CUDA device at GLM-5.3-Flash sizes, in bf16 and float32, against float64 references;
+the tiny model's greedy tokens with the kernels equal those with the references."""
+
+import pytest
+import torch
+
+from tests.kernels import hotpath_cases as cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("T", [1, 63, 1000])
+def test_norms(T, dtype):
+    cases.norms("cuda", T, 4096, dtype=dtype, seed=T)
+    cases.norms("cuda", T, 128, dtype=dtype, seed=T + 1)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("T", [1, 33, 1000])
+def test_mhc(T, dtype):
+    cases.mhc("cuda", T, 4096, dtype=dtype, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 67, 1000])
+def test_route(T):
+    cases.route("cuda", T, 288, 4096, 8, 1, 1, seed=T)
+    cases.route("cuda", T, 256, 512, 8, 8, 4, seed=T)
+
+
+def test_moe_align():
+    cases.moe_align("cuda", 1, 288, 8, 16)
+    cases.moe_align("cuda", 129, 288, 8, 16, seed=1)
+    cases.moe_align("cuda", 1000, 288, 8, 64, seed=2)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_fused_moe(T, dtype):
+    cases.fused_moe("cuda", T, 64, 1024, 512, 8, dtype=dtype, limit=10.0, seed=T)
+
+
+@pytest.mark.parametrize("ctx,qlens", [([0, 500, 3000], [1000, 1, 7]), ([4095], [1]), ([2000] * 5, [1] * 5)])
+def test_dsa_select_real_heads(ctx, qlens):
+    cases.dsa_select("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, seed=len(ctx))
+
+
+def test_dsa_select_bf16_and_ties():
+    cases.dsa_select("cuda", [3000, 9], [1, 700], Hi=32, Di=128, kpool=4, topk=512, bs=64, ties=True)
+    cases.dsa_select("cuda", [0, 2100], [333, 1], Hi=32, Di=128, kpool=4, topk=512, bs=64, dtype=BF16)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("split", [None, 1, 8])
+def test_sparse_mla_real_size(dtype, split):
+    cases.sparse_mla("cuda", [0, 3000, 700], [65, 1, 1], H=64, R=512, bs=64, S=2051, split=split, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_batched_greedy_same_with_kernels_and_references(tmp_path, monkeypatch, dtype):
+    cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cuda", dtype=dtype)
