@@ -64,9 +64,9 @@ def test_kernel_campaign(repo, api_key, listener, tmp_path, capsys):
     assert "kernel.rowsum: median" in results["call_0_0"] and "NOT MET" in results["call_0_0"]
     assert "PASS kernel.rowsum" in results["call_0_1"]
     assert "engine/rowsum.py:5: def rowsum" in results["call_1_1"]
-    # The trace shows one reduction per row: 1024 aten::sum calls per step, 3 steps.
-    assert "top CPU ops" in results["call_1_2"]
-    assert any("aten::sum" in line and " 3072 " in line for line in results["call_1_2"].splitlines())
+    # The trace shows reductions per row: at least 1024 aten::sum calls per step, 3 steps.
+    (sums,) = [line.split() for line in results["call_1_2"].splitlines() if line.endswith("aten::sum")]
+    assert int(sums[2]) >= 3 * 1024
 
     c = Campaign.open(repo / "goals/kernel.toml", must_exist=True).candidates
     assert c["c1"].status == "passed", c["c1"].verdict["reasons"]
