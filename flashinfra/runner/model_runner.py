@@ -19,6 +19,7 @@ from flashinfra.core.plan import Plan, StepResult
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.runner.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.runner.sampler import SamplingRow, sample
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -53,11 +54,14 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
-                 num_prefix_slots: int = 0) -> None:
+                 num_prefix_slots: int = 0, cuda_graphs: bool = True) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.cache = model.allocate_cache(num_blocks, block_size, num_slots + num_prefix_slots)
+        graphs = cuda_graphs and graphs_supported(model)
+        # with graphs, one more block and slot that the scheduler never hands out: the padding rows' scratch
+        self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
+        self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
         self.generators: dict[str, torch.Generator] = {}
         self._seeds = random.Random(seed)
 
@@ -97,7 +101,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
-        hidden = self.model.forward(input_ids, batch, self.cache)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(input_ids, batch)
+        else:
+            hidden = self.model.forward(input_ids, batch, self.cache)
         self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
         last = batch.last_token_indices
         picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
