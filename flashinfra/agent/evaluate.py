@@ -202,5 +202,7 @@ class Gate:
         if not better:
             reasons.append(f"target {t.metric}: {a:.4g} -> {b:.4g} is no improvement beyond min_effect "
                            f"{g.min_effect:g} (within the noise)")
-        return {"metric": t.metric, "baseline": a, "candidate": b, "change": change,
-                "verdict": "better" if better else "no difference"}
+        verdict = "better" if better else "no difference"
+        return {"metric": t.metric, "baseline": a, "candidate": b, "change": change, "verdict": verdict,
+                "summary": f"{verdict}: baseline {a:.4g}, candidate {b:.4g} ({100 * change:+.1f}% better, "
+                           f"same seed; min_effect {100 * g.min_effect:g}%)"}
