@@ -5,8 +5,8 @@ channels (the conv slot read and shifted in place), the forget gate with its low
 L2 norm, the delta-rule step on the recurrent state (read from and written back to its slot in place)
 and the gated RMSNorm of the output. The unfused path runs ``causal_conv1d_decode``, ``kda_gate``,
 ``sigmoid``, ``kda_decode`` and the gated norm as separate ops, each reading and writing memory; here
-the only traffic is the inputs, the output and the two slots, so at batch sizes where the recurrent
-state dominates the time is that of reading and writing the state once.
+the only traffic is the inputs, the output (written, read back for the norm, written again) and the two
+slots. Measured on an H200 in bench/notes/kda_decode.md (77% of copy bandwidth at B=64 with fp32 state).
 
 The reference ``kda_layer_decode_ref`` is that unfused composition; the kernel rounds where it rounds
 (conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
