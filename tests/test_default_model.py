@@ -88,3 +88,53 @@ def test_generate_continues_a_plain_prompt_in_english(capsys):
     words = re.findall(r"[A-Za-z]+", out[len(prompt) :])
     assert len(words) >= 3, out
     assert len({w.lower() for w in words} & COMMON_WORDS) >= 2, out
+
+
+def _load_training_kda():
+    """``train/kda_chunk.py`` (the KDA the default model was trained with); it is not part of the package."""
+    import importlib.util
+
+    source = Path(__file__).resolve().parent.parent / "train" / "kda_chunk.py"
+    spec = importlib.util.spec_from_file_location("kda_chunk", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chunk_kda
+
+
+def _kda_recurrence_f64(q, k, v, g, beta, state):
+    """Token-by-token KDA in float64: S <- diag(exp g_t) S; S += k_t beta_t (v_t - S^T k_t); o_t = S^T q_t."""
+    import torch
+
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None]  # [B, H, K, V]
+        kv = (state * k[:, t][..., None]).sum(-2)  # [B, H, V]
+        state = state + k[:, t][..., None] * ((v[:, t] - kv) * beta[:, t][..., None])[..., None, :]
+        outs.append((state * q[:, t][..., None]).sum(-2))
+    return torch.stack(outs, dim=1), state
+
+
+def test_training_kda_matches_a_float64_recurrence_values_and_gradients():
+    import torch
+
+    chunk_kda = _load_training_kda()
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 2, 37, 3, 8, 5  # T not a multiple of the chunk: the padded tail is exercised
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    gate = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=g, dtype=torch.float64))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g, dtype=torch.float64))
+    s0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
+    inputs = [x.requires_grad_() for x in (q, k, v, gate, beta)]
+    out, state = chunk_kda(*inputs, chunk_size=16, initial_state=s0, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = _kda_recurrence_f64(*inputs, s0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(state, ref_state, rtol=1e-10, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref_out * w).sum(), inputs)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

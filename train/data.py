@@ -14,7 +14,8 @@ Split rule: within each source, document number ``i`` (in the order the source g
 when ``i % 20 == 19``; everything else is training text.
 
 Writes into ``--out``: ``train.jsonl`` and ``heldout.jsonl`` (one ``{"source", "text"}`` per line),
-``heldout.txt`` (the held-out documents as plain text, separated by blank lines) and ``manifest.json``
+``heldout.txt`` (the held-out documents as plain text, separated by blank lines), ``heldout-sample.txt``
+(every 10th held-out document, for perplexity on a CPU) and ``manifest.json``
 (package versions and file hashes, document and character counts).
 
     python train/data.py --out .gpu/data
@@ -33,6 +34,7 @@ from pathlib import Path
 
 PACKAGES = ("bible-kjv-text", "bible-kjv", "fortunes-min", "fortunes", "python3.11-doc")
 HELDOUT_EVERY = 20
+SAMPLE_EVERY = 10
 MIN_DOC_CHARS = 40
 
 _UNDERLINE = re.compile(r"^\s*([=*\-.~^#_+])\1{2,}\s*$")
@@ -165,7 +167,10 @@ def build(out: Path) -> dict:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out / "heldout.txt").write_text("\n\n".join(r["text"] for r in heldout_rows) + "\n", encoding="utf-8")
-    for fname in ("train.jsonl", "heldout.jsonl", "heldout.txt"):
+    # A tenth of the held-out documents (every 10th, all sources), for perplexity runs on a CPU.
+    sample = heldout_rows[::SAMPLE_EVERY]
+    (out / "heldout-sample.txt").write_text("\n\n".join(r["text"] for r in sample) + "\n", encoding="utf-8")
+    for fname in ("train.jsonl", "heldout.jsonl", "heldout.txt", "heldout-sample.txt"):
         manifest[fname] = hashlib.sha256((out / fname).read_bytes()).hexdigest()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
