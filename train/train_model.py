@@ -6,13 +6,14 @@ the training loop (fixed seed, bf16 autocast, AdamW, warmup + cosine, DeepSeek-s
 the MoE router) and writing a standard checkpoint with ``save_pretrained`` plus the tokenizer files.
 
 The model is ``Glm5NextForConditionalGeneration`` with a one-block vision tower (the class always has
-one; text never reaches it). On a GPU, install fla-core first: transformers then runs KDA through its
-Triton kernels; without it transformers falls back to its PyTorch KDA, which is how the script is
-checked on a CPU (``--tiny --steps 3``).
+one; text never reaches it). KDA runs through ``kda_chunk.py`` by default (``--kda torch``: the same
+computation as transformers' PyTorch path, without its row loop, no compile step); ``--kda fla`` leaves
+transformers on fla-core's Triton kernels, which compile and autotune for minutes on a first call.
+The whole script is checked on a CPU with ``--tiny --steps 3 --batch 2``.
 
     python train/train_model.py --data .gpu/data --tokenizer .gpu/tokenizer --out .gpu/model \
-        --budget-s 270          # steps chosen from the measured speed of the first steps
-    python train/train_model.py ... --steps 2400   # or an exact number of steps
+        --budget-s 270 --batch 128 --lr 4e-3 --warmup 15   # cosine over the wall-clock budget
+    python train/train_model.py ... --steps 480            # or over an exact number of steps
 """
 
 from __future__ import annotations
