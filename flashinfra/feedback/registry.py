@@ -44,6 +44,7 @@ from typing import Any, Callable
 PROVIDERS: tuple[str, ...] = (
     "flashinfra.feedback.checks",
     "flashinfra.kernels.checks",
+    "flashinfra.kernels.hotpath_checks",
     "flashinfra.model.checks",
     "flashinfra.runner.checks",
     "flashinfra.core.checks",
