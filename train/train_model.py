@@ -303,7 +303,12 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--init", type=Path, default=None, help="checkpoint to continue from")
     p.add_argument("--tiny", action="store_true", help="hidden 64: a quick CPU check of the whole script")
+    p.add_argument("--pack-only", action="store_true", help="write the token streams beside --data and stop")
     args = p.parse_args()
+    if args.pack_only:
+        tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+        print({split: len(pack(args.data, tok, split, args.seed)) for split in ("train", "heldout")})
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(train(args), indent=2))
 
