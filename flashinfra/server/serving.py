@@ -124,6 +124,10 @@ def make_choices(state: ServerState, request_id: str, prompts: list[list[int]], 
             params.validate(state.max_model_len)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+        bad = next((t for t in params.stop_token_ids if t >= state.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"stop token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                              "stop_token_ids")
         for i in range(n):
             sp = params if i == 0 else msgspec.structs.replace(params, seed=sub_request_seed(params.seed, i))
             detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, stop, include_stop, skip_special_tokens)

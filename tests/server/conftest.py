@@ -34,10 +34,15 @@ def tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def model_dir():
-    from flashinfra.model.factory import default_model_dir
+def model_dir(tmp_path_factory):
+    """A two-layer checkpoint of the tiny architecture (one KDA and one MLA/DSA layer, a dense and an MoE
+    MLP, the default tokenizer and chat template): the server tests exercise serving, not depth, and CPU
+    time per engine step grows with the layer count."""
+    from flashinfra.model.factory import write_tiny_checkpoint
 
-    return default_model_dir()
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("model"), seed=0, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
 
 
 def free_port() -> int:
