@@ -31,11 +31,15 @@ def test_mcp_lists_and_calls_tools(repo):
             read = await client.call_tool("read_file", {"path": "engine/scan.py"})
             checks = await client.call_tool("run_checks", {"patterns": ["scan"]})
             escape = await client.call_tool("read_file", {"path": "../outside.txt"})
-            return names, schema, read, checks, escape
+            # The edit does not touch rowsum: working tree vs HEAD is an A/A experiment for it.
+            ab = await client.call_tool("ab_test", {"names": ["kernel.rowsum"], "base": "HEAD"})
+            return names, schema, read, checks, escape, ab
 
-    names, schema, read, checks, escape = anyio.run(session)
+    names, schema, read, checks, escape, ab = anyio.run(session)
     assert EXPECTED <= names
     assert "path" in schema["properties"] and "path" in schema.get("required", [])
     assert not read.is_error and "carry = torch.zeros(D, dtype=torch.float32)" in read.content[0].text
     assert not checks.is_error and "PASS scan.long" in checks.content[0].text
     assert escape.is_error and "'..' is not allowed" in escape.content[0].text
+    assert not ab.is_error and ab.content[0].text.startswith("kernel.rowsum: no difference"), ab.content[0].text
+    assert "n=6+6" in ab.content[0].text
