@@ -67,7 +67,7 @@ def test_greedy_is_unchanged_when_a_tiny_cache_forces_preemption(mixed, ckpt, tm
     assert kinds.count("step") == kinds.count("cache") > 0
 
 
-def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+def test_seeded_sampling_is_reproducible_in_any_batch(llm, ckpt, tmp_path):
     prompts, _ = mixed_prompts(2, 4, max_len=12)
     seeded = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
     others = [SamplingParams(max_tokens=3, temperature=0.8, top_k=20, ignore_eos=True) for _ in range(3)]
@@ -76,6 +76,16 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert batch[0].token_ids == solo
     again = llm.generate(prompts[::-1], others + [seeded])
     assert again[-1].token_ids == solo
+    # preempted and recomputed (5 blocks: the seeded request, admitted last, is the victim), a request
+    # continues its own random stream
+    events = tmp_path / "events.jsonl"
+    small = flashinfra.LLM(ckpt, num_blocks=5, block_size=4, max_num_seqs=4, prefix_cache_slots=0,
+                           events_path=str(events))
+    outs = small.generate(prompts[1:] + prompts[:1], others + [seeded])
+    assert outs[-1].token_ids == solo
+    small.engine.events.close()
+    preempted = [e["request_id"] for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "preempt"]
+    assert outs[-1].request_id in preempted
     other_seed = llm.generate([prompts[0]], SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=43,
                                                            ignore_eos=True))[0].token_ids
     assert other_seed != solo
