@@ -69,7 +69,7 @@ class Runner:
         workdir.mkdir(parents=True)
         spec = {"tasks": tasks, "repo": str(tree), "workdir": str(workdir), "out": str(workdir / "result.json"),
                 "violations": str(workdir / "violations.jsonl"), "providers": list(self.goals.providers),
-                **spec}
+                "allow_subprocess": self.goals.sandbox.allow_subprocess, **spec}
         (workdir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
         env = candidate_env([tree, self.trusted_root], workdir, self.secrets)
         outcome = run_limited([sys.executable, "-m", "flashinfra.agent.worker", str(workdir / "spec.json")],

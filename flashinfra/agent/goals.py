@@ -34,6 +34,7 @@
     timeout_s = 120                        # wall clock per evaluation subprocess
     cpu_s = 240
     memory_mb = 8192
+    allow_subprocess = false               # true: checks may start child processes (see SandboxLimits)
 
 Metrics (names usable in ``metric`` and ``expr``): each benchmark's median seconds under its own name
 (``B``, also ``B.median_s``, ``B.min_s``), and each check result's ``R.rel_norm``, ``R.max_abs`` and
@@ -87,6 +88,9 @@ class SandboxLimits:
     timeout_s: float = 120.0
     cpu_s: int = 240
     memory_mb: int = 8192
+    # Checks that run part of their work in a child process need this; such children stay in the network
+    # namespace and under the limits, but the file tripwire (an in-process audit hook) does not follow them.
+    allow_subprocess: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,13 @@ def _positive(table: dict, key: str, default, kind, where: str):
     return kind(value)
 
 
+def _flag(table: dict, key: str, where: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise GoalsError(f"{where}.{key} must be true or false, got {value!r}")
+    return value
+
+
 def load_goals(path: str | Path) -> Goals:
     """Parse and validate a goals file; every problem is a ``GoalsError`` naming the field."""
     path = Path(path)
@@ -224,5 +235,6 @@ def load_goals(path: str | Path) -> Goals:
             timeout_s=_positive(sandbox, "timeout_s", 120.0, float, "sandbox"),
             cpu_s=_positive(sandbox, "cpu_s", 240, int, "sandbox"),
             memory_mb=_positive(sandbox, "memory_mb", 8192, int, "sandbox"),
+            allow_subprocess=_flag(sandbox, "allow_subprocess", "sandbox"),
         ),
     )

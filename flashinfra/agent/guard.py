@@ -8,7 +8,7 @@ Once armed, the process is stopped (exit status ``sandbox.VIOLATION_EXIT``) the 
   directory;
 - connect or send on a socket (any family);
 - start a process (``subprocess``, ``os.system``, ``exec``, ``posix_spawn``, ``fork``), which would
-  escape the hook.
+  escape the hook, unless the goals allow it (``[sandbox] allow_subprocess``).
 
 Each stop is written first, as one JSON line, to a file descriptor opened before arming, so the parent
 records what was attempted and from where. Audit hooks cannot be removed, and the stop is ``os._exit``,
@@ -62,11 +62,12 @@ def import_entries() -> list[str]:
 
 class Guard:
     def __init__(self, read_roots: list[str], write_roots: list[str], report_fd: int,
-                 path_entries: list[str] = ()):
+                 path_entries: list[str] = (), allow_subprocess: bool = False):
         self.write_roots = tuple(os.path.realpath(r) for r in write_roots)
         self.read_roots = tuple(os.path.realpath(r) for r in read_roots) + self.write_roots + _SYSTEM_READ
         self.path_entries = frozenset(os.path.realpath(r) for r in path_entries)
         self.report_fd = report_fd
+        self.allow_subprocess = allow_subprocess
         self._busy = threading.local()
 
     @staticmethod
@@ -121,11 +122,12 @@ class Guard:
                     self.stop("file", f"{event} {path}")
         elif event in _NETWORK_EVENTS:
             self.stop("network", f"{event} to {args[1]!r}")
-        elif event in _PROCESS_EVENTS:
+        elif event in _PROCESS_EVENTS and not self.allow_subprocess:
             self.stop("process", f"{event} {str(args[:2])[:200]}")
 
 
-def arm(read_roots: list[str], write_roots: list[str], report_path: str, path_entries: list[str] = ()) -> None:
+def arm(read_roots: list[str], write_roots: list[str], report_path: str, path_entries: list[str] = (),
+        allow_subprocess: bool = False) -> None:
     """Install the hook for the rest of this process's life."""
     fd = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    sys.addaudithook(Guard(read_roots, write_roots, fd, path_entries))
+    sys.addaudithook(Guard(read_roots, write_roots, fd, path_entries, allow_subprocess))

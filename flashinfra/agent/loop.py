@@ -99,8 +99,10 @@ class Loop:
             try:
                 reply = self.client.complete(self.messages, openai_tools(self.tools.specs))
             except LLMError as exc:
+                # Not the end of the campaign: the same command resumes it once the endpoint answers.
                 self.journal.write("llm_error", error=str(exc))
-                return self._end(f"endpoint error: {exc}")
+                report.write(self.campaign)
+                return f"endpoint error (resumable): {exc}"
             self.turns += 1
             self.tokens += reply.total_tokens or _estimate_tokens(self.messages[-2:] + [reply.message])
             self.journal.write("llm_call", turn=self.turns, prompt_tokens=reply.prompt_tokens,

@@ -107,7 +107,8 @@ def main(argv: list[str]) -> int:
 
     sys.path.insert(0, spec["repo"])
     guard.arm(read_roots=[spec["repo"], *guard.python_roots()], write_roots=[spec["workdir"]],
-              report_path=spec["violations"], path_entries=guard.import_entries())
+              report_path=spec["violations"], path_entries=guard.import_entries(),
+              allow_subprocess=bool(spec.get("allow_subprocess")))
     result: dict = {"ok": True}
     try:
         errors = registry.load_providers(tuple(spec["providers"]))

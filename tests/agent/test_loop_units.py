@@ -150,3 +150,14 @@ def test_runaway_candidate_is_killed_and_fails(repo, tmp_path):
     assert verdict["runs"][0]["timed_out"]
     start = campaign.journal.records()[0]
     assert start["limits"]["timeout_s"] == 5 and start["network_isolation"]
+
+
+def test_endpoint_error_leaves_the_campaign_resumable(repo, tmp_path):
+    goals = _goals(tmp_path, repo)
+    with ScriptedLLM([]) as llm:
+        campaign = Campaign.open(goals, repo=repo)
+        reason = Loop(campaign, ChatClient(llm.base_url.replace("/v1", "/gone"), "m", backoff_s=0.01)).run()
+        assert reason.startswith("endpoint error (resumable): HTTP 404")
+        resumed = Campaign.open(goals, repo=repo, must_exist=True)
+        assert not resumed.finished
+        assert Loop(resumed, ChatClient(llm.base_url, "m")).run() == "the model stopped calling tools"

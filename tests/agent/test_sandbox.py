@@ -119,3 +119,21 @@ def test_guard_lets_the_runtime_work(tmp_path):
               "tempfile.TemporaryFile().write(b'x')")
     out = _run(tmp_path, GUARDED.format(action=action, **names))
     assert out.ok and out.stdout.strip() == "not stopped", out.stderr + str(out.violations)
+
+
+def test_guard_can_allow_child_processes(tmp_path):
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    repo.mkdir()
+    work.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    code = f"""
+        from flashinfra.agent import guard
+        guard.arm([{str(repo)!r}, *guard.python_roots()], [{str(work)!r}], {str(work / "violations.jsonl")!r},
+                  guard.import_entries(), allow_subprocess=True)
+        import subprocess
+        print(subprocess.run(["echo", "child ran"], capture_output=True, text=True).stdout.strip(), flush=True)
+        open("/etc/hostname").read()
+        """
+    out = _run(tmp_path, code)
+    assert out.stdout.strip() == "child ran", out.violations
+    assert out.returncode == VIOLATION_EXIT and out.violations[0]["detail"] == "read /etc/hostname"
