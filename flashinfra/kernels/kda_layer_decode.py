@@ -23,13 +23,7 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-
-
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """KDA output norm: RMSNorm over the head dim in float32, times the weight and ``sigmoid(gate)``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
 def kda_layer_decode_ref(

@@ -2,8 +2,9 @@
 
 One input GEMM gives q|k|v, the forget-gate and output-gate low-rank inputs and beta's logits; a short
 causal conv with SiLU runs over q|k|v; the delta-rule recurrence runs over each sequence from its state
-slot; a gated RMSNorm and the output projection finish. Decode batches use the one-step ops, any other
-batch (fresh prefills, chunks, mixed) the chunked ops.
+slot; a gated RMSNorm and the output projection finish. Decode batches run all of that between the two
+projections as one fused op; any other batch (fresh prefills, chunks, mixed) runs the conv, the chunked
+recurrence (gate, beta and q/k L2 norm fused in) and the norm.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
-from flashinfra.kernels.kda_decode import kda_decode
-from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_prefill import kda_prefill
+from flashinfra.kernels.causal_conv1d import causal_conv1d_prefill
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode
+from flashinfra.kernels.kda_prefill import kda_prefill_gated
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -46,22 +46,16 @@ class KDAttention(nn.Module):
         T, H, K = x.shape[0], self.H, self.K
         qkv, f_a, g_a, b = F.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        g_raw = F.linear(f_a, self.f_b_proj)
+        gate = F.linear(g_a, self.g_b_proj)
         if batch.is_decode:
-            qkv = causal_conv1d_decode(qkv, self.conv_weight, conv_state, batch.state_slots_t)
-        else:
-            qkv = causal_conv1d_prefill(
-                qkv, self.conv_weight, conv_state, batch.cu_seqlens_list, list(batch.state_slots),
-                batch.has_initial_state,
-            )
+            o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
+                                 self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
+            return F.linear(o.reshape(T, H * K), self.o_proj)
+        slots, has_init = list(batch.state_slots), batch.has_initial_state
+        qkv = causal_conv1d_prefill(qkv, self.conv_weight, conv_state, batch.cu_seqlens_list, slots, has_init)
         q, k, v = qkv.view(T, 3, H, K).unbind(1)
-        g = kda_gate_ref(F.linear(f_a, self.f_b_proj).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b).float()
-        if batch.is_decode:
-            o = kda_decode(q, k, v, g, beta, state, batch.state_slots_t)
-        else:
-            o = kda_prefill(
-                q, k, v, g, beta, state, batch.cu_seqlens_list, list(batch.state_slots), batch.has_initial_state
-            )
-        gate = F.linear(g_a, self.g_b_proj).view(T, H, K)
-        o = gated_rms_norm(o, gate, self.o_norm, self.eps)
+        o = kda_prefill_gated(q, k, v, g_raw.view(T, H, K), b, self.A_log, self.dt_bias, self.lower_bound, state,
+                              batch.cu_seqlens_list, slots, has_init)
+        o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
         return F.linear(o.reshape(T, H * K), self.o_proj)

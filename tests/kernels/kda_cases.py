@@ -193,7 +193,7 @@ def tiny_model_greedy_same(tmp_path, monkeypatch, device: str, steps: int = 8):
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
 
-    mine = (conv, dec, pre)
+    mine = (conv, layer, pre)
     calls = {}
     for mod in mine:
         for name in [n for n in vars(mod) if n.endswith("_launch")]:
@@ -208,8 +208,7 @@ def tiny_model_greedy_same(tmp_path, monkeypatch, device: str, steps: int = 8):
     for mod in mine:
         monkeypatch.setattr(mod, "use_triton", lambda *tensors: True)
     fast, fast_logits = greedy(model, prompt, steps)
-    for name in ("kda_prefill_launch", "kda_decode_launch", "causal_conv1d_prefill_launch",
-                 "causal_conv1d_decode_launch"):
+    for name in ("kda_prefill_gated_launch", "kda_layer_decode_launch", "causal_conv1d_prefill_launch"):
         assert calls.get(name, 0) > 0, f"{name} never ran: {calls}"
     for mod in mine:
         monkeypatch.setattr(mod, "use_triton", lambda *tensors: False)
