@@ -83,7 +83,7 @@ def _run(args) -> int:
     print(f"report: {campaign.dir / 'report.md'}")
     if passed:
         print(f"waiting for approval: {', '.join(passed)} (flashinfra agent review --goals {args.goals})")
-    return 0
+    return 1 if reason.startswith("endpoint error") else 0
 
 
 def _review(args) -> int:

@@ -212,7 +212,7 @@ def load_goals(path: str | Path) -> Goals:
     if not isinstance(min_effect, (int, float)) or not 0 <= min_effect < 1:
         raise GoalsError("evaluation.min_effect must be in [0, 1)")
     return Goals(
-        path=path,
+        path=path.resolve(),
         name=name,
         goal=str(campaign.get("goal", "")),
         base=str(campaign.get("base", "HEAD")),
