@@ -248,9 +248,9 @@ def _moe_bench(T: int):
     _bench(f"hotpath.moe.t{T}", make)
 
 
-def _select_inputs(dev, act, B, ctx_len, T, bs=64):
+def _select_inputs(dev, act, B, ctx_len, T, di, bs=64):
     W = -(-ctx_len // bs)
-    cache = _rnd(B * W, bs, 2 * DI, dev=dev, dtype=act)
+    cache = _rnd(B * W, bs, 2 * di, dev=dev, dtype=act)
     tables = torch.randperm(B * W, device=dev).view(B, W).to(torch.int32)
     per = T // B
     seq = torch.arange(B, dtype=torch.int32, device=dev).repeat_interleave(per)
@@ -266,7 +266,7 @@ def _dsa_bench(B: int, ctx_len: int, T: int):
 
         def inputs(seed):
             torch.manual_seed(seed)
-            cache, tables, lens, seq, pos = _select_inputs(dev, act, b, n, t, bs=64 if not ctx.quick else 16)
+            cache, tables, lens, seq, pos = _select_inputs(dev, act, b, n, t, di, bs=64 if not ctx.quick else 16)
             return cache, _rnd(t, hi, di, dev=dev, dtype=act), _rnd(t, hi, dev=dev), tables, lens, seq, pos
 
         P = n // KPOOL
