@@ -91,7 +91,12 @@ def merge(repo: Path, commit: str, message: str) -> str:
     """Merge ``commit`` into the branch checked out in ``repo`` (never fast-forward, so the approval is
     one visible merge commit). Returns the new HEAD."""
     has_identity = bool(git(repo, "config", "user.email", check=False).strip())
-    git(repo, "merge", "--no-ff", "--no-edit", "-m", message, commit, identity=not has_identity)
+    try:
+        git(repo, "merge", "--no-ff", "--no-edit", "-m", message, commit, identity=not has_identity)
+    except GitError:
+        # A conflict must not leave the person's checkout half-merged.
+        git(repo, "merge", "--abort", check=False)
+        raise
     return rev_parse(repo, "HEAD")
 
 

@@ -161,3 +161,19 @@ def test_endpoint_error_leaves_the_campaign_resumable(repo, tmp_path):
         resumed = Campaign.open(goals, repo=repo, must_exist=True)
         assert not resumed.finished
         assert Loop(resumed, ChatClient(llm.base_url, "m")).run() == "the model stopped calling tools"
+
+
+def test_approve_refuses_a_conflicting_merge_cleanly(repo, tmp_path):
+    from flashinfra.agent import review, worktree
+
+    campaign = Campaign.open(_goals(tmp_path, repo), repo=repo)
+    c = campaign.new_candidate("change rowsum")
+    (campaign.tree(c.id) / "engine" / "rowsum.py").write_text("# candidate\n")
+    c.commit = worktree.commit_all(campaign.tree(c.id), "candidate")
+    c.status = "passed"  # as if the gate had passed it: this test is about the merge
+    (repo / "engine" / "rowsum.py").write_text("# meanwhile on main\n")
+    worktree.git(repo, "commit", "-qam", "main moved", identity=True)
+    with pytest.raises(worktree.GitError, match="merge"):
+        review.approve(campaign, c.id)
+    assert worktree.dirty(repo) == [] and (repo / "engine" / "rowsum.py").read_text() == "# meanwhile on main\n"
+    assert campaign.candidates[c.id].status == "passed"
