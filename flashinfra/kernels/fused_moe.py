@@ -130,7 +130,7 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
             acc += tl.dot(b_h, b_w)
     if WEIGHTED:
         acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
-    tl.store(out + rows[:, None] * N + o_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])
+    tl.store(out + rows[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_p[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -139,9 +139,9 @@ def moe_sum_kernel(routed, shared, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     t = i_t.to(tl.int64)
-    acc = tl.load(shared + t * D + o_d, mask=m_d, other=0.0)
+    acc = tl.load(shared + t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(routed + (t * TOPK + j) * D + o_d, mask=m_d, other=0.0)
+        acc += tl.load(routed + (t * TOPK + j) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
@@ -199,9 +199,10 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     y = torch.empty_like(x)
     if T == 0:
         return y
-    routed = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
+    # pair outputs in the activation dtype: the reference rounds each weighted expert output there too
+    routed = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
     _experts(x, w13, w2, topk_weights.float().contiguous(), topk_ids, limit, routed)
-    shared = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    shared = torch.empty(T, D, dtype=x.dtype, device=x.device)
     every = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
     _experts(x, shared_w13[None], shared_w2[None], None, every, limit, shared)
     BD = min(1024, triton.next_power_of_2(D))

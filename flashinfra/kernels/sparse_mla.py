@@ -119,7 +119,8 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     BH = max(16, min(32, triton.next_power_of_2(H)))
     programs = T * triton.cdiv(H, BH)
     if split is None:
-        split = 1 if programs >= 132 else min(triton.next_power_of_2(triton.cdiv(264, programs)),
+        # at most 16 splits: the merge reads split x H x R float32 partials per token
+        split = 1 if programs >= 132 else min(16, triton.next_power_of_2(triton.cdiv(264, programs)),
                                               triton.next_power_of_2(triton.cdiv(S, BN)))
     CH = triton.cdiv(triton.cdiv(S, split), BN) * BN
     dev = q_lat.device

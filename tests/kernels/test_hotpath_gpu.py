@@ -10,15 +10,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-@pytest.mark.parametrize("T", [1, 63, 1000])
+@pytest.mark.parametrize("T,dtype", [(1, BF16), (1000, BF16), (63, torch.float32)])
 def test_norms(T, dtype):
     cases.norms("cuda", T, 4096, dtype=dtype, seed=T)
     cases.norms("cuda", T, 128, dtype=dtype, seed=T + 1)
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-@pytest.mark.parametrize("T", [1, 33, 1000])
+@pytest.mark.parametrize("T,dtype", [(1, BF16), (1000, BF16), (33, torch.float32)])
 def test_mhc(T, dtype):
     cases.mhc("cuda", T, 4096, dtype=dtype, seed=T)
 
@@ -35,8 +33,7 @@ def test_moe_align():
     cases.moe_align("cuda", 1000, 288, 8, 64, seed=2)
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-@pytest.mark.parametrize("T", [1, 37, 300])
+@pytest.mark.parametrize("T,dtype", [(1, BF16), (300, BF16), (37, torch.float32)])
 def test_fused_moe(T, dtype):
     cases.fused_moe("cuda", T, 64, 1024, 512, 8, dtype=dtype, limit=10.0, seed=T)
 
@@ -51,8 +48,7 @@ def test_dsa_select_bf16_and_ties():
     cases.dsa_select("cuda", [0, 2100], [333, 1], Hi=32, Di=128, kpool=4, topk=512, bs=64, dtype=BF16)
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-@pytest.mark.parametrize("split", [None, 1, 8])
+@pytest.mark.parametrize("dtype,split", [(BF16, None), (BF16, 8), (torch.float32, 1)])
 def test_sparse_mla_real_size(dtype, split):
     cases.sparse_mla("cuda", [0, 3000, 700], [65, 1, 1], H=64, R=512, bs=64, S=2051, split=split, dtype=dtype)
 
