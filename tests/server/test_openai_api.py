@@ -115,17 +115,15 @@ def test_async_client_concurrent_completions_and_chat(server):
 
 def test_truncating_samplers_reduce_to_greedy(client):
     """top_k=1, min_p=1 and a tiny top_p each leave only the most likely token: exactly greedy."""
-    want = greedy(client, max_tokens=6).choices[0].token_ids
+    want = greedy(client, max_tokens=4).choices[0].token_ids
     for kw in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-9}):
-        got = greedy(client, max_tokens=6, **kw).choices[0].token_ids  # temperature 0 from greedy()
-        assert got == want, kw
-        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3,
                                         **_extra({"ignore_eos": True, "return_token_ids": True, **kw}))
         assert got.choices[0].token_ids == want, kw
 
 
 def test_seeded_sampling_and_n(client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.95,
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, top_p=0.95,
               extra_body={"ignore_eos": True, "return_token_ids": True, "top_k": 50, "min_p": 0.01})
     one = client.completions.create(seed=1234, **kw)
     again = client.completions.create(seed=1234, **kw)
@@ -134,9 +132,7 @@ def test_seeded_sampling_and_n(client):
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert many.choices[0].token_ids == one.choices[0].token_ids  # choice 0 keeps the request's seed
     assert len({tuple(c.token_ids) for c in many.choices}) > 1  # the others get their own seeds
-    assert many.usage.completion_tokens == 24 and many.usage.prompt_tokens == 5
-    others = [client.completions.create(seed=s, **kw).choices[0].token_ids for s in (1, 2, 3)]
-    assert len({tuple(t) for t in others}) > 1
+    assert many.usage.completion_tokens == 18 and many.usage.prompt_tokens == 5
 
 
 def test_penalties_are_applied(client):
@@ -213,11 +209,16 @@ def test_chat_logprobs(client):
 
 
 def test_batched_prompts_and_echo(client):
-    out = client.completions.create(model="tiny", prompt=["Hello", [40, 41, 42]], max_tokens=3, temperature=0,
+    out = client.completions.create(model="tiny", prompt=["Hello", "Good bye"], max_tokens=3, temperature=0,
                                     n=2, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[0].text == out.choices[1].text  # greedy: both samples of a prompt agree
     assert out.choices[0].text == greedy(client, prompt="Hello", max_tokens=3).choices[0].text
+    assert out.choices[2].text == greedy(client, prompt="Good bye", max_tokens=3).choices[0].text
+    assert out.usage.completion_tokens == 12
+    ids = client.completions.create(model="tiny", prompt=[[40, 41, 42], [43]], max_tokens=2, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 4
     echo = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, echo=True,
                                      extra_body={"ignore_eos": True})
     assert echo.choices[0].text == "Hello" + out.choices[0].text
