@@ -10,9 +10,10 @@
    products of that expert (two accumulators over the same ``x`` tile), then ``silu(min(gate, L)) *
    clamp(up, -L, L)``, written once per pair.
 3. ``moe_gemm2_kernel``: the down projection of each pair, times its routing weight.
-4. ``moe_sum_kernel``: per token, the sum of its ``k`` pairs plus the shared expert's output.
+4. ``moe_sum_kernel``: per token, the sum of its ``k + 1`` pair outputs.
 
-The shared expert runs through the same two kernels as a one-expert MoE over every token (weight 1).
+The shared expert is one more pair per token (expert id ``E``, weight 1) in the same launches, its weights
+addressed as an offset from the routed experts' base pointer (no copy into one tensor).
 Only the weights of experts that received a token are read: at batch 1 that is ``k`` experts, which is
 what makes decode memory-bound on exactly the bytes it must touch.
 """
@@ -68,8 +69,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
 
 
 @triton.jit
-def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, num_pairs, limit,
-                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit,
+                     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BM >= tl.load(used):
@@ -80,7 +81,7 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
     e = tl.load(expert_ids + i_m).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
-    p_g = w + e * stride_we + o_n[None, :].to(tl.int64) * K
+    p_g = w + tl.where(e == E, shared_off, e * stride_we) + o_n[None, :].to(tl.int64) * K
     p_u = p_g + N * K
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -105,8 +106,8 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 
 
 @triton.jit
-def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, num_pairs,
-                     N: tl.constexpr, K: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs,
+                     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BM >= tl.load(used):
@@ -117,7 +118,7 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
     e = tl.load(expert_ids + i_m).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
-    p_w = w + e * stride_we + o_n[None, :].to(tl.int64) * K
+    p_w = w + tl.where(e == E, shared_off, e * stride_we) + o_n[None, :].to(tl.int64) * K
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -128,18 +129,17 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
             acc += tl.dot(b_h, b_w, input_precision="ieee")
         else:
             acc += tl.dot(b_h, b_w)
-    if WEIGHTED:
-        acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
+    acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
     tl.store(out + rows[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_p[:, None] & m_n[None, :])
 
 
 @triton.jit
-def moe_sum_kernel(routed, shared, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
+def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     t = i_t.to(tl.int64)
-    acc = tl.load(shared + t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    acc = tl.zeros([BD], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         acc += tl.load(routed + (t * TOPK + j) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
@@ -155,24 +155,34 @@ def _config(num_pairs: int, num_experts: int) -> dict:
     return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
 
 
-def _experts(x, w13, w2, topk_w, topk_ids, limit, routed_out):
-    """Run the grouped GEMMs for ``topk_ids`` [T, k] and write weighted pair outputs to ``routed_out`` [T k, D]."""
-    T, k = topk_ids.shape
+def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
+    """The shared expert's weights as an element offset from the routed experts' base pointer, so that one
+    launch reads both (expert id ``E`` means the shared expert) without copying them into one tensor."""
+    delta = shared.data_ptr() - experts.data_ptr()
+    if shared.dtype != experts.dtype or delta % experts.element_size():
+        raise ValueError("fused_moe: shared and routed expert weights must share a dtype and alignment")
+    return delta // experts.element_size()
+
+
+def _experts(x, w13, w2, s13, s2, pair_w, ids, limit, out):
+    """Grouped GEMMs over the pairs ``ids`` [T, k'] (expert ``E`` = the shared expert): weighted pair outputs
+    to ``out`` [T k', D]."""
+    T, k = ids.shape
     E, N2, K = w13.shape
     N = N2 // 2
-    cfg = _config(T * k, E)
+    cfg = _config(T * k, E + 1)
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
+    sorted_ids, expert_ids, used = moe_align(ids, E + 1, BM)
     ieee = x.dtype == torch.float32
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
     grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, BN))
-    moe_gemm1_kernel[grid1](x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), T * k, float(limit),
-                            N=N, K=K, TOPK=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+    moe_gemm1_kernel[grid1](x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), _offset(s13, w13),
+                            T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, BN))
-    moe_gemm2_kernel[grid2](h, w2, routed_out, routed_out if topk_w is None else topk_w, sorted_ids, expert_ids, used, w2.stride(0), T * k,
-                            N=D, K=N, WEIGHTED=topk_w is not None, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+    moe_gemm2_kernel[grid2](h, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(s2, w2), T * k,
+                            E=E, N=D, K=N, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
@@ -190,6 +200,11 @@ def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
         raise ValueError("fused_moe: expert weights must be contiguous")
 
 
+def _no_shared(w13, w2):
+    """A zero shared expert of the routed shape (for the case where the real one is wider)."""
+    return torch.zeros_like(w13[0]), torch.zeros_like(w2[0])
+
+
 def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
     """Routed experts plus the shared expert: ``experts_ref(...) + shared(x)`` in one pass of fused kernels."""
     _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
@@ -199,14 +214,17 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     y = torch.empty_like(x)
     if T == 0:
         return y
+    if shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]:  # a wider shared expert: on its own
+        shared = F.linear(clamped_swiglu(F.linear(x, shared_w13), limit), shared_w2)
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)) + shared
+    # every token's k routed pairs plus one pair with the shared expert (id E, weight 1)
+    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), w13.shape[0], dtype=torch.int32, device=x.device)], 1)
+    pair_w = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1).contiguous()
     # pair outputs in the activation dtype: the reference rounds each weighted expert output there too
-    routed = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
-    _experts(x, w13, w2, topk_weights.float().contiguous(), topk_ids, limit, routed)
-    shared = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    every = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
-    _experts(x, shared_w13[None], shared_w2[None], None, every, limit, shared)
+    pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
+    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs)
     BD = min(1024, triton.next_power_of_2(D))
-    moe_sum_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, D, TOPK=k, BD=BD, num_warps=4)
+    moe_sum_kernel[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 

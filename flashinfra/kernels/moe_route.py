@@ -80,7 +80,10 @@ def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr,
         choice = tl.where(hit, neg, choice)
         tl.store(id_out + o_t * TOPK + j, pick.to(id_out.dtype.element_ty), mask=m_t)
         tl.store(w_out + o_t * TOPK + j, w, mask=m_t)
-    factor = scaling / (total + 1e-20) if NORM else tl.full([BT], scaling, tl.float32)
+    if NORM:
+        factor = scaling / (total + 1e-20)
+    else:
+        factor = tl.full([BT], scaling, tl.float32)
     for j in tl.static_range(TOPK):
         p = w_out + o_t * TOPK + j
         tl.store(p, tl.load(p, mask=m_t, other=0.0) * factor, mask=m_t)

@@ -82,7 +82,8 @@ def route(device: str, T: int, E: int, D: int, top_k: int, n_group: int, topk_gr
     check("route.weights", w.gather(1, order.indices), rw.gather(1, rorder.indices), atol=1e-5, rtol=1e-4)
 
 
-def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, seed=0, limit=1.0):
+def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, seed=0, limit=1.0,
+              shared_mult: int = 1):
     """Random routing (with repeats of experts across tokens, some experts unused) against the float64 loop."""
     from flashinfra.kernels import fused_moe as fm
 
@@ -90,8 +91,9 @@ def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=tor
     x = rnd(T, D, device=device, gen=gen, dtype=dtype)
     w13 = rnd(E, 2 * I, D, device=device, gen=gen, dtype=dtype, scale=D**-0.5)
     w2 = rnd(E, D, I, device=device, gen=gen, dtype=dtype, scale=I**-0.5)
-    sw13 = rnd(2 * I, D, device=device, gen=gen, dtype=dtype, scale=D**-0.5)
-    sw2 = rnd(D, I, device=device, gen=gen, dtype=dtype, scale=I**-0.5)
+    Is = I * shared_mult
+    sw13 = rnd(2 * Is, D, device=device, gen=gen, dtype=dtype, scale=D**-0.5)
+    sw2 = rnd(D, Is, device=device, gen=gen, dtype=dtype, scale=Is**-0.5)
     ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, top_k, device=device, generator=gen)
     out = fm.fused_moe_launch(x, w13, w2, w, ids, limit, sw13, sw2)

@@ -34,6 +34,10 @@ def test_fused_moe(T, E, D, I, k, limit):
     cases.fused_moe("cpu", T, E, D, I, k, limit=limit, seed=T)
 
 
+def test_fused_moe_wider_shared_expert():
+    cases.fused_moe("cpu", 5, 4, 16, 16, 2, shared_mult=2)
+
+
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1]), ([0], [41])])
 def test_dsa_select_varlen(ctx, qlens):
     cases.dsa_select("cpu", ctx, qlens, seed=len(ctx))
