@@ -60,7 +60,11 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _cmd_events(args: argparse.Namespace) -> int:
     from flashinfra.feedback import events_summary
 
-    summary = events_summary.summarize(args.file, windows=args.windows)
+    try:
+        summary = events_summary.summarize(args.file, windows=args.windows)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         _print_json(summary)
     else:

@@ -66,3 +66,12 @@ def test_empty_file(tmp_path):
     path = tmp_path / "e.jsonl"
     path.write_text("")
     assert format_text(summarize(path)) == "no events"
+
+
+def test_cli_missing_or_malformed_file_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["events", "summarize", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "step"}\n{"kind": "step", "ts": 1}\n')
+    assert cli.main(["events", "summarize", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
