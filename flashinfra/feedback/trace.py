@@ -231,8 +231,8 @@ def cli_main(args) -> int:
                 raise ValueError("--prompt-lens needs positive integers")
             step = _engine_step(None if args.model == "default" else args.model, device, args.dtype, lens,
                                 max_tokens=max(2, args.steps))
-    except (KeyError, ValueError) as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
+    except (KeyError, ValueError, OSError) as exc:
+        print(f"error: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 2
     path = profile_steps(step, args.steps, device, args.out)
     summary = summarize_trace(path, top=args.top)

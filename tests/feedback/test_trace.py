@@ -63,3 +63,4 @@ def test_trace_engine_steps_on_a_tiny_checkpoint(tmp_path):
 def test_trace_needs_exactly_one_target(capsys):
     assert cli.main(["trace"]) == 2
     assert cli.main(["trace", "--bench", "no.such.bench", "--device", "cpu"]) == 2
+    assert cli.main(["trace", "--model", "/no/such/checkpoint", "--device", "cpu"]) == 2
