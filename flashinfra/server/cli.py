@@ -28,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-prefill-chunk", type=int, default=0,
+                   help="most prompt tokens one request takes in a step (0: the whole token budget)")
+    p.add_argument("--prefix-cache-slots", type=int, default=None,
+                   help="KDA state checkpoints kept for prefix caching (default: max-num-seqs; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--events-path", default=None, help="write the engine's runtime events (JSONL) here")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
@@ -44,7 +48,8 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str):
         num_blocks=args.num_blocks,
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, events_path=args.events_path)
+        max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
+        prefix_cache_slots=args.prefix_cache_slots, seed=args.seed, events_path=args.events_path)
 
 
 def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
@@ -83,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model
     if not (model_path / "config.json").is_file():
         raise SystemExit(f"serve: {model_path} is not a checkpoint directory (no config.json)")
-    engine_config = engine_config_from_args(args, str(model_path))
+    try:
+        engine_config = engine_config_from_args(args, str(model_path))
+    except ValueError as exc:
+        raise SystemExit(f"serve: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def launch(input_addr: str, output_addr: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import subprocess
 import sys
 
@@ -79,12 +80,33 @@ def test_concurrent_streams_equal_one_at_a_time_under_preemption(tmp_path, model
     try:
         together = asyncio.run(stream_all(srv.url, workload()))
         preemptions = srv.metric("flashinfra_num_preemptions_total")
-        usage = srv.metric("flashinfra_cache_usage_ratio")
+        metrics = httpx.get(f"{srv.url}/metrics").text
     finally:
         assert srv.stop() in (0, -15), srv.log()
     assert together == alone
     assert preemptions is not None and preemptions > 0
-    assert usage is not None and 0.0 <= usage <= 1.0
+    assert f"flashinfra_time_to_first_token_seconds_count {NUM_REQUESTS}.0" in metrics
+    assert "flashinfra_time_per_output_token_seconds_count" in metrics
+    assert 'flashinfra_request_success_total{finish_reason="length"} 64.0' in metrics
+
+
+def test_shutdown_drains_in_flight_requests(tmp_path, model_dir):
+    srv = start_server(tmp_path, model_dir)
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=120,
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "return_token_ids": True}) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)  # shutdown begins while the request is in flight
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [first, *rest]
+        assert events[-1] == "data: [DONE]"
+        ids = [t for e in events[:-1] for t in json.loads(e[6:])["choices"][0]["token_ids"]]
+        assert len(ids) == 12
+        assert srv.proc.wait(60) in (0, -15)
+    finally:
+        srv.stop()
 
 
 def test_bench_serve_writes_its_report(roomy, tmp_path, capsys):

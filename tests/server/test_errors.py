@@ -5,8 +5,11 @@ property-based fuzzing of both request schemas finds no 5xx and leaves the serve
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -246,3 +249,27 @@ def test_server_still_answers_correctly_after_fuzzing(server, http, reference):
     assert http.get("/health").status_code == 200
     assert _greedy(http) == reference
     assert server.metric("flashinfra_server_pending_requests") == 0
+
+
+def test_engine_death_fails_requests_cleanly_and_health_says_so(server, http):
+    """Last in this module: it kills the engine process under the server."""
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    engines = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(engines) == 1, children
+    sock = _open_stream(server, 200)
+    try:
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        os.kill(engines[0], signal.SIGKILL)
+        received = b""
+        while b"data: [DONE]" not in received and b'"error"' not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        assert b'"error"' in received and b"engine" in received  # the stream ends with an error event
+    finally:
+        sock.close()
+    assert _wait_for(lambda: http.get("/health").status_code == 503, timeout=10)
+    error = assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                                   "max_tokens": 2}), 503)
+    assert "engine" in error["message"]
