@@ -220,8 +220,9 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
     check("sparse_mla", out, ref, **tol(dtype))
 
 
-def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16):
-    """Packed prefill of all prompts, then ``steps`` decode steps of the whole batch; tokens and last logits."""
+def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16, feed=None):
+    """Packed prefill of all prompts, then ``steps - 1`` decode steps of the whole batch; per step the tokens
+    and logits. ``feed`` (tokens per step) replaces the argmax as the next input (teacher forcing)."""
     from flashinfra.model.forward_batch import ForwardBatch
 
     dev = model.device
@@ -232,16 +233,20 @@ def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16):
     batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
     ids = torch.tensor([t for p in prompts for t in p], device=dev)
     hidden = model.forward(ids, batch, cache)
-    logits = model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])
-    tokens = [logits.argmax(-1).tolist()]
+    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
+    tokens = [logits[-1].argmax(-1).tolist()]
     for i in range(steps - 1):
         batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
-        logits = model.compute_logits(model.forward(torch.tensor(tokens[-1], device=dev), batch, cache))
-        tokens.append(logits.argmax(-1).tolist())
+        nxt = tokens[-1] if feed is None else feed[i]
+        logits.append(model.compute_logits(model.forward(torch.tensor(nxt, device=dev), batch, cache)))
+        tokens.append(logits[-1].argmax(-1).tolist())
     return tokens, logits
 
 
 def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="float32", steps: int = 6):
+    """float32: the same greedy tokens with the kernels and the references. bf16 (where rounding differs):
+    with the reference's tokens fed to both, every step's logits agree to bf16 accuracy and the argmax
+    agrees wherever the reference's top-2 margin exceeds twice the logits' difference."""
     from flashinfra.kernels import dispatch
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
@@ -250,8 +255,19 @@ def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="fl
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
-    fast, fast_logits = batched_greedy(model, prompts, steps)
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
     ref, ref_logits = batched_greedy(model, prompts, steps)
-    assert fast == ref
-    assert float((fast_logits - ref_logits).norm() / ref_logits.norm()) < (1e-4 if dtype == "float32" else 2e-2)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    if dtype == "float32":
+        fast, fast_logits = batched_greedy(model, prompts, steps)
+        assert fast == ref
+        for a, b in zip(fast_logits, ref_logits):
+            assert float((a - b).norm() / b.norm()) < 1e-4
+        return
+    fast, fast_logits = batched_greedy(model, prompts, steps, feed=ref[:-1])
+    for step, (a, b) in enumerate(zip(fast_logits, ref_logits)):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 3e-2, f"step {step}"
+        diff = float((a.float() - b.float()).abs().max())
+        top2 = b.float().topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert torch.equal(a.argmax(-1)[decided], b.argmax(-1)[decided]), f"step {step}"
