@@ -148,6 +148,14 @@ class EngineClient:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     async def _output_loop(self) -> None:
+        try:
+            await self._route_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a message we cannot read: fail every request rather than hang them
+            self._mark_dead(f"cannot read the engine's outputs: {type(exc).__name__}: {exc}")
+
+    async def _route_outputs(self) -> None:
         while True:
             message = m.decode_engine_message(await self._recv.recv())
             if isinstance(message, m.EngineError):
