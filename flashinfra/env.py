@@ -51,3 +51,9 @@ def triton_interpreter_environ() -> dict[str, str]:
     """This process's environment plus ``TRITON_INTERPRET=1``: for a child process that runs Triton kernels
     on the CPU (the variable must be set before Triton compiles anything)."""
     return dict(os.environ, TRITON_INTERPRET="1")
+
+
+def server_api_key() -> str | None:
+    """``FLASHINFRA_API_KEY``: the key ``flashinfra serve`` requires when ``--api-key`` is not given (so the
+    key need not appear in the process list)."""
+    return os.environ.get("FLASHINFRA_API_KEY") or None
