@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the model name clients send (default: the --model argument, or 'default')")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $FLASHINFRA_API_KEY)")
     p.add_argument("--max-pending", type=int, default=1024,
                    help="in-flight sub-requests the server accepts before answering 429")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     import uvicorn
 
+    from flashinfra import env
     from flashinfra.server.app import ServerConfig, create_app
 
     if args.model is None:
@@ -101,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         proc.start()
         return proc
 
-    config = ServerConfig(model_path=model_path, launcher=launch,
-                          served_model_name=name, api_key=args.api_key, max_pending=args.max_pending)
+    config = ServerConfig(model_path=model_path, launcher=launch, served_model_name=name,
+                          api_key=args.api_key or env.server_api_key(), max_pending=args.max_pending)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
     return 0

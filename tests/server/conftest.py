@@ -81,17 +81,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tmp_path: Path, model_dir: Path, *args: str, api_key: str | None = None,
+def start_server(tmp_path: Path, model_dir: Path | None, *args: str, api_key: str | None = None,
                  timeout: float = 300.0) -> ServerProcess:
-    """``flashinfra serve`` in a subprocess on a free loopback port, ready (health 200) when returned."""
+    """``flashinfra serve`` in a subprocess on a free loopback port, ready (health 200) when returned.
+    ``model_dir=None`` gives no ``--model``: the built-in default model, served as "default"."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "flashinfra", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--device", "cpu",
-           "--log-level", "warning", *args]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    model = ["--model", str(model_dir), "--served-model-name", "tiny"] if model_dir is not None else []
+    cmd = [sys.executable, "-m", "flashinfra", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--device", "cpu", "--log-level", "warning", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("FLASHINFRA_API_KEY", None)
+    if api_key:
+        env["FLASHINFRA_API_KEY"] = api_key  # what --api-key defaults to
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()

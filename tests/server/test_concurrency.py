@@ -90,11 +90,12 @@ def test_concurrent_streams_equal_one_at_a_time_under_preemption(tmp_path, model
     assert 'flashinfra_request_success_total{finish_reason="length"} 64.0' in metrics
 
 
-def test_shutdown_drains_in_flight_requests(tmp_path, model_dir):
-    srv = start_server(tmp_path, model_dir)
+def test_default_model_server_drains_in_flight_requests_on_shutdown(tmp_path):
+    srv = start_server(tmp_path, None)  # no --model: the built-in default model
     try:
+        assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "default"
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=120,
-                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0,
+                          json={"model": "default", "prompt": "Hello", "max_tokens": 12, "temperature": 0,
                                 "ignore_eos": True, "stream": True, "return_token_ids": True}) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
