@@ -154,8 +154,9 @@ def test_penalties_are_applied(client):
 def test_stop_strings_and_stop_token_ids(client):
     full = greedy(client, max_tokens=10).choices[0]
     text, ids = full.text, full.token_ids
-    stop = text[3:6]
-    assert len(stop) == 3 and text.find(stop) == 3
+    # A 3-character stop string whose first occurrence starts at ``at`` > 0.
+    at = next(i for i in range(1, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    stop = text[at:at + 3]
     for stream in (False, True):
         out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop],
                                         stream=stream, extra_body={"ignore_eos": True})
@@ -164,9 +165,9 @@ def test_stop_strings_and_stop_token_ids(client):
             got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
         else:
             got, reason = out.choices[0].text, out.choices[0].finish_reason
-        assert (got, reason) == (text[:3], "stop"), stream
+        assert (got, reason) == (text[:at], "stop"), stream
     kept = greedy(client, max_tokens=10, stop=stop, include_stop_str_in_output=True).choices[0]
-    assert kept.text == text[:6] and kept.finish_reason == "stop"
+    assert kept.text == text[:at + 3] and kept.finish_reason == "stop"
     cut = greedy(client, max_tokens=10, stop_token_ids=[ids[4]]).choices[0]
     assert cut.finish_reason == "stop" and cut.token_ids == ids[:ids.index(ids[4]) + 1]
 
