@@ -120,6 +120,16 @@ def test_malformed_bodies_are_400(http, reference, raw, content_type):
         assert_openai_error(http.post(path, content=raw, headers={"content-type": content_type}), 400)
 
 
+def test_lone_surrogates_are_400(http, reference):
+    """Valid JSON escapes that are not valid Unicode text (a lone surrogate)."""
+    raw = b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}'
+    assert_openai_error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+                        400, "prompt")
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
+    assert_openai_error(http.post("/v1/chat/completions", content=raw,
+                                  headers={"content-type": "application/json"}), 400, "messages")
+
+
 def test_unknown_route_and_method(http):
     assert_openai_error(http.get("/v1/nothing"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)
@@ -179,8 +189,11 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server, reference):
                      and server.metric("flashinfra_num_requests_running") == 0, timeout=30)
 
 
-json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                | st.text(max_size=20))
+# Any code point, lone surrogates and NUL included (valid JSON escapes, invalid text).
+any_text = st.text(st.characters(exclude_categories=()) | st.sampled_from(["\ud800", "\udfff", "\x00"]),
+                   max_size=20)
+json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | any_text)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
 
@@ -242,8 +255,17 @@ def _check_answer(response: httpx.Response) -> None:
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(completion=_request("prompt", VALID_PROMPTS, chat=False), chat=_request("messages", VALID_MESSAGES, chat=True))
 def test_fuzzed_requests_never_get_a_5xx(http, completion, chat):
-    _check_answer(http.post("/v1/completions", json=completion))
-    _check_answer(http.post("/v1/chat/completions", json=chat))
+    headers = {"content-type": "application/json"}
+    # ensure_ascii escapes lone surrogates, so every body is valid JSON whatever the strings hold.
+    _check_answer(http.post("/v1/completions", content=json.dumps(completion).encode(), headers=headers))
+    _check_answer(http.post("/v1/chat/completions", content=json.dumps(chat).encode(), headers=headers))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=st.binary(max_size=200) | any_text.map(lambda t: t.encode("utf-8", "surrogatepass")))
+def test_fuzzed_raw_bodies_never_get_a_5xx(http, body):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        _check_answer(http.post(path, content=body, headers={"content-type": "application/json"}))
 
 
 def test_server_still_answers_correctly_after_fuzzing(server, http, reference):
