@@ -130,6 +130,15 @@ def test_lone_surrogates_are_400(http, reference):
                                   headers={"content-type": "application/json"}), 400, "messages")
 
 
+def test_openapi_schema_documents_both_request_bodies(http):
+    schema = http.get("/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith(model)
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "n", "temperature", "top_k", "stop", "stream_options", "logprobs"} <= set(fields)
+
+
 def test_unknown_route_and_method(http):
     assert_openai_error(http.get("/v1/nothing"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)
