@@ -101,17 +101,20 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return outputs
-        plan = self.scheduler.schedule()
-        num_prefill = sum(sr.num_new_tokens for sr in plan.scheduled if not (sr.sample and sr.num_new_tokens == 1))
-        fields = dict(
-            step=plan.step_id,
-            num_reqs=len(plan.scheduled),
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=plan.num_tokens - num_prefill,
-            num_prefill_reqs=sum(1 for sr in plan.scheduled if sr.num_new_tokens > 1 or not sr.sample),
-        )
         start = time.perf_counter()
-        with self.events.span("step", **fields):
+        with self.events.span("step") as ev:
+            plan = self.scheduler.schedule()
+            decode = [sr for sr in plan.scheduled
+                      if sr.num_new_tokens == 1 and sr.context_len >= len(sr.prompt_token_ids)]
+            ev.update(
+                step=plan.step_id,
+                num_reqs=len(plan.scheduled),
+                num_prefill_tokens=plan.num_tokens - len(decode),
+                num_decode_tokens=len(decode),
+                num_prefill_reqs=len(plan.scheduled) - len(decode),
+                num_preempted=len(plan.preempted_ids),
+                schedule_s=time.perf_counter() - start,
+            )
             try:
                 result = self.runner.execute(plan)
             except Exception as e:  # the step's requests fail; the engine and other requests go on
@@ -123,7 +126,8 @@ class EngineCore:
         cache = self.scheduler.cache
         self.events.emit(
             "cache",
-            used_blocks=cache.num_blocks - cache.num_free_blocks,
+            used_blocks=cache.num_blocks - cache.num_reclaimable_blocks,
+            cached_prefix_blocks=cache.num_reclaimable_blocks - cache.num_free_blocks,
             total_blocks=cache.num_blocks,
             used_slots=cache.num_slots - cache.num_free_slots,
             total_slots=cache.num_slots,
