@@ -318,7 +318,7 @@ def test_events_hook_receives_queue_waits_and_preemptions():
 def test_scheduler_imports_no_torch():
     code = (
         "import sys; import flashinfra.core.scheduler, flashinfra.core.cache_manager, flashinfra.core.plan, "
-        "flashinfra.core.request, flashinfra.core.messages; "
+        "flashinfra.core.request, flashinfra.core.messages, flashinfra.core.engine_config, flashinfra.core.checks; "
         "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
