@@ -21,9 +21,9 @@ NUM_REQUESTS = 64
 
 
 def workload() -> list[tuple[list[int], int]]:
-    """(prompt token ids, max_tokens): prompts of 1..30 tokens, outputs of 1..5 tokens."""
+    """(prompt token ids, max_tokens): prompts of 1..48 tokens, outputs of 1..10 tokens."""
     rng = random.Random(1)
-    return [([rng.randrange(7, 400) for _ in range(rng.randint(1, 30))], rng.randint(1, 5))
+    return [([rng.randrange(7, 400) for _ in range(rng.randint(1, 48))], rng.randint(1, 10))
             for _ in range(NUM_REQUESTS)]
 
 

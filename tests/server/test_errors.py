@@ -261,7 +261,7 @@ def _check_answer(response: httpx.Response) -> None:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(completion=_request("prompt", VALID_PROMPTS, chat=False), chat=_request("messages", VALID_MESSAGES, chat=True))
 def test_fuzzed_requests_never_get_a_5xx(http, completion, chat):
     headers = {"content-type": "application/json"}
