@@ -3,6 +3,7 @@
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,9 @@ def test_timeout_kills_the_whole_group(tmp_path):
     assert out.timed_out and not out.ok and "timeout" in out.failure()
     grandchild = int(out.stdout.split()[0])
     status = Path(f"/proc/{grandchild}/status")
+    deadline = time.monotonic() + 10  # SIGKILL is delivered at once, but the process dies when scheduled
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not status.exists() or "State:\tZ" in status.read_text()
 
 
