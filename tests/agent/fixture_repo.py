@@ -27,7 +27,7 @@ FILES = {
         import torch
 
 
-        def prefill(x, w, layers=5000):
+        def prefill(x, w, layers=7500):
             h = x
             for _ in range(layers):
                 h = torch.tanh(h @ w)
@@ -102,7 +102,7 @@ FILES = {
         torch.set_num_threads(1)  # the toy engine runs one op at a time; timings stay comparable
 
 
-        def _pages(seed, n=3, numel=512 * 1024):
+        def _pages(seed, n=2, numel=512 * 1024):
             g = torch.Generator().manual_seed(seed)
             return [torch.randn(numel, generator=g) for _ in range(n)]
 
