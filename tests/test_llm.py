@@ -196,7 +196,7 @@ def test_prefix_cache_hits_give_the_cold_tokens(ckpt):
     prompts = [system + [rng.randrange(10, 512) for _ in range(rng.randrange(1, 6))] for _ in range(3)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     cold = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, prefix_cache_slots=0)
-    warm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4)
+    warm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, prefix_checkpoint_interval=8)
     first = [o.token_ids for o in warm.generate(prompts, params)]
     assert first == [o.token_ids for o in cold.generate(prompts, params)]
     # a repeated prompt and a second conversation turn start from cached prefixes

@@ -8,9 +8,11 @@ and enough blocks for every token it has computed plus the ones scheduled now, s
 Prefix caching: the KDA state after a prefix cannot be rebuilt from the paged blocks, so a cached prefix
 is a pair: the full blocks of its first ``c`` tokens (shared read-only, reference-counted) and a
 checkpoint of the KDA state after exactly ``c`` tokens, kept in one of ``num_prefix_slots`` extra state
-slots (ids ``num_slots ..``). ``c`` is the last block boundary before a prompt's last token, so a hit
-always leaves at least one token to compute. A hit is token-exact: the stored prefix is compared, not just
+slots (ids ``num_slots ..``). ``c`` is a block boundary before a prompt's last token, so a hit always
+leaves at least one token to compute. A hit is token-exact: the stored prefix is compared, not just
 its hash. Cached prefixes are evicted least-recently-used first, before any request is preempted.
+Besides the last block boundary of each prompt, prefixes are also checkpointed every
+``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too.
 
 The tensors themselves belong to ``ModelCache``; this module only hands out ids. Pure Python; no torch.
 """
@@ -101,13 +103,18 @@ class PrefixEntry:
 
 
 class HybridCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0,
+                 checkpoint_interval: int = 1024) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1 or num_slots < 1 or num_prefix_slots < 0:
             raise ValueError(f"need >= 1 block and slot, got {num_blocks} blocks, {num_slots} slots, "
                              f"{num_prefix_slots} prefix slots")
+        if checkpoint_interval < 1:
+            raise ValueError(f"checkpoint_interval must be >= 1, got {checkpoint_interval}")
         self.block_size = block_size
+        # rounded up to whole blocks: a checkpoint's prefix is made of full blocks
+        self.checkpoint_interval = -(-checkpoint_interval // block_size) * block_size
         self._blocks = _BlockPool(num_blocks)
         self._slots = _IdPool(num_slots, "KDA state slot")
         self._prefix_slots = _IdPool(num_prefix_slots, "prefix checkpoint slot", base=num_slots)
@@ -196,9 +203,20 @@ class HybridCacheManager:
             req.state_slot = None
 
     # ---- prefix cache ----
-    def checkpoint_position(self, req: Request) -> int:
-        """Where a prefix checkpoint of ``req``'s prompt goes: the last block boundary before its last token."""
+    def last_checkpoint_position(self, req: Request) -> int:
+        """The last block boundary before the prompt's last token (0: the prompt has no full block)."""
         return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def next_checkpoint(self, req: Request, start: int) -> int | None:
+        """The first position after ``start`` where ``req``'s prompt prefix should be checkpointed and is
+        not cached yet: multiples of ``checkpoint_interval`` and the last block boundary of the prompt."""
+        last = self.last_checkpoint_position(req)
+        q = start
+        while q < last:
+            q = min((q // self.checkpoint_interval + 1) * self.checkpoint_interval, last)
+            if not self.has_prefix(req, q):
+                return q
+        return None
 
     def _key(self, req: Request, c: int) -> int:
         hashes = req.block_hashes(self.block_size)

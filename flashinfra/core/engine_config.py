@@ -40,11 +40,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the cache)
     max_prefill_chunk: int = 0  # most tokens one request takes in a step (0: the whole budget)
     prefix_cache_slots: int | None = None  # KDA checkpoints kept for prefix caching (None: max_num_seqs; 0: off)
+    prefix_checkpoint_interval: int = 1024  # tokens between prompt checkpoints (plus one at the prompt's end)
     seed: int = 0  # seeds the generators of requests that give no seed
     events_path: str | None = None  # JSONL runtime events (flashinfra.feedback.events)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_checkpoint_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache_slots is not None and self.prefix_cache_slots < 0:

@@ -51,7 +51,8 @@ class EngineCore:
                 max_model_len=max_model_len,
                 max_prefill_chunk=config.max_prefill_chunk,
             ),
-            HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots),
+            HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
+                               config.prefix_checkpoint_interval),
             events=self.events,
         )
         self._pending: list[RequestOutput] = []

@@ -11,7 +11,8 @@ the tokens it already generated. No new request is admitted in a step that preem
 
 With prefix caching on (the cache manager has checkpoint slots), a request admitted with nothing computed
 starts after the longest cached prefix of its tokens (its KDA state is loaded from the checkpoint), and a
-prefill chunk that would cross its prompt's checkpoint position stops there so the state can be saved.
+prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
+saved.
 
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
@@ -215,22 +216,21 @@ class Scheduler:
 
     # ---- internals ----
     def _chunk(self, req: Request, limit: int) -> int:
-        """Tokens ``req`` computes this step: up to ``limit``, stopping at its prefix checkpoint position
-        when that prefix is not cached yet."""
+        """Tokens ``req`` computes this step: up to ``limit``, stopping at its next prefix checkpoint
+        position so that the KDA state there can be saved."""
         start = req.num_computed_tokens
         n = min(req.num_pending_tokens, limit)
         if self.cache.prefix_caching:
-            c = self.cache.checkpoint_position(req)
-            if start < c < start + n and not self.cache.has_prefix(req, c):
-                n = c - start
+            q = self.cache.next_checkpoint(req, start)
+            if q is not None and q < start + n:
+                n = q - start
         return n
 
     def _save_slot(self, req: Request, n: int) -> int | None:
-        """A checkpoint slot to save ``req``'s KDA state into if this step ends at its checkpoint position."""
+        """A checkpoint slot to save ``req``'s KDA state into if this step ends at a checkpoint position."""
         if not self.cache.prefix_caching:
             return None
-        c = self.cache.checkpoint_position(req)
-        if c == 0 or req.num_computed_tokens + n != c or self.cache.has_prefix(req, c):
+        if self.cache.next_checkpoint(req, req.num_computed_tokens) != req.num_computed_tokens + n:
             return None
         return self.cache.reserve_checkpoint_slot()
 

@@ -75,7 +75,8 @@ class SimRunner:
                 result.logprobs[sr.request_id] = TokenLogprob(tok, -1.0, [])
         for sr in plan.scheduled:  # checkpoints are saved after the step
             if sr.save_state_to is not None:
-                assert sr.context_len + sr.num_new_tokens == (len(sr.prompt_token_ids) - 1) // self.block_size * self.block_size
+                end = sr.context_len + sr.num_new_tokens
+                assert end % bs == 0 and 0 < end < len(sr.prompt_token_ids)
                 self.slots[sr.save_state_to] = list(self.slots[sr.state_slot])
         return result
 
@@ -175,6 +176,27 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
     assert sched.num_prefix_hit_tokens_total >= 12 * 4
     if num_blocks == 40:  # small enough that hits and preemptions mix
         assert sched.num_preemptions_total > 0
+
+
+def test_checkpoint_interval_lets_a_shared_system_prompt_hit():
+    rng = random.Random(11)
+    system = [rng.randrange(8, VOCAB) for _ in range(19)]
+
+    def with_suffix(rid):
+        return Request(rid, system + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(3, 9))],
+                       SamplingParams(max_tokens=3), 0.0)
+
+    hits = {}
+    for interval in (1024, 8):
+        waves = [[with_suffix(f"{interval}-{w}")] for w in range(4)]
+        truth = {r.request_id: expected_output(r) for w in waves for r in w}
+        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+        outputs, _, sched = run_all(None, cfg, 64, 4, 2, num_prefix_slots=8, waves=waves,
+                                    sched=Scheduler(cfg, HybridCacheManager(64, 4, 2, 8, interval)))
+        assert outputs == truth
+        hits[interval] = sched.num_prefix_hit_tokens_total
+    assert hits[1024] == 0  # each prompt's own end is past the shared part
+    assert hits[8] == 3 * 16  # later requests start after the shared checkpoint at 16 tokens
 
 
 def test_prefix_cache_evicts_before_preempting():
@@ -331,14 +353,15 @@ def test_scheduler_imports_no_torch():
     block_size=st.integers(1, 8),
     num_slots=st.integers(1, 6),
     prefix_slots=st.integers(0, 4),
+    interval=st.integers(1, 20),
     budget=st.integers(8, 64),
     chunk=st.integers(0, 24),
     shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=12),
     aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4),
     seed=st.integers(0, 2**16),
 )
-def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_size, num_slots, prefix_slots, budget,
-                                                           chunk, shapes, aborts, seed):
+def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_size, num_slots, prefix_slots, interval,
+                                                           budget, chunk, shapes, aborts, seed):
     """Any cache size, budget and chunk cap, with shared prefixes and aborts at random steps: every request
     that is not aborted gets exactly its cold-run tokens, aborted ones a prefix of them, and everything is
     freed at the end."""
@@ -353,7 +376,7 @@ def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_siz
         reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0))
     cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget, max_model_len=capacity,
                           max_prefill_chunk=chunk)
-    sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, prefix_slots))
+    sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, prefix_slots, interval))
     runner = SimRunner(num_blocks, block_size, num_slots, prefix_slots)
     for r in reqs:
         sched.add_request(r)
