@@ -33,21 +33,43 @@ class SamplingRow:
     generator: torch.Generator | None  # None only for greedy rows
 
 
+def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Penalize ``logits`` [N, V] in place for the rows that ask for it; returns ``logits``."""
+    """Penalize ``logits`` [N, V] in place for the rows that ask for it (all such rows at once); returns
+    ``logits``."""
     N, V = logits.shape
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
-            ids = row.prompt_token_ids + row.output_token_ids
-            seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
-            x = logits[i]
-            logits[i] = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
-            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out, minlength=V).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+           or r.params.presence_penalty != 0.0]
+    if not idx:
+        return logits
+    dev, sel = logits.device, [rows[i] for i in idx]
+    for r in sel:
+        if any(not 0 <= t < V for t in r.prompt_token_ids) or any(not 0 <= t < V for t in r.output_token_ids):
+            raise ValueError(f"token ids must lie in [0, {V}) for penalties")
+    # column V is the padding sink, dropped after the scatter
+    out = _padded([r.output_token_ids for r in sel], V, dev)
+    counts = torch.zeros(len(sel), V + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=logits.dtype))
+    counts = counts[:, :V]
+    seen = torch.zeros(len(sel), V + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, _padded([r.prompt_token_ids for r in sel], V, dev), True)
+    seen = seen[:, :V] | (counts > 0)
+
+    def col(values):
+        return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
+
+    rep = col([r.params.repetition_penalty for r in sel])
+    freq = col([r.params.frequency_penalty for r in sel])
+    pres = col([r.params.presence_penalty for r in sel])
+    rows_t = torch.tensor(idx, dtype=torch.long, device=dev)
+    x = logits[rows_t]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits[rows_t] = x
     return logits
 
 
