@@ -30,6 +30,9 @@ from flashinfra.server.tokenizer import Tokenizer
 # Prompts shorter than this are tokenized inline; longer ones in the thread pool, so one huge prompt
 # never stalls the event loop that streams everyone else's tokens.
 _INLINE_TOKENIZE_CHARS = 2048
+# A text longer than this many characters per context token cannot fit the context whatever it says, and is
+# refused before tokenizing (tokenizing megabytes would only burn CPU to find that out).
+_MAX_CHARS_PER_TOKEN = 64
 _DISCONNECTED = object()
 
 
@@ -86,6 +89,10 @@ async def tokenize(state: ServerState, text: str, chat: list[dict] | None = None
     else:
         work = lambda: tok.encode(text)  # noqa: E731
         size = len(text)
+    if size > state.max_model_len * _MAX_CHARS_PER_TOKEN:
+        raise bad_request(f"the {'messages are' if chat is not None else 'prompt is'} {size} characters long, "
+                          f"far beyond this model's maximum context length of {state.max_model_len} tokens",
+                          "messages" if chat is not None else "prompt")
     try:
         if size < _INLINE_TOKENIZE_CHARS:
             return work()

@@ -67,6 +67,7 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": [100000]}, "prompt"),
     ({"model": "tiny", "prompt": "word " * 400}, "prompt"),
     ({"model": "tiny", "prompt": "word " * 1000}, "prompt"),  # long enough for the tokenizer thread pool
+    ({"model": "tiny", "prompt": "x" * 5_000_000}, "prompt"),  # refused before tokenizing
     ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 2**40}, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
