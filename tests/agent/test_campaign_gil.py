@@ -27,7 +27,8 @@ def _try(hypothesis, fix):
 
 
 def _remeasure_if_noise(messages):
-    """What an agent does when the correct fix lost to timing noise only: measure a fresh candidate once."""
+    """What an agent does when the correct fix lost to timing noise only (a busy machine): measure a fresh
+    candidate of the same fix."""
     last = [m["content"] for m in messages if m.get("role") == "tool"][-1]
     if "REJECTED" in last and not re.search(r"check |sandbox|failed|exit status|timeout", last):
         return _try(CORRECT, FIXES["transfer"]["correct"])(messages)
@@ -46,6 +47,7 @@ def test_transfer_campaign(repo, api_key):
         [("gil_probe", {"names": ["prefill_with_transfer"]})],
         _summarize_probe_events,
         _try(CORRECT, fixes["correct"]),
+        _remeasure_if_noise,
         _remeasure_if_noise,
         _try("skip the checksum", fixes["breaks"]),
         _try("a list() literal is faster", fixes["noop"]),
