@@ -36,8 +36,9 @@ def _remeasure_if_noise(messages):
 
 
 def _summarize_probe_events(messages):
-    probe = [m["content"] for m in messages if m.get("role") == "tool" and "runtime events:" in m["content"]]
-    return [("summarize_events", {"path": re.search(r"runtime events: (\S+)", probe[-1]).group(1)})]
+    found = [re.search(r"runtime events: (\S+)", m["content"]) for m in messages if m.get("role") == "tool"]
+    paths = [f.group(1) for f in found if f]
+    return [("summarize_events", {"path": paths[-1] if paths else "(the probe reported no event file)"})]
 
 
 def test_transfer_campaign(repo, api_key):
@@ -60,8 +61,8 @@ def test_transfer_campaign(repo, api_key):
 
     # Signals: the overhead criterion fails; the probe names the transfer thread inside checksum().
     bench = results["call_0_0"]
-    value = float(re.search(r"transfer overhead at most 5%'.*\(value ([\d.]+)\) -> NOT MET", bench).group(1))
-    assert value > 1.05
+    unmet = re.search(r"transfer overhead at most 5%'.*\(value ([\d.]+)\) -> NOT MET", bench)
+    assert unmet and float(unmet.group(1)) > 1.05, bench
     probe = results["call_1_0"]
     assert re.search(r"[1-9]\d* stall\(s\)", probe)
     assert "kv-transfer: " in probe and "in checksum: return sum(page.numpy().tobytes())" in probe
