@@ -9,6 +9,7 @@ stops the engine, so in-flight requests drain.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -55,7 +56,11 @@ def create_app(config: ServerConfig) -> FastAPI:
                 client=client, tokenizer=tokenizer, model_name=config.served_model_name or info.model_name,
                 max_model_len=info.max_model_len, metrics=metrics, executor=executor,
                 vocab_size=info.vocab_size)
-            yield
+            lag_watch = asyncio.create_task(metrics.watch_event_loop(), name="event-loop-lag")
+            try:
+                yield
+            finally:
+                lag_watch.cancel()
         finally:
             await client.shutdown()
             executor.shutdown(wait=False, cancel_futures=True)

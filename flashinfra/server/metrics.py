@@ -2,12 +2,14 @@
 
 Owns one ``CollectorRegistry`` per app (so tests can run several servers in one process): latency
 histograms measured in the server (time to first token, time per output token, end-to-end latency),
-token and request counters, and the engine's own figures (queue length, running requests, cache usage,
-preemptions) read from the latest ``EngineStats`` at scrape time.
+token and request counters, the lag of the server's event loop, and the engine's own figures (queue
+length, running requests, cache usage, preemptions) read from the latest ``EngineStats`` at scrape time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -83,7 +85,19 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("flashinfra_requests_rejected", "Requests refused, by HTTP status",
                                 ["status"], registry=r)
+        self.loop_lag = Histogram("flashinfra_server_event_loop_lag_seconds",
+                                  "How late the server's event loop wakes a 100 ms timer (time the loop was "
+                                  "blocked: tokenizing inline, detokenizing, JSON, GIL contention)",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(get_stats, get_pending))
+
+    async def watch_event_loop(self, period_s: float = 0.1) -> None:
+        """Runs for the server's lifetime: every streamed token passes through this one loop, so any
+        time it is blocked delays every client."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(period_s)
+            self.loop_lag.observe(max(0.0, time.monotonic() - start - period_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

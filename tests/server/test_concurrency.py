@@ -88,6 +88,7 @@ def test_concurrent_streams_equal_one_at_a_time_under_preemption(tmp_path, model
     assert f"flashinfra_time_to_first_token_seconds_count {NUM_REQUESTS}.0" in metrics
     assert "flashinfra_time_per_output_token_seconds_count" in metrics
     assert 'flashinfra_request_success_total{finish_reason="length"} 64.0' in metrics
+    assert "flashinfra_server_event_loop_lag_seconds_count" in metrics
 
 
 def test_default_model_server_drains_in_flight_requests_on_shutdown(tmp_path):
