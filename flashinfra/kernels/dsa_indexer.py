@@ -128,9 +128,9 @@ def dsa_select(
     parts = []
     if k > 0 and T > 0:
         pool_keys = torch.empty(B, P, Di, dtype=cache.dtype, device=dev)
-        BP = 32
+        BP = 16  # 16 pools x 128 channels x 8 warps: no register spills (ptxas, sm_90)
         pool_keys_kernel[(B, triton.cdiv(P, BP))](cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P,
-                                                  cache.stride(1), KP=kpool, BS=bs, DI=Di, BP=BP, num_warps=4)
+                                                  cache.stride(1), KP=kpool, BS=bs, DI=Di, BP=BP, num_warps=8)
         keys = torch.empty(T, P, dtype=torch.int64, device=dev)
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()

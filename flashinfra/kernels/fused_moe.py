@@ -149,10 +149,11 @@ def _config(num_pairs: int, num_experts: int) -> dict:
     """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after."""
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 16:
-        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
+        return dict(BM=16, BN1=64, BN2=64, BK=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
-        return dict(BM=32, BN=64, BK=64, num_warps=4, num_stages=4)
-    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+        return dict(BM=32, BN1=64, BN2=64, BK=64, num_warps=8, num_stages=4)
+    # gemm1 holds two accumulators (gate, up): BN 64 there, 128 in gemm2, to stay clear of register spills
+    return dict(BM=64, BN1=64, BN2=128, BK=64, num_warps=8, num_stages=3)
 
 
 def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
@@ -171,18 +172,18 @@ def _experts(x, w13, w2, s13, s2, pair_w, ids, limit, out):
     E, N2, K = w13.shape
     N = N2 // 2
     cfg = _config(T * k, E + 1)
-    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_ids, expert_ids, used = moe_align(ids, E + 1, BM)
     ieee = x.dtype == torch.float32
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
-    grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, BN))
+    grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, cfg["BN1"]))
     moe_gemm1_kernel[grid1](x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), _offset(s13, w13),
-                            T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+                            T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK, IEEE=ieee, **launch)
     D = w2.shape[1]
-    grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, BN))
+    grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
     moe_gemm2_kernel[grid2](h, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(s2, w2), T * k,
-                            E=E, N=D, K=N, BM=BM, BN=BN, BK=BK, IEEE=ieee, **launch)
+                            E=E, N=D, K=N, BM=BM, BN=cfg["BN2"], BK=BK, IEEE=ieee, **launch)
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):

@@ -161,7 +161,8 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     if T == 0:
         return y, post, comb
-    BT, BN, BK = 16, max(16, triton.next_power_of_2(NM)), 128
+    BT, BN = 16, max(16, triton.next_power_of_2(NM))
+    BK = 64 if streams.dtype == torch.float32 else 128  # float32 tiles of 128 spill registers
     blocks = triton.cdiv(T, BT)
     SPLIT = max(1, min(64, 256 // blocks, triton.cdiv(K, BK)))
     KS = triton.cdiv(triton.cdiv(K, SPLIT), BK) * BK
@@ -170,7 +171,9 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=dev)
     hc_mix_kernel[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
                                    IEEE=streams.dtype == torch.float32, num_warps=4)
-    BT2 = min(16, triton.next_power_of_2(T))
+    # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
+    # fewer, larger programs
+    BT2 = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
     hc_pre_kernel[(triton.cdiv(T, BT2),)](streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb,
                                           T, D, SPLIT, iters, eps, norm_eps, N=n, BN=BN, BT=BT2,
                                           BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), num_warps=4)
@@ -185,7 +188,7 @@ def hc_post_launch(streams, out, post, comb):
                          f"do not fit streams {tuple(streams.shape)}")
     y = torch.empty_like(streams)
     if T:
-        BT = min(16, triton.next_power_of_2(T))
+        BT = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
         BD = max(16, min(1024 // BT, triton.next_power_of_2(D)))
         hc_post_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](streams, out.contiguous(), post.contiguous(),
                                                                  comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD,
