@@ -4,6 +4,10 @@ The cache holds one ``kv_lora_rank`` latent per token (after ``kv_a_layernorm``)
 latent into per-head keys and values with ``kv_b_proj``; decode uses the absorbed form: ``kv_b``'s key
 half is folded into the query and its value half into the output, so attention runs on the latent
 directly and the cache stays ``kv_lora_rank`` values per token.
+
+Where the Triton kernels run (``dispatch.use_triton``), one path serves every batch with tensors only: the
+indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and
+decode alike over the paged latent (``kernels.sparse_mla``), so that a decode step can be graph-captured.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class MLAttention(nn.Module):
         self.source = cfg.indexer_source(layer)  # the layer whose selection this one uses
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict[int, list[torch.Tensor]]
+        self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict
     ) -> torch.Tensor:
         """``masks`` maps a full-indexer layer to its selection; this layer adds its own. Reference path: a
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
