@@ -15,6 +15,22 @@ def test_bucket_rounds_up_and_refuses_oversize():
         bucket(BATCH_BUCKETS[-1] + 1, BATCH_BUCKETS)
 
 
+def test_runner_graphs_only_on_cuda(tmp_path):
+    """On the CPU the runner keeps no graphs and allocates exactly the blocks and slots asked for; on CUDA it
+    adds one scratch block and slot for the padding rows."""
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.runner.model_runner import ModelRunner
+
+    path = write_tiny_checkpoint(tmp_path / "tiny", seed=4, tokenizer=False)
+    runner = ModelRunner(load_model(path), num_blocks=8, block_size=16, num_slots=2, num_prefix_slots=1)
+    assert runner.graphs is None and (runner.cache.num_blocks, runner.cache.num_slots) == (8, 3)
+    if torch.cuda.is_available():
+        runner = ModelRunner(load_model(path, device="cuda"), num_blocks=8, block_size=16, num_slots=2)
+        assert runner.graphs is not None and (runner.cache.num_blocks, runner.cache.num_slots) == (9, 3)
+        assert (runner.graphs.scratch_block, runner.graphs.scratch_slot) == (8, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_over_changing_batches(tmp_path):
