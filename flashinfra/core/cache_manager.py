@@ -184,14 +184,20 @@ class HybridCacheManager:
             pass
         return need <= self._blocks.num_free
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        """Give ``req`` a state slot (if it has none) and blocks for ``num_tokens`` tokens."""
+    def try_allocate(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` a state slot (if it has none) and blocks for ``num_tokens`` tokens, evicting cached
+        prefixes if needed; False (and nothing taken) if that is not possible."""
         if not self.can_allocate(req, num_tokens):
-            raise RuntimeError(f"cannot allocate {num_tokens} tokens for request {req.request_id!r}")
+            return False
         if req.state_slot is None:
             req.state_slot = self._slots.take()
         for _ in range(self.num_new_blocks(req, num_tokens)):
             req.block_ids.append(self._blocks.take())
+        return True
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        if not self.try_allocate(req, num_tokens):
+            raise RuntimeError(f"cannot allocate {num_tokens} tokens for request {req.request_id!r}")
 
     def free(self, req: Request) -> None:
         """Let go of everything ``req`` holds (shared prefix blocks stay while the prefix cache holds them)."""

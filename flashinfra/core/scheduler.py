@@ -115,7 +115,7 @@ class Scheduler:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
             target = req.num_computed_tokens + n
-            while not self.cache.can_allocate(req, target):
+            while not self.cache.try_allocate(req, target):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -123,7 +123,6 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: every later request is gone too
-            self.cache.allocate(req, target)
             scheduled.append((req, n, None, self._save_slot(req, n)))
             budget -= n
             i += 1
@@ -137,13 +136,12 @@ class Scheduler:
                 if hit is not None:
                     self.cache.use_prefix(req, hit)
             n = self._chunk(req, min(budget, chunk))
-            if not self.cache.can_allocate(req, req.num_computed_tokens + n):
+            if not self.cache.try_allocate(req, req.num_computed_tokens + n):
                 if hit is not None:  # undo: give the shared blocks back, start from 0 next time
                     self.cache.free(req)
                     req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.cache.allocate(req, req.num_computed_tokens + n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if hit is not None:
