@@ -48,11 +48,7 @@ PROVIDERS: tuple[str, ...] = (
     "flashinfra.model.checks",
     "flashinfra.runner.checks",
     "flashinfra.core.checks",
-    "flashinfra.quant.checks",
-    "flashinfra.parallel.checks",
-    "flashinfra.disagg.checks",
     "flashinfra.server.checks",
-    "flashinfra.agent.checks",
 )
 
 # (atol, rtol) of a fast path in this dtype against a float64 reference; an element passes when
