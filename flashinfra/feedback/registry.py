@@ -115,6 +115,21 @@ class CheckResult:
                 d[key] = str(value)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
+        """The inverse of ``to_dict`` (JSON lists back to tuples, "nan"/"inf" strings back to floats)."""
+        d = dict(d)
+        for key in ("max_abs", "rel_norm", "worst_out", "worst_ref", "atol", "rtol"):
+            if isinstance(d.get(key), str):
+                d[key] = float(d[key])
+        for key in ("worst_index", "shape"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        d["bad_indices"] = [tuple(i) for i in d.get("bad_indices", [])]
+        if d.get("bad_extent") is not None:
+            d["bad_extent"] = [tuple(i) for i in d["bad_extent"]]
+        return cls(**d)
+
     def summary(self) -> str:
         """One line: verdict, figures and where the wrong elements are."""
         verdict = "PASS" if self.passed else "FAIL"

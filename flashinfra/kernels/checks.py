@@ -11,53 +11,26 @@ The comparisons with flash-linear-attention live in ``bench/kda_*.py``, which ne
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import torch
 
-from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, failed, register_benchmark, \
+from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, register_benchmark, \
     register_check
-from flashinfra import env
 from flashinfra.kernels import causal_conv1d as conv
 from flashinfra.kernels import kda_decode as dec
 from flashinfra.kernels import kda_layer_decode as layer
 from flashinfra.kernels import kda_prefill as pre
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 
 NAN = float("nan")
 
 
-def _device() -> str | None:
-    """Where the Triton kernels can run, or None."""
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if use_triton(torch.empty(0)) else None
 
 
 def _f64(t):
     return t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
-def _no_triton(name: str) -> list[CheckResult]:
-    """Run check ``name`` in a child process under Triton's CPU interpreter and return its results."""
-    cmd = [sys.executable, "-m", "flashinfra.kernels.checks", name]
-    try:
-        r = subprocess.run(cmd, env=env.triton_interpreter_environ(), capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return [failed(name, "the interpreter run took more than 600 s")]
-    if r.returncode != 0:
-        return [failed(name, f"the interpreter run failed: {r.stderr[-2000:]}")]
-    results = []
-    for d in json.loads(r.stdout.strip().splitlines()[-1]):
-        d["max_abs"], d["rel_norm"] = float(d["max_abs"]), float(d["rel_norm"])
-        d["worst_index"] = tuple(d["worst_index"]) if d["worst_index"] is not None else None
-        d["bad_indices"] = [tuple(i) for i in d["bad_indices"]]
-        d["shape"] = tuple(d["shape"])
-        d["message"] = (d["message"] + "; " if d["message"] else "") + "Triton CPU interpreter"
-        results.append(CheckResult(**d))
-    return results
 
 
 def _sizes(device: str) -> dict:
@@ -66,9 +39,9 @@ def _sizes(device: str) -> dict:
 
 @register_check("kda.prefill", tags=("kernel", "kda", "triton"))
 def check_prefill() -> list[CheckResult]:
-    dev = _device()
+    dev = kernel_device()
     if dev is None:
-        return _no_triton("kda.prefill")
+        return run_in_interpreter("flashinfra.kernels.checks", "kda.prefill")
     H, K = _sizes(dev)["H"] // 8 or 1, _sizes(dev)["K"]
     lens = [63, 1, 200] if dev == "cuda" else [63, 1, 20]
     T, cu = sum(lens), [0, lens[0], lens[0] + lens[1], sum(lens)]
@@ -89,9 +62,9 @@ def check_prefill() -> list[CheckResult]:
 
 @register_check("kda.decode", tags=("kernel", "kda", "triton"))
 def check_decode() -> list[CheckResult]:
-    dev = _device()
+    dev = kernel_device()
     if dev is None:
-        return _no_triton("kda.decode")
+        return run_in_interpreter("flashinfra.kernels.checks", "kda.decode")
     H, K, B = _sizes(dev)["H"], _sizes(dev)["K"], 7
     q, k, v = (torch.randn(B, H, K, device=dev) for _ in range(3))
     g = -5 * torch.sigmoid(torch.randn(B, H, K, device=dev))
@@ -120,9 +93,9 @@ def _layer_inputs(dev: str, B: int, H: int, K: int, state_dtype: torch.dtype, ac
 
 
 def _check_layer(name: str, state_dtype: torch.dtype) -> list[CheckResult]:
-    dev = _device()
+    dev = kernel_device()
     if dev is None:
-        return _no_triton(name)
+        return run_in_interpreter("flashinfra.kernels.checks", name)
     act = torch.bfloat16 if dev == "cuda" else torch.float32
     a = _layer_inputs(dev, 5, _sizes(dev)["H"], _sizes(dev)["K"], state_dtype, act)
     r = {n: _f64(t) for n, t in a.items()}
@@ -146,9 +119,9 @@ def check_layer_decode_bf16() -> list[CheckResult]:
 
 @register_check("kda.conv1d", tags=("kernel", "conv", "triton"))
 def check_conv() -> list[CheckResult]:
-    dev = _device()
+    dev = kernel_device()
     if dev is None:
-        return _no_triton("kda.conv1d")
+        return run_in_interpreter("flashinfra.kernels.checks", "kda.conv1d")
     C, W, lens = 3 * _sizes(dev)["H"] * _sizes(dev)["K"] + 5, 4, [2, 37, 1]
     T, cu = sum(lens), [0, 2, 39, 40]
     x, w = torch.randn(T, C, device=dev), torch.randn(C, W, device=dev)
@@ -217,13 +190,3 @@ def bench_prefill(ctx: BenchContext) -> BenchSpec:
         bytes=T * H * K * (4 * act.itemsize + 4) + T * H * 4 + 2 * H * K * K * 4, flops=T * H * K * K * 2 * 3,
         description="KDA chunked prefill, one sequence", params=dict(T=T, H=H, K=K),
     )
-
-
-if __name__ == "__main__":
-    from flashinfra.feedback.registry import checks
-
-    outcome = []
-    for _name in sys.argv[1:]:
-        res = checks()[_name].fn()
-        outcome.extend(res if isinstance(res, list) else [res])
-    print(json.dumps([r.to_dict() for r in outcome]))

@@ -11,17 +11,13 @@ with the bytes each must move and the FLOPs it must do, for the roofline fractio
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import torch
 
-from flashinfra import env
-from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, failed, poison_, \
+from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, poison_, \
     register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, fused_moe, mhc, moe_route, norms, sparse_mla
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 
 TAGS = ("kernel", "hotpath", "triton")
 # GLM-5.3-Flash sizes
@@ -29,40 +25,17 @@ D, N_HC, E, TOPK, I_MOE = 4096, 4, 288, 8, 2048
 H, R, HI, DI, KPOOL, INDEX_TOPK = 64, 512, 32, 128, 4, 2048
 
 
-def _device() -> str | None:
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if use_triton(torch.empty(0)) else None
 
 
-def _child(name: str) -> list[CheckResult]:
-    """Run check ``name`` under Triton's CPU interpreter in a child process."""
-    cmd = [sys.executable, "-m", "flashinfra.kernels.hotpath_checks", name]
-    try:
-        r = subprocess.run(cmd, env=env.triton_interpreter_environ(), capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return [failed(name, "the interpreter run took more than 600 s")]
-    if r.returncode != 0:
-        return [failed(name, f"the interpreter run failed: {r.stderr[-2000:]}")]
-    out = []
-    for d in json.loads(r.stdout.strip().splitlines()[-1]):
-        d["max_abs"], d["rel_norm"] = float(d["max_abs"]), float(d["rel_norm"])
-        d["worst_index"] = tuple(d["worst_index"]) if d["worst_index"] is not None else None
-        d["bad_indices"] = [tuple(i) for i in d["bad_indices"]]
-        d["bad_extent"] = [tuple(i) for i in d["bad_extent"]] if d["bad_extent"] is not None else None
-        d["shape"] = tuple(d["shape"])
-        d["message"] = (d["message"] + "; " if d["message"] else "") + "Triton CPU interpreter"
-        out.append(CheckResult(**d))
-    return out
 
 
 def _checked(name: str):
     """Register ``fn(dev, act_dtype)`` as check ``name``, run where the kernels can run."""
     def wrap(fn):
         def run() -> list[CheckResult]:
-            dev = _device()
+            dev = kernel_device()
             if dev is None:
-                return _child(name)
+                return run_in_interpreter("flashinfra.kernels.hotpath_checks", name)
             return fn(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
         run.__qualname__ = f"check_{name}"
         return register_check(name, tags=TAGS)(run)
@@ -316,13 +289,3 @@ for _B in (1, 32, 128):
     _mla_bench(_B, 4096, _B)
 _dsa_bench(1, 8192, 8192)
 _mla_bench(1, 8192, 8192)
-
-
-if __name__ == "__main__":
-    from flashinfra.feedback.registry import checks
-
-    outcome = []
-    for _name in sys.argv[1:]:
-        res = checks()[_name].fn()
-        outcome.extend(res if isinstance(res, list) else [res])
-    print(json.dumps([r.to_dict() for r in outcome]))
