@@ -5,8 +5,8 @@ latent into per-head keys and values with ``kv_b_proj``; decode uses the absorbe
 half is folded into the query and its value half into the output, so attention runs on the latent
 directly and the cache stays ``kv_lora_rank`` values per token.
 
-Where the Triton kernels run (``dispatch.use_unverified_triton``), one path serves every batch with tensors only: the
-indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and
+Where the Triton kernels run (``dispatch.use_unverified_triton``), one path serves every batch with
+tensors only: the indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and
 decode alike over the paged latent (``kernels.sparse_mla``), so that a decode step can be graph-captured.
 """
 
@@ -82,9 +82,7 @@ class MLAttention(nn.Module):
         then absorbed sparse attention over the paged latent for prefill and decode alike."""
         if self.indexer is not None:
             ix = self.indexer
-            entries, qi, w = ix.project(x, q_resid)
-            keys = cache.indexer_keys[self.layer]
-            keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
+            keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
             masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
                                            batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
         w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
@@ -94,10 +92,15 @@ class MLAttention(nn.Module):
         out = torch.einsum("lhr,hvr->lhv", o_lat, w[:, self.Dq :])
         return F.linear(out.flatten(1), self.o_proj, self.o_bias)
 
-    def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
+    def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
+        """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""
         entries, q, w = self.indexer.project(x, q_resid)
         keys = cache.indexer_keys[self.layer]
         keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
+        return keys, q, w
+
+    def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
+        keys, q, w = self._index_new_tokens(x, q_resid, batch, cache)
         out = []
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
             seq_entries = gather_seq(keys, batch.block_tables[b], batch.seq_lens[b])
