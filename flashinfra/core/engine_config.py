@@ -43,6 +43,7 @@ class EngineConfig:
     prefix_checkpoint_interval: int = 1024  # tokens between prompt checkpoints (plus one at the prompt's end)
     seed: int = 0  # seeds the generators of requests that give no seed
     events_path: str | None = None  # JSONL runtime events (flashinfra.feedback.events)
+    gil_probe_ms: float | None = None  # report GIL stalls longer than this (flashinfra.feedback.gil_probe)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_checkpoint_interval"):

@@ -42,6 +42,7 @@ class EngineCore:
         max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         num_blocks = size_cache(model, config, max_model_len)
         self.events = events if events is not None else _make_events(config.events_path)
+        self.gil_probe = _start_gil_probe(config.gil_probe_ms, self.events)
         prefix_slots = config.resolved_prefix_slots
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
         self.scheduler = Scheduler(
@@ -94,6 +95,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Stop what the engine runs beside its steps (the GIL probe)."""
+        if self.gil_probe is not None:
+            self.gil_probe.stop()
+
     def has_work(self) -> bool:
         return self.has_unfinished() or bool(self._pending)
 
@@ -137,6 +143,15 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats(self._last_step_s, self._last_tokens)
+
+
+def _start_gil_probe(threshold_ms: float | None, events: Any) -> Any:
+    """A running GIL probe that reports stalls as ``gil_stall`` runtime events, or None when disabled."""
+    if not threshold_ms:
+        return None
+    from flashinfra.feedback.gil_probe import GilProbe
+
+    return GilProbe(threshold_s=threshold_ms / 1e3, events=events).start()
 
 
 def _make_events(path: str | None) -> Any:

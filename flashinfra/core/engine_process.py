@@ -80,6 +80,8 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
         except Exception as e:  # a bug in the loop itself: tell the server before dying
             out.send(encode(EngineError(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
             raise
+        finally:
+            core.close()
     finally:
         inp.close(linger=0)
         out.close()

@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="KDA state checkpoints kept for prefix caching (default: max-num-seqs; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--events-path", default=None, help="write the engine's runtime events (JSONL) here")
+    p.add_argument("--gil-probe-ms", type=float, default=None,
+                   help="report GIL stalls of the engine process longer than this, as gil_stall events")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -50,7 +52,8 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str):
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-        prefix_cache_slots=args.prefix_cache_slots, seed=args.seed, events_path=args.events_path)
+        prefix_cache_slots=args.prefix_cache_slots, seed=args.seed, events_path=args.events_path,
+        gil_probe_ms=args.gil_probe_ms)
 
 
 def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
