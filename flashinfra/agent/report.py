@@ -14,6 +14,15 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def verdict_lines(verdict: dict) -> list[str]:
+    """The gate's reasons, target results and criteria, one line each (shared by report and review)."""
+    lines = list(verdict.get("reasons", []))
+    lines += [f"target {t['metric']}: {t.get('summary') or t['verdict']}" for t in verdict.get("targets", [])]
+    lines += [f"criterion {c['name']!r} {c['expr']}: value {_fmt(c['value'])}, {'holds' if c['passed'] else 'fails'}"
+              for c in verdict.get("criteria", [])]
+    return lines
+
+
 def render(records: list[dict]) -> str:
     start = next((r for r in records if r["kind"] == "campaign_start"), None)
     if start is None:
@@ -48,13 +57,7 @@ def render(records: list[dict]) -> str:
         if v.get("summary"):
             lines += [f"Summary: {v['summary']}", ""]
         lines += [f"Changed: {', '.join(f'`{p}`' for p in verdict['changed']) or '(nothing)'}", ""]
-        for reason in verdict["reasons"]:
-            lines.append(f"- {reason}")
-        for t in verdict.get("targets", []):
-            lines.append(f"- target `{t['metric']}`: {t.get('summary') or t['verdict']}")
-        for c in verdict.get("criteria", []):
-            lines.append(f"- criterion {c['name']!r} `{c['expr']}`: value {_fmt(c['value'])}, "
-                         f"{'holds' if c['passed'] else 'fails'}")
+        lines += [f"- {line}" for line in verdict_lines(verdict)]
         lines.append("")
     if refused:
         lines += ["## Refused edits", ""] + [f"- {r['candidate']}: {r['reason']}" for r in refused] + [""]

@@ -28,13 +28,7 @@ def review_text(campaign: Campaign, cid: str | None = None) -> str:
         v = c.verdict or {}
         parts.append(f"=== {c.id} [{c.status}] {c.hypothesis}")
         parts.append(f"commit {c.commit or '(none)'} on {c.branch}")
-        for r in v.get("reasons", []):
-            parts.append(f"  reason: {r}")
-        for t in v.get("targets", []):
-            parts.append(f"  target {t['metric']}: {t.get('summary') or t['verdict']}")
-        for x in v.get("criteria", []):
-            parts.append(f"  criterion {x['name']!r} {x['expr']}: value {x['value']} "
-                         f"{'holds' if x['passed'] else 'fails'}")
+        parts += [f"  {line}" for line in report.verdict_lines(v)]
         checks = {k: val for k, val in v.get("metrics", {}).get("B", {}).items() if k.endswith(".passed")}
         if checks:
             parts.append("  checks: " + ", ".join(f"{k[:-7]} {'pass' if val else 'FAIL'}" for k, val in checks.items()
