@@ -1,5 +1,8 @@
 """``load_model``: the stable entry point for tests, tools and the engine.
 
+``load_model_from_state_dict`` builds the same model from tensors already in memory (a transformers
+model's ``state_dict()``, say), through the same strict matching as a checkpoint on disk.
+
 ``LoadedModel`` bundles the model, its config and device, and offers the two calls everything else
 needs: ``forward`` over a packed ``ForwardBatch`` with caller-owned caches, and ``logits`` for a list of
 prompts run as one packed prefill.
@@ -8,15 +11,17 @@ prompts run as one packed prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from flashinfra.config import ModelConfig, load_config
+from flashinfra.config import ModelConfig, load_config, resolve_config
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.glm5_next import Glm5NextModel
-from flashinfra.model.loader import CheckpointReader, LoadReport, load_weights
+from flashinfra.model.loader import CheckpointReader, LoadReport, StateDictReader, TensorSource, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,11 +73,47 @@ class LoadedModel:
         return list(logits.split([len(p) for p in prompts]))
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
-    path = Path(path)
-    config = load_config(path)
+def _build(path: Path, config: ModelConfig, source: TensorSource, dtype: str | torch.dtype,
+           device: str | torch.device) -> LoadedModel:
     torch_dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device(device):
         model = Glm5NextModel(config.text, torch_dtype, config.has_lm_head)
-    report = load_weights(model, config, CheckpointReader(path))
+    report = load_weights(model, config, source)
     return LoadedModel(path, config, model.eval(), torch_dtype, device, report)
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    path = Path(path)
+    return _build(path, load_config(path), CheckpointReader(path), dtype, device)
+
+
+def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
+    """A ``ModelConfig`` from itself, a ``config.json`` dict (either form) or a transformers config.
+
+    In-memory transformers configs carry no ``architectures`` until saved; then the form decides: a
+    flat text config describes a bare ``Glm5NextTextModel`` (tensors unprefixed, logits from the
+    embedding), a nested one ``Glm5NextForConditionalGeneration``.
+    """
+    if isinstance(config, ModelConfig):
+        return config
+    raw = config.to_dict() if hasattr(config, "to_dict") else config
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"config: expected a ModelConfig, a dict or a transformers config, got {type(config).__name__}")
+    raw = dict(raw)
+    if not raw.get("architectures"):
+        nested = raw.get("text_config") is not None
+        raw["architectures"] = ["Glm5NextForConditionalGeneration" if nested else "Glm5NextTextModel"]
+    return resolve_config(raw)
+
+
+def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, state_dict: Mapping[str, torch.Tensor],
+                               dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                               path: str | Path = "state_dict") -> LoadedModel:
+    """Our model from in-memory tensors, e.g. ``load_model_from_state_dict(hf.config, hf.state_dict())``.
+
+    Names may be the release names or transformers' in-memory module names (packed experts, fused conv,
+    ``forget_gate.*``); any missing, unexpected or mis-shaped tensor raises ``CheckpointError`` naming
+    each, as for a checkpoint on disk. The tensors are copied into the model, so the source can be freed
+    afterwards. ``path`` names the model (and is where a tokenizer would be looked for).
+    """
+    return _build(Path(path), model_config_from(config), StateDictReader(state_dict), dtype, device)

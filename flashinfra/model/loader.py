@@ -5,13 +5,18 @@ second full copy of the model exists. Block-FP8 weights (``weight_scale_inv`` pe
 are dequantized on the way in. Any missing, unexpected or mis-shaped tensor is an error that names every
 one of them; nothing is skipped silently. The MTP block (layer ``num_hidden_layers``) and the vision
 tower are recognised and kept as a name -> file index for the parts that use them.
+
+Two sources share that one path: ``CheckpointReader`` over safetensors files, and ``StateDictReader``
+over an in-memory name -> tensor mapping (e.g. a transformers model's ``state_dict()``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -20,10 +25,29 @@ from flashinfra.config import ModelConfig
 from flashinfra.model.weights import Copy, Form, weight_layout
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+# torch dtype -> the safetensors dtype string ``meta`` reports, so both sources describe tensors alike
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model; the message names every offending tensor."""
+
+
+class TensorSource(Protocol):
+    """What ``load_weights`` reads from: names, their (shape, safetensors dtype), the tensors, and where
+    each lives (``files``: name -> file, ``None`` for a tensor held in memory)."""
+
+    files: Mapping[str, Path | None]
+
+    def names(self) -> set[str]: ...
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
 
 
 class CheckpointReader:
@@ -67,6 +91,27 @@ class CheckpointReader:
         return self._handle(name).get_tensor(name)
 
 
+class StateDictReader:
+    """Name -> tensor access over an in-memory mapping; the tensors are read where they lie (any device)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        bad = sorted(n for n, t in tensors.items() if not isinstance(t, torch.Tensor))
+        if bad:
+            raise CheckpointError("state dict entries that are not tensors: " + ", ".join(bad))
+        self._tensors = dict(tensors)
+        self.files: dict[str, Path | None] = dict.fromkeys(self._tensors)
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        t = self._tensors[name]
+        return tuple(t.shape), SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
 def scale_name(name: str) -> str:
     return name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
 
@@ -82,14 +127,26 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
 @dataclass
 class LoadReport:
     loaded: int  # checkpoint tensors read into parameters
-    extra: dict[str, Path]  # recognised tensors kept for later parts (MTP, vision): name -> file
+    extra: dict[str, Path | None]  # recognised tensors kept for later parts (MTP, vision): name -> file
 
 
 def _choose_form(forms: list[Form], names: set[str]) -> tuple[Form | None, list[str]]:
+    """The first complete form, or what the most nearly complete form lacks. When other forms are just
+    as incomplete (none of their tensors present, say), the last entry names their tensors too, so a
+    source in either naming is told what it lacks in its own names."""
     for form in forms:
         if all(c.name in names for c in form):
             return form, []
-    return None, [c.name for c in forms[0] if c.name not in names]
+    absent = [[c.name for c in form if c.name not in names] for form in forms]
+    present = [len(form) - len(a) for form, a in zip(forms, absent)]
+    best = max(range(len(forms)), key=lambda i: present[i])
+    out = list(absent[best])
+    for i in range(len(forms)):
+        other = [n for n in absent[i] if n not in absent[best]]
+        if other and present[i] == present[best]:
+            more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+            out[-1] += f" (or instead: {', '.join(other[:3])}{more})"
+    return None, out
 
 
 def _is_extra(name: str, cfg: ModelConfig) -> bool:
@@ -97,7 +154,7 @@ def _is_extra(name: str, cfg: ModelConfig) -> bool:
     return name.startswith(mtp) or name.startswith("model.visual.")
 
 
-def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: CheckpointReader) -> LoadReport:
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource) -> LoadReport:
     params = dict(model.named_parameters())
     head = "lm_head.weight" if cfg.has_lm_head else None
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, head)
@@ -113,6 +170,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: CheckpointRea
         form, absent = _choose_form(forms, names)
         if form is None:
             missing.extend(absent)
+            consumed.update(c.name for f in forms for c in f if c.name in names)  # expected, not unexpected
             continue
         for copy in form:
             shape, dtype = reader.meta(copy.name)
@@ -139,5 +197,5 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: CheckpointRea
         t = reader.get(copy.name)
         if reader.meta(copy.name)[1] in FP8_DTYPES:
             t = dequantize_block_fp8(t, reader.get(scale_name(copy.name)), block)
-        dest.copy_(t.view(dest.shape))
+        dest.copy_(t.reshape(dest.shape))
     return LoadReport(loaded=len(plan), extra=extra)
