@@ -1,8 +1,9 @@
-"""KDA decode on the GPU: our bare recurrence, our fused whole-layer decode (fp32 and bf16 state) and
+"""KDA decode on the GPU: our bare recurrence, our fused whole-layer decode (fp32 and bf16 state, its
+default configuration eager and in a CUDA graph, and its layout / block / warps variants in a graph) and
 flash-linear-attention's fused_recurrent_kda (bare, and with the conv update and gated RMSNorm it needs
-around it), H=64, K=V=128, at B=1, 16, 64, 256, eager and inside a CUDA graph, all in one run.
+around it), H=64, K=V=128, at B=1, 16, 64, 256, all in one run.
 
-    python bench/kda_decode.py [--out DIR]     -> bench/results/kda_decode.json
+    python bench/kda_decode.py [--out DIR] [--no-variants]     -> bench/results/kda_decode.json
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import copy_bandwidth_GBps, fla_version, header, time_eager, time_graph, write_results  # noqa: E402
 
 from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
+    decode_config,
+    kda_layer_decode_launch,
+    kda_layer_decode_ref,
+)
 
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K
+# (grid, BV, num_warps) of the layer decode, each timed in a graph at every batch size and state dtype
+VARIANTS = [("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8),
+            ("block", 64, 4), ("block", 64, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8)]
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):
@@ -61,7 +69,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--batches", default="1,16,64,256")
-    ap.add_argument("--variants", action="store_true", help="also time block-size variants at B=64")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the layout / block-size / warps variants of the layer decode")
     args = ap.parse_args()
     res = header()
     res["fla"] = fla_version()
@@ -82,6 +91,8 @@ def main() -> int:
             "ours_layer_fp32": lambda: kda_layer_decode_launch(**fp32),
             "ours_layer_bf16": lambda: kda_layer_decode_launch(**bf16),
         }
+        row["config_fp32"] = decode_config(B, torch.float32)
+        row["config_bf16"] = decode_config(B, torch.bfloat16)
         row["bytes_layer_fp32"] = layer_bytes(B, 4)
         row["bytes_layer_bf16"] = layer_bytes(B, 2)
         row["bytes_recurrence_fp32"] = B * H * K * V * 4 * 2
@@ -113,16 +124,17 @@ def main() -> int:
             cases["fla_layer_fp32"] = fla_layer
         except ImportError as exc:
             row["fla_error"] = repr(exc)
-        if B == 64 and args.variants:
-            for kw in (dict(BV=16), dict(BV=64), dict(BV=32, num_warps=2), dict(BV=32, num_warps=8)):
-                tag = "_".join(f"{k}{v}" for k, v in kw.items())
-                cases[f"ours_layer_fp32_{tag}"] = lambda kw=kw: kda_layer_decode_launch(**fp32, **kw)
-                cases[f"ours_layer_bf16_{tag}"] = lambda kw=kw: kda_layer_decode_launch(**bf16, **kw)
-                cases[f"ours_recurrence_fp32_{tag}"] = lambda kw=kw: kda_decode_launch(q, k, v, g, beta, fp32["state"],
-                                                                                       slots, **kw)
+        timed = set(cases)
+        if args.variants:
+            for grid, bv, nw in VARIANTS:
+                tag = f"{grid}_BV{bv}_w{nw}"
+                for dt, inputs in (("fp32", fp32), ("bf16", bf16)):
+                    cases[f"ours_layer_{dt}_{tag}"] = lambda i=inputs, g=grid, b=bv, w=nw: kda_layer_decode_launch(
+                        **i, grid=g, BV=b, num_warps=w)
         for name, fn in cases.items():
             try:
-                row[f"{name}_eager_us"] = time_eager(fn)
+                if name in timed:  # the variants are timed in a graph only
+                    row[f"{name}_eager_us"] = time_eager(fn)
                 row[f"{name}_graph_us"] = time_graph(fn)
             except Exception as exc:  # one failing case must not hide the others' numbers
                 row[f"{name}_error"] = repr(exc)[:300]
@@ -136,9 +148,27 @@ def main() -> int:
         row["relerr_layer_bf16_vs_fp64"] = check_layer(min(B, 16), torch.bfloat16)
         rows.append(row)
         print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    res["rows"] = rows
-    write_results("kda_decode", res, args.out)
+        res["rows"] = rows
+        write_results("kda_decode", res, args.out)  # after each batch size, so a cut-short run keeps its rows
+    summary(rows)
     return 0
+
+
+def summary(rows: list[dict]) -> None:
+    """Graph microseconds: the default layer decode per state dtype, its fastest variant, FLA."""
+    print(f"{'B':>4} {'fp32':>8} {'best fp32 variant':>28} {'bf16':>8} {'best bf16 variant':>28} {'FLA rec':>8} "
+          f"{'FLA layer':>9}")
+    for row in rows:
+        cells = [f"{row['B']:>4}"]
+        for dt in ("fp32", "bf16"):
+            cells.append(f"{row.get(f'ours_layer_{dt}_graph_us', float('nan')):8.2f}")
+            var = {k[len(f"ours_layer_{dt}_"):-len("_graph_us")]: v for k, v in row.items()
+                   if k.startswith(f"ours_layer_{dt}_") and k.endswith("_graph_us") and k.count("_BV")}
+            best = min(var, key=var.get) if var else "-"
+            cells.append(f"{best + ' ' + format(var.get(best, float('nan')), '.2f'):>28}")
+        cells.append(f"{row.get('fla_recurrence_fp32_graph_us', float('nan')):8.2f}")
+        cells.append(f"{row.get('fla_layer_fp32_graph_us', float('nan')):9.2f}")
+        print(" ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The whole decode step of one KDA layer between its input and output projections, in one pass.
+"""The whole decode step of one KDA layer between its input and output projections, fused.
 
 Per sequence (one new token) and head: the causal conv update with SiLU over the head's q, k and v
 channels (the conv slot read and shifted in place), the forget gate with its lower bound, beta, the q/k
@@ -6,9 +6,18 @@ L2 norm, the delta-rule step on the recurrent state (read from and written back 
 and the gated RMSNorm of the output. The unfused path runs ``causal_conv1d_decode``, ``kda_gate``,
 ``sigmoid``, ``kda_decode`` and the gated norm as separate ops, each reading and writing memory; here
 the only traffic is the inputs, the output (written, read back for the norm, written again) and the two
-slots. Measured on an H200 in bench/notes/kda_decode.md (77% of copy bandwidth at B=64 with fp32 state).
+slots.
 
-The reference ``kda_layer_decode_ref`` is that unfused composition; the kernel rounds where it rounds
+Two kernel layouts, chosen per batch size and state dtype by ``decode_config`` (measured on an H200 in
+bench/notes/kda_decode.md):
+- ``"block"``: one program per (sequence, head, block of ``BV`` value columns), so many state loads are in
+  flight at once, then a second small launch per (sequence, head) for the gated RMSNorm (it needs the
+  head's whole output) and the q/k conv shift (every V block of the head reads those channels first).
+  Stream order between the launches replaces any synchronisation between programs.
+- ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
+  the next block's load issued before the current block's arithmetic.
+
+The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
 (conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
 The recurrent state may be float32 or bfloat16 (half the bytes; rounded once per step).
 """
@@ -79,18 +88,58 @@ def _conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def kda_layer_decode_kernel(
+def _head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
+                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
+    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
+    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    if HAS_LOWER_BOUND:
+        b_g = lower_bound * tl.sigmoid(b_rate * b_g)
+    else:
+        b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q, b_k, tl.exp(b_g), b_beta
+
+
+@triton.jit
+def _step(b_s, b_q, b_k, b_decay, b_beta, b_v):
+    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
+    b_s = b_s * b_decay[:, None]
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], 0)
+
+
+@triton.jit
+def _gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
+    """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
+    o_f = tl.arange(0, BVF)
+    m_f = o_f < V
+    b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
+    b_gate = tl.load(gate_row + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+    tl.debug_barrier()
+    tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)
+
+
+@triton.jit
+def kda_layer_decode_head_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_w, eps,
     state, state_slots, out,
     stride_x, stride_g, stride_b, stride_gate, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
 ):
-    """Grid (B * H,). One program per head: it walks the head's state in [K, BV] blocks (the next block's
-    load issued before the current block's arithmetic, so a block's memory latency hides behind the
-    previous one), keeping the register footprint of one block while the RMSNorm still sees the whole
-    output. The unnormalised output goes through ``out`` (rounded to its dtype, as the unfused path rounds
-    it before the norm); the conv slot is shifted last, after every read of it."""
+    """Grid (B * H,). One program per head walks the head's state in [K, BV] blocks (the next block's load
+    issued before the current block's arithmetic), keeping the register footprint of one block while the
+    RMSNorm still sees the whole output. The unnormalised output goes through ``out`` (rounded to its dtype,
+    as the unfused path rounds it before the norm); the conv slot is shifted last, after every read of it."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -100,55 +149,86 @@ def kda_layer_decode_kernel(
     p_s0 = state + (slot * H + i_h) * K * V + o_k[:, None] * V
     # The first state block goes first: it is the big load, and nothing it needs comes from the conv.
     b_s = tl.load(p_s0 + o_b[None, :], mask=m_k[:, None] & (o_b < V)[None, :], other=0.0).to(tl.float32)
-    C = 2 * H * K + H * V
     x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * C * (W - 1)
-    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
-    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    b_g = tl.load(g_raw + i_b * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if HAS_LOWER_BOUND:
-        b_g = lower_bound * tl.sigmoid(b_rate * b_g)
-    else:
-        b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
-    b_decay = tl.exp(b_g)
-    b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_b + i_h).to(tl.float32))
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_ss = tl.zeros([BV], dtype=tl.float32)  # per-lane partial sums of o^2
+    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                             H, K, W, BW, HAS_LOWER_BOUND)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + o_b
         m_v = o_v < V
         m_n = (o_v + BV) < V
         b_next = tl.load(p_s0 + (o_v + BV)[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
-        b_s = b_s * b_decay[:, None]
-        b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s = b_s + b_k[:, None] * b_delta[None, :]
+        b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
         tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-        b_o = tl.sum(b_s * b_q[:, None], 0).to(out.dtype.element_ty)
-        tl.store(out + i_bh * V + o_v, b_o, mask=m_v)
-        b_o = b_o.to(tl.float32)
-        b_ss += tl.where(m_v, b_o * b_o, 0.0)
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
         b_s = b_next.to(tl.float32)
     tl.debug_barrier()  # this program's own output stores are read back below, by other threads
-    o_f = tl.arange(0, BVF)
-    m_f = o_f < V
-    b_o = tl.load(out + i_bh * V + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_ss) / V + eps)
-    b_gate = tl.load(gate + i_b * stride_gate + i_h * V + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
-    tl.debug_barrier()
-    tl.store(out + i_bh * V + o_f, b_o.to(out.dtype.element_ty), mask=m_f)
+    _gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
     _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
     _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
+    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + tl.arange(0, BVF), tl.arange(0, BVF) < V, W, BW)
 
 
-def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
-                            norm_weight, eps, state, state_slots, BV: int | None = None, num_warps: int = 4,
-                            out: torch.Tensor | None = None):
+@triton.jit
+def kda_layer_decode_block_kernel(
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out,
+    stride_x, stride_g, stride_b, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+):
+    """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
+    (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
+    them). The q/k conv and the gate are recomputed by each V block of a head: a few KB from L2."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # issued first: the big load
+    x_row = qkv + i_b * stride_x
+    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                             H, K, W, BW, HAS_LOWER_BOUND)
+    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+
+
+@triton.jit
+def kda_layer_decode_norm_kernel(
+    qkv, conv_state, gate, norm_w, eps, state_slots, out, stride_x, stride_gate,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr,
+):
+    """Grid (B * H,), after the block kernel: the head's gated RMSNorm and its q/k conv shift."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    x_row = qkv + i_b * stride_x
+    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    _gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
+    _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+    _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+
+
+def decode_config(B: int, state_dtype: torch.dtype) -> dict:
+    """Kernel layout, V block and warps per batch size and state dtype (H200 measurements: bench/notes/
+    kda_decode.md)."""
+    return dict(grid="head", BV=32, num_warps=4)
+
+
+def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
+                state_slots):
     B = qkv.shape[0]
     if state.dim() != 4 or not state.is_contiguous():
         raise ValueError(f"kda_layer_decode: state must be contiguous [slots, H, K, V], got {tuple(state.shape)}")
@@ -173,21 +253,47 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         problems.append(f"state_slots {tuple(state_slots.shape)}")
     if problems:
         raise ValueError(f"kda_layer_decode: H={H} K={K} V={V}, bad shapes: " + "; ".join(problems))
+
+
+def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
+                            norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
+                            num_warps: int | None = None, out: torch.Tensor | None = None):
+    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``."""
+    _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
+                state_slots)
+    B = qkv.shape[0]
+    H, K, V = state.shape[1:]
+    W = conv_weight.shape[1]
     if out is None:
         out = torch.empty((B, H, V), dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
+    cfg = decode_config(B, state.dtype)
+    grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
+    if grid not in ("block", "head"):
+        raise ValueError(f"kda_layer_decode: grid must be 'block' or 'head', got {grid!r}")
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
-    BV = min(BV or 32, BVF)
-    kda_layer_decode_kernel[(B * H,)](
-        qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log.contiguous(), dt_bias.float().contiguous(),
-        float(lower_bound) if lower_bound is not None else 0.0, norm_weight.contiguous(), float(eps),
-        state, state_slots, out,
-        qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), gate.stride(0), K**-0.5,
-        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, BVF=BVF, W=W,
-        BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+    BV = min(BV or cfg["BV"], BVF)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
+    sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))
+    if grid == "head":
+        kda_layer_decode_head_kernel[(B * H,)](
+            qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lb, norm_weight, float(eps),
+            state, state_slots, out, qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), gate.stride(0), K**-0.5,
+            **sizes, BV=BV, BVF=BVF, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+        )
+        return out
+    kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
+        qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state, state_slots, out,
+        qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5,
+        **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+    )
+    kda_layer_decode_norm_kernel[(B * H,)](
+        qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
+        **sizes, BVF=BVF, num_warps=4,
     )
     return out
 

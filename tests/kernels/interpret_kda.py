@@ -31,10 +31,13 @@ def test_decode():
     cases.decode("cpu", B=5, H=3, K=16, V=32, BV=16)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_layer_decode(state_dtype, lower_bound):
-    cases.layer_decode("cpu", B=3, H=2, K=32, state_dtype=state_dtype, lower_bound=lower_bound, BV=16)
+@pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
+    ("block", torch.float32, -5.0, 24), ("block", torch.bfloat16, None, 32),
+    ("head", torch.float32, None, 32), ("head", torch.bfloat16, -5.0, 24),
+])
+def test_layer_decode(grid, state_dtype, lower_bound, K):
+    """Both layouts, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a block."""
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16)
 
 
 @pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])

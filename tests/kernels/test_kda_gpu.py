@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashinfra.kernels import kda_decode, kda_prefill
+from flashinfra.kernels import kda_layer_decode as layer
 from tests.kernels import kda_cases as cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,14 +34,41 @@ def test_decode_real_size(B):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [1, 33])
+@pytest.mark.parametrize("B", [1, 33, 67])
 def test_layer_decode_real_size(B, state_dtype):
+    """The configuration ``decode_config`` picks for B."""
     cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("launch", [dict(BV=16), dict(BV=64, num_warps=8), dict(BV=128)])
-def test_layer_decode_block_variants(launch):
-    cases.layer_decode("cuda", B=9, H=64, K=128, dtype=torch.bfloat16, **launch)
+def _table_configs() -> list[tuple[torch.dtype, dict]]:
+    """Every configuration the launcher can choose, over batch sizes up to 4096 and both state dtypes."""
+    seen = {}
+    for dt in (torch.float32, torch.bfloat16):
+        for B in [2**i for i in range(13)]:
+            for b in (B - 1, B, B + 1):
+                cfg = layer.decode_config(max(b, 1), dt)
+                seen[(dt, tuple(sorted(cfg.items())))] = cfg
+    return list(seen.items())
+
+
+@pytest.mark.parametrize("key_cfg", _table_configs(),
+                         ids=lambda kc: f"{str(kc[0][0])[6:]}-{kc[1]['grid']}-BV{kc[1]['BV']}-w{kc[1]['num_warps']}")
+def test_layer_decode_every_table_config(key_cfg):
+    (state_dtype, _), cfg = key_cfg
+    cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **cfg)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("launch", [dict(grid="block", BV=16, num_warps=2), dict(grid="block", BV=64, num_warps=8),
+                                    dict(grid="block", BV=128, num_warps=8), dict(grid="head", BV=16),
+                                    dict(grid="head", BV=32, num_warps=4), dict(grid="head", BV=128)])
+def test_layer_decode_layout_variants(launch, state_dtype):
+    cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **launch)
+
+
+def test_layer_decode_fp32_activations():
+    cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid="block")
+    cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid="head")
 
 
 def test_conv_real_size():
