@@ -23,12 +23,6 @@ def use_reference_kernels() -> bool:
     return os.environ.get("FLASHINFRA_REFERENCE", "0") not in ("", "0", "false", "False")
 
 
-def unverified_kernels() -> bool:
-    """``FLASHINFRA_UNVERIFIED_KERNELS=1`` runs on CUDA the kernels whose float64 tests have passed only
-    under the CPU interpreter so far (see ``kernels.dispatch.use_unverified_triton``)."""
-    return os.environ.get("FLASHINFRA_UNVERIFIED_KERNELS", "0") not in ("", "0", "false", "False")
-
-
 def triton_interpret() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

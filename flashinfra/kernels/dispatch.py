@@ -15,11 +15,6 @@ def _reference_forced() -> bool:
 
 
 @functools.cache
-def _unverified_allowed() -> bool:
-    return env.unverified_kernels()
-
-
-@functools.cache
 def _interpreting() -> bool:
     return env.triton_interpret()
 
@@ -30,14 +25,3 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.is_cuda for t in tensors) or _interpreting()
 
-
-def use_unverified_triton(*tensors: torch.Tensor) -> bool:
-    """For kernels whose float64 tests have passed under the CPU interpreter but not yet on a GPU (the
-    interpreter does not model GPU numerics, e.g. its bf16 matrix products). They run under the
-    interpreter, and on CUDA only when ``FLASHINFRA_UNVERIFIED_KERNELS=1``; a GPU run of their tests moves
-    their ops to ``use_triton``."""
-    if _reference_forced():
-        return False
-    if _interpreting():
-        return True
-    return all(t.is_cuda for t in tensors) and _unverified_allowed()

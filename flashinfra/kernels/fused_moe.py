@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -235,6 +235,6 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, 
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
-    if use_unverified_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
+    if use_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
         return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.norms import unweighted_rms_norm_ref
 
 
@@ -197,12 +197,12 @@ def hc_post_launch(streams, out, post, comb):
 
 
 def hc_pre(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
-    if use_unverified_triton(streams, fn, base, scale):
+    if use_triton(streams, fn, base, scale):
         return hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
     return hc_pre_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
 
 
 def hc_post(streams, out, post, comb):
-    if use_unverified_triton(streams, out, post, comb):
+    if use_triton(streams, out, post, comb):
         return hc_post_launch(streams, out, post, comb)
     return hc_post_ref(streams, out, post, comb)

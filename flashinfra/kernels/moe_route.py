@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 
 
 def route_ref(
@@ -108,6 +108,6 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
 
 
 def route(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
-    if use_unverified_triton(x, weight, bias):
+    if use_triton(x, weight, bias):
         return route_launch(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
     return route_ref(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,12 +107,12 @@ def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 
 def rms_norm(x, weight, eps):
-    if use_unverified_triton(x, weight):
+    if use_triton(x, weight):
         return rms_norm_launch(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps):
-    if use_unverified_triton(x, gate, weight):
+    if use_triton(x, gate, weight):
         return gated_rms_norm_launch(x, gate, weight, eps)
     return gated_rms_norm_ref(x, gate, weight, eps)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 
 
 def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale):
@@ -138,6 +138,6 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
 
 
 def sparse_mla(q_lat, latent, sel, token_seq, block_tables, scale: float):
-    if use_unverified_triton(q_lat, latent, sel):
+    if use_triton(q_lat, latent, sel):
         return sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale)
     return sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale)

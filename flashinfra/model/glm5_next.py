@@ -67,6 +67,10 @@ class Glm5NextModel(nn.Module):
         masks: dict[int, list[torch.Tensor]] = {}
         for layer in self.layers:
             streams = layer(streams, batch, cache, masks)
+        return self.final_norm(streams)
+
+    def final_norm(self, streams: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams [T, n, D] -> final hidden states [T, D]: collapse by mean, then norm."""
         return rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

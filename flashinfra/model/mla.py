@@ -5,7 +5,7 @@ latent into per-head keys and values with ``kv_b_proj``; decode uses the absorbe
 half is folded into the query and its value half into the output, so attention runs on the latent
 directly and the cache stays ``kv_lora_rank`` values per token.
 
-Where the Triton kernels run (``dispatch.use_unverified_triton``), one path serves every batch with
+Where the Triton kernels run (``dispatch.use_triton``), one path serves every batch with
 tensors only: the indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and
 decode alike over the paged latent (``kernels.sparse_mla``), so that a decode step can be graph-captured.
 """
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
@@ -65,7 +65,7 @@ class MLAttention(nn.Module):
         q = F.linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
         latent = cache.mla_latent[self.layer]
         latent.view(-1, self.R)[batch.slot_mapping] = rms_norm(kv_a, self.kv_a_norm, self.eps).to(latent.dtype)
-        if use_unverified_triton(x, latent):
+        if use_triton(x, latent):
             return self._forward_kernels(x, q, q_resid, batch, cache, masks)
         if self.indexer is not None:
             masks[self.layer] = self._select(x, q_resid, batch, cache)

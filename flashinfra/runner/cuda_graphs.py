@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flashinfra.kernels.dispatch import use_unverified_triton
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -28,7 +28,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 def graphs_supported(model: LoadedModel) -> bool:
     """Graphs need the kernel path (tensors only); the references loop over sequences on the host."""
-    return model.device.type == "cuda" and use_unverified_triton(torch.empty(0, device=model.device))
+    return model.device.type == "cuda" and use_triton(torch.empty(0, device=model.device))
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

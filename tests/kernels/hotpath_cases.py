@@ -37,8 +37,9 @@ def norms(device: str, T: int, D: int, dtype=torch.float32, seed=0):
     out = torch.full_like(x, NAN)
     nm.rms_norm_launch(x, w, 1e-5, out=out)
     check("rms_norm", out, nm.rms_norm_ref(_d(x), _d(w), 1e-5), **tol(dtype))
-    if dtype != torch.float32:  # rounds where the reference rounds: equal to it in the same dtype
-        assert torch.equal(out, nm.rms_norm_ref(x, w, 1e-5)), "rms_norm must round like its reference"
+    if dtype != torch.float32:  # rounds where the reference rounds: at most one unit in the last place away
+        ulps = (out.view(torch.int16).int() - nm.rms_norm_ref(x, w, 1e-5).view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1, f"rms_norm is {int(ulps.max())} ulps from its reference's rounding"
     out = torch.full_like(x, NAN)
     nm.gated_rms_norm_launch(x, g, w, 1e-5, out=out)
     check("gated_rms_norm", out, nm.gated_rms_norm_ref(_d(x), _d(g), _d(w), 1e-5), **tol(dtype))
@@ -243,19 +244,35 @@ def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16, fe
     return tokens, logits
 
 
-def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="float32", steps: int = 6):
-    """float32: the same greedy tokens with the kernels and the references. bf16 (where rounding differs):
+TEXTS = ("In the beginning God created the heaven and the earth. And the earth was without form",
+         "def main():", "The Python tutorial: an informal introduction to Python. In the following examples, "
+         "input and output are distinguished by the presence or absence of prompts")
+
+
+def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="float32", steps: int = 6,
+                                   trained: bool = False):
+    """The small random checkpoint, or the trained default model (``trained``: its predictions are decided
+    by margins a rounding difference cannot flip, where a random model's often are not).
+    float32: the same greedy tokens with the kernels and the references. bf16 (where rounding differs):
     with the reference's tokens fed to both, every step's logits agree to bf16 accuracy and the argmax
     agrees wherever the reference's top-2 margin exceeds twice the logits' difference."""
     from flashinfra.kernels import dispatch
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
 
-    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2), dtype=dtype, device=device)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
-    monkeypatch.setattr(dispatch, "_unverified_allowed", lambda: True)  # this test is their GPU verification
-    assert dispatch.use_unverified_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    if trained:
+        from tokenizers import Tokenizer
+
+        from flashinfra.model.factory import default_model_dir
+
+        model = load_model(default_model_dir(), dtype=dtype, device=device)
+        tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+        prompts = [tok.encode(text).ids for text in TEXTS]
+    else:
+        model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2), dtype=dtype, device=device)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
     ref, ref_logits = batched_greedy(model, prompts, steps)
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
@@ -272,3 +289,24 @@ def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="fl
         top2 = b.float().topk(2, dim=-1).values
         decided = (top2[:, 0] - top2[:, 1]) > 2 * diff
         assert torch.equal(a.argmax(-1)[decided], b.argmax(-1)[decided]), f"step {step}"
+
+
+
+def layerwise(device: str, dtype: str, hi_dtype: torch.dtype, factor: float, floor: float, lengths=(37, 5, 20)):
+    """Every layer of the small random checkpoint, fed the reference's input, is no further from the
+    reference run in ``hi_dtype`` with the kernels than with the references (``model.layerwise``)."""
+    import tempfile
+
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.model.layerwise import compare_layers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(write_tiny_checkpoint(f"{tmp}/tiny", seed=2), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
+    errors = compare_layers(model, prompts, hi_dtype)
+    assert len(errors) == 2 * (len(model.model.layers) + 1)
+    bad = [e for e in errors if not e.within(factor, floor)]
+    assert not bad, "\n".join(map(str, bad))
+    return errors

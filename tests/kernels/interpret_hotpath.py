@@ -4,6 +4,7 @@ runs this file in a subprocess with ``TRITON_INTERPRET=1``. (The interpreter's b
 exact, so bf16 runs live in the GPU tests.)"""
 
 import pytest
+import torch
 
 from tests.kernels import hotpath_cases as cases
 
@@ -59,3 +60,7 @@ def test_sparse_mla(split):
 
 def test_tiny_model_batched_greedy_same_with_kernels_and_references(tmp_path, monkeypatch):
     cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cpu")
+
+
+def test_each_layer_as_accurate_as_the_references():
+    cases.layerwise("cpu", "float32", torch.float64, factor=2.0, floor=1e-6, lengths=(13, 2))

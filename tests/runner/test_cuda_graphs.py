@@ -6,14 +6,7 @@ import random
 import pytest
 import torch
 
-from flashinfra.kernels import dispatch
 from flashinfra.runner.cuda_graphs import BATCH_BUCKETS, bucket
-
-
-@pytest.fixture(autouse=True)
-def kernel_path(monkeypatch):
-    """Graphs need the whole kernel path; these tests are also its GPU verification (see dispatch)."""
-    monkeypatch.setattr(dispatch, "_unverified_allowed", lambda: True)
 
 
 def test_bucket_rounds_up_and_refuses_oversize():
