@@ -30,7 +30,7 @@ H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K
 # (grid, BV, num_warps) of the layer decode, each timed in a graph at every batch size and state dtype
 VARIANTS = [("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8),
-            ("block", 64, 4), ("block", 64, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8)]
+            ("block", 64, 4), ("block", 64, 8), ("block", 128, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8)]
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):

@@ -60,16 +60,16 @@ def kda_layer_decode_ref(
 
 
 @triton.jit
-def _conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+def _conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
     """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
-    dtype as the unfused conv output is."""
-    o_j = tl.arange(0, BW)
-    mm = m[:, None] & (o_j < W - 1)[None, :]
-    b_h = tl.load(cs_slot + ch[:, None] * (W - 1) + o_j[None, :], mask=mm, other=0.0)
+    dtype as the unfused conv output is. One 1-D load per tap, so the result comes in the vector layout the
+    state block's rows take, not that of a [channels, taps] tile (which made the compiler move the whole
+    state block between layouts through shared memory)."""
     b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    b_w = tl.load(w + ch[:, None] * W + o_j[None, :], mask=mm, other=0.0).to(tl.float32)
-    b_wl = tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
-    acc = tl.sum(b_h.to(b_x.dtype).to(tl.float32) * b_w, 1) + b_x.to(tl.float32) * b_wl
+    acc = b_x.to(tl.float32) * tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        b_h = tl.load(cs_slot + ch * (W - 1) + j, mask=m, other=0.0).to(b_x.dtype).to(tl.float32)
+        acc += b_h * tl.load(w + ch * W + j, mask=m, other=0.0).to(tl.float32)
     acc = acc * tl.sigmoid(acc)
     return acc.to(b_x.dtype).to(tl.float32)
 
@@ -91,8 +91,8 @@ def _conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
 def _head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
                  H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
     """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
-    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W, BW)
-    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
+    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
     b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
     b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -159,7 +159,7 @@ def kda_layer_decode_head_kernel(
         m_v = o_v < V
         m_n = (o_v + BV) < V
         b_next = tl.load(p_s0 + (o_v + BV)[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+        b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
         b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
         tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
         tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
@@ -195,7 +195,7 @@ def kda_layer_decode_block_kernel(
     b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                              beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
                                              H, K, W, BW, HAS_LOWER_BOUND)
-    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)

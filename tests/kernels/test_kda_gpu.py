@@ -58,12 +58,16 @@ def test_layer_decode_every_table_config(key_cfg):
     cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **cfg)
 
 
+# every (grid, BV, num_warps) that bench/kda_decode.py times, and whole-row blocks
+LAYOUTS = [("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8), ("block", 64, 4),
+           ("block", 64, 8), ("block", 128, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8), ("head", 128, 4)]
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [dict(grid="block", BV=16, num_warps=2), dict(grid="block", BV=64, num_warps=8),
-                                    dict(grid="block", BV=128, num_warps=8), dict(grid="head", BV=16),
-                                    dict(grid="head", BV=32, num_warps=4), dict(grid="head", BV=128)])
-def test_layer_decode_layout_variants(launch, state_dtype):
-    cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **launch)
+@pytest.mark.parametrize("grid,BV,num_warps", LAYOUTS)
+def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
+    cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, BV=BV,
+                       num_warps=num_warps)
 
 
 def test_layer_decode_fp32_activations():
