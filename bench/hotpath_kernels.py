@@ -2,8 +2,9 @@
 
 Runs the ``hotpath.*`` benchmarks registered by ``flashinfra.kernels.hotpath_checks`` (bytes and FLOPs per
 call derived in ``bench/notes/<op>.md``) through ``flashinfra.feedback.bench`` (fresh inputs per call, L2
-flushed, CUDA events), with the copy bandwidth and matmul rate measured in the same run, and prints one
-row per kernel: median time, floor (the larger of bytes / bandwidth and FLOPs / matmul rate) and the
+flushed, CUDA events; each call captured in a CUDA graph and its replay timed, so small batches show the
+kernels' time, not the host's launch cost: a decode step runs them from a graph too), with the copy
+bandwidth and matmul rate measured in the same run, and prints one row per kernel: median time, floor (the larger of bytes / bandwidth and FLOPs / matmul rate) and the
 fraction of the floor reached.
 
 usage: python bench/hotpath_kernels.py [PATTERN...] [--runs N] [--out bench/results/hotpath_kernels.json]
@@ -23,7 +24,7 @@ from flashinfra.feedback.registry import BenchContext
 def table(report: dict) -> str:
     c = report["ceilings"]
     rows = [f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
-            f"{'kernel':44s} {'median us':>10s} {'floor us':>9s} {'of floor':>8s}  bound"]
+            f"{'kernel':44s} {'median us':>10s} {'floor us':>9s} {'of floor':>8s}  bound   timing"]
     for r in report["benchmarks"]:
         if "error" in r:
             rows.append(f"{r['name']:44s} ERROR {r['error'][:80]}")
@@ -32,7 +33,8 @@ def table(report: dict) -> str:
         t_flops = r["flops"] / c["matmul_flops_per_s"]
         floor = max(t_bytes, t_flops)
         rows.append(f"{r['name']:44s} {r['median_s'] * 1e6:10.1f} {floor * 1e6:9.1f} {floor / r['median_s']:8.1%}  "
-                    f"{'memory' if t_bytes >= t_flops else 'compute'}{'  FLAGS ' + ','.join(r['flags']) if r['flags'] else ''}")
+                    f"{'memory' if t_bytes >= t_flops else 'compute'}  {r['timing']}"
+                    f"{'  FLAGS ' + ','.join(r['flags']) if r['flags'] else ''}")
     return "\n".join(rows)
 
 
@@ -44,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = run_benchmarks(args.patterns, BenchContext(device="cuda", dtype="bfloat16"), runs=args.runs,
-                            ceilings=ceil, providers=("flashinfra.kernels.hotpath_checks",))
+                            ceilings=ceil, providers=("flashinfra.kernels.hotpath_checks",), graph=True)
     report["command"] = "python bench/hotpath_kernels.py " + " ".join(args.patterns) + f" --runs {args.runs}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

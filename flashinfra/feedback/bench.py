@@ -6,7 +6,9 @@ flush (a write over a buffer larger than L2) and a synchronize, and timed with C
 with ``perf_counter``. Reported: median and spread (min, p10, p90, max, IQR), achieved bytes/s and
 FLOP/s as fractions of the measured ceilings, the re-check of a timed output (``spec.check``), and flags:
 ``cached`` when outputs stay identical across different inputs, ``inputs_not_fresh`` when
-``make_inputs`` ignores its seed.
+``make_inputs`` ignores its seed. With ``graph`` each call is captured in a CUDA graph (after the warm-up,
+outside the timer) and its replay is timed, so the time is the kernels' alone, without the host's launch
+cost; an op that cannot be captured is timed eagerly and its result says ``"timing": "eager"``.
 
 torch is imported only when the device or the benchmark needs it, so pure-Python benchmarks (and the
 A/B worker subprocesses that run them) start fast.
@@ -68,8 +70,9 @@ def _identical(a: Any, b: Any) -> bool:
 class _Timer:
     """Times one call: CUDA events after an L2 flush and a synchronize, or perf_counter on the CPU."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, graph: bool = False):
         self.cuda = device.startswith("cuda")
+        self.graph = graph and self.cuda
         if self.cuda:
             import torch
 
@@ -82,11 +85,24 @@ class _Timer:
             out = fn(*args)
             return time.perf_counter() - t0, out
         torch = self.torch
+        call = None
+        if self.graph:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = fn(*args)
+                call = graph.replay
+            except RuntimeError:  # a host sync or an allocation the capture refuses: time it eagerly
+                self.graph = False
+                torch.cuda.synchronize()
         self.flush_buffer.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        out = fn(*args)
+        if call is not None:
+            call()
+        else:
+            out = fn(*args)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3, out
@@ -109,13 +125,15 @@ def summarize_times(times: list[float]) -> dict[str, float]:
 
 
 def run_spec(name: str, spec: BenchSpec, device: str, runs: int = 30, warmup: int = 3, seed: int = 0,
-             max_seconds: float | None = None, ceilings: dict[str, Any] | None = None) -> dict[str, Any]:
+             max_seconds: float | None = None, ceilings: dict[str, Any] | None = None,
+             graph: bool = False) -> dict[str, Any]:
     """Time ``spec`` and return its figures (see the module docstring)."""
     if runs < 2:
         raise ValueError("a benchmark needs at least 2 timed runs (cached-output detection compares two)")
     timer = _Timer(device)
     for i in range(warmup):
         timer(spec.fn, _as_args(spec.make_inputs(seed + 1_000_000 + i)))
+    timer.graph = graph and timer.cuda
     times, flags = [], []
     first_inputs = first_out = None
     compared = identical_outputs = 0
@@ -144,7 +162,8 @@ def run_spec(name: str, spec: BenchSpec, device: str, runs: int = 30, warmup: in
         flags.append("cached")
     result: dict[str, Any] = {"name": name, "device": device, "description": spec.description,
                               "params": spec.params, "bytes": spec.bytes, "flops": spec.flops,
-                              **summarize_times(times), "flags": flags}
+                              **summarize_times(times), "flags": flags,
+                              "timing": "graph" if timer.graph else ("eager" if timer.cuda else "cpu")}
     median = result["median_s"]
     if median > 0:
         result["bytes_per_s"] = spec.bytes / median
@@ -180,9 +199,9 @@ def machine_info() -> dict[str, Any]:
 
 def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = None, seed: int = 0,
                    ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS,
-                   gil_probe_ms: float | None = None) -> dict[str, Any]:
+                   gil_probe_ms: float | None = None, graph: bool = False) -> dict[str, Any]:
     """Run the matching benchmarks; with ``gil_probe_ms`` each runs under a GIL probe of that threshold
-    and its result carries the stalls (count, durations, the culprit frames)."""
+    and its result carries the stalls (count, durations, the culprit frames); ``graph``: see the module."""
     errors = registry.load_providers(providers)
     entries = registry.select(registry.benchmarks(), patterns)
     results = []
@@ -196,7 +215,8 @@ def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = No
                 probe = GilProbe(threshold_s=gil_probe_ms / 1e3, interval_s=min(0.01, gil_probe_ms / 2e3)).start()
             try:
                 result = run_spec(entry.name, spec, ctx.device, runs=runs or (10 if ctx.quick else 50), seed=seed,
-                                  max_seconds=None if runs else (1.0 if ctx.quick else 5.0), ceilings=ceilings)
+                                  max_seconds=None if runs else (1.0 if ctx.quick else 5.0), ceilings=ceilings,
+                                  graph=graph)
             finally:
                 if probe is not None:
                     probe.stop()
@@ -260,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-default-providers", action="store_true",
                    help="load only the --provider modules, not flashinfra's own")
     p.add_argument("--output", default=None, help="also write the JSON report here")
+    p.add_argument("--graph", action="store_true",
+                   help="on CUDA, time replays of each call captured in a CUDA graph (no launch overhead)")
     p.add_argument("--gil-probe-ms", type=float, default=None,
                    help="run each benchmark under a GIL probe with this stall threshold")
     return p
@@ -298,7 +320,8 @@ def cli_main(argv: list[str]) -> int:
     try:
         report = run_benchmarks(args.names, ctx, runs=args.runs, seed=args.seed, ceilings=ceil,
                                 providers=(() if args.no_default_providers else registry.PROVIDERS)
-                                + tuple(args.provider), gil_probe_ms=args.gil_probe_ms)
+                                + tuple(args.provider), gil_probe_ms=args.gil_probe_ms,
+                                graph=args.graph)
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
