@@ -102,6 +102,11 @@ def sparse_mla_combine_kernel(part_acc, part_ml, o, H, R: tl.constexpr, BR: tl.c
     tl.store(o + (t * H + i_h) * R + o_r, out.to(o.dtype.element_ty), mask=o_r < R)
 
 
+def _config(T: int, H: int, BR: int) -> dict:
+    """Block shapes: ``BH`` heads of a token share each gathered block of ``BN`` latent rows."""
+    return dict(BH=max(16, min(32, triton.next_power_of_2(H))), BN=32, num_warps=8 if BR >= 256 else 4, num_stages=2)
+
+
 def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float, split: int | None = None):
     T, H, R = q_lat.shape
     if latent.dim() != 3 or latent.shape[2] != R or not latent.is_contiguous():
@@ -115,8 +120,9 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     o = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
     if T == 0:
         return o
-    S, BR, BN = sel.shape[1], triton.next_power_of_2(R), 32
-    BH = max(16, min(32, triton.next_power_of_2(H)))
+    S, BR = sel.shape[1], triton.next_power_of_2(R)
+    cfg = _config(T, H, BR)
+    BH, BN = cfg["BH"], cfg["BN"]
     programs = T * triton.cdiv(H, BH)
     if split is None:
         # at most 16 splits: the merge reads split x H x R float32 partials per token
@@ -126,11 +132,10 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     dev = q_lat.device
     part_acc = torch.empty(T * split * H, BR, dtype=torch.float32, device=dev) if split > 1 else o
     part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
-    warps = 8 if BR >= 256 else 4
     sparse_mla_kernel[(T, triton.cdiv(H, BH), split)](
         q_lat, latent, sel, token_seq, block_tables, o, part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S,
         block_tables.shape[1], H, CH, scale, R=R, BR=BR, BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split,
-        IEEE=q_lat.dtype == torch.float32, num_warps=warps, num_stages=2,
+        IEEE=q_lat.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
         sparse_mla_combine_kernel[(T, H)](part_acc, part_ml, o, H, R=R, BR=BR, SPLIT=split, num_warps=4)
