@@ -32,6 +32,12 @@ import triton
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import kda_gate_ref, l2norm_ref
 from flashinfra.kernels.kda_prefill_split import kda_prefill_split
+from flashinfra.kernels.kda_prefill_v3 import kda_prefill_v3
+
+
+# The Triton path the public ops take: "v2" (kda_prefill_split.py, 16-token chunks) or "v3"
+# (kda_prefill_v3.py, 64-token chunks); v2 stays until v3 is measured faster on the GPU.
+DEFAULT_VERSION = "v2"
 
 
 def kda_chunk_one_ref(
@@ -143,7 +149,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
 
 
 def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
-            num_stages, chain_precision, local_precision, out):
+            num_stages, chain_precision, local_precision, out, version, v3_options):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -166,32 +172,42 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     if B == 0 or T == 0:
         return o
     BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
+    version = version or DEFAULT_VERSION
+    if version == "v3":
+        return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BV=BV,
+                              num_warps=num_warps or 4, num_stages=num_stages,
+                              chain_precision=chain_precision or "bf16x3", local_precision=local_precision,
+                              **v3_options)
+    if version != "v2":
+        raise ValueError(f"kda_prefill: version must be 'v2' or 'v3', got {version!r}")
     return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
-                             num_warps=num_warps, num_stages=num_stages, chain_precision=chain_precision,
-                             local_precision=local_precision)
+                             num_warps=num_warps or 8, num_stages=num_stages,
+                             chain_precision=chain_precision or "tf32x3", local_precision=local_precision)
 
 
 def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
-                       BV: int | None = None, num_warps: int = 8, num_stages: int = 2,
-                       chain_precision: str = "tf32x3", local_precision: str = "tf32",
-                       out: torch.Tensor | None = None):
-    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/results/kda_prefill.json);
-    ``chain_precision`` is exposed for the test that shows plain tf32 is worse."""
+                       BV: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                       chain_precision: str | None = None, local_precision: str = "tf32",
+                       out: torch.Tensor | None = None, version: str | None = None, **v3_options):
+    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/results/kda_prefill.json).
+    ``version="v3"`` runs the 64-token-chunk kernels (kda_prefill_v3.py; BT is then fixed at 64 and
+    ``v3_options`` are ``out_x3`` and ``prep_warps``). ``chain_precision`` (v2: "tf32x3", "tf32", "ieee";
+    v3: "bf16x3", "bf16") is exposed for the tests that show the plain one is worse."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
-                   num_warps, num_stages, chain_precision, local_precision, out)
+                   num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
                              state_slots, has_initial_state, *, BT: int = 16,
-                             BV: int | None = None, num_warps: int = 8, num_stages: int = 2,
-                             chain_precision: str = "tf32x3", local_precision: str = "tf32",
-                             out: torch.Tensor | None = None):
+                             BV: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                             chain_precision: str | None = None, local_precision: str = "tf32",
+                             out: torch.Tensor | None = None, version: str | None = None, **v3_options):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
                    (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, num_stages,
-                   chain_precision, local_precision, out)
+                   chain_precision, local_precision, out, version, v3_options)
 
 
 def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):

@@ -27,6 +27,21 @@ def test_prefill_chunk32_and_ieee_chain():
     cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2)
 
 
+@pytest.mark.parametrize("lens", [[63], [1, 17, 70, 2], [5, 0, 129]])
+def test_prefill_v3_varlen(lens):
+    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16, version="v3", out_x3=True)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_prefill_v3_gated(lower_bound):
+    cases.prefill_varlen("cpu", [21, 130], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1,
+                         version="v3", out_x3=True)
+
+
+def test_prefill_v3_long_odd():
+    cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3, version="v3", out_x3=True)
+
+
 def test_decode():
     cases.decode("cpu", B=5, H=3, K=16, V=32, BV=16)
 

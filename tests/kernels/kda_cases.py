@@ -68,6 +68,11 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
     else:
         pre.kda_prefill_launch(q, k, v, g_in, b_in, state, _cu(lens), slots, init, out=out, **launch)
     rel, atol, rtol = tolerances(dtype, device)
+    state_tol = (2e-5, 1e-4, 1e-3) if device == "cpu" else (2e-3, 2e-3, 2e-3)
+    if launch.get("version") == "v3" and device == "cpu":
+        # bf16 hi + lo pairs keep about 16 bits (the interpreter rounds to bf16 by truncation)
+        rel, atol, rtol = max(rel, 1e-4), max(atol, 1e-4), max(rtol, 1e-3)
+        state_tol = (1e-4, 2e-4, 2e-3)
     cu = _cu(lens)
     for n, (s, i) in enumerate(zip(slots, init)):  # the per-sequence loop, in float64
         sl = slice(cu[n], cu[n + 1])
@@ -78,7 +83,6 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         else:
             ref = pre.kda_prefill_ref(*args, s64, [0, lens[n]], [0], [i])
         assert_close(f"o[seq {n}]", out[sl], ref, rel, atol, rtol)
-        state_tol = (2e-5, 1e-4, 1e-3) if device == "cpu" else (2e-3, 2e-3, 2e-3)
         assert_close(f"state[seq {n}]", state[s], s64[0], *state_tol)
     untouched = [s for s in range(num_slots) if s not in slots]
     assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"

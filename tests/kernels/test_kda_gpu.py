@@ -28,6 +28,23 @@ def test_prefill_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, **launch)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_v3_varlen_real_size(dtype):
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3")
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_prefill_v3_gated_real_size(lower_bound):
+    cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
+                         lower_bound=lower_bound, version="v3")
+
+
+@pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(BV=64, num_stages=1, out_x3=True),
+                                    dict(prep_warps=8), dict(BV=32, num_warps=8)])
+def test_prefill_v3_variants(launch):
+    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
+
+
 @pytest.mark.parametrize("B", [1, 64, 67])
 def test_decode_real_size(B):
     cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
@@ -112,6 +129,27 @@ def test_plain_tf32_state_chain_is_worse_than_tf32x3():
         errs[prec] = (float((s.double() - s64).norm() / s64.norm()), float((o.double() - ref).norm() / ref.norm()))
     assert errs["tf32x3"][0] < 1e-4, errs
     assert errs["tf32"][0] > 5 * errs["tf32x3"][0], errs
+
+
+def test_v3_plain_bf16_state_chain_is_worse_than_bf16x3():
+    """v3's state chain: bf16x3 products against single bf16 products, as above (in-chunk products in
+    tf32x3 so that only the chain differs)."""
+    T, H, K = 16384, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(T, H, K, device="cuda", generator=gen) for _ in range(3))
+    g = -0.02 * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    s64 = torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda")
+    kda_prefill.kda_prefill_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, [0, T], [0],
+                                [False])
+    errs = {}
+    for prec in ("bf16", "bf16x3"):
+        s = torch.full((1, H, K, K), float("nan"), device="cuda")
+        kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec,
+                                       local_precision="tf32x3", version="v3")
+        errs[prec] = float((s.double() - s64).norm() / s64.norm())
+    assert errs["bf16x3"] < 1e-4, errs
+    assert errs["bf16"] > 5 * errs["bf16x3"], errs
 
 
 def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):

@@ -1,0 +1,142 @@
+"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (kda_prefill_intra64.py), then one
+sequential pass per (value block, sequence, head) that carries the state.
+
+``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
+``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
+shaped for the tensor cores' warpgroup instructions, with no in-chunk matrix left in the loop. The products
+that carry S from chunk to chunk run in bf16x3 (``chain_precision="bf16x3"``): S and v' are split into bf16
+hi + lo parts each step, w and kd arrive as such pairs, and ``a b ~ a_hi b_hi + a_lo b_hi + a_hi b_lo`` with
+float32 accumulation keeps about 16 bits of every operand, far above plain bf16 or tf32 (10 bits), whose
+rounding compounds over a long sequence; ``"bf16"`` (one product each) exists to show that in a test. The
+output product uses S's hi and lo parts with qw's hi part (plus qw's lo part with ``out_x3``).
+
+Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch:
+``chunks * H * 64 * (12 K + 8 V + 512)`` bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashinfra import env
+from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
+
+CHAIN_PRECISIONS = ("bf16x3", "bf16")
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a b`` with bf16 operands; DOT_F32 (Triton's CPU interpreter, whose bf16 dot is wrong) widens
+    them to float32 first."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def kda_state64_kernel(
+    wqk, uo, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    CHAIN_X3: tl.constexpr, OUT_X3: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """``wqk``, ``uo`` and ``state`` are tensor descriptors over the scratch and the state slots viewed as
+    [rows, K], [rows, V] and [slots * H * K, V]: each tile moves between memory and shared memory by the copy
+    engine, and no tensor of pointers stays live across the loop."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n)
+    slot = tl.load(state_slots + i_n)
+    has_init = tl.load(has_initial_state + i_n) != 0
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # A fresh sequence ignores whatever its slot holds (NaN included).
+    r_s = (slot * H + i_h) * K
+    b_s = tl.where(has_init, state.load([r_s, i_v * BV]), 0.0)
+    for i_t in range(0, tl.cdiv(L, 64).to(tl.int32)):
+        base = (c0 + i_t) * H + i_h
+        b_wh = wqk.load([base * 384, 0])
+        b_qh = wqk.load([base * 384 + 128, 0])
+        b_kh = wqk.load([base * 384 + 256, 0])
+        b_sh = b_s.to(tl.bfloat16)
+        b_sl = (b_s - b_sh.to(tl.float32)).to(tl.bfloat16)
+        # the output first, so that its registers are free before v' is formed
+        b_o = _mma(b_qh, b_sh, uo.load([base * 128 + 64, i_v * BV]), DOT_F32)
+        b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
+        if OUT_X3:
+            b_o = _mma(wqk.load([base * 384 + 192, 0]), b_sh, b_o, DOT_F32)
+        rows = i_t * 64 + o_r
+        tl.store(o + (bos + rows)[:, None] * (H * V) + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=(rows < L)[:, None])
+        b_ws = _mma(b_wh, b_sh, tl.zeros([64, BV], dtype=tl.float32), DOT_F32)
+        if CHAIN_X3:
+            b_ws = _mma(wqk.load([base * 384 + 64, 0]), b_sh, b_ws, DOT_F32)
+            b_ws = _mma(b_wh, b_sl, b_ws, DOT_F32)
+        b_vn = uo.load([base * 128, i_v * BV]) - b_ws
+        b_e = tl.load(egl + base.to(tl.int64) * K + o_k)
+        b_vh = b_vn.to(tl.bfloat16)
+        b_s = _mma(tl.trans(b_kh), b_vh, b_s * b_e[:, None], DOT_F32)
+        if CHAIN_X3:
+            b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
+            b_s = _mma(tl.trans(wqk.load([base * 384 + 320, 0])), b_vh, b_s, DOT_F32)
+            b_s = _mma(tl.trans(b_kh), b_vl, b_s, DOT_F32)
+    state.store([r_s, i_v * BV], b_s)
+
+
+def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
+                   num_warps: int, num_stages: int, chain_precision: str, local_precision: str,
+                   out_x3: bool = False, prep_warps: int = 4):
+    """Launch both passes on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on
+    the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
+    if chain_precision not in CHAIN_PRECISIONS:
+        raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
+        raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
+    BV = min(BV, V)
+    chunks, offsets = [], []
+    for n in range(len(cu) - 1):
+        offsets.append(len(chunks))
+        chunks.extend((n, i) for i in range(triton.cdiv(cu[n + 1] - cu[n], 64)))
+    if not chunks:
+        return o
+    dev = q.device
+    idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
+    offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
+    nch = len(chunks)
+    wqk = torch.empty(nch, H, 6, 64, K, dtype=torch.bfloat16, device=dev)
+    uo = torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev)
+    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
+    A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
+    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
+                     BETA_LOGITS=gate is not None)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    kda_intra64_a_kernel[(nch, H)](
+        q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+        q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+        H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION="ieee" if local_precision == "ieee" else "tf32x3",
+        num_warps=prep_warps, **gate_args,
+    )
+    kda_intra64_b_kernel[(nch, H)](
+        q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+        H=H, K=K, V=V, LOCAL_PRECISION=local_precision, num_warps=prep_warps, **gate_args,
+    )
+    wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
+    uo_d = TensorDescriptor.from_tensor(uo.view(-1, V), [64, BV])
+    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
+    kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+        wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
+        H=H, K=K, V=V, BV=BV, CHAIN_X3=chain_precision == "bf16x3", OUT_X3=out_x3,
+        DOT_F32=env.triton_interpret(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o
