@@ -222,9 +222,14 @@ def kda_layer_decode_norm_kernel(
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Kernel layout, V block and warps per batch size and state dtype (H200 measurements: bench/notes/
-    kda_decode.md)."""
-    return dict(grid="head", BV=32, num_warps=4)
+    """Kernel layout, V block and warps per batch size and state dtype: the fastest of the variants timed in
+    a CUDA graph on an H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). The block
+    layout won at every size; 64 state elements per thread did best (fp32 state: [K, 32] blocks on 2 warps
+    up to B=16, [K, 64] on 4 warps above, where the larger block halves the q/k conv and gate work per
+    byte; bf16 state: [K, 32] on 2 warps throughout)."""
+    if state_dtype == torch.float32 and B > 16:
+        return dict(grid="block", BV=64, num_warps=4)
+    return dict(grid="block", BV=32, num_warps=2)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
