@@ -29,8 +29,9 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K
 # (grid, BV, num_warps) of the layer decode, each timed in a graph at every batch size and state dtype
-VARIANTS = [("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8),
-            ("block", 64, 4), ("block", 64, 8), ("block", 128, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8)]
+VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8),
+            ("block", 64, 4), ("block", 64, 8), ("block", 128, 8), ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4),
+            ("prep", 64, 4), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8)]
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):
@@ -88,6 +89,7 @@ def main() -> int:
         slots = fp32["state_slots"]
         cases = {
             "ours_recurrence_fp32": lambda: kda_decode_launch(q, k, v, g, beta, fp32["state"], slots),
+            "ours_recurrence_bf16": lambda: kda_decode_launch(q, k, v, g, beta, bf16["state"], slots),
             "ours_layer_fp32": lambda: kda_layer_decode_launch(**fp32),
             "ours_layer_bf16": lambda: kda_layer_decode_launch(**bf16),
         }
@@ -96,6 +98,7 @@ def main() -> int:
         row["bytes_layer_fp32"] = layer_bytes(B, 4)
         row["bytes_layer_bf16"] = layer_bytes(B, 2)
         row["bytes_recurrence_fp32"] = B * H * K * V * 4 * 2
+        row["bytes_recurrence_bf16"] = B * H * K * V * 2 * 2
         try:
             from fla.modules.causal_conv1d.ops import causal_conv1d_update
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -140,6 +143,7 @@ def main() -> int:
                 row[f"{name}_error"] = repr(exc)[:300]
         for name, key in (("ours_layer_fp32", "bytes_layer_fp32"), ("ours_layer_bf16", "bytes_layer_bf16"),
                           ("ours_recurrence_fp32", "bytes_recurrence_fp32"),
+                          ("ours_recurrence_bf16", "bytes_recurrence_bf16"),
                           ("fla_recurrence_fp32", "bytes_recurrence_fp32")):
             if f"{name}_graph_us" in row:
                 row[f"{name}_graph_GBps"] = row[key] / row[f"{name}_graph_us"] / 1e3

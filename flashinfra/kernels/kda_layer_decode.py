@@ -14,6 +14,9 @@ bench/notes/kda_decode.md):
   flight at once, then a second small launch per (sequence, head) for the gated RMSNorm (it needs the
   head's whole output) and the q/k conv shift (every V block of the head reads those channels first).
   Stream order between the launches replaces any synchronisation between programs.
+- ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
+  (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
+  the state programs do only the recurrence and the v conv; three launches.
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
@@ -173,14 +176,15 @@ def kda_layer_decode_head_kernel(
 
 @triton.jit
 def kda_layer_decode_block_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out,
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
-    them). The q/k conv and the gate are recomputed by each V block of a head: a few KB from L2."""
+    them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -192,9 +196,14 @@ def kda_layer_decode_block_kernel(
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # issued first: the big load
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
-    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
-                                             H, K, W, BW, HAS_LOWER_BOUND)
+    if PREPPED:
+        p_h = heads + i_bh * 4 * BK + o_k
+        b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
+        b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
+    else:
+        b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
+                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
@@ -206,9 +215,10 @@ def kda_layer_decode_block_kernel(
 def kda_layer_decode_norm_kernel(
     qkv, conv_state, gate, norm_w, eps, state_slots, out, stride_x, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr,
 ):
-    """Grid (B * H,), after the block kernel: the head's gated RMSNorm and its q/k conv shift."""
+    """Grid (B * H,), after the block kernel: the head's gated RMSNorm and, unless the prep kernel did it,
+    its q/k conv shift."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -217,6 +227,36 @@ def kda_layer_decode_norm_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
     _gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
+    if SHIFT_QK:
+        _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+        _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+
+
+@triton.jit
+def kda_layer_decode_prep_kernel(
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
+    stride_x, stride_g, stride_b, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr,
+):
+    """Grid (B * H,), before the block kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
+    into ``heads`` [B * H, 4, BK] float32 (rows q, k, decay, then beta in the first column), and the q/k
+    conv shift (this program is the only reader of those channels)."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    x_row = qkv + i_b * stride_x
+    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                             H, K, W, BW, HAS_LOWER_BOUND)
+    p_h = heads + i_bh * 4 * BK + o_k
+    tl.store(p_h, tl.where(m_k, b_q, 0.0))
+    tl.store(p_h + BK, tl.where(m_k, b_k, 0.0))
+    tl.store(p_h + 2 * BK, b_decay)
+    tl.store(p_h + 3 * BK, tl.where(o_k == 0, b_beta, 0.0))
     _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
     _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
@@ -275,8 +315,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
-    if grid not in ("block", "head"):
-        raise ValueError(f"kda_layer_decode: grid must be 'block' or 'head', got {grid!r}")
+    if grid not in ("block", "prep", "head"):
+        raise ValueError(f"kda_layer_decode: grid must be 'block', 'prep' or 'head', got {grid!r}")
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -291,14 +331,20 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
             **sizes, BV=BV, BVF=BVF, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
         )
         return out
+    head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
+    strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
+    prepped = grid == "prep"
+    heads = torch.empty((B * H, 4, sizes["BK"]) if prepped else (1,), dtype=torch.float32, device=qkv.device)
+    if prepped:
+        kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
+                                               HAS_LOWER_BOUND=lower_bound is not None, num_warps=4)
     kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-        qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state, state_slots, out,
-        qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5,
-        **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+        *head_args, state, state_slots, out, heads, *strides,
+        **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
     )
     kda_layer_decode_norm_kernel[(B * H,)](
         qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-        **sizes, BVF=BVF, num_warps=4,
+        **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,
     )
     return out
 

@@ -48,10 +48,10 @@ def test_decode():
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
     ("block", torch.float32, -5.0, 24), ("block", torch.bfloat16, None, 32),
-    ("head", torch.float32, None, 32), ("head", torch.bfloat16, -5.0, 24),
+    ("prep", torch.bfloat16, -5.0, 24), ("head", torch.float32, None, 32),
 ])
 def test_layer_decode(grid, state_dtype, lower_bound, K):
-    """Both layouts, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a block."""
+    """Every layout, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a block."""
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16)
 
 

@@ -76,8 +76,9 @@ def test_layer_decode_every_table_config(key_cfg):
 
 
 # every (grid, BV, num_warps) that bench/kda_decode.py times, and whole-row blocks
-LAYOUTS = [("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8), ("block", 64, 4),
-           ("block", 64, 8), ("block", 128, 8), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8), ("head", 128, 4)]
+LAYOUTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 32, 8),
+           ("block", 64, 4), ("block", 64, 8), ("block", 128, 8), ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4),
+           ("prep", 64, 4), ("head", 16, 4), ("head", 32, 4), ("head", 64, 8), ("head", 128, 4)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -87,9 +88,9 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
                        num_warps=num_warps)
 
 
-def test_layer_decode_fp32_activations():
-    cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid="block")
-    cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid="head")
+@pytest.mark.parametrize("grid", ["block", "prep", "head"])
+def test_layer_decode_fp32_activations(grid):
+    cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid)
 
 
 def test_conv_real_size():
