@@ -1,7 +1,8 @@
 """KDA precision on the GPU against float64: chunked prefill at long T and the bf16 decode state.
 
-1. Prefill, H=2, K=V=128, bf16 inputs, T=65536 and 131072: ours (state chain in tf32x3 and in-chunk
-   products in tf32, the default; everything in plain tf32; everything in ieee fp32) and FLA chunk_kda, against the float64 reference (``kda_prefill_ref`` run
+1. Prefill, H=2, K=V=128, bf16 inputs, T=65536 and 131072: ours, v2 (state chain in tf32x3 and in-chunk
+   products in tf32; everything in plain tf32; everything in ieee fp32) and v3 (chain in bf16x3 or plain bf16,
+   in-chunk products in tf32), and FLA chunk_kda, against the float64 reference (``kda_prefill_ref`` run
    in float64: the chunked form of the recurrence, exact up to float64 rounding), with slow-decay gates
    (log-decay about -0.025 per token: long memory) and gates at the -5 lower bound (fast decay).
    Reported: relative error of all outputs, of the last 4096, and of the final state.
@@ -54,15 +55,19 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
         row[f"{name}_relerr_tail4096"] = rel(o[tail], ref[tail])
         row[f"{name}_state_relerr"] = rel(s, s64)
 
-    for chain, local in (("tf32x3", "tf32"), ("tf32", "tf32"), ("ieee", "ieee")):
-        name = f"ours_chain_{chain}_local_{local}"
+    configs = [("v2", "tf32x3", "tf32", {}), ("v2", "tf32", "tf32", {}), ("v2", "ieee", "ieee", {}),
+               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True)), ("v3", "bf16", "tf32", {})]
+    for version, chain, local, extra in configs:
+        name = ("ours" if version == "v2" else "ours_v3") + f"_chain_{chain}_local_{local}"
+        name += "_outx3" if extra else ""
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=chain, local_precision=local)
+        o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=chain, local_precision=local,
+                               version=version, **extra)
         record(name, o, s)
-        if chain != "tf32":  # the output in fp32 shows the kernel's own error, below bf16 output rounding
+        if chain not in ("tf32", "bf16"):  # the output in fp32 shows the kernel's own error, below bf16 rounding
             s = torch.full((1, H, K, K), float("nan"), device="cuda")
             o = kda_prefill_launch(q.float(), k, v, g, beta, s, cu, slots, init, chain_precision=chain,
-                                   local_precision=local)
+                                   local_precision=local, version=version, **extra)
             record(name + "_fp32out", o, s)
     try:
         if not with_fla:
@@ -119,7 +124,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--lengths", default="65536,131072")
-    ap.add_argument("--decode-steps", type=int, default=4096)
+    ap.add_argument("--decode-steps", type=int, default=4096, help="0 leaves the decode part out")
+    ap.add_argument("--name", default="kda_precision", help="result file name in bench/results/")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its autotuning takes minutes)")
     args = ap.parse_args()
@@ -135,11 +141,12 @@ def main() -> int:
                 torch.cuda.empty_cache()
             res["prefill"].append(row)
             print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    for regime in ("typical", "slow_decay"):
+            write_results(args.name, res, args.out)  # after each row, so that a cut-off run keeps what it measured
+    for regime in ("typical", "slow_decay") if args.decode_steps else ():
         row = decode_case(regime, steps=args.decode_steps, B=args.decode_batch)
         res["decode"].append(row)
         print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    write_results("kda_precision", res, args.out)
+    write_results(args.name, res, args.out)
     return 0
 
 

@@ -2,11 +2,15 @@
 T=8192, T=65536 and a packed batch of 16 sequences of mixed lengths (the anchors' shapes), in one run.
 
 Ours: ``kda_prefill`` (gate and beta given, L2 norm fused) and ``kda_prefill_gated`` (gate, lower bound,
-beta sigmoid and L2 norm fused). FLA: ``chunk_kda`` as the anchors ran it (g and beta given, no norm in the
+beta sigmoid and L2 norm fused), the default version and v3 (64-token chunks) with its block/warp/stage
+variants. Precision, same run: each output against the v2 kernel with every product in ieee fp32 and an fp32
+output (at fp32 rounding against float64, bench/notes/kda_precision.md), for ours and for FLA with the L2
+norm in its kernel. FLA: ``chunk_kda`` as the anchors ran it (g and beta given, no norm in the
 kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
 ``safe_gate``, ``lower_bound``, ``use_beta_sigmoid_in_kernel``). Both write the final state.
 
-    python bench/kda_prefill.py [--out DIR] [--variants]   -> bench/results/kda_prefill.json
+    python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
+        -> bench/results/<name>.json, a short table last
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import fla_version, header, time_eager, write_results  # noqa: E402
 
+from flashinfra.kernels import kda_prefill as pre  # noqa: E402
 from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
+from flashinfra.kernels.kda_prefill_v3 import v3_launches  # noqa: E402
 
 H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]
-VARIANTS = [dict(BV=32, num_warps=4), dict(BV=128, num_warps=4), dict(BV=64, num_warps=4),
-            dict(BV=64, num_warps=4, num_stages=3), dict(BT=32, num_warps=4),
-            dict(BV=64, num_warps=4, local_precision="tf32x3")]
+V3 = dict(version="v3")
+VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V3, BV=32, num_stages=1),
+            dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
+            dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
+# --parts: v3's three launches timed one by one (configs over the v3 defaults)
+PART_CONFIGS = [{}, dict(solve_precision="tf32"), dict(a_warps=2), dict(b_warps=8), dict(BV=32), dict(chain_precision="bf16"),
+                dict(BV=32, num_warps=8)]
 
 
 def inputs(lens: list[int], seed: int):
@@ -43,17 +53,22 @@ def inputs(lens: list[int], seed: int):
     a = dict(q=rnd(T, H, K), k=rnd(T, H, K), v=rnd(T, H, V), g_raw=rnd(T, H, K), beta_logits=rnd(T, H),
              A_log=rnd(H, dtype=torch.float32) * 0.3, dt_bias=rnd(H * K, dtype=torch.float32))
     a["g"] = (LB * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))).float()
-    a["beta"] = torch.rand(T, H, device="cuda", generator=gen)
+    a["beta"] = torch.rand(T, H, device="cuda", generator=gen).bfloat16().float()  # exact for FLA's bf16 beta
     a["cu"] = [0] + list(itertools.accumulate(lens))
     a["state"] = torch.randn(len(lens), H, K, V, device="cuda", generator=gen) * 0.1
     return a
 
 
-def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_fla: bool):
+def _name(kw: dict) -> str:
+    return "ours_" + "_".join(f"{k}{v}" if k != "version" else v for k, v in kw.items())
+
+
+def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_fla: bool, fla_fused: bool):
     a = inputs(lens, seed=len(lens) + lens[0])
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
     row = {"case": label, "T": T, "num_seqs": N}
+    s0 = a["state"].clone()
 
     def ours(**kw):
         return lambda: kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots,
@@ -63,9 +78,10 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
         return lambda: kda_prefill_gated_launch(a["q"], a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"],
                                                 a["dt_bias"], LB, a["state"], a["cu"], slots, init, **kw)
 
-    cases = {"ours": ours(), "ours_gated": ours_gated()}
+    cases = {"ours": ours(), "ours_gated": ours_gated(), "ours_v3": ours(**V3), "ours_v3_gated": ours_gated(**V3)}
     for kw in variants:
-        cases["ours_" + "_".join(f"{k}{v}" for k, v in kw.items())] = ours(**kw)
+        cases[_name(kw)] = ours(**kw)
+    outputs = {}
     try:
         if not with_fla:
             raise ImportError("FLA left out of this run (--no-fla)")
@@ -75,21 +91,27 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
         q4, k4, v4 = (a[n].unsqueeze(0) for n in ("q", "k", "v"))
         kn = torch.nn.functional.normalize(a["k"].float(), dim=-1).bfloat16().unsqueeze(0)
         g4, b4 = a["g"].unsqueeze(0), a["beta"].bfloat16().unsqueeze(0)
-        h0 = a["state"].clone()
+        h0 = s0.clone()
         cases["fla_anchor_style"] = lambda: chunk_kda(q4, kn, v4, g4, b4, scale=K**-0.5, initial_state=h0,
                                                       output_final_state=True, cu_seqlens=cu)
-        cases["fla_fused"] = lambda: chunk_kda(
-            q4, k4, v4, a["g_raw"].unsqueeze(0), a["beta_logits"].unsqueeze(0), scale=K**-0.5, initial_state=h0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, A_log=a["A_log"],
-            dt_bias=a["dt_bias"], cu_seqlens=cu)
+        cases["fla_norm"] = lambda: chunk_kda(q4, k4, v4, g4, b4, scale=K**-0.5, initial_state=h0,
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        if fla_fused:
+            cases["fla_fused"] = lambda: chunk_kda(
+                q4, k4, v4, a["g_raw"].unsqueeze(0), a["beta_logits"].unsqueeze(0), scale=K**-0.5,
+                initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, A_log=a["A_log"],
+                dt_bias=a["dt_bias"], cu_seqlens=cu)
     except ImportError as exc:
         row["fla_error"] = repr(exc)
     for name, fn in cases.items():
         t0 = time.time()
+        a["state"].copy_(s0)  # each first call starts from the same initial state (ours write it in place)
         try:
-            fn()  # compiles (and autotunes, for FLA) outside the timing
+            out = fn()  # compiles (and autotunes, for FLA) outside the timing
             torch.cuda.synchronize()
+            if name in ("ours", "ours_v3", "fla_norm", "fla_anchor_style") or "out_x3" in name:
+                outputs[name] = (out[0][0] if isinstance(out, tuple) else out).float()
             first = time.time() - t0
             us = time_eager(fn, iters=5 if T > 20000 else 10, warmup=1)
             row[f"{name}_ms"] = us / 1e3
@@ -98,7 +120,18 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
         except Exception as exc:
             row[f"{name}_error"] = repr(exc)[:300]
             print(f"  {label} {name}: error {exc!r}"[:400], flush=True)
-    for ours_name, fla_name in (("ours", "fla_anchor_style"), ("ours_gated", "fla_fused")):
+    # precision: against v2 with every product in ieee fp32 and an fp32 output (same inputs, same initial state)
+    ref = kda_prefill_launch(a["q"].float(), a["k"], a["v"], a["g"], a["beta"], s0.clone(), a["cu"], slots,
+                             init, chain_precision="ieee", local_precision="ieee", version="v2")
+    for name, out in outputs.items():
+        row[f"{name}_relerr_vs_ieee"] = float((out - ref).norm() / ref.norm())
+    del ref, outputs
+    v3_names = [n for n in row if n.startswith("ours_v3") and n.endswith("_ms") and "gated" not in n]
+    if v3_names:
+        best = min(v3_names, key=lambda n: row[n])
+        row["v3_best"], row["v3_best_ms"] = best[:-3], row[best]
+    for ours_name, fla_name in (("ours", "fla_anchor_style"), ("ours_v3", "fla_anchor_style"),
+                                ("ours_gated", "fla_fused"), ("ours_v3_gated", "fla_fused")):
         if f"{ours_name}_ms" in row and f"{fla_name}_ms" in row:
             row[f"speedup_{ours_name}_vs_{fla_name}"] = row[f"{fla_name}_ms"] / row[f"{ours_name}_ms"]
     # Floors: bytes (inputs read once, output and state written once) and the state products' FLOPs.
@@ -108,21 +141,90 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
+def time_parts(label: str, lens: list[int], res: dict) -> None:
+    """v3's launches one by one (in-chunk matrices, per-chunk tiles, state pass) and together, per config,
+    with the output's error against v2 in ieee fp32 (fp32 output), and v2's total in the same run."""
+    a = inputs(lens, seed=len(lens) + lens[0])
+    T, N = sum(lens), len(lens)
+    slots, init = list(range(N)), [True] * N
+    s0 = a["state"].clone()
+    ref = kda_prefill_launch(a["q"].float(), a["k"], a["v"], a["g"], a["beta"], s0.clone(), a["cu"], slots, init,
+                             chain_precision="ieee", local_precision="ieee", version="v2")
+    iters = 5 if T > 20000 else 10
+    v2_us = time_eager(lambda: kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"],
+                                                  slots, init, version="v2"), iters=iters, warmup=1)
+    cu, cu_t, slots_t, init_t = pre._seq_args(a["cu"], slots, init, T, N, a["q"].device)
+    o = torch.empty(T, H, V, dtype=torch.bfloat16, device="cuda")
+    for cfg in PART_CONFIGS:
+        opts = dict(BV=64, num_warps=4, num_stages=2, chain_precision="bf16x3", local_precision="tf32") | cfg
+        row = {"case": label, "T": T, "config": cfg, "v2_ms": v2_us / 1e3}
+        try:
+            a["state"].copy_(s0)
+            launches = v3_launches(a["q"], a["k"], a["v"], a["g"], a["beta"], o, a["state"], cu, cu_t, slots_t,
+                                   init_t, None, **opts)
+            for _, fn in launches:
+                fn()
+            torch.cuda.synchronize()
+            row["relerr_vs_ieee"] = float((o.float() - ref).norm() / ref.norm())
+            for name, fn in launches:
+                row[f"{name}_ms"] = time_eager(fn, iters=iters, warmup=1) / 1e3
+            row["total_ms"] = time_eager(lambda: [fn() for _, fn in launches], iters=iters, warmup=1) / 1e3
+            row["Mtok_s"] = T / row["total_ms"] / 1e3
+        except Exception as exc:
+            row["error"] = repr(exc)[:300]
+        res.setdefault("parts", []).append(row)
+        print(row, flush=True)
+    del ref
+
+
+def print_parts(res: dict) -> None:
+    print(f"{'case':9s} {'config':34s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} {'v2':>7s} {'err':>8s}")
+    for r in res.get("parts", []):
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
+        nan = float("nan")
+        print(f"{r['case']:9s} {cfg:34s} {r.get('intra_a_ms', nan):6.3f} {r.get('intra_b_ms', nan):6.3f} "
+              f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r['v2_ms']:7.3f} "
+              f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('error', '')[:60]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--variants", action="store_true", help="also time block-size variants of our kernel")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its autotuning takes minutes)")
+    ap.add_argument("--fla-fused", action="store_true", help="also time FLA with the gate and beta in its kernel")
+    ap.add_argument("--name", default="kda_prefill", help="result file name in bench/results/")
+    ap.add_argument("--cases", default="T8192,varlen16,T65536")
+    ap.add_argument("--parts", action="store_true", help="only time v3's launches one by one (see time_parts)")
     args = ap.parse_args()
     res = header()
     res["fla"] = fla_version()
     res["shape"] = dict(H=H, K=K, V=V)
     res["anchors_Mtok_s"] = {"T8192": 4.09, "T65536": 4.43, "varlen16": 4.35}
-    run_case("T8192", [8192], VARIANTS if args.variants else [], res, not args.no_fla)
-    run_case("varlen16", VARLEN, VARIANTS if args.variants else [], res, not args.no_fla)
-    run_case("T65536", [65536], [], res, not args.no_fla)
-    write_results("kda_prefill", res, args.out)
+    shapes = {"T8192": [8192], "varlen16": VARLEN, "T65536": [65536]}
+    if args.parts:
+        for label in args.cases.split(","):
+            time_parts(label, shapes[label], res)
+            write_results(args.name, res, args.out)
+        print_parts(res)
+        return 0
+    for label in args.cases.split(","):
+        run_case(label, shapes[label], VARIANTS if args.variants else [], res, not args.no_fla, args.fla_fused)
+        write_results(args.name, res, args.out)  # after each case, so that a cut-off run keeps what it measured
+    print_table(res)
     return 0
+
+
+def print_table(res: dict) -> None:
+    print(f"{'case':9s} {'v2 ms':>7s} {'v3 ms':>7s} {'v3 best':>30s} {'FLA ms':>7s} {'v3/FLA':>6s} "
+          f"{'v3 Mtok/s':>9s} {'err v2':>8s} {'err v3':>8s} {'err FLA':>8s}")
+    for r in res["rows"]:
+        fla = r.get("fla_anchor_style_ms", float("nan"))
+        best = r.get("v3_best_ms", float("nan"))
+        print(f"{r['case']:9s} {r.get('ours_ms', float('nan')):7.3f} {r.get('ours_v3_ms', float('nan')):7.3f} "
+              f"{r.get('v3_best', '-')[5:]:>22s} {best:7.3f} {fla:7.3f} {fla / best:6.2f} {r['T'] / best / 1e3:9.2f} "
+              f"{r.get('ours_relerr_vs_ieee', float('nan')):8.2e} {r.get('ours_v3_relerr_vs_ieee', float('nan')):8.2e} "
+              f"{r.get('fla_norm_relerr_vs_ieee', float('nan')):8.2e}")
 
 
 if __name__ == "__main__":

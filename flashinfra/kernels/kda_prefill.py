@@ -191,7 +191,7 @@ def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_ini
                        out: torch.Tensor | None = None, version: str | None = None, **v3_options):
     """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/results/kda_prefill.json).
     ``version="v3"`` runs the 64-token-chunk kernels (kda_prefill_v3.py; BT is then fixed at 64 and
-    ``v3_options`` are ``out_x3`` and ``prep_warps``). ``chain_precision`` (v2: "tf32x3", "tf32", "ieee";
+    ``v3_options`` are ``out_x3``, ``a_warps``, ``b_warps`` and ``solve_precision``, see kda_prefill_v3.py). ``chain_precision`` (v2: "tf32x3", "tf32", "ieee";
     v3: "bf16x3", "bf16") is exposed for the tests that show the plain one is worse."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
                    num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)

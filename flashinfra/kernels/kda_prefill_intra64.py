@@ -8,7 +8,8 @@ sub-blocks and builds the decay-weighted products ``L = beta k k^T`` (strictly l
 factor at most 1 or within ``exp(+-80)``:
 
 - an off-diagonal block (rows in sub-block i, columns in sub-block j < i) uses the first row of sub-block i:
-  ``exp(gc_r - gc_n) <= 1`` for its rows and ``exp(gc_n - gc_c) <= 1`` for its columns, exact for any gate;
+  ``exp(gc_r - gc_n) <= 1`` for its rows and ``exp(gc_n - gc_c) <= 1`` for its columns (formed as two
+  factors, each at most 1), exact for any gate (a factor underflows only where the product does);
 - a diagonal block uses its middle row; a per-token log-decay below -10 is clamped there (such a token keeps
   less than ``exp(-10)`` of the state), so the factors stay within ``exp(+-80)``.
 
@@ -34,15 +35,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k, m_k,
-                stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
-                K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                BETA_LOGITS: tl.constexpr):
-    """One 16-row sub-block: normalised q (times scale) and k, the clamped log-decay and beta, zero past
-    the end of the sequence."""
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+def _load_norm(x, rows, m_tk, stride_t, i_h, o_k, K: tl.constexpr):
+    """Rows of x for head i_h, L2-normalised, float32, zero past the end of the sequence."""
+    b_x = tl.load(x + rows[:, None] * stride_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _load_gate(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
+               K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+               BETA_LOGITS: tl.constexpr):
+    """The clamped log-decay and beta of the rows, zero past the end of the sequence."""
     b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
     if GATE_IN_KERNEL:
@@ -54,11 +57,20 @@ def _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k,
             b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
     if BETA_LOGITS:
         b_b = tl.sigmoid(b_b)
-    b_g = tl.where(m_tk, tl.maximum(b_g, -10.0), 0.0)
-    b_b = tl.where(m_t, b_b, 0.0)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    return b_q, b_k, b_g, b_b
+    return tl.where(m_tk, tl.maximum(b_g, -10.0), 0.0), tl.where(m_t, b_b, 0.0)
+
+
+@triton.jit
+def _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k, m_k,
+                stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
+                K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                BETA_LOGITS: tl.constexpr):
+    """One 16-row sub-block: normalised q (times scale) and k, the clamped log-decay and beta."""
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g, b_b = _load_gate(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
+                          stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    b_q = _load_norm(q, rows, m_tk, stride_q_t, i_h, o_k, K) * scale
+    return b_q, _load_norm(k, rows, m_tk, stride_k_t, i_h, o_k, K), b_g, b_b
 
 
 @triton.jit
@@ -75,11 +87,12 @@ def _diag(b_q, b_k, b_gc, b_b, o_c, PREC: tl.constexpr):
 
 
 @triton.jit
-def _off(b_rk, b_rq, b_b, b_kj, b_gcj, b_gn, PREC: tl.constexpr):
-    """Off-diagonal sub-block: rows already scaled by exp(gc - gn), columns k_j exp(gn - gc_j)."""
-    b_kt = tl.trans(b_kj * tl.exp(b_gn[None, :] - b_gcj))
-    b_L = tl.dot(b_rk, b_kt, input_precision=PREC) * b_b[:, None]
-    b_A = tl.dot(b_rq, b_kt, input_precision=PREC)
+def _off(b_rk, b_rq, b_b, b_kt, b_ge, b_gn, PREC: tl.constexpr):
+    """Off-diagonal sub-block (i, j): rows already scaled by exp(gc - gn_i) <= 1, columns
+    ``k_j exp(ge_j - gc_j) exp(gn_i - ge_j)`` with ``ge_j`` the last row of block j (both factors <= 1)."""
+    b_c = tl.trans(b_kt * tl.exp(b_gn - b_ge)[None, :])
+    b_L = tl.dot(b_rk, b_c, input_precision=PREC) * b_b[:, None]
+    b_A = tl.dot(b_rq, b_c, input_precision=PREC)
     return b_L, b_A
 
 
@@ -130,47 +143,51 @@ def kda_intra64_a_kernel(
     q0, k0, g0, b0 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0, t0 + o_c < L, i_h, o_k, m_k,
                                  stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale, K, GATE_IN_KERNEL,
                                  HAS_LOWER_BOUND, BETA_LOGITS)
-    gc0 = tl.cumsum(g0, 0)
-    c = tl.sum(g0, 0)
-    L00, A00 = _diag(q0, k0, gc0, b0, o_c, LP)
+    # Only kt_j = k_j exp(ge_j - gc_j) and ge_j (gc's last row of block j) stay live for the later blocks.
+    gc = tl.cumsum(g0, 0)
+    ge0 = tl.sum(g0, 0)
+    L00, A00 = _diag(q0, k0, gc, b0, o_c, LP)
     _store16(p_a, A00, m_all)
+    kt0 = k0 * tl.exp(ge0[None, :] - gc)
 
     q1, k1, g1, b1 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 16, t0 + 16 + o_c < L, i_h, o_k,
                                  m_k, stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale, K, GATE_IN_KERNEL,
                                  HAS_LOWER_BOUND, BETA_LOGITS)
-    gc1 = tl.cumsum(g1, 0) + c[None, :]
-    c += tl.sum(g1, 0)
-    L11, A11 = _diag(q1, k1, gc1, b1, o_c, LP)
-    gn = _first_row(gc1, o_c)
-    e = tl.exp(gc1 - gn[None, :])
-    L10, A10 = _off(k1 * e, q1 * e, b1, k0, gc0, gn, LP)
+    gc = tl.cumsum(g1, 0) + ge0[None, :]
+    ge1 = ge0 + tl.sum(g1, 0)
+    L11, A11 = _diag(q1, k1, gc, b1, o_c, LP)
+    gn = _first_row(gc, o_c)
+    e = tl.exp(gc - gn[None, :])
+    L10, A10 = _off(k1 * e, q1 * e, b1, kt0, ge0, gn, LP)
     _store16(p_a + 16 * 64, A10, m_all)
     _store16(p_a + 16 * 64 + 16, A11, m_all)
+    kt1 = k1 * tl.exp(ge1[None, :] - gc)
 
     q2, k2, g2, b2 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 32, t0 + 32 + o_c < L, i_h, o_k,
                                  m_k, stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale, K, GATE_IN_KERNEL,
                                  HAS_LOWER_BOUND, BETA_LOGITS)
-    gc2 = tl.cumsum(g2, 0) + c[None, :]
-    c += tl.sum(g2, 0)
-    L22, A22 = _diag(q2, k2, gc2, b2, o_c, LP)
-    gn = _first_row(gc2, o_c)
-    e = tl.exp(gc2 - gn[None, :])
-    L20, A20 = _off(k2 * e, q2 * e, b2, k0, gc0, gn, LP)
-    L21, A21 = _off(k2 * e, q2 * e, b2, k1, gc1, gn, LP)
+    gc = tl.cumsum(g2, 0) + ge1[None, :]
+    ge2 = ge1 + tl.sum(g2, 0)
+    L22, A22 = _diag(q2, k2, gc, b2, o_c, LP)
+    gn = _first_row(gc, o_c)
+    e = tl.exp(gc - gn[None, :])
+    L20, A20 = _off(k2 * e, q2 * e, b2, kt0, ge0, gn, LP)
+    L21, A21 = _off(k2 * e, q2 * e, b2, kt1, ge1, gn, LP)
     _store16(p_a + 32 * 64, A20, m_all)
     _store16(p_a + 32 * 64 + 16, A21, m_all)
     _store16(p_a + 32 * 64 + 32, A22, m_all)
+    kt2 = k2 * tl.exp(ge2[None, :] - gc)
 
     q3, k3, g3, b3 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 48, t0 + 48 + o_c < L, i_h, o_k,
                                  m_k, stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale, K, GATE_IN_KERNEL,
                                  HAS_LOWER_BOUND, BETA_LOGITS)
-    gc3 = tl.cumsum(g3, 0) + c[None, :]
-    L33, A33 = _diag(q3, k3, gc3, b3, o_c, LP)
-    gn = _first_row(gc3, o_c)
-    e = tl.exp(gc3 - gn[None, :])
-    L30, A30 = _off(k3 * e, q3 * e, b3, k0, gc0, gn, LP)
-    L31, A31 = _off(k3 * e, q3 * e, b3, k1, gc1, gn, LP)
-    L32, A32 = _off(k3 * e, q3 * e, b3, k2, gc2, gn, LP)
+    gc = tl.cumsum(g3, 0) + ge2[None, :]
+    L33, A33 = _diag(q3, k3, gc, b3, o_c, LP)
+    gn = _first_row(gc, o_c)
+    e = tl.exp(gc - gn[None, :])
+    L30, A30 = _off(k3 * e, q3 * e, b3, kt0, ge0, gn, LP)
+    L31, A31 = _off(k3 * e, q3 * e, b3, kt1, ge1, gn, LP)
+    L32, A32 = _off(k3 * e, q3 * e, b3, kt2, ge2, gn, LP)
     _store16(p_a + 48 * 64, A30, m_all)
     _store16(p_a + 48 * 64 + 16, A31, m_all)
     _store16(p_a + 48 * 64 + 32, A32, m_all)
@@ -231,9 +248,10 @@ def kda_intra64_b_kernel(
     m_k = o_k < K
     m_t = t0 + o_t < L
     LP: tl.constexpr = LOCAL_PRECISION
-    b_q, b_k, b_g, b_b = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, bos + t0 + o_t, m_t, i_h, o_k,
-                                     m_k, stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale, K, GATE_IN_KERNEL,
-                                     HAS_LOWER_BOUND, BETA_LOGITS)
+    rows = bos + t0 + o_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g, b_b = _load_gate(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
+                          stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
     b_gc = tl.cumsum(b_g, 0)
     b_gl = tl.sum(b_g, 0)
     i_ch = (i_c * H + i_h).to(tl.int64)
@@ -243,16 +261,19 @@ def kda_intra64_b_kernel(
     off_k = o_t[:, None] * K + o_k[None, :]
     off_v = o_t[:, None] * V + o_f[None, :]
     off_a = o_t[:, None] * 64 + o_t[None, :]
-    _store_pair(wqk + 4 * 64 * K + off_k, b_k * tl.exp(b_gl[None, :] - b_gc))
-    tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
     m_blk = (o_t[None, :] // 16) <= (o_t[:, None] // 16)
+    tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
+    # in this order, so that each input is dead before the next is loaded
+    b_k = _load_norm(k, rows, m_tk, stride_k_t, i_h, o_k, K)
+    _store_pair(wqk + 4 * 64 * K + off_k, b_k * tl.exp(b_gl[None, :] - b_gc))
     b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
     b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
     _store_pair(wqk + off_k, b_w)
-    b_v = tl.load(v + (bos + t0 + o_t)[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None],
-                  other=0.0).to(tl.float32)
-    b_u = tl.dot(b_ai, b_v * b_b[:, None], input_precision=LP)
+    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
+    b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
     tl.store(uo + off_v, b_u)
     b_aqk = tl.load(aqk + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
     tl.store(uo + 64 * V + off_v, tl.dot(b_aqk, b_u, input_precision=LP))
+    # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
+    b_q = _load_norm(q, rows, m_tk, stride_q_t, i_h, o_k, K) * scale
     _store_pair(wqk + 2 * 64 * K + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP))

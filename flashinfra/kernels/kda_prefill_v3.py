@@ -88,24 +88,27 @@ def kda_state64_kernel(
     state.store([r_s, i_v * BV], b_s)
 
 
-def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
-                   num_warps: int, num_stages: int, chain_precision: str, local_precision: str,
-                   out_x3: bool = False, prep_warps: int = 4):
-    """Launch both passes on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on
-    the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
+def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
+                num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
+                a_warps: int = 4, b_warps: int = 4, solve_precision: str | None = None):
+    """The three launches of v3 as closures over freshly allocated scratch, in order (the benchmark times
+    them one by one): the in-chunk matrices, the per-chunk tiles, the state pass."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
+    if num_stages < 2 and not env.triton_interpret():
+        # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
+        raise ValueError("kda_prefill v3: num_stages must be >= 2")
     BV = min(BV, V)
     chunks, offsets = [], []
     for n in range(len(cu) - 1):
         offsets.append(len(chunks))
         chunks.extend((n, i) for i in range(triton.cdiv(cu[n + 1] - cu[n], 64)))
     if not chunks:
-        return o
+        return []
     dev = q.device
     idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
     offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
@@ -113,30 +116,45 @@ def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, ini
     wqk = torch.empty(nch, H, 6, 64, K, dtype=torch.bfloat16, device=dev)
     uo = torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
-    A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
-    kda_intra64_a_kernel[(nch, H)](
-        q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-        q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-        H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION="ieee" if local_precision == "ieee" else "tf32x3",
-        num_warps=prep_warps, **gate_args,
-    )
-    kda_intra64_b_kernel[(nch, H)](
-        q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
-        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-        H=H, K=K, V=V, LOCAL_PRECISION=local_precision, num_warps=prep_warps, **gate_args,
-    )
+    solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
+
+    def intra_a():
+        kda_intra64_a_kernel[(nch, H)](
+            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps, **gate_args,
+        )
+
+    def intra_b():
+        kda_intra64_b_kernel[(nch, H)](
+            q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, num_warps=b_warps, **gate_args,
+        )
+
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     uo_d = TensorDescriptor.from_tensor(uo.view(-1, V), [64, BV])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
-    kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
-        wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
-        H=H, K=K, V=V, BV=BV, CHAIN_X3=chain_precision == "bf16x3", OUT_X3=out_x3,
-        DOT_F32=env.triton_interpret(),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+
+    def state_pass():
+        kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+            wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
+            H=H, K=K, V=V, BV=BV, CHAIN_X3=chain_precision == "bf16x3", OUT_X3=out_x3,
+            DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
+        )
+
+    return [("intra_a", intra_a), ("intra_b", intra_b), ("state", state_pass)]
+
+
+def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, **options):
+    """Launch v3 on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on the device);
+    ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None; ``options`` as for ``v3_launches``."""
+    for _, launch in v3_launches(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, **options):
+        launch()
     return o
