@@ -39,7 +39,8 @@ VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V
             dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
             dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
 # --parts: v3's three launches timed one by one (configs over the v3 defaults)
-PART_CONFIGS = [{}, dict(solve_precision="tf32"), dict(a_warps=2), dict(b_warps=8), dict(BV=32), dict(chain_precision="bf16"),
+PART_CONFIGS = [{}, dict(solve_precision="tf32"), dict(a_warps=2), dict(b_warps=8), dict(BV=32),
+                dict(chain_precision="bf16"),
                 dict(BV=32, num_warps=8)]
 
 
