@@ -1,24 +1,31 @@
-"""The 4-layer full-width GLM-5.3-Flash slice on one GPU: decode steps and a long prefill against their floors.
+"""The 4-layer full-width GLM-5.3-Flash slice on one GPU: decode steps and a long prefill against their
+floors, and transformers on the same slice in the same run.
 
 The slice: 3 KDA layers + 1 MLA/DSA layer (full indexer, kpool 4), every MLP a 288-expert MoE, mHC, the
-embedding, final norm and lm_head, random weights in bf16 (built in GPU memory, not read through the
-checkpoint loader: writing and reading ~62 GB of safetensors does not fit the device time).
-
-Measured, in this order (each part is written to the JSON as soon as it is done):
-1. logits with the kernels against the reference path (two prompts of 300 and 77 tokens, then one decode
+embedding and final norm, random weights in bf16: transformers' ``Glm5NextTextModel`` built as the anchor
+did (random init, bf16, sdpa, on the GPU), and ours from its ``state_dict()`` through the normal loader
+(``load_model_from_state_dict``), so both run the same weights. A bare text model has no lm_head: our
+logits use the embedding. Order (each part is written to the JSON as soon as it is done):
+0. transformers (``--no-transformers`` skips it; ours then loads random release-format tensors): after
+   an untimed warm-up, the anchor's method: a 2048-token prefill at batch 1 timed once, then
+   ``--hf-steps`` decode steps timed after 2 untimed ones; the same at batch 32 after 512 tokens. It is
+   freed before ours runs;
+1. logits with the kernels against the reference path (prompts of 300 and 77 tokens, then one decode
    step): relative error of the last-token logits;
-2. decode steps at batch 1, 32 and 128 with ``--context`` tokens already cached (random cache contents:
-   the work per step does not depend on them), eager and CUDA-graph replay, median of ``--steps``;
-   floor = (bytes of the weights the step touches, experts counted from its actual routing, + cache
-   bytes) / copy bandwidth measured in the same run;
-3. a ``--prefill``-token prefill: FLOPs it needs / time / bf16 matmul rate measured in the same run.
+2. decode steps at batch 1, 32 and 128 with ``--context`` tokens cached (random cache contents), eager and
+   CUDA-graph replay, median of ``--steps``; floor = (bytes of the weights the step touches, experts
+   counted from its routing, + cache bytes) / copy bandwidth measured in the same run;
+3. a ``--prefill``-token prefill: FLOPs it needs / time / bf16 matmul rate measured in the same run;
+4. ours at transformers' contexts and prompt length; speed-ups (transformers' time / ours) at its
+   contexts and at ours, updated as each part ends. Details: ``bench/notes/hotpath_slice.md``.
 
-usage: python bench/hotpath_slice.py --out bench/results/hotpath_slice.json
+usage: python bench/hotpath_slice.py --out bench/results/hotpath_slice.json [--smoke] [--no-transformers]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -31,45 +38,127 @@ from flashinfra.config import ModelConfig, resolve_text_config
 from flashinfra.feedback import ceilings
 from flashinfra.kernels import dispatch
 from flashinfra.model import moe as moe_module
-from flashinfra.model.api import LoadedModel
+from flashinfra.model.api import LoadedModel, load_model_from_state_dict, model_config_from
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.glm5_next import Glm5NextModel
+from flashinfra.model.weights import weight_layout
 from flashinfra.runner.cuda_graphs import DecodeGraphs
 
 BS = 64
 DEV = "cuda"
 # --smoke: the same script at toy width on the CPU (under TRITON_INTERPRET=1), to check it before a GPU run
 SMOKE = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, vocab_size=1000,
-             num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16,
-             index_topk=16, index_head_dim=16, index_n_heads=16, linear_head_dim=16, linear_num_heads=4)
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+             v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16, linear_head_dim=16,
+             linear_num_heads=4, pad_token_id=0)
+# the anchor's transformers runs: (batch, prompt tokens) before the timed decode steps
+HF_RUNS = ((1, 2048), (32, 512))
+SMOKE_HF_RUNS = ((1, 64), (4, 16))
 
 
-def build_slice(device: str, smoke: bool) -> LoadedModel:
-    cfg = resolve_text_config(dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["indexed_attention"],
-                                   mlp_layer_types=["sparse"] * 4, indexer_types=["full"] * 4, index_kpool=4,
-                                   **(SMOKE if smoke else {})))
-    dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter's bf16 matrix product is not exact
-    with torch.device(device):
-        model = Glm5NextModel(cfg, dtype, has_lm_head=True)
+def slice_config(smoke: bool) -> dict:
+    """The anchor's config (transformers' defaults otherwise: 3 KDA + 1 MLA layer, full indexers)."""
+    cfg = dict(num_hidden_layers=4, mlp_layer_types=["sparse"] * 4, index_kpool=4, **(SMOKE if smoke else {}))
+    text = model_config_from(cfg).text
+    assert text.kda_layers == (0, 1, 2) and text.mla_layers == (3,) and text.indexer_layers == (3,), text
+    return cfg
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_hf(cfg: dict, dtype: torch.dtype):
+    """transformers' slice, built as the anchor built it."""
+    from transformers import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    hf_cfg = Glm5NextTextConfig(**cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEV):
+            model = Glm5NextTextModel(hf_cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model
+
+
+@torch.no_grad()
+def measure_hf(model, runs: tuple[tuple[int, int], ...], steps: int) -> dict:
+    """The anchor's method: one timed prefill, then ``steps`` decode steps timed after 2 untimed ones."""
+    import transformers
+    from transformers.cache_utils import DynamicCache
+
+    cfg, vocab = model.config, model.config.vocab_size
+    res = dict(transformers=transformers.__version__, params_B=sum(p.numel() for p in model.parameters()) / 1e9,
+               warmup="one prefill of 128 tokens (16 at batch > 1) and 3 decode steps per batch size, untimed",
+               decode_steps_timed=steps, runs=[])
+    for B, P in runs:
+        cache = DynamicCache(config=cfg)
+        model(input_ids=torch.randint(0, vocab, (B, min(P, 128 if B == 1 else 16)), device=DEV), cache=cache, use_cache=True)
+        for _ in range(3):
+            model(input_ids=torch.randint(0, vocab, (B, 1), device=DEV), cache=cache, use_cache=True)
+        del cache
+        ids = torch.randint(0, vocab, (B, P), device=DEV)
+        cache = DynamicCache(config=cfg)
+        sync()
+        t = time.perf_counter()
+        model(input_ids=ids, cache=cache, use_cache=True)
+        sync()
+        prefill_s = time.perf_counter() - t
+        nxt = torch.randint(0, vocab, (B, 1), device=DEV)
+        for i in range(steps + 2):
+            if i == 2:
+                sync()
+                t = time.perf_counter()
+            model(input_ids=nxt, cache=cache, use_cache=True)
+        sync()
+        step_s = (time.perf_counter() - t) / steps
+        res["runs"].append(dict(batch=B, prefill_tokens=P, prefill_s=prefill_s, decode_s_per_step=step_s,
+                                decode_context=f"{P + 2} to {P + steps + 1}"))
+        print("transformers", res["runs"][-1], flush=True)
+        del cache
+    return res
+
+
+def random_release_state_dict(cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors under the release names (``--no-transformers``), made on the device."""
+    mcfg = model_config_from(cfg)
+    with torch.device("meta"):
+        meta = Glm5NextModel(mcfg.text, dtype, mcfg.has_lm_head)
+    layout = weight_layout(mcfg.text, dict(meta.named_parameters()), mcfg.weight_prefix, None)
     torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in leaf and "bias" not in leaf:
-                p.normal_(1.0, 0.1)
-            elif leaf == "A_log":
-                p.uniform_(0.0, 2.77)
-            elif leaf == "scale":
-                p.normal_(1.0, 0.1)
-            elif p.dim() == 1 or leaf in ("pool_ape",):
-                p.normal_(0.0, 0.1)
-            elif leaf == "conv_weight":
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return LoadedModel(Path("random-slice"), ModelConfig(text=cfg), model.eval(), dtype,
-                       torch.device(device), None)
+    out = {}
+    for c in (c for forms in layout.values() for c in forms[0]):
+        t = torch.empty(c.shape, dtype=dtype, device=DEV)
+        leaf = c.name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if "norm" in leaf or leaf.endswith("_scale"):
+            t.normal_(1.0, 0.1)
+        elif leaf == "A_log":
+            t.uniform_(0.0, 2.77)
+        elif t.dim() == 1 or leaf.endswith("_base") or leaf == "index_kpool_compress_ape":
+            t.normal_(0.0, 0.1)
+        elif "conv1d" in leaf:
+            t.normal_(0.0, 0.5)
+        else:
+            t.normal_(0.0, c.shape[-1] ** -0.5)
+        out[c.name] = t
+    return out
+
+
+def free_memory() -> None:
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gpu_gb() -> dict:
+    if DEV != "cuda":
+        return {}
+    return dict(allocated_gb=torch.cuda.memory_allocated() / 1e9, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -115,6 +204,8 @@ def weight_bytes(lm: LoadedModel, experts_touched: list[int], tokens: int) -> in
     for name, p in lm.model.named_parameters():
         if name == "embed_tokens":
             total += tokens * p.shape[1] * p.element_size()
+            if not lm.config.has_lm_head:  # the logits read the whole embedding
+                total += p.numel() * p.element_size()
         elif name.endswith("mlp.w13") or name.endswith("mlp.w2"):
             continue
         else:
@@ -226,15 +317,35 @@ def prefill(lm: LoadedModel, T: int, reps: int, ceil: dict) -> dict:
     return dict(tokens=T, median_s=med, times_s=times, flops=flops, frac_bf16_mfu=flops / med / rate)
 
 
+def speedups(hf: dict, decode_ours: list[dict], matched: list[dict], prefill_2048: dict | None) -> dict:
+    """transformers' time / ours, per batch size: at transformers' own contexts and at ours."""
+    out = dict(note="ours includes the logits (the embedding as head); transformers' time stops at the final norm")
+    for run in hf["runs"]:
+        B, t = run["batch"], run["decode_s_per_step"]
+        for label, rows in (("same_context", matched), ("at_our_context", decode_ours)):
+            row = next((r for r in rows if r["batch"] == B), None)
+            if row is not None:
+                out[f"decode_b{B}_{label}"] = dict(transformers_context=run["decode_context"], ours_context=row["context"],
+                                                   graph=t / row["graph_median_s"], eager=t / row["eager_median_s"])
+        if B == 1 and prefill_2048 is not None and run["prefill_tokens"] == prefill_2048["tokens"]:
+            out[f"prefill_{run['prefill_tokens']}"] = run["prefill_s"] / prefill_2048["median_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/hotpath_slice.json")
-    ap.add_argument("--batches", default="1,32,128")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--batches", help="decode batch sizes (default 1,32,128; smoke 1,4)")
+    ap.add_argument("--context", type=int, help="decode context (default 4096; smoke 96)")
+    ap.add_argument("--prefill", type=int, help="prefill tokens (default 8192; smoke 192)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--hf-steps", type=int, default=5, help="timed transformers decode steps per batch size")
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers; random release-format weights")
     ap.add_argument("--smoke", action="store_true", help="toy width on the CPU, to check the script")
     args = ap.parse_args()
+    for name, full, smoke in (("batches", "1,32,128", "1,4"), ("context", 4096, 96), ("prefill", 8192, 192)):
+        if getattr(args, name) is None:  # the interpreter runs the full sizes far too slowly
+            setattr(args, name, smoke if args.smoke else full)
     global DEV
     DEV = "cpu" if args.smoke else "cuda"
     report = dict(date=datetime.now(timezone.utc).isoformat(),
@@ -249,20 +360,61 @@ def main() -> None:
     report["ceilings"] = ceil = ceilings.measure(DEV, quick=args.smoke)
     if "matmul_flops_per_s_bfloat16" not in ceil:
         ceil["matmul_flops_per_s_bfloat16"] = ceil["matmul_flops_per_s"]
-    lm = build_slice(DEV, args.smoke)
+    save()
+    cfg = slice_config(args.smoke)
+    dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter's bf16 matrix product is not exact
+    hf_runs = SMOKE_HF_RUNS if args.smoke else HF_RUNS
+    free_memory()
+    if args.no_transformers:
+        source, state_dict = "random release-format tensors", random_release_state_dict(cfg, dtype)
+    else:
+        hf = build_hf(cfg, dtype)
+        report["transformers"] = measure_hf(hf, hf_runs, args.hf_steps)
+        report["transformers"]["memory"] = gpu_gb()
+        save()
+        source, state_dict = "transformers Glm5NextTextModel random init", hf.state_dict()
+    free_memory()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # from here the peak is both models at once
+    t = time.perf_counter()
+    lm = load_model_from_state_dict(cfg, state_dict, dtype, DEV, path="random-slice")
+    sync()
+    report["load"] = dict(source=source, tensors=lm.report.loaded, seconds=time.perf_counter() - t, **gpu_gb())
+    del state_dict
+    if not args.no_transformers:
+        del hf
+    free_memory()
+    report["load"]["after_free"] = gpu_gb()
+    print("load", report["load"], flush=True)
     save()
     report["logits_vs_reference"] = logits_check(lm)
     print("logits", report["logits_vs_reference"], flush=True)
     save()
+    def compare():  # after each part, so a run cut short still reports what it can compare
+        if "transformers" in report:
+            report["speedup_vs_transformers"] = speedups(report["transformers"], report["decode"],
+                                                         report.get("decode_at_transformers_context", []),
+                                                         report.get("prefill_at_transformers_length"))
+        save()
+
     report["decode"] = []
     for b in (int(x) for x in args.batches.split(",")):
         report["decode"].append(decode(lm, b, args.context, args.steps, ceil))
         print("decode", report["decode"][-1], flush=True)
-        save()
+        compare()
     report["prefill"] = prefill(lm, args.prefill, 3, ceil)
     print("prefill", report["prefill"], flush=True)
     save()
-
+    if args.no_transformers:
+        return
+    report["decode_at_transformers_context"] = []
+    for B, P in hf_runs:
+        report["decode_at_transformers_context"].append(decode(lm, B, P, args.steps, ceil))
+        print("decode at transformers' context", report["decode_at_transformers_context"][-1], flush=True)
+        compare()
+    report["prefill_at_transformers_length"] = prefill(lm, hf_runs[0][1], 3, ceil)
+    compare()
+    print("speed-up vs transformers", report["speedup_vs_transformers"], flush=True)
 
 if __name__ == "__main__":
     main()
