@@ -98,7 +98,8 @@ def measure_hf(model, runs: tuple[tuple[int, int], ...], steps: int) -> dict:
                decode_steps_timed=steps, runs=[])
     for B, P in runs:
         cache = DynamicCache(config=cfg)
-        model(input_ids=torch.randint(0, vocab, (B, min(P, 128 if B == 1 else 16)), device=DEV), cache=cache, use_cache=True)
+        warm = torch.randint(0, vocab, (B, min(P, 128 if B == 1 else 16)), device=DEV)
+        model(input_ids=warm, cache=cache, use_cache=True)
         for _ in range(3):
             model(input_ids=torch.randint(0, vocab, (B, 1), device=DEV), cache=cache, use_cache=True)
         del cache
@@ -325,8 +326,9 @@ def speedups(hf: dict, decode_ours: list[dict], matched: list[dict], prefill_204
         for label, rows in (("same_context", matched), ("at_our_context", decode_ours)):
             row = next((r for r in rows if r["batch"] == B), None)
             if row is not None:
-                out[f"decode_b{B}_{label}"] = dict(transformers_context=run["decode_context"], ours_context=row["context"],
-                                                   graph=t / row["graph_median_s"], eager=t / row["eager_median_s"])
+                out[f"decode_b{B}_{label}"] = dict(
+                    transformers_context=run["decode_context"], ours_context=row["context"],
+                    graph=t / row["graph_median_s"], eager=t / row["eager_median_s"])
         if B == 1 and prefill_2048 is not None and run["prefill_tokens"] == prefill_2048["tokens"]:
             out[f"prefill_{run['prefill_tokens']}"] = run["prefill_s"] / prefill_2048["median_s"]
     return out
@@ -339,7 +341,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, help="decode context (default 4096; smoke 96)")
     ap.add_argument("--prefill", type=int, help="prefill tokens (default 8192; smoke 192)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--hf-steps", type=int, default=5, help="timed transformers decode steps per batch size")
+    ap.add_argument("--hf-steps", type=int, default=8, help="timed transformers decode steps (anchor: 8)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers; random release-format weights")
     ap.add_argument("--smoke", action="store_true", help="toy width on the CPU, to check the script")
     args = ap.parse_args()

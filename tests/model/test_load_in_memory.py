@@ -109,7 +109,8 @@ def test_bad_transformers_names_are_named_in_their_own_naming(hf_text):
 
 
 def test_reader_and_config_inputs():
-    reader = StateDictReader({"a": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.float8_e4m3fn)})
+    reader = StateDictReader({"a": torch.zeros(2, 3, dtype=torch.bfloat16),
+                              "b": torch.zeros(4, dtype=torch.float8_e4m3fn)})
     assert reader.meta("a") == ((2, 3), "BF16") and reader.meta("b") == ((4,), "F8_E4M3")
     assert reader.names() == {"a", "b"} and reader.files == {"a": None, "b": None}
     with pytest.raises(CheckpointError, match="not tensors: x"):
