@@ -39,9 +39,7 @@ VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V
             dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
             dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
 # --parts: v3's three launches timed one by one (configs over the v3 defaults)
-PART_CONFIGS = [{}, dict(solve_precision="tf32"), dict(a_warps=2), dict(b_warps=8), dict(BV=32),
-                dict(chain_precision="bf16"),
-                dict(BV=32, num_warps=8)]
+PART_CONFIGS = [{}]
 
 
 def inputs(lens: list[int], seed: int):
@@ -144,13 +142,21 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
 
 def time_parts(label: str, lens: list[int], res: dict) -> None:
     """v3's launches one by one (in-chunk matrices, per-chunk tiles, state pass) and together, per config,
-    with the output's error against v2 in ieee fp32 (fp32 output), and v2's total in the same run."""
+    with the output's and final state's error against v2 in ieee fp32 (fp32 output), the gated op's error
+    likewise, and v2's total in the same run."""
     a = inputs(lens, seed=len(lens) + lens[0])
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
     s0 = a["state"].clone()
-    ref = kda_prefill_launch(a["q"].float(), a["k"], a["v"], a["g"], a["beta"], s0.clone(), a["cu"], slots, init,
+    ref_s = s0.clone()
+    ref = kda_prefill_launch(a["q"].float(), a["k"], a["v"], a["g"], a["beta"], ref_s, a["cu"], slots, init,
                              chain_precision="ieee", local_precision="ieee", version="v2")
+    gated_args = (a["q"].float(), a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB)
+    gated_ref = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, chain_precision="ieee",
+                                         local_precision="ieee", version="v2")
+    gated_v3 = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3")
+    gated_err = float((gated_v3 - gated_ref).norm() / gated_ref.norm())
+    del gated_ref, gated_v3
     iters = 5 if T > 20000 else 10
     v2_us = time_eager(lambda: kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"],
                                                   slots, init, version="v2"), iters=iters, warmup=1)
@@ -158,15 +164,17 @@ def time_parts(label: str, lens: list[int], res: dict) -> None:
     o = torch.empty(T, H, V, dtype=torch.bfloat16, device="cuda")
     for cfg in PART_CONFIGS:
         opts = dict(BV=64, num_warps=4, num_stages=2, chain_precision="bf16x3", local_precision="tf32") | cfg
-        row = {"case": label, "T": T, "config": cfg, "v2_ms": v2_us / 1e3}
+        row = {"case": label, "T": T, "config": cfg, "v2_ms": v2_us / 1e3, "v3_gated_relerr_vs_ieee": gated_err}
         try:
             a["state"].copy_(s0)
+            o.fill_(float("nan"))  # an element left unwritten shows as a NaN error
             launches = v3_launches(a["q"], a["k"], a["v"], a["g"], a["beta"], o, a["state"], cu, cu_t, slots_t,
                                    init_t, None, **opts)
             for _, fn in launches:
                 fn()
             torch.cuda.synchronize()
             row["relerr_vs_ieee"] = float((o.float() - ref).norm() / ref.norm())
+            row["state_relerr_vs_ieee"] = float((a["state"] - ref_s).norm() / ref_s.norm())
             for name, fn in launches:
                 row[f"{name}_ms"] = time_eager(fn, iters=iters, warmup=1) / 1e3
             row["total_ms"] = time_eager(lambda: [fn() for _, fn in launches], iters=iters, warmup=1) / 1e3
@@ -178,14 +186,36 @@ def time_parts(label: str, lens: list[int], res: dict) -> None:
     del ref
 
 
+def warm(name: str) -> None:
+    """Compile (into Triton's on-disk cache) the kernels that --parts runs, at one tiny batch with the same
+    argument types, so that several processes can compile them side by side first."""
+    a = inputs([64, 40], seed=0)
+    slots, init = [0, 1], [True, True]
+    gated = (a["q"].float(), a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB, a["state"],
+             a["cu"], slots, init)
+    plain = (a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
+    calls = {"v3": lambda: kda_prefill_launch(a["q"], *plain, version="v3"),
+             "v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
+             "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
+             "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
+                                                   local_precision="ieee", version="v2"),
+             "v2_gated_ieee": lambda: kda_prefill_gated_launch(*gated, chain_precision="ieee", local_precision="ieee",
+                                                               version="v2")}
+    calls[name]()
+    torch.cuda.synchronize()
+
+
 def print_parts(res: dict) -> None:
-    print(f"{'case':9s} {'config':34s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} {'v2':>7s} {'err':>8s}")
+    print(f"{'case':9s} {'config':34s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} {'v2':>7s} {'err':>8s} "
+          f"{'state':>8s} {'gated':>8s}")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
-        print(f"{r['case']:9s} {cfg:34s} {r.get('intra_a_ms', nan):6.3f} {r.get('intra_b_ms', nan):6.3f} "
+        a_ms = r.get("intra_a_ms", r.get("intra_ms", nan))
+        print(f"{r['case']:9s} {cfg:34s} {a_ms:6.3f} {r.get('intra_b_ms', 0):6.3f} "
               f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r['v2_ms']:7.3f} "
-              f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('error', '')[:60]}")
+              f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('state_relerr_vs_ieee', nan):8.2e} "
+              f"{r['v3_gated_relerr_vs_ieee']:8.2e} {r.get('error', '')[:60]}")
 
 
 def main() -> int:
@@ -197,7 +227,11 @@ def main() -> int:
     ap.add_argument("--name", default="kda_prefill", help="result file name in bench/results/")
     ap.add_argument("--cases", default="T8192,varlen16,T65536")
     ap.add_argument("--parts", action="store_true", help="only time v3's launches one by one (see time_parts)")
+    ap.add_argument("--warm", help="only compile the kernels of one --parts call: v3, v3_gated, v2, v2_ieee, ...")
     args = ap.parse_args()
+    if args.warm:
+        warm(args.warm)
+        return 0
     res = header()
     res["fla"] = fla_version()
     res["shape"] = dict(H=H, K=K, V=V)

@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16")
 
@@ -90,7 +91,8 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                a_warps: int = 4, b_warps: int = 4, solve_precision: str | None = None):
+                a_warps: int = 4, b_warps: int = 4, solve_precision: str | None = None, intra: str = "fused",
+                KS: int = 16):
     """The three launches of v3 as closures over freshly allocated scratch, in order (the benchmark times
     them one by one): the in-chunk matrices, the per-chunk tiles, the state pass."""
     if chain_precision not in CHAIN_PRECISIONS:
@@ -124,6 +126,25 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
 
+    if intra not in ("fused", "tile", "blocks"):
+        raise ValueError(f"kda_prefill v3: intra must be 'fused', 'tile' or 'blocks', got {intra!r}")
+
+    def intra_fused():
+        kda_intra64_fused_kernel[(nch, H)](
+            q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, wqk, uo, egl,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, V=V, KS=min(KS, K), VS=min(KS, V), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            num_warps=a_warps, **gate_args,
+        )
+
+    def intra_tile():
+        kda_intra64_tile_kernel[(nch, H)](
+            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps,
+            **gate_args,
+        )
+
     def intra_a():
         kda_intra64_a_kernel[(nch, H)](
             q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
@@ -149,7 +170,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
-    return [("intra_a", intra_a), ("intra_b", intra_b), ("state", state_pass)]
+    if intra == "fused":
+        return [("intra", intra_fused), ("state", state_pass)]
+    return [("intra_a", intra_tile if intra == "tile" else intra_a), ("intra_b", intra_b), ("state", state_pass)]
 
 
 def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, **options):
