@@ -39,7 +39,7 @@ VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V
             dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
             dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
 # --parts: v3's three launches timed one by one (configs over the v3 defaults)
-PART_CONFIGS = [{}]
+PART_CONFIGS = [{}, dict(intra="tile"), dict(solve_precision="tf32")]
 
 
 def inputs(lens: list[int], seed: int):
@@ -195,6 +195,8 @@ def warm(name: str) -> None:
              a["cu"], slots, init)
     plain = (a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
     calls = {"v3": lambda: kda_prefill_launch(a["q"], *plain, version="v3"),
+             "v3_tile": lambda: kda_prefill_launch(a["q"], *plain, version="v3", intra="tile"),
+             "v3_tf32solve": lambda: kda_prefill_launch(a["q"], *plain, version="v3", solve_precision="tf32"),
              "v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
              "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
              "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
