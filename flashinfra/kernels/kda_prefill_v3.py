@@ -91,10 +91,13 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                a_warps: int = 4, b_warps: int = 4, solve_precision: str | None = None, intra: str = "fused",
+                a_warps: int = 2, b_warps: int = 4, solve_precision: str | None = None, intra: str = "blocks",
                 KS: int = 16):
-    """The three launches of v3 as closures over freshly allocated scratch, in order (the benchmark times
-    them one by one): the in-chunk matrices, the per-chunk tiles, the state pass."""
+    """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
+    one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
+    "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
+    kda_prefill_intra64_tile.py) or "fused" (tile, with the per-chunk tiles in the same kernel: one launch
+    less). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape

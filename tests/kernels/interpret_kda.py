@@ -32,14 +32,14 @@ def test_prefill_v3_varlen(lens):
     cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16, version="v3", out_x3=True)
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_prefill_v3_gated(lower_bound):
+@pytest.mark.parametrize("lower_bound,intra", [(-5.0, "blocks"), (None, "tile"), (-5.0, "fused")])
+def test_prefill_v3_gated(lower_bound, intra):
     cases.prefill_varlen("cpu", [21, 130], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1,
-                         version="v3", out_x3=True)
+                         version="v3", out_x3=True, intra=intra)
 
 
 def test_prefill_v3_long_odd():
-    cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3, version="v3", out_x3=True)
+    cases.prefill_varlen("cpu", [333], H=1, K=16, V=16, seed=3, version="v3", out_x3=True)
 
 
 def test_decode():
