@@ -21,6 +21,12 @@ Those carry it from chunk to chunk, so rounding there compounds over the whole s
 ``chain_precision`` ("tf32x3" by default, three tf32 products giving about fp32 accuracy; "ieee" works
 too), never plain tf32, whose 10-bit mantissa shows up as a growing error on long sequences with slow
 decay (see tests/kernels/test_kda_gpu.py).
+
+``version="v3"`` (kda_prefill_v3.py) runs 64-token chunks instead: a parallel in-chunk pass with 16-token
+decay sub-blocks, then a state pass whose products go to the warpgroup tensor-core instructions with the
+chain in bf16x3. Its state pass takes 7x less time per token than v2's, but its in-chunk pass is
+latency-bound and makes the whole 2-10% slower than v2 on an H200, so v2 stays the default (measurements in
+bench/notes/kda_prefill.md).
 """
 
 from __future__ import annotations

@@ -113,11 +113,6 @@ def _first_row(b_gc, o_c):
 
 
 @triton.jit
-def _store16(p, x, m):
-    tl.store(p, x, mask=m)
-
-
-@triton.jit
 def kda_intra64_a_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
@@ -137,7 +132,6 @@ def kda_intra64_a_kernel(
     LP: tl.constexpr = LOCAL_PRECISION
     SP: tl.constexpr = SOLVE_PRECISION
     r_0 = bos + t0 + o_c
-    m_all = o_c[:, None] >= 0
     p_a = aqk + (i_c * H + i_h).to(tl.int64) * 4096 + o_c[:, None] * 64 + o_c[None, :]
     p_i = ai + (i_c * H + i_h).to(tl.int64) * 4096 + o_c[:, None] * 64 + o_c[None, :]
     q0, k0, g0, b0 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0, t0 + o_c < L, i_h, o_k, m_k,
@@ -147,7 +141,7 @@ def kda_intra64_a_kernel(
     gc = tl.cumsum(g0, 0)
     ge0 = tl.sum(g0, 0)
     L00, A00 = _diag(q0, k0, gc, b0, o_c, LP)
-    _store16(p_a, A00, m_all)
+    tl.store(p_a, A00)
     kt0 = k0 * tl.exp(ge0[None, :] - gc)
 
     q1, k1, g1, b1 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 16, t0 + 16 + o_c < L, i_h, o_k,
@@ -159,8 +153,8 @@ def kda_intra64_a_kernel(
     gn = _first_row(gc, o_c)
     e = tl.exp(gc - gn[None, :])
     L10, A10 = _off(k1 * e, q1 * e, b1, kt0, ge0, gn, LP)
-    _store16(p_a + 16 * 64, A10, m_all)
-    _store16(p_a + 16 * 64 + 16, A11, m_all)
+    tl.store(p_a + 16 * 64, A10)
+    tl.store(p_a + 16 * 64 + 16, A11)
     kt1 = k1 * tl.exp(ge1[None, :] - gc)
 
     q2, k2, g2, b2 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 32, t0 + 32 + o_c < L, i_h, o_k,
@@ -173,9 +167,9 @@ def kda_intra64_a_kernel(
     e = tl.exp(gc - gn[None, :])
     L20, A20 = _off(k2 * e, q2 * e, b2, kt0, ge0, gn, LP)
     L21, A21 = _off(k2 * e, q2 * e, b2, kt1, ge1, gn, LP)
-    _store16(p_a + 32 * 64, A20, m_all)
-    _store16(p_a + 32 * 64 + 16, A21, m_all)
-    _store16(p_a + 32 * 64 + 32, A22, m_all)
+    tl.store(p_a + 32 * 64, A20)
+    tl.store(p_a + 32 * 64 + 16, A21)
+    tl.store(p_a + 32 * 64 + 32, A22)
     kt2 = k2 * tl.exp(ge2[None, :] - gc)
 
     q3, k3, g3, b3 = _load_block(q, k, g, beta, A_log, dt_bias, lower_bound, r_0 + 48, t0 + 48 + o_c < L, i_h, o_k,
@@ -188,10 +182,10 @@ def kda_intra64_a_kernel(
     L30, A30 = _off(k3 * e, q3 * e, b3, kt0, ge0, gn, LP)
     L31, A31 = _off(k3 * e, q3 * e, b3, kt1, ge1, gn, LP)
     L32, A32 = _off(k3 * e, q3 * e, b3, kt2, ge2, gn, LP)
-    _store16(p_a + 48 * 64, A30, m_all)
-    _store16(p_a + 48 * 64 + 16, A31, m_all)
-    _store16(p_a + 48 * 64 + 32, A32, m_all)
-    _store16(p_a + 48 * 64 + 48, A33, m_all)
+    tl.store(p_a + 48 * 64, A30)
+    tl.store(p_a + 48 * 64 + 16, A31)
+    tl.store(p_a + 48 * 64 + 32, A32)
+    tl.store(p_a + 48 * 64 + 48, A33)
 
     # (I + L)^-1, block lower triangular: Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj
     Ai00 = _inv_diag(L00, o_c, SP)
@@ -207,24 +201,24 @@ def kda_intra64_a_kernel(
                    input_precision=SP)
     Ai30 = -tl.dot(Ai33, tl.dot(L30, Ai00, input_precision=SP) + tl.dot(L31, Ai10, input_precision=SP)
                    + tl.dot(L32, Ai20, input_precision=SP), input_precision=SP)
-    _store16(p_i, Ai00, m_all)
-    _store16(p_i + 16 * 64, Ai10, m_all)
-    _store16(p_i + 16 * 64 + 16, Ai11, m_all)
-    _store16(p_i + 32 * 64, Ai20, m_all)
-    _store16(p_i + 32 * 64 + 16, Ai21, m_all)
-    _store16(p_i + 32 * 64 + 32, Ai22, m_all)
-    _store16(p_i + 48 * 64, Ai30, m_all)
-    _store16(p_i + 48 * 64 + 16, Ai31, m_all)
-    _store16(p_i + 48 * 64 + 32, Ai32, m_all)
-    _store16(p_i + 48 * 64 + 48, Ai33, m_all)
+    tl.store(p_i, Ai00)
+    tl.store(p_i + 16 * 64, Ai10)
+    tl.store(p_i + 16 * 64 + 16, Ai11)
+    tl.store(p_i + 32 * 64, Ai20)
+    tl.store(p_i + 32 * 64 + 16, Ai21)
+    tl.store(p_i + 32 * 64 + 32, Ai22)
+    tl.store(p_i + 48 * 64, Ai30)
+    tl.store(p_i + 48 * 64 + 16, Ai31)
+    tl.store(p_i + 48 * 64 + 32, Ai32)
+    tl.store(p_i + 48 * 64 + 48, Ai33)
 
 
 @triton.jit
-def _store_pair(p, x):
-    """x as a bf16 pair: hi at p, the remainder lo at p + 64 K (the next slot)."""
+def _store_pair(p, x, SLOT: tl.constexpr):
+    """x as a bf16 pair: hi at p, the remainder lo at p + SLOT (the next slot of the per-chunk tiles)."""
     hi = x.to(tl.bfloat16)
     tl.store(p, hi)
-    tl.store(p + 64 * x.shape[1], (x - hi.to(tl.float32)).to(tl.bfloat16))
+    tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
 
 
 @triton.jit
@@ -265,10 +259,10 @@ def kda_intra64_b_kernel(
     tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
     # in this order, so that each input is dead before the next is loaded
     b_k = _load_norm(k, rows, m_tk, stride_k_t, i_h, o_k, K)
-    _store_pair(wqk + 4 * 64 * K + off_k, b_k * tl.exp(b_gl[None, :] - b_gc))
+    _store_pair(wqk + 4 * 64 * K + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), 64 * K)
     b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
     b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
-    _store_pair(wqk + off_k, b_w)
+    _store_pair(wqk + off_k, b_w, 64 * K)
     b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
     b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
     tl.store(uo + off_v, b_u)
@@ -276,4 +270,4 @@ def kda_intra64_b_kernel(
     tl.store(uo + 64 * V + off_v, tl.dot(b_aqk, b_u, input_precision=LP))
     # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
     b_q = _load_norm(q, rows, m_tk, stride_q_t, i_h, o_k, K) * scale
-    _store_pair(wqk + 2 * 64 * K + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP))
+    _store_pair(wqk + 2 * 64 * K + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), 64 * K)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64 import _load_gate
+from flashinfra.kernels.kda_prefill_intra64 import _load_gate, _store_pair
 
 
 @triton.jit
@@ -134,13 +134,6 @@ def kda_intra64_tile_kernel(
     p_a = (i_c * H + i_h).to(tl.int64) * 4096 + o_t[:, None] * 64 + o_t[None, :]
     tl.store(aqk + p_a, b_aqk)
     tl.store(ai + p_a, b_ai)
-
-
-@triton.jit
-def _store_pair(p, x, SLOT: tl.constexpr):
-    hi = x.to(tl.bfloat16)
-    tl.store(p, hi)
-    tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
 
 
 @triton.jit

@@ -11,7 +11,7 @@ rounding compounds over a long sequence; ``"bf16"`` (one product each) exists to
 output product uses S's hi and lo parts with qw's hi part (plus qw's lo part with ``out_x3``).
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch:
-``chunks * H * 64 * (12 K + 8 V + 512)`` bytes.
+``chunks * H * 64 * (12 K + 8 V + 512)`` bytes (without the 512 for the fused in-chunk form).
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     less). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
+    if intra not in ("fused", "tile", "blocks"):
+        raise ValueError(f"kda_prefill v3: intra must be 'fused', 'tile' or 'blocks', got {intra!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
@@ -121,16 +123,14 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     wqk = torch.empty(nch, H, 6, 64, K, dtype=torch.bfloat16, device=dev)
     uo = torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
-    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
-    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    if intra != "fused":  # the two in-chunk kernels pass Aqk and (I + L)^-1 through memory
+        aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+        ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
-
-    if intra not in ("fused", "tile", "blocks"):
-        raise ValueError(f"kda_prefill v3: intra must be 'fused', 'tile' or 'blocks', got {intra!r}")
 
     def intra_fused():
         kda_intra64_fused_kernel[(nch, H)](
