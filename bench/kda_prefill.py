@@ -11,6 +11,13 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
 
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
+    python bench/kda_prefill.py --parts [--name kda_prefill_v3_parts]
+        v3's launches timed one by one (PART_CONFIGS), v2 beside them, no FLA; compile first, side by side:
+        for w in v3 v3_tile v3_tf32solve v3_gated v2 v2_ieee v2_gated_ieee; do
+            python bench/kda_prefill.py --warm $w & done; wait
+
+FLA's chunk_kda is the anchor style with the output checked against ours only through the precision column:
+its anchor style leaves q unnormalised, so its error there measures a different function (use ``fla_norm``).
 """
 
 from __future__ import annotations
