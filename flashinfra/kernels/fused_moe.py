@@ -160,9 +160,12 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
-def _config(num_pairs: int, num_experts: int) -> dict:
-    """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after."""
+def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
+    """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after;
+    float32 tiles are twice the bytes, so their large shape is halved to fit shared memory."""
     per_expert = num_pairs / max(num_experts, 1)
+    if elem_bytes > 2 and per_expert > 64:
+        return dict(BM=64, BN1=64, BN2=128, BK=64, num_warps=8, num_stages=3)
     if num_pairs <= 64:  # a few tokens: a few experts' weights streamed by many thin programs
         return dict(BM=16, BN1=64, BN2=64, BK=128, num_warps=4, num_stages=4)
     if per_expert <= 16:  # every expert touched, a few rows each: wider tiles, fewer programs per expert
@@ -188,7 +191,7 @@ def _experts(x, w13, w2, s13, s2, pair_w, ids, limit, out):
     T, k = ids.shape
     E, N2, K = w13.shape
     N = N2 // 2
-    cfg = _config(T * k, E + 1)
+    cfg = _config(T * k, E + 1, x.element_size())
     BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_ids, expert_ids, used = moe_align(ids, E + 1, BM)

@@ -102,11 +102,14 @@ def sparse_mla_combine_kernel(part_acc, part_ml, o, H, R: tl.constexpr, BR: tl.c
     tl.store(o + (t * H + i_h) * R + o_r, out.to(o.dtype.element_ty), mask=o_r < R)
 
 
-def _config(T: int, H: int, BR: int) -> dict:
+def _config(T: int, H: int, BR: int, elem_bytes: int = 2) -> dict:
     """Block shapes: ``BH`` heads of a token share each gathered block of ``BN`` latent rows. All 64 heads
     in one program with 64-row blocks: each gathered row is read once per token, and the products are
     64 x 64 tiles (measured on the H200, bench/hotpath_tune.py: 2.6x over 32 heads x 32 rows at an 8192
     prefill, 1.9x at a 128-sequence decode)."""
+    if elem_bytes > 2:  # float32 tiles of that shape exceed shared memory
+        return dict(BH=max(16, min(32, triton.next_power_of_2(H))), BN=32, num_warps=8 if BR >= 256 else 4,
+                    num_stages=2)
     return dict(BH=max(16, min(64, triton.next_power_of_2(H))), BN=64, num_warps=8 if BR >= 256 else 4,
                 num_stages=2)
 
@@ -125,7 +128,7 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     if T == 0:
         return o
     S, BR = sel.shape[1], triton.next_power_of_2(R)
-    cfg = _config(T, H, BR)
+    cfg = _config(T, H, BR, q_lat.element_size())
     BH, BN = cfg["BH"], cfg["BN"]
     programs = T * triton.cdiv(H, BH)
     if split is None:

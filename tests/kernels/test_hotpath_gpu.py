@@ -34,8 +34,8 @@ def test_moe_align():
     cases.moe_align("cuda", 1000, 288, 8, 64, seed=2)
 
 
-@pytest.mark.parametrize("T,dtype", [(1, BF16), (300, BF16), (37, torch.float32)])
-def test_fused_moe(T, dtype):
+@pytest.mark.parametrize("T,dtype", [(1, BF16), (300, BF16), (1000, BF16), (37, torch.float32), (1000, torch.float32)])
+def test_fused_moe(T, dtype):  # 1000 tokens: over 64 pairs per expert, the prefill block shapes
     cases.fused_moe("cuda", T, 64, 1024, 512, 8, dtype=dtype, limit=10.0, seed=T)
 
 
