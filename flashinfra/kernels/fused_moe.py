@@ -164,14 +164,15 @@ def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
     """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after;
     float32 tiles are twice the bytes, so their large shape is halved to fit shared memory."""
     per_expert = num_pairs / max(num_experts, 1)
-    if elem_bytes > 2 and per_expert > 64:
-        return dict(BM=64, BN1=64, BN2=128, BK=64, num_warps=8, num_stages=3)
-    if num_pairs <= 64:  # a few tokens: a few experts' weights streamed by many thin programs
+    wide = elem_bytes <= 2
+    if num_pairs <= 64 or (per_expert <= 16 and not wide):  # a few experts streamed by many thin programs
         return dict(BM=16, BN1=64, BN2=64, BK=128, num_warps=4, num_stages=4)
     if per_expert <= 16:  # every expert touched, a few rows each: wider tiles, fewer programs per expert
         return dict(BM=16, BN1=128, BN2=128, BK=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return dict(BM=32, BN1=64, BN2=64, BK=64, num_warps=8, num_stages=4)
+    if not wide:
+        return dict(BM=64, BN1=64, BN2=128, BK=64, num_warps=8, num_stages=3)
     # measured on the H200 (bench/hotpath_tune.py, T=8192): 128x128 tiles in both GEMMs, 1.27x over 64x64/128
     return dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)
 
