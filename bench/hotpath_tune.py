@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -58,7 +59,8 @@ def main() -> None:
     registry.load_providers(("flashinfra.kernels.hotpath_checks",))
     specs = registry.benchmarks()
     ctx = BenchContext(device="cuda", dtype="bfloat16")
-    report = {"ceilings": ceil, "command": f"python bench/hotpath_tune.py --runs {args.runs}", "sweeps": {}}
+    report = {"date": datetime.now(timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
+              "ceilings": ceil, "command": f"python bench/hotpath_tune.py --runs {args.runs}", "sweeps": {}}
     for name, (module, candidates) in SWEEPS.items():
         spec = specs[name].fn(ctx)
         current = module._config

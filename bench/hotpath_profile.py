@@ -1,0 +1,95 @@
+"""Where a decode step of the 4-layer slice spends its GPU time: kernels of a CUDA-graph replay, per name.
+
+Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights through the loader), then
+for batch 1, 32 and 128 at context 4096: the step's time back to back (10 replays enqueued, no host
+preparation between them), the synchronized wall time per step (host preparation of the graph's inputs
+included), and the torch profiler's per-kernel GPU time over 5 replays, largest first.
+
+usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hotpath_slice as hs
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashinfra.model.api import load_model_from_state_dict
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.runner.cuda_graphs import DecodeGraphs
+
+
+def step_profile(lm, B: int, context: int) -> dict:
+    W = -(-(context + 1) // hs.BS)
+    cache = lm.allocate_cache(B * W + 1, hs.BS, B + 1)
+    hs.fill_cache(cache)
+    tables = [list(range(b * W, (b + 1) * W)) for b in range(B)]
+    batch = ForwardBatch.build([1] * B, [context] * B, list(range(B)), tables, hs.BS, "cuda")
+    ids = torch.randint(1, 1000, (B,), device="cuda")
+    graphs = DecodeGraphs(lm, cache, B * W, B)
+
+    def step():
+        lm.compute_logits(graphs.run(ids, batch))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        step()
+    end.record()
+    end.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for a in prof.key_averages():
+        t = getattr(a, "device_time_total", 0) or getattr(a, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / 5, a.count / 5, a.key[:90]))
+    rows.sort(reverse=True)
+    del graphs, cache
+    hs.free_memory()
+    return dict(batch=B, context=context, back_to_back_us=start.elapsed_time(end) / 10 * 1e3, wall_us=wall * 1e6,
+                kernel_sum_us=sum(r[0] for r in rows),
+                kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:40]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/hotpath_decode_profile.json")
+    ap.add_argument("--context", type=int, default=4096)
+    args = ap.parse_args()
+    hs.DEV = "cuda"
+    cfg = hs.slice_config(False)
+    lm = load_model_from_state_dict(cfg, hs.random_release_state_dict(cfg, torch.bfloat16), torch.bfloat16, "cuda",
+                                    path="random-slice")
+    hs.free_memory()
+    report = dict(date=datetime.now(timezone.utc).isoformat(), device=torch.cuda.get_device_name(),
+                  command=f"python bench/hotpath_profile.py --context {args.context}", steps=[])
+    for B in (1, 32, 128):
+        r = step_profile(lm, B, args.context)
+        report["steps"].append(r)
+        print(f"B={B}: back-to-back {r['back_to_back_us']:.0f} us/step, synced wall {r['wall_us']:.0f} us/step, "
+              f"kernel sum {r['kernel_sum_us']:.0f} us/step")
+        for k in r["kernels"][:20]:
+            print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:4.1f}  {k['name']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
