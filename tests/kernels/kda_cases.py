@@ -6,6 +6,7 @@ untouched, and variable-length batches checked against a per-sequence loop."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -39,7 +40,9 @@ def _d(t):
 
 
 def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=torch.float32, gated=False,
-                   lower_bound=-5.0, seed=0, **launch):
+                   lower_bound=-5.0, seed=0, decay=5.0, **launch):
+    """``decay`` scales the log-decay (the gate's rate when gated): small values keep a long memory, so that
+    products between distant tokens of a chunk matter to the result."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, N = sum(lens), len(lens)
 
@@ -57,9 +60,9 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
     before = state.clone()
     if gated:
         g_in, b_in = rnd(T, H, K), rnd(T, H)
-        A_log, dt_bias = rnd(H, dt=torch.float32) * 0.3, rnd(H * K, dt=torch.float32)
+        A_log, dt_bias = rnd(H, dt=torch.float32) * 0.3 + math.log(decay / 5.0), rnd(H * K, dt=torch.float32)
     else:
-        g_in = (-5 * torch.sigmoid(rnd(T, H, K, dt=torch.float32))).float()
+        g_in = (-decay * torch.sigmoid(rnd(T, H, K, dt=torch.float32))).float()
         b_in = torch.rand(T, H, device=device, generator=gen)
     out = torch.full((T, H, V), NAN, dtype=dtype, device=device)
     if gated:
