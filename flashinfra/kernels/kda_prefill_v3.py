@@ -23,9 +23,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16")
+INTRA_FORMS = ("blocks", "tile", "fused", "split")
 
 
 @triton.jit
@@ -92,20 +94,26 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int = 2, b_warps: int = 4, solve_precision: str | None = None, intra: str = "blocks",
-                KS: int = 16):
+                KS: int | None = None, d_warps: int = 1):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
-    kda_prefill_intra64_tile.py) or "fused" (tile, with the per-chunk tiles in the same kernel: one launch
-    less). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    kda_prefill_intra64_tile.py), "fused" (tile, with the per-chunk tiles in the same kernel: one launch
+    less) or "split" (kda_prefill_intra64_split.py: the diagonal blocks and their inverses in one small
+    program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
+    with ``a_warps``: one launch more). ``KS`` is the K slice of the tile, fused and split forms (16, 16, 32 by
+    default). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
-    if intra not in ("fused", "tile", "blocks"):
-        raise ValueError(f"kda_prefill v3: intra must be 'fused', 'tile' or 'blocks', got {intra!r}")
+    if intra not in INTRA_FORMS:
+        raise ValueError(f"kda_prefill v3: intra must be one of {INTRA_FORMS}, got {intra!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
+    KS = KS or (32 if intra == "split" else 16)
+    if KS & (KS - 1) or KS < 16:
+        raise ValueError(f"kda_prefill v3: KS must be a power of two >= 16, got {KS}")
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
@@ -155,6 +163,21 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps, **gate_args,
         )
 
+    def intra_diag():
+        kda_intra64_diag_kernel[(nch * 4, H)](
+            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps, **gate_args,
+        )
+
+    def intra_offdiag():
+        kda_intra64_offdiag_kernel[(nch, H)](
+            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps,
+            **gate_args,
+        )
+
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
@@ -175,6 +198,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     if intra == "fused":
         return [("intra", intra_fused), ("state", state_pass)]
+    if intra == "split":
+        return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b), ("state", state_pass)]
     return [("intra_a", intra_tile if intra == "tile" else intra_a), ("intra_b", intra_b), ("state", state_pass)]
 
 

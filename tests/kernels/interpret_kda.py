@@ -38,6 +38,33 @@ def test_prefill_v3_gated(lower_bound, intra):
                          version="v3", out_x3=True, intra=intra)
 
 
+@pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 37], dict(decay=0.1)),  # slow decay: the products between the chunk's far sub-blocks matter
+    ([63, 5, 0, 129], dict(KS=16)),  # two K slices, an empty sequence, a chunk of one token
+    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
+])
+def test_prefill_v3_split(lens, kw):
+    """The split in-chunk form (kda_prefill_intra64_split.py); out_x3 keeps the interpreter's bf16 truncation
+    of qw out of the comparison."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra="split", **kw)
+
+
+@pytest.mark.parametrize("intra", ["blocks", "tile", "fused"])
+def test_prefill_v3_slow_decay(intra):
+    cases.prefill_varlen("cpu", [1, 100, 37], H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra=intra,
+                         decay=0.1)
+
+
+def test_prefill_v3_bad_options():
+    q = torch.randn(70, 1, 16)
+    args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])
+    with pytest.raises(ValueError, match="intra must be one of"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", intra="rows")
+    with pytest.raises(ValueError, match="KS must be a power of two"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", KS=24)
+
+
 def test_prefill_v3_long_odd():
     cases.prefill_varlen("cpu", [333], H=1, K=16, V=16, seed=3, version="v3", out_x3=True)
 
