@@ -61,8 +61,6 @@ def step_profile(lm, B: int, context: int) -> dict:
         if t > 0:
             rows.append((t / 5, a.count / 5, a.key[:90]))
     rows.sort(reverse=True)
-    del graphs, cache
-    hs.free_memory()
     return dict(batch=B, context=context, back_to_back_us=start.elapsed_time(end) / 10 * 1e3, wall_us=wall * 1e6,
                 kernel_sum_us=sum(r[0] for r in rows),
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:40]])
@@ -82,6 +80,7 @@ def main() -> None:
                   command=f"python bench/hotpath_profile.py --context {args.context}", steps=[])
     for B in (1, 32, 128):
         r = step_profile(lm, B, args.context)
+        hs.free_memory()  # the step's cache and graphs
         report["steps"].append(r)
         print(f"B={B}: back-to-back {r['back_to_back_us']:.0f} us/step, synced wall {r['wall_us']:.0f} us/step, "
               f"kernel sum {r['kernel_sum_us']:.0f} us/step")

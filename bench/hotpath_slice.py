@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from hotpath_transformers import HF_RUNS, SMOKE_HF_RUNS, build_hf, measure_hf, speedups
 
 from flashinfra.feedback import ceilings
 from flashinfra.model import moe as moe_module
@@ -52,9 +53,6 @@ SMOKE = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
              v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16, linear_head_dim=16,
              linear_num_heads=4, pad_token_id=0)
-# the anchor's transformers runs: (batch, prompt tokens) before the timed decode steps
-HF_RUNS = ((1, 2048), (32, 512))
-SMOKE_HF_RUNS = ((1, 64), (4, 16))
 
 
 def slice_config(smoke: bool) -> dict:
@@ -68,61 +66,6 @@ def slice_config(smoke: bool) -> dict:
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def build_hf(cfg: dict, dtype: torch.dtype):
-    """transformers' slice, built as the anchor built it."""
-    from transformers import Glm5NextTextConfig
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
-
-    hf_cfg = Glm5NextTextConfig(**cfg)
-    hf_cfg._attn_implementation = "sdpa"
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(DEV):
-            model = Glm5NextTextModel(hf_cfg).to(dtype).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return model
-
-
-@torch.no_grad()
-def measure_hf(model, runs: tuple[tuple[int, int], ...], steps: int) -> dict:
-    """The anchor's method: one timed prefill, then ``steps`` decode steps timed after 2 untimed ones."""
-    import transformers
-    from transformers.cache_utils import DynamicCache
-
-    cfg, vocab = model.config, model.config.vocab_size
-    res = dict(transformers=transformers.__version__, params_B=sum(p.numel() for p in model.parameters()) / 1e9,
-               warmup="one prefill of 128 tokens (16 at batch > 1) and 3 decode steps per batch size, untimed",
-               decode_steps_timed=steps, runs=[])
-    for B, P in runs:
-        cache = DynamicCache(config=cfg)
-        warm = torch.randint(0, vocab, (B, min(P, 128 if B == 1 else 16)), device=DEV)
-        model(input_ids=warm, cache=cache, use_cache=True)
-        for _ in range(3):
-            model(input_ids=torch.randint(0, vocab, (B, 1), device=DEV), cache=cache, use_cache=True)
-        del cache
-        ids = torch.randint(0, vocab, (B, P), device=DEV)
-        cache = DynamicCache(config=cfg)
-        sync()
-        t = time.perf_counter()
-        model(input_ids=ids, cache=cache, use_cache=True)
-        sync()
-        prefill_s = time.perf_counter() - t
-        nxt = torch.randint(0, vocab, (B, 1), device=DEV)
-        for i in range(steps + 2):
-            if i == 2:
-                sync()
-                t = time.perf_counter()
-            model(input_ids=nxt, cache=cache, use_cache=True)
-        sync()
-        step_s = (time.perf_counter() - t) / steps
-        res["runs"].append(dict(batch=B, prefill_tokens=P, prefill_s=prefill_s, decode_s_per_step=step_s,
-                                decode_context=f"{P + 2} to {P + steps + 1}"))
-        print("transformers", res["runs"][-1], flush=True)
-        del cache
-    return res
 
 
 def random_release_state_dict(cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -282,9 +225,6 @@ def decode(lm: LoadedModel, batch_size: int, context: int, steps: int, ceil: dic
                eager_median_s=statistics.median(eager), graph_median_s=statistics.median(graph))
     res["graph_frac_hbm_roofline"] = floor / res["graph_median_s"]
     res["eager_frac_hbm_roofline"] = floor / res["eager_median_s"]
-    del cache
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
     return res
 
 
@@ -323,22 +263,6 @@ def prefill(lm: LoadedModel, T: int, reps: int, ceil: dict) -> dict:
     return dict(tokens=T, median_s=med, times_s=times, flops=flops, frac_bf16_mfu=flops / med / rate)
 
 
-def speedups(hf: dict, decode_ours: list[dict], matched: list[dict], prefill_2048: dict | None) -> dict:
-    """transformers' time / ours, per batch size: at transformers' own contexts and at ours."""
-    out = dict(note="ours includes the logits (the embedding as head); transformers' time stops at the final norm")
-    for run in hf["runs"]:
-        B, t = run["batch"], run["decode_s_per_step"]
-        for label, rows in (("same_context", matched), ("at_our_context", decode_ours)):
-            row = next((r for r in rows if r["batch"] == B), None)
-            if row is not None:
-                out[f"decode_b{B}_{label}"] = dict(
-                    transformers_context=run["decode_context"], ours_context=row["context"],
-                    graph=t / row["graph_median_s"], eager=t / row["eager_median_s"])
-        if B == 1 and prefill_2048 is not None and run["prefill_tokens"] == prefill_2048["tokens"]:
-            out[f"prefill_{run['prefill_tokens']}"] = run["prefill_s"] / prefill_2048["median_s"]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/hotpath_slice.json")
@@ -375,8 +299,8 @@ def main() -> None:
     if args.no_transformers:
         source, state_dict = "random release-format tensors", random_release_state_dict(cfg, dtype)
     else:
-        hf = build_hf(cfg, dtype)
-        report["transformers"] = measure_hf(hf, hf_runs, args.hf_steps)
+        hf = build_hf(cfg, dtype, DEV)
+        report["transformers"] = measure_hf(hf, hf_runs, args.hf_steps, DEV)
         report["transformers"]["memory"] = gpu_gb()
         save()
         source, state_dict = "transformers Glm5NextTextModel random init", hf.state_dict()
@@ -407,6 +331,7 @@ def main() -> None:
     report["decode"] = []
     for b in (int(x) for x in args.batches.split(",")):
         report["decode"].append(decode(lm, b, args.context, args.steps, ceil))
+        free_memory()  # the step's cache and graphs
         print("decode", report["decode"][-1], flush=True)
         compare()
     report["prefill"] = prefill(lm, args.prefill, 3, ceil)
@@ -417,6 +342,7 @@ def main() -> None:
     report["decode_at_transformers_context"] = []
     for B, P in hf_runs:
         report["decode_at_transformers_context"].append(decode(lm, B, P, args.steps, ceil))
+        free_memory()
         print("decode at transformers' context", report["decode_at_transformers_context"][-1], flush=True)
         compare()
     report["prefill_at_transformers_length"] = prefill(lm, hf_runs[0][1], 3, ceil)
