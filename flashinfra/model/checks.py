@@ -109,3 +109,27 @@ def check_packed():
     packed = model.logits(prompts)
     alone = [model.logits([p])[0] for p in prompts]
     return _compare_logits("model.logits.packed", torch.cat(packed), torch.cat(alone))
+
+
+@register_check("model.layers.kernels", tags=("model", "kernels"))
+def check_layers_with_kernels():
+    """Every layer with the kernels is as close to a higher-precision run as with the references
+    (``model.layerwise``): bf16 against float32 on CUDA; on a CPU float32 against float64, which compares
+    kernels only under ``TRITON_INTERPRET=1`` (otherwise both paths are the references)."""
+    import torch
+
+    from flashinfra.feedback.registry import CheckResult
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.model.layerwise import compare_layers
+
+    cuda = torch.cuda.is_available()
+    dtype, hi, floor = ("bfloat16", torch.float32, 1e-3) if cuda else ("float32", torch.float64, 2e-3)
+    with tempfile.TemporaryDirectory(prefix="flashinfra-check-") as path:
+        model = load_model(write_tiny_checkpoint(Path(path), seed=2), dtype=dtype, device="cuda" if cuda else "cpu")
+    errors = compare_layers(model, [_prompt(n, n) for n in (37, 5, 20)], hi)
+    return [CheckResult(name=f"model.layers.kernels.{e.step}.{e.layer}", passed=e.within(2.0, floor),
+                        rel_norm=e.kernel_err, dtype=dtype,
+                        message=f"{e.kind}: kernel path {e.kernel_err:.2e}, reference path {e.reference_err:.2e} "
+                                f"from {hi}".replace("torch.", ""))
+            for e in errors]
