@@ -93,16 +93,17 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                a_warps: int = 2, b_warps: int = 4, solve_precision: str | None = None, intra: str = "blocks",
-                KS: int | None = None, d_warps: int = 1):
+                a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
+                intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
     kda_prefill_intra64_tile.py), "fused" (tile, with the per-chunk tiles in the same kernel: one launch
     less) or "split" (kda_prefill_intra64_split.py: the diagonal blocks and their inverses in one small
     program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
-    with ``a_warps``: one launch more). ``KS`` is the K slice of the tile, fused and split forms (16, 16, 32 by
-    default). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
+    the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (Triton's
+    default if None). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
@@ -111,7 +112,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
-    KS = KS or (32 if intra == "split" else 16)
+    KS = KS or 16
+    a_warps = a_warps or (4 if intra == "split" else 2)
     if KS & (KS - 1) or KS < 16:
         raise ValueError(f"kda_prefill v3: KS must be a power of two >= 16, got {KS}")
     if num_stages < 2 and not env.triton_interpret():
@@ -139,6 +141,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
+    stages = {} if a_stages is None else dict(num_stages=a_stages)
 
     def intra_fused():
         kda_intra64_fused_kernel[(nch, H)](
@@ -167,7 +170,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         kda_intra64_diag_kernel[(nch * 4, H)](
             q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps, **gate_args,
+            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps, **stages, **gate_args,
         )
 
     def intra_offdiag():
@@ -175,7 +178,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
             H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps,
-            **gate_args,
+            **stages, **gate_args,
         )
 
     def intra_b():

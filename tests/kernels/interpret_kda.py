@@ -40,7 +40,7 @@ def test_prefill_v3_gated(lower_bound, intra):
 
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1)),  # slow decay: the products between the chunk's far sub-blocks matter
-    ([63, 5, 0, 129], dict(KS=16)),  # two K slices, an empty sequence, a chunk of one token
+    ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2)),  # one K slice, an empty sequence, a chunk of one token
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
 ])
