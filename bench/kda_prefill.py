@@ -11,10 +11,11 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
 
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
-    python bench/kda_prefill.py --parts [--name kda_prefill_v3_parts]
-        v3's launches timed one by one (PART_CONFIGS), v2 beside them, no FLA; compile first, side by side:
-        for w in v3 v3_tile v3_tf32solve v3_gated v2 v2_ieee v2_gated_ieee; do
-            python bench/kda_prefill.py --warm $w & done; wait
+    python bench/kda_prefill.py --parts [--fla] [--name kda_prefill_v3_parts]
+        v3's launches timed one by one (PART_CONFIGS), v2 beside them, FLA's chunk_kda (anchor style) with
+        --fla; compile first, side by side:
+        for w in v3 v3_split v3_split_s1 v3_split_w8 v3_split_ks32 v3_split_tf32 v3_gated v3_split_gated v2 \
+                 v2_ieee v2_gated_ieee; do python bench/kda_prefill.py --warm $w & done; wait
 
 The anchor-style FLA call leaves q unnormalised (as the anchors ran it), so it computes another function and
 gets no precision entry; ``fla_norm`` (norm in FLA's kernel) is the precision comparison.
@@ -45,8 +46,13 @@ V3 = dict(version="v3")
 VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V3, BV=32, num_stages=1),
             dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
             dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
-# --parts: v3's three launches timed one by one (configs over the v3 defaults)
-PART_CONFIGS = [{}, dict(intra="tile"), dict(solve_precision="tf32")]
+# --parts: v3's launches timed one by one (configs over the v3 defaults); "split": kda_prefill_intra64_split.py
+SPLIT = dict(intra="split")
+PART_CONFIGS = [{}, SPLIT, dict(SPLIT, a_stages=1), dict(SPLIT, a_warps=8), dict(SPLIT, KS=32, a_warps=2, d_warps=2),
+                dict(SPLIT, solve_precision="tf32")]
+WARM = {"v3": {}, "v3_split": SPLIT, "v3_split_s1": PART_CONFIGS[2], "v3_split_w8": PART_CONFIGS[3],
+        "v3_split_ks32": PART_CONFIGS[4], "v3_split_tf32": PART_CONFIGS[5], "v3_tile": dict(intra="tile"),
+        "v3_tf32solve": dict(solve_precision="tf32")}
 
 
 def inputs(lens: list[int], seed: int):
@@ -147,10 +153,37 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
-def time_parts(label: str, lens: list[int], res: dict) -> None:
+def time_fla(a: dict, s0: torch.Tensor, iters: int) -> dict:
+    """FLA's chunk_kda as the anchors ran it (k normalised outside, g and beta given), final state written;
+    its first call autotunes (a minute or more per shape), outside the timing."""
+    out = {}
+    try:
+        from fla.ops.kda import chunk_kda
+
+        cu = torch.tensor(a["cu"], device="cuda", dtype=torch.int32)
+        q4, v4 = a["q"].unsqueeze(0), a["v"].unsqueeze(0)
+        kn = torch.nn.functional.normalize(a["k"].float(), dim=-1).bfloat16().unsqueeze(0)
+        g4, b4 = a["g"].unsqueeze(0), a["beta"].bfloat16().unsqueeze(0)
+        h0 = s0.clone()
+
+        def fla():
+            return chunk_kda(q4, kn, v4, g4, b4, scale=K**-0.5, initial_state=h0, output_final_state=True,
+                             cu_seqlens=cu)
+
+        t0 = time.time()
+        fla()
+        torch.cuda.synchronize()
+        out["fla_first_call_s"] = time.time() - t0
+        out["fla_ms"] = time_eager(fla, iters=iters, warmup=1) / 1e3
+    except Exception as exc:  # FLA missing, or its call failing, leaves a note in the row
+        out["fla_error"] = repr(exc)[:300]
+    return out
+
+
+def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -> None:
     """v3's launches one by one (in-chunk matrices, per-chunk tiles, state pass) and together, per config,
     with the output's and final state's error against v2 in ieee fp32 (fp32 output), the gated op's error
-    likewise, and v2's total in the same run."""
+    likewise, and v2's total (and FLA's with ``with_fla``) in the same run."""
     a = inputs(lens, seed=len(lens) + lens[0])
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
@@ -163,15 +196,17 @@ def time_parts(label: str, lens: list[int], res: dict) -> None:
                                          local_precision="ieee", version="v2")
     gated_v3 = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3")
     gated_err = float((gated_v3 - gated_ref).norm() / gated_ref.norm())
-    del gated_ref, gated_v3
+    del gated_v3
     iters = 5 if T > 20000 else 10
     v2_us = time_eager(lambda: kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"],
                                                   slots, init, version="v2"), iters=iters, warmup=1)
+    fla = time_fla(a, s0, iters) if with_fla else {}
     cu, cu_t, slots_t, init_t = pre._seq_args(a["cu"], slots, init, T, N, a["q"].device)
     o = torch.empty(T, H, V, dtype=torch.bfloat16, device="cuda")
     for cfg in PART_CONFIGS:
         opts = dict(BV=64, num_warps=4, num_stages=2, chain_precision="bf16x3", local_precision="tf32") | cfg
-        row = {"case": label, "T": T, "config": cfg, "v2_ms": v2_us / 1e3, "v3_gated_relerr_vs_ieee": gated_err}
+        row = {"case": label, "T": T, "config": cfg, "v2_ms": v2_us / 1e3, "v3_gated_relerr_vs_ieee": gated_err,
+               **fla}
         try:
             a["state"].copy_(s0)
             o.fill_(float("nan"))  # an element left unwritten shows as a NaN error
@@ -186,11 +221,17 @@ def time_parts(label: str, lens: list[int], res: dict) -> None:
                 row[f"{name}_ms"] = time_eager(fn, iters=iters, warmup=1) / 1e3
             row["total_ms"] = time_eager(lambda: [fn() for _, fn in launches], iters=iters, warmup=1) / 1e3
             row["Mtok_s"] = T / row["total_ms"] / 1e3
+            if "fla_ms" in row:
+                row["speedup_vs_fla"] = row["fla_ms"] / row["total_ms"]
+            if cfg == SPLIT:  # the gated op through the split form, same comparison as v3_gated_relerr_vs_ieee
+                gated = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3", **cfg)
+                row["gated_relerr_vs_ieee"] = float((gated - gated_ref).norm() / gated_ref.norm())
+                del gated
         except Exception as exc:
             row["error"] = repr(exc)[:300]
         res.setdefault("parts", []).append(row)
         print(row, flush=True)
-    del ref
+    del ref, gated_ref
 
 
 def warm(name: str) -> None:
@@ -201,30 +242,31 @@ def warm(name: str) -> None:
     gated = (a["q"].float(), a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB, a["state"],
              a["cu"], slots, init)
     plain = (a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
-    calls = {"v3": lambda: kda_prefill_launch(a["q"], *plain, version="v3"),
-             "v3_tile": lambda: kda_prefill_launch(a["q"], *plain, version="v3", intra="tile"),
-             "v3_tf32solve": lambda: kda_prefill_launch(a["q"], *plain, version="v3", solve_precision="tf32"),
-             "v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
-             "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
-             "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
-                                                   local_precision="ieee", version="v2"),
-             "v2_gated_ieee": lambda: kda_prefill_gated_launch(*gated, chain_precision="ieee", local_precision="ieee",
-                                                               version="v2")}
+    calls = {n: (lambda cfg=cfg: kda_prefill_launch(a["q"], *plain, version="v3", **cfg)) for n, cfg in WARM.items()}
+    calls |= {"v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
+              "v3_split_gated": lambda: kda_prefill_gated_launch(*gated, version="v3", **SPLIT),
+              "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
+              "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
+                                                    local_precision="ieee", version="v2"),
+              "v2_gated_ieee": lambda: kda_prefill_gated_launch(*gated, chain_precision="ieee",
+                                                                local_precision="ieee", version="v2")}
     calls[name]()
     torch.cuda.synchronize()
 
 
 def print_parts(res: dict) -> None:
-    print(f"{'case':9s} {'config':34s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} {'v2':>7s} {'err':>8s} "
-          f"{'state':>8s} {'gated':>8s}")
+    print(f"{'case':9s} {'config':44s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} "
+          f"{'v2':>7s} {'FLA':>7s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s}")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
         a_ms = r.get("intra_a_ms", r.get("intra_ms", nan))
-        print(f"{r['case']:9s} {cfg:34s} {a_ms:6.3f} {r.get('intra_b_ms', 0):6.3f} "
+        print(f"{r['case']:9s} {cfg:44s} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} {r.get('intra_b_ms', 0):6.3f} "
               f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r['v2_ms']:7.3f} "
+              f"{r.get('fla_ms', nan):7.3f} "
               f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('state_relerr_vs_ieee', nan):8.2e} "
-              f"{r['v3_gated_relerr_vs_ieee']:8.2e} {r.get('error', '')[:60]}")
+              f"{r['v3_gated_relerr_vs_ieee']:8.2e} {r.get('gated_relerr_vs_ieee', nan):9.2e} "
+              f"{r.get('error', '')[:60]}")
 
 
 def main() -> int:
@@ -236,6 +278,7 @@ def main() -> int:
     ap.add_argument("--name", default="kda_prefill", help="result file name in bench/results/")
     ap.add_argument("--cases", default="T8192,varlen16,T65536")
     ap.add_argument("--parts", action="store_true", help="only time v3's launches one by one (see time_parts)")
+    ap.add_argument("--fla", action="store_true", help="with --parts: also time FLA's chunk_kda (autotunes first)")
     ap.add_argument("--warm", help="only compile the kernels of one --parts call: v3, v3_gated, v2, v2_ieee, ...")
     args = ap.parse_args()
     if args.warm:
@@ -248,7 +291,7 @@ def main() -> int:
     shapes = {"T8192": [8192], "varlen16": VARLEN, "T65536": [65536]}
     if args.parts:
         for label in args.cases.split(","):
-            time_parts(label, shapes[label], res)
+            time_parts(label, shapes[label], res, args.fla)
             write_results(args.name, res, args.out)
         print_parts(res)
         return 0

@@ -41,9 +41,25 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
                                     dict(a_warps=4, b_warps=8), dict(BV=32, num_warps=8), dict(intra="tile"),
-                                    dict(intra="fused")])
+                                    dict(intra="fused"), dict(intra="split", solve_precision="tf32"),
+                                    dict(intra="split", a_stages=1), dict(intra="split", a_warps=8),
+                                    dict(intra="split", KS=32, a_warps=2, d_warps=2)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
+
+
+@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
+def test_prefill_v3_split_real_size(dtype, decay):
+    """The split in-chunk form (kda_prefill_intra64_split.py); slow decay makes the products between a
+    chunk's far sub-blocks matter."""
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
+                         intra="split", decay=decay)
+
+
+@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
+def test_prefill_v3_split_gated_real_size(lower_bound, decay):
+    cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
+                         lower_bound=lower_bound, version="v3", intra="split", decay=decay)
 
 
 @pytest.mark.parametrize("B", [1, 64, 67])
