@@ -102,8 +102,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     less) or "split" (kda_prefill_intra64_split.py: the diagonal blocks and their inverses in one small
     program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
     with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
-    the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (Triton's
-    default if None). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
+    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
@@ -141,7 +141,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
-    stages = {} if a_stages is None else dict(num_stages=a_stages)
+    stages = dict(num_stages=a_stages or 1)  # no software pipelining: ~20-30 registers less (sm_90)
 
     def intra_fused():
         kda_intra64_fused_kernel[(nch, H)](
