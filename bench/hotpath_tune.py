@@ -29,14 +29,17 @@ def mla(BH, BN, w, s):
     return dict(BH=BH, BN=BN, num_warps=w, num_stages=s)
 
 
-MOE_SMALL = [moe(16, 64, 64, 128, 4, 4), moe(16, 32, 32, 128, 4, 4), moe(16, 64, 64, 256, 4, 3),
-             moe(16, 128, 128, 128, 4, 4), moe(16, 64, 64, 128, 4, 6)]
-MOE_LARGE = [moe(64, 64, 128, 64, 8, 3), moe(128, 64, 128, 64, 8, 3), moe(64, 128, 128, 64, 8, 3),
-             moe(128, 128, 128, 64, 8, 3), moe(128, 64, 256, 64, 8, 3), moe(64, 64, 128, 64, 4, 4)]
-MLA = [mla(32, 32, 8, 2), mla(64, 32, 8, 2), mla(32, 64, 8, 2), mla(64, 64, 8, 2), mla(32, 32, 8, 3),
-       mla(16, 32, 4, 2), mla(32, 16, 4, 3)]
+# the first candidate of each list is the launcher's current choice at that size (the reference output)
+MOE_DECODE = [moe(16, 64, 64, 128, 4, 4), moe(16, 32, 32, 128, 4, 4), moe(16, 64, 64, 256, 4, 3),
+              moe(16, 128, 128, 128, 4, 4), moe(16, 64, 64, 128, 4, 6), moe(16, 32, 64, 256, 2, 4)]
+MOE_SMALL = [moe(16, 128, 128, 128, 4, 4), moe(16, 64, 64, 128, 4, 4), moe(16, 128, 128, 256, 4, 3),
+             moe(16, 256, 256, 128, 8, 3), moe(32, 128, 128, 128, 4, 4)]
+MOE_LARGE = [moe(128, 128, 128, 64, 8, 3), moe(128, 128, 256, 64, 8, 3), moe(128, 128, 128, 64, 8, 4),
+             moe(128, 128, 128, 128, 8, 2), moe(128, 256, 128, 64, 8, 3), moe(64, 128, 128, 64, 4, 4)]
+MLA = [mla(64, 64, 8, 2), mla(64, 64, 8, 3), mla(64, 128, 8, 2), mla(64, 32, 8, 3), mla(64, 64, 4, 2),
+       mla(32, 64, 8, 2)]
 SWEEPS = {
-    "hotpath.moe.t1": (fused_moe, MOE_SMALL),
+    "hotpath.moe.t1": (fused_moe, MOE_DECODE),
     "hotpath.moe.t32": (fused_moe, MOE_SMALL),
     "hotpath.moe.t128": (fused_moe, MOE_SMALL),
     "hotpath.moe.t8192": (fused_moe, MOE_LARGE),
