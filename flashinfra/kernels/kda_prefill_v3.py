@@ -1,4 +1,4 @@
-"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (kda_prefill_intra64.py), then one
+"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (kda_prefill_intra64*.py), then one
 sequential pass per (value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
@@ -103,7 +103,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
     with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
     the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
-    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not). The
+    defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
