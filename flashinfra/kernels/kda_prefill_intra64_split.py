@@ -129,6 +129,21 @@ def _blk_t(p, i: tl.constexpr, j: tl.constexpr, o_r):
 
 
 @triton.jit
+def _col_operand(k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_k, m_k, stride_k_t, stride_g_t, stride_b_t,
+                 j: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                 BETA_LOGITS: tl.constexpr):
+    """Column block j's K slice: raw k, the operand ``(k_c exp(ge_j - gc_c))^T`` and the block's decay sum."""
+    o_r = tl.arange(0, 16)
+    m_c = 16 * j + o_r < left
+    m_ck = m_c[:, None] & m_k[None, :]
+    c_g, _ = _load_gate(g, beta, A_log, dt_bias, lower_bound, 16 * j + o_r, m_c, m_ck, i_h, o_k, m_k, stride_g_t,
+                        stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    c_k = _ld(k, 16 * j + o_r, m_ck, stride_k_t, o_k)
+    c_sum = tl.sum(c_g, 0)
+    return c_k, tl.trans(c_k * tl.exp(c_sum[None, :] - tl.cumsum(c_g, 0))), c_sum
+
+
+@triton.jit
 def _col_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
               j: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
               HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr):
@@ -137,10 +152,8 @@ def _col_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t,
     factors at most 1), with the sums of squares of the column block's k and (for j = 0, which covers every
     row that needs them) of the rows' q and k."""
     o_t = tl.arange(0, 64)
-    o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
     m_t = (o_t < left) & (o_t // 16 > j)
-    m_c = 16 * j + o_r < left
     acc_l = tl.zeros([64, 16], dtype=tl.float32)
     acc_a = tl.zeros([64, 16], dtype=tl.float32)
     ssq_k = tl.zeros([64], dtype=tl.float32)
@@ -151,7 +164,6 @@ def _col_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t,
         # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        m_ck = m_c[:, None] & m_k[None, :]
         b_g, b_b = _load_gate(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, o_t, m_t, m_tk, i_h, o_s,
                               m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
         # rows not below block j hold g = 0, so the cumulative sum starts after block j: gc_r - ge_j
@@ -161,14 +173,74 @@ def _col_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t,
         if j == 0:
             ssq_k += tl.sum(b_k * b_k, 1)
             ssq_q += tl.sum(b_q * b_q, 1)
-        c_g, _ = _load_gate(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, 16 * j + o_r, m_c, m_ck, i_h,
-                            o_s, m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-        c_k = _ld(k + ks * KS, 16 * j + o_r, m_ck, stride_k_t, o_s)
+        c_k, c_t, _c_sum = _col_operand(k + ks * KS, g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, left,
+                                        i_h, o_s, m_k, stride_k_t, stride_g_t, stride_b_t, j, K, GATE_IN_KERNEL,
+                                        HAS_LOWER_BOUND, BETA_LOGITS)
         ssq_c += tl.sum(c_k * c_k, 1)
-        c_t = tl.trans(c_k * tl.exp(tl.sum(c_g, 0)[None, :] - tl.cumsum(c_g, 0)))
         acc_l = tl.dot(b_k * b_f, c_t, acc_l, input_precision=LP)
         acc_a = tl.dot(b_q * b_f, c_t, acc_a, input_precision=LP)
     return acc_l, acc_a, ssq_k, ssq_q, ssq_c, b_b
+
+
+@triton.jit
+def _one_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
+              K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+              BETA_LOGITS: tl.constexpr, LP: tl.constexpr):
+    """The three column passes of _col_pass in one pass over K (six accumulators live): the rows' gate,
+    cumulative sum and loads are shared, ``ge_j`` is the sum of the column blocks' decay up to block j."""
+    o_t = tl.arange(0, 64)
+    o_s = tl.arange(0, KS)
+    blk = o_t // 16
+    m_g = o_t < left
+    m_t = m_g & (blk > 0)
+    z = tl.zeros([64, 16], dtype=tl.float32)
+    acc_l0, acc_a0, acc_l1, acc_a1, acc_l2, acc_a2 = z, z, z, z, z, z
+    ssq_k = tl.zeros([64], dtype=tl.float32)
+    ssq_q = tl.zeros([64], dtype=tl.float32)
+    zc = tl.zeros([16], dtype=tl.float32)
+    sc0, sc1, sc2 = zc, zc, zc
+    b_b = tl.zeros([64], dtype=tl.float32)
+    for ks in range(K // KS):
+        qs, kk, gs, ds = q + ks * KS, k + ks * KS, g + ks * KS, dt_bias + ks * KS
+        m_k = o_s < KS
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_g, b_b = _load_gate(gs, beta, A_log, ds, lower_bound, o_t, m_g, m_g[:, None] & m_k[None, :], i_h, o_s, m_k,
+                              stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+        b_gc = tl.cumsum(b_g, 0)
+        b_k = _ld(kk, o_t, m_tk, stride_k_t, o_s)
+        b_q = _ld(qs, o_t, m_tk, stride_q_t, o_s)
+        ssq_k += tl.sum(b_k * b_k, 1)
+        ssq_q += tl.sum(b_q * b_q, 1)
+        c_k, c_t, ge = _col_operand(kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k, stride_k_t, stride_g_t,
+                                    stride_b_t, 0, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+        sc0 += tl.sum(c_k * c_k, 1)
+        b_f = tl.exp(tl.where((blk > 0)[:, None], b_gc - ge[None, :], -1e30))
+        acc_l0 = tl.dot(b_k * b_f, c_t, acc_l0, input_precision=LP)
+        acc_a0 = tl.dot(b_q * b_f, c_t, acc_a0, input_precision=LP)
+        c_k, c_t, c_sum = _col_operand(kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k, stride_k_t,
+                                       stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+        ge += c_sum
+        sc1 += tl.sum(c_k * c_k, 1)
+        b_f = tl.exp(tl.where((blk > 1)[:, None], b_gc - ge[None, :], -1e30))
+        acc_l1 = tl.dot(b_k * b_f, c_t, acc_l1, input_precision=LP)
+        acc_a1 = tl.dot(b_q * b_f, c_t, acc_a1, input_precision=LP)
+        c_k, c_t, c_sum = _col_operand(kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k, stride_k_t,
+                                       stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+        ge += c_sum
+        sc2 += tl.sum(c_k * c_k, 1)
+        b_f = tl.exp(tl.where((blk > 2)[:, None], b_gc - ge[None, :], -1e30))
+        acc_l2 = tl.dot(b_k * b_f, c_t, acc_l2, input_precision=LP)
+        acc_a2 = tl.dot(b_q * b_f, c_t, acc_a2, input_precision=LP)
+    return acc_l0, acc_a0, acc_l1, acc_a1, acc_l2, acc_a2, ssq_k, ssq_q, sc0, sc1, sc2, b_b
+
+
+@triton.jit
+def _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, j: tl.constexpr):
+    """Column block j of Aqk, and of L into Aqk's unused upper blocks (transposed), for the rows below it."""
+    blk = tl.arange(0, 64) // 16
+    n_c = (1.0 / tl.sqrt(ssq_c + 1e-6))[None, :]
+    tl.store(p_a + 16 * j, acc_a * r_q * n_c, mask=blk[:, None] > j)
+    tl.store(p_l + 16 * 64 * j, acc_l * r_k * n_c, mask=blk[:, None] > j)
 
 
 @triton.jit
@@ -177,12 +249,12 @@ def kda_intra64_offdiag_kernel(
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Grid (chunks, H): the off-diagonal blocks of Aqk and of (I + L)^-1, after kda_intra64_diag_kernel has
     written the diagonal inverses. One pass over K per column block, so that only its two accumulators are
-    live; Aqk's blocks go out after each, L's to Aqk's unused blocks above the diagonal (transposed) for the
-    merge to read back block by block."""
+    live (ONE_PASS: all three in one pass, fewer instructions, more registers); Aqk's blocks go out, L's to
+    Aqk's unused blocks above the diagonal (transposed) for the merge to read back block by block."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
@@ -195,30 +267,30 @@ def kda_intra64_offdiag_kernel(
     SP: tl.constexpr = SOLVE_PRECISION
     o_t = tl.arange(0, 64)
     o_r = tl.arange(0, 16)
-    blk = o_t // 16
     p_a = aqk + o_t[:, None] * 64 + o_r[None, :]
     p_l = aqk + o_r[None, :] * 64 + o_t[:, None]
+    args = (q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t)
     # the L2 norms, the scale and beta as row and column factors of the raw products
-    acc_l, acc_a, ssq_k, ssq_q, ssq_c, b_b = _col_pass(
-        q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LP)
-    r_q = (scale / tl.sqrt(ssq_q + 1e-6))[:, None]
-    r_k = (b_b / tl.sqrt(ssq_k + 1e-6))[:, None]
-    n_c = (1.0 / tl.sqrt(ssq_c + 1e-6))[None, :]
-    tl.store(p_a, acc_a * r_q * n_c, mask=blk[:, None] > 0)
-    tl.store(p_l, acc_l * r_k * n_c, mask=blk[:, None] > 0)
-    acc_l, acc_a, _sk, _sq, ssq_c, _bb = _col_pass(
-        q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LP)
-    n_c = (1.0 / tl.sqrt(ssq_c + 1e-6))[None, :]
-    tl.store(p_a + 16, acc_a * r_q * n_c, mask=blk[:, None] > 1)
-    tl.store(p_l + 16 * 64, acc_l * r_k * n_c, mask=blk[:, None] > 1)
-    acc_l, acc_a, _sk, _sq, ssq_c, _bb = _col_pass(
-        q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LP)
-    n_c = (1.0 / tl.sqrt(ssq_c + 1e-6))[None, :]
-    tl.store(p_a + 32, acc_a * r_q * n_c, mask=blk[:, None] > 2)
-    tl.store(p_l + 32 * 64, acc_l * r_k * n_c, mask=blk[:, None] > 2)
+    if ONE_PASS:
+        acc_l0, acc_a0, acc_l1, acc_a1, acc_l2, acc_a2, ssq_k, ssq_q, sc0, sc1, sc2, b_b = _one_pass(
+            *args, K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LP)
+        r_q = (scale / tl.sqrt(ssq_q + 1e-6))[:, None]
+        r_k = (b_b / tl.sqrt(ssq_k + 1e-6))[:, None]
+        _store_col(p_a, p_l, acc_a0, acc_l0, r_q, r_k, sc0, 0)
+        _store_col(p_a, p_l, acc_a1, acc_l1, r_q, r_k, sc1, 1)
+        _store_col(p_a, p_l, acc_a2, acc_l2, r_q, r_k, sc2, 2)
+    else:
+        acc_l, acc_a, ssq_k, ssq_q, ssq_c, b_b = _col_pass(*args, 0, K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND,
+                                                           BETA_LOGITS, LP)
+        r_q = (scale / tl.sqrt(ssq_q + 1e-6))[:, None]
+        r_k = (b_b / tl.sqrt(ssq_k + 1e-6))[:, None]
+        _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, 0)
+        acc_l, acc_a, _sk, _sq, ssq_c, _bb = _col_pass(*args, 1, K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND,
+                                                       BETA_LOGITS, LP)
+        _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, 1)
+        acc_l, acc_a, _sk, _sq, ssq_c, _bb = _col_pass(*args, 2, K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND,
+                                                       BETA_LOGITS, LP)
+        _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, 2)
     tl.debug_barrier()  # L's blocks are read back below by other threads
 
     # (I + L)^-1, block lower triangular: Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj, column block by column

@@ -94,7 +94,8 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
-                intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None):
+                intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
+                a_one_pass: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
@@ -103,7 +104,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
     with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
     the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
-    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not). The
+    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
+    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 180 registers). The
     defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
@@ -178,8 +180,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         kda_intra64_offdiag_kernel[(nch, H)](
             q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps,
-            **stages, **gate_args,
+            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, ONE_PASS=a_one_pass,
+            num_warps=a_warps, **stages, **gate_args,
         )
 
     def intra_b():

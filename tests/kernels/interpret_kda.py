@@ -43,6 +43,7 @@ def test_prefill_v3_gated(lower_bound, intra):
     ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2)),  # one K slice, an empty sequence, a chunk of one token
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
+    ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=True)),
 ])
 def test_prefill_v3_split(lens, kw):
     """The split in-chunk form (kda_prefill_intra64_split.py); out_x3 keeps the interpreter's bf16 truncation

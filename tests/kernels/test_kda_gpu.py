@@ -47,7 +47,8 @@ def test_prefill_v3_variants(launch):
 
 
 @pytest.mark.parametrize("launch", [dict(solve_precision="tf32"), dict(a_stages=3), dict(a_warps=8),
-                                    dict(KS=32, a_warps=2, d_warps=2)])
+                                    dict(KS=32, a_warps=2, d_warps=2), dict(a_one_pass=True),
+                                    dict(a_one_pass=True, a_warps=8)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", intra="split",
                          decay=0.3, **launch)
