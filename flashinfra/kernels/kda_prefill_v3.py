@@ -105,7 +105,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
     the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
     default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
-    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 180 registers). The
+    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers). The
     defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
