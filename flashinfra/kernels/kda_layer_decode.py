@@ -34,7 +34,7 @@ import triton.language as tl
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
-from flashinfra.kernels.kda_gate import kda_gate_ref
+from flashinfra.kernels.kda_gate import kda_gate_ref, kda_log_decay
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
@@ -98,11 +98,7 @@ def _head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_
     b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
     b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if HAS_LOWER_BOUND:
-        b_g = lower_bound * tl.sigmoid(b_rate * b_g)
-    else:
-        b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
     b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)

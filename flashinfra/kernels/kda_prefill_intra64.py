@@ -33,6 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashinfra.kernels.kda_gate import kda_log_decay
+
 
 @triton.jit
 def _load_norm(x, rows, m_tk, stride_t, i_h, o_k, K: tl.constexpr):
@@ -50,11 +52,7 @@ def _load_gate(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, 
     b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
     if GATE_IN_KERNEL:
         b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-        b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        if HAS_LOWER_BOUND:
-            b_g = lower_bound * tl.sigmoid(b_rate * b_g)
-        else:
-            b_g = -b_rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
     if BETA_LOGITS:
         b_b = tl.sigmoid(b_b)
     return tl.where(m_tk, tl.maximum(b_g, -10.0), 0.0), tl.where(m_t, b_b, 0.0)
