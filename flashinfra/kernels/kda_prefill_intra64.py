@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_gate import kda_log_decay
+from flashinfra.kernels.kda_gate import load_gate_beta
 
 
 @triton.jit
@@ -47,15 +47,9 @@ def _load_norm(x, rows, m_tk, stride_t, i_h, o_k, K: tl.constexpr):
 def _load_gate(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
                K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
                BETA_LOGITS: tl.constexpr):
-    """The clamped log-decay and beta of the rows, zero past the end of the sequence."""
-    b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if GATE_IN_KERNEL:
-        b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    if BETA_LOGITS:
-        b_b = tl.sigmoid(b_b)
-    return tl.where(m_tk, tl.maximum(b_g, -10.0), 0.0), tl.where(m_t, b_b, 0.0)
+    """``load_gate_beta`` with v3's bound: per-token log-decay at least -10 (exact 16-token sub-blocks)."""
+    return load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
+                          stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
 
 
 @triton.jit

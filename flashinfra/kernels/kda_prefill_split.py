@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_gate import kda_log_decay
+from flashinfra.kernels.kda_gate import load_gate_beta
 
 
 @triton.jit
@@ -50,17 +50,10 @@ def kda_chunk_prep_kernel(
     b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if GATE_IN_KERNEL:
-        b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    if BETA_LOGITS:
-        b_b = tl.sigmoid(b_b)
     MID: tl.constexpr = BT // 2
     G_MIN: tl.constexpr = -80.0 / MID
-    b_g = tl.where(m_tk, tl.maximum(b_g, G_MIN), 0.0)
-    b_b = tl.where(m_t, b_b, 0.0)
+    b_g, b_b = load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
+                              stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, G_MIN)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
     b_gc = tl.cumsum(b_g, 0)
