@@ -19,10 +19,12 @@ Two kernels, so that neither holds the whole chunk's sub-blocks and products at 
 [64, 64] float32 matrices; ``kda_intra64_b_kernel`` takes the chunk as one tile and writes, in a chunk-major
 layout that the state pass reads as whole tiles (rows past the end of a sequence are zeros):
 
-- ``wqk`` bf16 [chunks, H, 6, 64, K]: ``w = Ai (beta k exp(gc))``, ``qw = q exp(gc) - Aqk w`` and
-  ``kd = k exp(gl - gc)`` (``gl`` the chunk's total decay), each as a bf16 pair hi, lo with hi + lo within
-  2^-17 of the float32 value, so that the state pass can run its products in bf16x3;
-- ``uo`` float32 [chunks, H, 2, 64, V]: ``u = Ai (beta v)`` and ``ou = Aqk u``;
+- ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))``, ``qw = q exp(gc) - Aqk w`` and
+  ``kd = k exp(gl - gc)`` (``gl`` the chunk's total decay), each rounded to bf16 and, where the state pass's
+  chain needs it, followed by its lo half (hi + lo within 2^-17 of the float32 value): 3 slots for the
+  bf16x2 and bf16 chains, 5 for bf16x3 (w and kd pairs), one more for qw's lo half with ``out_x3``;
+- ``uo`` float32 [chunks, H, 2, 64, V]: ``u = Ai (beta v)`` and ``ou = Aqk u`` (with ``ou_bf16``: bf16
+  [chunks, H, 3, 64, V], u as a pair and ou rounded once, as the bf16 output is);
 - ``egl`` float32 [chunks, H, K]: ``exp(gl)``.
 
 With them the state pass needs, per chunk, ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(gl) S + kd^T v'``.
@@ -206,11 +208,19 @@ def kda_intra64_a_kernel(
 
 
 @triton.jit
-def _store_pair(p, x, SLOT: tl.constexpr):
-    """x as a bf16 pair: hi at p, the remainder lo at p + SLOT (the next slot of the per-chunk tiles)."""
+def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
+    """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of the per-chunk tiles),
+    so that hi + lo is within 2^-17 of x."""
     hi = x.to(tl.bfloat16)
     tl.store(p, hi)
-    tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
+    if LO:
+        tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
+
+
+@triton.jit
+def _store_pair(p, x, SLOT: tl.constexpr):
+    """x as a bf16 pair: hi at p, the remainder lo at p + SLOT."""
+    _store_bf16(p, x, True, SLOT)
 
 
 @triton.jit
@@ -219,10 +229,13 @@ def kda_intra64_b_kernel(
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    LOCAL_PRECISION: tl.constexpr,
+    LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+    OU_BF16: tl.constexpr,
 ):
     """Per chunk, with the whole chunk as one tile: w, u, qw, ou, kd and exp(gl) from the first kernel's
-    matrices (see the module docstring)."""
+    matrices (see the module docstring). W_LO, Q_LO, KD_LO: which of w, qw, kd also get their lo half (the
+    slots follow in the order w, [w lo], qw, [qw lo], kd, [kd lo]); OU_BF16: ``uo`` is bf16 (``ou`` rounded
+    once, ``u`` as a bf16 pair in two slots: [chunks, H, 3, 64, V])."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
     t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
@@ -242,8 +255,11 @@ def kda_intra64_b_kernel(
     b_gl = tl.sum(b_g, 0)
     i_ch = (i_c * H + i_h).to(tl.int64)
     # scalar bases and int32 offsets: tensors of 64-bit pointers would hold twice the registers
-    wqk += i_ch * (6 * 64 * K)
-    uo += i_ch * (2 * 64 * V)
+    NS: tl.constexpr = 3 + W_LO + Q_LO + KD_LO
+    SQ: tl.constexpr = (1 + W_LO) * 64 * K
+    SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
+    wqk += i_ch * (NS * 64 * K)
+    uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
     off_k = o_t[:, None] * K + o_k[None, :]
     off_v = o_t[:, None] * V + o_f[None, :]
     off_a = o_t[:, None] * 64 + o_t[None, :]
@@ -251,15 +267,21 @@ def kda_intra64_b_kernel(
     tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
     # in this order, so that each input is dead before the next is loaded
     b_k = _load_norm(k, rows, m_tk, stride_k_t, i_h, o_k, K)
-    _store_pair(wqk + 4 * 64 * K + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), 64 * K)
+    _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
     b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
     b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
-    _store_pair(wqk + off_k, b_w, 64 * K)
+    _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
     b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
     b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
-    tl.store(uo + off_v, b_u)
     b_aqk = tl.load(aqk + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
-    tl.store(uo + 64 * V + off_v, tl.dot(b_aqk, b_u, input_precision=LP))
+    b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
+    if OU_BF16:
+        # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
+        _store_bf16(uo + off_v, b_u, True, 64 * V)
+        tl.store(uo + 2 * 64 * V + off_v, b_ou.to(tl.bfloat16))
+    else:
+        tl.store(uo + off_v, b_u)
+        tl.store(uo + 64 * V + off_v, b_ou)
     # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
     b_q = _load_norm(q, rows, m_tk, stride_q_t, i_h, o_k, K) * scale
-    _store_pair(wqk + 2 * 64 * K + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), 64 * K)
+    _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)

@@ -4,14 +4,24 @@ sequential pass per (value block, sequence, head) that carries the state.
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
 ``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
 shaped for the tensor cores' warpgroup instructions, with no in-chunk matrix left in the loop. The products
-that carry S from chunk to chunk run in bf16x3 (``chain_precision="bf16x3"``): S and v' are split into bf16
-hi + lo parts each step, w and kd arrive as such pairs, and ``a b ~ a_hi b_hi + a_lo b_hi + a_hi b_lo`` with
-float32 accumulation keeps about 16 bits of every operand, far above plain bf16 or tf32 (10 bits), whose
-rounding compounds over a long sequence; ``"bf16"`` (one product each) exists to show that in a test. The
-output product uses S's hi and lo parts with qw's hi part (plus qw's lo part with ``out_x3``).
+that carry S from chunk to chunk (``chain_precision``) split S and v' into bf16 hi + lo parts each step and
+accumulate in float32:
 
-Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch:
-``chunks * H * 64 * (12 K + 8 V + 512)`` bytes (without the 512 for the fused in-chunk form).
+- ``"bf16x3"``: w and kd arrive as bf16 pairs too, ``a b ~ a_hi b_hi + a_lo b_hi + a_hi b_lo``: about 16 bits
+  of every operand;
+- ``"bf16x2"``: w and kd arrive as one bf16 each, ``w S ~ w S_hi + w S_lo``, ``kd^T v' ~ kd^T v'_hi +
+  kd^T v'_lo``: the state keeps its 16 bits from step to step, and only w and kd are rounded, once per
+  chunk (an input rounding, which does not compound through S), for two thirds of the products and no lo
+  halves in the scratch;
+- ``"bf16"`` (one product each, S rounded to bf16 every step: its rounding compounds over a long sequence)
+  exists to show that in a test.
+
+The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part with ``out_x3``).
+
+Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
+head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
+``out_x3`` (the fused in-chunk form: always 6, and no 512 for the in-chunk matrices); ``ou_bf16``: 6 V
+instead of 8 V.
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_int
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
 
-CHAIN_PRECISIONS = ("bf16x3", "bf16")
+CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
+CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
 INTRA_FORMS = ("blocks", "tile", "fused", "split")
 
 
@@ -43,11 +54,14 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 def kda_state64_kernel(
     wqk, uo, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    CHAIN_X3: tl.constexpr, OUT_X3: tl.constexpr, DOT_F32: tl.constexpr,
+    CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
+    OU_BF16: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """``wqk``, ``uo`` and ``state`` are tensor descriptors over the scratch and the state slots viewed as
     [rows, K], [rows, V] and [slots * H * K, V]: each tile moves between memory and shared memory by the copy
-    engine, and no tensor of pointers stays live across the loop."""
+    engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2 (bf16x2) or 1
+    (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qw's at SQ, kd's at SKD, each lo half (where
+    written) in the next slot."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -63,30 +77,41 @@ def kda_state64_kernel(
     b_s = tl.where(has_init, state.load([r_s, i_v * BV]), 0.0)
     for i_t in range(0, tl.cdiv(L, 64).to(tl.int32)):
         base = (c0 + i_t) * H + i_h
-        b_wh = wqk.load([base * 384, 0])
-        b_qh = wqk.load([base * 384 + 128, 0])
-        b_kh = wqk.load([base * 384 + 256, 0])
+        r_w = base * (NS * 64)
+        b_wh = wqk.load([r_w, 0])
+        b_qh = wqk.load([r_w + SQ * 64, 0])
+        b_kh = wqk.load([r_w + SKD * 64, 0])
         b_sh = b_s.to(tl.bfloat16)
         b_sl = (b_s - b_sh.to(tl.float32)).to(tl.bfloat16)
         # the output first, so that its registers are free before v' is formed
-        b_o = _mma(b_qh, b_sh, uo.load([base * 128 + 64, i_v * BV]), DOT_F32)
+        if OU_BF16:
+            b_o = uo.load([base * 192 + 128, i_v * BV]).to(tl.float32)
+        else:
+            b_o = uo.load([base * 128 + 64, i_v * BV])
+        b_o = _mma(b_qh, b_sh, b_o, DOT_F32)
         b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
         if OUT_X3:
-            b_o = _mma(wqk.load([base * 384 + 192, 0]), b_sh, b_o, DOT_F32)
+            b_o = _mma(wqk.load([r_w + SQ * 64 + 64, 0]), b_sh, b_o, DOT_F32)
         rows = i_t * 64 + o_r
         tl.store(o + (bos + rows)[:, None] * (H * V) + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=(rows < L)[:, None])
         b_ws = _mma(b_wh, b_sh, tl.zeros([64, BV], dtype=tl.float32), DOT_F32)
-        if CHAIN_X3:
-            b_ws = _mma(wqk.load([base * 384 + 64, 0]), b_sh, b_ws, DOT_F32)
+        if CHAIN == 3:
+            b_ws = _mma(wqk.load([r_w + 64, 0]), b_sh, b_ws, DOT_F32)
+        if CHAIN >= 2:
             b_ws = _mma(b_wh, b_sl, b_ws, DOT_F32)
-        b_vn = uo.load([base * 128, i_v * BV]) - b_ws
+        if OU_BF16:
+            b_u = uo.load([base * 192, i_v * BV]).to(tl.float32) + uo.load([base * 192 + 64, i_v * BV]).to(tl.float32)
+        else:
+            b_u = uo.load([base * 128, i_v * BV])
+        b_vn = b_u - b_ws
         b_e = tl.load(egl + base.to(tl.int64) * K + o_k)
         b_vh = b_vn.to(tl.bfloat16)
         b_s = _mma(tl.trans(b_kh), b_vh, b_s * b_e[:, None], DOT_F32)
-        if CHAIN_X3:
+        if CHAIN == 3:
+            b_s = _mma(tl.trans(wqk.load([r_w + SKD * 64 + 64, 0])), b_vh, b_s, DOT_F32)
+        if CHAIN >= 2:
             b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
-            b_s = _mma(tl.trans(wqk.load([base * 384 + 320, 0])), b_vh, b_s, DOT_F32)
             b_s = _mma(tl.trans(b_kh), b_vl, b_s, DOT_F32)
     state.store([r_s, i_v * BV], b_s)
 
@@ -95,7 +120,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
                 intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
-                a_one_pass: bool = False):
+                a_one_pass: bool = False, ou_bf16: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
@@ -105,12 +130,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
     the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
     default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
-    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers). The
-    defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
+    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers);
+    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair (not with
+    "fused"). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
         raise ValueError(f"kda_prefill v3: intra must be one of {INTRA_FORMS}, got {intra!r}")
+    if ou_bf16 and intra == "fused":
+        raise ValueError("kda_prefill v3: ou_bf16 needs a separate per-chunk kernel (intra other than 'fused')")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
@@ -133,8 +161,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
     offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
     nch = len(chunks)
-    wqk = torch.empty(nch, H, 6, 64, K, dtype=torch.bfloat16, device=dev)
-    uo = torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev)
+    # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it; the fused form
+    # always writes all six
+    chain = CHAIN_PRODUCTS[chain_precision]
+    lo = dict(W_LO=chain == 3, Q_LO=out_x3, KD_LO=chain == 3) if intra != "fused" else dict(W_LO=1, Q_LO=1, KD_LO=1)
+    lo = {name: int(flag) for name, flag in lo.items()}
+    slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"] + lo["Q_LO"])
+    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
+    uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
+          else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     if intra != "fused":  # the two in-chunk kernels pass Aqk and (I + L)^-1 through memory
         aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
@@ -188,7 +223,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, num_warps=b_warps, **gate_args,
+            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
         )
 
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
@@ -198,7 +233,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def state_pass():
         kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
-            H=H, K=K, V=V, BV=BV, CHAIN_X3=chain_precision == "bf16x3", OUT_X3=out_x3,
+            H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, OU_BF16=ou_bf16, **slots,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 

@@ -57,6 +57,17 @@ def test_prefill_v3_slow_decay(intra):
                          decay=0.1)
 
 
+@pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 37], dict(intra="blocks", out_x3=True)),  # w, qw, qw lo, kd: 4 slots
+    ([63, 5, 0, 129], dict(intra="split", decay=0.1)),  # w, qw, kd: 3 slots
+    ([21, 130], dict(intra="split", gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
+])
+def test_prefill_v3_chain_bf16x2(lens, kw):
+    """w and kd as one bf16 each (S and v' still split): tolerances of a bf16 input rounding (kda_cases);
+    slow decay, where the plain bf16 chain exceeds them."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", chain_precision="bf16x2", **kw)
+
+
 def test_prefill_v3_bad_options():
     q = torch.randn(70, 1, 16)
     args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])
@@ -64,6 +75,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", intra="rows")
     with pytest.raises(ValueError, match="KS must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", KS=24)
+    with pytest.raises(ValueError, match="chain_precision must be one of"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
 
 
 def test_prefill_v3_long_odd():
