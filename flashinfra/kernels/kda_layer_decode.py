@@ -16,7 +16,7 @@ bench/notes/kda_decode.md):
   Stream order between the launches replaces any synchronisation between programs.
 - ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
   (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
-  the state programs do only the recurrence and the v conv; three launches.
+  the state programs do only the recurrence and the v conv; three launches (the default from B=2).
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
@@ -259,13 +259,15 @@ def kda_layer_decode_prep_kernel(
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     """Kernel layout, V block and warps per batch size and state dtype: the fastest of the variants timed in
-    a CUDA graph on an H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). The block
-    layout won at every size; 64 state elements per thread did best (fp32 state: [K, 32] blocks on 2 warps
-    up to B=16, [K, 64] on 4 warps above, where the larger block halves the q/k conv and gate work per
-    byte; bf16 state: [K, 32] on 2 warps throughout)."""
-    if state_dtype == torch.float32 and B > 16:
-        return dict(grid="block", BV=64, num_warps=4)
-    return dict(grid="block", BV=32, num_warps=2)
+    a CUDA graph on an H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). At B=1 the
+    block layout ([K, 32] on 2 warps) wins: the prep launch costs more than the head work it saves for one
+    sequence. From B=16 the prep layout wins in both dtypes (fp32 state: [K, 64] blocks on 4 warps; bf16
+    state: [K, 32] on 2 warps, 15-17% faster than the block layout at B=64 and 256)."""
+    if B <= 1:
+        return dict(grid="block", BV=32, num_warps=2)
+    if state_dtype == torch.float32:
+        return dict(grid="prep", BV=64, num_warps=4)
+    return dict(grid="prep", BV=32, num_warps=2)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
