@@ -1,9 +1,10 @@
 """KDA precision on the GPU against float64: chunked prefill at long T and the bf16 decode state.
 
 1. Prefill, H=2, K=V=128, bf16 inputs, T=65536 and 131072: ours, v2 (state chain in tf32x3 and in-chunk
-   products in tf32; everything in plain tf32; everything in ieee fp32) and v3 (chain in bf16x3 or plain bf16,
-   in-chunk products in tf32), and FLA chunk_kda, against the float64 reference (``kda_prefill_ref`` run
-   in float64: the chunked form of the recurrence, exact up to float64 rounding), with slow-decay gates
+   products in tf32; everything in plain tf32; everything in ieee fp32) and v3 (chain in bf16x3, bf16x2 or
+   plain bf16, in-chunk products in tf32), and FLA chunk_kda, against the float64 reference
+   (``kda_chunk_one_ref`` in float64, the chunked form of the recurrence, exact up to float64 rounding; before
+   2026-11-30 05:00 UTC this bench called ``kda_prefill_ref``, which computes in float32), with slow-decay gates
    (log-decay about -0.025 per token: long memory) and gates at the -5 lower bound (fast decay).
    Reported: relative error of all outputs, of the last 4096, and of the final state.
 2. Decode, 4096 steps of the fused layer decode (B=8, H=64) with fp32 and with bf16 state, against the
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import fla_version, header, write_results  # noqa: E402
 
 from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_prefill import kda_prefill_launch, kda_prefill_ref  # noqa: E402
+from flashinfra.kernels.kda_prefill import kda_chunk_one_ref, kda_prefill_launch, l2norm_ref  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,8 +46,13 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
     cu, slots, init = [0, T], [0], [False]
     row = {"T": T, "H": H, "regime": regime, "g_mean": float(g.mean())}
     t0 = time.time()
-    s64 = torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda")
-    ref = kda_prefill_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, cu, slots, init)
+    # kda_chunk_one_ref in float64 throughout, one head at a time (kda_prefill_ref casts to float32)
+    ref, s64 = torch.empty(T, H, K, dtype=torch.float64, device="cuda"), torch.empty(1, H, K, K, dtype=torch.float64,
+                                                                                       device="cuda")
+    for h in range(H):
+        x = [t[:, h : h + 1].double() for t in (q, k, v, g, beta)]
+        ref[:, h : h + 1], s64[:, h] = kda_chunk_one_ref(l2norm_ref(x[0]), l2norm_ref(x[1]), *x[2:],
+                                                         torch.zeros(1, K, K, dtype=torch.float64, device="cuda"))
     row["ref_seconds"] = time.time() - t0
     tail = slice(T - 4096, T)
 
@@ -56,7 +62,8 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
         row[f"{name}_state_relerr"] = rel(s, s64)
 
     configs = [("v2", "tf32x3", "tf32", {}), ("v2", "tf32", "tf32", {}), ("v2", "ieee", "ieee", {}),
-               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True)), ("v3", "bf16", "tf32", {})]
+               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True)), ("v3", "bf16x2", "tf32", {}),
+               ("v3", "bf16", "tf32", {})]
     for version, chain, local, extra in configs:
         name = ("ours" if version == "v2" else "ours_v3") + f"_chain_{chain}_local_{local}"
         name += "_outx3" if extra else ""

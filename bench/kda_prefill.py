@@ -14,8 +14,9 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
     python bench/kda_prefill.py --parts [--fla] [--name kda_prefill_v3_parts]
         v3's launches timed one by one (PART_CONFIGS), v2 beside them, FLA's chunk_kda (anchor style) with
         --fla; compile first, side by side:
-        for w in v3 v3_split v3_split_s3 v3_split_w8 v3_split_ks32 v3_split_tf32 v3_split_one v3_gated \
-                 v3_split_gated v2 v2_ieee v2_gated_ieee; do python bench/kda_prefill.py --warm $w & done; wait
+        for w in v3 v3_split v3_split_s3 v3_split_w8 v3_split_ks32 v3_split_tf32 v3_split_one v3_x2 v3_split_x2 \
+                 v3_split_ou16 v3_split_x2_ou16 v3_gated v3_split_gated v2 v2_ieee v2_gated_ieee; do
+            python bench/kda_prefill.py --warm $w & done; wait
 
 The anchor-style FLA call leaves q unnormalised (as the anchors ran it), so it computes another function and
 gets no precision entry; ``fla_norm`` (norm in FLA's kernel) is the precision comparison.
@@ -47,12 +48,15 @@ VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V
             dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
             dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
 # --parts: v3's launches timed one by one (configs over the v3 defaults); "split": kda_prefill_intra64_split.py
-SPLIT = dict(intra="split")
+# ("bf16x2": w and kd as one bf16 each, 3 scratch slots instead of 5; "ou_bf16": ou in bf16, u as a bf16 pair)
+SPLIT, X2 = dict(intra="split"), dict(chain_precision="bf16x2")
 PART_CONFIGS = [{}, SPLIT, dict(SPLIT, a_stages=3), dict(SPLIT, a_warps=8), dict(SPLIT, KS=32, a_warps=2, d_warps=2),
-                dict(SPLIT, solve_precision="tf32"), dict(SPLIT, a_one_pass=True)]
+                dict(SPLIT, solve_precision="tf32"), dict(SPLIT, a_one_pass=True), X2, dict(SPLIT, **X2),
+                dict(SPLIT, ou_bf16=True), dict(SPLIT, **X2, ou_bf16=True)]
 WARM = {"v3": {}, "v3_split": SPLIT, "v3_split_s3": PART_CONFIGS[2], "v3_split_w8": PART_CONFIGS[3],
         "v3_split_ks32": PART_CONFIGS[4], "v3_split_tf32": PART_CONFIGS[5], "v3_split_one": PART_CONFIGS[6],
-        "v3_tile": dict(intra="tile"), "v3_tf32solve": dict(solve_precision="tf32")}
+        "v3_x2": PART_CONFIGS[7], "v3_split_x2": PART_CONFIGS[8], "v3_split_ou16": PART_CONFIGS[9],
+        "v3_split_x2_ou16": PART_CONFIGS[10], "v3_tile": dict(intra="tile"), "v3_tf32solve": dict(solve_precision="tf32")}
 
 
 def inputs(lens: list[int], seed: int):

@@ -68,6 +68,13 @@ def test_prefill_v3_chain_bf16x2(lens, kw):
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", chain_precision="bf16x2", **kw)
 
 
+@pytest.mark.parametrize("intra,chain", [("split", "bf16x3"), ("blocks", "bf16x2")])
+def test_prefill_v3_ou_bf16(intra, chain):
+    """ou in bf16 and u as a bf16 pair (uo [chunks, H, 3, 64, V] bf16), with the bf16 output it is meant for."""
+    cases.prefill_varlen("cpu", [70, 1, 129], H=2, K=32, V=16, dtype=torch.bfloat16, seed=5, version="v3",
+                         intra=intra, chain_precision=chain, ou_bf16=True, decay=0.3)
+
+
 def test_prefill_v3_bad_options():
     q = torch.randn(70, 1, 16)
     args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])
@@ -77,6 +84,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", KS=24)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
+    with pytest.raises(ValueError, match="ou_bf16 needs a separate per-chunk kernel"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", intra="fused", ou_bf16=True)
 
 
 def test_prefill_v3_long_odd():
