@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -284,8 +285,14 @@ def main() -> int:
     ap.add_argument("--parts", action="store_true", help="only time v3's launches one by one (see time_parts)")
     ap.add_argument("--fla", action="store_true", help="with --parts: also time FLA's chunk_kda (autotunes first)")
     ap.add_argument("--warm", help="only compile the kernels of one --parts call: v3, v3_gated, v2, v2_ieee, ...")
+    ap.add_argument("--configs", help="with --parts or --warm: a JSON list of v3 configs instead of PART_CONFIGS "
+                                      "(--warm NAME compiles the config at index NAME)")
     args = ap.parse_args()
+    if args.configs:
+        PART_CONFIGS[:] = json.loads(args.configs)
     if args.warm:
+        if args.configs:
+            WARM[args.warm] = PART_CONFIGS[int(args.warm)]
         warm(args.warm)
         return 0
     res = header()
