@@ -34,7 +34,9 @@ import triton.language as tl
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
-from flashinfra.kernels.kda_gate import kda_gate_ref, kda_log_decay
+from flashinfra.kernels.kda_gate import kda_gate_ref
+from flashinfra.kernels.kda_layer_decode_parts import conv_shift, conv_silu, gated_norm, head_inputs, state_step
+from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
@@ -63,71 +65,6 @@ def kda_layer_decode_ref(
 
 
 @triton.jit
-def _conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
-    """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
-    dtype as the unfused conv output is. One 1-D load per tap, so the result comes in the vector layout the
-    state block's rows take, not that of a [channels, taps] tile (which made the compiler move the whole
-    state block between layouts through shared memory)."""
-    b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    acc = b_x.to(tl.float32) * tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
-    for j in tl.static_range(W - 1):
-        b_h = tl.load(cs_slot + ch * (W - 1) + j, mask=m, other=0.0).to(b_x.dtype).to(tl.float32)
-        acc += b_h * tl.load(w + ch * W + j, mask=m, other=0.0).to(tl.float32)
-    acc = acc * tl.sigmoid(acc)
-    return acc.to(b_x.dtype).to(tl.float32)
-
-
-@triton.jit
-def _conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
-    """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
-    o_j = tl.arange(0, BW)
-    mm = m[:, None] & (o_j < W - 1)[None, :]
-    p_s = cs_slot + ch[:, None] * (W - 1) + o_j[None, :]
-    b_next = tl.load(p_s + 1, mask=mm & (o_j < W - 2)[None, :], other=0.0)
-    b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    b_next = tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
-    tl.debug_barrier()
-    tl.store(p_s, b_next, mask=mm)
-
-
-@triton.jit
-def _head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
-                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
-    """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
-    b_q = _conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
-    b_k = _conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
-    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    return b_q, b_k, tl.exp(b_g), b_beta
-
-
-@triton.jit
-def _step(b_s, b_q, b_k, b_decay, b_beta, b_v):
-    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
-    b_s = b_s * b_decay[:, None]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    return b_s, tl.sum(b_s * b_q[:, None], 0)
-
-
-@triton.jit
-def _gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
-    """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
-    o_f = tl.arange(0, BVF)
-    m_f = o_f < V
-    b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-    b_gate = tl.load(gate_row + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
-    tl.debug_barrier()
-    tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)
-
-
-@triton.jit
 def kda_layer_decode_head_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_w, eps,
     state, state_slots, out,
@@ -150,24 +87,24 @@ def kda_layer_decode_head_kernel(
     b_s = tl.load(p_s0 + o_b[None, :], mask=m_k[:, None] & (o_b < V)[None, :], other=0.0).to(tl.float32)
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
-    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
-                                             H, K, W, BW, HAS_LOWER_BOUND)
+    b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                            beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                            H, K, W, BW, HAS_LOWER_BOUND)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + o_b
         m_v = o_v < V
         m_n = (o_v + BV) < V
         b_next = tl.load(p_s0 + (o_v + BV)[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
-        b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+        b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
+        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
         tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
         tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
         b_s = b_next.to(tl.float32)
     tl.debug_barrier()  # this program's own output stores are read back below, by other threads
-    _gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
-    _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-    _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + tl.arange(0, BVF), tl.arange(0, BVF) < V, W, BW)
+    gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
+    conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+    conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + tl.arange(0, BVF), tl.arange(0, BVF) < V, W, BW)
 
 
 @triton.jit
@@ -197,14 +134,14 @@ def kda_layer_decode_block_kernel(
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
         b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
     else:
-        b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
-                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
-    b_v = _conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
-    b_s, b_o = _step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+        b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                                beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
+                                                scale, H, K, W, BW, HAS_LOWER_BOUND)
+    b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
+    b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    _conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
 
 
 @triton.jit
@@ -222,10 +159,10 @@ def kda_layer_decode_norm_kernel(
     m_k = o_k < K
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
-    _gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
+    gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
     if SHIFT_QK:
-        _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-        _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+        conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+        conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
 @triton.jit
@@ -233,11 +170,14 @@ def kda_layer_decode_prep_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
 ):
-    """Grid (B * H,), before the block kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
-    into ``heads`` [B * H, 4, BK] float32 (rows q, k, decay, then beta in the first column), and the q/k
-    conv shift (this program is the only reader of those channels)."""
+    """Grid (B * H,), before the state kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
+    into ``heads`` float32, and the q/k conv shift (this program is the only reader of those channels).
+    ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
+    ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
+    then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
+    state."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -245,16 +185,27 @@ def kda_layer_decode_prep_kernel(
     m_k = o_k < K
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
-    b_q, b_k, b_decay, b_beta = _head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
-                                             H, K, W, BW, HAS_LOWER_BOUND)
-    p_h = heads + i_bh * 4 * BK + o_k
+    b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                            beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                            H, K, W, BW, HAS_LOWER_BOUND)
+    p_h = heads + i_bh * (5 if PREP_V else 4) * R + o_k
     tl.store(p_h, tl.where(m_k, b_q, 0.0))
-    tl.store(p_h + BK, tl.where(m_k, b_k, 0.0))
-    tl.store(p_h + 2 * BK, b_decay)
-    tl.store(p_h + 3 * BK, tl.where(o_k == 0, b_beta, 0.0))
-    _conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-    _conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+    tl.store(p_h + R, tl.where(m_k, b_k, 0.0))
+    tl.store(p_h + 2 * R, b_decay)
+    if PREP_V:
+        o_f = tl.arange(0, BVF)
+        m_f = o_f < V
+        b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W)
+        tl.store(heads + i_bh * 5 * R + 3 * R + o_f, tl.where(m_f, b_v, 0.0))
+        tl.store(p_h + 4 * R, tl.where(o_k == 0, b_beta, 0.0))
+        conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
+    else:
+        tl.store(p_h + 3 * R, tl.where(o_k == 0, b_beta, 0.0))
+    conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
+    conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+
+
+GRIDS = ("block", "prep", "head", "stream", "stream_regs")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
@@ -300,8 +251,12 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
 
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
-                            num_warps: int | None = None, out: torch.Tensor | None = None):
-    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``."""
+                            num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
+                            per_sm: int | None = None, programs: int | None = None):
+    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
+    (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
+    keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
+    programs per SM; by default as many as fit) and ``programs`` (the grid size itself, for tests)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -313,8 +268,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
-    if grid not in ("block", "prep", "head"):
-        raise ValueError(f"kda_layer_decode: grid must be 'block', 'prep' or 'head', got {grid!r}")
+    if grid not in GRIDS:
+        raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -331,15 +286,23 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         return out
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
-    prepped = grid == "prep"
-    heads = torch.empty((B * H, 4, sizes["BK"]) if prepped else (1,), dtype=torch.float32, device=qkv.device)
+    streamed = grid.startswith("stream")
+    prepped = grid == "prep" or streamed
+    if grid == "stream":
+        check_stream_layout(state, BV, sizes["BK"])
+    R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
+    heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     if prepped:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
-                                               HAS_LOWER_BOUND=lower_bound is not None, num_warps=4)
-    kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-        *head_args, state, state_slots, out, heads, *strides,
-        **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
-    )
+                                               HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
+                                               BVF=BVF, num_warps=4)
+    if streamed:
+        stream_state_launch(state, heads, state_slots, out, grid, BV, R, num_warps, num_stages, per_sm, programs)
+    else:
+        kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
+            *head_args, state, state_slots, out, heads, *strides,
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
+        )
     kda_layer_decode_norm_kernel[(B * H,)](
         qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
         **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashinfra.kernels import kda_decode, kda_prefill
+from flashinfra.kernels import kda_layer_decode as layer_decode
 from tests.kernels import kda_cases as cases
 
 
@@ -103,6 +104,25 @@ def test_decode():
 def test_layer_decode(grid, state_dtype, lower_bound, K):
     """Every layout, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a block."""
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16)
+
+
+@pytest.mark.parametrize("grid,state_dtype,lower_bound,K,launch", [
+    ("stream", torch.float32, -5.0, 24, {}), ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
+    ("stream_regs", torch.bfloat16, -5.0, 32, {}), ("stream_regs", torch.float32, None, 24, dict(programs=5)),
+])
+def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
+    """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24
+    leaves rows and columns of the last tile outside the state (the descriptor's zero fill)."""
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16,
+                       **launch)
+
+
+def test_layer_decode_bad_layouts():
+    a = cases.layer_decode_inputs("cpu", B=2, H=1, K=12, state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grid must be one of"):
+        layer_decode.kda_layer_decode_launch(**a, grid="rows")
+    with pytest.raises(ValueError, match="16-byte aligned state"):  # a 24-byte state row
+        layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
 
 
 @pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])

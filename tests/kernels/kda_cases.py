@@ -115,19 +115,25 @@ def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, see
     assert_close("state", state, s64, 1e-6, 1e-5, 1e-4)
 
 
-def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
-                 lower_bound=-5.0, seed=0, W=4, **launch):
+def layer_decode_inputs(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
+                        lower_bound=-5.0, seed=0, W=4) -> dict:
+    """Arguments of ``kda_layer_decode_launch`` (K = V), two slots more than the batch uses."""
     gen = torch.Generator(device=device).manual_seed(seed)
     C = 3 * H * K
 
     def rnd(*shape, dt=dtype, scale=1.0):
         return (torch.randn(*shape, device=device, generator=gen) * scale).to(dt)
 
-    a = dict(qkv=rnd(B, C + 7)[:, :C], conv_weight=rnd(C, W, dt=torch.float32, scale=0.5),
-             conv_state=rnd(B + 2, C, W - 1), g_raw=rnd(B, H * K), beta_logits=rnd(B, H), gate=rnd(B, H * K),
-             A_log=rnd(H, dt=torch.float32, scale=0.3), dt_bias=rnd(H * K, dt=torch.float32), lower_bound=lower_bound,
-             norm_weight=rnd(K), eps=1e-5, state=rnd(B + 2, H, K, K, dt=state_dtype),
-             state_slots=torch.randperm(B + 2, device=device, generator=gen)[:B])
+    return dict(qkv=rnd(B, C + 7)[:, :C], conv_weight=rnd(C, W, dt=torch.float32, scale=0.5),
+                conv_state=rnd(B + 2, C, W - 1), g_raw=rnd(B, H * K), beta_logits=rnd(B, H), gate=rnd(B, H * K),
+                A_log=rnd(H, dt=torch.float32, scale=0.3), dt_bias=rnd(H * K, dt=torch.float32),
+                lower_bound=lower_bound, norm_weight=rnd(K), eps=1e-5, state=rnd(B + 2, H, K, K, dt=state_dtype),
+                state_slots=torch.randperm(B + 2, device=device, generator=gen)[:B])
+
+
+def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
+                 lower_bound=-5.0, seed=0, W=4, **launch):
+    a = layer_decode_inputs(device, B, H, K, state_dtype, dtype, lower_bound, seed, W)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
     ref = layer.kda_layer_decode_ref(**r)
     conv_before, state_before = a["conv_state"].clone(), a["state"].clone()

@@ -1,0 +1,75 @@
+"""Triton pieces shared by the KDA layer decode kernels (``kda_layer_decode``, ``kda_layer_decode_stream``):
+the conv update of a token on a set of channels, a head's normalised q/k with its decay and beta, one
+delta-rule step on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.kda_gate import kda_log_decay
+
+
+@triton.jit
+def conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
+    """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
+    dtype as the unfused conv output is. One 1-D load per tap, so the result comes in the vector layout the
+    state block's rows take, not that of a [channels, taps] tile (which made the compiler move the whole
+    state block between layouts through shared memory)."""
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        b_h = tl.load(cs_slot + ch * (W - 1) + j, mask=m, other=0.0).to(b_x.dtype).to(tl.float32)
+        acc += b_h * tl.load(w + ch * W + j, mask=m, other=0.0).to(tl.float32)
+    acc = acc * tl.sigmoid(acc)
+    return acc.to(b_x.dtype).to(tl.float32)
+
+
+@triton.jit
+def conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
+    o_j = tl.arange(0, BW)
+    mm = m[:, None] & (o_j < W - 1)[None, :]
+    p_s = cs_slot + ch[:, None] * (W - 1) + o_j[None, :]
+    b_next = tl.load(p_s + 1, mask=mm & (o_j < W - 2)[None, :], other=0.0)
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
+    b_next = tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
+    tl.debug_barrier()
+    tl.store(p_s, b_next, mask=mm)
+
+
+@triton.jit
+def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
+                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
+    b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
+    b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
+    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
+    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q, b_k, tl.exp(b_g), b_beta
+
+
+@triton.jit
+def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
+    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
+    b_s = b_s * b_decay[:, None]
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], 0)
+
+
+@triton.jit
+def gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
+    """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
+    o_f = tl.arange(0, BVF)
+    m_f = o_f < V
+    b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
+    b_gate = tl.load(gate_row + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+    tl.debug_barrier()
+    tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)

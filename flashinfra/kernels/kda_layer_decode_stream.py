@@ -1,0 +1,164 @@
+"""The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"stream_regs"`` in
+``kda_layer_decode_launch``).
+
+The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k,
+decay, v conv output and beta into a float32 scratch ``heads`` [B * H, 5, R] and shifted the whole conv
+slot, so a state program reads nothing but the scratch (from L2) and its [K, BV] state tile, and writes the
+tile back in place and its [BV] unnormalised output. The norm kernel follows.
+
+Both kernels are persistent: a grid of a few programs per SM walks the (sequence, head, V block) tiles
+t = pid, pid + G, ..., so that the next tile's state is already on its way while the current one is
+reduced, instead of one tile per program with nothing in flight between its load and its store:
+
+- ``stream``: the state as a tensor descriptor over [slots * H, K, V], loaded and stored by the copy engine
+  in a ``tl.range`` loop of ``STAGES`` stages, which Triton's pipeliner turns into a ring of shared-memory
+  buffers filled ``STAGES - 1`` tiles ahead (no pointer tensors live, one thread issues each copy).
+- ``stream_regs``: plain loads, the next tile's held in registers (in the state dtype) while the current
+  one is computed; its slot index is read one tile further ahead, so no load waits on another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashinfra.kernels.kda_layer_decode_parts import state_step
+
+
+@triton.jit
+def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
+    """A tile's rows of the prep scratch: q (scaled), k, decay over K, its V block of v, and beta."""
+    p_h = heads + i_bh * (5 * R)
+    b_q = tl.load(p_h + o_k)
+    b_k = tl.load(p_h + R + o_k)
+    b_decay = tl.load(p_h + 2 * R + o_k)
+    b_v = tl.load(p_h + 3 * R + o_v)
+    return b_q, b_k, b_decay, b_v, tl.load(p_h + 4 * R)
+
+
+@triton.jit
+def kda_layer_decode_stream_kernel(
+    state_d, heads, state_slots, out, tiles,
+    H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; ``state_d`` is a descriptor over the
+    state viewed as [slots * H, K, V] with block [1, BK, BV] (rows past K and columns past V are filled
+    with zeros on load and dropped on store)."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    o_k = tl.arange(0, BK)
+    o_b = tl.arange(0, BV)
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
+        i_bh = t // NV
+        i_v = t - i_bh * NV
+        row = tl.load(state_slots + i_bh // H).to(tl.int32) * H + i_bh % H
+        b_s = state_d.load([row, 0, i_v * BV]).reshape(BK, BV).to(tl.float32)
+        o_v = i_v * BV + o_b
+        b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
+        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=o_v < V)
+        state_d.store([row, 0, i_v * BV], b_s.to(state_d.dtype).reshape(1, BK, BV))
+
+
+@triton.jit
+def _tile_slot(state_slots, t, tiles, H: tl.constexpr, NV: tl.constexpr):
+    """Tile t's state slot (0 past the last tile, whose loads are masked off)."""
+    return tl.load(state_slots + t // NV // H, mask=t < tiles, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_ptrs(state, slot, t, tiles, o_k, o_b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BV: tl.constexpr, NV: tl.constexpr):
+    """Tile t's state pointers and mask (all off past the last tile)."""
+    i_bh = t // NV
+    o_v = (t - i_bh * NV) * BV + o_b
+    p = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    return p, (o_k < K)[:, None] & ((o_v < V) & (o_b * 0 + t < tiles))[None, :]
+
+
+@triton.jit
+def kda_layer_decode_stream_regs_kernel(
+    state, heads, state_slots, out, tiles,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+):
+    """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; tile t + G's state load is issued before
+    tile t's arithmetic and held in registers until the next iteration."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    G = tl.num_programs(0)
+    o_k = tl.arange(0, BK)
+    o_b = tl.arange(0, BV)
+    t0 = tl.program_id(0)
+    slot = _tile_slot(state_slots, t0, tiles, H, NV)
+    slot_next = _tile_slot(state_slots, t0 + G, tiles, H, NV)
+    p_s, m_s = _tile_ptrs(state, slot, t0, tiles, o_k, o_b, H, K, V, BV, NV)
+    b_next = tl.load(p_s, mask=m_s, other=0.0)
+    for t in tl.range(t0, tiles, G, num_stages=1):
+        b_s = b_next.to(tl.float32)
+        p_s, m_s = _tile_ptrs(state, slot, t, tiles, o_k, o_b, H, K, V, BV, NV)
+        p_n, m_n = _tile_ptrs(state, slot_next, t + G, tiles, o_k, o_b, H, K, V, BV, NV)
+        b_next = tl.load(p_n, mask=m_n, other=0.0)
+        slot = slot_next
+        slot_next = _tile_slot(state_slots, t + 2 * G, tiles, H, NV)
+        i_bh = t // NV
+        o_v = (t - i_bh * NV) * BV + o_b
+        b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
+        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=o_v < V)
+        tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+
+
+def _programs_per_sm(compiled, num_warps: int, device: torch.device) -> int:
+    """How many programs of the compiled kernel fit on one SM at once (registers, shared memory, threads):
+    a persistent grid larger than that would leave its last programs to start only when others end."""
+    props = torch.cuda.get_device_properties(device)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
+    compiled._init_handles()  # loads the binary, which is where Triton learns its register count
+    warp_regs = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
+_FIT: dict[tuple, int] = {}
+
+
+def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
+    """The copy engine's constraints on the state descriptor (16-byte aligned base and row stride, a block
+    row of at least 16 bytes), as a clear error instead of an assertion deep in Triton."""
+    e = state.element_size()
+    V = state.shape[-1]
+    if state.data_ptr() % 16 or (V * e) % 16 or BV * e < 16 or max(BK, BV) > 256:
+        raise ValueError(f"kda_layer_decode: grid 'stream' needs a 16-byte aligned state with V * {e} bytes a "
+                         f"multiple of 16, BV * {e} >= 16 bytes and K, BV <= 256 (V={V}, BV={BV}, BK={BK})")
+
+
+def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
+                        grid: str, BV: int, R: int, num_warps: int, num_stages: int, per_sm: int | None,
+                        programs: int | None) -> None:
+    """Run the state kernel of ``grid`` ("stream" or "stream_regs") over every tile of the batch with a
+    persistent grid: ``programs`` programs if given, else as many per SM as fit (at most ``per_sm``)."""
+    B = out.shape[0]
+    H, K, V = state.shape[1:]
+    BK = triton.next_power_of_2(K)
+    tiles = B * H * triton.cdiv(V, BV)
+    if grid == "stream":
+        check_stream_layout(state, BV, BK)
+        kernel = kda_layer_decode_stream_kernel
+        args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles)
+        kw = dict(H=H, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages)
+    else:
+        kernel = kda_layer_decode_stream_regs_kernel
+        args = (state, heads, state_slots, out, tiles)
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps)
+    if programs is None:
+        if out.device.type == "cuda":
+            key = (grid, state.dtype, out.dtype, H, K, V, BV, R, num_warps, num_stages, out.device.index)
+            if key not in _FIT:
+                _FIT[key] = _programs_per_sm(kernel.warmup(*args, grid=(1,), **kw), num_warps, out.device)
+            fit, sms = _FIT[key], torch.cuda.get_device_properties(out.device).multi_processor_count
+        else:  # the CPU interpreter: a few programs, each walking several tiles
+            fit, sms = 2, 2
+        programs = sms * min(fit, per_sm or fit)
+    kernel[(max(1, min(tiles, programs)),)](*args, **kw)
