@@ -108,17 +108,23 @@ def kda_layer_decode_stream_regs_kernel(
         tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
+def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
+               threads_per_sm: int = 2048) -> int:
+    """How many programs fit on one SM at once (registers allocated per warp in units of 256, 1 KB of shared
+    memory reserved per program, at most 32 programs): a persistent grid larger than that would leave its
+    last programs to start only when others end."""
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // (warp_regs * num_warps)
+    return max(1, min(by_regs, smem_per_sm // (shared + 1024), threads_per_sm // (32 * num_warps), 32))
+
+
 def _programs_per_sm(compiled, num_warps: int, device: torch.device) -> int:
-    """How many programs of the compiled kernel fit on one SM at once (registers, shared memory, threads):
-    a persistent grid larger than that would leave its last programs to start only when others end."""
     props = torch.cuda.get_device_properties(device)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
     compiled._init_handles()  # loads the binary, which is where Triton learns its register count
-    warp_regs = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp in units of 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
-    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
-    return max(1, min(by_regs, by_smem, by_threads, 32))
+    return fit_per_sm(compiled.n_regs, compiled.metadata.shared, num_warps,
+                      getattr(props, "regs_per_multiprocessor", 65536),
+                      getattr(props, "shared_memory_per_multiprocessor", 233472), props.max_threads_per_multi_processor)
 
 
 _FIT: dict[tuple, int] = {}

@@ -125,6 +125,16 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
 
 
+def test_stream_programs_per_sm():
+    """The persistent grid's size per SM from a compiled kernel's resources (sm_90: 64K registers, 228 KB of
+    shared memory, 2048 threads): bound by shared memory, by registers, by threads, by the 32-program cap."""
+    from flashinfra.kernels.kda_layer_decode_stream import fit_per_sm
+
+    assert fit_per_sm(126, 38092, 2) == 5  # 233472 // 39116
+    assert fit_per_sm(178, 512, 2) == 5  # 23 units of 256 registers per warp: 65536 // 11776
+    assert fit_per_sm(32, 0, 16) == 4 and fit_per_sm(16, 0, 1) == 32
+
+
 @pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])
 def test_conv_prefill(lens):
     cases.conv_prefill("cpu", lens, C=40, BT=16, BC=16)
