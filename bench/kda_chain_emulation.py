@@ -77,17 +77,21 @@ def f32(x):
     return x.float().double()
 
 
-def bf(x):
+def bf(x, truncate: bool = False):
+    """x (float32 values) rounded to bf16: to nearest as on the GPU, or by truncation as Triton's interpreter."""
+    if truncate:
+        return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32).double()
     return x.bfloat16().double()
 
 
-def pair(x):
-    hi = bf(x)
-    return hi, bf(x - hi)
+def pair(x, truncate: bool = False):
+    hi = bf(x, truncate)
+    return hi, bf(x - hi, truncate)
 
 
-def chain(t: dict, mode: str):
-    """The state pass over all chunks of one head: (o [T, V], final S [K, V]), S starting at zero."""
+def chain(t: dict, mode: str, truncate: bool = False):
+    """The state pass over all chunks of one head: (o [T, V], final S [K, V]), S starting at zero; ``truncate``
+    rounds to bf16 as Triton's interpreter does (tests/kernels/interpret_kda.py compares the kernel there)."""
     N, _, K = t["w"].shape
     V = t["u"].shape[-1]
     S = torch.zeros(K, V, dtype=torch.float64)
@@ -105,10 +109,10 @@ def chain(t: dict, mode: str):
             vn = f32(r["u"][n] - f32(r["w"][n] @ S))
             S = f32(f32(r["egl"][n][:, None] * S) + f32(r["kd"][n].T @ vn))
         return o.view(-1, V), S
-    (w_h, w_l), (q_h, _), (k_h, k_l) = pair(r["w"]), pair(r["qw"]), pair(r["kd"])
+    (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate) for n in ("w", "qw", "kd"))
     x3, lo = mode == "bf16x3", mode in ("bf16x3", "bf16x2")
     for n in range(N):
-        s_h, s_l = pair(S)
+        s_h, s_l = pair(S, truncate)
         o[n] = f32(f32(r["ou"][n] + q_h[n] @ s_h) + q_h[n] @ s_l)
         ws = f32(w_h[n] @ s_h)
         if x3:
@@ -116,7 +120,7 @@ def chain(t: dict, mode: str):
         if lo:
             ws = f32(ws + w_h[n] @ s_l)
         vn = f32(r["u"][n] - ws)
-        v_h, v_l = pair(vn)
+        v_h, v_l = pair(vn, truncate)
         S = f32(f32(r["egl"][n][:, None] * S) + k_h[n].T @ v_h)
         if x3:
             S = f32(S + k_l[n].T @ v_h)

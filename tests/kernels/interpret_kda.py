@@ -2,6 +2,9 @@
 ``test_kda_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1`` (the variable
 must be set before Triton compiles anything, and must not leak into the rest of the suite)."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,6 +70,32 @@ def test_prefill_v3_chain_bf16x2(lens, kw):
     """w and kd as one bf16 each (S and v' still split): tolerances of a bf16 input rounding (kda_cases);
     slow decay, where the plain bf16 chain exceeds them."""
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", chain_precision="bf16x2", **kw)
+
+
+@pytest.mark.parametrize("intra,chain", [("split", "bf16x3"), ("blocks", "bf16x2")])
+def _chain_emulation():
+    path = Path(__file__).resolve().parents[2] / "bench" / "kda_chain_emulation.py"
+    spec = importlib.util.spec_from_file_location("kda_chain_emulation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("chain", ["bf16x3", "bf16x2"])
+def test_prefill_v3_chain_matches_its_emulation(chain):
+    """The state pass applies its bf16 roundings where bench/kda_chain_emulation.py (which predicts the chains'
+    precision at long T) applies them: at K=V=128 the kernel's final state is within 1e-4 of its own chain's
+    emulation (float32 in-chunk values against float64 ones rounded), and 100x farther from the other chains'."""
+    emu = _chain_emulation()
+    T = 256
+    q, k, v, g, beta = emu.inputs(T, "chain_test")
+    t = emu.in_chunk(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    s = torch.full((1, 1, 128, 128), float("nan"))
+    kda_prefill.kda_prefill_launch(q.float(), k.float(), v.float(), g.float(), beta.float(), s, [0, T], [0], [False],
+                                   chain_precision=chain, local_precision="ieee", version="v3", BV=64)
+    dist = {m: emu.rel(s[0, 0].double(), emu.chain(t, m, truncate=True)[1]) for m in ("bf16x3", "bf16x2", "bf16")}
+    others = min(d for m, d in dist.items() if m != chain)
+    assert dist[chain] < 1e-4 and dist[chain] * 100 < others, dist
 
 
 @pytest.mark.parametrize("intra,chain", [("split", "bf16x3"), ("blocks", "bf16x2")])
