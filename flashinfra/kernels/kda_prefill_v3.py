@@ -35,10 +35,12 @@ from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
+from flashinfra.kernels.kda_prefill_v3_fused import fused_state_launch
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
 INTRA_FORMS = ("blocks", "tile", "fused", "split")
+TILES = ("memory", "state")
 
 
 @triton.jit
@@ -120,7 +122,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
                 intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
-                a_one_pass: bool = False, ou_bf16: bool = False):
+                a_one_pass: bool = False, ou_bf16: bool = False, tiles: str = "memory"):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
@@ -132,11 +134,16 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
     ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers);
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair (not with
-    "fused"). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
+    "fused"). ``tiles="state"`` (only with "split") forms the per-chunk tiles inside the state pass
+    (kda_prefill_v3_fused.py): no kernel B, no scratch but Aqk and Ai. The defaults are the fastest measured
+    on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
         raise ValueError(f"kda_prefill v3: intra must be one of {INTRA_FORMS}, got {intra!r}")
+    if tiles not in TILES or (tiles == "state" and (intra != "split" or ou_bf16)):
+        raise ValueError(f"kda_prefill v3: tiles must be one of {TILES} ('state' only with intra='split' and "
+                         f"without ou_bf16), got {tiles!r} with intra={intra!r}")
     if ou_bf16 and intra == "fused":
         raise ValueError("kda_prefill v3: ou_bf16 needs a separate per-chunk kernel (intra other than 'fused')")
     T, H, K = q.shape
@@ -167,10 +174,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     lo = dict(W_LO=chain == 3, Q_LO=out_x3, KD_LO=chain == 3) if intra != "fused" else dict(W_LO=1, Q_LO=1, KD_LO=1)
     lo = {name: int(flag) for name, flag in lo.items()}
     slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"] + lo["Q_LO"])
-    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
-    uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
-          else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
-    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     if intra != "fused":  # the two in-chunk kernels pass Aqk and (I + L)^-1 through memory
         aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
         ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
@@ -226,6 +229,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             H=H, K=K, V=V, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
         )
 
+    if tiles == "state":
+        fused = fused_state_launch(q, k, v, g, beta, gate_args, A_log, dt_bias, lb, o, state, aqk, ai, cu_t, offsets_t,
+                                   slots_t, init_t, len(cu) - 1, BV=BV, chain=chain, out_x3=out_x3,
+                                   local_precision=local_precision, num_warps=num_warps, num_stages=num_stages)
+        return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("state", fused)]
+    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
+    uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
+          else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
+    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     uo_d = TensorDescriptor.from_tensor(uo.view(-1, V), [64, BV])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
