@@ -55,6 +55,17 @@ def test_prefill_v3_split(lens, kw):
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra="split", **kw)
 
 
+@pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 37], dict(decay=0.1, out_x3=True)),  # slow decay: the far sub-blocks' products matter
+    ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2, out_x3=True)),  # an empty sequence, a one-token chunk
+    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, out_x3=True)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),
+])
+def test_prefill_v3_tiles_in_state_pass(lens, kw):
+    """The per-chunk tiles formed inside the state pass (kda_prefill_v3_fused.py, ``tiles="state"``)."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", intra="split", tiles="state", **kw)
+
+
 @pytest.mark.parametrize("intra", ["blocks", "tile", "fused"])
 def test_prefill_v3_slow_decay(intra):
     cases.prefill_varlen("cpu", [1, 100, 37], H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra=intra,
@@ -116,6 +127,10 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
     with pytest.raises(ValueError, match="ou_bf16 needs a separate per-chunk kernel"):
         kda_prefill.kda_prefill_launch(*args, version="v3", intra="fused", ou_bf16=True)
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", intra="blocks", tiles="state")
+    with pytest.raises(ValueError, match="needs K >= 32"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", tiles="state")
 
 
 def test_prefill_v3_long_odd():
