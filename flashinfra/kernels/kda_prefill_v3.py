@@ -33,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_blocked_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
 from flashinfra.kernels.kda_prefill_v3_fused import fused_state_launch
@@ -122,7 +123,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
                 intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
-                a_one_pass: bool = False, ou_bf16: bool = False, tiles: str = "memory"):
+                a_one_pass: bool = False, ou_bf16: bool = False, b_block: int | None = None, tiles: str = "memory"):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
@@ -133,6 +134,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
     default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
     ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers);
+    ``b_block`` runs the per-chunk tiles kernel in column blocks of that width (kda_prefill_intra64_b.py);
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair (not with
     "fused"). ``tiles="state"`` (only with "split") forms the per-chunk tiles inside the state pass
     (kda_prefill_v3_fused.py): no kernel B, no scratch but Aqk and Ai. The defaults are the fastest measured
@@ -144,6 +146,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     if tiles not in TILES or (tiles == "state" and (intra != "split" or ou_bf16)):
         raise ValueError(f"kda_prefill v3: tiles must be one of {TILES} ('state' only with intra='split' and "
                          f"without ou_bf16), got {tiles!r} with intra={intra!r}")
+    if b_block is not None and (b_block & (b_block - 1) or b_block < 16 or intra == "fused"):
+        raise ValueError(f"kda_prefill v3: b_block must be a power of two >= 16 (not with 'fused'), got {b_block}")
     if ou_bf16 and intra == "fused":
         raise ValueError("kda_prefill v3: ou_bf16 needs a separate per-chunk kernel (intra other than 'fused')")
     T, H, K = q.shape
@@ -223,10 +227,14 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     def intra_b():
-        kda_intra64_b_kernel[(nch, H)](
+        kernel, blocks = kda_intra64_b_kernel, {}
+        if b_block:
+            kernel, blocks = kda_intra64_b_blocked_kernel, dict(BK=min(b_block, K), BVB=min(b_block, V))
+        kernel[(nch, H)](
             q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
+            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16, num_warps=b_warps, **blocks, **lo,
+            **gate_args,
         )
 
     if tiles == "state":

@@ -43,9 +43,10 @@ def test_prefill_v3_gated(lower_bound, intra):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(decay=0.1)),  # slow decay: the products between the chunk's far sub-blocks matter
+    ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay: the far sub-blocks' products matter; B in
+    # column blocks (kda_prefill_intra64_b.py)
     ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2)),  # one K slice, an empty sequence, a chunk of one token
-    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1)),
+    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
     ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=True)),
 ])

@@ -1,0 +1,93 @@
+"""KDA prefill (v3), the per-chunk tiles in column blocks: ``kda_intra64_b_kernel``'s outputs (w, qw, kd,
+u, ou, exp(gl); layout and roundings in kda_prefill_intra64.py's docstring), computed ``BK`` key columns
+and ``BVB`` value columns at a time.
+
+Every output column depends only on the same column of the inputs (the cumulative decay ``gc`` and the
+chunk total ``gl`` are per column, and the products with ``Ai`` and ``Aqk`` mix rows, not columns), except
+for the q/k L2 norms, which a first pass over the key blocks accumulates. So a program holds [64, BK]
+tiles instead of [64, K] ones, plus the chunk's two [64, 64] matrices, and more programs share an SM.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.kda_gate import load_gate_beta
+from flashinfra.kernels.kda_prefill_intra64 import _store_bf16
+
+
+@triton.jit
+def kda_intra64_b_blocked_kernel(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl,
+    stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+    OU_BF16: tl.constexpr,
+):
+    """Grid (chunks, H); arguments and outputs as ``kda_intra64_b_kernel``'s."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    LP: tl.constexpr = LOCAL_PRECISION
+    o_t = tl.arange(0, 64)
+    o_b = tl.arange(0, BK)
+    m_t = t0 + o_t < L
+    rows = bos + t0 + o_t
+    i_ch = (i_c * H + i_h).to(tl.int64)
+    SQ: tl.constexpr = (1 + W_LO) * 64 * K
+    SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
+    wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
+    uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
+    off_a = o_t[:, None] * 64 + o_t[None, :]
+    m_blk = (o_t[None, :] // 16) <= (o_t[:, None] // 16)
+    b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
+    b_aqk = tl.load(aqk + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
+    # the q/k row norms over all K columns
+    sq_q = tl.zeros([64], dtype=tl.float32)
+    sq_k = tl.zeros([64], dtype=tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
+        b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
+        sq_q += tl.sum(b_x * b_x, 1)
+        b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        sq_k += tl.sum(b_x * b_x, 1)
+    r_q = scale / tl.sqrt(sq_q + 1e-6)
+    r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
+    b_b = tl.zeros([64], dtype=tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        o_k = kk + o_b
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_g, b_b = load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
+                                  stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
+        b_gc = tl.cumsum(b_g, 0)
+        b_gl = tl.sum(b_g, 0)
+        tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
+        off_k = o_t[:, None] * K + o_k[None, :]
+        b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
+                      other=0.0).to(tl.float32) * r_k[:, None]
+        _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
+        b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
+        _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
+        # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
+        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
+                      other=0.0).to(tl.float32) * r_q[:, None]
+        _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
+    for vv in tl.static_range(0, V, BVB):
+        o_f = vv + tl.arange(0, BVB)
+        off_v = o_t[:, None] * V + o_f[None, :]
+        b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
+        b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
+        b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
+        if OU_BF16:
+            # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
+            _store_bf16(uo + off_v, b_u, True, 64 * V)
+            tl.store(uo + 2 * 64 * V + off_v, b_ou.to(tl.bfloat16))
+        else:
+            tl.store(uo + off_v, b_u)
+            tl.store(uo + 64 * V + off_v, b_ou)
