@@ -33,9 +33,10 @@ C = 3 * H * K
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
-            ("stream", 32, 2, dict(num_stages=4)), ("stream", 32, 4, dict(num_stages=4)),
-            ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=4)),
-            ("stream", 32, 2, dict(num_stages=5)), ("stream", 32, 4, dict(num_stages=3)),
+            ("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
+            ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
+            ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
+            ("stream", 16, 1, dict(num_stages=4)),
             ("stream_regs", 32, 2), ("stream_regs", 64, 4)]
 
 

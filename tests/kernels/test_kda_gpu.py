@@ -136,9 +136,10 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
 
 
 # the persistent layouts bench/kda_decode.py times: (grid, BV, num_warps, launch options)
-STREAM_LAYOUTS = [("stream", 32, 2, dict(num_stages=4)), ("stream", 32, 4, dict(num_stages=4)),
-                  ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=4)),
-                  ("stream", 32, 2, dict(num_stages=5)), ("stream", 32, 4, dict(num_stages=3)),
+STREAM_LAYOUTS = [("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
+                  ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
+                  ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
+                  ("stream", 16, 1, dict(num_stages=4)),
                   ("stream_regs", 32, 2, {}), ("stream_regs", 64, 4, {})]
 
 
