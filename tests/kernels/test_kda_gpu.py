@@ -48,7 +48,8 @@ def test_prefill_v3_variants(launch):
 
 @pytest.mark.parametrize("launch", [dict(solve_precision="tf32"), dict(a_stages=3), dict(a_warps=8),
                                     dict(KS=32, a_warps=2, d_warps=2), dict(a_one_pass=True),
-                                    dict(a_one_pass=True, a_warps=8)])
+                                    dict(a_one_pass=True, a_warps=8), dict(b_block=32), dict(b_block=64),
+                                    dict(b_block=32, b_warps=2), dict(b_block=32, ou_bf16=True)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", intra="split",
                          decay=0.3, **launch)
@@ -66,6 +67,13 @@ def test_prefill_v3_split_real_size(dtype, decay):
 def test_prefill_v3_split_gated_real_size(lower_bound, decay):
     cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
                          lower_bound=lower_bound, version="v3", intra="split", decay=decay)
+
+
+@pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_prefill_v3_blocked_tiles_real_size(dtype, gated):
+    """The per-chunk tiles kernel in column blocks (kda_prefill_intra64_b.py)."""
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, gated=gated,
+                         version="v3", intra="split", decay=0.3, KS=32, a_warps=2, d_warps=2, b_block=32)
 
 
 STATE_TILES = dict(version="v3", intra="split", tiles="state")
