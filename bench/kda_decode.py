@@ -36,12 +36,15 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
             ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
             ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
-            ("stream", 16, 1, dict(num_stages=4)),
+            ("stream", 16, 1, dict(num_stages=4)), ("stream", 32, 1, dict(num_stages=3)),
+            ("stream", 16, 1, dict(num_stages=3, scratch_l2=False)),
             ("stream_regs", 32, 2), ("stream_regs", 64, 4)]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
-    return f"{grid}_BV{bv}_w{nw}" + (f"_s{launch['num_stages']}" if launch and "num_stages" in launch else "")
+    launch = launch or {}
+    return (f"{grid}_BV{bv}_w{nw}" + (f"_s{launch['num_stages']}" if "num_stages" in launch else "")
+            + ("_scratchDRAM" if launch.get("scratch_l2") is False else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):

@@ -171,6 +171,7 @@ def kda_layer_decode_prep_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
+    EVICT: tl.constexpr = "",
 ):
     """Grid (B * H,), before the state kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
     into ``heads`` float32, and the q/k conv shift (this program is the only reader of those channels).
@@ -189,18 +190,18 @@ def kda_layer_decode_prep_kernel(
                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
                                             H, K, W, BW, HAS_LOWER_BOUND)
     p_h = heads + i_bh * (5 if PREP_V else 4) * R + o_k
-    tl.store(p_h, tl.where(m_k, b_q, 0.0))
-    tl.store(p_h + R, tl.where(m_k, b_k, 0.0))
-    tl.store(p_h + 2 * R, b_decay)
+    tl.store(p_h, tl.where(m_k, b_q, 0.0), eviction_policy=EVICT)
+    tl.store(p_h + R, tl.where(m_k, b_k, 0.0), eviction_policy=EVICT)
+    tl.store(p_h + 2 * R, b_decay, eviction_policy=EVICT)
     if PREP_V:
         o_f = tl.arange(0, BVF)
         m_f = o_f < V
         b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W)
-        tl.store(heads + i_bh * 5 * R + 3 * R + o_f, tl.where(m_f, b_v, 0.0))
-        tl.store(p_h + 4 * R, tl.where(o_k == 0, b_beta, 0.0))
+        tl.store(heads + i_bh * 5 * R + 3 * R + o_f, tl.where(m_f, b_v, 0.0), eviction_policy=EVICT)
+        tl.store(p_h + 4 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
         conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
     else:
-        tl.store(p_h + 3 * R, tl.where(o_k == 0, b_beta, 0.0))
+        tl.store(p_h + 3 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
     conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
@@ -252,11 +253,13 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
-                            per_sm: int | None = None, programs: int | None = None):
+                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
-    programs per SM; by default as many as fit) and ``programs`` (the grid size itself, for tests)."""
+    programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
+    ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
+    L2 when the state kernel reads it behind the state stream, and the next call's writes find it there)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -295,7 +298,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if prepped:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
-                                               BVF=BVF, num_warps=4)
+                                               BVF=BVF, EVICT=("evict_last" if streamed and scratch_l2 else ""),
+                                               num_warps=4)
     if streamed:
         stream_state_launch(state, heads, state_slots, out, grid, BV, R, num_warps, num_stages, per_sm, programs)
     else:

@@ -118,16 +118,32 @@ def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 6553
     return max(1, min(by_regs, smem_per_sm // (shared + 1024), threads_per_sm // (32 * num_warps), 32))
 
 
-def _programs_per_sm(compiled, num_warps: int, device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
-    compiled._init_handles()  # loads the binary, which is where Triton learns its register count
-    return fit_per_sm(compiled.n_regs, compiled.metadata.shared, num_warps,
-                      getattr(props, "regs_per_multiprocessor", 65536),
-                      getattr(props, "shared_memory_per_multiprocessor", 233472), props.max_threads_per_multi_processor)
-
-
 _FIT: dict[tuple, int] = {}
+
+
+def persistent_grid(kernel, args: tuple, kw: dict, work: int, device: torch.device, per_sm: int | None,
+                    programs: int | None) -> int:
+    """Grid size of a persistent kernel over ``work`` items: ``programs`` if given, else as many programs per SM
+    as fit (at most ``per_sm``), learnt once per compiled configuration from its registers and shared memory.
+    Under the CPU interpreter, 4 programs, so that each walks several items at test sizes."""
+    if programs is None:
+        if device.type == "cuda":
+            key = (kernel.fn.__name__, device.index, *(a.dtype for a in args if isinstance(a, torch.Tensor)),
+                   *sorted(kw.items()))
+            if key not in _FIT:
+                compiled = kernel.warmup(*args, grid=(1,), **kw)
+                compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
+                compiled._init_handles()  # loads the binary, which is where Triton learns its register count
+                props = torch.cuda.get_device_properties(device)
+                _FIT[key] = fit_per_sm(compiled.n_regs, compiled.metadata.shared, kw["num_warps"],
+                                       getattr(props, "regs_per_multiprocessor", 65536),
+                                       getattr(props, "shared_memory_per_multiprocessor", 233472),
+                                       props.max_threads_per_multi_processor)
+            fit, sms = _FIT[key], torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            fit, sms = 2, 2
+        programs = sms * min(fit, per_sm or fit)
+    return max(1, min(work, programs))
 
 
 def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
@@ -158,13 +174,4 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
         kernel = kda_layer_decode_stream_regs_kernel
         args = (state, heads, state_slots, out, tiles)
         kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps)
-    if programs is None:
-        if out.device.type == "cuda":
-            key = (grid, state.dtype, out.dtype, H, K, V, BV, R, num_warps, num_stages, out.device.index)
-            if key not in _FIT:
-                _FIT[key] = _programs_per_sm(kernel.warmup(*args, grid=(1,), **kw), num_warps, out.device)
-            fit, sms = _FIT[key], torch.cuda.get_device_properties(out.device).multi_processor_count
-        else:  # the CPU interpreter: a few programs, each walking several tiles
-            fit, sms = 2, 2
-        programs = sms * min(fit, per_sm or fit)
-    kernel[(max(1, min(tiles, programs)),)](*args, **kw)
+    kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)

@@ -147,13 +147,14 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
 STREAM_LAYOUTS = [("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
                   ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
                   ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
-                  ("stream", 16, 1, dict(num_stages=4)),
+                  ("stream", 16, 1, dict(num_stages=4)), ("stream", 32, 1, dict(num_stages=3)),
+                  ("stream", 16, 1, dict(num_stages=3, scratch_l2=False)),
                   ("stream_regs", 32, 2, {}), ("stream_regs", 64, 4, {})]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grid,BV,num_warps,launch", STREAM_LAYOUTS,
-                         ids=lambda x: f"{x}" if not isinstance(x, dict) else f"s{x.get('num_stages', '-')}")
+                         ids=lambda x: f"{x}" if not isinstance(x, dict) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
     """B=9: 2304 (BV 32) tiles over a grid of as many programs as fit on the SMs, so most walk several tiles
     and some one fewer than others."""
