@@ -212,14 +212,18 @@ GRIDS = ("block", "prep", "head", "stream", "stream_regs")
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     """Kernel layout, V block and warps per batch size and state dtype: the fastest of the variants timed in
     a CUDA graph on an H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). At B=1 the
-    block layout ([K, 32] on 2 warps) wins: the prep launch costs more than the head work it saves for one
-    sequence. From B=16 the prep layout wins in both dtypes (fp32 state: [K, 64] blocks on 4 warps; bf16
-    state: [K, 32] on 2 warps, 15-17% faster than the block layout at B=64 and 256)."""
+    block layout ([K, 32] on 2 warps) wins: the extra launches of the others cost more than they save for
+    one sequence. From B=2, fp32 state: the prep layout ([K, 64] blocks on 4 warps; the streaming layouts
+    were no faster, the fp32 state kernel is already near the copy bandwidth); bf16 state: the streaming
+    layout ([K, 32] on 2 warps up to B=32, [K, 64] on 4 warps above; 13% faster than prep at B=16, 3-4% at
+    B=64 and 256)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2)
     if state_dtype == torch.float32:
         return dict(grid="prep", BV=64, num_warps=4)
-    return dict(grid="prep", BV=32, num_warps=2)
+    if B <= 32:
+        return dict(grid="stream", BV=32, num_warps=2)
+    return dict(grid="stream", BV=64, num_warps=4)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
