@@ -123,7 +123,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
                 intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
-                a_one_pass: bool = False, ou_bf16: bool = False, b_block: int | None = None, tiles: str = "memory"):
+                a_one_pass: bool = False, ou_bf16: bool = False, b_block: int | None = None, tiles: str = "memory",
+                f_stages: int = 1):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
     "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
@@ -137,8 +138,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     ``b_block`` runs the per-chunk tiles kernel in column blocks of that width (kda_prefill_intra64_b.py);
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair (not with
     "fused"). ``tiles="state"`` (only with "split") forms the per-chunk tiles inside the state pass
-    (kda_prefill_v3_fused.py): no kernel B, no scratch but Aqk and Ai. The defaults are the fastest measured
-    on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
+    (kda_prefill_v3_fused.py, ``f_stages`` pipeline stages): no kernel B, no scratch but Aqk and Ai. The
+    defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md; "split" not yet timed)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     if intra not in INTRA_FORMS:
@@ -223,7 +224,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
             H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, ONE_PASS=a_one_pass,
-            num_warps=a_warps, **stages, **gate_args,
+            ZERO_UPPER=tiles == "state", num_warps=a_warps, **stages, **gate_args,
         )
 
     def intra_b():
@@ -240,7 +241,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     if tiles == "state":
         fused = fused_state_launch(q, k, v, g, beta, gate_args, A_log, dt_bias, lb, o, state, aqk, ai, cu_t, offsets_t,
                                    slots_t, init_t, len(cu) - 1, BV=BV, chain=chain, out_x3=out_x3,
-                                   local_precision=local_precision, num_warps=num_warps, num_stages=num_stages)
+                                   local_precision=local_precision, num_warps=num_warps, num_stages=f_stages)
         return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("state", fused)]
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
