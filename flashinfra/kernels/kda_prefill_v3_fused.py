@@ -4,8 +4,8 @@ in-chunk matrices ``Aqk`` and ``(I + L)^-1`` (from the split form's two kernels)
 
 ``kda_intra64_b_kernel`` writes per chunk and head 80 KB of bf16 pairs (w, qw, kd) and 64 KB of float32
 (u, ou), which ``kda_state64_kernel`` reads back; here each chunk's tiles are formed in registers from
-q, k, g, beta, v and the two [64, 64] matrices (about 100 KB per 64-token step at BV=64 instead of 112 KB
-read plus 144 KB written and read by a kernel of its own), with the same products in ``LOCAL_PRECISION``
+q, k, g, beta, v and the two [64, 64] matrices (about 100 KB per 64-token step at BV=64, against B's 100 KB
+read and 144 KB written plus the state pass's 112 KB read), with the same products in ``LOCAL_PRECISION``
 as kernel B:
 
     gc = cumsum(g), w = Ai (beta k exp(gc)), kd = k exp(gl - gc), qw = q exp(gc) - Aqk w,
@@ -15,6 +15,9 @@ then as ``kda_state64_kernel``: ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(g
 products that carry S in the chain precision (w, kd, S and v' split into bf16 hi + lo in registers for
 bf16x3; w and kd one bf16 each for bf16x2), the output product with qw's hi part (and its lo part with
 ``OUT_X3``). The K-side work (w, kd, qw) is repeated by each of the ``V / BV`` value blocks of a head.
+kd's bf16 parts wait for the state update in a per-program scratch (16 or 32 KB, rewritten every chunk, so it
+stays in L1/L2): held in registers through the output products they spill, formed again they cost about a
+fifth of the loop's instructions.
 
 Same semantics as the other v3 forms: varlen via ``cu_seqlens``, state slots read (or ignored, NaN
 included, for a fresh sequence) and written, the gate with its lower bound and beta's sigmoid computed
@@ -23,6 +26,7 @@ from the raw projections (``load_gate_beta`` with v3's per-token log-decay bound
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -71,15 +75,23 @@ def _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, CM: tl
 
 @triton.jit
 def _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t, stride_g_t, col, o_c, m_t, r_q, r_k,
-              b_b, ai_s, aqk_s, b_s, b_ws, b_o, LP: tl.constexpr, CHAIN: tl.constexpr, OUT_X3: tl.constexpr,
+              b_b, ai_s, aqk_s, b_s, b_ws, b_o, p_kd, LP: tl.constexpr, CHAIN: tl.constexpr, OUT_X3: tl.constexpr,
               GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, DOT_F32: tl.constexpr):
     """One K half of ``w = Ai (beta k exp(gc))`` and ``qw = q exp(gc) - Aqk w`` (each column of them depends on
-    its own columns of q, k and g only), and its share of ``w S`` (in the chain precision) and ``qw S``."""
-    b_gc, _ = _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, "", GATE_IN_KERNEL,
-                    HAS_LOWER_BOUND)
+    its own columns of q, k and g only), and its share of ``w S`` (in the chain precision) and ``qw S``;
+    ``kd = k exp(gl - gc)``'s bf16 parts go to the program's scratch at p_kd (hi, then lo for bf16x3) for
+    the state update. Returns ``exp(gl)`` too."""
+    b_gc, b_gl = _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, "", GATE_IN_KERNEL,
+                       HAS_LOWER_BOUND)
+    b_k = _tile(k, rows, stride_k_t, col, o_c, m_t, "") * r_k[:, None]
+    b_kdh, b_kdl = _split(b_k * tl.exp(b_gl[None, :] - b_gc), CHAIN == 3)
+    KH: tl.constexpr = o_c.shape[0]
+    off = tl.arange(0, 64)[:, None] * KH + o_c[None, :]
+    tl.store(p_kd + off, b_kdh)
+    if CHAIN == 3:
+        tl.store(p_kd + 64 * KH + off, b_kdl)
     b_eg = tl.exp(b_gc)
-    b_k = _tile(k, rows, stride_k_t, col, o_c, m_t, "") * (r_k * b_b)[:, None]
-    b_w = tl.dot(ai_s, b_k * b_eg, input_precision=LP)
+    b_w = tl.dot(ai_s, b_k * b_b[:, None] * b_eg, input_precision=LP)
     # -qw accumulated on -q exp(gc): one [64, K / 2] tile live instead of two
     b_qw = tl.dot(aqk_s, b_w, -(_tile(q, rows, stride_q_t, col, o_c, m_t, "") * r_q[:, None] * b_eg),
                   input_precision=LP)
@@ -96,30 +108,27 @@ def _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t,
     b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
     if OUT_X3:
         b_o = _mma(b_ql, b_sh, b_o, DOT_F32)
-    return b_ws, b_o
+    return b_ws, b_o, tl.exp(b_gl)
 
 
 @triton.jit
-def _half_state(k, g, dt_bias, rate, lower_bound, rows, stride_k_t, stride_g_t, col, o_c, m_t, r_k, b_s, b_vh, b_vl,
-                CHAIN: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                DOT_F32: tl.constexpr):
-    """One K half of ``S = exp(gl) S + kd^T v'`` with ``kd = k exp(gl - gc)`` formed again here (from the
-    cache) rather than held through the output products: its bf16 parts would be live all along."""
-    b_gc, b_gl = _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, ".cg", GATE_IN_KERNEL,
-                       HAS_LOWER_BOUND)
-    b_kd = _tile(k, rows, stride_k_t, col, o_c, m_t, ".cg") * r_k[:, None] * tl.exp(b_gl[None, :] - b_gc)
-    b_kdh, b_kdl = _split(b_kd, CHAIN == 3)
-    b_s = _mma(tl.trans(b_kdh), b_vh, b_s * tl.exp(b_gl)[:, None], DOT_F32)
+def _half_state(p_kd, o_c, b_egl, b_s, b_vh, b_vl, CHAIN: tl.constexpr, DOT_F32: tl.constexpr):
+    """One K half of ``S = exp(gl) S + kd^T v'``, kd^T read back from the scratch (written by _half_out;
+    held in registers through the output products instead, its parts spill)."""
+    KH: tl.constexpr = o_c.shape[0]
+    off = tl.arange(0, 64)[None, :] * KH + o_c[:, None]
+    b_kdh = tl.load(p_kd + off)
+    b_s = _mma(b_kdh, b_vh, b_s * b_egl[:, None], DOT_F32)
     if CHAIN == 3:
-        b_s = _mma(tl.trans(b_kdl), b_vh, b_s, DOT_F32)
+        b_s = _mma(tl.load(p_kd + 64 * KH + off), b_vh, b_s, DOT_F32)
     if CHAIN >= 2:
-        b_s = _mma(tl.trans(b_kdh), b_vl, b_s, DOT_F32)
+        b_s = _mma(b_kdh, b_vl, b_s, DOT_F32)
     return b_s
 
 
 @triton.jit
 def kda_state64_fused_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, o, aqk, ai, state,
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, o, aqk, ai, state, kd_buf,
     cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHAIN: tl.constexpr,
@@ -133,7 +142,8 @@ def kda_state64_fused_kernel(
     copy engine's single-stage loads once faulted in the other state pass (kda_prefill_v3.py).
     The state and the K-side tiles are held as two K halves (two tensors each), so that no [64, K] float32
     tile is live (at 4 warps one is 64 registers per thread), in this order per chunk: the rows' norms,
-    per half w and qw and their products with S, then u, ou and v', then per half kd and the new S."""
+    per half kd (to ``kd_buf``), w and qw and their products with S, then u, ou and v', then per half the
+    new S with kd read back."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n)
@@ -154,6 +164,9 @@ def kda_state64_fused_kernel(
     v += i_h * V + i_v * BV
     o += i_h * V + i_v * BV
     beta += i_h
+    # this program's scratch for kd's bf16 parts: [2 halves, 1 or 2 parts, 64, K / 2]
+    NP: tl.constexpr = 2 if CHAIN == 3 else 1
+    kd_buf += (i_nh * tl.num_programs(0) + i_v).to(tl.int64) * (2 * NP * 64 * KH)
     # A fresh sequence ignores whatever its slot holds (NaN included).
     r_s = (slot * H + i_h) * K
     p_s = state + (r_s + o_c).to(tl.int64)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
@@ -178,12 +191,13 @@ def kda_state64_fused_kernel(
         # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, o = qw S + ou, ou = Aqk u
         b_ws = tl.zeros([64, BV], dtype=tl.float32)
         b_o = tl.zeros([64, BV], dtype=tl.float32)
-        b_ws, b_o = _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t, stride_g_t, 0, o_c,
-                              m_t, r_q, r_k, b_b, ai_s, aqk_s, b_s0, b_ws, b_o, LP, CHAIN, OUT_X3, GATE_IN_KERNEL,
-                              HAS_LOWER_BOUND, DOT_F32)
-        b_ws, b_o = _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t, stride_g_t, KH, o_c,
-                              m_t, r_q, r_k, b_b, ai_s, aqk_s, b_s1, b_ws, b_o, LP, CHAIN, OUT_X3, GATE_IN_KERNEL,
-                              HAS_LOWER_BOUND, DOT_F32)
+        tl.debug_barrier()  # the previous chunk's kd has been read by every thread
+        b_ws, b_o, egl0 = _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t, stride_g_t, 0,
+                                    o_c, m_t, r_q, r_k, b_b, ai_s, aqk_s, b_s0, b_ws, b_o, kd_buf, LP, CHAIN, OUT_X3,
+                                    GATE_IN_KERNEL, HAS_LOWER_BOUND, DOT_F32)
+        b_ws, b_o, egl1 = _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t, stride_g_t, KH,
+                                    o_c, m_t, r_q, r_k, b_b, ai_s, aqk_s, b_s1, b_ws, b_o, kd_buf + NP * 64 * KH, LP,
+                                    CHAIN, OUT_X3, GATE_IN_KERNEL, HAS_LOWER_BOUND, DOT_F32)
         b_u = tl.dot(ai_s, _tile(v, rows, stride_v_t, 0, tl.arange(0, BV), m_t, "") * b_b[:, None],
                      input_precision=LP)
         b_o = tl.dot(aqk_s, b_u, b_o, input_precision=LP)
@@ -192,10 +206,9 @@ def kda_state64_fused_kernel(
         b_vn = b_u - b_ws
         b_vh = b_vn.to(tl.bfloat16)
         b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
-        b_s0 = _half_state(k, g, dt_bias, rate, lower_bound, rows, stride_k_t, stride_g_t, 0, o_c, m_t, r_k, b_s0,
-                           b_vh, b_vl, CHAIN, GATE_IN_KERNEL, HAS_LOWER_BOUND, DOT_F32)
-        b_s1 = _half_state(k, g, dt_bias, rate, lower_bound, rows, stride_k_t, stride_g_t, KH, o_c, m_t, r_k, b_s1,
-                           b_vh, b_vl, CHAIN, GATE_IN_KERNEL, HAS_LOWER_BOUND, DOT_F32)
+        tl.debug_barrier()  # kd's parts written by other threads
+        b_s0 = _half_state(kd_buf, o_c, egl0, b_s0, b_vh, b_vl, CHAIN, DOT_F32)
+        b_s1 = _half_state(kd_buf + NP * 64 * KH, o_c, egl1, b_s1, b_vh, b_vl, CHAIN, DOT_F32)
     p_s = state + (r_s + o_c).to(tl.int64)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
     tl.store(p_s, b_s0)
     tl.store(p_s + KH * V, b_s1)
@@ -211,9 +224,11 @@ def fused_state_launch(q, k, v, g, beta, gate_args: dict, A_log, dt_bias, lower_
     V = v.shape[-1]
     if K < 32:
         raise ValueError(f"kda_prefill v3: tiles='state' needs K >= 32 (two K halves of 16 or more), got K={K}")
+    grid = (triton.cdiv(V, BV), num_seqs * H)
+    kd_buf = torch.empty(grid[0] * grid[1], 64 * K * (2 if chain == 3 else 1), dtype=torch.bfloat16, device=q.device)
     def launch():
-        kda_state64_fused_kernel[(triton.cdiv(V, BV), num_seqs * H)](
-            q, k, v, g, beta, A_log, dt_bias, lower_bound, o, aqk, ai, state, cu_t, offsets_t, slots_t, init_t,
+        kda_state64_fused_kernel[grid](
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, o, aqk, ai, state, kd_buf, cu_t, offsets_t, slots_t, init_t,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, LOCAL_PRECISION=local_precision,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages, **gate_args,
