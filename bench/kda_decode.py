@@ -28,22 +28,27 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
 
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K
+_P4 = dict(num_stages=4, tma_store=False)
+# the streaming layouts' variants (bench/notes/kda_decode.md): [K, BV] tiles, warps, launch options; in the
+# 05:04 UTC run one-warp tiles, [K, 32] on 4 warps and 3 stages were no faster than these
+STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(num_stages=4)),
+                   ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
+                   ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
+                   ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
+                   ("stream", 64, 4, dict(_P4, scratch_l2=False)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                   ("tiles", 32, 2, {})]
 # (grid, BV, num_warps[, launch options]) of the layer decode, each timed in a graph at every batch size and state
 # dtype. Left out since the 04:47 UTC run (bench/results/kda_decode_prep.json): block BV 32 / 8 warps, BV 64 / 8,
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
-            ("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
-            ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
-            ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
-            ("stream", 16, 1, dict(num_stages=4)), ("stream", 32, 1, dict(num_stages=3)),
-            ("stream", 16, 1, dict(num_stages=3, scratch_l2=False)),
-            ("stream_regs", 32, 2), ("stream_regs", 64, 4)]
+            *STREAM_VARIANTS]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
     launch = launch or {}
     return (f"{grid}_BV{bv}_w{nw}" + (f"_s{launch['num_stages']}" if "num_stages" in launch else "")
+            + ("_plainstore" if launch.get("tma_store") is False else "")
             + ("_scratchDRAM" if launch.get("scratch_l2") is False else ""))
 
 

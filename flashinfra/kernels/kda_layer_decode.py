@@ -8,7 +8,7 @@ and the gated RMSNorm of the output. The unfused path runs ``causal_conv1d_decod
 the only traffic is the inputs, the output (written, read back for the norm, written again) and the two
 slots.
 
-Two kernel layouts, chosen per batch size and state dtype by ``decode_config`` (measured on an H200 in
+Kernel layouts, chosen per batch size and state dtype by ``decode_config`` (measured on an H200 in
 bench/notes/kda_decode.md):
 - ``"block"``: one program per (sequence, head, block of ``BV`` value columns), so many state loads are in
   flight at once, then a second small launch per (sequence, head) for the gated RMSNorm (it needs the
@@ -16,7 +16,12 @@ bench/notes/kda_decode.md):
   Stream order between the launches replaces any synchronisation between programs.
 - ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
   (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
-  the state programs do only the recurrence and the v conv; three launches (the default from B=2).
+  the state programs do only the recurrence and the v conv; three launches.
+- ``"stream"``, ``"stream_regs"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep
+  launch also computes the v conv and shifts the whole conv slot, so the state kernel reads only the
+  scratch and its state tiles: persistent programs with the state through a tensor descriptor in a
+  pipelined loop, persistent programs with the next tile prefetched into registers, or one program per
+  tile. The norm launch follows (``"stream"`` applies the norm itself when a tile is a whole head row).
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
@@ -206,7 +211,7 @@ def kda_layer_decode_prep_kernel(
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
-GRIDS = ("block", "prep", "head", "stream", "stream_regs")
+GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
@@ -257,13 +262,16 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
-                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True):
+                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
+                            tma_store: bool = True):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
-    L2 when the state kernel reads it behind the state stream, and the next call's writes find it there)."""
+    L2 when the state kernel reads it behind the state stream, and the next call's writes find it there);
+    ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores), and
+    with ``BV >= V`` it applies the gated RMSNorm itself (two launches instead of three)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -293,7 +301,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         return out
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
-    streamed = grid.startswith("stream")
+    streamed = grid in ("stream", "stream_regs", "tiles")  # the state kernel reads only the scratch and the state
     prepped = grid == "prep" or streamed
     if grid == "stream":
         check_stream_layout(state, BV, sizes["BK"])
@@ -304,17 +312,20 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
                                                BVF=BVF, EVICT=("evict_last" if streamed and scratch_l2 else ""),
                                                num_warps=4)
+    normed = False
     if streamed:
-        stream_state_launch(state, heads, state_slots, out, grid, BV, R, num_warps, num_stages, per_sm, programs)
+        normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
+                                     num_stages, per_sm, programs, tma_store)
     else:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
         )
-    kda_layer_decode_norm_kernel[(B * H,)](
-        qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-        **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,
-    )
+    if not normed:
+        kda_layer_decode_norm_kernel[(B * H,)](
+            qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
+            **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,
+        )
     return out
 
 

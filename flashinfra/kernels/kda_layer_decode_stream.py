@@ -1,5 +1,5 @@
-"""The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"stream_regs"`` in
-``kda_layer_decode_launch``).
+"""The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"stream_regs"`` /
+``"tiles"`` in ``kda_layer_decode_launch``).
 
 The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k,
 decay, v conv output and beta into a float32 scratch ``heads`` [B * H, 5, R] and shifted the whole conv
@@ -15,6 +15,9 @@ reduced, instead of one tile per program with nothing in flight between its load
   buffers filled ``STAGES - 1`` tiles ahead (no pointer tensors live, one thread issues each copy).
 - ``stream_regs``: plain loads, the next tile's held in registers (in the state dtype) while the current
   one is computed; its slot index is read one tile further ahead, so no load waits on another.
+
+``tiles`` is the same state step without persistence: one program per tile (the bare recurrence's shape),
+reading only the scratch and its tile.
 """
 
 from __future__ import annotations
@@ -40,25 +43,62 @@ def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
 
 @triton.jit
 def kda_layer_decode_stream_kernel(
-    state_d, heads, state_slots, out, tiles,
-    H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
+    state_d, heads, state_slots, out, tiles, state, gate, norm_w, eps, stride_gate,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+    STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr,
 ):
     """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; ``state_d`` is a descriptor over the
     state viewed as [slots * H, K, V] with block [1, BK, BV] (rows past K and columns past V are filled
-    with zeros on load and dropped on store)."""
+    with zeros on load and dropped on store). The new tile leaves by the copy engine (``TMA_STORE``,
+    through a shared-memory staging buffer) or by plain stores from registers (one buffer less, so more
+    programs fit). With ``NORM`` (a tile is a head's whole row, BV >= V) the gated RMSNorm is applied
+    here and the norm launch is left out."""
     NV: tl.constexpr = (V + BV - 1) // BV
     o_k = tl.arange(0, BK)
     o_b = tl.arange(0, BV)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
         i_bh = t // NV
         i_v = t - i_bh * NV
-        row = tl.load(state_slots + i_bh // H).to(tl.int32) * H + i_bh % H
+        i_h = i_bh % H
+        row = tl.load(state_slots + i_bh // H).to(tl.int32) * H + i_h
         b_s = state_d.load([row, 0, i_v * BV]).reshape(BK, BV).to(tl.float32)
         o_v = i_v * BV + o_b
+        m_v = o_v < V
         b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
         b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=o_v < V)
-        state_d.store([row, 0, i_v * BV], b_s.to(state_d.dtype).reshape(1, BK, BV))
+        if NORM:  # columns past V hold zeros (zero-filled state, zero v), so they add nothing to the sum
+            b_o = b_o.to(out.dtype.element_ty).to(tl.float32)  # rounded as the norm launch would read it
+            b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
+            b_gate = tl.load(gate + (i_bh // H) * stride_gate + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_o = b_o * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+        if TMA_STORE:
+            state_d.store([row, 0, i_v * BV], b_s.to(state_d.dtype).reshape(1, BK, BV))
+        else:
+            p_s = state + row.to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+            tl.store(p_s, b_s.to(state.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def kda_layer_decode_tile_kernel(
+    state, heads, state_slots, out,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+):
+    """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
+    read; meant for many small programs (one warp, [K, 8] or [K, 16]) resident at once on each SM, each
+    with its loads in flight, the reductions over K inside the warp."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    slot = tl.load(state_slots + i_bh // H).to(tl.int64)
+    p_s = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    m_s = (o_k < K)[:, None] & m_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
+    b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
 @triton.jit
@@ -157,21 +197,32 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 
 
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
-                        grid: str, BV: int, R: int, num_warps: int, num_stages: int, per_sm: int | None,
-                        programs: int | None) -> None:
-    """Run the state kernel of ``grid`` ("stream" or "stream_regs") over every tile of the batch with a
-    persistent grid: ``programs`` programs if given, else as many per SM as fit (at most ``per_sm``)."""
+                        gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
+                        num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
+                        tma_store: bool) -> bool:
+    """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
+    persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
+    "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too ("stream" with
+    one V block per head)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
+    norm = grid == "stream" and BV >= V
+    if grid == "tiles":
+        kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](state, heads, state_slots, out, H=H, K=K, V=V, BK=BK,
+                                                                  BV=BV, R=R, num_warps=num_warps)
+        return False
     if grid == "stream":
         check_stream_layout(state, BV, BK)
         kernel = kda_layer_decode_stream_kernel
-        args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles)
-        kw = dict(H=H, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages)
+        args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
+                gate, norm_weight, float(eps), gate.stride(0))
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
+                  num_warps=num_warps, num_stages=num_stages)
     else:
         kernel = kda_layer_decode_stream_regs_kernel
         args = (state, heads, state_slots, out, tiles)
         kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
+    return norm

@@ -153,13 +153,16 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K,launch", [
     ("stream", torch.float32, -5.0, 24, {}), ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
+    ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)), ("stream", torch.float32, None, 32, dict(BV=32)),
     ("stream_regs", torch.bfloat16, -5.0, 32, {}), ("stream_regs", torch.float32, None, 24, dict(programs=5)),
+    ("tiles", torch.bfloat16, None, 24, {}), ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
 ])
 def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24
-    leaves rows and columns of the last tile outside the state (the descriptor's zero fill)."""
-    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16,
-                       **launch)
+    leaves rows and columns of the last tile outside the state (the descriptor's zero fill, masked plain
+    stores); BV >= V: one tile per head, the gated RMSNorm in the state kernel."""
+    launch = {"BV": 16, **launch}
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, **launch)
 
 
 def test_layer_decode_bad_layouts():

@@ -143,13 +143,14 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
                        num_warps=num_warps)
 
 
-# the persistent layouts bench/kda_decode.py times: (grid, BV, num_warps, launch options)
-STREAM_LAYOUTS = [("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(num_stages=4)),
-                  ("stream", 32, 4, dict(num_stages=3)), ("stream", 32, 4, dict(num_stages=4)),
-                  ("stream", 64, 4, dict(num_stages=4)), ("stream", 16, 1, dict(num_stages=3)),
-                  ("stream", 16, 1, dict(num_stages=4)), ("stream", 32, 1, dict(num_stages=3)),
-                  ("stream", 16, 1, dict(num_stages=3, scratch_l2=False)),
-                  ("stream_regs", 32, 2, {}), ("stream_regs", 64, 4, {})]
+_P4 = dict(num_stages=4, tma_store=False)
+# the streaming layouts bench/kda_decode.py times: (grid, BV, num_warps, launch options)
+STREAM_LAYOUTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(num_stages=4)),
+                  ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
+                  ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
+                  ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
+                  ("stream", 64, 4, dict(_P4, scratch_l2=False)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                  ("tiles", 32, 2, {})]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -157,21 +158,24 @@ STREAM_LAYOUTS = [("stream", 32, 2, dict(num_stages=3)), ("stream", 32, 2, dict(
                          ids=lambda x: f"{x}" if not isinstance(x, dict) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
     """B=9: 2304 (BV 32) tiles over a grid of as many programs as fit on the SMs, so most walk several tiles
-    and some one fewer than others."""
+    and some one fewer than others; BV 128: one tile per head, the gated RMSNorm in the state kernel."""
     cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, BV=BV,
                        num_warps=num_warps, **launch)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,launch", [(1, {}), (67, {}), (33, dict(programs=7)), (33, dict(per_sm=1))])
-@pytest.mark.parametrize("grid", ["stream", "stream_regs"])
+@pytest.mark.parametrize("B,launch", [(1, {}), (67, {}), (33, dict(programs=7)), (33, dict(per_sm=1)),
+                                      (67, dict(BV=128, num_warps=4)), (67, dict(tma_store=False))])
+@pytest.mark.parametrize("grid", ["stream", "stream_regs", "tiles"])
 def test_layer_decode_stream_sizes(grid, B, launch, state_dtype):
     """One tile per program (B=1), many (B=67, or a grid of 7 programs), one program per SM."""
-    cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, BV=32,
-                       num_warps=2, **launch)
+    if (grid != "stream" and ("tma_store" in launch or "BV" in launch)) or (grid == "tiles" and len(launch)):
+        pytest.skip("an option of the descriptor loop or of the persistent grid")
+    launch = {"BV": 32, "num_warps": 2, **launch}
+    cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, **launch)
 
 
-@pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs"])
+@pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs", "tiles"])
 def test_layer_decode_fp32_activations(grid):
     cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid)
 
