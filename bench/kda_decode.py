@@ -4,6 +4,9 @@ flash-linear-attention's fused_recurrent_kda (bare, and with the conv update and
 around it), H=64, K=V=128, at B=1, 16, 64, 256, all in one run.
 
     python bench/kda_decode.py [--out DIR] [--no-variants]     -> bench/results/kda_decode.json
+
+Keys ``parts_{fp32,bf16}_{layout}_{prep,state,norm}_graph_us``: each launch of a multi-launch layout timed
+alone in a graph (the default layout per size and the streaming layouts' lead variants), for the time split.
 """
 
 from __future__ import annotations
@@ -153,6 +156,18 @@ def main() -> int:
                     cases[f"ours_layer_{dt}_{variant_tag(grid, bv, nw, launch)}"] = (
                         lambda i=inputs, g=grid, b=bv, w=nw, o=launch: kda_layer_decode_launch(
                             **i, grid=g, BV=b, num_warps=w, **o))
+            # each launch of the default layout and of the streaming layouts' lead variants alone (graph)
+            for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
+                cfg = dict(decode_config(B, sdt))
+                default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
+                for grid, bv, nw, *opt in (default, ("stream", 64, 4, _P4), ("prep", 64, 4), ("tiles", 64, 4)):
+                    launch = opt[0] if opt else {}
+                    if grid in ("block", "head"):
+                        continue
+                    for part in ("prep", "state", "norm"):
+                        cases[f"parts_{dt}_{variant_tag(grid, bv, nw, launch)}_{part}"] = (
+                            lambda i=inputs, g=grid, b=bv, w=nw, o=launch, p=part: kda_layer_decode_launch(
+                                **i, grid=g, BV=b, num_warps=w, launches=p, **o))
         for name, fn in cases.items():
             try:
                 if name in timed:  # the variants are timed in a graph only

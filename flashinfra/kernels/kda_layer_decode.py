@@ -263,7 +263,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
-                            tma_store: bool = True):
+                            tma_store: bool = True, launches: str = "all"):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -271,7 +271,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
     L2 when the state kernel reads it behind the state stream, and the next call's writes find it there);
     ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores), and
-    with ``BV >= V`` it applies the gated RMSNorm itself (two launches instead of three)."""
+    with ``BV >= V`` it applies the gated RMSNorm itself (two launches instead of three). ``launches``
+    ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
+    benchmark's time split; the result is then incomplete."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -285,6 +287,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
+    if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid == "head"):
+        raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm' (not with grid "
+                         f"'head'), got {launches!r}")
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -307,21 +312,22 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         check_stream_layout(state, BV, sizes["BK"])
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
-    if prepped:
+    run = ("prep", "state", "norm") if launches == "all" else (launches,)
+    if prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
                                                BVF=BVF, EVICT=("evict_last" if streamed and scratch_l2 else ""),
                                                num_warps=4)
     normed = False
-    if streamed:
+    if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
                                      num_stages, per_sm, programs, tma_store)
-    else:
+    elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
         )
-    if not normed:
+    if "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
             **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,
