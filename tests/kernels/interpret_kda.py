@@ -171,6 +171,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="rows")
     with pytest.raises(ValueError, match="16-byte aligned state"):  # a 24-byte state row
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
+    with pytest.raises(ValueError, match="launches must be"):
+        layer_decode.kda_layer_decode_launch(**a, grid="head", launches="prep")
 
 
 def test_stream_programs_per_sm():
