@@ -263,7 +263,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
-                            tma_store: bool = True, launches: str = "all"):
+                            tma_store: bool = True, launches: str = "all", maxnreg: int | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -273,7 +273,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores), and
     with ``BV >= V`` it applies the gated RMSNorm itself (two launches instead of three). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
-    benchmark's time split; the result is then incomplete."""
+    benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
+    streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -321,7 +322,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store)
+                                     num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,

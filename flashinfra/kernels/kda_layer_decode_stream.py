@@ -199,7 +199,7 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool) -> bool:
+                        tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
     "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too ("stream" with
@@ -209,9 +209,10 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
     norm = grid == "stream" and BV >= V
+    cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](state, heads, state_slots, out, H=H, K=K, V=V, BK=BK,
-                                                                  BV=BV, R=R, num_warps=num_warps)
+                                                                  BV=BV, R=R, num_warps=num_warps, **cap)
         return False
     if grid == "stream":
         check_stream_layout(state, BV, BK)
@@ -219,10 +220,10 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
         args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
                 gate, norm_weight, float(eps), gate.stride(0))
         kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, **cap)
     else:
         kernel = kda_layer_decode_stream_regs_kernel
         args = (state, heads, state_slots, out, tiles)
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps)
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps, **cap)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
