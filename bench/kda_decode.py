@@ -39,7 +39,8 @@ STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict
                    ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
                    ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
                    ("stream", 64, 4, dict(_P4, scratch_l2=False)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
-                   ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96))]
+                   ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
+                   ("tiles", 128, 8, {})]
 # (grid, BV, num_warps[, launch options]) of the layer decode, each timed in a graph at every batch size and state
 # dtype. Left out since the 04:47 UTC run (bench/results/kda_decode_prep.json): block BV 32 / 8 warps, BV 64 / 8,
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.

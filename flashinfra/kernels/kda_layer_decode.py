@@ -21,7 +21,8 @@ bench/notes/kda_decode.md):
   launch also computes the v conv and shifts the whole conv slot, so the state kernel reads only the
   scratch and its state tiles: persistent programs with the state through a tensor descriptor in a
   pipelined loop, persistent programs with the next tile prefetched into registers, or one program per
-  tile. The norm launch follows (``"stream"`` applies the norm itself when a tile is a whole head row).
+  tile. The norm launch follows (``"stream"`` and ``"tiles"`` apply the norm themselves when a tile is a
+  whole head row: two launches).
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
@@ -270,8 +271,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
     L2 when the state kernel reads it behind the state stream, and the next call's writes find it there);
-    ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores), and
-    with ``BV >= V`` it applies the gated RMSNorm itself (two launches instead of three). ``launches``
+    ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores);
+    with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs)."""

@@ -17,7 +17,8 @@ reduced, instead of one tile per program with nothing in flight between its load
   one is computed; its slot index is read one tile further ahead, so no load waits on another.
 
 ``tiles`` is the same state step without persistence: one program per tile (the bare recurrence's shape),
-reading only the scratch and its tile.
+reading only the scratch and its tile. ``stream`` and ``tiles`` apply the gated RMSNorm themselves when a
+tile is a head's whole row, and the norm launch is left out.
 """
 
 from __future__ import annotations
@@ -66,11 +67,9 @@ def kda_layer_decode_stream_kernel(
         m_v = o_v < V
         b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
         b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-        if NORM:  # columns past V hold zeros (zero-filled state, zero v), so they add nothing to the sum
-            b_o = b_o.to(out.dtype.element_ty).to(tl.float32)  # rounded as the norm launch would read it
-            b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-            b_gate = tl.load(gate + (i_bh // H) * stride_gate + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_o = b_o * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+        if NORM:
+            b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + i_h * V, norm_w, eps, o_v, m_v, V,
+                                  out.dtype.element_ty)
         tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
         if TMA_STORE:
             state_d.store([row, 0, i_v * BV], b_s.to(state_d.dtype).reshape(1, BK, BV))
@@ -80,13 +79,24 @@ def kda_layer_decode_stream_kernel(
 
 
 @triton.jit
+def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: tl.constexpr):
+    """The gated RMSNorm of a head's whole output row held by the program (columns past V hold zeros: the
+    zero-filled state and zero v give a zero output there), rounded first as the norm launch would read it."""
+    b_o = b_o.to(ODT).to(tl.float32)
+    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
+    b_gate = tl.load(gate_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return b_o * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+
+
+@triton.jit
 def kda_layer_decode_tile_kernel(
-    state, heads, state_slots, out,
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
-    read; meant for many small programs (one warp, [K, 8] or [K, 16]) resident at once on each SM, each
-    with its loads in flight, the reductions over K inside the warp."""
+    read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
+    RMSNorm is applied here and the norm launch is left out."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -97,6 +107,9 @@ def kda_layer_decode_tile_kernel(
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+    if NORM:
+        b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
+                              out.dtype.element_ty)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
@@ -202,18 +215,19 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
                         tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
-    "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too ("stream" with
-    one V block per head)."""
+    "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
+    whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
-    norm = grid == "stream" and BV >= V
+    norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
     if grid == "tiles":
-        kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](state, heads, state_slots, out, H=H, K=K, V=V, BK=BK,
-                                                                  BV=BV, R=R, num_warps=num_warps, **cap)
-        return False
+        kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
+            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
+            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
+        return norm
     if grid == "stream":
         check_stream_layout(state, BV, BK)
         kernel = kda_layer_decode_stream_kernel
