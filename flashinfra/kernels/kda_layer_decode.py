@@ -264,7 +264,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
-                            tma_store: bool = True, launches: str = "all", maxnreg: int | None = None):
+                            tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
+                            prep_warps: int = 4):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -275,7 +276,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
-    streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs)."""
+    streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
+    ``prep_warps`` sets the prep launch's warps per (sequence, head) program."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -319,7 +321,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
                                                BVF=BVF, EVICT=("evict_last" if streamed and scratch_l2 else ""),
-                                               num_warps=4)
+                                               num_warps=prep_warps)
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,

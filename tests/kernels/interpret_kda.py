@@ -156,7 +156,7 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)), ("stream", torch.float32, None, 32, dict(BV=32)),
     ("stream_regs", torch.bfloat16, -5.0, 32, {}), ("stream_regs", torch.float32, None, 24, dict(programs=5)),
     ("tiles", torch.bfloat16, None, 24, dict(maxnreg=96)), ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
-    ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32)),
+    ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32, prep_warps=1)),
 ])
 def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24
