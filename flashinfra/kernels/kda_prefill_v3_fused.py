@@ -44,6 +44,12 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _rows2(a, b):
+    """[a; b]: two [64, N] tiles stacked into one [128, N] (one 128-row product instead of two of 64)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (128, a.shape[1]))
+
+
+@triton.jit
 def _split(x, LO: tl.constexpr):
     """x as bf16 hi and (with LO) lo parts, hi + lo within 2^-17 of x; without LO, lo is hi (unused)."""
     hi = x.to(tl.bfloat16)
@@ -99,14 +105,20 @@ def _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t,
     b_wh, b_wl = _split(b_w, CHAIN == 3)
     b_sh = b_s.to(tl.bfloat16)
     b_sl = (b_s - b_sh.to(tl.float32)).to(tl.bfloat16)
-    b_ws = _mma(b_wh, b_sh, b_ws, DOT_F32)
-    if CHAIN == 3:
-        b_ws = _mma(b_wl, b_sh, b_ws, DOT_F32)
+    # w S and qw S as 128-row products on [w; qw] where both take the same part of S: each product waits for
+    # the tensor cores before the next, so fewer and larger ones shorten the step
+    b_wq = _rows2(b_wh, b_qh)
+    b_acc = _mma(b_wq, b_sh, _rows2(b_ws, b_o), DOT_F32)
     if CHAIN >= 2:
-        b_ws = _mma(b_wh, b_sl, b_ws, DOT_F32)
-    b_o = _mma(b_qh, b_sh, b_o, DOT_F32)
-    b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
-    if OUT_X3:
+        b_acc = _mma(b_wq, b_sl, b_acc, DOT_F32)
+    if CHAIN == 3 and OUT_X3:
+        b_acc = _mma(_rows2(b_wl, b_ql), b_sh, b_acc, DOT_F32)
+    b_ws, b_o = tl.split(tl.permute(tl.reshape(b_acc, (2, 64, b_ws.shape[1])), (1, 2, 0)))
+    if CHAIN == 1:
+        b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
+    if CHAIN == 3 and not OUT_X3:
+        b_ws = _mma(b_wl, b_sh, b_ws, DOT_F32)
+    if OUT_X3 and CHAIN != 3:
         b_o = _mma(b_ql, b_sh, b_o, DOT_F32)
     return b_ws, b_o, tl.exp(b_gl)
 
@@ -116,13 +128,17 @@ def _half_state(p_kd, o_c, b_egl, b_s, b_vh, b_vl, CHAIN: tl.constexpr, DOT_F32:
     """One K half of ``S = exp(gl) S + kd^T v'``, kd^T read back from the scratch (written by _half_out;
     held in registers through the output products instead, its parts spill)."""
     KH: tl.constexpr = o_c.shape[0]
-    off = tl.arange(0, 64)[None, :] * KH + o_c[:, None]
-    b_kdh = tl.load(p_kd + off)
-    b_s = _mma(b_kdh, b_vh, b_s * b_egl[:, None], DOT_F32)
+    o_2 = tl.arange(0, 128)
+    b_s = b_s * b_egl[:, None]
     if CHAIN == 3:
-        b_s = _mma(tl.load(p_kd + 64 * KH + off), b_vh, b_s, DOT_F32)
-    if CHAIN >= 2:
-        b_s = _mma(b_kdh, b_vl, b_s, DOT_F32)
+        # [kd_hi^T, kd_lo^T] [v'_hi; v'_hi] (the scratch holds hi then lo: 128 rows) + kd_hi^T v'_lo
+        b_s = _mma(tl.load(p_kd + o_2[None, :] * KH + o_c[:, None]), _rows2(b_vh, b_vh), b_s, DOT_F32)
+        b_s = _mma(tl.load(p_kd + tl.arange(0, 64)[None, :] * KH + o_c[:, None]), b_vl, b_s, DOT_F32)
+    elif CHAIN == 2:
+        # [kd^T, kd^T] [v'_hi; v'_lo]
+        b_s = _mma(tl.load(p_kd + (o_2 % 64)[None, :] * KH + o_c[:, None]), _rows2(b_vh, b_vl), b_s, DOT_F32)
+    else:
+        b_s = _mma(tl.load(p_kd + tl.arange(0, 64)[None, :] * KH + o_c[:, None]), b_vh, b_s, DOT_F32)
     return b_s
 
 
