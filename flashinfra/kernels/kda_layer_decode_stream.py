@@ -4,21 +4,22 @@
 The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k,
 decay, v conv output and beta into a float32 scratch ``heads`` [B * H, 5, R] and shifted the whole conv
 slot, so a state program reads nothing but the scratch (from L2) and its [K, BV] state tile, and writes the
-tile back in place and its [BV] unnormalised output. The norm kernel follows.
+tile back in place and its [BV] unnormalised output; the norm kernel follows, except where a tile is a
+head's whole row (``stream`` and ``tiles`` then apply the gated RMSNorm themselves).
 
-Both kernels are persistent: a grid of a few programs per SM walks the (sequence, head, V block) tiles
-t = pid, pid + G, ..., so that the next tile's state is already on its way while the current one is
-reduced, instead of one tile per program with nothing in flight between its load and its store:
+``stream`` and ``stream_regs`` are persistent: a grid of as many programs per SM as fit walks the
+(sequence, head, V block) tiles t = pid, pid + G, ..., so that later tiles' states are on their way while
+the current one is reduced, instead of one tile per program with nothing in flight between its load and
+its store:
 
-- ``stream``: the state as a tensor descriptor over [slots * H, K, V], loaded and stored by the copy engine
-  in a ``tl.range`` loop of ``STAGES`` stages, which Triton's pipeliner turns into a ring of shared-memory
-  buffers filled ``STAGES - 1`` tiles ahead (no pointer tensors live, one thread issues each copy).
+- ``stream``: the state as a tensor descriptor over [slots * H, K, V], loaded by the copy engine in a
+  ``tl.range`` loop of ``STAGES`` stages, which Triton's pipeliner turns into a ring of STAGES - 1
+  shared-memory buffers (STAGES - 2 loads in flight while a tile is computed); the new tile leaves by the
+  copy engine through a staging buffer or by plain stores.
 - ``stream_regs``: plain loads, the next tile's held in registers (in the state dtype) while the current
   one is computed; its slot index is read one tile further ahead, so no load waits on another.
 
-``tiles`` is the same state step without persistence: one program per tile (the bare recurrence's shape),
-reading only the scratch and its tile. ``stream`` and ``tiles`` apply the gated RMSNorm themselves when a
-tile is a head's whole row, and the norm launch is left out.
+``tiles`` is the same state step without persistence: one program per tile (the bare recurrence's shape).
 """
 
 from __future__ import annotations
