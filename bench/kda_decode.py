@@ -55,7 +55,8 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + ("_plainstore" if launch.get("tma_store") is False else "")
             + ("_scratchDRAM" if launch.get("scratch_l2") is False else "")
             + (f"_r{launch['maxnreg']}" if "maxnreg" in launch else "")
-            + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else ""))
+            + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
+            + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):
@@ -164,7 +165,8 @@ def main() -> int:
                 cfg = dict(decode_config(B, sdt))
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, _P4), ("prep", 64, 4), ("tiles", 64, 4),
-                                           ("tiles", 64, 4, dict(prep_warps=1)), ("tiles", 64, 4, dict(prep_warps=2))):
+                                           ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
+                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2))):
                     launch = opt[0] if opt else {}
                     if grid in ("block", "head"):
                         continue

@@ -265,7 +265,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
-                            prep_warps: int = 4):
+                            prep_warps: int = 4, norm_warps: int = 4):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
     (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -277,7 +277,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
-    ``prep_warps`` sets the prep launch's warps per (sequence, head) program."""
+    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per (sequence, head) program."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -334,7 +334,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-            **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=4,
+            **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=norm_warps,
         )
     return out
 

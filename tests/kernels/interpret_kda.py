@@ -152,11 +152,16 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
 
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K,launch", [
-    ("stream", torch.float32, -5.0, 24, {}), ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
-    ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)), ("stream", torch.float32, None, 32, dict(BV=32)),
-    ("stream_regs", torch.bfloat16, -5.0, 32, {}), ("stream_regs", torch.float32, None, 24, dict(programs=5)),
-    ("tiles", torch.bfloat16, None, 24, dict(maxnreg=96)), ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
+    ("stream", torch.float32, -5.0, 24, {}),
+    ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
+    ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)),
+    ("stream", torch.float32, None, 32, dict(BV=32)),
+    ("stream_regs", torch.bfloat16, -5.0, 32, {}),
+    ("stream_regs", torch.float32, None, 24, dict(programs=5)),
+    ("tiles", torch.bfloat16, None, 24, dict(maxnreg=96)),
+    ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
     ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32, prep_warps=1)),
+    ("tiles", torch.float32, None, 24, dict(norm_warps=1)),
 ])
 def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24

@@ -167,7 +167,7 @@ def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,launch", [(1, {}), (67, {}), (33, dict(programs=7)), (33, dict(per_sm=1)),
                                       (67, dict(BV=128, num_warps=4)), (67, dict(tma_store=False)),
-                                      (67, dict(prep_warps=1)), (67, dict(prep_warps=2))])
+                                      (67, dict(prep_warps=1, norm_warps=1)), (67, dict(prep_warps=2, norm_warps=2))])
 @pytest.mark.parametrize("grid", ["stream", "stream_regs", "tiles"])
 def test_layer_decode_stream_sizes(grid, B, launch, state_dtype):
     """One tile per program (B=1), many (B=67, or a grid of 7 programs), one program per SM."""
