@@ -38,7 +38,7 @@ STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict
                    ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
                    ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
                    ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
-                   ("stream", 64, 4, dict(_P4, scratch_l2=False)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                   ("stream", 64, 4, dict(_P4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
                    ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
                    ("tiles", 128, 8, {})]
 # (grid, BV, num_warps[, launch options]) of the layer decode, each timed in a graph at every batch size and state
@@ -53,7 +53,7 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
     launch = launch or {}
     return (f"{grid}_BV{bv}_w{nw}" + (f"_s{launch['num_stages']}" if "num_stages" in launch else "")
             + ("_plainstore" if launch.get("tma_store") is False else "")
-            + ("_scratchDRAM" if launch.get("scratch_l2") is False else "")
+            + ("_scratchL2" if launch.get("scratch_l2") else "")
             + (f"_r{launch['maxnreg']}" if "maxnreg" in launch else "")
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
             + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else ""))

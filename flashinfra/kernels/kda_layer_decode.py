@@ -263,7 +263,7 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
                             norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
-                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = True,
+                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int = 4, norm_warps: int = 4):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
@@ -271,7 +271,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
-    L2 when the state kernel reads it behind the state stream, and the next call's writes find it there);
+    L2 when the state kernel reads it behind the state stream; off by default: at B=256 the scratch is 42 MB,
+    most of the L2, which the kernels between the KDA layers would then lose);
     ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores);
     with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the

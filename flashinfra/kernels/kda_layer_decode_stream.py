@@ -34,13 +34,15 @@ from flashinfra.kernels.kda_layer_decode_parts import state_step
 
 @triton.jit
 def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
-    """A tile's rows of the prep scratch: q (scaled), k, decay over K, its V block of v, and beta."""
+    """A tile's rows of the prep scratch: q (scaled), k, decay over K, its V block of v, and beta; read with
+    the L2 policy evict_first (the other V blocks of the head read them at about the same time, then they
+    are dead), which also demotes lines the prep launch wrote with evict_last."""
     p_h = heads + i_bh * (5 * R)
-    b_q = tl.load(p_h + o_k)
-    b_k = tl.load(p_h + R + o_k)
-    b_decay = tl.load(p_h + 2 * R + o_k)
-    b_v = tl.load(p_h + 3 * R + o_v)
-    return b_q, b_k, b_decay, b_v, tl.load(p_h + 4 * R)
+    b_q = tl.load(p_h + o_k, eviction_policy="evict_first")
+    b_k = tl.load(p_h + R + o_k, eviction_policy="evict_first")
+    b_decay = tl.load(p_h + 2 * R + o_k, eviction_policy="evict_first")
+    b_v = tl.load(p_h + 3 * R + o_v, eviction_policy="evict_first")
+    return b_q, b_k, b_decay, b_v, tl.load(p_h + 4 * R, eviction_policy="evict_first")
 
 
 @triton.jit

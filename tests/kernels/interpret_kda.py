@@ -155,7 +155,7 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     ("stream", torch.float32, -5.0, 24, {}),
     ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
     ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)),
-    ("stream", torch.float32, None, 32, dict(BV=32)),
+    ("stream", torch.float32, None, 32, dict(BV=32, scratch_l2=True)),
     ("stream_regs", torch.bfloat16, -5.0, 32, {}),
     ("stream_regs", torch.float32, None, 24, dict(programs=5)),
     ("tiles", torch.bfloat16, None, 24, dict(maxnreg=96)),

@@ -149,7 +149,7 @@ STREAM_LAYOUTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(
                   ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
                   ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
                   ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
-                  ("stream", 64, 4, dict(_P4, scratch_l2=False)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                  ("stream", 64, 4, dict(_P4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
                   ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
                   ("tiles", 128, 8, {})]
 
