@@ -44,6 +44,17 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _exp(x, INTERP: tl.constexpr):
+    """exp(x), x <= 0 here, as one ``ex2.approx.ftz`` (tl.exp's non-ftz form adds a range check and two
+    scalings around it: about 3 instructions per element); results below 2^-126 flush to zero, far below
+    anything they multiply. The interpreter has no inline assembly."""
+    if INTERP:
+        return tl.exp(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _rows2(a, b):
     """[a; b]: two [64, N] tiles stacked into one [128, N] (one 128-row product instead of two of 64)."""
     return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (128, a.shape[1]))
@@ -75,7 +86,9 @@ def _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, CM: tl
     if GATE_IN_KERNEL:
         b_g = kda_log_decay(b_g + tl.load(dt_bias + col + o_c).to(tl.float32)[None, :], rate, lower_bound,
                             HAS_LOWER_BOUND)
-    b_g = tl.where(m_t[:, None], tl.maximum(b_g, -10.0), 0.0)
+    b_g = tl.maximum(b_g, -10.0)
+    if GATE_IN_KERNEL:  # the gate of a masked (zero) row is not zero; a given g is
+        b_g = tl.where(m_t[:, None], b_g, 0.0)
     return tl.cumsum(b_g, 0), tl.sum(b_g, 0)
 
 
@@ -90,13 +103,13 @@ def _half_out(q, k, g, dt_bias, rate, lower_bound, rows, stride_q_t, stride_k_t,
     b_gc, b_gl = _gate(g, dt_bias, rate, lower_bound, rows, stride_g_t, col, o_c, m_t, "", GATE_IN_KERNEL,
                        HAS_LOWER_BOUND)
     b_k = _tile(k, rows, stride_k_t, col, o_c, m_t, "") * r_k[:, None]
-    b_kdh, b_kdl = _split(b_k * tl.exp(b_gl[None, :] - b_gc), CHAIN == 3)
+    b_kdh, b_kdl = _split(b_k * _exp(b_gl[None, :] - b_gc, DOT_F32), CHAIN == 3)
     KH: tl.constexpr = o_c.shape[0]
     off = tl.arange(0, 64)[:, None] * KH + o_c[None, :]
     tl.store(p_kd + off, b_kdh)
     if CHAIN == 3:
         tl.store(p_kd + 64 * KH + off, b_kdl)
-    b_eg = tl.exp(b_gc)
+    b_eg = _exp(b_gc, DOT_F32)
     b_w = tl.dot(ai_s, b_k * b_b[:, None] * b_eg, input_precision=LP)
     # -qw accumulated on -q exp(gc): one [64, K / 2] tile live instead of two
     b_qw = tl.dot(aqk_s, b_w, -(_tile(q, rows, stride_q_t, col, o_c, m_t, "") * r_q[:, None] * b_eg),
