@@ -55,6 +55,19 @@ def _exp(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _prefetch(x, rows, stride_t, m_t, D: tl.constexpr, INTERP: tl.constexpr):
+    """Ask the L2 for rows ``rows`` (int64) of a [T, H * D] input from x (the head's first column), one request
+    per 128-byte line, rows where m_t is false left out; no registers are held for the data."""
+    if not INTERP:
+        E: tl.constexpr = 128 * 8 // x.dtype.element_ty.primitive_bitwidth  # elements per line
+        NL: tl.constexpr = (D + E - 1) // E
+        p = x + rows[:, None] * stride_t + (tl.arange(0, NL) * E)[None, :]
+        tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l,b",
+                                  [p, m_t[:, None] & (tl.arange(0, NL) >= 0)[None, :]], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _rows2(a, b):
     """[a; b]: two [64, N] tiles stacked into one [128, N] (one 128-row product instead of two of 64)."""
     return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (128, a.shape[1]))
@@ -162,7 +175,7 @@ def kda_state64_fused_kernel(
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHAIN: tl.constexpr,
     OUT_X3: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-    BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid (V / BV, sequences * H). ``aqk`` and ``ai`` are [chunks, H, 64, 64] float32 with zeros above the
     diagonal blocks (the off-diagonal kernel's ``ZERO_UPPER``: a masked copy would be a register operand of
@@ -204,6 +217,18 @@ def kda_state64_fused_kernel(
     for i_t in range(0, tl.cdiv(L, 64)):
         rows = (bos + i_t * 64 + o_t).to(tl.int64)
         m_t = o_t < L - i_t * 64
+        if PREFETCH:
+            # the next chunk's rows to the L2 now: the loop has one stage, and its first loads would wait on
+            # memory (rows clamped into the sequence and chunks into its own, so that every address is valid)
+            r_n = tl.minimum(rows + 64, bos + L - 1)
+            m_n = o_t < L - i_t * 64 - 64
+            _prefetch(k, r_n, stride_k_t, m_n, K, DOT_F32)
+            _prefetch(q, r_n, stride_q_t, m_n, K, DOT_F32)
+            _prefetch(g, r_n, stride_g_t, m_n, K, DOT_F32)
+            _prefetch(v, r_n, stride_v_t, m_n, BV, DOT_F32)
+            r_p = (((c0 + tl.minimum(i_t + 1, tl.cdiv(L, 64) - 1)) * H + i_h) * 64 + o_t).to(tl.int64)
+            _prefetch(ai, r_p, 64, m_n, 64, DOT_F32)
+            _prefetch(aqk, r_p, 64, m_n, 64, DOT_F32)
         b_x = _tile(k, rows, stride_k_t, 0, o_k, m_t, "")
         r_k = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)
         b_x = _tile(q, rows, stride_q_t, 0, o_k, m_t, "")
@@ -245,10 +270,11 @@ def kda_state64_fused_kernel(
 
 def fused_state_launch(q, k, v, g, beta, gate_args: dict, A_log, dt_bias, lower_bound: float, o, state, aqk, ai,
                        cu_t, offsets_t, slots_t, init_t, num_seqs: int, *, BV: int, chain: int, out_x3: bool,
-                       local_precision: str, num_warps: int, num_stages: int):
+                       local_precision: str, num_warps: int, num_stages: int, prefetch: bool = True):
     """The fused state pass as a closure (the benchmark times it on its own), over ``aqk`` and ``ai``
     [chunks, H, 64, 64] float32 as the split form's kernels leave them; ``gate_args`` are the
-    GATE_IN_KERNEL, HAS_LOWER_BOUND and BETA_LOGITS flags; ``chain`` is 3 (bf16x3), 2 (bf16x2) or 1."""
+    GATE_IN_KERNEL, HAS_LOWER_BOUND and BETA_LOGITS flags; ``chain`` is 3 (bf16x3), 2 (bf16x2) or 1;
+    ``prefetch``: the next chunk's inputs requested into the L2 at the start of each step."""
     T, H, K = q.shape
     V = v.shape[-1]
     if K < 32:
@@ -260,7 +286,8 @@ def fused_state_launch(q, k, v, g, beta, gate_args: dict, A_log, dt_bias, lower_
             q, k, v, g, beta, A_log, dt_bias, lower_bound, o, aqk, ai, state, kd_buf, cu_t, offsets_t, slots_t, init_t,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, LOCAL_PRECISION=local_precision,
-            DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages, **gate_args,
+            DOT_F32=env.triton_interpret(), PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+            **gate_args,
         )
 
     return launch
