@@ -1,7 +1,7 @@
 """KDA prefill v3's state chain emulated in float64 on the CPU, with the kernel's roundings applied where the
 kernel applies them, to predict the precision of each ``chain_precision`` before it runs on a GPU.
 
-The in-chunk quantities (``w``, ``qw``, ``kd``, ``u``, ``ou``, ``exp(gl)``, kda_prefill_intra64.py) are
+The in-chunk quantities (``w``, ``qw``, ``kd``, ``u``, ``ou``, ``exp(gl)``, kda_prefill_intra64_b.py) are
 computed exactly in float64 and rounded as kernel B stores them: float32 (its tf32x3 products are about
 float32-accurate), then bf16 (round to nearest) for w, qw and kd, with the lo half ``bf16(x - hi)`` where the
 chain reads it. The state pass (kda_prefill_v3.py) keeps S in float32; every tensor-core product takes its

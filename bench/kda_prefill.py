@@ -2,8 +2,8 @@
 T=8192, T=65536 and a packed batch of 16 sequences of mixed lengths (the anchors' shapes), in one run.
 
 Ours: ``kda_prefill`` (gate and beta given, L2 norm fused) and ``kda_prefill_gated`` (gate, lower bound,
-beta sigmoid and L2 norm fused), the default version and v3 (64-token chunks) with its block/warp/stage
-variants. Precision, same run: each output against the v2 kernel with every product in ieee fp32 and an fp32
+beta sigmoid and L2 norm fused), the default version (v3, 64-token chunks) with its tuning variants, and v2
+(16-token chunks). Precision, same run: each output against the v2 kernel with every product in ieee fp32 and an fp32
 output (at fp32 rounding against float64, bench/notes/kda_precision.md), for ours and for FLA with the L2
 norm in its kernel. FLA: ``chunk_kda`` as the anchors ran it (g and beta given, no norm in the
 kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
@@ -11,11 +11,10 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
 
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
-    python bench/kda_prefill.py --parts [--fla] [--name kda_prefill_v3_parts]
-        v3's launches timed one by one (PART_CONFIGS), v2 beside them, FLA's chunk_kda (anchor style) with
-        --fla; compile first, side by side:
-        for w in v3 v3_split v3_split_s3 v3_split_w8 v3_split_ks32 v3_split_tf32 v3_split_one v3_x2 v3_split_x2 \
-                 v3_split_ou16 v3_split_x2_ou16 v3_gated v3_split_gated v2 v2_ieee v2_gated_ieee; do
+    python bench/kda_prefill.py --parts [--fla] [--configs JSON] [--name kda_prefill_v3_parts]
+        v3's launches timed one by one (PART_CONFIGS, or the JSON list), v2 beside them, FLA's chunk_kda
+        (anchor style) with --fla; compile first, side by side:
+        for w in 0 1 2 3 4 5 v3_gated v2 v2_ieee v2_gated_ieee; do
             python bench/kda_prefill.py --warm $w & done; wait
 
 The anchor-style FLA call leaves q unnormalised (as the anchors ran it), so it computes another function and
@@ -44,20 +43,15 @@ from flashinfra.kernels.kda_prefill_v3 import v3_launches  # noqa: E402
 
 H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]
-V3 = dict(version="v3")
-VARIANTS = [dict(V3, BV=32, num_stages=2), dict(V3, BV=64, num_stages=1), dict(V3, BV=32, num_stages=1),
-            dict(V3, BV=32, num_stages=2, out_x3=True), dict(V3, BV=64, num_stages=1, out_x3=True),
-            dict(V3, BV=32, num_warps=8, num_stages=2), dict(V3, BV=64, num_stages=2, a_warps=8, b_warps=8)]
-# --parts: v3's launches timed one by one (configs over the v3 defaults); "split": kda_prefill_intra64_split.py
-# ("bf16x2": w and kd as one bf16 each, 3 scratch slots instead of 5; "ou_bf16": ou in bf16, u as a bf16 pair)
-SPLIT, X2 = dict(intra="split"), dict(chain_precision="bf16x2")
-PART_CONFIGS = [{}, SPLIT, dict(SPLIT, a_stages=3), dict(SPLIT, a_warps=8), dict(SPLIT, KS=32, a_warps=2, d_warps=2),
-                dict(SPLIT, solve_precision="tf32"), dict(SPLIT, a_one_pass=True), X2, dict(SPLIT, **X2),
-                dict(SPLIT, ou_bf16=True), dict(SPLIT, **X2, ou_bf16=True)]
-WARM = {"v3": {}, "v3_split": SPLIT, "v3_split_s3": PART_CONFIGS[2], "v3_split_w8": PART_CONFIGS[3],
-        "v3_split_ks32": PART_CONFIGS[4], "v3_split_tf32": PART_CONFIGS[5], "v3_split_one": PART_CONFIGS[6],
-        "v3_x2": PART_CONFIGS[7], "v3_split_x2": PART_CONFIGS[8], "v3_split_ou16": PART_CONFIGS[9],
-        "v3_split_x2_ou16": PART_CONFIGS[10], "v3_tile": dict(intra="tile"), "v3_tf32solve": dict(solve_precision="tf32")}
+V2 = {"version": "v2"}
+# --variants: the default (v3) at other tuning options, whole calls
+VARIANTS = [{"BV": 32}, {"a_one_pass": False}, {"b_block": 64}, {"KS": 16, "a_warps": 4, "d_warps": 1},
+            {"chain_precision": "bf16x2"}]
+# --parts: v3's launches timed one by one, at the defaults and at options over them ("bf16x2": w and kd as one
+# bf16 each; "ou_bf16": ou in bf16, u as a bf16 pair; tiles "state": the tiles formed inside the state pass)
+PART_CONFIGS = [{}, {"a_one_pass": False}, {"b_block": 64}, {"chain_precision": "bf16x2", "ou_bf16": True},
+                {"ou_bf16": True}, {"tiles": "state"}]
+WARM = {str(i): cfg for i, cfg in enumerate(PART_CONFIGS)}
 
 
 def inputs(lens: list[int], seed: int):
@@ -95,7 +89,7 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
         return lambda: kda_prefill_gated_launch(a["q"], a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"],
                                                 a["dt_bias"], LB, a["state"], a["cu"], slots, init, **kw)
 
-    cases = {"ours": ours(), "ours_gated": ours_gated(), "ours_v3": ours(**V3), "ours_v3_gated": ours_gated(**V3)}
+    cases = {"ours": ours(), "ours_gated": ours_gated(), "ours_v2": ours(**V2), "ours_v2_gated": ours_gated(**V2)}
     for kw in variants:
         cases[_name(kw)] = ours(**kw)
     outputs = {}
@@ -127,7 +121,7 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
         try:
             out = fn()  # compiles (and autotunes, for FLA) outside the timing
             torch.cuda.synchronize()
-            if name in ("ours", "ours_v3", "fla_norm") or "out_x3" in name:
+            if name in ("ours", "ours_v2", "fla_norm"):
                 outputs[name] = (out[0][0] if isinstance(out, tuple) else out).float()
             first = time.time() - t0
             us = time_eager(fn, iters=5 if T > 20000 else 10, warmup=1)
@@ -143,12 +137,8 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
     for name, out in outputs.items():
         row[f"{name}_relerr_vs_ieee"] = float((out - ref).norm() / ref.norm())
     del ref, outputs
-    v3_names = [n for n in row if n.startswith("ours_v3") and n.endswith("_ms") and "gated" not in n]
-    if v3_names:
-        best = min(v3_names, key=lambda n: row[n])
-        row["v3_best"], row["v3_best_ms"] = best[:-3], row[best]
-    for ours_name, fla_name in (("ours", "fla_anchor_style"), ("ours_v3", "fla_anchor_style"),
-                                ("ours_gated", "fla_fused"), ("ours_v3_gated", "fla_fused")):
+    for ours_name, fla_name in (("ours", "fla_anchor_style"), ("ours_v2", "fla_anchor_style"),
+                                ("ours_gated", "fla_fused"), ("ours_v2_gated", "fla_fused")):
         if f"{ours_name}_ms" in row and f"{fla_name}_ms" in row:
             row[f"speedup_{ours_name}_vs_{fla_name}"] = row[f"{fla_name}_ms"] / row[f"{ours_name}_ms"]
     # Floors: bytes (inputs read once, output and state written once) and the state products' FLOPs.
@@ -228,7 +218,7 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
             row["Mtok_s"] = T / row["total_ms"] / 1e3
             if "fla_ms" in row:
                 row["speedup_vs_fla"] = row["fla_ms"] / row["total_ms"]
-            if cfg == SPLIT:  # the gated op through the split form, same comparison as v3_gated_relerr_vs_ieee
+            if cfg != PART_CONFIGS[0]:  # the gated op at other options, same comparison as v3_gated_relerr_vs_ieee
                 gated = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3", **cfg)
                 row["gated_relerr_vs_ieee"] = float((gated - gated_ref).norm() / gated_ref.norm())
                 del gated
@@ -249,7 +239,6 @@ def warm(name: str) -> None:
     plain = (a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
     calls = {n: (lambda cfg=cfg: kda_prefill_launch(a["q"], *plain, version="v3", **cfg)) for n, cfg in WARM.items()}
     calls |= {"v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
-              "v3_split_gated": lambda: kda_prefill_gated_launch(*gated, version="v3", **SPLIT),
               "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
               "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
                                                     local_precision="ieee", version="v2"),
@@ -314,15 +303,15 @@ def main() -> int:
 
 
 def print_table(res: dict) -> None:
-    print(f"{'case':9s} {'v2 ms':>7s} {'v3 ms':>7s} {'v3 best':>30s} {'FLA ms':>7s} {'v3/FLA':>6s} "
-          f"{'v3 Mtok/s':>9s} {'err v2':>8s} {'err v3':>8s} {'err FLA':>8s}")
+    nan = float("nan")
+    print(f"{'case':9s} {'ours ms':>8s} {'v2 ms':>7s} {'FLA ms':>7s} {'FLA/ours':>8s} {'M tok/s':>8s} "
+          f"{'gated':>7s} {'err ours':>8s} {'err v2':>8s} {'err FLA':>8s}")
     for r in res["rows"]:
-        fla = r.get("fla_anchor_style_ms", float("nan"))
-        best = r.get("v3_best_ms", float("nan"))
-        print(f"{r['case']:9s} {r.get('ours_ms', float('nan')):7.3f} {r.get('ours_v3_ms', float('nan')):7.3f} "
-              f"{r.get('v3_best', '-')[5:]:>22s} {best:7.3f} {fla:7.3f} {fla / best:6.2f} {r['T'] / best / 1e3:9.2f} "
-              f"{r.get('ours_relerr_vs_ieee', float('nan')):8.2e} {r.get('ours_v3_relerr_vs_ieee', float('nan')):8.2e} "
-              f"{r.get('fla_norm_relerr_vs_ieee', float('nan')):8.2e}")
+        ours, fla = r.get("ours_ms", nan), r.get("fla_anchor_style_ms", nan)
+        print(f"{r['case']:9s} {ours:8.3f} {r.get('ours_v2_ms', nan):7.3f} {fla:7.3f} {fla / ours:8.2f} "
+              f"{r['T'] / ours / 1e3:8.2f} {r.get('ours_gated_ms', nan):7.3f} "
+              f"{r.get('ours_relerr_vs_ieee', nan):8.2e} {r.get('ours_v2_relerr_vs_ieee', nan):8.2e} "
+              f"{r.get('fla_norm_relerr_vs_ieee', nan):8.2e}")
 
 
 if __name__ == "__main__":

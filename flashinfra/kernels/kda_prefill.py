@@ -8,25 +8,20 @@ The reference is the chunked (WY) form: within a chunk of ``BT`` tokens the delt
 triangular system, and the state is carried from chunk to chunk. It reads each sequence's initial state
 from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
 
-Triton path (kda_prefill_split.py): one launch does every chunk's in-chunk work in parallel, a second
-walks each sequence's chunks with the state in float32 registers and only the state products in the
-sequential loop. (A single-launch version that also kept the in-chunk work in that loop measured 1.2 to
-1.5x slower on an H200; see bench/notes/kda_prefill.md.) Per chunk of ``BT`` tokens it L2-normalises
-q and k, computes the gate (``kda_prefill_gated``: from the raw projection, with its lower bound) and beta,
-the chunk-local cumulative decay, the in-chunk products against a reference row in the middle of the
-chunk (so no factor exceeds ``exp(80)``; a per-token log-decay below ``-80 / (BT / 2)`` is clamped there,
-a step that keeps less than ``exp(-10)`` of the state), the WY inverse ``(I - A)^-1`` as the product
-``(I + A)(I + A^2)(I + A^4)...`` (A is nilpotent), and then the three products that touch the state.
-Those carry it from chunk to chunk, so rounding there compounds over the whole sequence: they run with
-``chain_precision`` ("tf32x3" by default, three tf32 products giving about fp32 accuracy; "ieee" works
-too), never plain tf32, whose 10-bit mantissa shows up as a growing error on long sequences with slow
+Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks. The in-chunk work runs
+for all chunks in parallel, in three kernels of short dependent chains (the in-chunk matrices with 16-token
+decay sub-blocks and the WY inverse, kda_prefill_intra64_split.py; the per-chunk tiles, kda_prefill_intra64_b.py),
+then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
+three warpgroup products per chunk. Those carry it from chunk to chunk, so rounding there compounds over the
+whole sequence: they run in bf16x3 (three bf16 products on hi/lo splits, about 16 bits of every operand),
+never a single bf16 or tf32 product, whose rounding shows up as a growing error on long sequences with slow
 decay (see tests/kernels/test_kda_gpu.py).
 
-``version="v3"`` (kda_prefill_v3.py) runs 64-token chunks instead: a parallel in-chunk pass with 16-token
-decay sub-blocks, then a state pass whose products go to the warpgroup tensor-core instructions with the
-chain in bf16x3. Its state pass takes 7x less time per token than v2's, but its in-chunk pass is
-latency-bound and makes the whole 2-10% slower than v2 on an H200, so v2 stays the default (measurements in
-bench/notes/kda_prefill.md).
+``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
+(the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
+its products in ``chain_precision`` "tf32x3" (or "ieee", which the benchmarks use as the high-precision
+reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.3-1.5x faster
+(bench/notes/kda_prefill.md).
 """
 
 from __future__ import annotations
@@ -41,9 +36,18 @@ from flashinfra.kernels.kda_prefill_split import kda_prefill_split
 from flashinfra.kernels.kda_prefill_v3 import kda_prefill_v3
 
 
-# The Triton path the public ops take: "v2" (kda_prefill_split.py, 16-token chunks) or "v3"
-# (kda_prefill_v3.py, 64-token chunks); v2 stays until v3 is measured faster on the GPU.
-DEFAULT_VERSION = "v2"
+# The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
+# (kda_prefill_split.py, 16-token chunks)
+DEFAULT_VERSION = "v3"
+
+
+def default_version(dtype: torch.dtype, K: int, V: int) -> str:
+    """v3 for 16-bit activations; v2 for float32 ones (its tf32x3 chain keeps the state at float32 accuracy,
+    v3's bf16x3 about 16 bits: far below a bf16 model's rounding, not below a float32 one's) and for head
+    sizes v3 does not tile (K and V must be powers of two, at least 16)."""
+    if dtype == torch.float32 or min(K, V) < 16 or K & (K - 1) or V & (V - 1):
+        return "v2"
+    return DEFAULT_VERSION
 
 
 def kda_chunk_one_ref(
@@ -178,8 +182,11 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     if B == 0 or T == 0:
         return o
     BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
-    version = version or DEFAULT_VERSION
+    if version is None:
+        version = default_version(q.dtype, K, V)
     if version == "v3":
+        # a float32 output keeps qw's lo half in the output product; a bf16 one could not hold it
+        v3_options.setdefault("out_x3", o.dtype == torch.float32)
         return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BV=BV,
                               num_warps=num_warps or 4, num_stages=num_stages,
                               chain_precision=chain_precision or "bf16x3", local_precision=local_precision,
@@ -195,10 +202,12 @@ def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_ini
                        BV: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                        chain_precision: str | None = None, local_precision: str = "tf32",
                        out: torch.Tensor | None = None, version: str | None = None, **v3_options):
-    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/results/kda_prefill.json).
-    ``version="v3"`` runs the 64-token-chunk kernels (kda_prefill_v3.py; BT is then fixed at 64 and
-    ``v3_options`` are ``out_x3``, ``a_warps``, ``b_warps`` and ``solve_precision``, see kda_prefill_v3.py). ``chain_precision`` (v2: "tf32x3", "tf32", "ieee";
-    v3: "bf16x3", "bf16") is exposed for the tests that show the plain one is worse."""
+    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/notes/kda_prefill.md).
+    ``version="v3"`` (the default for 16-bit inputs, ``default_version``) runs the 64-token-chunk kernels
+    (BT is then fixed at 64; ``v3_options`` are ``v3_launches``' tuning options, kda_prefill_v3.py);
+    ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: "bf16x3", "bf16x2", "bf16"; v2: "tf32x3",
+    "tf32", "ieee") is exposed for the tests that show the plain one is worse and for high-precision
+    references."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
                    num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)
 

@@ -1,11 +1,23 @@
-"""KDA prefill (v3), the per-chunk tiles in column blocks: ``kda_intra64_b_kernel``'s outputs (w, qw, kd,
-u, ou, exp(gl); layout and roundings in kda_prefill_intra64.py's docstring), computed ``BK`` key columns
-and ``BVB`` value columns at a time.
+"""KDA prefill (v3), kernel B: the per-chunk tiles the state pass reads, from the in-chunk matrices ``Aqk``
+and ``Ai = (I + L)^-1`` (kda_prefill_intra64_split.py), one program per (chunk, head), written in a
+chunk-major layout that the state pass reads as whole tiles (rows past the end of a sequence are zeros):
 
-Every output column depends only on the same column of the inputs (the cumulative decay ``gc`` and the
-chunk total ``gl`` are per column, and the products with ``Ai`` and ``Aqk`` mix rows, not columns), except
-for the q/k L2 norms, which a first pass over the key blocks accumulates. So a program holds [64, BK]
-tiles instead of [64, K] ones, plus the chunk's two [64, 64] matrices, and more programs share an SM.
+- ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))``, ``qw = q exp(gc) - Aqk w`` and
+  ``kd = k exp(gl - gc)`` (``gc`` the cumulative log-decay from the chunk start, ``gl`` the chunk's total),
+  each rounded to bf16 and, where the state pass's chain needs it, followed by its lo half (hi + lo within
+  2^-17 of the float32 value): 3 slots for the bf16x2 and bf16 chains, 5 for bf16x3 (w and kd pairs), one
+  more for qw's lo half with ``out_x3``;
+- ``uo`` float32 [chunks, H, 2, 64, V]: ``u = Ai (beta v)`` and ``ou = Aqk u`` (with ``ou_bf16``: bf16
+  [chunks, H, 3, 64, V], u as a pair and ou rounded once, as the bf16 output is);
+- ``egl`` float32 [chunks, H, K]: ``exp(gl)``.
+
+With them the state pass needs, per chunk, ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(gl) S + kd^T v'``.
+
+Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
+products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 norms, which a first pass
+over the key blocks accumulates. So a program holds [64, BK] and [64, BVB] tiles and the chunk's two [64, 64]
+matrices, not [64, K] tiles: on an H200 at T=8192, H=64 that took B from 1.25 to 1.01 ms
+(bench/notes/kda_prefill.md).
 """
 
 from __future__ import annotations
@@ -13,12 +25,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_gate import load_gate_beta
-from flashinfra.kernels.kda_prefill_intra64 import _store_bf16
+from flashinfra.kernels.kda_prefill_intra64_split import load_gate_v3
 
 
 @triton.jit
-def kda_intra64_b_blocked_kernel(
+def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
+    """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of the per-chunk tiles),
+    so that hi + lo is within 2^-17 of x."""
+    hi = x.to(tl.bfloat16)
+    tl.store(p, hi)
+    if LO:
+        tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
+
+
+@triton.jit
+def kda_intra64_b_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl,
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
@@ -26,7 +47,7 @@ def kda_intra64_b_blocked_kernel(
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
     OU_BF16: tl.constexpr,
 ):
-    """Grid (chunks, H); arguments and outputs as ``kda_intra64_b_kernel``'s."""
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
     t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
@@ -63,8 +84,8 @@ def kda_intra64_b_blocked_kernel(
         o_k = kk + o_b
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
-                                  stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
+        b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
+                                stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
         b_gc = tl.cumsum(b_g, 0)
         b_gl = tl.sum(b_g, 0)
         tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))

@@ -1,10 +1,14 @@
-"""KDA prefill (v3), the in-chunk matrices split over many small programs: the same outputs as
-``kda_intra64_a_kernel`` (kda_prefill_intra64.py: ``Aqk`` lower with its diagonal, and ``(I + L)^-1``, as
-[chunks, H, 64, 64] float32 whose blocks above the diagonal ``kda_intra64_b_kernel`` does not read).
+"""KDA prefill (v3), the in-chunk matrices: per 64-token chunk and head, from the gate (with its lower
+bound), beta and the L2-normalised q and k, the decay-weighted products ``L = beta k k^T`` (strictly lower)
+and ``Aqk = q k^T`` (lower, diagonal included) and the WY inverse ``Ai = (I + L)^-1``, written as [chunks, H,
+64, 64] float32 (the blocks above the diagonal are scratch: kernel B, kda_prefill_intra64_b.py, masks them).
+The chunk is split into four 16-token sub-blocks, each product formed against a reference row that keeps
+every exponential factor at most 1 or within ``exp(+-80)``.
 
-The block kernel runs about 100 dependent small products per chunk in one program of 255 registers, so an
-SM holds 2-4 of them and their latency is not hidden. Here the work goes to two kernels of short chains
-and 70-80 / 110-126 registers (sm_90, Triton 3.9-3.6, 1 / 4 warps, K slices of 16):
+One kernel for all of it runs about 100 dependent small products per chunk in one program of 255
+registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H=64 on an H200, against
+0.48 + 0.85 ms here). Here the work goes to two kernels of short chains and 70-80 / 110-160 registers
+(sm_90, Triton 3.9-3.6):
 
 - ``kda_intra64_diag_kernel``, one program per (chunk, 16-token sub-block, head): the diagonal block's
   ``L`` and ``Aqk`` against its middle row (as in the block kernel: a per-token log-decay is clamped at -10,
@@ -26,7 +30,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64 import _load_gate
+from flashinfra.kernels.kda_gate import load_gate_beta
+
+
+@triton.jit
+def load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
+                 K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                 BETA_LOGITS: tl.constexpr):
+    """``load_gate_beta`` with v3's bound: per-token log-decay at least -10 (exact 16-token sub-blocks)."""
+    return load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
+                          stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
 
 
 @triton.jit
@@ -83,7 +96,7 @@ def kda_intra64_diag_kernel(
         # and held (64 bits per element) through it
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = _load_gate(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, rows, m_t, m_tk, i_h, o_s,
+        b_g, b_b = load_gate_v3(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, rows, m_t, m_tk, i_h, o_s,
                               m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
         # differences of the decay inside the block only: the cumulative sum may start at the block
         b_gc = tl.cumsum(b_g, 0)
@@ -137,7 +150,7 @@ def _col_operand(k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_k, m_k, s
     o_r = tl.arange(0, 16)
     m_c = 16 * j + o_r < left
     m_ck = m_c[:, None] & m_k[None, :]
-    c_g, _ = _load_gate(g, beta, A_log, dt_bias, lower_bound, 16 * j + o_r, m_c, m_ck, i_h, o_k, m_k, stride_g_t,
+    c_g, _ = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, 16 * j + o_r, m_c, m_ck, i_h, o_k, m_k, stride_g_t,
                         stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
     c_k = _ld(k, 16 * j + o_r, m_ck, stride_k_t, o_k)
     c_sum = tl.sum(c_g, 0)
@@ -165,7 +178,7 @@ def _col_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t,
         # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = _load_gate(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, o_t, m_t, m_tk, i_h, o_s,
+        b_g, b_b = load_gate_v3(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, o_t, m_t, m_tk, i_h, o_s,
                               m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
         # rows not below block j hold g = 0, so the cumulative sum starts after block j: gc_r - ge_j
         b_f = tl.exp(tl.where(m_t[:, None], tl.cumsum(b_g, 0), -1e30))
@@ -205,7 +218,7 @@ def _one_pass(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t,
         qs, kk, gs, ds = q + ks * KS, k + ks * KS, g + ks * KS, dt_bias + ks * KS
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = _load_gate(gs, beta, A_log, ds, lower_bound, o_t, m_g, m_g[:, None] & m_k[None, :], i_h, o_s, m_k,
+        b_g, b_b = load_gate_v3(gs, beta, A_log, ds, lower_bound, o_t, m_g, m_g[:, None] & m_k[None, :], i_h, o_s, m_k,
                               stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
         b_gc = tl.cumsum(b_g, 0)
         b_k = _ld(kk, o_t, m_tk, stride_k_t, o_s)

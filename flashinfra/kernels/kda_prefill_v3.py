@@ -1,5 +1,6 @@
-"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (kda_prefill_intra64*.py), then one
-sequential pass per (value block, sequence, head) that carries the state.
+"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (the in-chunk matrices,
+kda_prefill_intra64_split.py; the per-chunk tiles, kda_prefill_intra64_b.py), then one sequential pass per
+(value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
 ``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
@@ -20,8 +21,7 @@ The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3`` (the fused in-chunk form: always 6, and no 512 for the in-chunk matrices); ``ou_bf16``: 6 V
-instead of 8 V.
+``out_x3``; ``ou_bf16``: 6 V instead of 8 V.
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
-from flashinfra.kernels.kda_prefill_intra64 import kda_intra64_a_kernel, kda_intra64_b_kernel
-from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_blocked_kernel
+from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
-from flashinfra.kernels.kda_prefill_intra64_tile import kda_intra64_fused_kernel, kda_intra64_tile_kernel
 from flashinfra.kernels.kda_prefill_v3_fused import fused_state_launch
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
-INTRA_FORMS = ("blocks", "tile", "fused", "split")
 TILES = ("memory", "state")
 
 
@@ -121,45 +118,35 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                a_warps: int | None = None, b_warps: int = 4, solve_precision: str | None = None,
-                intra: str = "blocks", KS: int | None = None, d_warps: int = 1, a_stages: int | None = None,
-                a_one_pass: bool = False, ou_bf16: bool = False, b_block: int | None = None, tiles: str = "memory",
-                f_stages: int = 1, f_prefetch: bool = True):
+                intra: str = "split", KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
+                a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
+                ou_bf16: bool = False, tiles: str = "memory", f_stages: int = 1,
+                f_prefetch: bool = True):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
-    one): the in-chunk matrices, the per-chunk tiles, the state pass. ``intra`` picks the in-chunk form:
-    "blocks" (16 x 16 sub-block products, kda_prefill_intra64.py), "tile" (64 x 64 masked products,
-    kda_prefill_intra64_tile.py), "fused" (tile, with the per-chunk tiles in the same kernel: one launch
-    less) or "split" (kda_prefill_intra64_split.py: the diagonal blocks and their inverses in one small
-    program per 16-token sub-block with ``d_warps`` warps, then the off-diagonal blocks and the merge per chunk
-    with ``a_warps``: one launch more). ``a_warps`` is 2 by default (4 for "split"); ``KS`` is the K slice of
-    the tile, fused and split forms (16); ``a_stages`` the pipeline stages of the split kernels (1 by
-    default: at 4 warps the off-diagonal kernel then stays at or under 128 registers, gated or not);
-    ``a_one_pass`` runs its three column passes as one (fewer instructions, about 160 registers);
-    ``b_block`` runs the per-chunk tiles kernel in column blocks of that width (kda_prefill_intra64_b.py);
-    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair (not with
-    "fused"). ``tiles="state"`` (only with "split") forms the per-chunk tiles inside the state pass
-    (kda_prefill_v3_fused.py, ``f_stages`` pipeline stages, ``f_prefetch`` the next chunk's inputs to the L2
-    each step): no kernel B, no scratch but Aqk and Ai. The defaults are the fastest measured on an H200
-    (bench/notes/kda_prefill.md; "split" not yet timed)."""
+    one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
+    inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
+    warps, its three column passes as one with ``a_one_pass``; both over K in slices of ``KS`` with
+    ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
+    (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps), the state pass.
+    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair.
+    ``tiles="state"`` forms the per-chunk tiles inside the state pass instead (kda_prefill_v3_fused.py,
+    ``f_stages`` pipeline stages, ``f_prefetch`` the next chunk's inputs to the L2 early): no kernel B, no
+    scratch but Aqk and Ai. ``intra`` names the in-chunk form;
+    "split" is the only one (a single-kernel form and a 64 x 64 tile form were 2.3-3.4x slower on an H200).
+    The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
-    if intra not in INTRA_FORMS:
-        raise ValueError(f"kda_prefill v3: intra must be one of {INTRA_FORMS}, got {intra!r}")
-    if tiles not in TILES or (tiles == "state" and (intra != "split" or ou_bf16)):
-        raise ValueError(f"kda_prefill v3: tiles must be one of {TILES} ('state' only with intra='split' and "
-                         f"without ou_bf16), got {tiles!r} with intra={intra!r}")
-    if b_block is not None and (b_block & (b_block - 1) or b_block < 16 or intra == "fused"):
-        raise ValueError(f"kda_prefill v3: b_block must be a power of two >= 16 (not with 'fused'), got {b_block}")
-    if ou_bf16 and intra == "fused":
-        raise ValueError("kda_prefill v3: ou_bf16 needs a separate per-chunk kernel (intra other than 'fused')")
+    if intra != "split":
+        raise ValueError(f"kda_prefill v3: intra must be 'split', got {intra!r}")
+    if tiles not in TILES or (tiles == "state" and ou_bf16):
+        raise ValueError(f"kda_prefill v3: tiles must be one of {TILES} ('state' without ou_bf16), got {tiles!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
-    KS = KS or 16
-    a_warps = a_warps or (4 if intra == "split" else 2)
-    if KS & (KS - 1) or KS < 16:
-        raise ValueError(f"kda_prefill v3: KS must be a power of two >= 16, got {KS}")
+    for name, n in (("KS", KS), ("b_block", b_block)):
+        if n & (n - 1) or n < 16:
+            raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
@@ -174,69 +161,30 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
     offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
     nch = len(chunks)
-    # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it; the fused form
-    # always writes all six
+    # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it
     chain = CHAIN_PRODUCTS[chain_precision]
-    lo = dict(W_LO=chain == 3, Q_LO=out_x3, KD_LO=chain == 3) if intra != "fused" else dict(W_LO=1, Q_LO=1, KD_LO=1)
-    lo = {name: int(flag) for name, flag in lo.items()}
+    lo = {"W_LO": int(chain == 3), "Q_LO": int(out_x3), "KD_LO": int(chain == 3)}
     slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"] + lo["Q_LO"])
-    if intra != "fused":  # the two in-chunk kernels pass Aqk and (I + L)^-1 through memory
-        aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
-        ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
-    stages = dict(num_stages=a_stages or 1)  # no software pipelining: ~20-30 registers less (sm_90)
-
-    def intra_fused():
-        kda_intra64_fused_kernel[(nch, H)](
-            q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, wqk, uo, egl,
-            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, V=V, KS=min(KS, K), VS=min(KS, V), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            num_warps=a_warps, **gate_args,
-        )
-
-    def intra_tile():
-        kda_intra64_tile_kernel[(nch, H)](
-            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps,
-            **gate_args,
-        )
-
-    def intra_a():
-        kda_intra64_a_kernel[(nch, H)](
-            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, num_warps=a_warps, **gate_args,
-        )
+    in_args = (q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
+               q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5)
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps, **stages, **gate_args,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
+            num_stages=a_stages, **gate_args,
         )
 
     def intra_offdiag():
         kda_intra64_offdiag_kernel[(nch, H)](
-            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, ONE_PASS=a_one_pass,
-            ZERO_UPPER=tiles == "state", num_warps=a_warps, **stages, **gate_args,
-        )
-
-    def intra_b():
-        kernel, blocks = kda_intra64_b_kernel, {}
-        if b_block:
-            kernel, blocks = kda_intra64_b_blocked_kernel, dict(BK=min(b_block, K), BVB=min(b_block, V))
-        kernel[(nch, H)](
-            q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
-            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, V=V, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16, num_warps=b_warps, **blocks, **lo,
-            **gate_args,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            ONE_PASS=a_one_pass, ZERO_UPPER=tiles == "state", num_warps=a_warps, num_stages=a_stages, **gate_args,
         )
 
     if tiles == "state":
@@ -249,6 +197,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
           else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
+
+    def intra_b():
+        kda_intra64_b_kernel[(nch, H)](
+            q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
+            OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
+        )
+
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     uo_d = TensorDescriptor.from_tensor(uo.view(-1, V), [64, BV])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
@@ -260,11 +217,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
-    if intra == "fused":
-        return [("intra", intra_fused), ("state", state_pass)]
-    if intra == "split":
-        return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b), ("state", state_pass)]
-    return [("intra_a", intra_tile if intra == "tile" else intra_a), ("intra_b", intra_b), ("state", state_pass)]
+    return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b), ("state", state_pass)]
 
 
 def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, **options):

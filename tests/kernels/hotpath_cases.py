@@ -138,7 +138,6 @@ def _paged(device, gen, lens: list[int], bs: int, width: int, dtype):
 
 
 def _gather(cache, table, n):
-    bs = cache.shape[1]
     return cache[table.long()].flatten(0, 1)[:n]
 
 

@@ -15,20 +15,21 @@ from tests.kernels import kda_cases as cases
 
 @pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16], [5, 0, 3]])
 def test_prefill_varlen(lens):
-    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16)
+    cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16, version="v2")
 
 
 def test_prefill_long_odd():
-    cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3)
+    cases.prefill_varlen("cpu", [1000], H=1, K=16, V=16, seed=3, version="v2")
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_prefill_gated(lower_bound):
-    cases.prefill_varlen("cpu", [21, 50], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1)
+    cases.prefill_varlen("cpu", [21, 50], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1, version="v2")
 
 
 def test_prefill_chunk32_and_ieee_chain():
-    cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2)
+    cases.prefill_varlen("cpu", [70, 5], H=1, K=16, V=16, BT=32, chain_precision="ieee", seed=2,
+                         version="v2")
 
 
 @pytest.mark.parametrize("lens", [[63], [1, 17, 70, 2], [5, 0, 129]])
@@ -36,47 +37,41 @@ def test_prefill_v3_varlen(lens):
     cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, BV=16, version="v3", out_x3=True)
 
 
-@pytest.mark.parametrize("lower_bound,intra", [(-5.0, "blocks"), (None, "tile"), (-5.0, "fused")])
-def test_prefill_v3_gated(lower_bound, intra):
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_prefill_v3_gated(lower_bound):
     cases.prefill_varlen("cpu", [21, 130], H=2, K=32, V=16, gated=True, lower_bound=lower_bound, seed=1,
-                         version="v3", out_x3=True, intra=intra)
+                         version="v3", out_x3=True)
 
 
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay: the far sub-blocks' products matter; B in
-    # column blocks (kda_prefill_intra64_b.py)
-    ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2)),  # one K slice, an empty sequence, a chunk of one token
+    # two column blocks
+    ([63, 5, 0, 129], dict(KS=16, a_warps=4, d_warps=1)),  # two K slices, an empty sequence, a one-token chunk
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
-    ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=True)),
+    ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=False, KS=16)),
 ])
 def test_prefill_v3_split(lens, kw):
-    """The split in-chunk form (kda_prefill_intra64_split.py); out_x3 keeps the interpreter's bf16 truncation
-    of qw out of the comparison."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra="split", **kw)
+    """v3's in-chunk matrices (kda_prefill_intra64_split.py) and tiles (kda_prefill_intra64_b.py) at their
+    options; out_x3 keeps the interpreter's bf16 truncation of qw out of the comparison."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1, out_x3=True)),  # slow decay: the far sub-blocks' products matter
-    ([63, 5, 0, 129], dict(KS=32, a_warps=2, d_warps=2, out_x3=True)),  # an empty sequence, a one-token chunk
+    ([63, 5, 0, 129], dict(out_x3=True)),  # an empty sequence, a one-token chunk
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, out_x3=True)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),
 ])
 def test_prefill_v3_tiles_in_state_pass(lens, kw):
     """The per-chunk tiles formed inside the state pass (kda_prefill_v3_fused.py, ``tiles="state"``)."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", intra="split", tiles="state", **kw)
-
-
-@pytest.mark.parametrize("intra", ["blocks", "tile", "fused"])
-def test_prefill_v3_slow_decay(intra):
-    cases.prefill_varlen("cpu", [1, 100, 37], H=2, K=32, V=16, seed=4, version="v3", out_x3=True, intra=intra,
-                         decay=0.1)
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", tiles="state", **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(intra="blocks", out_x3=True)),  # w, qw, qw lo, kd: 4 slots
-    ([63, 5, 0, 129], dict(intra="split", decay=0.1)),  # w, qw, kd: 3 slots
-    ([21, 130], dict(intra="split", gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
+    ([1, 100, 37], dict(out_x3=True)),  # w, qw, qw lo, kd: 4 slots
+    ([63, 5, 0, 129], dict(decay=0.1)),  # w, qw, kd: 3 slots
+    ([21, 130], dict(gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
 ])
 def test_prefill_v3_chain_bf16x2(lens, kw):
     """w and kd as one bf16 each (S and v' still split): tolerances of a bf16 input rounding (kda_cases);
@@ -84,7 +79,6 @@ def test_prefill_v3_chain_bf16x2(lens, kw):
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", chain_precision="bf16x2", **kw)
 
 
-@pytest.mark.parametrize("intra,chain", [("split", "bf16x3"), ("blocks", "bf16x2")])
 def _chain_emulation():
     path = Path(__file__).resolve().parents[2] / "bench" / "kda_chain_emulation.py"
     spec = importlib.util.spec_from_file_location("kda_chain_emulation", path)
@@ -110,28 +104,28 @@ def test_prefill_v3_chain_matches_its_emulation(chain):
     assert dist[chain] < 1e-4 and dist[chain] * 100 < others, dist
 
 
-@pytest.mark.parametrize("intra,chain", [("split", "bf16x3"), ("blocks", "bf16x2")])
-def test_prefill_v3_ou_bf16(intra, chain):
+@pytest.mark.parametrize("chain", ["bf16x3", "bf16x2"])
+def test_prefill_v3_ou_bf16(chain):
     """ou in bf16 and u as a bf16 pair (uo [chunks, H, 3, 64, V] bf16), with the bf16 output it is meant for."""
     cases.prefill_varlen("cpu", [70, 1, 129], H=2, K=32, V=16, dtype=torch.bfloat16, seed=5, version="v3",
-                         intra=intra, chain_precision=chain, ou_bf16=True, decay=0.3)
+                         chain_precision=chain, ou_bf16=True, decay=0.3)
 
 
 def test_prefill_v3_bad_options():
     q = torch.randn(70, 1, 16)
     args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])
-    with pytest.raises(ValueError, match="intra must be one of"):
+    with pytest.raises(ValueError, match="intra must be 'split'"):
         kda_prefill.kda_prefill_launch(*args, version="v3", intra="rows")
     with pytest.raises(ValueError, match="KS must be a power of two"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", KS=24)
+        kda_prefill.kda_prefill_launch(*args, version="v3", KS=24)
+    with pytest.raises(ValueError, match="b_block must be a power of two"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", b_block=8)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
-    with pytest.raises(ValueError, match="ou_bf16 needs a separate per-chunk kernel"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", intra="fused", ou_bf16=True)
     with pytest.raises(ValueError, match="tiles must be one of"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", intra="blocks", tiles="state")
+        kda_prefill.kda_prefill_launch(*args, version="v3", tiles="state", ou_bf16=True)
     with pytest.raises(ValueError, match="needs K >= 32"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", intra="split", tiles="state")
+        kda_prefill.kda_prefill_launch(*args, version="v3", tiles="state")
 
 
 def test_prefill_v3_long_odd():

@@ -1,5 +1,6 @@
 """KDA and conv kernels on a CUDA device at real sizes (H=64, K=V=128), against float64 references, and the
-precision of the state chain: plain tf32 there is measurably worse than tf32x3."""
+precision of the state chain: a plain bf16 (v3) or tf32 (v2) product there is measurably worse than bf16x3
+or tf32x3."""
 
 import pytest
 import torch
@@ -12,20 +13,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prefill_varlen_real_size(dtype):
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=dtype)
+def test_prefill_v2_varlen_real_size(dtype):
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=dtype, version="v2")
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_prefill_gated_real_size(lower_bound):
+def test_prefill_v2_gated_real_size(lower_bound):
     cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound)
+                         lower_bound=lower_bound, version="v2")
 
 
 @pytest.mark.parametrize("launch", [dict(BT=32), dict(BV=32), dict(BV=128, num_warps=4), dict(chain_precision="ieee"),
                                     dict(num_warps=4, num_stages=3)])
-def test_prefill_variants(launch):
-    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, **launch)
+def test_prefill_v2_variants(launch):
+    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v2", **launch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -40,43 +41,34 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
-                                    dict(a_warps=4, b_warps=8), dict(BV=32, num_warps=8), dict(intra="tile"),
-                                    dict(intra="fused")])
+                                    dict(a_warps=4, b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
 
 
-@pytest.mark.parametrize("launch", [dict(solve_precision="tf32"), dict(a_stages=3), dict(a_warps=8),
-                                    dict(KS=32, a_warps=2, d_warps=2), dict(a_one_pass=True),
-                                    dict(a_one_pass=True, a_warps=8), dict(b_block=32), dict(b_block=64),
-                                    dict(b_block=32, b_warps=2), dict(b_block=32, ou_bf16=True)])
+@pytest.mark.parametrize("launch", [dict(a_stages=3), dict(a_warps=8), dict(KS=16, a_warps=4, d_warps=1),
+                                    dict(a_one_pass=False), dict(a_one_pass=False, a_warps=4), dict(b_block=64),
+                                    dict(b_block=16), dict(b_warps=2), dict(ou_bf16=True)])
 def test_prefill_v3_split_variants(launch):
-    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", intra="split",
-                         decay=0.3, **launch)
+    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
+                         **launch)
 
 
 @pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
 def test_prefill_v3_split_real_size(dtype, decay):
-    """The split in-chunk form (kda_prefill_intra64_split.py); slow decay makes the products between a
+    """v3 (in-chunk matrices in kda_prefill_intra64_split.py); slow decay makes the products between a
     chunk's far sub-blocks matter."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         intra="split", decay=decay)
+                         decay=decay)
 
 
 @pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
 def test_prefill_v3_split_gated_real_size(lower_bound, decay):
     cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", intra="split", decay=decay)
+                         lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
-def test_prefill_v3_blocked_tiles_real_size(dtype, gated):
-    """The per-chunk tiles kernel in column blocks (kda_prefill_intra64_b.py)."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, gated=gated,
-                         version="v3", intra="split", decay=0.3, KS=32, a_warps=2, d_warps=2, b_block=32)
-
-
-STATE_TILES = dict(version="v3", intra="split", tiles="state")
+STATE_TILES = dict(version="v3", tiles="state")
 
 
 @pytest.mark.parametrize("dtype,decay,H", [(torch.bfloat16, 0.1, 8), (torch.bfloat16, 5.0, 8), (torch.float32, 5.0, 8),
@@ -200,7 +192,7 @@ def test_public_ops_dispatch_to_triton_on_cuda():
                               torch.tensor([0, 1, 0], device="cuda"))
 
 
-def test_plain_tf32_state_chain_is_worse_than_tf32x3():
+def test_v2_plain_tf32_state_chain_is_worse_than_tf32x3():
     """Slow decay (long memory), T=16384, in-chunk products in tf32x3 so that only the state chain differs:
     the final state's error against float64 with the chain in plain tf32 is many times that with tf32x3
     (which stays near fp32 rounding)."""
@@ -216,28 +208,26 @@ def test_plain_tf32_state_chain_is_worse_than_tf32x3():
     for prec in ("tf32", "tf32x3"):
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
         o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec,
-                                           local_precision="tf32x3")
+                                           local_precision="tf32x3", version="v2")
         errs[prec] = (float((s.double() - s64).norm() / s64.norm()), float((o.double() - ref).norm() / ref.norm()))
     assert errs["tf32x3"][0] < 1e-4, errs
     assert errs["tf32"][0] > 5 * errs["tf32x3"][0], errs
 
 
-@pytest.mark.parametrize("intra,dtype,decay", [("blocks", torch.bfloat16, 0.1), ("split", torch.bfloat16, 0.1),
-                                               ("split", torch.bfloat16, 5.0), ("split", torch.float32, 0.1)])
-def test_prefill_v3_x2_real_size(intra, dtype, decay):
-    """The bf16x2 state chain (w and kd one bf16 each, 3 scratch slots), both in-chunk forms."""
+@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 0.1)])
+def test_prefill_v3_x2_real_size(dtype, decay):
+    """The bf16x2 state chain (w and kd one bf16 each, 3 scratch slots)."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         intra=intra, chain_precision="bf16x2", decay=decay)
+                         chain_precision="bf16x2", decay=decay)
 
 
-@pytest.mark.parametrize("lower_bound,decay,intra", [(-5.0, 5.0, "split"), (None, 0.2, "blocks")])
-def test_prefill_v3_x2_gated_real_size(lower_bound, decay, intra):
+@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (None, 0.2)])
+def test_prefill_v3_x2_gated_real_size(lower_bound, decay):
     cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", intra=intra, chain_precision="bf16x2", decay=decay)
+                         lower_bound=lower_bound, version="v3", chain_precision="bf16x2", decay=decay)
 
 
-@pytest.mark.parametrize("launch", [dict(out_x3=True), dict(intra="split", ou_bf16=True),
-                                    dict(intra="split", a_one_pass=True), dict(intra="fused")])
+@pytest.mark.parametrize("launch", [dict(out_x3=True), dict(ou_bf16=True), dict(a_one_pass=False)])
 def test_prefill_v3_x2_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3",
                          chain_precision="bf16x2", decay=0.3, **launch)
@@ -246,7 +236,7 @@ def test_prefill_v3_x2_variants(launch):
 def test_prefill_v3_ou_bf16_real_size():
     """ou in bf16, u as a bf16 pair, with the default (bf16x3) chain and the bf16 output it feeds."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=torch.bfloat16, version="v3",
-                         intra="split", ou_bf16=True, decay=0.1)
+                         ou_bf16=True, decay=0.1)
 
 
 def _final_state_f64(q, k, v, g, beta):
@@ -259,8 +249,8 @@ def _final_state_f64(q, k, v, g, beta):
     return s[None]
 
 
-@pytest.mark.parametrize("intra,tiles", [("blocks", "memory"), ("split", "memory"), ("split", "state")])
-def test_v3_state_chain_precisions(intra, tiles):
+@pytest.mark.parametrize("tiles", ["memory", "state"])
+def test_v3_state_chain_precisions(tiles):
     """v3's state chains at T=16384 with slow decay (log-decay -0.02 sigmoid(x)), in-chunk products in tf32x3
     so that only the chain differs, final state against float64. bench/kda_chain_emulation.py predicted, with
     the kernel's roundings (T=16384, H=1): bf16x3 5.0e-6, bf16x2 1.9e-3, plain bf16 2.6e-3. bf16x3 stays
@@ -277,9 +267,9 @@ def test_v3_state_chain_precisions(intra, tiles):
     for prec in ("bf16", "bf16x2", "bf16x3"):
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
         kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec,
-                                       local_precision="tf32x3", version="v3", intra=intra, tiles=tiles)
+                                       local_precision="tf32x3", version="v3", tiles=tiles)
         errs[prec] = float((s.double() - s64).norm() / s64.norm())
-    print(f"final-state relative error against float64 ({intra}, tiles in {tiles}):", errs)
+    print(f"final-state relative error against float64 (tiles in {tiles}):", errs)
     assert errs["bf16x3"] < 1e-4, errs
     assert errs["bf16"] > 5 * errs["bf16x3"], errs
     assert 9e-4 < errs["bf16x2"] < 4e-3 and errs["bf16x2"] < errs["bf16"], errs
