@@ -216,20 +216,20 @@ GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Kernel layout, V block and warps per batch size and state dtype: the fastest of the variants timed in
-    a CUDA graph on an H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). At B=1 the
-    block layout ([K, 32] on 2 warps) wins: the extra launches of the others cost more than they save for
-    one sequence. From B=2, fp32 state: the prep layout ([K, 64] blocks on 4 warps; the streaming layouts
-    were no faster, the fp32 state kernel is already near the copy bandwidth); bf16 state: the streaming
-    layout ([K, 32] on 2 warps up to B=32, [K, 64] on 4 warps above; 13% faster than prep at B=16, 3-4% at
-    B=64 and 256)."""
+    """Launch options per batch size and state dtype: the fastest of the variants timed in a CUDA graph on an
+    H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). At B=1 the block layout ([K, 32]
+    on 2 warps) wins: the extra launches of the others cost more than they save for one sequence. From B=2,
+    fp32 state: the prep layout ([K, 64] blocks on 4 warps; the streaming layouts were no faster, the fp32
+    state kernel is already near the copy bandwidth); bf16 state: the streaming layout ([K, 32] on 2 warps)
+    up to B=32, above it one program per [K, 64] tile on 4 warps reading the prep scratch, capped at 96
+    registers so that more programs share an SM (4% faster than streaming at B=64 and 256)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2)
     if state_dtype == torch.float32:
         return dict(grid="prep", BV=64, num_warps=4)
     if B <= 32:
         return dict(grid="stream", BV=32, num_warps=2)
-    return dict(grid="stream", BV=64, num_warps=4)
+    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -266,9 +266,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int = 4, norm_warps: int = 4):
-    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``. The streaming layouts
-    (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's pipeline depth: 4
-    keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
+    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config`` (``maxnreg`` too, with ``grid``).
+    The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
+    pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
     L2 when the state kernel reads it behind the state stream; off by default: at B=256 the scratch is 42 MB,
@@ -289,6 +289,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
+    if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
+        maxnreg = cfg.get("maxnreg") if maxnreg is None else maxnreg
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")

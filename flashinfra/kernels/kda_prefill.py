@@ -8,9 +8,10 @@ The reference is the chunked (WY) form: within a chunk of ``BT`` tokens the delt
 triangular system, and the state is carried from chunk to chunk. It reads each sequence's initial state
 from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
 
-Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks. The in-chunk work runs
-for all chunks in parallel, in three kernels of short dependent chains (the in-chunk matrices with 16-token
-decay sub-blocks and the WY inverse, kda_prefill_intra64_split.py; the per-chunk tiles, kda_prefill_intra64_b.py),
+Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks.
+The in-chunk work runs for all chunks in parallel, in three kernels of short dependent chains (the in-chunk
+matrices with 16-token decay sub-blocks and the WY inverse, kda_prefill_intra64_split.py; the per-chunk
+tiles, kda_prefill_intra64_b.py),
 then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
 three warpgroup products per chunk. Those carry it from chunk to chunk, so rounding there compounds over the
 whole sequence: they run in bf16x3 (three bf16 products on hi/lo splits, about 16 bits of every operand),
@@ -185,8 +186,6 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     if version is None:
         version = default_version(q.dtype, K, V)
     if version == "v3":
-        # a float32 output keeps qw's lo half in the output product; a bf16 one could not hold it
-        v3_options.setdefault("out_x3", o.dtype == torch.float32)
         return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BV=BV,
                               num_warps=num_warps or 4, num_stages=num_stages,
                               chain_precision=chain_precision or "bf16x3", local_precision=local_precision,

@@ -263,14 +263,12 @@ def kda_intra64_offdiag_kernel(
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, ONE_PASS: tl.constexpr, ZERO_UPPER: tl.constexpr = False,
+    SOLVE_PRECISION: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Grid (chunks, H): the off-diagonal blocks of Aqk and of (I + L)^-1, after kda_intra64_diag_kernel has
     written the diagonal inverses. One pass over K per column block, so that only its two accumulators are
     live (ONE_PASS: all three in one pass, fewer instructions, more registers); Aqk's blocks go out, L's to
-    Aqk's unused blocks above the diagonal (transposed) for the merge to read back block by block.
-    ZERO_UPPER: zeros go to both matrices' blocks above the diagonal at the end, so that a reader can take
-    them as whole [64, 64] operands without a mask."""
+    Aqk's unused blocks above the diagonal (transposed) for the merge to read back block by block."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
@@ -332,10 +330,3 @@ def kda_intra64_offdiag_kernel(
     tl.store(_blk(ai, 3, 1, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
     p3 = _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), tl.load(_blk(ai, 2, 2, o_r)), SP)
     tl.store(_blk(ai, 3, 2, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-    if ZERO_UPPER:
-        tl.debug_barrier()  # every parked block of L has been read
-        m_up = (o_t[:, None] // 16) < (o_t[None, :] // 16)
-        z = tl.zeros([64, 64], dtype=tl.float32)
-        p_up = o_t[:, None] * 64 + o_t[None, :]
-        tl.store(aqk + p_up, z, mask=m_up)
-        tl.store(ai + p_up, z, mask=m_up)

@@ -34,11 +34,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
-from flashinfra.kernels.kda_prefill_v3_fused import fused_state_launch
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
-TILES = ("memory", "state")
 
 
 @triton.jit
@@ -118,28 +116,19 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                intra: str = "split", KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
+                KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
                 a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, tiles: str = "memory", f_stages: int = 1,
-                f_prefetch: bool = True):
+                ou_bf16: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
     inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
     warps, its three column passes as one with ``a_one_pass``; both over K in slices of ``KS`` with
     ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
     (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps), the state pass.
-    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair.
-    ``tiles="state"`` forms the per-chunk tiles inside the state pass instead (kda_prefill_v3_fused.py,
-    ``f_stages`` pipeline stages, ``f_prefetch`` the next chunk's inputs to the L2 early): no kernel B, no
-    scratch but Aqk and Ai. ``intra`` names the in-chunk form;
-    "split" is the only one (a single-kernel form and a 64 x 64 tile form were 2.3-3.4x slower on an H200).
-    The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults
+    are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
-    if intra != "split":
-        raise ValueError(f"kda_prefill v3: intra must be 'split', got {intra!r}")
-    if tiles not in TILES or (tiles == "state" and ou_bf16):
-        raise ValueError(f"kda_prefill v3: tiles must be one of {TILES} ('state' without ou_bf16), got {tiles!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
@@ -184,15 +173,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_offdiag():
         kda_intra64_offdiag_kernel[(nch, H)](
             *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            ONE_PASS=a_one_pass, ZERO_UPPER=tiles == "state", num_warps=a_warps, num_stages=a_stages, **gate_args,
+            ONE_PASS=a_one_pass, num_warps=a_warps, num_stages=a_stages, **gate_args,
         )
 
-    if tiles == "state":
-        fused = fused_state_launch(q, k, v, g, beta, gate_args, A_log, dt_bias, lb, o, state, aqk, ai, cu_t, offsets_t,
-                                   slots_t, init_t, len(cu) - 1, BV=BV, chain=chain, out_x3=out_x3,
-                                   local_precision=local_precision, num_warps=num_warps, num_stages=f_stages,
-                                   prefetch=f_prefetch)
-        return [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("state", fused)]
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
           else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))

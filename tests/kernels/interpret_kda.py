@@ -58,17 +58,6 @@ def test_prefill_v3_split(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(decay=0.1, out_x3=True)),  # slow decay: the far sub-blocks' products matter
-    ([63, 5, 0, 129], dict(out_x3=True)),  # an empty sequence, a one-token chunk
-    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, out_x3=True)),
-    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),
-])
-def test_prefill_v3_tiles_in_state_pass(lens, kw):
-    """The per-chunk tiles formed inside the state pass (kda_prefill_v3_fused.py, ``tiles="state"``)."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", tiles="state", **kw)
-
-
-@pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(out_x3=True)),  # w, qw, qw lo, kd: 4 slots
     ([63, 5, 0, 129], dict(decay=0.1)),  # w, qw, kd: 3 slots
     ([21, 130], dict(gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
@@ -114,18 +103,12 @@ def test_prefill_v3_ou_bf16(chain):
 def test_prefill_v3_bad_options():
     q = torch.randn(70, 1, 16)
     args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])
-    with pytest.raises(ValueError, match="intra must be 'split'"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", intra="rows")
     with pytest.raises(ValueError, match="KS must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", KS=24)
     with pytest.raises(ValueError, match="b_block must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_block=8)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
-    with pytest.raises(ValueError, match="tiles must be one of"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", tiles="state", ou_bf16=True)
-    with pytest.raises(ValueError, match="needs K >= 32"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", tiles="state")
 
 
 def test_prefill_v3_long_odd():
