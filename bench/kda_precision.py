@@ -62,7 +62,7 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
         row[f"{name}_state_relerr"] = rel(s, s64)
 
     configs = [("v2", "tf32x3", "tf32", {}), ("v2", "tf32", "tf32", {}), ("v2", "ieee", "ieee", {}),
-               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True)), ("v3", "bf16x2", "tf32", {}),
+               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True, BV=32)), ("v3", "bf16x2", "tf32", {}),
                ("v3", "bf16", "tf32", {})]
     for version, chain, local, extra in configs:
         name = ("ours" if version == "v2" else "ours_v3") + f"_chain_{chain}_local_{local}"

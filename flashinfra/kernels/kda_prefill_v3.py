@@ -140,6 +140,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
     BV = min(BV, V)
+    if out_x3 and BV > 32:
+        # qw's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
+        raise ValueError(f"kda_prefill v3: out_x3 needs BV <= 32 (the state pass's shared memory), got BV={BV}")
     chunks, offsets = [], []
     for n in range(len(cu) - 1):
         offsets.append(len(chunks))

@@ -107,6 +107,9 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", KS=24)
     with pytest.raises(ValueError, match="b_block must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_block=8)
+    with pytest.raises(ValueError, match="out_x3 needs BV <= 32"):
+        kda_prefill.kda_prefill_launch(q, q, torch.randn(70, 1, 64), *args[3:5], torch.zeros(1, 1, 16, 64),
+                                       *args[6:], version="v3", out_x3=True, BV=64)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
 

@@ -203,7 +203,7 @@ def test_prefill_v3_x2_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", chain_precision="bf16x2", decay=decay)
 
 
-@pytest.mark.parametrize("launch", [dict(out_x3=True), dict(ou_bf16=True), dict(a_one_pass=False)])
+@pytest.mark.parametrize("launch", [dict(out_x3=True, BV=32), dict(ou_bf16=True), dict(a_one_pass=False)])
 def test_prefill_v3_x2_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3",
                          chain_precision="bf16x2", decay=0.3, **launch)
