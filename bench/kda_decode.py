@@ -20,7 +20,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import copy_bandwidth_GBps, fla_version, header, time_eager, time_graph, write_results  # noqa: E402
+from kda_common import (  # noqa: E402
+    copy_bandwidth_GBps,
+    fla_version,
+    header,
+    time_eager,
+    time_graph,
+    write_results,
+)
 
 from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
 from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
@@ -28,19 +35,10 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
     kda_layer_decode_launch,
     kda_layer_decode_ref,
 )
+from flashinfra.kernels.kda_layer_decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
 
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K
-_P4 = dict(num_stages=4, tma_store=False)
-# the streaming layouts' variants (bench/notes/kda_decode.md): [K, BV] tiles, warps, launch options; in the
-# 05:04 UTC run one-warp tiles, [K, 32] on 4 warps and 3 stages were no faster than these
-STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(num_stages=4)),
-                   ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
-                   ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
-                   ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
-                   ("stream", 64, 4, dict(_P4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
-                   ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
-                   ("tiles", 128, 8, {})]
 # (grid, BV, num_warps[, launch options]) of the layer decode, each timed in a graph at every batch size and state
 # dtype. Left out since the 04:47 UTC run (bench/results/kda_decode_prep.json): block BV 32 / 8 warps, BV 64 / 8,
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.
@@ -164,7 +162,7 @@ def main() -> int:
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
-                for grid, bv, nw, *opt in (default, ("stream", 64, 4, _P4), ("prep", 64, 4), ("tiles", 64, 4),
+                for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
                                            ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
                                            ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2))):
                     launch = opt[0] if opt else {}

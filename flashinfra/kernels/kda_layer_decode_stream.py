@@ -244,3 +244,16 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
         kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps, **cap)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
+
+
+PLAIN4 = dict(num_stages=4, tma_store=False)  # four stages, new state written by plain stores
+# (grid, BV, num_warps, launch options) of the streaming layouts worth comparing: bench/kda_decode.py times each at
+# every batch size and state dtype, tests/kernels/test_kda_gpu.py runs each (bench/notes/kda_decode.md; one-warp
+# tiles, [K, 32] on 4 warps and 3 stages were no faster than these in the 05:04 UTC run)
+STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(num_stages=4)),
+                   ("stream", 64, 4, PLAIN4), ("stream", 64, 4, dict(PLAIN4, num_stages=5)),
+                   ("stream", 64, 4, dict(PLAIN4, num_stages=6)), ("stream", 32, 2, PLAIN4),
+                   ("stream", 32, 2, dict(PLAIN4, num_stages=5)), ("stream", 128, 4, PLAIN4),
+                   ("stream", 64, 4, dict(PLAIN4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                   ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
+                   ("tiles", 128, 8, {})]

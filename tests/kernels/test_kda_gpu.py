@@ -7,6 +7,7 @@ import torch
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer
+from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
 from tests.kernels import kda_cases as cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -111,19 +112,10 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
                        num_warps=num_warps)
 
 
-_P4 = dict(num_stages=4, tma_store=False)
-# the streaming layouts bench/kda_decode.py times: (grid, BV, num_warps, launch options)
-STREAM_LAYOUTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict(num_stages=4)),
-                  ("stream", 64, 4, _P4), ("stream", 64, 4, dict(_P4, num_stages=5)),
-                  ("stream", 64, 4, dict(_P4, num_stages=6)), ("stream", 32, 2, _P4),
-                  ("stream", 32, 2, dict(_P4, num_stages=5)), ("stream", 128, 4, _P4),
-                  ("stream", 64, 4, dict(_P4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
-                  ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
-                  ("tiles", 128, 8, {})]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("grid,BV,num_warps,launch", STREAM_LAYOUTS,
+@pytest.mark.parametrize("grid,BV,num_warps,launch", STREAM_VARIANTS,
                          ids=lambda x: f"{x}" if not isinstance(x, dict) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
     """B=9: 2304 (BV 32) tiles over a grid of as many programs as fit on the SMs, so most walk several tiles
