@@ -11,7 +11,7 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
 (sm_90, Triton 3.9-3.6):
 
 - ``kda_intra64_diag_kernel``, one program per (chunk, 16-token sub-block, head): the diagonal block's
-  ``L`` and ``Aqk`` against its middle row (as in the block kernel: a per-token log-decay is clamped at -10,
+  ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by ``load_gate_v3``,
   so the factors stay within ``exp(+-80)``; q and k are normalised first, over K in slices, so nothing
   overflows), and ``(I + L_ii)^-1`` by forward substitution, 15 row steps of float32 vector work (the rows of
   ``L_ii`` go through the inverse's own scratch block and come back one at a time);
