@@ -42,6 +42,7 @@ from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import conv_shift, conv_silu, gated_norm, head_inputs, state_step
+from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
@@ -265,7 +266,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
-                            prep_warps: int = 4, norm_warps: int = 4):
+                            prep_warps: int = 4, norm_warps: int = 4, prep_heads: int = 1, norm_heads: int = 1):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config`` (``maxnreg`` too, with ``grid``).
     The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
     pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -278,7 +279,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
-    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per (sequence, head) program."""
+    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program, ``prep_heads`` and
+    ``norm_heads`` (powers of two; the norm's only with a prep launch) their heads of one sequence per program
+    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head))."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -297,6 +300,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid == "head"):
         raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm' (not with grid "
                          f"'head'), got {launches!r}")
+    check_heads(prep_heads, norm_heads)
+    if norm_heads > 1 and grid in ("block", "head"):
+        raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -320,11 +326,14 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
-    if prepped and "prep" in run:
+    evict = "evict_last" if streamed and scratch_l2 else ""
+    if prepped and "prep" in run and prep_heads > 1:
+        prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
+                          prep_heads, prep_warps)
+    elif prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
-                                               BVF=BVF, EVICT=("evict_last" if streamed and scratch_l2 else ""),
-                                               num_warps=prep_warps)
+                                               BVF=BVF, EVICT=evict, num_warps=prep_warps)
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
@@ -334,7 +343,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
         )
-    if "norm" in run and not normed:
+    if "norm" in run and not normed and norm_heads > 1:
+        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
+    elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
             **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=norm_warps,

@@ -151,6 +151,21 @@ def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, **launch)
 
 
+@pytest.mark.parametrize("grid,state_dtype,lower_bound,H,K,W,launch", [
+    ("prep", torch.float32, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=2)),
+    ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=4)),
+    ("tiles", torch.bfloat16, -5.0, 3, 24, 4, dict(prep_heads=4, norm_heads=4, BV=8)),
+    ("tiles", torch.float32, None, 2, 32, 5, dict(prep_heads=2, norm_heads=2, BV=32)),
+    ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4)),
+])
+def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch):
+    """The prep and norm launches with several heads per program: H=3 leaves heads of the last program
+    outside the layer, K=V=24 masks part of each head's row, conv widths 3 and 5 pad the tap tile."""
+    launch = {"BV": 16, **launch}
+    cases.layer_decode("cpu", B=3, H=H, K=K, state_dtype=state_dtype, lower_bound=lower_bound, W=W, grid=grid,
+                       **launch)
+
+
 def test_layer_decode_bad_layouts():
     a = cases.layer_decode_inputs("cpu", B=2, H=1, K=12, state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grid must be one of"):
@@ -159,6 +174,10 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
     with pytest.raises(ValueError, match="launches must be"):
         layer_decode.kda_layer_decode_launch(**a, grid="head", launches="prep")
+    with pytest.raises(ValueError, match="prep_heads must be a power of two"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_heads=3)
+    with pytest.raises(ValueError, match="norm_heads > 1 needs a layout with a prep launch"):
+        layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
 
 
 def test_stream_programs_per_sm():
