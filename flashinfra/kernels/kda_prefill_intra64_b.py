@@ -1,6 +1,6 @@
 """KDA prefill (v3), kernel B: the per-chunk tiles the state pass reads, from the in-chunk matrices ``Aqk``
-and ``Ai = (I + L)^-1`` (kda_prefill_intra64_split.py), one program per (chunk, head), written in a
-chunk-major layout that the state pass reads as whole tiles (rows past the end of a sequence are zeros):
+and ``Ai = (I + L)^-1`` (kda_prefill_intra64_split.py), written in a chunk-major layout that the state pass
+reads as whole tiles (rows past the end of a sequence are zeros):
 
 - ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))``, ``qw = q exp(gc) - Aqk w`` and
   ``kd = k exp(gl - gc)`` (``gc`` the cumulative log-decay from the chunk start, ``gl`` the chunk's total),
@@ -14,10 +14,14 @@ chunk-major layout that the state pass reads as whole tiles (rows past the end o
 With them the state pass needs, per chunk, ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(gl) S + kd^T v'``.
 
 Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
-products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 norms, which a first pass
-over the key blocks accumulates. So a program holds [64, BK] and [64, BVB] tiles and the chunk's two [64, 64]
-matrices, not [64, K] tiles: on an H200 at T=8192, H=64 that took B from 1.25 to 1.01 ms
-(bench/notes/kda_prefill.md).
+products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 norms. Two grids:
+
+- ``kda_intra64_b_kernel``, one program per (chunk, head): a first pass over the key blocks accumulates the
+  norms, then [64, BK] and [64, BVB] tiles one block at a time beside the chunk's two [64, 64] matrices (on an
+  H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms, bench/notes/kda_prefill.md);
+- ``kda_intra64_b_cols_kernel``, one program per (chunk, head, column block): K / BK key-block programs and
+  V / BVB value-block programs, the norms read from the [chunks, H, 2, 64] scratch kernel D writes, so that
+  many small programs are in flight instead of a few of 255 registers.
 """
 
 from __future__ import annotations
@@ -39,6 +43,67 @@ def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
 
 
 @triton.jit
+def _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl,
+              stride_q_t, stride_k_t, stride_g_t, stride_b_t,
+              K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+              HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr,
+              KD_LO: tl.constexpr):
+    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head); returns beta."""
+    o_t = tl.arange(0, 64)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
+                            stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    b_gc = tl.cumsum(b_g, 0)
+    b_gl = tl.sum(b_g, 0)
+    tl.store(egl + o_k, tl.exp(b_gl))
+    off_k = o_t[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
+                  other=0.0).to(tl.float32) * r_k[:, None]
+    _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
+    b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
+    _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
+    # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
+    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
+                  other=0.0).to(tl.float32) * r_q[:, None]
+    _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
+    return b_b
+
+
+@triton.jit
+def _value_cols(v, rows, m_t, i_h, o_f, b_ai, b_aqk, b_b, uo, stride_v_t, V: tl.constexpr, LP: tl.constexpr,
+                OU_BF16: tl.constexpr):
+    """u and ou for the value columns o_f (``uo`` at the chunk-head)."""
+    off_v = tl.arange(0, 64)[:, None] * V + o_f[None, :]
+    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
+    b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
+    b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
+    if OU_BF16:
+        # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
+        _store_bf16(uo + off_v, b_u, True, 64 * V)
+        tl.store(uo + 2 * 64 * V + off_v, b_ou.to(tl.bfloat16))
+    else:
+        tl.store(uo + off_v, b_u)
+        tl.store(uo + 64 * V + off_v, b_ou)
+
+
+@triton.jit
+def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H: tl.constexpr):
+    """Rows (absolute), their mask, the chunk-head's index and its Ai and Aqk (lower blocks, zeros above)."""
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    o_t = tl.arange(0, 64)
+    i_ch = (i_c * H + i_h).to(tl.int64)
+    off_a = o_t[:, None] * 64 + o_t[None, :]
+    m_blk = (o_t[None, :] // 16) <= (o_t[:, None] // 16)
+    b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
+    b_aqk = tl.load(aqk + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
+    return bos + t0 + o_t, t0 + o_t < L, i_ch, b_ai, b_aqk
+
+
+@triton.jit
 def kda_intra64_b_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl,
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
@@ -49,24 +114,12 @@ def kda_intra64_b_kernel(
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    LP: tl.constexpr = LOCAL_PRECISION
-    o_t = tl.arange(0, 64)
+    rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
     o_b = tl.arange(0, BK)
-    m_t = t0 + o_t < L
-    rows = bos + t0 + o_t
-    i_ch = (i_c * H + i_h).to(tl.int64)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
     wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
     uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
-    off_a = o_t[:, None] * 64 + o_t[None, :]
-    m_blk = (o_t[None, :] // 16) <= (o_t[:, None] // 16)
-    b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
-    b_aqk = tl.load(aqk + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
     # the q/k row norms over all K columns
     sq_q = tl.zeros([64], dtype=tl.float32)
     sq_k = tl.zeros([64], dtype=tl.float32)
@@ -81,34 +134,44 @@ def kda_intra64_b_kernel(
     r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
     b_b = tl.zeros([64], dtype=tl.float32)
     for kk in tl.static_range(0, K, BK):
-        o_k = kk + o_b
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
-                                stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-        b_gc = tl.cumsum(b_g, 0)
-        b_gl = tl.sum(b_g, 0)
-        tl.store(egl + i_ch * K + o_k, tl.exp(b_gl))
-        off_k = o_t[:, None] * K + o_k[None, :]
-        b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
-                      other=0.0).to(tl.float32) * r_k[:, None]
-        _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
-        b_w = tl.dot(b_ai, b_k * (b_b[:, None] * tl.exp(b_gc)), input_precision=LP)
-        _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
-        # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
-        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
-                      other=0.0).to(tl.float32) * r_q[:, None]
-        _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
+        b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
+                        wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
+                        LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
     for vv in tl.static_range(0, V, BVB):
-        o_f = vv + tl.arange(0, BVB)
-        off_v = o_t[:, None] * V + o_f[None, :]
-        b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
-        b_u = tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP)
-        b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
-        if OU_BF16:
-            # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
-            _store_bf16(uo + off_v, b_u, True, 64 * V)
-            tl.store(uo + 2 * 64 * V + off_v, b_ou.to(tl.bfloat16))
-        else:
-            tl.store(uo + off_v, b_u)
-            tl.store(uo + 64 * V + off_v, b_ou)
+        _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
+                    OU_BF16)
+
+
+@triton.jit
+def kda_intra64_b_cols_kernel(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, norms, wqk, uo, egl,
+    stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+    OU_BF16: tl.constexpr,
+):
+    """Grid (chunks * (K / BK + V / BVB), H): per chunk-head, consecutive programs (so that they meet its Ai,
+    Aqk, gate and beta in the L2) for the key blocks, then the value blocks. ``norms`` [chunks, H, 2, 64]:
+    kernel D's ``scale / |q|`` and ``1 / |k|`` per row."""
+    NKB: tl.constexpr = K // BK
+    NB: tl.constexpr = NKB + V // BVB
+    pid, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, j = pid // NB, pid % NB
+    SQ: tl.constexpr = (1 + W_LO) * 64 * K
+    SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
+    rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
+    if j < NKB:
+        o_t = tl.arange(0, 64)
+        r_q = tl.load(norms + i_ch * 128 + o_t)
+        r_k = tl.load(norms + i_ch * 128 + 64 + o_t)
+        _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, j * BK + tl.arange(0, BK), b_ai, b_aqk,
+                  r_q, r_k, wqk + i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K), egl + i_ch * K, stride_q_t, stride_k_t,
+                  stride_g_t, stride_b_t, K, SQ, SKD, LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS,
+                  W_LO, Q_LO, KD_LO)
+    else:
+        b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+        if BETA_LOGITS:
+            b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
+        _value_cols(v, rows, m_t, i_h, (j - NKB) * BVB + tl.arange(0, BVB), b_ai, b_aqk, b_b,
+                    uo + i_ch * ((3 if OU_BF16 else 2) * 64 * V), stride_v_t, V, LOCAL_PRECISION, OU_BF16)

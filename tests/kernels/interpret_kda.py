@@ -58,6 +58,18 @@ def test_prefill_v3_split(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay; two key-block programs per chunk-head
+    ([63, 5, 0, 129], {}),  # an empty sequence, a one-token chunk; one key and one value program
+    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),  # w and kd without lo
+])
+def test_prefill_v3_b_cols(lens, kw):
+    """Kernel B on its column-block grid (one program per chunk, head and column block; the q/k norms from
+    kernel D's scratch); out_x3 as in test_prefill_v3_split."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=6, version="v3", b_grid="cols", out_x3=True, **kw)
+
+
+@pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(out_x3=True)),  # w, qw, qw lo, kd: 4 slots
     ([63, 5, 0, 129], dict(decay=0.1)),  # w, qw, kd: 3 slots
     ([21, 130], dict(gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
@@ -112,6 +124,8 @@ def test_prefill_v3_bad_options():
                                        *args[6:], version="v3", out_x3=True, BV=64)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
+    with pytest.raises(ValueError, match="b_grid must be one of"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", b_grid="rows")
 
 
 def test_prefill_v3_long_odd():
@@ -155,12 +169,12 @@ def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     ("prep", torch.float32, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=2)),
     ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=4)),
     ("tiles", torch.bfloat16, -5.0, 3, 24, 4, dict(prep_heads=4, norm_heads=4, BV=8)),
-    ("tiles", torch.float32, None, 2, 32, 5, dict(prep_heads=2, norm_heads=2, BV=32)),
+    ("tiles", torch.float32, None, 2, 32, 2, dict(prep_heads=2, norm_heads=2, BV=32)),
     ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4)),
 ])
 def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch):
     """The prep and norm launches with several heads per program: H=3 leaves heads of the last program
-    outside the layer, K=V=24 masks part of each head's row, conv widths 3 and 5 pad the tap tile."""
+    outside the layer, K=V=24 masks part of each head's row, conv widths 2, 3 and 4."""
     launch = {"BV": 16, **launch}
     cases.layer_decode("cpu", B=3, H=H, K=K, state_dtype=state_dtype, lower_bound=lower_bound, W=W, grid=grid,
                        **launch)
