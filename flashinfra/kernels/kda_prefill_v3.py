@@ -119,15 +119,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
                 a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, b_grid: str = "chunk"):
+                ou_bf16: bool = False, b_grid: str = "chunk", b_pack: int = 1):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
     inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
     warps, its three column passes as one with ``a_one_pass``; both over K in slices of ``KS`` with
     ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
     (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps; ``b_grid="chunk"`` one
-    program per chunk-head, ``"cols"`` one per chunk-head and column block, with the q/k norms from ``D``),
-    the state pass.
+    program per chunk-head, ``"cols"`` one per chunk-head and ``b_pack`` column blocks, with the q/k norms
+    from ``D``), the state pass.
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults
     are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
@@ -141,6 +141,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("KS", KS), ("b_block", b_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
+    nb = K // min(b_block, K) + V // min(b_block, V)
+    if b_grid == "cols" and (b_pack < 1 or nb % b_pack):
+        raise ValueError(f"kda_prefill v3: b_pack must divide B's {nb} column blocks, got {b_pack}")
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
@@ -193,13 +196,14 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_block, V)
+    nb = K // BK + V // BVB
 
     def intra_b():
         if cols:
-            kda_intra64_b_cols_kernel[(nch * (K // BK + V // BVB), H)](
+            kda_intra64_b_cols_kernel[(nch * nb // b_pack, H)](
                 q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, norms, wqk, uo, egl,
                 q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-                H=H, K=K, V=V, BK=BK, BVB=BVB, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16,
+                H=H, K=K, V=V, BK=BK, BVB=BVB, PACK=b_pack, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16,
                 num_warps=b_warps, **lo, **gate_args,
             )
             return

@@ -7,6 +7,7 @@ import torch
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer
+from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS
 from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
 from tests.kernels import kda_cases as cases
 
@@ -70,11 +71,12 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
 
 
 @pytest.mark.parametrize("launch", [{}, dict(b_warps=8), dict(b_block=64, b_warps=8), dict(b_block=64),
-                                    dict(b_block=16), dict(b_warps=2), dict(ou_bf16=True),
-                                    dict(chain_precision="bf16x2"), dict(BV=32, out_x3=True)])
+                                    dict(b_block=16), dict(b_warps=2), dict(b_pack=2), dict(b_pack=2, b_warps=8),
+                                    dict(b_pack=4), dict(ou_bf16=True), dict(chain_precision="bf16x2"),
+                                    dict(BV=32, out_x3=True)])
 def test_prefill_v3_b_cols_variants(launch):
-    """Kernel B on its column-block grid (``b_grid="cols"``) at every block size and warp count the benchmark
-    times, and with each scratch layout (ou_bf16, bf16x2's 3 slots, out_x3's qw lo half)."""
+    """Kernel B on its column-block grid (``b_grid="cols"``) at every block size, packing and warp count the
+    benchmark times, and with each scratch layout (ou_bf16, bf16x2's 3 slots, out_x3's qw lo half)."""
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          b_grid="cols", **launch)
 
@@ -158,6 +160,23 @@ def test_layer_decode_stream_sizes(grid, B, launch, state_dtype):
         pytest.skip("an option of the descriptor loop or of the persistent grid")
     launch = {"BV": 32, "num_warps": 2, **launch}
     cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, **launch)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [dict(grid="prep", BV=64, num_warps=4), dict(grid="tiles", BV=64, num_warps=4),
+                                    dict(grid="stream", BV=32, num_warps=2)], ids=lambda d: d["grid"])
+@pytest.mark.parametrize("heads", HEADS_OPTIONS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_layer_decode_prep_heads(heads, layout, state_dtype):
+    """The prep and norm launches with several heads per program (the benchmarked options) under the layouts
+    that have a prep launch, at B=67 (an odd batch, the last programs' sequences) and B=1."""
+    for B in (67, 1):
+        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **layout, **heads)
+
+
+@pytest.mark.parametrize("heads", [dict(prep_heads=4, norm_heads=8), dict(prep_heads=16, prep_warps=8, norm_heads=16)])
+def test_layer_decode_prep_heads_fp32_activations(heads):
+    for grid in ("prep", "tiles"):
+        cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid, **heads)
 
 
 @pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs", "tiles"])
