@@ -6,13 +6,18 @@ around it), H=64, K=V=128, at B=1, 16, 64, 256, all in one run.
     python bench/kda_decode.py [--out DIR] [--no-variants]     -> bench/results/kda_decode.json
 
 Keys ``parts_{fp32,bf16}_{layout}_{prep,state,norm}_graph_us``: each launch of a multi-launch layout timed
-alone in a graph (the default layout per size and the streaming layouts' lead variants), for the time split.
+alone in a graph (the default layout per size and the streaming layouts' lead variants), for the time split;
+with ``_preph{n}_prepw{n}_normh{n}_normw{n}`` in the layout, the prep and norm launches with several heads per
+program (``kda_layer_decode_prep.HEADS_OPTIONS``), timed alone with the default layout and, in the
+``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts. ``--match REGEX`` times only
+the variant and parts keys it matches (the default and FLA rows always).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -35,6 +40,7 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
     kda_layer_decode_launch,
     kda_layer_decode_ref,
 )
+from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
 
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
@@ -44,7 +50,9 @@ C = 3 * H * K
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
-            *STREAM_VARIANTS]
+            *STREAM_VARIANTS,
+            *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
+                                                 ("stream", 32, 2, o))]]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -53,7 +61,9 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + ("_plainstore" if launch.get("tma_store") is False else "")
             + ("_scratchL2" if launch.get("scratch_l2") else "")
             + (f"_r{launch['maxnreg']}" if "maxnreg" in launch else "")
+            + (f"_preph{launch['prep_heads']}" if "prep_heads" in launch else "")
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
+            + (f"_normh{launch['norm_heads']}" if "norm_heads" in launch else "")
             + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else ""))
 
 
@@ -95,6 +105,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="skip the layout / block-size / warps variants of the layer decode")
+    ap.add_argument("--match", help="time only the variant and parts keys matching this regular expression")
     args = ap.parse_args()
     res = header()
     res["fla"] = fla_version()
@@ -162,17 +173,20 @@ def main() -> int:
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
+                heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS]
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
                                            ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
-                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2))):
+                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads):
                     launch = opt[0] if opt else {}
                     if grid in ("block", "head"):
                         continue
-                    for part in ("prep", "state", "norm"):
+                    for part in (opt[1] if len(opt) > 1 else ("prep", "state", "norm")):
                         cases[f"parts_{dt}_{variant_tag(grid, bv, nw, launch)}_{part}"] = (
                             lambda i=inputs, g=grid, b=bv, w=nw, o=launch, p=part: kda_layer_decode_launch(
                                 **i, grid=g, BV=b, num_warps=w, launches=p, **o))
         for name, fn in cases.items():
+            if args.match and name not in timed and not re.search(args.match, name):
+                continue
             try:
                 if name in timed:  # the variants are timed in a graph only
                     row[f"{name}_eager_us"] = time_eager(fn)

@@ -300,7 +300,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid == "head"):
         raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm' (not with grid "
                          f"'head'), got {launches!r}")
-    check_heads(prep_heads, norm_heads)
+    check_heads(prep_heads, norm_heads, W)
     if norm_heads > 1 and grid in ("block", "head"):
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if B == 0:

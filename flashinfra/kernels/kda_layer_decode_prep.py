@@ -6,10 +6,12 @@ Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_ker
 gated RMSNorm in place. What changes is the shape of the work: a program takes ``HB`` heads as [HB, K]
 tiles, so the channels it reads (q|k|v row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K
 elements (vector loads and stores), each thread has HB times the independent loads in flight, and there are
-HB times fewer programs (at B=64, H=64: 1024 programs for HB=4, one wave, against 4096 in two). The conv
-reads each channel's slot taps and its weights as one [HB, K, W] tile (the weights as one 16-byte vector per
-channel instead of W strided loads), with x in the last tap column, and the shift stores that same tile one
-column to the left (tap j + 1 into slot column j, x into the last one): no second read of the slot.
+HB times fewer programs (at B=64, H=64: 1024 programs for HB=4, one wave, against 4096 in two), so the
+per-program setup (slot index, addresses, the per-head reductions' barriers) is paid once per HB heads. The
+conv reads each slot tap once and shifts the slot from those registers (one load and one store per slot
+element; the per-head kernel reads the slot again for its shift), and the q/k L2 norm and the RMSNorm divide
+once per head and multiply per element. Every tile of a program is [HB, K] in one register layout, except the
+contiguous x row, which the compiler converts once per conv (the strided slot and weight loads pick another).
 """
 
 from __future__ import annotations
@@ -22,22 +24,31 @@ from flashinfra.kernels.kda_gate import kda_log_decay
 
 
 @triton.jit
-def _conv_heads(x_row, conv_w, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+def _conv_heads(x_row, conv_w, cs_slot, ch, m, W: tl.constexpr):
     """Conv + SiLU of the channels ``ch`` [HB, N] (float32, rounded through x's dtype as the unfused conv output
-    is), then the slot of those channels shifted in place: the tile t[c, j] holds slot column j for j < W - 1
-    and x at j = W - 1, and column j >= 1 is stored into slot column j - 1."""
+    is; the taps summed in ``conv_silu``'s order), then the slot of those channels shifted in place from the
+    taps already in registers: one load and one store per slot element. W <= 4 (the taps are named)."""
     b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    o_j = tl.arange(0, BW)[None, None, :]
-    ch3, m3 = ch[:, :, None], m[:, :, None]
-    p_t = cs_slot + ch3 * (W - 1) + o_j
-    b_t = tl.load(p_t, mask=m3 & (o_j < W - 1), other=0.0)
-    b_w = tl.load(conv_w + ch3 * W + o_j, mask=m3 & (o_j < W), other=0.0).to(tl.float32)
-    b_taps = tl.where(o_j == W - 1, b_x[:, :, None], b_t.to(b_x.dtype)).to(tl.float32)
-    acc = tl.sum(b_taps * b_w, 2)
+    p_s = cs_slot + ch * (W - 1)
+    p_w = conv_w + ch * W
+    b_t0 = tl.load(p_s, mask=m, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(p_w + W - 1, mask=m, other=0.0).to(tl.float32)
+    acc += b_t0.to(b_x.dtype).to(tl.float32) * tl.load(p_w, mask=m, other=0.0).to(tl.float32)
+    if W > 2:
+        b_t1 = tl.load(p_s + 1, mask=m, other=0.0)
+        acc += b_t1.to(b_x.dtype).to(tl.float32) * tl.load(p_w + 1, mask=m, other=0.0).to(tl.float32)
+    if W > 3:
+        b_t2 = tl.load(p_s + 2, mask=m, other=0.0)
+        acc += b_t2.to(b_x.dtype).to(tl.float32) * tl.load(p_w + 2, mask=m, other=0.0).to(tl.float32)
     acc = acc * tl.sigmoid(acc)
-    b_new = tl.where(o_j == W - 1, b_x[:, :, None].to(b_t.dtype), b_t)
-    tl.debug_barrier()  # every thread's slot reads are done before the tile goes back one column to the left
-    tl.store(p_t - 1, b_new, mask=m3 & (o_j >= 1) & (o_j < W))
+    tl.debug_barrier()  # every thread's slot reads are done before any of the shifted slot is stored
+    b_new = b_x.to(b_t0.dtype)
+    if W == 3:
+        tl.store(p_s, b_t1, mask=m)
+    if W == 4:
+        tl.store(p_s, b_t1, mask=m)
+        tl.store(p_s + 1, b_t2, mask=m)
+    tl.store(p_s + W - 2, b_new, mask=m)
     return acc.to(b_x.dtype).to(tl.float32)
 
 
@@ -45,7 +56,7 @@ def _conv_heads(x_row, conv_w, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr
 def kda_layer_decode_prep_heads_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
     EVICT: tl.constexpr,
 ):
@@ -71,18 +82,18 @@ def kda_layer_decode_prep_heads_kernel(
     NR: tl.constexpr = 5 if PREP_V else 4
     p_h = heads + ((i_b * H + o_h) * (NR * R))[:, None] + o_k[None, :]
     m_hr = m_h[:, None] & (o_k < R)[None, :]
-    b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W, BW)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
+    b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W)
+    b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None]  # one division per head
     tl.store(p_h, b_q, mask=m_hr, eviction_policy=EVICT)
-    b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W, BW)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W)
+    b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None]
     tl.store(p_h + R, b_k, mask=m_hr, eviction_policy=EVICT)
     tl.store(p_h + 2 * R, b_decay, mask=m_hr, eviction_policy=EVICT)
     b_beta_row = tl.where((o_k == 0)[None, :], b_beta[:, None], 0.0)
     if PREP_V:
         o_f = tl.arange(0, BVF)
         m_hf = m_h[:, None] & (o_f < V)[None, :]
-        b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W, BW)
+        b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W)
         p_v = heads + ((i_b * H + o_h) * (NR * R))[:, None] + 3 * R + o_f[None, :]
         tl.store(p_v, b_v, mask=m_h[:, None] & (o_f < R)[None, :], eviction_policy=EVICT)
         tl.store(p_h + 4 * R, b_beta_row, mask=m_hr, eviction_policy=EVICT)
@@ -108,13 +119,15 @@ def kda_layer_decode_norm_heads_kernel(
     b_o = tl.load(p_o, mask=m, other=0.0).to(tl.float32)
     b_gate = tl.load(gate + i_b * stride_gate + o_h[:, None] * V + o_f[None, :], mask=m, other=0.0).to(tl.float32)
     b_w = tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o, 1) / V + eps)[:, None]
+    b_o = b_o * (1.0 / tl.sqrt(tl.sum(b_o * b_o, 1) / V + eps))[:, None]
     b_o = b_o * b_w[None, :] * tl.sigmoid(b_gate)
     tl.debug_barrier()
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m)
 
 
-def check_heads(prep_heads: int, norm_heads: int) -> None:
+def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
+    if prep_heads > 1 and W > 4:
+        raise ValueError(f"kda_layer_decode: prep_heads > 1 handles conv widths up to 4, got {W}")
     for name, n in (("prep_heads", prep_heads), ("norm_heads", norm_heads)):
         if n < 1 or n & (n - 1):
             raise ValueError(f"kda_layer_decode: {name} must be a power of two >= 1, got {n}")
@@ -125,7 +138,7 @@ def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, d
                       evict: str, prep_heads: int, num_warps: int) -> None:
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
-    sizes = dict(sizes, BW=triton.next_power_of_2(sizes["W"]))  # the slot's W - 1 taps and x in one tile row
+    sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
@@ -139,3 +152,14 @@ def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_hea
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
         num_warps=num_warps)
+
+
+# Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per
+# size, whole layer and each launch alone; tests/kernels/test_kda_gpu.py runs each): every prep shape (heads, warps)
+# and every norm shape appears once; bench/notes/kda_decode.md ("prep launch") has their instruction counts.
+HEADS_OPTIONS = [dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4),
+                 dict(prep_heads=4, prep_warps=4, norm_heads=8, norm_warps=4),
+                 dict(prep_heads=8, prep_warps=4, norm_heads=16, norm_warps=4),
+                 dict(prep_heads=8, prep_warps=8, norm_heads=8, norm_warps=8),
+                 dict(prep_heads=16, prep_warps=8, norm_heads=16, norm_warps=8),
+                 dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)]
