@@ -59,7 +59,8 @@ def test_prefill_v3_split(lens, kw):
 
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay; two key-block programs per chunk-head
-    ([63, 5, 0, 129], {}),  # an empty sequence, a one-token chunk; one key and one value program
+    ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # an empty sequence, a one-token chunk; D's norms over two K
+    # slices; one key and one value program
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),  # w and kd without lo
     ([5, 0, 70], dict(V=32, b_block=16, b_pack=2, decay=0.3)),  # 2 key + 2 value blocks, one of each per program
