@@ -9,8 +9,9 @@ Keys ``parts_{fp32,bf16}_{layout}_{prep,state,norm}_graph_us``: each launch of a
 alone in a graph (the default layout per size and the streaming layouts' lead variants), for the time split;
 with ``_preph{n}_prepw{n}_normh{n}_normw{n}`` in the layout, the prep and norm launches with several heads per
 program (``kda_layer_decode_prep.HEADS_OPTIONS``), timed alone with the default layout and, in the
-``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts. ``--match REGEX`` times only
-the variant and parts keys it matches (the default and FLA rows always).
+``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts; ``_pdl``: the state and norm
+launches as programmatic dependents of the launch before them. ``--match REGEX`` times only the variant and
+parts keys it matches (the default and FLA rows always).
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
             *STREAM_VARIANTS,
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
-                                                 ("stream", 32, 2, o))]]
+                                                 ("stream", 32, 2, o))],
+            # the state and norm launches as programmatic dependents (pdl), with the per-head and two several-heads
+            # prep/norm shapes
+            *[v for o in ({}, HEADS_OPTIONS[1], HEADS_OPTIONS[3]) for v in (
+                ("prep", 64, 4, dict(pdl=True, **o)), ("tiles", 64, 4, dict(maxnreg=96, pdl=True, **o)))]]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -64,7 +69,8 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + (f"_preph{launch['prep_heads']}" if "prep_heads" in launch else "")
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
             + (f"_normh{launch['norm_heads']}" if "norm_heads" in launch else "")
-            + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else ""))
+            + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else "")
+            + ("_pdl" if launch.get("pdl") else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):

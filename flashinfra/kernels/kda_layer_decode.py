@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
@@ -120,11 +121,13 @@ def kda_layer_decode_block_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them (with ``PDL``, after
+    waiting for the prep launch, which this one may overlap: the state block is requested before the wait)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -137,6 +140,8 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
     if PREPPED:
+        if PDL:
+            gdc_wait()
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
         b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
@@ -155,10 +160,12 @@ def kda_layer_decode_block_kernel(
 def kda_layer_decode_norm_kernel(
     qkv, conv_state, gate, norm_w, eps, state_slots, out, stride_x, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B * H,), after the block kernel: the head's gated RMSNorm and, unless the prep kernel did it,
-    its q/k conv shift."""
+    its q/k conv shift; with ``PDL`` it waits for the state launch first."""
+    if PDL:
+        gdc_wait()
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -178,14 +185,16 @@ def kda_layer_decode_prep_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
-    EVICT: tl.constexpr = "",
+    EVICT: tl.constexpr = "", PDL: tl.constexpr = False,
 ):
     """Grid (B * H,), before the state kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
     into ``heads`` float32, and the q/k conv shift (this program is the only reader of those channels).
     ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
     ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
     then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
-    state."""
+    state. With ``PDL`` the state launch may start at once (it waits before reading ``heads``)."""
+    if PDL:
+        gdc_launch_dependents()
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -266,7 +275,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
-                            prep_warps: int = 4, norm_warps: int = 4, prep_heads: int = 1, norm_heads: int = 1):
+                            prep_warps: int = 4, norm_warps: int = 4, prep_heads: int = 1, norm_heads: int = 1,
+                            pdl: bool = False):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config`` (``maxnreg`` too, with ``grid``).
     The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
     pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
@@ -281,7 +291,11 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
     ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program, ``prep_heads`` and
     ``norm_heads`` (powers of two; the norm's only with a prep launch) their heads of one sequence per program
-    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head))."""
+    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head)). ``pdl`` (layouts "prep" and "tiles",
+    CUDA; the interpreter runs the launches in order without it): the state and norm launches as programmatic
+    dependents of the launch before them, so that a state program requests its state block while the prep
+    launch still runs and waits for it only before reading the scratch, and the norm launch's start-up
+    overlaps the state launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -303,6 +317,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     check_heads(prep_heads, norm_heads, W)
     if norm_heads > 1 and grid in ("block", "head"):
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
+    if pdl and grid not in ("prep", "tiles"):
+        raise ValueError(f"kda_layer_decode: pdl is for the layouts 'prep' and 'tiles', not {grid!r}")
+    pdl = pdl and qkv.is_cuda
+    after = {"launch_pdl": True} if pdl else {}
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -329,27 +347,26 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     evict = "evict_last" if streamed and scratch_l2 else ""
     if prepped and "prep" in run and prep_heads > 1:
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
-                          prep_heads, prep_warps)
+                          prep_heads, prep_warps, pdl)
     elif prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
-                                               BVF=BVF, EVICT=evict, num_warps=prep_warps)
+                                               BVF=BVF, EVICT=evict, PDL=pdl, num_warps=prep_warps)
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg)
+                                     num_stages, per_sm, programs, tma_store, maxnreg, pdl)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
-        )
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, PDL=pdl, num_warps=num_warps,
+            **after)
     if "norm" in run and not normed and norm_heads > 1:
-        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
+        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps, pdl)
     elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-            **sizes, BVF=BVF, SHIFT_QK=not prepped, num_warps=norm_warps,
-        )
+            **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl, num_warps=norm_warps, **after)
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashinfra.kernels.kda_gate import kda_log_decay
 
@@ -58,10 +59,13 @@ def kda_layer_decode_prep_heads_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
-    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column)."""
+    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column). With ``PDL``
+    the state launch may start at once (it waits before reading ``heads``)."""
+    if PDL:
+        gdc_launch_dependents()
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -104,10 +108,13 @@ def kda_layer_decode_prep_heads_kernel(
 @triton.jit
 def kda_layer_decode_norm_heads_kernel(
     gate, norm_w, eps, out, stride_gate,
-    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr,
+    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): the gated RMSNorm of HB heads' output rows of one sequence, in place (each
-    row's reduction reads the whole row before any of it is stored)."""
+    row's reduction reads the whole row before any of it is stored); with ``PDL`` it waits for the state
+    launch first."""
+    if PDL:
+        gdc_wait()
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -135,23 +142,25 @@ def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
 
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
                       heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
-                      evict: str, prep_heads: int, num_warps: int) -> None:
+                      evict: str, prep_heads: int, num_warps: int, pdl: bool = False) -> None:
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
-        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
+        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict, PDL=pdl,
         num_warps=num_warps)
 
 
-def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
-    """The norm launch, ``norm_heads`` heads of one sequence per program."""
+def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int,
+                      pdl: bool = False) -> None:
+    """The norm launch, ``norm_heads`` heads of one sequence per program (``pdl``: as a programmatic dependent
+    of the state launch)."""
     B, H, V = out.shape
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
-        num_warps=num_warps)
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
 
 
 # Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per

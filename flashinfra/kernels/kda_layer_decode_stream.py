@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.kda_layer_decode_parts import state_step
@@ -95,11 +96,12 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 def kda_layer_decode_tile_kernel(
     state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out."""
+    RMSNorm is applied here and the norm launch is left out. With ``PDL`` the program may start while the
+    prep launch still runs: it requests its state tile, then waits for the prep before reading the scratch."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -108,6 +110,8 @@ def kda_layer_decode_tile_kernel(
     p_s = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_s = (o_k < K)[:, None] & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
@@ -215,11 +219,11 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None) -> bool:
+                        tma_store: bool, maxnreg: int | None = None, pdl: bool = False) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
     "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row)."""
+    whole row). ``pdl`` (tiles only): launched as a programmatic dependent of the prep launch."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -229,7 +233,7 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
+            BV=BV, R=R, NORM=norm, num_warps=num_warps, PDL=pdl, **cap, **({"launch_pdl": True} if pdl else {}))
         return norm
     if grid == "stream":
         check_stream_layout(state, BV, BK)

@@ -173,6 +173,43 @@ def test_layer_decode_prep_heads(heads, layout, state_dtype):
         cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, **layout, **heads)
 
 
+PDL_LAYOUTS = [dict(grid="prep", BV=64, num_warps=4), dict(grid="tiles", BV=64, num_warps=4, maxnreg=96),
+               dict(grid="prep", BV=64, num_warps=4, prep_heads=4, norm_heads=8),
+               dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, prep_heads=4, norm_heads=8)]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", PDL_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_layer_decode_pdl(layout, state_dtype):
+    """The state and norm launches as programmatic dependents (state requested before the wait for the prep)."""
+    for B in (67, 1):
+        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, pdl=True, **layout)
+
+
+@pytest.mark.parametrize("layout", PDL_LAYOUTS[1:], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_layer_decode_pdl_graph_steps(layout):
+    """Three decode steps replayed from one CUDA graph with the dependent launches: each step's prep must see the
+    previous step's state and conv slot, each state launch this step's scratch."""
+    B, H, K, steps = 33, 64, 128, 3
+    a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, dtype=torch.bfloat16)
+    r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
+    out = torch.empty((B, H, K), dtype=torch.bfloat16, device="cuda")
+    layer.kda_layer_decode_launch(**{**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()},
+                                  out=out, pdl=True, **layout)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.kda_layer_decode_launch(**a, out=out, pdl=True, **layout)
+    for _ in range(steps):
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = layer.kda_layer_decode_ref(**r)
+    torch.cuda.synchronize()
+    rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
+    cases.assert_close("o", out, ref, rel, atol, rtol)
+    cases.assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
+    assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
+
+
 @pytest.mark.parametrize("heads", [dict(prep_heads=4, norm_heads=8), dict(prep_heads=16, prep_warps=8, norm_heads=16)])
 def test_layer_decode_prep_heads_fp32_activations(heads):
     for grid in ("prep", "tiles"):
