@@ -62,7 +62,8 @@ def kda_layer_decode_prep_heads_kernel(
     EVICT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
-    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column). With ``PDL``
+    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
+    beta row is left unwritten, 2 MB fewer at B=64, H=64). With ``PDL``
     the state launch may start at once (it waits before reading ``heads``)."""
     if PDL:
         gdc_launch_dependents()
@@ -94,15 +95,16 @@ def kda_layer_decode_prep_heads_kernel(
     tl.store(p_h + R, b_k, mask=m_hr, eviction_policy=EVICT)
     tl.store(p_h + 2 * R, b_decay, mask=m_hr, eviction_policy=EVICT)
     b_beta_row = tl.where((o_k == 0)[None, :], b_beta[:, None], 0.0)
+    m_beta = m_h[:, None] & (o_k == 0)[None, :]  # the state kernels read the beta row's first column only
     if PREP_V:
         o_f = tl.arange(0, BVF)
         m_hf = m_h[:, None] & (o_f < V)[None, :]
         b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W)
         p_v = heads + ((i_b * H + o_h) * (NR * R))[:, None] + 3 * R + o_f[None, :]
         tl.store(p_v, b_v, mask=m_h[:, None] & (o_f < R)[None, :], eviction_policy=EVICT)
-        tl.store(p_h + 4 * R, b_beta_row, mask=m_hr, eviction_policy=EVICT)
+        tl.store(p_h + 4 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
     else:
-        tl.store(p_h + 3 * R, b_beta_row, mask=m_hr, eviction_policy=EVICT)
+        tl.store(p_h + 3 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
 
 
 @triton.jit
