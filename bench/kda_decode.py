@@ -55,9 +55,11 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
                                                  ("stream", 32, 2, o))],
             # the state and norm launches as programmatic dependents (pdl), with the per-head and two several-heads
-            # prep/norm shapes
+            # prep/norm shapes; the block layout (B=1's): its norm launch only
             *[v for o in ({}, HEADS_OPTIONS[1], HEADS_OPTIONS[3]) for v in (
-                ("prep", 64, 4, dict(pdl=True, **o)), ("tiles", 64, 4, dict(maxnreg=96, pdl=True, **o)))]]
+                ("prep", 64, 4, dict(pdl=True, **o)), ("tiles", 64, 4, dict(maxnreg=96, pdl=True, **o)),
+                ("stream", 32, 2, dict(pdl=True, **o)))],
+            ("block", 32, 2, dict(pdl=True))]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:

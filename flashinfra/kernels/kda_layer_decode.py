@@ -291,10 +291,11 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
     ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program, ``prep_heads`` and
     ``norm_heads`` (powers of two; the norm's only with a prep launch) their heads of one sequence per program
-    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head)). ``pdl`` (layouts "prep" and "tiles",
-    CUDA; the interpreter runs the launches in order without it): the state and norm launches as programmatic
-    dependents of the launch before them, so that a state program requests its state block while the prep
-    launch still runs and waits for it only before reading the scratch, and the norm launch's start-up
+    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head)). ``pdl`` (every layout but "head";
+    CUDA; the interpreter runs the launches in order without it): the state launch (after a prep launch) and
+    the norm launch as programmatic dependents of the launch before them, so that a state program requests
+    its state block while the prep launch still runs and waits for it only before reading the scratch
+    ("prep", "tiles", "stream_regs"; "stream" waits before its loop), and the norm launch's start-up
     overlaps the state launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
@@ -317,8 +318,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     check_heads(prep_heads, norm_heads, W)
     if norm_heads > 1 and grid in ("block", "head"):
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
-    if pdl and grid not in ("prep", "tiles"):
-        raise ValueError(f"kda_layer_decode: pdl is for the layouts 'prep' and 'tiles', not {grid!r}")
+    if pdl and grid == "head":
+        raise ValueError("kda_layer_decode: pdl needs a layout of several launches, not 'head'")
     pdl = pdl and qkv.is_cuda
     after = {"launch_pdl": True} if pdl else {}
     if B == 0:
@@ -359,8 +360,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, PDL=pdl, num_warps=num_warps,
-            **after)
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, PDL=pdl and prepped,
+            num_warps=num_warps, **(after if prepped else {}))
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps, pdl)
     elif "norm" in run and not normed:

@@ -50,14 +50,17 @@ def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
 def kda_layer_decode_stream_kernel(
     state_d, heads, state_slots, out, tiles, state, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr,
+    STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; ``state_d`` is a descriptor over the
     state viewed as [slots * H, K, V] with block [1, BK, BV] (rows past K and columns past V are filled
     with zeros on load and dropped on store). The new tile leaves by the copy engine (``TMA_STORE``,
     through a shared-memory staging buffer) or by plain stores from registers (one buffer less, so more
     programs fit). With ``NORM`` (a tile is a head's whole row, BV >= V) the gated RMSNorm is applied
-    here and the norm launch is left out."""
+    here and the norm launch is left out. With ``PDL`` the program waits for the prep launch before its loop
+    (the pipeliner's first loads come after the wait: only the start-up overlaps the prep)."""
+    if PDL:
+        gdc_wait()
     NV: tl.constexpr = (V + BV - 1) // BV
     o_k = tl.arange(0, BK)
     o_b = tl.arange(0, BV)
@@ -141,9 +144,11 @@ def _tile_ptrs(state, slot, t, tiles, o_k, o_b, H: tl.constexpr, K: tl.constexpr
 def kda_layer_decode_stream_regs_kernel(
     state, heads, state_slots, out, tiles,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; tile t + G's state load is issued before
-    tile t's arithmetic and held in registers until the next iteration."""
+    tile t's arithmetic and held in registers until the next iteration. With ``PDL`` the first tile's
+    state load is issued before the wait for the prep launch."""
     NV: tl.constexpr = (V + BV - 1) // BV
     G = tl.num_programs(0)
     o_k = tl.arange(0, BK)
@@ -153,6 +158,8 @@ def kda_layer_decode_stream_regs_kernel(
     slot_next = _tile_slot(state_slots, t0 + G, tiles, H, NV)
     p_s, m_s = _tile_ptrs(state, slot, t0, tiles, o_k, o_b, H, K, V, BV, NV)
     b_next = tl.load(p_s, mask=m_s, other=0.0)
+    if PDL:
+        gdc_wait()
     for t in tl.range(t0, tiles, G, num_stages=1):
         b_s = b_next.to(tl.float32)
         p_s, m_s = _tile_ptrs(state, slot, t, tiles, o_k, o_b, H, K, V, BV, NV)
@@ -223,7 +230,7 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
     "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row). ``pdl`` (tiles only): launched as a programmatic dependent of the prep launch."""
+    whole row). ``pdl``: launched as a programmatic dependent of the prep launch."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -240,12 +247,14 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
         kernel = kda_layer_decode_stream_kernel
         args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
                 gate, norm_weight, float(eps), gate.stride(0))
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm, PDL=pdl,
                   num_warps=num_warps, num_stages=num_stages, **cap)
     else:
         kernel = kda_layer_decode_stream_regs_kernel
         args = (state, heads, state_slots, out, tiles)
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps, **cap)
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, PDL=pdl, num_warps=num_warps, **cap)
+    if pdl:
+        kw["launch_pdl"] = True
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
 

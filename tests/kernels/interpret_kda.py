@@ -176,7 +176,7 @@ def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=4)),
     ("tiles", torch.bfloat16, -5.0, 3, 24, 4, dict(prep_heads=4, norm_heads=4, BV=8, pdl=True)),
     ("tiles", torch.float32, None, 2, 32, 2, dict(prep_heads=2, norm_heads=2, BV=32)),
-    ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4)),
+    ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4, pdl=True)),
 ])
 def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch):
     """The prep and norm launches with several heads per program: H=3 leaves heads of the last program
@@ -199,8 +199,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_heads=3)
     with pytest.raises(ValueError, match="norm_heads > 1 needs a layout with a prep launch"):
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
-    with pytest.raises(ValueError, match="pdl is for the layouts"):
-        layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16, pdl=True)
+    with pytest.raises(ValueError, match="pdl needs a layout of several launches"):
+        layer_decode.kda_layer_decode_launch(**a, grid="head", pdl=True)
 
 
 def test_stream_programs_per_sm():

@@ -175,13 +175,16 @@ def test_layer_decode_prep_heads(heads, layout, state_dtype):
 
 PDL_LAYOUTS = [dict(grid="prep", BV=64, num_warps=4), dict(grid="tiles", BV=64, num_warps=4, maxnreg=96),
                dict(grid="prep", BV=64, num_warps=4, prep_heads=4, norm_heads=8),
-               dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, prep_heads=4, norm_heads=8)]
+               dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, prep_heads=4, norm_heads=8),
+               dict(grid="stream", BV=32, num_warps=2), dict(grid="stream", BV=32, num_warps=2, prep_heads=4, norm_heads=8),
+               dict(grid="stream_regs", BV=64, num_warps=4), dict(grid="block", BV=32, num_warps=2)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", PDL_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_layer_decode_pdl(layout, state_dtype):
-    """The state and norm launches as programmatic dependents (state requested before the wait for the prep)."""
+    """The state and norm launches as programmatic dependents (state requested before the wait for the prep;
+    the block layout: the norm launch only)."""
     for B in (67, 1):
         cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, pdl=True, **layout)
 
