@@ -26,6 +26,10 @@ bench/notes/kda_decode.md):
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
+Options of every multi-launch layout (measured before they become ``decode_config`` defaults): the prep and
+norm launches with several heads of a sequence per program (``kda_layer_decode_prep.py``), and the launches
+after the first made programmatic dependents of the one before (``pdl``), so that they start while it ends.
+
 The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
 (conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
 The recurrent state may be float32 or bfloat16 (half the bytes; rounded once per step).
