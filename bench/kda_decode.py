@@ -9,8 +9,8 @@ Keys ``parts_{fp32,bf16}_{layout}_{prep,state,norm}_graph_us``: each launch of a
 alone in a graph (the default layout per size and the streaming layouts' lead variants), for the time split;
 with ``_preph{n}_prepw{n}_normh{n}_normw{n}`` in the layout, the prep and norm launches with several heads per
 program (``kda_layer_decode_prep.HEADS_OPTIONS``), timed alone with the default layout and, in the
-``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts; ``_pdl``: the state and norm
-launches as programmatic dependents of the launch before them. ``--match REGEX`` times only the variant and
+``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts; ``_pdl``: the block layout's
+norm launch as a programmatic dependent of its state launch. ``--match REGEX`` times only the variant and
 parts keys it matches (the default and FLA rows always).
 """
 
@@ -49,17 +49,16 @@ C = 3 * H * K
 # (grid, BV, num_warps[, launch options]) of the layer decode, each timed in a graph at every batch size and state
 # dtype. Left out since the 04:47 UTC run (bench/results/kda_decode_prep.json): block BV 32 / 8 warps, BV 64 / 8,
 # BV 128 / 8 and head BV 16 / 4, BV 64 / 8, each at least 1.27x the best variant at every size and state dtype there.
+# Left out since the 06:44 UTC run (bench/notes/kda_decode.md, "prep launch"): the prep launch with 4, 8 or 16 heads
+# per program (the layer slower than the default at every size and state dtype), and pdl on the prep, tiles and stream
+# layouts (where it beat the same layout without it, B=1 and tiles at B=16, another variant was faster still; where
+# those layouts are the default, within 0.5% or slower).
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
             *STREAM_VARIANTS,
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
                                                  ("stream", 32, 2, o))],
-            # the state and norm launches as programmatic dependents (pdl), with the per-head and two several-heads
-            # prep/norm shapes; the block layout (B=1's): its norm launch only
-            *[v for o in ({}, HEADS_OPTIONS[1], HEADS_OPTIONS[3]) for v in (
-                ("prep", 64, 4, dict(pdl=True, **o)), ("tiles", 64, 4, dict(maxnreg=96, pdl=True, **o)),
-                ("stream", 32, 2, dict(pdl=True, **o)))],
-            ("block", 32, 2, dict(pdl=True))]
+            ("block", 32, 2, dict(pdl=True))]  # the norm launch as a programmatic dependent (B=1's default)
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:

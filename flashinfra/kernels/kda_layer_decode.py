@@ -26,9 +26,9 @@ bench/notes/kda_decode.md):
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
 
-Options of every multi-launch layout (measured before they become ``decode_config`` defaults): the prep and
-norm launches with several heads of a sequence per program (``kda_layer_decode_prep.py``), and the launches
-after the first made programmatic dependents of the one before (``pdl``), so that they start while it ends.
+Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
+``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
+programmatic dependent of its state launch (``pdl``), so that its start-up overlaps the state launch's end.
 
 The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
 (conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
@@ -125,13 +125,11 @@ def kda_layer_decode_block_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them (with ``PDL``, after
-    waiting for the prep launch, which this one may overlap: the state block is requested before the wait)."""
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -144,8 +142,6 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
     if PREPPED:
-        if PDL:
-            gdc_wait()
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
         b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
@@ -167,7 +163,8 @@ def kda_layer_decode_norm_kernel(
     W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B * H,), after the block kernel: the head's gated RMSNorm and, unless the prep kernel did it,
-    its q/k conv shift; with ``PDL`` it waits for the state launch first."""
+    its q/k conv shift; with ``PDL`` (launched as a programmatic dependent of the block layout's state launch,
+    so that its start-up overlaps that launch's end) it waits for the state launch's writes first."""
     if PDL:
         gdc_wait()
     i_bh = tl.program_id(0)
@@ -189,16 +186,14 @@ def kda_layer_decode_prep_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
-    EVICT: tl.constexpr = "", PDL: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
     """Grid (B * H,), before the state kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
     into ``heads`` float32, and the q/k conv shift (this program is the only reader of those channels).
     ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
     ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
     then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
-    state. With ``PDL`` the state launch may start at once (it waits before reading ``heads``)."""
-    if PDL:
-        gdc_launch_dependents()
+    state."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -230,20 +225,24 @@ GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Launch options per batch size and state dtype: the fastest of the variants timed in a CUDA graph on an
-    H200 at B=1, 16, 64, 256 (H=64, K=V=128; bench/results/kda_decode.json). At B=1 the block layout ([K, 32]
-    on 2 warps) wins: the extra launches of the others cost more than they save for one sequence. From B=2,
-    fp32 state: the prep layout ([K, 64] blocks on 4 warps; the streaming layouts were no faster, the fp32
-    state kernel is already near the copy bandwidth); bf16 state: the streaming layout ([K, 32] on 2 warps)
-    up to B=32, above it one program per [K, 64] tile on 4 warps reading the prep scratch, capped at 96
-    registers so that more programs share an SM (4% faster than streaming at B=64 and 256)."""
+    """Launch options per batch size and state dtype: at each size timed in a CUDA graph on an H200 (B=1, 16,
+    64, 256; H=64, K=V=128; bench/results/kda_decode.json) the fastest variant where it beat the previous choice
+    by more than 0.5%, else the previous choice; between timed sizes the nearer one (midpoints 32 and 128).
+    B=1: the block layout ([K, 32] on 2 warps) with its norm launch dependent (``pdl``, 4-8% faster): the other
+    layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
+    4 warps; the state kernel is near the copy bandwidth), its prep launch 2 heads and its norm launch 4 heads
+    per program at B=16 and 256 (1% faster; at B=64 within 0.5% of the per-head launches, which stay there).
+    bf16 state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on
+    4 warps capped at 96 registers, with the same several-heads prep and norm launches (0.7% / 1.6% faster at
+    B=64 / 256)."""
     if B <= 1:
-        return dict(grid="block", BV=32, num_warps=2)
+        return dict(grid="block", BV=32, num_warps=2, pdl=True)
+    heads = dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
-        return dict(grid="prep", BV=64, num_warps=4)
+        return dict(grid="prep", BV=64, num_warps=4, **({} if 32 < B <= 128 else heads))
     if B <= 32:
         return dict(grid="stream", BV=32, num_warps=2)
-    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96)
+    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, **heads)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -279,9 +278,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
-                            prep_warps: int = 4, norm_warps: int = 4, prep_heads: int = 1, norm_heads: int = 1,
-                            pdl: bool = False):
-    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config`` (``maxnreg`` too, with ``grid``).
+                            prep_warps: int | None = None, norm_warps: int | None = None,
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
+    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
+    options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
     pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
@@ -293,14 +293,12 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
     streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
-    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program, ``prep_heads`` and
-    ``norm_heads`` (powers of two; the norm's only with a prep launch) their heads of one sequence per program
-    (``kda_layer_decode_prep.py``; 1: one program per (sequence, head)). ``pdl`` (every layout but "head";
-    CUDA; the interpreter runs the launches in order without it): the state launch (after a prep launch) and
-    the norm launch as programmatic dependents of the launch before them, so that a state program requests
-    its state block while the prep launch still runs and waits for it only before reading the scratch
-    ("prep", "tiles", "stream_regs"; "stream" waits before its loop), and the norm launch's start-up
-    overlaps the state launch's end."""
+    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program (4 unless the
+    configuration says otherwise), ``prep_heads`` and ``norm_heads`` (powers of two; the norm's only with a
+    prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
+    (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
+    the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
+    launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -311,8 +309,15 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
+    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False)
     if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
-        maxnreg = cfg.get("maxnreg") if maxnreg is None else maxnreg
+        base.update((n, v) for n, v in cfg.items() if n in base)
+    maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
+    prep_warps = base["prep_warps"] if prep_warps is None else prep_warps
+    norm_warps = base["norm_warps"] if norm_warps is None else norm_warps
+    prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
+    norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
+    pdl = base["pdl"] if pdl is None else pdl
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
@@ -322,10 +327,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     check_heads(prep_heads, norm_heads, W)
     if norm_heads > 1 and grid in ("block", "head"):
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
-    if pdl and grid == "head":
-        raise ValueError("kda_layer_decode: pdl needs a layout of several launches, not 'head'")
+    if pdl and grid != "block":
+        raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
     pdl = pdl and qkv.is_cuda
-    after = {"launch_pdl": True} if pdl else {}
     if B == 0:
         return out
     BVF = triton.next_power_of_2(V)
@@ -352,26 +356,26 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     evict = "evict_last" if streamed and scratch_l2 else ""
     if prepped and "prep" in run and prep_heads > 1:
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
-                          prep_heads, prep_warps, pdl)
+                          prep_heads, prep_warps)
     elif prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
-                                               BVF=BVF, EVICT=evict, PDL=pdl, num_warps=prep_warps)
+                                               BVF=BVF, EVICT=evict, num_warps=prep_warps)
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg, pdl)
+                                     num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, PDL=pdl and prepped,
-            num_warps=num_warps, **(after if prepped else {}))
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
     if "norm" in run and not normed and norm_heads > 1:
-        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps, pdl)
+        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-            **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl, num_warps=norm_warps, **after)
+            **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl, num_warps=norm_warps,
+            **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -6,8 +6,9 @@ Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_ker
 gated RMSNorm in place. What changes is the shape of the work: a program takes ``HB`` heads as [HB, K]
 tiles, so the channels it reads (q|k|v row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K
 elements (vector loads and stores), each thread has HB times the independent loads in flight, and there are
-HB times fewer programs (at B=64, H=64: 1024 programs for HB=4, one wave, against 4096 in two), so the
-per-program setup (slot index, addresses, the per-head reductions' barriers) is paid once per HB heads. The
+HB times fewer programs, so the per-program setup (slot index, addresses, the per-head reductions' barriers) is
+paid once per HB heads. Measured (bench/notes/kda_decode.md, "prep launch"): the norm launch gains (4 heads per
+program), the prep launch does not (2 heads per program are as fast as one, 4 or more slower). The
 conv reads each slot tap once and shifts the slot from those registers (one load and one store per slot
 element; the per-head kernel reads the slot again for its shift), and the q/k L2 norm and the RMSNorm divide
 once per head and multiply per element. Every tile of a program is [HB, K] in one register layout, except the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashinfra.kernels.kda_gate import kda_log_decay
 
@@ -59,14 +59,11 @@ def kda_layer_decode_prep_heads_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
-    EVICT: tl.constexpr, PDL: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
     ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
-    beta row is left unwritten, 2 MB fewer at B=64, H=64). With ``PDL``
-    the state launch may start at once (it waits before reading ``heads``)."""
-    if PDL:
-        gdc_launch_dependents()
+    beta row is left unwritten, 2 MB fewer at B=64, H=64)."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -110,13 +107,10 @@ def kda_layer_decode_prep_heads_kernel(
 @triton.jit
 def kda_layer_decode_norm_heads_kernel(
     gate, norm_w, eps, out, stride_gate,
-    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): the gated RMSNorm of HB heads' output rows of one sequence, in place (each
-    row's reduction reads the whole row before any of it is stored); with ``PDL`` it waits for the state
-    launch first."""
-    if PDL:
-        gdc_wait()
+    row's reduction reads the whole row before any of it is stored)."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -144,33 +138,29 @@ def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
 
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
                       heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
-                      evict: str, prep_heads: int, num_warps: int, pdl: bool = False) -> None:
+                      evict: str, prep_heads: int, num_warps: int) -> None:
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
-        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict, PDL=pdl,
+        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
         num_warps=num_warps)
 
 
-def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int,
-                      pdl: bool = False) -> None:
-    """The norm launch, ``norm_heads`` heads of one sequence per program (``pdl``: as a programmatic dependent
-    of the state launch)."""
+def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
+    """The norm launch, ``norm_heads`` heads of one sequence per program."""
     B, H, V = out.shape
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
-        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+        num_warps=num_warps)
 
 
 # Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per
-# size, whole layer and each launch alone; tests/kernels/test_kda_gpu.py runs each): every prep shape (heads, warps)
-# and every norm shape appears once; bench/notes/kda_decode.md ("prep launch") has their instruction counts.
+# size, whole layer and each launch alone; tests/kernels/test_kda_gpu.py runs each). The first is decode_config's
+# choice where it uses several heads. Dropped after the 06:44 UTC run (bench/notes/kda_decode.md, "prep launch"):
+# 4, 8 and 16 prep heads per program (with 8 or 16 norm heads): the layer with them was slower than the default at
+# every size and state dtype.
 HEADS_OPTIONS = [dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4),
-                 dict(prep_heads=4, prep_warps=4, norm_heads=8, norm_warps=4),
-                 dict(prep_heads=8, prep_warps=4, norm_heads=16, norm_warps=4),
-                 dict(prep_heads=8, prep_warps=8, norm_heads=8, norm_warps=8),
-                 dict(prep_heads=16, prep_warps=8, norm_heads=16, norm_warps=8),
                  dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)]

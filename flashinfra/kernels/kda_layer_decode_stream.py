@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.kda_layer_decode_parts import state_step
@@ -50,17 +49,14 @@ def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
 def kda_layer_decode_stream_kernel(
     state_d, heads, state_slots, out, tiles, state, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
+    STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr,
 ):
     """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; ``state_d`` is a descriptor over the
     state viewed as [slots * H, K, V] with block [1, BK, BV] (rows past K and columns past V are filled
     with zeros on load and dropped on store). The new tile leaves by the copy engine (``TMA_STORE``,
     through a shared-memory staging buffer) or by plain stores from registers (one buffer less, so more
     programs fit). With ``NORM`` (a tile is a head's whole row, BV >= V) the gated RMSNorm is applied
-    here and the norm launch is left out. With ``PDL`` the program waits for the prep launch before its loop
-    (the pipeliner's first loads come after the wait: only the start-up overlaps the prep)."""
-    if PDL:
-        gdc_wait()
+    here and the norm launch is left out."""
     NV: tl.constexpr = (V + BV - 1) // BV
     o_k = tl.arange(0, BK)
     o_b = tl.arange(0, BV)
@@ -99,12 +95,11 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 def kda_layer_decode_tile_kernel(
     state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr, PDL: tl.constexpr = False,
+    NORM: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out. With ``PDL`` the program may start while the
-    prep launch still runs: it requests its state tile, then waits for the prep before reading the scratch."""
+    RMSNorm is applied here and the norm launch is left out."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -113,8 +108,6 @@ def kda_layer_decode_tile_kernel(
     p_s = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_s = (o_k < K)[:, None] & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
@@ -144,11 +137,9 @@ def _tile_ptrs(state, slot, t, tiles, o_k, o_b, H: tl.constexpr, K: tl.constexpr
 def kda_layer_decode_stream_regs_kernel(
     state, heads, state_slots, out, tiles,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; tile t + G's state load is issued before
-    tile t's arithmetic and held in registers until the next iteration. With ``PDL`` the first tile's
-    state load is issued before the wait for the prep launch."""
+    tile t's arithmetic and held in registers until the next iteration."""
     NV: tl.constexpr = (V + BV - 1) // BV
     G = tl.num_programs(0)
     o_k = tl.arange(0, BK)
@@ -158,8 +149,6 @@ def kda_layer_decode_stream_regs_kernel(
     slot_next = _tile_slot(state_slots, t0 + G, tiles, H, NV)
     p_s, m_s = _tile_ptrs(state, slot, t0, tiles, o_k, o_b, H, K, V, BV, NV)
     b_next = tl.load(p_s, mask=m_s, other=0.0)
-    if PDL:
-        gdc_wait()
     for t in tl.range(t0, tiles, G, num_stages=1):
         b_s = b_next.to(tl.float32)
         p_s, m_s = _tile_ptrs(state, slot, t, tiles, o_k, o_b, H, K, V, BV, NV)
@@ -226,11 +215,11 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None, pdl: bool = False) -> bool:
+                        tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
     "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row). ``pdl``: launched as a programmatic dependent of the prep launch."""
+    whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -240,21 +229,19 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, num_warps=num_warps, PDL=pdl, **cap, **({"launch_pdl": True} if pdl else {}))
+            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
         return norm
     if grid == "stream":
         check_stream_layout(state, BV, BK)
         kernel = kda_layer_decode_stream_kernel
         args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
                 gate, norm_weight, float(eps), gate.stride(0))
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm, PDL=pdl,
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
                   num_warps=num_warps, num_stages=num_stages, **cap)
     else:
         kernel = kda_layer_decode_stream_regs_kernel
         args = (state, heads, state_slots, out, tiles)
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, PDL=pdl, num_warps=num_warps, **cap)
-    if pdl:
-        kw["launch_pdl"] = True
+        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps, **cap)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
 

@@ -172,19 +172,27 @@ def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
 
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,H,K,W,launch", [
-    ("prep", torch.float32, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=2, pdl=True)),
-    ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=4)),
-    ("tiles", torch.bfloat16, -5.0, 3, 24, 4, dict(prep_heads=4, norm_heads=4, BV=8, pdl=True)),
+    ("prep", torch.float32, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=2)),
+    ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)),
+    ("tiles", torch.bfloat16, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=4, BV=8)),
     ("tiles", torch.float32, None, 2, 32, 2, dict(prep_heads=2, norm_heads=2, BV=32)),
-    ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4, pdl=True)),
+    ("stream", torch.float32, -5.0, 3, 32, 4, dict(prep_heads=2, norm_heads=4)),
 ])
 def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch):
     """The prep and norm launches with several heads per program: H=3 leaves heads of the last program
-    outside the layer, K=V=24 masks part of each head's row, conv widths 2, 3 and 4. ``pdl`` only reaches the
-    launcher here (the interpreter runs the launches in order; the GPU tests run the dependent launches)."""
+    outside the layer, K=V=24 masks part of each head's row, conv widths 2, 3 and 4."""
     launch = {"BV": 16, **launch}
     cases.layer_decode("cpu", B=3, H=H, K=K, state_dtype=state_dtype, lower_bound=lower_bound, W=W, grid=grid,
                        **launch)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_layer_decode_default_config(B, state_dtype):
+    """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
+    launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
+    prep layout with several-heads prep and norm launches (fp32 state) or the streaming layout (bf16)."""
+    cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 
 def test_layer_decode_bad_layouts():
@@ -199,8 +207,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_heads=3)
     with pytest.raises(ValueError, match="norm_heads > 1 needs a layout with a prep launch"):
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
-    with pytest.raises(ValueError, match="pdl needs a layout of several launches"):
-        layer_decode.kda_layer_decode_launch(**a, grid="head", pdl=True)
+    with pytest.raises(ValueError, match="pdl is an option of the block layout"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
 
 
 def test_stream_programs_per_sm():
