@@ -14,15 +14,11 @@ reads as whole tiles (rows past the end of a sequence are zeros):
 With them the state pass needs, per chunk, ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(gl) S + kd^T v'``.
 
 Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
-products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 norms. Two grids:
-
-- ``kda_intra64_b_kernel``, one program per (chunk, head): a first pass over the key blocks accumulates the
-  norms, then [64, BK] and [64, BVB] tiles one block at a time beside the chunk's two [64, 64] matrices (on an
-  H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms, bench/notes/kda_prefill.md);
-- ``kda_intra64_b_cols_kernel``, one program per (chunk, head, PACK column blocks): K / BK key blocks and
-  V / BVB value blocks per chunk-head, the norms read from the [chunks, H, 2, 64] scratch kernel D writes, so
-  that many small programs are in flight (79 registers at 4 warps and blocks of 32, against 144 for the
-  per-chunk-head program: bench/notes/kda_prefill.md, "B at its bytes floor").
+products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 norms. One program per (chunk,
+head): a first pass over the key blocks accumulates the norms, then [64, BK] and [64, BVB] tiles one block at a
+time beside the chunk's two [64, 64] matrices (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole
+[64, K] tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
+bench/notes/kda_prefill.md, "B at its bytes floor").
 """
 
 from __future__ import annotations
@@ -141,41 +137,3 @@ def kda_intra64_b_kernel(
     for vv in tl.static_range(0, V, BVB):
         _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
                     OU_BF16)
-
-
-@triton.jit
-def kda_intra64_b_cols_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, norms, wqk, uo, egl,
-    stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr, PACK: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr,
-):
-    """Grid (chunks * NB / PACK, H), NB = K / BK + V / BVB column blocks per chunk-head (key blocks first,
-    then value blocks): program p of a chunk-head takes blocks p, p + NB / PACK, ... (with as many key as value
-    blocks and PACK = 2, one of each). A chunk-head's programs are consecutive, so that they meet its Ai, Aqk,
-    gate and beta in the L2. ``norms`` [chunks, H, 2, 64]: kernel D's ``scale / |q|`` and ``1 / |k|`` per row."""
-    NKB: tl.constexpr = K // BK
-    NG: tl.constexpr = (NKB + V // BVB) // PACK
-    pid, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, j0 = pid // NG, pid % NG
-    SQ: tl.constexpr = (1 + W_LO) * 64 * K
-    SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
-    rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
-    o_t = tl.arange(0, 64)
-    for i in tl.static_range(PACK):
-        j = j0 + i * NG
-        if j < NKB:
-            r_q = tl.load(norms + i_ch * 128 + o_t)
-            r_k = tl.load(norms + i_ch * 128 + 64 + o_t)
-            _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, j * BK + tl.arange(0, BK), b_ai,
-                      b_aqk, r_q, r_k, wqk + i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K), egl + i_ch * K, stride_q_t,
-                      stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD, LOCAL_PRECISION, GATE_IN_KERNEL,
-                      HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
-        else:
-            b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-            if BETA_LOGITS:
-                b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
-            _value_cols(v, rows, m_t, i_h, (j - NKB) * BVB + tl.arange(0, BVB), b_ai, b_aqk, b_b,
-                        uo + i_ch * ((3 if OU_BF16 else 2) * 64 * V), stride_v_t, V, LOCAL_PRECISION, OU_BF16)

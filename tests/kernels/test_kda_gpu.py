@@ -70,29 +70,6 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("launch", [{}, dict(b_warps=8), dict(b_block=64, b_warps=8), dict(b_block=64),
-                                    dict(b_block=16), dict(b_warps=2), dict(b_pack=2), dict(b_pack=2, b_warps=8),
-                                    dict(b_pack=4), dict(ou_bf16=True), dict(chain_precision="bf16x2"),
-                                    dict(BV=32, out_x3=True)])
-def test_prefill_v3_b_cols_variants(launch):
-    """Kernel B on its column-block grid (``b_grid="cols"``) at every block size, packing and warp count the
-    benchmark times, and with each scratch layout (ou_bf16, bf16x2's 3 slots, out_x3's qw lo half)."""
-    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
-                         b_grid="cols", **launch)
-
-
-@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
-def test_prefill_v3_b_cols_real_size(dtype, decay):
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         decay=decay, b_grid="cols")
-
-
-@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 0.2)])
-def test_prefill_v3_b_cols_gated_real_size(lower_bound, decay):
-    cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", decay=decay, b_grid="cols")
-
-
 @pytest.mark.parametrize("B", [1, 64, 67])
 def test_decode_real_size(B):
     cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
