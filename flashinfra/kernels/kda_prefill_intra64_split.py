@@ -61,12 +61,15 @@ def _ld(x, rows, m_tk, stride_t, o_k):
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
+    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, norms,
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    NORMS: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals); with
+    NORMS also the rows' ``scale / |q|`` and ``1 / |k|`` into ``norms`` [chunks, H, 2, 64] (kernel B's
+    column-block grid reads them instead of a pass of its own over q and k)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -88,6 +91,10 @@ def kda_intra64_diag_kernel(
         ssq_k += tl.sum(b_k * b_k, 1)
     r_q = scale / tl.sqrt(ssq_q + 1e-6)
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    if NORMS:
+        p_n = norms + (i_c * H + i_h).to(tl.int64) * 128 + i_b * 16 + o_r
+        tl.store(p_n, r_q)
+        tl.store(p_n + 64, r_k)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
     b_b = tl.zeros([16], dtype=tl.float32)
@@ -258,6 +265,35 @@ def _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, j: tl.constexpr):
 
 
 @triton.jit
+def _merge(aqk, ai, o_r, SP: tl.constexpr):
+    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses in
+    ``ai`` and L's blocks parked transposed in Aqk's upper blocks (stored before a barrier):
+    ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column block by column block, the sums P_i accumulated as
+    each ``Ai_mj`` is known, so that few blocks are live at once."""
+    ai_m = tl.load(_blk(ai, 0, 0, o_r))
+    p1 = _mm(tl.load(_blk_t(aqk, 1, 0, o_r)), ai_m, SP)
+    p2 = _mm(tl.load(_blk_t(aqk, 2, 0, o_r)), ai_m, SP)
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 0, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 1, 1, o_r)), p1, SP)
+    tl.store(_blk(ai, 1, 0, o_r), ai_m)
+    p2 += _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
+    tl.store(_blk(ai, 2, 0, o_r), ai_m)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
+    tl.store(_blk(ai, 3, 0, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+    ai_m = tl.load(_blk(ai, 1, 1, o_r))
+    p2 = _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
+    tl.store(_blk(ai, 2, 1, o_r), ai_m)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
+    tl.store(_blk(ai, 3, 1, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), tl.load(_blk(ai, 2, 2, o_r)), SP)
+    tl.store(_blk(ai, 3, 2, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+
+
+@triton.jit
 def kda_intra64_offdiag_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
@@ -306,27 +342,4 @@ def kda_intra64_offdiag_kernel(
                                                        BETA_LOGITS, LP)
         _store_col(p_a, p_l, acc_a, acc_l, r_q, r_k, ssq_c, 2)
     tl.debug_barrier()  # L's blocks are read back below by other threads
-
-    # (I + L)^-1, block lower triangular: Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj, column block by column
-    # block, the sums P_i accumulated as each Ai_mj is known, so that few blocks are live at once
-    ai_m = tl.load(_blk(ai, 0, 0, o_r))
-    p1 = _mm(tl.load(_blk_t(aqk, 1, 0, o_r)), ai_m, SP)
-    p2 = _mm(tl.load(_blk_t(aqk, 2, 0, o_r)), ai_m, SP)
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 0, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 1, 1, o_r)), p1, SP)
-    tl.store(_blk(ai, 1, 0, o_r), ai_m)
-    p2 += _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
-    tl.store(_blk(ai, 2, 0, o_r), ai_m)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
-    tl.store(_blk(ai, 3, 0, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-    ai_m = tl.load(_blk(ai, 1, 1, o_r))
-    p2 = _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
-    tl.store(_blk(ai, 2, 1, o_r), ai_m)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
-    tl.store(_blk(ai, 3, 1, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), tl.load(_blk(ai, 2, 2, o_r)), SP)
-    tl.store(_blk(ai, 3, 2, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+    _merge(aqk, ai, o_r, SP)

@@ -9,6 +9,7 @@ import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from flashinfra.feedback.registry import compare
 from flashinfra.kernels import causal_conv1d as conv
@@ -94,6 +95,76 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         assert_close(f"state[seq {n}]", state[s], s64[0], *state_tol)
     untouched = [s for s in range(num_slots) if s not in slots]
     assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"
+
+
+def intra_a(device: str, lens: list[int], H: int, K: int, rows: bool, dtype=torch.float32, gated=False,
+            lower_bound=-5.0, decay=5.0, seed=0, KS=16, num_warps=2, precision="ieee"):
+    """v3's kernel A alone (the column form, or per row block with ``rows``) against float64: the
+    off-diagonal blocks of ``Aqk`` (scale q k^T) and of ``L`` (beta k k^T, parked transposed in Aqk's upper
+    blocks), decay-weighted with the gate's -10 clamp, and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
+    from diagonal inverses planted as kernel D would write them. Both scratch matrices start as NaN: the
+    blocks A must not write (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the
+    planted values, every other element must be written; rows past a sequence's end hold zeros."""
+    from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
+    from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_offdiag_kernel
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, cu = sum(lens), _cu(lens)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, device=device, generator=gen).to(dt)
+
+    q, k = rnd(T, H, K), rnd(T, H, K)
+    if gated:
+        g_in, b_in = rnd(T, H, K), rnd(T, H)
+        A_log, dt_bias = rnd(H, dt=torch.float32) * 0.3 + math.log(decay / 5.0), rnd(H * K, dt=torch.float32)
+        x, rate = _d(g_in) + _d(dt_bias).view(1, H, K), _d(A_log).exp().view(1, H, 1)
+        g64 = lower_bound * torch.sigmoid(rate * x) if lower_bound is not None else -rate * F.softplus(x)
+        b64 = torch.sigmoid(_d(b_in))
+    else:
+        g_in = (-decay * torch.sigmoid(rnd(T, H, K, dt=torch.float32))).float()
+        b_in = torch.rand(T, H, device=device, generator=gen)
+        A_log = dt_bias = g_in
+        g64, b64 = _d(g_in), _d(b_in)
+    chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
+    idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
+    nch = len(chunks)
+    # the float64 reference per chunk-head: [64, 64] Aqk (lower, diagonal included), L (strictly lower), Ai
+    qn, kn = pre.l2norm_ref(_d(q)), pre.l2norm_ref(_d(k))
+    g64 = g64.clamp(min=-10.0)
+    ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
+    ref_l = torch.zeros_like(ref_a)
+    for i, (n, c) in enumerate(chunks):
+        t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
+        m = t1 - t0
+        gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
+        e = torch.exp(gc[:, :, None, :] - gc[:, None, :, :])  # [H, r, c, K], used for r >= c only
+        low = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+        qh, kh = qn[t0:t1].transpose(0, 1), kn[t0:t1].transpose(0, 1)
+        aa = torch.einsum("hrd,hcd,hrcd->hrc", qh, kh, torch.where(low[None, :, :, None], e, 0.0)) * K**-0.5
+        ll = torch.einsum("hrd,hcd,hrcd->hrc", kh, kh, torch.where(low[None, :, :, None], e, 0.0))
+        ref_a[i, :, :m, :m] = aa
+        ref_l[i, :, :m, :m] = (ll * b64[t0:t1].transpose(0, 1)[:, :, None]).tril(-1)
+    eye = torch.eye(64, dtype=torch.float64, device=device)
+    ref_ai = torch.linalg.inv(eye + ref_l)
+    blk = torch.arange(64, device=device) // 16
+    below, diag = blk[:, None] > blk[None, :], blk[:, None] == blk[None, :]
+    aqk = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
+    ai = torch.where(diag, ref_ai, NAN).float()
+    planted = ai.clone()
+    args = (q, k, g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32,
+            device=device), idx, aqk, ai, q.stride(0), k.stride(0), g_in.stride(0), b_in.stride(0), K**-0.5)
+    flags = dict(GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
+    kernel, extra = (kda_intra64_offdiag_rows_kernel, {}) if rows else (kda_intra64_offdiag_kernel, {"ONE_PASS": True})
+    kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=precision,
+                     num_warps=num_warps, **extra, **flags)
+    rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+    assert torch.isnan(aqk[..., diag]).all(), "kernel A wrote into Aqk's diagonal blocks"
+    untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
+    assert torch.equal(*untouched), "kernel A wrote into Ai's diagonal or upper blocks"
+    assert_close("Aqk lower blocks", aqk[..., below], ref_a[..., below], rel, atol, rtol)
+    assert_close("L parked above", aqk.transpose(-1, -2)[..., below], ref_l[..., below], rel, atol, rtol)
+    assert_close("Ai lower blocks", ai[..., below], ref_ai[..., below], rel, atol, rtol)
 
 
 def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, seed=0, **launch):

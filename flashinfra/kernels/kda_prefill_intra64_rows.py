@@ -1,0 +1,173 @@
+"""KDA prefill (v3), kernel A per 16-row block (``a_rows=True``): the off-diagonal blocks of ``Aqk = q k^T``
+and ``L = beta k k^T`` of each 64-token chunk and head, and the merge into ``(I + L)^-1``, with the same outputs
+and layout as ``kda_intra64_offdiag_kernel`` (kda_prefill_intra64_split.py): Aqk's lower blocks, L's blocks
+parked transposed in Aqk's upper blocks, then the same merge with kernel D's diagonal inverses.
+
+That kernel forms each column block j's products on all 64 rows (rows not below j masked), so its three
+column passes walk twice the rows they need, each with a [64, K slice] exponential and a 64-row cumulative
+sum. Here only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products, against the
+boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of block i - 1):
+
+- rows of block i: ``x_r exp(gc_r - b_i)``, the cumulative decay inside block i alone (its own 16-row
+  cumulative sum, shared by its q and k);
+- columns of block j: ``k_c exp(ge_j - gc_c)`` against block j's last row (as in the column form), times
+  ``exp(s_m)`` for each block m strictly between j and i (``s_m`` its decay summed over its rows), applied to
+  the column operand as the loop reaches block m.
+
+Every factor is at most 1 (the per-token log-decay is at most 0), exact for any gate: the product
+``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. The gate (with its
+-10 clamp, ``load_gate_v3``) is evaluated once per token and K slice, each block's q, k and g loaded once per
+slice; the q/k L2 norms, the scale and beta are row and column factors applied at the store, as there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.kda_prefill_intra64_split import _blk, _blk_t, _chunk_rows, _ld, _merge, load_gate_v3
+
+
+@triton.jit
+def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, stride_q_t, stride_k_t, stride_g_t,
+            stride_b_t, m: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+            HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr):
+    """Block m's K slice: q (with WITH_Q, else k again), k, the decay's cumulative sum inside the block and
+    its total over the block's rows (rows past the sequence's end hold zeros)."""
+    rows = 16 * m + tl.arange(0, 16)
+    m_t = rows < left
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g, _b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_s, m_k, stride_g_t,
+                           stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    b_k = _ld(k, rows, m_tk, stride_k_t, o_s)
+    if WITH_Q:
+        b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
+    else:
+        b_q = b_k
+    return b_q, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0)
+
+
+@triton.jit
+def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t,
+                stride_b_t, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr):
+    """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
+    L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
+    in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
+    ``exp(s_m)`` once block m has used it."""
+    o_s = tl.arange(0, KS)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = z, z, z, z, z, z, z, z, z, z, z, z
+    zr = tl.zeros([16], dtype=tl.float32)
+    sk0, sk1, sk2, sk3, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr
+    for ks in range(K // KS):
+        # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
+        qs, kk, gs, ds = q + ks * KS, k + ks * KS, g + ks * KS, dt_bias + ks * KS
+        m_k = o_s < KS
+        _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
+                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0, K, GATE_IN_KERNEL,
+                                      HAS_LOWER_BOUND, BETA_LOGITS, False)
+        sk0 += tl.sum(b_k * b_k, 1)
+        c0 = b_k * tl.exp(b_s[None, :] - b_gc)
+        # block 1: rows against c0
+        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
+                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL,
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+        sk1 += tl.sum(b_k * b_k, 1)
+        sq1 += tl.sum(b_q * b_q, 1)
+        b_f = tl.exp(b_gc)
+        t0 = tl.trans(c0)
+        a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
+        l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
+        c1 = b_k * tl.exp(b_s[None, :] - b_gc)
+        c0 = c0 * tl.exp(b_s)[None, :]
+        # block 2: rows against c0, c1
+        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
+                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL,
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+        sk2 += tl.sum(b_k * b_k, 1)
+        sq2 += tl.sum(b_q * b_q, 1)
+        b_f = tl.exp(b_gc)
+        x_q, x_k = b_q * b_f, b_k * b_f
+        t0, t1 = tl.trans(c0), tl.trans(c1)
+        a20 = tl.dot(x_q, t0, a20, input_precision=LP)
+        l20 = tl.dot(x_k, t0, l20, input_precision=LP)
+        a21 = tl.dot(x_q, t1, a21, input_precision=LP)
+        l21 = tl.dot(x_k, t1, l21, input_precision=LP)
+        c2 = b_k * tl.exp(b_s[None, :] - b_gc)
+        e2 = tl.exp(b_s)[None, :]
+        c0 = c0 * e2
+        c1 = c1 * e2
+        # block 3: rows against c0, c1, c2
+        b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
+                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 3, K, GATE_IN_KERNEL,
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+        sk3 += tl.sum(b_k * b_k, 1)
+        sq3 += tl.sum(b_q * b_q, 1)
+        b_f = tl.exp(b_gc)
+        x_q, x_k = b_q * b_f, b_k * b_f
+        t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
+        a30 = tl.dot(x_q, t0, a30, input_precision=LP)
+        l30 = tl.dot(x_k, t0, l30, input_precision=LP)
+        a31 = tl.dot(x_q, t1, a31, input_precision=LP)
+        l31 = tl.dot(x_k, t1, l31, input_precision=LP)
+        a32 = tl.dot(x_q, t2, a32, input_precision=LP)
+        l32 = tl.dot(x_k, t2, l32, input_precision=LP)
+    return a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3
+
+
+@triton.jit
+def _row_factors(beta, left, i_h, stride_b_t, sq, sk, scale, m: tl.constexpr, BETA_LOGITS: tl.constexpr):
+    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L."""
+    rows = 16 * m + tl.arange(0, 16)
+    m_t = rows < left
+    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_LOGITS:
+        b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
+    return (scale / tl.sqrt(sq + 1e-6))[:, None], (b_b / tl.sqrt(sk + 1e-6))[:, None]
+
+
+@triton.jit
+def _store_pair(aqk, acc_a, acc_l, r_q, r_k, n_c, i: tl.constexpr, j: tl.constexpr):
+    """Block (i, j) of Aqk, and of L into Aqk's unused block (j, i), transposed."""
+    o_r = tl.arange(0, 16)
+    tl.store(_blk(aqk, i, j, o_r), acc_a * r_q * n_c)
+    tl.store(_blk_t(aqk, i, j, o_r), acc_l * r_k * n_c)
+
+
+@triton.jit
+def kda_intra64_offdiag_rows_kernel(
+    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
+    stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
+    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+):
+    """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses; the same arguments
+    as kda_intra64_offdiag_kernel but ONE_PASS."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
+    q += r0 * stride_q_t + i_h * K
+    k += r0 * stride_k_t + i_h * K
+    g += r0 * stride_g_t
+    beta += r0 * stride_b_t
+    aqk += (i_c * H + i_h).to(tl.int64) * 4096
+    ai += (i_c * H + i_h).to(tl.int64) * 4096
+    a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
+        q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
+        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION)
+    # the column blocks' 1 / |k_c|
+    n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
+    n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
+    n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq1, sk1, scale, 1, BETA_LOGITS)
+    _store_pair(aqk, a10, l10, r_q, r_k, n0, 1, 0)
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq2, sk2, scale, 2, BETA_LOGITS)
+    _store_pair(aqk, a20, l20, r_q, r_k, n0, 2, 0)
+    _store_pair(aqk, a21, l21, r_q, r_k, n1, 2, 1)
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq3, sk3, scale, 3, BETA_LOGITS)
+    _store_pair(aqk, a30, l30, r_q, r_k, n0, 3, 0)
+    _store_pair(aqk, a31, l31, r_q, r_k, n1, 3, 1)
+    _store_pair(aqk, a32, l32, r_q, r_k, n2, 3, 2)
+    tl.debug_barrier()  # L's blocks are read back by other threads in the merge
+    _merge(aqk, ai, tl.arange(0, 16), SOLVE_PRECISION)
