@@ -61,15 +61,12 @@ def _ld(x, rows, m_tk, stride_t, o_k):
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, norms,
+    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    NORMS: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals); with
-    NORMS also the rows' ``scale / |q|`` and ``1 / |k|`` into ``norms`` [chunks, H, 2, 64] (kernel B's
-    column-block grid reads them instead of a pass of its own over q and k)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -91,10 +88,6 @@ def kda_intra64_diag_kernel(
         ssq_k += tl.sum(b_k * b_k, 1)
     r_q = scale / tl.sqrt(ssq_q + 1e-6)
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    if NORMS:
-        p_n = norms + (i_c * H + i_h).to(tl.int64) * 128 + i_b * 16 + o_r
-        tl.store(p_n, r_q)
-        tl.store(p_n + 64, r_k)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
     b_b = tl.zeros([16], dtype=tl.float32)

@@ -32,13 +32,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
-from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_cols_kernel, kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
-B_GRIDS = ("chunk", "cols")
 
 
 @triton.jit
@@ -120,23 +119,18 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
                 a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, b_grid: str = "chunk", b_pack: int = 1,
-                a_rows: bool = False):
+                ou_bf16: bool = False, a_rows: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
     inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
     warps, its three column passes as one with ``a_one_pass``, or per 16-row block with ``a_rows``,
     kda_prefill_intra64_rows.py, which ignores ``a_one_pass``; both over K in slices of ``KS`` with
     ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
-    (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps; ``b_grid="chunk"`` one
-    program per chunk-head, ``"cols"`` one per chunk-head and ``b_pack`` column blocks, with the q/k norms
-    from ``D``), the state pass.
+    (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps), the state pass.
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults
     are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
-    if b_grid not in B_GRIDS:
-        raise ValueError(f"kda_prefill v3: b_grid must be one of {B_GRIDS}, got {b_grid!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
@@ -144,9 +138,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("KS", KS), ("b_block", b_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
-    nb = K // min(b_block, K) + V // min(b_block, V)
-    if b_grid == "cols" and (b_pack < 1 or nb % b_pack):
-        raise ValueError(f"kda_prefill v3: b_pack must divide B's {nb} column blocks, got {b_pack}")
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
@@ -177,14 +168,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
     in_args = (q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
                q.stride(0), k.stride(0), g.stride(0), beta.stride(0), K**-0.5)
-    cols = b_grid == "cols"
-    # the rows' q/k norm factors, from D for B's column-block grid
-    norms = torch.empty(nch, H, 2, 64, dtype=torch.float32, device=dev) if cols else aqk
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            *in_args[:11], norms, *in_args[11:], H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision,
-            NORMS=cols, num_warps=d_warps, num_stages=a_stages, **gate_args,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
+            num_stages=a_stages, **gate_args,
         )
 
     def intra_offdiag():
@@ -204,22 +192,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
           else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
-    BK, BVB = min(b_block, K), min(b_block, V)
-    nb = K // BK + V // BVB
-
     def intra_b():
-        if cols:
-            kda_intra64_b_cols_kernel[(nch * nb // b_pack, H)](
-                q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, norms, wqk, uo, egl,
-                q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-                H=H, K=K, V=V, BK=BK, BVB=BVB, PACK=b_pack, LOCAL_PRECISION=local_precision, OU_BF16=ou_bf16,
-                num_warps=b_warps, **lo, **gate_args,
-            )
-            return
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-            H=H, K=K, V=V, BK=BK, BVB=BVB, LOCAL_PRECISION=local_precision,
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
             OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
         )
 

@@ -58,22 +58,6 @@ def test_prefill_v3_split(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay; two key-block programs per chunk-head
-    ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # an empty sequence, a one-token chunk; D's norms over two K
-    # slices; one key and one value program
-    ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
-    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, chain_precision="bf16x2")),  # w and kd without lo
-    ([5, 0, 70], dict(V=32, b_block=16, b_pack=2, decay=0.3)),  # 2 key + 2 value blocks, one of each per program
-    ([40], dict(V=32, b_block=16, b_pack=4)),  # all four blocks in one program
-])
-def test_prefill_v3_b_cols(lens, kw):
-    """Kernel B on its column-block grid (one program per chunk, head and b_pack column blocks; the q/k norms
-    from kernel D's scratch); out_x3 as in test_prefill_v3_split."""
-    kw = {"V": 16, **kw}
-    cases.prefill_varlen("cpu", lens, H=2, K=32, seed=6, version="v3", b_grid="cols", out_x3=True, **kw)
-
-
-@pytest.mark.parametrize("lens,kw", [
     ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=1)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice
@@ -148,10 +132,6 @@ def test_prefill_v3_bad_options():
                                        *args[6:], version="v3", out_x3=True, BV=64)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
-    with pytest.raises(ValueError, match="b_grid must be one of"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", b_grid="rows")
-    with pytest.raises(ValueError, match="b_pack must divide B's 2 column blocks"):  # K = V = b_block = 16
-        kda_prefill.kda_prefill_launch(*args, version="v3", b_grid="cols", b_pack=3)
 
 
 def test_prefill_v3_long_odd():
