@@ -46,9 +46,10 @@ def test_prefill_v3_gated(lower_bound):
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay: the far sub-blocks' products matter; B in
     # two column blocks
+    ([1, 100, 37], dict(decay=0.1, b_block=16, b_stages=2)),  # B's column loops pipelined
     ([63, 5, 0, 129], dict(KS=16, a_warps=4, d_warps=1)),  # two K slices, an empty sequence, a one-token chunk
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
-    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, b_block=16, b_stages=3)),
     ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=False, KS=16)),
 ])
 def test_prefill_v3_split(lens, kw):

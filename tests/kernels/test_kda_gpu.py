@@ -50,7 +50,8 @@ def test_prefill_v3_variants(launch):
 
 @pytest.mark.parametrize("launch", [dict(a_stages=3), dict(a_warps=8), dict(KS=16, a_warps=4, d_warps=1),
                                     dict(a_one_pass=False), dict(a_one_pass=False, a_warps=4), dict(b_block=64),
-                                    dict(b_block=16), dict(b_warps=2), dict(ou_bf16=True)])
+                                    dict(b_block=16), dict(b_warps=2), dict(ou_bf16=True), dict(b_stages=2),
+                                    dict(b_stages=3), dict(b_stages=2, ou_bf16=True)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          **launch)
