@@ -33,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
@@ -118,11 +119,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
                 a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, b_stages: int = 0):
+                ou_bf16: bool = False, a_rows: bool = False, b_stages: int = 0):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
     inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
-    warps, its three column passes as one with ``a_one_pass``; both over K in slices of ``KS`` with
+    warps, its three column passes as one with ``a_one_pass``, or per 16-row block with ``a_rows``,
+    kda_prefill_intra64_rows.py, which ignores ``a_one_pass``; both over K in slices of ``KS`` with
     ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
     (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps, its column loops
     software-pipelined over ``b_stages`` stages, 0: unrolled), the state pass.
@@ -175,6 +177,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     def intra_offdiag():
+        if a_rows:
+            kda_intra64_offdiag_rows_kernel[(nch, H)](
+                *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+                num_warps=a_warps, num_stages=a_stages, **gate_args,
+            )
+            return
         kda_intra64_offdiag_kernel[(nch, H)](
             *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
             ONE_PASS=a_one_pass, num_warps=a_warps, num_stages=a_stages, **gate_args,
