@@ -117,15 +117,18 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                KS: int = 32, d_warps: int = 2, a_warps: int = 2, a_stages: int = 1,
+                KS: int = 32, d_warps: int = 2, a_warps: int | None = None, a_stages: int = 1,
                 a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, a_rows: bool = False, b_stages: int = 0):
+                ou_bf16: bool = False, a_rows: bool = False, b_stages: int = 0, a_ks: int | None = None,
+                a_maxnreg: int | None = None):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
     inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
     warps, its three column passes as one with ``a_one_pass``, or per 16-row block with ``a_rows``,
-    kda_prefill_intra64_rows.py, which ignores ``a_one_pass``; both over K in slices of ``KS`` with
-    ``a_stages`` pipeline stages, the merge's products in ``solve_precision``), the per-chunk tiles
+    kda_prefill_intra64_rows.py, which ignores ``a_one_pass``; both over K in slices of ``KS``, A's ``a_ks``,
+    with ``a_stages`` pipeline stages, the merge's products in ``solve_precision``, A's registers per thread
+    capped at ``a_maxnreg`` if given; A's warps and slices default to 2 and ``KS``, per row block to 1 and
+    16), the per-chunk tiles
     (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps, its column loops
     software-pipelined over ``b_stages`` stages, 0: unrolled), the state pass.
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults
@@ -136,7 +139,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
-    for name, n in (("KS", KS), ("b_block", b_block)):
+    for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks or KS)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages < 2 and not env.triton_interpret():
@@ -176,16 +179,20 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             num_stages=a_stages, **gate_args,
         )
 
+    # per row block, each [16, 16] product on mma.sync runs in every warp of the program: one warp executes
+    # the fewest instructions (bench/notes/kda_prefill.md, "A per row block")
+    a_opts = dict(KS=min(a_ks or (16 if a_rows else KS), K), num_warps=a_warps or (1 if a_rows else 2),
+                  num_stages=a_stages, **({} if a_maxnreg is None else {"maxnreg": a_maxnreg}))
+
     def intra_offdiag():
         if a_rows:
             kda_intra64_offdiag_rows_kernel[(nch, H)](
-                *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-                num_warps=a_warps, num_stages=a_stages, **gate_args,
+                *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, **a_opts, **gate_args,
             )
             return
         kda_intra64_offdiag_kernel[(nch, H)](
-            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            ONE_PASS=a_one_pass, num_warps=a_warps, num_stages=a_stages, **gate_args,
+            *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, ONE_PASS=a_one_pass,
+            **a_opts, **gate_args,
         )
 
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)

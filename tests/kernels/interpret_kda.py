@@ -70,11 +70,12 @@ def test_prefill_v3_intra_a_rows(lens, kw):
 
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1)),  # slow decay: the far blocks' products matter
-    ([63, 5, 0, 129], dict(KS=16, a_warps=1, decay=0.5)),  # an empty sequence, a one-token chunk, two K slices
-    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3)),  # without the bound: test_prefill_v3_intra_a_rows
+    ([63, 5, 0, 129], dict(a_ks=32, a_warps=2, decay=0.5)),  # an empty sequence, a one-token chunk
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, a_maxnreg=128)),  # without the bound: intra_a_rows
 ])
 def test_prefill_v3_a_rows(lens, kw):
-    """The whole op with kernel A per row block (``a_rows``); out_x3 as in test_prefill_v3_split."""
+    """The whole op with kernel A per row block (``a_rows``: by default one warp and two K slices of 16 here;
+    one slice of 32 on two warps); out_x3 as in test_prefill_v3_split."""
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, a_rows=True, **kw)
 
 
@@ -128,6 +129,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", KS=24)
     with pytest.raises(ValueError, match="b_block must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_block=8)
+    with pytest.raises(ValueError, match="a_ks must be a power of two"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", a_rows=True, a_ks=24)
     with pytest.raises(ValueError, match="out_x3 needs BV <= 32"):
         kda_prefill.kda_prefill_launch(q, q, torch.randn(70, 1, 64), *args[3:5], torch.zeros(1, 1, 16, 64),
                                        *args[6:], version="v3", out_x3=True, BV=64)
