@@ -71,6 +71,37 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
+@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
+def test_prefill_v3_a_rows_real_size(dtype, decay):
+    """v3 with kernel A per 16-row block (``a_rows``, kda_prefill_intra64_rows.py) at its defaults."""
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
+                         decay=decay, a_rows=True)
+
+
+@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
+def test_prefill_v3_a_rows_gated_real_size(lower_bound, decay):
+    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
+                         lower_bound=lower_bound, version="v3", decay=decay, a_rows=True)
+
+
+@pytest.mark.parametrize("launch", [dict(a_warps=2), dict(a_ks=32), dict(a_ks=32, a_warps=2), dict(a_maxnreg=128),
+                                    dict(a_maxnreg=168), dict(a_stages=2), dict(solve_precision="tf32")])
+def test_prefill_v3_a_rows_variants(launch):
+    """Every option of A per row block that the benchmark times."""
+    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
+                         a_rows=True, **launch)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
+                                                               (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
+def test_intra_a_real_size(rows, gated, lower_bound, decay, precision):
+    """Kernel A alone (both forms) against float64 with its scratch poisoned (kda_cases.intra_a): the
+    off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's warps and K slices."""
+    warps, KS = (1, 16) if rows else (2, 32)
+    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, rows=rows, dtype=torch.bfloat16, gated=gated,
+                  lower_bound=lower_bound, decay=decay, KS=KS, num_warps=warps, precision=precision)
+
 @pytest.mark.parametrize("B", [1, 64, 67])
 def test_decode_real_size(B):
     cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
