@@ -29,16 +29,28 @@ from flashinfra.kernels.kda_prefill_intra64_split import _blk, _blk_t, _chunk_ro
 
 
 @triton.jit
+def _exp2(x, FAST_EXP: tl.constexpr):
+    """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
+    check and two multiplies to keep them, 15% of the K loop's instructions). The interpreter runs
+    ``tl.math.exp2``: it has no PTX."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.math.exp2(x)
+
+
+@triton.jit
 def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, stride_q_t, stride_k_t, stride_g_t,
             stride_b_t, m: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
             HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr):
     """Block m's K slice: q (with WITH_Q, else k again), k, the decay's cumulative sum inside the block and
-    its total over the block's rows (rows past the sequence's end hold zeros)."""
+    its total over the block's rows (rows past the sequence's end hold zeros), both in log2 units."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
     b_g, _b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_s, m_k, stride_g_t,
                            stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    b_g = b_g * 1.4426950408889634  # log2(e): the exponentials below are powers of two
     b_k = _ld(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
         b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
@@ -50,7 +62,7 @@ def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, str
 @triton.jit
 def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t,
                 stride_b_t, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr):
+                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr, FAST_EXP: tl.constexpr):
     """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
     L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
     in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
@@ -68,34 +80,34 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0, K, GATE_IN_KERNEL,
                                       HAS_LOWER_BOUND, BETA_LOGITS, False)
         sk0 += tl.sum(b_k * b_k, 1)
-        c0 = b_k * tl.exp(b_s[None, :] - b_gc)
+        c0 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL,
                                       HAS_LOWER_BOUND, BETA_LOGITS, True)
         sk1 += tl.sum(b_k * b_k, 1)
         sq1 += tl.sum(b_q * b_q, 1)
-        b_f = tl.exp(b_gc)
+        b_f = _exp2(b_gc, FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
-        c1 = b_k * tl.exp(b_s[None, :] - b_gc)
-        c0 = c0 * tl.exp(b_s)[None, :]
+        c1 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
+        c0 = c0 * _exp2(b_s, FAST_EXP)[None, :]
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL,
                                       HAS_LOWER_BOUND, BETA_LOGITS, True)
         sk2 += tl.sum(b_k * b_k, 1)
         sq2 += tl.sum(b_q * b_q, 1)
-        b_f = tl.exp(b_gc)
+        b_f = _exp2(b_gc, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
         a20 = tl.dot(x_q, t0, a20, input_precision=LP)
         l20 = tl.dot(x_k, t0, l20, input_precision=LP)
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
-        c2 = b_k * tl.exp(b_s[None, :] - b_gc)
-        e2 = tl.exp(b_s)[None, :]
+        c2 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
+        e2 = _exp2(b_s, FAST_EXP)[None, :]
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
@@ -104,7 +116,7 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
                                       HAS_LOWER_BOUND, BETA_LOGITS, True)
         sk3 += tl.sum(b_k * b_k, 1)
         sq3 += tl.sum(b_q * b_q, 1)
-        b_f = tl.exp(b_gc)
+        b_f = _exp2(b_gc, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
         a30 = tl.dot(x_q, t0, a30, input_precision=LP)
@@ -141,10 +153,10 @@ def kda_intra64_offdiag_rows_kernel(
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses; the same arguments
-    as kda_intra64_offdiag_kernel but ONE_PASS."""
+    as kda_intra64_offdiag_kernel but ONE_PASS, and FAST_EXP (``_exp2``)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
@@ -155,7 +167,7 @@ def kda_intra64_offdiag_rows_kernel(
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
         q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION)
+        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION, FAST_EXP)
     # the column blocks' 1 / |k_c|
     n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
     n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]

@@ -187,7 +187,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_offdiag():
         if a_rows:
             kda_intra64_offdiag_rows_kernel[(nch, H)](
-                *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, **a_opts, **gate_args,
+                *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+                FAST_EXP=not env.triton_interpret(), **a_opts, **gate_args,
             )
             return
         kda_intra64_offdiag_kernel[(nch, H)](

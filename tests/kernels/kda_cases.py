@@ -155,7 +155,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, rows: bool, dtype=torc
     args = (q, k, g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32,
             device=device), idx, aqk, ai, q.stride(0), k.stride(0), g_in.stride(0), b_in.stride(0), K**-0.5)
     flags = dict(GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
-    kernel, extra = (kda_intra64_offdiag_rows_kernel, {}) if rows else (kda_intra64_offdiag_kernel, {"ONE_PASS": True})
+    kernel, extra = ((kda_intra64_offdiag_rows_kernel, {"FAST_EXP": device != "cpu"}) if rows
+                     else (kda_intra64_offdiag_kernel, {"ONE_PASS": True}))
     kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=precision,
                      num_warps=num_warps, **extra, **flags)
     rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
