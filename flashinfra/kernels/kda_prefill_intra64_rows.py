@@ -44,7 +44,9 @@ def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, str
             stride_b_t, m: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
             HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr):
     """Block m's K slice: q (with WITH_Q, else k again), k, the decay's cumulative sum inside the block and
-    its total over the block's rows (rows past the sequence's end hold zeros), both in log2 units."""
+    its last row, the block's total, as a [1, KS] row (rows past the sequence's end hold zeros), both in
+    log2 units. The last row is gathered (one shuffle per element) rather than summed again, so that
+    ``total - cumsum`` is exactly 0 on the last row and the column factors stay at most 1."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
@@ -56,7 +58,8 @@ def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, str
         b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
     else:
         b_q = b_k
-    return b_q, b_k, tl.cumsum(b_g, 0), tl.sum(b_g, 0)
+    b_gc = tl.cumsum(b_g, 0)
+    return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
 
 
 @triton.jit
@@ -80,7 +83,7 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0, K, GATE_IN_KERNEL,
                                       HAS_LOWER_BOUND, BETA_LOGITS, False)
         sk0 += tl.sum(b_k * b_k, 1)
-        c0 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
+        c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL,
@@ -91,8 +94,8 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
-        c1 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
-        c0 = c0 * _exp2(b_s, FAST_EXP)[None, :]
+        c1 = b_k * _exp2(b_s - b_gc, FAST_EXP)
+        c0 = c0 * _exp2(b_s, FAST_EXP)
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL,
@@ -106,8 +109,8 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
         l20 = tl.dot(x_k, t0, l20, input_precision=LP)
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
-        c2 = b_k * _exp2(b_s[None, :] - b_gc, FAST_EXP)
-        e2 = _exp2(b_s, FAST_EXP)[None, :]
+        c2 = b_k * _exp2(b_s - b_gc, FAST_EXP)
+        e2 = _exp2(b_s, FAST_EXP)
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
