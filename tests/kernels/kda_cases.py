@@ -102,9 +102,10 @@ def intra_a(device: str, lens: list[int], H: int, K: int, rows: bool, dtype=torc
     """v3's kernel A alone (the column form, or per row block with ``rows``) against float64: the
     off-diagonal blocks of ``Aqk`` (scale q k^T) and of ``L`` (beta k k^T, parked transposed in Aqk's upper
     blocks), decay-weighted with the gate's -10 clamp, and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
-    from diagonal inverses planted as kernel D would write them. Both scratch matrices start as NaN: the
-    blocks A must not write (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the
-    planted values, every other element must be written; rows past a sequence's end hold zeros."""
+    from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
+    tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
+    (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
+    other element must be written; rows past a sequence's end hold zeros."""
     from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
     from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_offdiag_kernel
 
@@ -157,7 +158,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, rows: bool, dtype=torc
     flags = dict(GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
     kernel, extra = ((kda_intra64_offdiag_rows_kernel, {"FAST_EXP": device != "cpu"}) if rows
                      else (kda_intra64_offdiag_kernel, {"ONE_PASS": True}))
-    kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=precision,
+    solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
+    kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve,
                      num_warps=num_warps, **extra, **flags)
     rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
     assert torch.isnan(aqk[..., diag]).all(), "kernel A wrote into Aqk's diagonal blocks"
