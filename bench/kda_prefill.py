@@ -14,7 +14,7 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
     python bench/kda_prefill.py --parts [--fla] [--configs JSON] [--name kda_prefill_v3_parts]
         v3's launches timed one by one (PART_CONFIGS, or the JSON list), v2 beside them, FLA's chunk_kda
         (anchor style) with --fla; compile first, side by side:
-        for w in 0 1 2 3 4 v3_gated v2 v2_ieee v2_gated_ieee; do
+        for w in 0 1 2 3 v3_gated v2 v2_ieee v2_gated_ieee; do
             python bench/kda_prefill.py --warm $w & done; wait
 
 The anchor-style FLA call leaves q unnormalised (as the anchors ran it), so it computes another function and
@@ -45,12 +45,10 @@ H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]
 V2 = {"version": "v2"}
 # --variants: the default (v3) at other tuning options, whole calls
-VARIANTS = [{"BV": 32}, {"a_one_pass": False}, {"b_block": 64}, {"KS": 16, "a_warps": 4, "d_warps": 1},
-            {"chain_precision": "bf16x2"}]
+VARIANTS = [{"BV": 32}, {"b_block": 64}, {"KS": 16, "d_warps": 1}, {"chain_precision": "bf16x2"}]
 # --parts: v3's launches timed one by one, at the defaults and at options over them ("bf16x2": w and kd as one
 # bf16 each; "ou_bf16": ou in bf16, u as a bf16 pair)
-PART_CONFIGS = [{}, {"a_one_pass": False}, {"b_block": 64}, {"chain_precision": "bf16x2", "ou_bf16": True},
-                {"ou_bf16": True}]
+PART_CONFIGS = [{}, {"b_block": 64}, {"chain_precision": "bf16x2", "ou_bf16": True}, {"ou_bf16": True}]
 WARM = {str(i): cfg for i, cfg in enumerate(PART_CONFIGS)}
 
 

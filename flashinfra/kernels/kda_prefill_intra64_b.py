@@ -18,7 +18,8 @@ products with ``Ai`` and ``Aqk`` mix rows, not columns), except for the q/k L2 n
 head): a first pass over the key blocks accumulates the norms, then [64, BK] and [64, BVB] tiles one block at a
 time beside the chunk's two [64, 64] matrices (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole
 [64, K] tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
-bench/notes/kda_prefill.md, "B at its bytes floor").
+bench/notes/kda_prefill.md, "B at its bytes floor"; nor were the column loops software-pipelined over 2 or 3
+stages, 1.02-1.03 ms: both are in the history before their removal).
 """
 
 from __future__ import annotations
@@ -107,11 +108,9 @@ def kda_intra64_b_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr, STAGES: tl.constexpr = 0,
+    OU_BF16: tl.constexpr,
 ):
-    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time; with
-    ``STAGES`` > 0 the column loops are software-pipelined over that many stages (the next block's loads in
-    flight through shared memory while this one is formed), with 0 unrolled."""
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
     o_b = tl.arange(0, BK)
@@ -119,45 +118,23 @@ def kda_intra64_b_kernel(
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
     wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
     uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
-    if STAGES == 0:
-        # the q/k row norms over all K columns
-        sq_q = tl.zeros([64], dtype=tl.float32)
-        sq_k = tl.zeros([64], dtype=tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
-            b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
-            sq_q += tl.sum(b_x * b_x, 1)
-            b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
-                          other=0.0).to(tl.float32)
-            sq_k += tl.sum(b_x * b_x, 1)
-        r_q = scale / tl.sqrt(sq_q + 1e-6)
-        r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
-        b_b = tl.zeros([64], dtype=tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
-                            wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
-                            LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
-        for vv in tl.static_range(0, V, BVB):
-            _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
-                        OU_BF16)
-    else:
-        # the q/k row norms over all K columns
-        sq_q = tl.zeros([64], dtype=tl.float32)
-        sq_k = tl.zeros([64], dtype=tl.float32)
-        for kk in tl.range(0, K, BK, num_stages=STAGES):
-            p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
-            b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
-            sq_q += tl.sum(b_x * b_x, 1)
-            b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
-                          other=0.0).to(tl.float32)
-            sq_k += tl.sum(b_x * b_x, 1)
-        r_q = scale / tl.sqrt(sq_q + 1e-6)
-        r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
-        b_b = tl.zeros([64], dtype=tl.float32)
-        for kk in tl.range(0, K, BK, num_stages=STAGES):
-            b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
-                            wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
-                            LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
-        for vv in tl.range(0, V, BVB, num_stages=STAGES):
-            _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
-                        OU_BF16)
+    # the q/k row norms over all K columns
+    sq_q = tl.zeros([64], dtype=tl.float32)
+    sq_k = tl.zeros([64], dtype=tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
+        b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
+        sq_q += tl.sum(b_x * b_x, 1)
+        b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        sq_k += tl.sum(b_x * b_x, 1)
+    r_q = scale / tl.sqrt(sq_q + 1e-6)
+    r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
+    b_b = tl.zeros([64], dtype=tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
+                        wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
+                        LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
+    for vv in tl.static_range(0, V, BVB):
+        _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
+                    OU_BF16)

@@ -1,23 +1,29 @@
-"""KDA prefill (v3), kernel A per 16-row block (``a_rows=True``): the off-diagonal blocks of ``Aqk = q k^T``
-and ``L = beta k k^T`` of each 64-token chunk and head, and the merge into ``(I + L)^-1``, with the same outputs
-and layout as ``kda_intra64_offdiag_kernel`` (kda_prefill_intra64_split.py): Aqk's lower blocks, L's blocks
-parked transposed in Aqk's upper blocks, then the same merge with kernel D's diagonal inverses.
+"""KDA prefill (v3), kernel A: per 64-token chunk and head, the off-diagonal blocks of ``Aqk = q k^T`` and
+``L = beta k k^T`` and the merge into the off-diagonal blocks of ``(I + L)^-1``, after kernel D
+(``kda_intra64_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
+Aqk's lower blocks go out, L's blocks are parked transposed in Aqk's unused upper blocks for the merge to read
+back, and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj`` runs column block by column block.
 
-That kernel forms each column block j's products on all 64 rows (rows not below j masked), so its three
-column passes walk twice the rows they need, each with a [64, K slice] exponential and a 64-row cumulative
-sum. Here only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products, against the
-boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of block i - 1):
+Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products over K in slices (of 16 by
+default, ``a_ks``), against the boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of
+block i - 1):
 
 - rows of block i: ``x_r exp(gc_r - b_i)``, the cumulative decay inside block i alone (its own 16-row
   cumulative sum, shared by its q and k);
-- columns of block j: ``k_c exp(ge_j - gc_c)`` against block j's last row (as in the column form), times
-  ``exp(s_m)`` for each block m strictly between j and i (``s_m`` its decay summed over its rows), applied to
-  the column operand as the loop reaches block m.
+- columns of block j: ``k_c exp(ge_j - gc_c)`` against block j's last row ``ge_j``, times ``exp(s_m)`` for
+  each block m strictly between j and i (``s_m`` its decay summed over its rows), applied to the column
+  operand as the loop reaches block m.
 
 Every factor is at most 1 (the per-token log-decay is at most 0), exact for any gate: the product
 ``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. The gate (with its
 -10 clamp, ``load_gate_v3``) is evaluated once per token and K slice, each block's q, k and g loaded once per
-slice; the q/k L2 norms, the scale and beta are row and column factors applied at the store, as there.
+slice; the q/k L2 norms, the scale and beta are row and column factors applied at the store. A [16, 16]
+product on mma.sync runs in every warp of a program, so one program is one warp. On an H200 at T=8192, H=64
+this takes 0.47 ms against 0.89 ms for the column form it replaced (each column block's products on all 64
+rows, masked), which ran twice the instructions. That form (one pass or one per column block) and this one's
+options that lost (a register cap and two warps with slices of 32, measured slower; two pipeline stages, 11%
+more instructions) are in bench/notes/kda_prefill.md ("A per row block") and in the history before the
+commit that removed them (last present at f00b9d7).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import _blk, _blk_t, _chunk_rows, _ld, _merge, load_gate_v3
+from flashinfra.kernels.kda_prefill_intra64_split import _chunk_rows, _ld, load_gate_v3
 
 
 @triton.jit
@@ -143,6 +149,52 @@ def _row_factors(beta, left, i_h, stride_b_t, sq, sk, scale, m: tl.constexpr, BE
 
 
 @triton.jit
+def _mm(a, b, P: tl.constexpr):
+    return tl.dot(a, b, input_precision=P)
+
+
+@triton.jit
+def _blk(p, i: tl.constexpr, j: tl.constexpr, o_r):
+    """Pointers to block (i, j) of a [64, 64] matrix at p."""
+    return p + (16 * i + o_r)[:, None] * 64 + 16 * j + o_r[None, :]
+
+
+@triton.jit
+def _blk_t(p, i: tl.constexpr, j: tl.constexpr, o_r):
+    """Pointers to block (i, j), i > j, of L as the unused block (j, i) of Aqk holds it: transposed."""
+    return p + (16 * j + o_r)[None, :] * 64 + 16 * i + o_r[:, None]
+
+
+@triton.jit
+def _merge(aqk, ai, o_r, SP: tl.constexpr):
+    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses in
+    ``ai`` and L's blocks parked transposed in Aqk's upper blocks (stored before a barrier):
+    ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column block by column block, the sums P_i accumulated as
+    each ``Ai_mj`` is known, so that few blocks are live at once."""
+    ai_m = tl.load(_blk(ai, 0, 0, o_r))
+    p1 = _mm(tl.load(_blk_t(aqk, 1, 0, o_r)), ai_m, SP)
+    p2 = _mm(tl.load(_blk_t(aqk, 2, 0, o_r)), ai_m, SP)
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 0, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 1, 1, o_r)), p1, SP)
+    tl.store(_blk(ai, 1, 0, o_r), ai_m)
+    p2 += _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
+    tl.store(_blk(ai, 2, 0, o_r), ai_m)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
+    tl.store(_blk(ai, 3, 0, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+    ai_m = tl.load(_blk(ai, 1, 1, o_r))
+    p2 = _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
+    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
+    tl.store(_blk(ai, 2, 1, o_r), ai_m)
+    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
+    tl.store(_blk(ai, 3, 1, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+    p3 = _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), tl.load(_blk(ai, 2, 2, o_r)), SP)
+    tl.store(_blk(ai, 3, 2, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
+
+
+@triton.jit
 def _store_pair(aqk, acc_a, acc_l, r_q, r_k, n_c, i: tl.constexpr, j: tl.constexpr):
     """Block (i, j) of Aqk, and of L into Aqk's unused block (j, i), transposed."""
     o_r = tl.arange(0, 16)
@@ -158,8 +210,8 @@ def kda_intra64_offdiag_rows_kernel(
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
-    """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses; the same arguments
-    as kda_intra64_offdiag_kernel but ONE_PASS, and FAST_EXP (``_exp2``)."""
+    """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
+    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K

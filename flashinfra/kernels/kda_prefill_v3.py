@@ -1,6 +1,7 @@
-"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (the in-chunk matrices,
-kda_prefill_intra64_split.py; the per-chunk tiles, kda_prefill_intra64_b.py), then one sequential pass per
-(value block, sequence, head) that carries the state.
+"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (the in-chunk matrices: the diagonal
+blocks, kda_prefill_intra64_split.py, and the off-diagonal ones per 16-row block with the merge into the
+inverse, kda_prefill_intra64_rows.py; the per-chunk tiles, kda_prefill_intra64_b.py), then one sequential pass
+per (value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
 ``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
@@ -34,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashinfra import env
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel, kda_intra64_offdiag_kernel
+from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
@@ -117,20 +118,14 @@ def kda_state64_kernel(
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
-                KS: int = 32, d_warps: int = 2, a_warps: int | None = None, a_stages: int = 1,
-                a_one_pass: bool = True, solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                ou_bf16: bool = False, a_rows: bool = False, b_stages: int = 0, a_ks: int | None = None,
-                a_maxnreg: int | None = None):
+                KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
+                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
-    one): the in-chunk matrices (kda_prefill_intra64_split.py: ``D``, the diagonal 16-token blocks and their
-    inverses, ``d_warps`` warps per program; ``A``, the off-diagonal blocks and the merge per chunk, ``a_warps``
-    warps, its three column passes as one with ``a_one_pass``, or per 16-row block with ``a_rows``,
-    kda_prefill_intra64_rows.py, which ignores ``a_one_pass``; both over K in slices of ``KS``, A's ``a_ks``,
-    with ``a_stages`` pipeline stages, the merge's products in ``solve_precision``, A's registers per thread
-    capped at ``a_maxnreg`` if given; A's warps and slices default to 2 and ``KS``, per row block to 1 and
-    16), the per-chunk tiles
-    (kda_prefill_intra64_b.py: ``B``, column blocks of ``b_block``, ``b_warps`` warps, its column loops
-    software-pipelined over ``b_stages`` stages, 0: unrolled), the state pass.
+    one): the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and their
+    inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``, kda_prefill_intra64_rows.py:
+    the off-diagonal blocks per 16-row block and the merge per chunk, over K in slices of ``a_ks``, one warp,
+    the merge's products in ``solve_precision``), the per-chunk tiles (``B``, kda_prefill_intra64_b.py: column
+    blocks of ``b_block``, ``b_warps`` warps), the state pass.
     ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults
     are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
@@ -139,7 +134,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
-    for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks or KS)):
+    for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages < 2 and not env.triton_interpret():
@@ -176,24 +171,16 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
             *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
-            num_stages=a_stages, **gate_args,
+            num_stages=1, **gate_args,
         )
 
-    # per row block, each [16, 16] product on mma.sync runs in every warp of the program: one warp executes
-    # the fewest instructions (bench/notes/kda_prefill.md, "A per row block")
-    a_opts = dict(KS=min(a_ks or (16 if a_rows else KS), K), num_warps=a_warps or (1 if a_rows else 2),
-                  num_stages=a_stages, **({} if a_maxnreg is None else {"maxnreg": a_maxnreg}))
-
     def intra_offdiag():
-        if a_rows:
-            kda_intra64_offdiag_rows_kernel[(nch, H)](
-                *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-                FAST_EXP=not env.triton_interpret(), **a_opts, **gate_args,
-            )
-            return
-        kda_intra64_offdiag_kernel[(nch, H)](
-            *in_args, H=H, K=K, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, ONE_PASS=a_one_pass,
-            **a_opts, **gate_args,
+        # each [16, 16] product on mma.sync runs in every warp of the program: one warp executes the fewest
+        # instructions (two warps with slices of 32, and a register cap, measured slower; two pipeline stages
+        # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
+        kda_intra64_offdiag_rows_kernel[(nch, H)](
+            *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            FAST_EXP=not env.triton_interpret(), num_warps=1, num_stages=1, **gate_args,
         )
 
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
@@ -206,7 +193,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             q, k, v, g, beta, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            OU_BF16=ou_bf16, STAGES=b_stages, num_warps=b_warps, **lo, **gate_args,
+            OU_BF16=ou_bf16, num_warps=b_warps, **lo, **gate_args,
         )
 
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])

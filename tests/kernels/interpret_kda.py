@@ -46,37 +46,27 @@ def test_prefill_v3_gated(lower_bound):
 @pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay: the far sub-blocks' products matter; B in
     # two column blocks
-    ([1, 100, 37], dict(decay=0.1, b_block=16, b_stages=2)),  # B's column loops pipelined
-    ([63, 5, 0, 129], dict(KS=16, a_warps=4, d_warps=1)),  # two K slices, an empty sequence, a one-token chunk
+    ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # D in two K slices, an empty sequence, a one-token chunk
+    ([63, 5, 0, 129], dict(a_ks=32, decay=0.5)),  # A in one K slice of 32
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
-    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2, b_block=16, b_stages=3)),
-    ([1, 100, 37], dict(gated=True, lower_bound=-5.0, decay=0.5, a_one_pass=False, KS=16)),
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
 ])
 def test_prefill_v3_split(lens, kw):
-    """v3's in-chunk matrices (kda_prefill_intra64_split.py) and tiles (kda_prefill_intra64_b.py) at their
-    options; out_x3 keeps the interpreter's bf16 truncation of qw out of the comparison."""
+    """v3's in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel A per 16-row block, two K slices
+    of 16 here by default, kda_prefill_intra64_rows.py) and tiles (kda_prefill_intra64_b.py) at their options;
+    out_x3 keeps the interpreter's bf16 truncation of qw out of the comparison."""
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
     ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
-    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=1)),
+    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=2)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice
 ])
-def test_prefill_v3_intra_a_rows(lens, kw):
-    """Kernel A per row block alone against float64, scratch poisoned (kda_cases.intra_a)."""
-    cases.intra_a("cpu", lens, H=2, K=32, rows=True, **kw)
-
-
-@pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(decay=0.1)),  # slow decay: the far blocks' products matter
-    ([63, 5, 0, 129], dict(a_ks=32, a_warps=2, decay=0.5)),  # an empty sequence, a one-token chunk
-    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, a_maxnreg=128)),  # without the bound: intra_a_rows
-])
-def test_prefill_v3_a_rows(lens, kw):
-    """The whole op with kernel A per row block (``a_rows``: by default one warp and two K slices of 16 here;
-    one slice of 32 on two warps); out_x3 as in test_prefill_v3_split."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, a_rows=True, **kw)
+def test_prefill_v3_intra_a(lens, kw):
+    """Kernel A alone against float64, scratch poisoned (kda_cases.intra_a)."""
+    cases.intra_a("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -130,7 +120,7 @@ def test_prefill_v3_bad_options():
     with pytest.raises(ValueError, match="b_block must be a power of two"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_block=8)
     with pytest.raises(ValueError, match="a_ks must be a power of two"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", a_rows=True, a_ks=24)
+        kda_prefill.kda_prefill_launch(*args, version="v3", a_ks=24)
     with pytest.raises(ValueError, match="out_x3 needs BV <= 32"):
         kda_prefill.kda_prefill_launch(q, q, torch.randn(70, 1, 64), *args[3:5], torch.zeros(1, 1, 16, 64),
                                        *args[6:], version="v3", out_x3=True, BV=64)

@@ -43,15 +43,13 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
-                                    dict(a_warps=4, b_warps=8), dict(BV=32, num_warps=8)])
+                                    dict(b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
 
 
-@pytest.mark.parametrize("launch", [dict(a_stages=3), dict(a_warps=8), dict(KS=16, a_warps=4, d_warps=1),
-                                    dict(a_one_pass=False), dict(a_one_pass=False, a_warps=4), dict(b_block=64),
-                                    dict(b_block=16), dict(b_warps=2), dict(ou_bf16=True), dict(b_stages=2),
-                                    dict(b_stages=3), dict(b_stages=2, ou_bf16=True)])
+@pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
+                                    dict(b_warps=2), dict(ou_bf16=True)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          **launch)
@@ -59,48 +57,26 @@ def test_prefill_v3_split_variants(launch):
 
 @pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
 def test_prefill_v3_split_real_size(dtype, decay):
-    """v3 (in-chunk matrices in kda_prefill_intra64_split.py); slow decay makes the products between a
-    chunk's far sub-blocks matter."""
+    """v3 (in-chunk matrices in kda_prefill_intra64_split.py and kda_prefill_intra64_rows.py); slow decay
+    makes the products between a chunk's far sub-blocks matter."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
                          decay=decay)
 
 
 @pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
 def test_prefill_v3_split_gated_real_size(lower_bound, decay):
-    cases.prefill_varlen("cuda", [777, 64], H=4, K=128, V=128, dtype=torch.bfloat16, gated=True,
+    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
-def test_prefill_v3_a_rows_real_size(dtype, decay):
-    """v3 with kernel A per 16-row block (``a_rows``, kda_prefill_intra64_rows.py) at its defaults."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         decay=decay, a_rows=True)
-
-
-@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
-def test_prefill_v3_a_rows_gated_real_size(lower_bound, decay):
-    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", decay=decay, a_rows=True)
-
-
-@pytest.mark.parametrize("launch", [dict(a_warps=2), dict(a_ks=32), dict(a_ks=32, a_warps=2), dict(a_maxnreg=128),
-                                    dict(a_maxnreg=168), dict(a_stages=2), dict(solve_precision="tf32")])
-def test_prefill_v3_a_rows_variants(launch):
-    """Every option of A per row block that the benchmark times."""
-    cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
-                         a_rows=True, **launch)
-
-
-@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
                                                                (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
-def test_intra_a_real_size(rows, gated, lower_bound, decay, precision):
-    """Kernel A alone (both forms) against float64 with its scratch poisoned (kda_cases.intra_a): the
-    off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's warps and K slices."""
-    warps, KS = (1, 16) if rows else (2, 32)
-    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, rows=rows, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, KS=KS, num_warps=warps, precision=precision)
+def test_intra_a_real_size(gated, lower_bound, decay, precision):
+    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a): the off-diagonal blocks of
+    Aqk and L and the merged inverse, at the launcher's one warp and K slices of 16."""
+    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+                  lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision)
+
 
 @pytest.mark.parametrize("B", [1, 64, 67])
 def test_decode_real_size(B):
@@ -280,7 +256,7 @@ def test_prefill_v3_x2_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", chain_precision="bf16x2", decay=decay)
 
 
-@pytest.mark.parametrize("launch", [dict(out_x3=True, BV=32), dict(ou_bf16=True), dict(a_one_pass=False)])
+@pytest.mark.parametrize("launch", [dict(out_x3=True, BV=32), dict(ou_bf16=True)])
 def test_prefill_v3_x2_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3",
                          chain_precision="bf16x2", decay=0.3, **launch)
