@@ -10,8 +10,9 @@ from its slot (or zeros for a sequence that starts here) and writes the final st
 
 Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks.
 The in-chunk work runs for all chunks in parallel, in three kernels of short dependent chains (the in-chunk
-matrices with 16-token decay sub-blocks and the WY inverse, kda_prefill_intra64_split.py; the per-chunk
-tiles, kda_prefill_intra64_b.py),
+matrices: the diagonal 16-token blocks and their inverses, kda_prefill_intra64_split.py, the off-diagonal
+blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; the per-chunk tiles,
+kda_prefill_intra64_b.py),
 then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
 three warpgroup products per chunk. Those carry it from chunk to chunk, so rounding there compounds over the
 whole sequence: they run in bf16x3 (three bf16 products on hi/lo splits, about 16 bits of every operand),
