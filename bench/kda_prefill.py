@@ -12,7 +12,8 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
     python bench/kda_prefill.py --parts [--fla] [--configs JSON] [--name kda_prefill_v3_parts]
-        v3's launches timed one by one (PART_CONFIGS, or the JSON list), v2 beside them, FLA's chunk_kda
+        v3's launches timed one by one (PART_CONFIGS, or the JSON list; with {"gate_pass": true} the gate
+        pass is the first part), v2 beside them, FLA's chunk_kda
         (anchor style) with --fla; compile first, side by side:
         for w in 0 1 2 3 v3_gated v2 v2_ieee v2_gated_ieee; do
             python bench/kda_prefill.py --warm $w & done; wait
@@ -247,13 +248,14 @@ def warm(name: str) -> None:
 
 
 def print_parts(res: dict) -> None:
-    print(f"{'case':9s} {'config':44s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} {'total':>7s} "
-          f"{'v2':>7s} {'FLA':>7s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s}")
+    print(f"{'case':9s} {'config':44s} {'gate':>6s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} "
+          f"{'total':>7s} {'v2':>7s} {'FLA':>7s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s}")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
         a_ms = r.get("intra_a_ms", r.get("intra_ms", nan))
-        print(f"{r['case']:9s} {cfg:44s} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} {r.get('intra_b_ms', 0):6.3f} "
+        print(f"{r['case']:9s} {cfg:44s} {r.get('gate_ms', 0):6.3f} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} "
+              f"{r.get('intra_b_ms', 0):6.3f} "
               f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r['v2_ms']:7.3f} "
               f"{r.get('fla_ms', nan):7.3f} "
               f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('state_relerr_vs_ieee', nan):8.2e} "

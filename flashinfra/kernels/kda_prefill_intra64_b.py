@@ -45,15 +45,22 @@ def _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k, b
               stride_q_t, stride_k_t, stride_g_t, stride_b_t,
               K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
               HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr,
-              KD_LO: tl.constexpr):
-    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head); returns beta."""
+              KD_LO: tl.constexpr, GATE_PASS: tl.constexpr):
+    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head, and with GATE_PASS
+    ``g`` and ``beta`` the gate pass's scratch there); returns beta."""
     o_t = tl.arange(0, 64)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
-                            stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-    b_gc = tl.cumsum(b_g, 0)
-    b_gl = tl.sum(b_g, 0)
+    if GATE_PASS:
+        # the chunk-relative sums, their last row the chunk's total (rows past the end repeat the last token's)
+        b_gc = tl.load(g + o_t[:, None] * K + o_k[None, :])
+        b_gl = tl.load(g + 63 * K + o_k)
+        b_b = tl.load(beta + o_t)
+    else:
+        b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
+                                stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+        b_gc = tl.cumsum(b_g, 0)
+        b_gl = tl.sum(b_g, 0)
     tl.store(egl + o_k, tl.exp(b_gl))
     off_k = o_t[:, None] * K + o_k[None, :]
     b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
@@ -108,11 +115,16 @@ def kda_intra64_b_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr,
+    OU_BF16: tl.constexpr, GATE_PASS: tl.constexpr = False,
 ):
-    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time."""
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time. With
+    GATE_PASS, ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py) and the gate arguments
+    are unused."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
+    if GATE_PASS:
+        g += i_ch * (64 * K)
+        beta += i_ch * 64
     o_b = tl.arange(0, BK)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
@@ -134,7 +146,8 @@ def kda_intra64_b_kernel(
     for kk in tl.static_range(0, K, BK):
         b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
                         wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
-                        LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO)
+                        LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO,
+                        GATE_PASS)
     for vv in tl.static_range(0, V, BVB):
         _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
                     OU_BF16)

@@ -48,30 +48,49 @@ def _exp2(x, FAST_EXP: tl.constexpr):
 @triton.jit
 def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, stride_q_t, stride_k_t, stride_g_t,
             stride_b_t, m: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-            HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr):
+            HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr,
+            GATE_PASS: tl.constexpr):
     """Block m's K slice: q (with WITH_Q, else k again), k, the decay's cumulative sum inside the block and
     its last row, the block's total, as a [1, KS] row (rows past the sequence's end hold zeros), both in
     log2 units. The last row is gathered (one shuffle per element) rather than summed again, so that
-    ``total - cumsum`` is exactly 0 on the last row and the column factors stay at most 1."""
+    ``total - cumsum`` is exactly 0 on the last row and the column factors stay at most 1. With GATE_PASS
+    (``g`` the gate pass's scratch at the chunk-head and K slice) both are the chunk-relative sums instead,
+    which ``_row_blocks`` takes relative to the previous block's last row."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
-    b_g, _b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_s, m_k, stride_g_t,
-                           stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+    if GATE_PASS:
+        b_g = tl.load(g + rows[:, None] * K + o_s[None, :])
+    else:
+        b_g, _b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_s, m_k, stride_g_t,
+                               stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
     b_g = b_g * 1.4426950408889634  # log2(e): the exponentials below are powers of two
     b_k = _ld(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
         b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
     else:
         b_q = b_k
-    b_gc = tl.cumsum(b_g, 0)
+    if GATE_PASS:
+        b_gc = b_g
+    else:
+        b_gc = tl.cumsum(b_g, 0)
     return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
+
+
+@triton.jit
+def _rel(x, prev, GATE_PASS: tl.constexpr):
+    """A block's cumulative sum (or its last row) relative to the previous block's last row: already so
+    without GATE_PASS; with it, the difference of the pass's chunk-relative sums (at most 0 as those are)."""
+    if GATE_PASS:
+        return x - prev
+    return x
 
 
 @triton.jit
 def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t,
                 stride_b_t, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr, FAST_EXP: tl.constexpr):
+                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr, FAST_EXP: tl.constexpr,
+                GATE_PASS: tl.constexpr):
     """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
     L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
     in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
@@ -87,28 +106,30 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
         m_k = o_s < KS
         _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, False)
+                                      HAS_LOWER_BOUND, BETA_LOGITS, False, GATE_PASS)
         sk0 += tl.sum(b_k * b_k, 1)
         c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
+        b_p = b_s
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
         sk1 += tl.sum(b_k * b_k, 1)
         sq1 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2(b_gc, FAST_EXP)
+        b_f = _exp2(_rel(b_gc, b_p, GATE_PASS), FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
         c1 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        c0 = c0 * _exp2(b_s, FAST_EXP)
+        c0 = c0 * _exp2(_rel(b_s, b_p, GATE_PASS), FAST_EXP)
+        b_p = b_s
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
         sk2 += tl.sum(b_k * b_k, 1)
         sq2 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2(b_gc, FAST_EXP)
+        b_f = _exp2(_rel(b_gc, b_p, GATE_PASS), FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
         a20 = tl.dot(x_q, t0, a20, input_precision=LP)
@@ -116,16 +137,17 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
         c2 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        e2 = _exp2(b_s, FAST_EXP)
+        e2 = _exp2(_rel(b_s, b_p, GATE_PASS), FAST_EXP)
+        b_p = b_s
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
         b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
                                       stride_q_t, stride_k_t, stride_g_t, stride_b_t, 3, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True)
+                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
         sk3 += tl.sum(b_k * b_k, 1)
         sq3 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2(b_gc, FAST_EXP)
+        b_f = _exp2(_rel(b_gc, b_p, GATE_PASS), FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
         a30 = tl.dot(x_q, t0, a30, input_precision=LP)
@@ -138,13 +160,18 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
 
 
 @triton.jit
-def _row_factors(beta, left, i_h, stride_b_t, sq, sk, scale, m: tl.constexpr, BETA_LOGITS: tl.constexpr):
-    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L."""
+def _row_factors(beta, left, i_h, stride_b_t, sq, sk, scale, m: tl.constexpr, BETA_LOGITS: tl.constexpr,
+                 GATE_PASS: tl.constexpr):
+    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (GATE_PASS: beta from the
+    gate pass's scratch at the chunk-head)."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
-    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if BETA_LOGITS:
-        b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
+    if GATE_PASS:
+        b_b = tl.load(beta + rows)
+    else:
+        b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+        if BETA_LOGITS:
+            b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
     return (scale / tl.sqrt(sq + 1e-6))[:, None], (b_b / tl.sqrt(sk + 1e-6))[:, None]
 
 
@@ -208,31 +235,36 @@ def kda_intra64_offdiag_rows_kernel(
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, GATE_PASS: tl.constexpr = False,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
-    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``."""
+    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``; GATE_PASS:
+    ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py), the gate arguments unused."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    g += r0 * stride_g_t
-    beta += r0 * stride_b_t
+    if GATE_PASS:
+        g += (i_c * H + i_h).to(tl.int64) * (64 * K)
+        beta += (i_c * H + i_h).to(tl.int64) * 64
+    else:
+        g += r0 * stride_g_t
+        beta += r0 * stride_b_t
     aqk += (i_c * H + i_h).to(tl.int64) * 4096
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
         q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION, FAST_EXP)
+        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION, FAST_EXP, GATE_PASS)
     # the column blocks' 1 / |k_c|
     n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
     n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
     n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq1, sk1, scale, 1, BETA_LOGITS)
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq1, sk1, scale, 1, BETA_LOGITS, GATE_PASS)
     _store_pair(aqk, a10, l10, r_q, r_k, n0, 1, 0)
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq2, sk2, scale, 2, BETA_LOGITS)
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq2, sk2, scale, 2, BETA_LOGITS, GATE_PASS)
     _store_pair(aqk, a20, l20, r_q, r_k, n0, 2, 0)
     _store_pair(aqk, a21, l21, r_q, r_k, n1, 2, 1)
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq3, sk3, scale, 3, BETA_LOGITS)
+    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq3, sk3, scale, 3, BETA_LOGITS, GATE_PASS)
     _store_pair(aqk, a30, l30, r_q, r_k, n0, 3, 0)
     _store_pair(aqk, a31, l31, r_q, r_k, n1, 3, 1)
     _store_pair(aqk, a32, l32, r_q, r_k, n2, 3, 2)

@@ -61,15 +61,23 @@ def kda_intra64_diag_kernel(
     stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    GATE_PASS: tl.constexpr = False,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals). With
+    GATE_PASS, ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py: the chunk-relative cumulative
+    log-decay and beta, chunk-major) and the gate arguments are unused."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    g += r0 * stride_g_t
-    beta += r0 * stride_b_t
+    if GATE_PASS:
+        # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
+        g += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
+        beta += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
+    else:
+        g += r0 * stride_g_t
+        beta += r0 * stride_b_t
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
     rows = o_r
@@ -86,17 +94,25 @@ def kda_intra64_diag_kernel(
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
-    b_b = tl.zeros([16], dtype=tl.float32)
+    if GATE_PASS:
+        b_b = tl.load(beta + o_r)
+    else:
+        b_b = tl.zeros([16], dtype=tl.float32)
     for ks in range(K // KS):
         # per-slice scalar bases: a tensor of pointers that does not change over the loop would be hoisted
         # and held (64 bits per element) through it
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        b_g, b_b = load_gate_v3(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, rows, m_t, m_tk, i_h, o_s,
-                              m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-        # differences of the decay inside the block only: the cumulative sum may start at the block
-        b_gc = tl.cumsum(b_g, 0)
-        b_gm = tl.sum(tl.where((o_r == 8)[:, None], b_gc, 0.0), 0)
+        if GATE_PASS:
+            # the pass's sums start at the chunk: their differences are the block's
+            b_gc = tl.load(g + ks * KS + o_r[:, None] * K + o_s[None, :])
+            b_gm = tl.load(g + ks * KS + 8 * K + o_s)
+        else:
+            b_g, b_b = load_gate_v3(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, rows, m_t, m_tk, i_h,
+                                    o_s, m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
+            # differences of the decay inside the block only: the cumulative sum may start at the block
+            b_gc = tl.cumsum(b_g, 0)
+            b_gm = tl.sum(tl.where((o_r == 8)[:, None], b_gc, 0.0), 0)
         b_e = tl.exp(b_gc - b_gm[None, :])
         b_k = _ld(k + ks * KS, rows, m_tk, stride_k_t, o_s) * r_k[:, None]
         b_q = _ld(q + ks * KS, rows, m_tk, stride_q_t, o_s) * r_q[:, None]

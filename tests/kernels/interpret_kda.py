@@ -70,6 +70,33 @@ def test_prefill_v3_intra_a(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 37], dict(decay=0.1)),  # slow decay; a one-token sequence
+    ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # an empty sequence, a one-token chunk; D in two K slices
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
+    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
+])
+def test_prefill_v3_gate_pass(lens, kw):
+    """v3 with the gate pass (kda_prefill_gate.py), kernels D, A and B reading its scratch; out_x3 as in
+    test_prefill_v3_split."""
+    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, gate_pass=True, **kw)
+
+
+@pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 0, 37], dict(K=64)),  # two column blocks (beta from the first); an empty sequence
+    ([21, 130], dict(K=32, gated=True, lower_bound=-5.0, decay=0.5)),
+    ([77, 3], dict(K=32, gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
+])
+def test_gate_pass_scratch(lens, kw):
+    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch)."""
+    cases.gate_scratch("cpu", lens, H=2, **kw)
+
+
+def test_prefill_v3_intra_a_gate_pass():
+    """Kernel A alone reading the gate pass's scratch (gated, no bound, slow decay; one-token chunks)."""
+    cases.intra_a("cpu", [70, 1, 0, 64, 129], H=2, K=32, gated=True, lower_bound=None, decay=0.3, gate_pass=True)
+
+
+@pytest.mark.parametrize("lens,kw", [
     ([1, 100, 37], dict(out_x3=True)),  # w, qw, qw lo, kd: 4 slots
     ([63, 5, 0, 129], dict(decay=0.1)),  # w, qw, kd: 3 slots
     ([21, 130], dict(gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),

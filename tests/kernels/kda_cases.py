@@ -97,15 +97,72 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
     assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"
 
 
+def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=32,
+               num_warps=1):
+    """v3's gate pass (kda_prefill_gate.py) into scratch poisoned with NaN, every element of which it must write;
+    returns the cumulative log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
+    from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
+
+    dev = g_in.device
+    gc = torch.full((nch, H, 64, K), NAN, dtype=torch.float32, device=dev)
+    bc = torch.full((nch, H, 64), NAN, dtype=torch.float32, device=dev)
+    kda_gate_pass_kernel[(nch * (K // BK), H)](
+        g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32, device=dev), idx,
+        gc, bc, g_in.stride(0), b_in.stride(0), H=H, K=K, BK=BK, num_warps=num_warps, GATE_IN_KERNEL=gated,
+        HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
+    assert not torch.isnan(gc).any() and not torch.isnan(bc).any(), "the gate pass left scratch unwritten"
+    return gc, bc
+
+
+def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lower_bound=-5.0, decay=5.0, seed=0,
+                 g_dtype=torch.float32, **launch):
+    """v3's gate pass alone against float64: per chunk and head the log-decay (the gated op's from a raw
+    projection given as a column slice, with or without its bound), clamped at -10 per token and summed from
+    the chunk's first row, rows past the sequence's end repeating its last token's sum, and beta (its sigmoid
+    when gated; zero past the end)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, cu = sum(lens), _cu(lens)
+
+    def rnd(*shape, dt=torch.float32):
+        return torch.randn(*shape, device=device, generator=gen).to(dt)
+
+    if gated:
+        g_in, b_in = rnd(T, H * K + 8, dt=g_dtype)[:, : H * K].view(T, H, K), rnd(T, H)
+        A_log, dt_bias = rnd(H) * 0.3 + math.log(decay / 5.0), rnd(H * K)
+        x, rate = _d(g_in) + _d(dt_bias).view(1, H, K), _d(A_log).exp().view(1, H, 1)
+        g64 = lower_bound * torch.sigmoid(rate * x) if lower_bound is not None else -rate * F.softplus(x)
+        b64 = torch.sigmoid(_d(b_in))
+    else:
+        g_in = (-decay * torch.sigmoid(rnd(T, H, K))).float()
+        b_in = torch.rand(T, H, device=device, generator=gen)
+        A_log = dt_bias = g_in
+        g64, b64 = _d(g_in), _d(b_in)
+    chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
+    idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
+    nch = len(chunks)
+    g64 = g64.clamp(min=-10.0)
+    ref_g = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)
+    ref_b = torch.zeros(nch, H, 64, dtype=torch.float64, device=device)
+    for i, (n, c) in enumerate(chunks):
+        t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
+        gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
+        ref_g[i] = torch.cat([gc, gc[:, -1:].expand(H, 64 - (t1 - t0), K)], 1)
+        ref_b[i, :, : t1 - t0] = b64[t0:t1].transpose(0, 1)
+    gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated, **launch)
+    assert_close("gate pass: cumulative log-decay", gc, ref_g, 1e-5, 1e-4, 1e-5)
+    assert_close("gate pass: beta", bc, ref_b, 1e-6, 1e-6, 1e-5)
+
+
 def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee"):
+            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", gate_pass=False):
     """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
     blocks of ``Aqk`` (scale q k^T) and of ``L`` (beta k k^T, parked transposed in Aqk's upper
     blocks), decay-weighted with the gate's -10 clamp, and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
     from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
     tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
     (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
-    other element must be written; rows past a sequence's end hold zeros."""
+    other element must be written; rows past a sequence's end hold zeros. With ``gate_pass`` A reads the gate
+    pass's scratch (``_gate_pass``) instead of the gate."""
     from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -155,6 +212,10 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     args = (q, k, g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32,
             device=device), idx, aqk, ai, q.stride(0), k.stride(0), g_in.stride(0), b_in.stride(0), K**-0.5)
     flags = dict(GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
+    if gate_pass:
+        gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
+        args = args[:2] + (gc, bc) + args[4:13] + (K, 1) + args[15:]
+        flags = dict(GATE_IN_KERNEL=False, HAS_LOWER_BOUND=False, BETA_LOGITS=False, GATE_PASS=True)
     solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
     kda_intra64_offdiag_rows_kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
                                               SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",

@@ -78,6 +78,36 @@ def test_intra_a_real_size(gated, lower_bound, decay, precision):
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision)
 
 
+@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
+def test_prefill_v3_gate_pass_real_size(dtype, decay):
+    """v3 with the gate pass (kda_prefill_gate.py): D, A and B read its cumulative log-decay and beta."""
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
+                         decay=decay, gate_pass=True)
+
+
+@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
+def test_prefill_v3_gate_pass_gated_real_size(lower_bound, decay):
+    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
+                         lower_bound=lower_bound, version="v3", decay=decay, gate_pass=True)
+
+
+@pytest.mark.parametrize("gated,lower_bound,decay,g_dtype", [(False, -5.0, 5.0, torch.float32),
+                                                             (True, -5.0, 5.0, torch.bfloat16),
+                                                             (True, None, 50.0, torch.bfloat16)])
+def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
+    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch); the last case at the
+    -10 clamp."""
+    cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
+                       decay=decay, g_dtype=g_dtype)
+
+
+@pytest.mark.parametrize("gated,lower_bound,decay", [(False, -5.0, 0.1), (True, None, 0.2)])
+def test_intra_a_gate_pass_real_size(gated, lower_bound, decay):
+    """Kernel A alone reading the gate pass's scratch, tf32 products."""
+    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+                  lower_bound=lower_bound, decay=decay, precision="tf32", gate_pass=True)
+
+
 @pytest.mark.parametrize("B", [1, 64, 67])
 def test_decode_real_size(B):
     cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
