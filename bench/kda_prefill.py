@@ -175,9 +175,10 @@ def time_fla(a: dict, s0: torch.Tensor, iters: int) -> dict:
 
 
 def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -> None:
-    """v3's launches one by one (in-chunk matrices, per-chunk tiles, state pass) and together, per config,
-    with the output's and final state's error against v2 in ieee fp32 (fp32 output), the gated op's error
-    likewise, and v2's total (and FLA's with ``with_fla``) in the same run."""
+    """v3's launches one by one (the gate pass with ``gate_pass``, in-chunk matrices, per-chunk tiles, state
+    pass) and together, per config, with the output's and final state's error against v2 in ieee fp32 (fp32
+    output), the gated op's error likewise and its time (bf16 activations, whole calls), and v2's total (and
+    FLA's with ``with_fla``) in the same run."""
     a = inputs(lens, seed=len(lens) + lens[0])
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
@@ -221,6 +222,11 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
                 gated = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3", **cfg)
                 row["gated_relerr_vs_ieee"] = float((gated - gated_ref).norm() / gated_ref.norm())
                 del gated
+            # the gated op as the model calls it (bf16 activations and raw gate): the gate in every kernel, or
+            # evaluated once by the gate pass
+            row["gated_ms"] = time_eager(lambda: kda_prefill_gated_launch(
+                a["q"], a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB, a["state"],
+                a["cu"], slots, init, version="v3", **cfg), iters=iters, warmup=1) / 1e3
         except Exception as exc:
             row["error"] = repr(exc)[:300]
         res.setdefault("parts", []).append(row)
@@ -236,7 +242,13 @@ def warm(name: str) -> None:
     gated = (a["q"].float(), a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB, a["state"],
              a["cu"], slots, init)
     plain = (a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
-    calls = {n: (lambda cfg=cfg: kda_prefill_launch(a["q"], *plain, version="v3", **cfg)) for n, cfg in WARM.items()}
+
+    def config(cfg):  # the plain op, and the gated op with float32 q (its error) and bf16 q (its time)
+        kda_prefill_launch(a["q"], *plain, version="v3", **cfg)
+        kda_prefill_gated_launch(*gated, version="v3", **cfg)
+        kda_prefill_gated_launch(a["q"], *gated[1:], version="v3", **cfg)
+
+    calls = {n: (lambda cfg=cfg: config(cfg)) for n, cfg in WARM.items()}
     calls |= {"v3_gated": lambda: kda_prefill_gated_launch(*gated, version="v3"),
               "v2": lambda: kda_prefill_launch(a["q"], *plain, version="v2"),
               "v2_ieee": lambda: kda_prefill_launch(a["q"].float(), *plain, chain_precision="ieee",
@@ -249,7 +261,8 @@ def warm(name: str) -> None:
 
 def print_parts(res: dict) -> None:
     print(f"{'case':9s} {'config':44s} {'gate':>6s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} "
-          f"{'total':>7s} {'v2':>7s} {'FLA':>7s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s}")
+          f"{'total':>7s} {'v2':>7s} {'FLA':>7s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s} "
+          f"{'gated ms':>8s}")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
@@ -260,6 +273,7 @@ def print_parts(res: dict) -> None:
               f"{r.get('fla_ms', nan):7.3f} "
               f"{r.get('relerr_vs_ieee', nan):8.2e} {r.get('state_relerr_vs_ieee', nan):8.2e} "
               f"{r['v3_gated_relerr_vs_ieee']:8.2e} {r.get('gated_relerr_vs_ieee', nan):9.2e} "
+              f"{r.get('gated_ms', nan):8.3f} "
               f"{r.get('error', '')[:60]}")
 
 
