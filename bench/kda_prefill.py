@@ -12,8 +12,8 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
     python bench/kda_prefill.py --parts [--fla] [--configs JSON] [--name kda_prefill_v3_parts]
-        v3's launches timed one by one (PART_CONFIGS, or the JSON list; with {"gate_pass": true} the gate
-        pass is the first part), v2 beside them, FLA's chunk_kda
+        v3's launches timed one by one (PART_CONFIGS, or the JSON list; the gate pass is the first part),
+        v2 beside them, FLA's chunk_kda
         (anchor style) with --fla; compile first, side by side:
         for w in 0 1 2 3 v3_gated v2 v2_ieee v2_gated_ieee; do
             python bench/kda_prefill.py --warm $w & done; wait
@@ -175,7 +175,7 @@ def time_fla(a: dict, s0: torch.Tensor, iters: int) -> dict:
 
 
 def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -> None:
-    """v3's launches one by one (the gate pass with ``gate_pass``, in-chunk matrices, per-chunk tiles, state
+    """v3's launches one by one (the gate pass, in-chunk matrices, per-chunk tiles, state
     pass) and together, per config, with the output's and final state's error against v2 in ieee fp32 (fp32
     output), the gated op's error likewise and its time (bf16 activations, whole calls), and v2's total (and
     FLA's with ``with_fla``) in the same run."""
@@ -222,8 +222,7 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
                 gated = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3", **cfg)
                 row["gated_relerr_vs_ieee"] = float((gated - gated_ref).norm() / gated_ref.norm())
                 del gated
-            # the gated op as the model calls it (bf16 activations and raw gate): the gate in every kernel, or
-            # evaluated once by the gate pass
+            # the gated op as the model calls it (bf16 activations and raw gate)
             row["gated_ms"] = time_eager(lambda: kda_prefill_gated_launch(
                 a["q"], a["k"], a["v"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], LB, a["state"],
                 a["cu"], slots, init, version="v3", **cfg), iters=iters, warmup=1) / 1e3

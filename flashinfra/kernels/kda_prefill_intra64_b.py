@@ -20,14 +20,19 @@ time beside the chunk's two [64, 64] matrices (on an H200 at T=8192, H=64 that t
 [64, K] tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
 bench/notes/kda_prefill.md, "B at its bytes floor"; nor were the column loops software-pipelined over 2 or 3
 stages, 1.02-1.03 ms: both are in the history before their removal).
+
+What B reads: q, k and v ([T, H, D] rows, masked past the sequence's end), Aqk and Ai (kernels D and A), and
+the gate pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``,
+the log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per
+key block with ``gl`` its row 63 (the padding rows past a sequence's end exist and repeat its last token's sum,
+so row 63 is always the chunk's total and no load is masked), and ``bc``, beta ([chunks, H, 64], zero past the
+end), once per key block.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from flashinfra.kernels.kda_prefill_intra64_split import load_gate_v3
 
 
 @triton.jit
@@ -41,26 +46,18 @@ def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
 
 
 @triton.jit
-def _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl,
-              stride_q_t, stride_k_t, stride_g_t, stride_b_t,
-              K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-              HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr,
-              KD_LO: tl.constexpr, GATE_PASS: tl.constexpr):
-    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head, and with GATE_PASS
-    ``g`` and ``beta`` the gate pass's scratch there); returns beta."""
+def _key_cols(q, k, gc, bc, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl, stride_q_t, stride_k_t,
+              K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr,
+              Q_LO: tl.constexpr, KD_LO: tl.constexpr):
+    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head, ``gc`` and ``bc``
+    the gate pass's scratch there); returns beta."""
     o_t = tl.arange(0, 64)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    if GATE_PASS:
-        # the chunk-relative sums, their last row the chunk's total (rows past the end repeat the last token's)
-        b_gc = tl.load(g + o_t[:, None] * K + o_k[None, :])
-        b_gl = tl.load(g + 63 * K + o_k)
-        b_b = tl.load(beta + o_t)
-    else:
-        b_g, b_b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k,
-                                stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-        b_gc = tl.cumsum(b_g, 0)
-        b_gl = tl.sum(b_g, 0)
+    # the chunk-relative sums, their last row the chunk's total (rows past the end repeat the last token's)
+    b_gc = tl.load(gc + o_t[:, None] * K + o_k[None, :])
+    b_gl = tl.load(gc + 63 * K + o_k)
+    b_b = tl.load(bc + o_t)
     tl.store(egl + o_k, tl.exp(b_gl))
     off_k = o_t[:, None] * K + o_k[None, :]
     b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
@@ -110,21 +107,17 @@ def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H: tl.constexpr):
 
 @triton.jit
 def kda_intra64_b_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl,
-    stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
+    q, k, v, gc, bc, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl, stride_q_t, stride_k_t, stride_v_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr, GATE_PASS: tl.constexpr = False,
+    OU_BF16: tl.constexpr,
 ):
-    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time. With
-    GATE_PASS, ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py) and the gate arguments
-    are unused."""
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
+    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
-    if GATE_PASS:
-        g += i_ch * (64 * K)
-        beta += i_ch * 64
+    gc += i_ch * (64 * K)
+    bc += i_ch * 64
     o_b = tl.arange(0, BK)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
@@ -144,10 +137,8 @@ def kda_intra64_b_kernel(
     r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
     b_b = tl.zeros([64], dtype=tl.float32)
     for kk in tl.static_range(0, K, BK):
-        b_b = _key_cols(q, k, g, beta, A_log, dt_bias, lower_bound, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k,
-                        wqk, egl + i_ch * K, stride_q_t, stride_k_t, stride_g_t, stride_b_t, K, SQ, SKD,
-                        LOCAL_PRECISION, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, W_LO, Q_LO, KD_LO,
-                        GATE_PASS)
+        b_b = _key_cols(q, k, gc, bc, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k, wqk, egl + i_ch * K,
+                        stride_q_t, stride_k_t, K, SQ, SKD, LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
     for vv in tl.static_range(0, V, BVB):
         _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
                     OU_BF16)

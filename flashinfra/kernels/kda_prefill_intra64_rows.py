@@ -8,22 +8,28 @@ Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] produ
 default, ``a_ks``), against the boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of
 block i - 1):
 
-- rows of block i: ``x_r exp(gc_r - b_i)``, the cumulative decay inside block i alone (its own 16-row
-  cumulative sum, shared by its q and k);
+- rows of block i: ``x_r exp(gc_r - b_i)``, the cumulative decay inside block i alone (shared by its q and k);
 - columns of block j: ``k_c exp(ge_j - gc_c)`` against block j's last row ``ge_j``, times ``exp(s_m)`` for
-  each block m strictly between j and i (``s_m`` its decay summed over its rows), applied to the column
-  operand as the loop reaches block m.
+  each block m strictly between j and i (``s_m`` its decay summed over its rows, its last row minus the
+  previous block's), applied to the column operand as the loop reaches block m.
 
 Every factor is at most 1 (the per-token log-decay is at most 0), exact for any gate: the product
-``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. The gate (with its
--10 clamp, ``load_gate_v3``) is evaluated once per token and K slice, each block's q, k and g loaded once per
-slice; the q/k L2 norms, the scale and beta are row and column factors applied at the store. A [16, 16]
-product on mma.sync runs in every warp of a program, so one program is one warp. On an H200 at T=8192, H=64
-this takes 0.47 ms against 0.89 ms for the column form it replaced (each column block's products on all 64
-rows, masked), which ran twice the instructions. That form (one pass or one per column block) and this one's
-options that lost (a register cap and two warps with slices of 32, measured slower; two pipeline stages, 11%
-more instructions) are in bench/notes/kda_prefill.md ("A per row block") and in the history before the
-commit that removed them (last present at f00b9d7).
+``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. Each block's q, k
+and cumulative decay are loaded once per slice; the q/k L2 norms, the scale and beta are row and column
+factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a program, so one program
+is one warp. On an H200 at T=8192, H=64 this takes 0.47 ms against 0.89 ms for the column form it replaced
+(each column block's products on all 64 rows, masked), which ran twice the instructions. That form (one pass
+or one per column block) and this one's options that lost (a register cap and two warps with slices of 32,
+measured slower; two pipeline stages, 11% more instructions) are in bench/notes/kda_prefill.md ("A per row
+block") and in the history before the commit that removed them (last present at f00b9d7).
+
+What A reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
+(kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's
+cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, unmasked: the padding rows past a
+sequence's end exist and repeat its last token's sum), one [16, KS] tile per block and slice, whose last row
+is gathered from the tile; each block's sums are taken relative to the previous block's last row (``b_i``
+above), so every exponent is a difference of two entries of ``gc``. Beta is ``bc`` ([chunks, H, 64]),
+loaded per row block at the store.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import _chunk_rows, _ld, load_gate_v3
+from flashinfra.kernels.kda_prefill_intra64_split import _chunk_rows, _ld
 
 
 @triton.jit
@@ -46,68 +52,45 @@ def _exp2(x, FAST_EXP: tl.constexpr):
 
 
 @triton.jit
-def _exp2_rows(x, FAST_EXP: tl.constexpr, GATE_PASS: tl.constexpr):
-    """``_exp2`` for the row factors. With GATE_PASS (no scan between the loads and the products) Triton moves
-    the pure chain load -> exponential -> product into the products' operand layout, each of the gate tile, its
-    boundary row, q and k through shared memory (26 barriers per K slice instead of 8, compiled for sm_90);
-    marked not pure, the exponential stays in the load layout and the products go through shared memory as
-    without GATE_PASS."""
-    if FAST_EXP and GATE_PASS:
+def _exp2_rows(x, FAST_EXP: tl.constexpr):
+    """``_exp2`` for the row factors, marked not pure: as a pure chain load -> exponential -> product Triton
+    moves it into the products' operand layout, each of the gate tile, its boundary row, q and k through shared
+    memory (26 barriers per K slice instead of 8, compiled for sm_90); not pure, the exponential stays in the
+    load layout and only the row products go through shared memory."""
+    if FAST_EXP:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=False, pack=1)
     return _exp2(x, FAST_EXP)
 
 
 @triton.jit
-def _blk_in(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, o_s, m_k, stride_q_t, stride_k_t, stride_g_t,
-            stride_b_t, m: tl.constexpr, K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-            HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, WITH_Q: tl.constexpr,
-            GATE_PASS: tl.constexpr):
-    """Block m's K slice: q (with WITH_Q, else k again), k, the decay's cumulative sum inside the block and
-    its last row, the block's total, as a [1, KS] row (rows past the sequence's end hold zeros), both in
-    log2 units. The last row is gathered (one shuffle per element) rather than summed again, so that
-    ``total - cumsum`` is exactly 0 on the last row and the column factors stay at most 1. With GATE_PASS
-    (``g`` the gate pass's scratch at the chunk-head and K slice) both are the chunk-relative sums instead,
-    which ``_row_blocks`` takes relative to the previous block's last row."""
+def _blk_in(q, k, gc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K: tl.constexpr,
+            WITH_Q: tl.constexpr):
+    """Block m's K slice: q (with WITH_Q, else k again), k, the gate pass's chunk-relative cumulative decay
+    (``gc`` at the chunk-head and K slice) on the block's rows and on its last row, as a [1, KS] row, both in
+    log2 units (``_row_blocks`` takes them relative to the previous block's last row). The last row is gathered
+    (one shuffle per element) rather than loaded again, so that ``last - cumsum`` is exactly 0 on the last row
+    and the column factors stay at most 1."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
-    if GATE_PASS:
-        b_g = tl.load(g + rows[:, None] * K + o_s[None, :])
-    else:
-        b_g, _b = load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_s, m_k, stride_g_t,
-                               stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-    b_g = b_g * 1.4426950408889634  # log2(e): the exponentials below are powers of two
+    b_gc = tl.load(gc + rows[:, None] * K + o_s[None, :])
+    b_gc = b_gc * 1.4426950408889634  # log2(e): the exponentials below are powers of two
     b_k = _ld(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
         b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
     else:
         b_q = b_k
-    if GATE_PASS:
-        b_gc = b_g
-    else:
-        b_gc = tl.cumsum(b_g, 0)
     return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
 
 
 @triton.jit
-def _rel(x, prev, GATE_PASS: tl.constexpr):
-    """A block's cumulative sum (or its last row) relative to the previous block's last row: already so
-    without GATE_PASS; with it, the difference of the pass's chunk-relative sums (at most 0 as those are)."""
-    if GATE_PASS:
-        return x - prev
-    return x
-
-
-@triton.jit
-def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t,
-                stride_b_t, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LP: tl.constexpr, FAST_EXP: tl.constexpr,
-                GATE_PASS: tl.constexpr):
+def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.constexpr, LP: tl.constexpr,
+                FAST_EXP: tl.constexpr):
     """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
     L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
     in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
-    ``exp(s_m)`` once block m has used it."""
+    ``exp(s_m)`` once block m has used it (``s_m`` its last row minus the previous block's, at most 0)."""
     o_s = tl.arange(0, KS)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = z, z, z, z, z, z, z, z, z, z, z, z
@@ -115,34 +98,28 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
     sk0, sk1, sk2, sk3, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr
     for ks in range(K // KS):
         # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
-        qs, kk, gs, ds = q + ks * KS, k + ks * KS, g + ks * KS, dt_bias + ks * KS
+        qs, kk, gs = q + ks * KS, k + ks * KS, gc + ks * KS
         m_k = o_s < KS
-        _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
-                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 0, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, False, GATE_PASS)
+        _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 0, K, False)
         sk0 += tl.sum(b_k * b_k, 1)
         c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
         b_p = b_s
         # block 1: rows against c0
-        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
-                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 1, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
+        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 1, K, True)
         sk1 += tl.sum(b_k * b_k, 1)
         sq1 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(_rel(b_gc, b_p, GATE_PASS), FAST_EXP, GATE_PASS)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
         c1 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        c0 = c0 * _exp2(_rel(b_s, b_p, GATE_PASS), FAST_EXP)
+        c0 = c0 * _exp2(b_s - b_p, FAST_EXP)
         b_p = b_s
         # block 2: rows against c0, c1
-        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
-                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 2, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
+        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 2, K, True)
         sk2 += tl.sum(b_k * b_k, 1)
         sq2 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(_rel(b_gc, b_p, GATE_PASS), FAST_EXP, GATE_PASS)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
         a20 = tl.dot(x_q, t0, a20, input_precision=LP)
@@ -150,17 +127,15 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
         c2 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        e2 = _exp2(_rel(b_s, b_p, GATE_PASS), FAST_EXP)
+        e2 = _exp2(b_s - b_p, FAST_EXP)
         b_p = b_s
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
-        b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, beta, A_log, ds, lower_bound, left, i_h, o_s, m_k,
-                                      stride_q_t, stride_k_t, stride_g_t, stride_b_t, 3, K, GATE_IN_KERNEL,
-                                      HAS_LOWER_BOUND, BETA_LOGITS, True, GATE_PASS)
+        b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 3, K, True)
         sk3 += tl.sum(b_k * b_k, 1)
         sq3 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(_rel(b_gc, b_p, GATE_PASS), FAST_EXP, GATE_PASS)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
         a30 = tl.dot(x_q, t0, a30, input_precision=LP)
@@ -173,18 +148,10 @@ def _row_blocks(q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_
 
 
 @triton.jit
-def _row_factors(beta, left, i_h, stride_b_t, sq, sk, scale, m: tl.constexpr, BETA_LOGITS: tl.constexpr,
-                 GATE_PASS: tl.constexpr):
-    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (GATE_PASS: beta from the
-    gate pass's scratch at the chunk-head)."""
-    rows = 16 * m + tl.arange(0, 16)
-    m_t = rows < left
-    if GATE_PASS:
-        b_b = tl.load(beta + rows)
-    else:
-        b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-        if BETA_LOGITS:
-            b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
+def _row_factors(bc, sq, sk, scale, m: tl.constexpr):
+    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (beta from the gate pass's
+    scratch at the chunk-head)."""
+    b_b = tl.load(bc + 16 * m + tl.arange(0, 16))
     return (scale / tl.sqrt(sq + 1e-6))[:, None], (b_b / tl.sqrt(sk + 1e-6))[:, None]
 
 
@@ -244,40 +211,33 @@ def _store_pair(aqk, acc_a, acc_l, r_q, r_k, n_c, i: tl.constexpr, j: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
-    stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
-    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, GATE_PASS: tl.constexpr = False,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
-    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``; GATE_PASS:
-    ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py), the gate arguments unused."""
+    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``; ``gc`` and
+    ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    if GATE_PASS:
-        g += (i_c * H + i_h).to(tl.int64) * (64 * K)
-        beta += (i_c * H + i_h).to(tl.int64) * 64
-    else:
-        g += r0 * stride_g_t
-        beta += r0 * stride_b_t
+    gc += (i_c * H + i_h).to(tl.int64) * (64 * K)
+    bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * 4096
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
-        q, k, g, beta, A_log, dt_bias, lower_bound, left, i_h, stride_q_t, stride_k_t, stride_g_t, stride_b_t,
-        K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, LOCAL_PRECISION, FAST_EXP, GATE_PASS)
+        q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
     # the column blocks' 1 / |k_c|
     n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
     n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
     n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq1, sk1, scale, 1, BETA_LOGITS, GATE_PASS)
+    r_q, r_k = _row_factors(bc, sq1, sk1, scale, 1)
     _store_pair(aqk, a10, l10, r_q, r_k, n0, 1, 0)
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq2, sk2, scale, 2, BETA_LOGITS, GATE_PASS)
+    r_q, r_k = _row_factors(bc, sq2, sk2, scale, 2)
     _store_pair(aqk, a20, l20, r_q, r_k, n0, 2, 0)
     _store_pair(aqk, a21, l21, r_q, r_k, n1, 2, 1)
-    r_q, r_k = _row_factors(beta, left, i_h, stride_b_t, sq3, sk3, scale, 3, BETA_LOGITS, GATE_PASS)
+    r_q, r_k = _row_factors(bc, sq3, sk3, scale, 3)
     _store_pair(aqk, a30, l30, r_q, r_k, n0, 3, 0)
     _store_pair(aqk, a31, l31, r_q, r_k, n1, 3, 1)
     _store_pair(aqk, a32, l32, r_q, r_k, n2, 3, 2)

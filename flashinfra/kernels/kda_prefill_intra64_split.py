@@ -1,5 +1,5 @@
-"""KDA prefill (v3), the in-chunk matrices: per 64-token chunk and head, from the gate (with its lower
-bound), beta and the L2-normalised q and k, the decay-weighted products ``L = beta k k^T`` (strictly lower)
+"""KDA prefill (v3), the in-chunk matrices: per 64-token chunk and head, from the cumulative log-decay, beta
+and the L2-normalised q and k, the decay-weighted products ``L = beta k k^T`` (strictly lower)
 and ``Aqk = q k^T`` (lower, diagonal included) and the WY inverse ``Ai = (I + L)^-1``, written as [chunks, H,
 64, 64] float32 (the blocks above the diagonal are scratch: kernel B, kda_prefill_intra64_b.py, masks them).
 The chunk is split into four 16-token sub-blocks, each product formed against a reference row that keeps
@@ -10,32 +10,27 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
 0.46 + 0.47 ms for the two kernels now). The work goes to two kernels of short chains:
 
 - ``kda_intra64_diag_kernel`` (this module; kernel D), one program per (chunk, 16-token sub-block, head): the
-  diagonal block's ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by
-  ``load_gate_v3``, so the factors stay within ``exp(+-80)``; q and k are normalised first, over K in slices,
+  diagonal block's ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by the
+  gate pass, so the factors stay within ``exp(+-80)``; q and k are normalised first, over K in slices,
   so nothing overflows), and ``(I + L_ii)^-1`` by forward substitution, 15 row steps of float32 vector work
   (the rows of ``L_ii`` go through the inverse's own scratch block and come back one at a time);
 - ``kda_intra64_offdiag_rows_kernel`` (kda_prefill_intra64_rows.py; kernel A), one program per (chunk, head):
   the six off-diagonal block pairs as [16, 16] products, then the merge into ``Ai``'s off-diagonal blocks
   with kernel D's diagonal inverses.
 
-The loads are shared: ``load_gate_v3`` with kernels A and B, ``_chunk_rows`` and ``_ld`` with kernel A.
+What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
+(kda_prefill_gate.py, launched first): ``gc``, the log-decay's cumulative sum from the chunk's first row, and
+``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
+evaluated, clamped and scanned once, in the pass). Per K slice D loads its sub-block's 16 rows of ``gc`` and
+the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
+difference of the two; beta is one [16] load. ``_chunk_rows`` and ``_ld`` are shared with kernel A and the
+pass.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from flashinfra.kernels.kda_gate import load_gate_beta
-
-
-@triton.jit
-def load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
-                 K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                 BETA_LOGITS: tl.constexpr):
-    """``load_gate_beta`` with v3's bound: per-token log-decay at least -10 (exact 16-token sub-blocks)."""
-    return load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
-                          stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
 
 
 @triton.jit
@@ -57,27 +52,19 @@ def _ld(x, rows, m_tk, stride_t, o_k):
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, aqk, ai,
-    stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
-    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    GATE_PASS: tl.constexpr = False,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals). With
-    GATE_PASS, ``g`` and ``beta`` are the gate pass's scratch (kda_prefill_gate.py: the chunk-relative cumulative
-    log-decay and beta, chunk-major) and the gate arguments are unused."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals); ``gc``
+    and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    if GATE_PASS:
-        # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
-        g += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
-        beta += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
-    else:
-        g += r0 * stride_g_t
-        beta += r0 * stride_b_t
+    # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
+    gc += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
+    bc += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
     rows = o_r
@@ -94,25 +81,15 @@ def kda_intra64_diag_kernel(
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
-    if GATE_PASS:
-        b_b = tl.load(beta + o_r)
-    else:
-        b_b = tl.zeros([16], dtype=tl.float32)
+    b_b = tl.load(bc + o_r)
     for ks in range(K // KS):
         # per-slice scalar bases: a tensor of pointers that does not change over the loop would be hoisted
         # and held (64 bits per element) through it
         m_k = o_s < KS
         m_tk = m_t[:, None] & m_k[None, :]
-        if GATE_PASS:
-            # the pass's sums start at the chunk: their differences are the block's
-            b_gc = tl.load(g + ks * KS + o_r[:, None] * K + o_s[None, :])
-            b_gm = tl.load(g + ks * KS + 8 * K + o_s)
-        else:
-            b_g, b_b = load_gate_v3(g + ks * KS, beta, A_log, dt_bias + ks * KS, lower_bound, rows, m_t, m_tk, i_h,
-                                    o_s, m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS)
-            # differences of the decay inside the block only: the cumulative sum may start at the block
-            b_gc = tl.cumsum(b_g, 0)
-            b_gm = tl.sum(tl.where((o_r == 8)[:, None], b_gc, 0.0), 0)
+        # the pass's sums start at the chunk: their differences are the block's
+        b_gc = tl.load(gc + ks * KS + o_r[:, None] * K + o_s[None, :])
+        b_gm = tl.load(gc + ks * KS + 8 * K + o_s)
         b_e = tl.exp(b_gc - b_gm[None, :])
         b_k = _ld(k + ks * KS, rows, m_tk, stride_k_t, o_s) * r_k[:, None]
         b_q = _ld(q + ks * KS, rows, m_tk, stride_q_t, o_s) * r_q[:, None]

@@ -1,7 +1,8 @@
-"""KDA prefill (v3): 64-token chunks, the in-chunk pass in parallel (the in-chunk matrices: the diagonal
-blocks, kda_prefill_intra64_split.py, and the off-diagonal ones per 16-row block with the merge into the
-inverse, kda_prefill_intra64_rows.py; the per-chunk tiles, kda_prefill_intra64_b.py), then one sequential pass
-per (value block, sequence, head) that carries the state.
+"""KDA prefill (v3): 64-token chunks; the gate pass first (kda_prefill_gate.py: the log-decay's chunk-relative
+cumulative sum and beta, once per chunk and head, which the in-chunk kernels read), the in-chunk pass in
+parallel (the in-chunk matrices: the diagonal blocks, kda_prefill_intra64_split.py, and the off-diagonal
+ones per 16-row block with the merge into the inverse, kda_prefill_intra64_rows.py; the per-chunk tiles,
+kda_prefill_intra64_b.py), then one sequential pass per (value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
 ``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
@@ -22,7 +23,7 @@ The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``; ``ou_bf16``: 6 V instead of 8 V.
+``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more.
 """
 
 from __future__ import annotations
@@ -120,17 +121,17 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
-                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False, gate_pass: bool = False):
+                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
-    one): the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and their
-    inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``, kda_prefill_intra64_rows.py:
+    one): the gate pass (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta,
+    once per chunk-head, which D, A and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py:
+    the diagonal 16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per
+    program; ``A``, kda_prefill_intra64_rows.py:
     the off-diagonal blocks per 16-row block and the merge per chunk, over K in slices of ``a_ks``, one warp,
     the merge's products in ``solve_precision``), the per-chunk tiles (``B``, kda_prefill_intra64_b.py: column
     blocks of ``b_block``, ``b_warps`` warps), the state pass.
-    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. ``gate_pass``
-    launches the gate pass first (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum
-    and beta, once per chunk-head) and D, A and B read its scratch instead of evaluating the gate. The defaults
-    are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults are
+    the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -168,30 +169,23 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
-    launches = []
-    g_in, beta_in, strides_gb, read_args = g, beta, (g.stride(0), beta.stride(0)), gate_args
-    if gate_pass:
-        gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
-        bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
-        GBK = min(32, K)
+    gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
+    bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
+    GBK = min(32, K)
 
-        def gate_launch():
-            kda_gate_pass_kernel[(nch * (K // GBK), H)](
-                g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
-                H=H, K=K, BK=GBK, num_warps=1, **gate_args,
-            )
+    def gate_pass():
+        kda_gate_pass_kernel[(nch * (K // GBK), H)](
+            g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
+            H=H, K=K, BK=GBK, num_warps=1, **gate_args,
+        )
 
-        launches.append(("gate", gate_launch))
-        # the readers see a plain gate either way: one compiled reader for the plain and the gated op
-        g_in, beta_in, strides_gb = gc, bc, (K, 1)
-        read_args = dict(GATE_IN_KERNEL=False, HAS_LOWER_BOUND=False, BETA_LOGITS=False, GATE_PASS=True)
-    in_args = (q, k, g_in, beta_in, A_log, dt_bias, lb, cu_t, idx, aqk, ai,
-               q.stride(0), k.stride(0), *strides_gb, K**-0.5)
+    # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
+    in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5)
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
             *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
-            num_stages=1, **read_args,
+            num_stages=1,
         )
 
     def intra_offdiag():
@@ -200,7 +194,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
         kda_intra64_offdiag_rows_kernel[(nch, H)](
             *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            FAST_EXP=not env.triton_interpret(), num_warps=1, num_stages=1, **read_args,
+            FAST_EXP=not env.triton_interpret(), num_warps=1, num_stages=1,
         )
 
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
@@ -210,10 +204,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
-            q, k, v, g_in, beta_in, A_log, dt_bias, lb, cu_t, idx, aqk, ai, wqk, uo, egl,
-            q.stride(0), k.stride(0), v.stride(0), *strides_gb, K**-0.5,
+            q, k, v, gc, bc, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            OU_BF16=ou_bf16, num_warps=b_warps, **lo, **read_args,
+            OU_BF16=ou_bf16, num_warps=b_warps, **lo,
         )
 
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
@@ -227,7 +220,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
-    return launches + [("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b),
+    return [("gate", gate_pass), ("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b),
                        ("state", state_pass)]
 
 

@@ -51,11 +51,14 @@ def test_prefill_v3_gated(lower_bound):
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
+    ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
 ])
 def test_prefill_v3_split(lens, kw):
-    """v3's in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel A per 16-row block, two K slices
-    of 16 here by default, kda_prefill_intra64_rows.py) and tiles (kda_prefill_intra64_b.py) at their options;
-    out_x3 keeps the interpreter's bf16 truncation of qw out of the comparison."""
+    """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
+    A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
+    (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qw out of the
+    comparison."""
     cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, **kw)
 
 
@@ -63,22 +66,12 @@ def test_prefill_v3_split(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=2)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice
+    ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=None, decay=0.3)),  # one-token chunks, gated
 ])
 def test_prefill_v3_intra_a(lens, kw):
-    """Kernel A alone against float64, scratch poisoned (kda_cases.intra_a)."""
+    """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
+    (kda_cases.intra_a)."""
     cases.intra_a("cpu", lens, H=2, K=32, **kw)
-
-
-@pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(decay=0.1)),  # slow decay; a one-token sequence
-    ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # an empty sequence, a one-token chunk; D in two K slices
-    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
-    ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
-])
-def test_prefill_v3_gate_pass(lens, kw):
-    """v3 with the gate pass (kda_prefill_gate.py), kernels D, A and B reading its scratch; out_x3 as in
-    test_prefill_v3_split."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, gate_pass=True, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -89,11 +82,6 @@ def test_prefill_v3_gate_pass(lens, kw):
 def test_gate_pass_scratch(lens, kw):
     """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch)."""
     cases.gate_scratch("cpu", lens, H=2, **kw)
-
-
-def test_prefill_v3_intra_a_gate_pass():
-    """Kernel A alone reading the gate pass's scratch (gated, no bound, slow decay; one-token chunks)."""
-    cases.intra_a("cpu", [70, 1, 0, 64, 129], H=2, K=32, gated=True, lower_bound=None, decay=0.3, gate_pass=True)
 
 
 @pytest.mark.parametrize("lens,kw", [

@@ -154,15 +154,15 @@ def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lowe
 
 
 def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", gate_pass=False):
+            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee"):
     """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
     blocks of ``Aqk`` (scale q k^T) and of ``L`` (beta k k^T, parked transposed in Aqk's upper
     blocks), decay-weighted with the gate's -10 clamp, and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
     from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
     tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
     (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
-    other element must be written; rows past a sequence's end hold zeros. With ``gate_pass`` A reads the gate
-    pass's scratch (``_gate_pass``) instead of the gate."""
+    other element must be written; rows past a sequence's end hold zeros. A reads the gate pass's scratch
+    (``_gate_pass``, itself checked to write every element), as the launcher runs it."""
     from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -209,17 +209,12 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     aqk = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
     ai = torch.where(diag, ref_ai, NAN).float()
     planted = ai.clone()
-    args = (q, k, g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32,
-            device=device), idx, aqk, ai, q.stride(0), k.stride(0), g_in.stride(0), b_in.stride(0), K**-0.5)
-    flags = dict(GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
-    if gate_pass:
-        gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
-        args = args[:2] + (gc, bc) + args[4:13] + (K, 1) + args[15:]
-        flags = dict(GATE_IN_KERNEL=False, HAS_LOWER_BOUND=False, BETA_LOGITS=False, GATE_PASS=True)
+    gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
     solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
-    kda_intra64_offdiag_rows_kernel[(nch, H)](*args, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
-                                              SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
-                                              num_warps=num_warps, **flags)
+    kda_intra64_offdiag_rows_kernel[(nch, H)](
+        q, k, gc, bc, torch.tensor(cu, dtype=torch.int32, device=device), idx, aqk, ai, q.stride(0), k.stride(0),
+        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
+        num_warps=num_warps)
     rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
     assert torch.isnan(aqk[..., diag]).all(), "kernel A wrote into Aqk's diagonal blocks"
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)

@@ -57,8 +57,8 @@ def test_prefill_v3_split_variants(launch):
 
 @pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
 def test_prefill_v3_split_real_size(dtype, decay):
-    """v3 (in-chunk matrices in kda_prefill_intra64_split.py and kda_prefill_intra64_rows.py); slow decay
-    makes the products between a chunk's far sub-blocks matter."""
+    """v3 (the gate pass, kda_prefill_gate.py; in-chunk matrices in kda_prefill_intra64_split.py and
+    kda_prefill_intra64_rows.py); slow decay makes the products between a chunk's far sub-blocks matter."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
                          decay=decay)
 
@@ -72,23 +72,11 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
 @pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
                                                                (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision):
-    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a): the off-diagonal blocks of
-    Aqk and L and the merged inverse, at the launcher's one warp and K slices of 16."""
+    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a), reading the gate pass's
+    scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
+    slices of 16."""
     cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision)
-
-
-@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
-def test_prefill_v3_gate_pass_real_size(dtype, decay):
-    """v3 with the gate pass (kda_prefill_gate.py): D, A and B read its cumulative log-decay and beta."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         decay=decay, gate_pass=True)
-
-
-@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (-0.3, 0.1), (None, 5.0), (None, 0.2)])
-def test_prefill_v3_gate_pass_gated_real_size(lower_bound, decay):
-    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", decay=decay, gate_pass=True)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,g_dtype", [(False, -5.0, 5.0, torch.float32),
@@ -99,13 +87,6 @@ def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
     -10 clamp."""
     cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
                        decay=decay, g_dtype=g_dtype)
-
-
-@pytest.mark.parametrize("gated,lower_bound,decay", [(False, -5.0, 0.1), (True, None, 0.2)])
-def test_intra_a_gate_pass_real_size(gated, lower_bound, decay):
-    """Kernel A alone reading the gate pass's scratch, tf32 products."""
-    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, precision="tf32", gate_pass=True)
 
 
 @pytest.mark.parametrize("B", [1, 64, 67])
