@@ -97,6 +97,23 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
     assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"
 
 
+def _gate_inputs(gen, device: str, T: int, H: int, K: int, gated: bool, lower_bound, decay: float, g_raw=None):
+    """The gate pass's inputs and their float64 values: gated, ``g_raw`` (given) with random A_log, dt_bias and
+    beta logits, the log-decay ``kda_gate_ref``'s; plain, a log-decay in (-decay, 0) and beta in (0, 1). Returns
+    (g_in, b_in, A_log, dt_bias, g64 clamped at -10 per token as the kernels clamp it, b64)."""
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    if gated:
+        b_in, A_log, dt_bias = rnd(T, H), rnd(H) * 0.3 + math.log(decay / 5.0), rnd(H * K)
+        x, rate = _d(g_raw) + _d(dt_bias).view(1, H, K), _d(A_log).exp().view(1, H, 1)
+        g64 = lower_bound * torch.sigmoid(rate * x) if lower_bound is not None else -rate * F.softplus(x)
+        return g_raw, b_in, A_log, dt_bias, g64.clamp(min=-10.0), torch.sigmoid(_d(b_in))
+    g_in = (-decay * torch.sigmoid(rnd(T, H, K))).float()
+    b_in = torch.rand(T, H, device=device, generator=gen)
+    return g_in, b_in, g_in, g_in, _d(g_in).clamp(min=-10.0), _d(b_in)
+
+
 def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=32,
                num_warps=1):
     """v3's gate pass (kda_prefill_gate.py) into scratch poisoned with NaN, every element of which it must write;
@@ -126,21 +143,11 @@ def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lowe
     def rnd(*shape, dt=torch.float32):
         return torch.randn(*shape, device=device, generator=gen).to(dt)
 
-    if gated:
-        g_in, b_in = rnd(T, H * K + 8, dt=g_dtype)[:, : H * K].view(T, H, K), rnd(T, H)
-        A_log, dt_bias = rnd(H) * 0.3 + math.log(decay / 5.0), rnd(H * K)
-        x, rate = _d(g_in) + _d(dt_bias).view(1, H, K), _d(A_log).exp().view(1, H, 1)
-        g64 = lower_bound * torch.sigmoid(rate * x) if lower_bound is not None else -rate * F.softplus(x)
-        b64 = torch.sigmoid(_d(b_in))
-    else:
-        g_in = (-decay * torch.sigmoid(rnd(T, H, K))).float()
-        b_in = torch.rand(T, H, device=device, generator=gen)
-        A_log = dt_bias = g_in
-        g64, b64 = _d(g_in), _d(b_in)
+    g_raw = rnd(T, H * K + 8, dt=g_dtype)[:, : H * K].view(T, H, K) if gated else None
+    g_in, b_in, A_log, dt_bias, g64, b64 = _gate_inputs(gen, device, T, H, K, gated, lower_bound, decay, g_raw)
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
-    g64 = g64.clamp(min=-10.0)
     ref_g = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)
     ref_b = torch.zeros(nch, H, 64, dtype=torch.float64, device=device)
     for i, (n, c) in enumerate(chunks):
@@ -172,23 +179,13 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
         return torch.randn(*shape, device=device, generator=gen).to(dt)
 
     q, k = rnd(T, H, K), rnd(T, H, K)
-    if gated:
-        g_in, b_in = rnd(T, H, K), rnd(T, H)
-        A_log, dt_bias = rnd(H, dt=torch.float32) * 0.3 + math.log(decay / 5.0), rnd(H * K, dt=torch.float32)
-        x, rate = _d(g_in) + _d(dt_bias).view(1, H, K), _d(A_log).exp().view(1, H, 1)
-        g64 = lower_bound * torch.sigmoid(rate * x) if lower_bound is not None else -rate * F.softplus(x)
-        b64 = torch.sigmoid(_d(b_in))
-    else:
-        g_in = (-decay * torch.sigmoid(rnd(T, H, K, dt=torch.float32))).float()
-        b_in = torch.rand(T, H, device=device, generator=gen)
-        A_log = dt_bias = g_in
-        g64, b64 = _d(g_in), _d(b_in)
+    g_in, b_in, A_log, dt_bias, g64, b64 = _gate_inputs(gen, device, T, H, K, gated, lower_bound, decay,
+                                                        rnd(T, H, K) if gated else None)
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
     # the float64 reference per chunk-head: [64, 64] Aqk (lower, diagonal included), L (strictly lower), Ai
     qn, kn = pre.l2norm_ref(_d(q)), pre.l2norm_ref(_d(k))
-    g64 = g64.clamp(min=-10.0)
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
     for i, (n, c) in enumerate(chunks):
