@@ -27,6 +27,13 @@ the log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] fl
 key block with ``gl`` its row 63 (the padding rows past a sequence's end exist and repeat its last token's sum,
 so row 63 is always the chunk's total and no load is masked), and ``bc``, beta ([chunks, H, 64], zero past the
 end), once per key block.
+
+Two options shorten the program's chains (``v3_launches``' ``b_fold`` and ``b_norms``, off by default until a
+GPU times them: bench/notes/kda_prefill.md, "B with shorter chains"): ``FOLD`` forms ``M = Aqk Ai`` once per
+chunk-head (in the merge's precision) so that each column block's two products read the same operand
+(``w = Ai X`` and ``M X`` with ``X = beta k exp(gc)``; ``u = Ai (beta v)`` and ``ou = M (beta v)``) instead of
+the second waiting on the first's result; ``NORMS`` reads the rows' q/k norm factors from kernel D's scratch
+instead of the first pass over q and k.
 """
 
 from __future__ import annotations

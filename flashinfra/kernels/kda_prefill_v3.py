@@ -23,7 +23,7 @@ The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more.
+``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more; ``b_norms`` 512 more.
 """
 
 from __future__ import annotations
