@@ -12,14 +12,20 @@ Per chunk-head (64 rows, K=V=128, L2-normalised q and k, the decay's cumulative 
 with ``X = beta k exp(gc)``, products accumulated exactly, against the same algebra unrounded. Prints each
 form's relative error (mean and largest over the chunk-heads) of qw and ou per decay scale.
 
-    python bench/kda_fold_precision.py [--heads 20]
+    python bench/kda_fold_precision.py [--heads 20]     -> bench/results/kda_fold_precision.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kda_common import header, write_results  # noqa: E402
 
 
 def tf32(x: torch.Tensor) -> torch.Tensor:
@@ -64,10 +70,14 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=20, help="chunk-heads per decay scale")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    res = header() | {"heads": args.heads, "K": 128, "note": "relative error, mean / largest over the chunk-heads",
+                      "rows": []}
     for decay in (0.1, 1.0, 5.0):
         rows = [errors(chunk_head(gen, 128, decay)) for _ in range(args.heads)]
         stats = {key: (sum(r[key] for r in rows) / len(rows), max(r[key] for r in rows)) for key in rows[0]}
+        res["rows"].append({"decay": decay} | {key: {"mean": a, "max": b} for key, (a, b) in stats.items()})
         print(f"decay {decay}: " + ", ".join(f"{key} {a:.2e} / {b:.2e}" for key, (a, b) in stats.items()))
+    write_results("kda_fold_precision", res)
     return 0
 
 
