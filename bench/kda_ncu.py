@@ -12,6 +12,14 @@ occupancy, issue activity, registers, shared memory, and its three largest warp 
     ncu ... -o decode python3 bench/kda_ncu.py decode [--B 64]
     python3 bench/kda_ncu.py summarize prefill.ncu-rep fla.ncu-rep decode.ncu-rep --name kda_ncu [--out DIR]
 
+With ``--metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,
+lts__t_bytes.sum`` instead of the sections, ``summarize`` reports instructions and DRAM / L2 bytes
+(``results/kda_prefill_ncu.json``). With ``--section SourceCounters --import-source yes``, ``lines`` sums each
+kernel's warp stall samples per source line (a load's latency shows on the line that first uses its value;
+``results/kda_prefill_ncu_lines.json``):
+
+    python3 bench/kda_ncu.py lines prefill.ncu-rep --name kda_prefill_ncu_lines [--top 16] [--out DIR]
+
 Shapes as ``bench/kda_prefill.py`` and ``bench/kda_decode.py`` (H=64, K=V=128).
 """
 
@@ -42,12 +50,17 @@ METRICS = {
     "launch__registers_per_thread": "regs",
     "launch__grid_size": "grid",
     "launch__block_size": "block",
+    "smsp__inst_executed.sum": "warp_inst",
+    "dram__bytes_read.sum": "dram_read_MB",
+    "dram__bytes_write.sum": "dram_write_MB",
+    "lts__t_bytes.sum": "l2_bytes_MB",
 }
 STALL = "smsp__average_warps_issue_stalled_"
 # ncu's units -> the columns' (microseconds, GB/s)
-UNITS = {"nsecond": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6,
+UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6,
          "byte/second": 1e-9, "Kbyte/second": 1e-6, "Mbyte/second": 1e-3, "Gbyte/second": 1.0, "Tbyte/second": 1e3,
-         "Kbyte/s": 1e-6, "Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}
+         "Kbyte/s": 1e-6, "Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3,
+         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
 
 def run_profiled(fn) -> None:
@@ -128,9 +141,51 @@ def summarize(args) -> None:
         for k in kernels:
             st = " ".join(f"{n}={v:.1f}" for n, v in k["stalls"].items())
             t = k.get("us", 0.0)
-            k["dram_MB"], k["l2_MB"] = k.get("dram_GBps", 0.0) * t * 1e-3, k.get("l2_GBps", 0.0) * t * 1e-3
+            k["dram_MB"] = (k["dram_read_MB"] + k.get("dram_write_MB", 0.0) if "dram_read_MB" in k
+                            else k.get("dram_GBps", 0.0) * t * 1e-3)
+            k["l2_MB"] = k.get("l2_bytes_MB", k.get("l2_GBps", 0.0) * t * 1e-3)
             print(f"{k['kernel'][:40]:40s} {t:7.1f} {k['dram_MB']:8.0f} {k.get('dram_pct', 0):6.1f} {k['l2_MB']:7.0f} "
                   f"{k.get('occupancy_pct', 0):5.1f} {k.get('issue_pct', 0):6.1f} {k.get('regs', 0):4.0f}  {st}")
+    write_results(args.name, res, args.out)
+
+
+def lines(args) -> None:
+    """Each kernel's warp stall samples summed per source line (``--page source --print-source cuda,sass``:
+    the rows with a line number carry that line's totals), the ``--top`` largest as shares of the kernel's."""
+    from collections import Counter, defaultdict
+
+    from kda_common import header, write_results
+
+    res = header() | {"reports": {}}
+    for rep in args.reports:
+        text = subprocess.run(["ncu", "--import", rep, "--page", "source", "--print-source", "cuda,sass", "--csv"],
+                              check=True, capture_output=True, text=True).stdout
+        path, fn, hdr = "?", "?", None
+        samples, source = defaultdict(Counter), {}
+        for row in csv.reader(io.StringIO(text)):
+            if not row:
+                continue
+            if row[0] in ("File Path", "Function Name"):
+                path, fn = (os.path.basename(row[1]), fn) if row[0] == "File Path" else (path, row[1])
+                continue
+            if row[0] == "Line No":
+                hdr = row.index("Warp Stall Sampling (All Samples)")
+                continue
+            if hdr is None or row[0] in ("-", ""):
+                continue
+            key = f"{path}:{row[0]}"
+            samples[fn][key] += float(row[hdr].replace(",", "") or 0)
+            source[key] = row[1].strip()[:110]
+        kernels = {}
+        for fn, per_line in samples.items():
+            total = sum(per_line.values()) or 1.0
+            kernels[fn] = {"samples": total, "lines": [
+                {"share_pct": 100 * n / total, "line": key, "source": source[key]}
+                for key, n in per_line.most_common(args.top)]}
+            print(f"== {fn}: {total:.0f} samples")
+            for r in kernels[fn]["lines"]:
+                print(f"  {r['share_pct']:5.1f}%  {r['line']:34s} {r['source']}")
+        res["reports"][os.path.basename(rep)] = kernels
     write_results(args.name, res, args.out)
 
 
@@ -148,8 +203,13 @@ def main() -> int:
     p.add_argument("reports", nargs="+")
     p.add_argument("--name", default="kda_ncu")
     p.add_argument("--out")
+    p = sub.add_parser("lines")
+    p.add_argument("reports", nargs="+")
+    p.add_argument("--name", default="kda_ncu_lines")
+    p.add_argument("--top", type=int, default=16)
+    p.add_argument("--out")
     args = ap.parse_args()
-    {"prefill": prefill, "fla": fla, "decode": decode, "summarize": summarize}[args.what](args)
+    {"prefill": prefill, "fla": fla, "decode": decode, "summarize": summarize, "lines": lines}[args.what](args)
     return 0
 
 
