@@ -78,7 +78,7 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         # bf16 hi + lo pairs keep about 16 bits (the interpreter rounds to bf16 by truncation)
         rel, atol, rtol = max(rel, 1e-4), max(atol, 1e-4), max(rtol, 1e-3)
         state_tol = (1e-4, 2e-4, 2e-3)
-    if v3 and launch.get("chain_precision") == "bf16x2":
+    if v3 and launch.get("chain_precision", pre.V3_CHAIN) == "bf16x2":
         # w and kd rounded once to bf16 (8 bits; truncated by the interpreter): an input rounding
         rel, atol, rtol = max(rel, 4e-3), max(atol, 1e-2), max(rtol, 1e-2)
         state_tol = (5e-3, 1e-2, 1e-2)
