@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.varlen import cached_ints, chunk_tables
 
 
 def causal_conv1d_prefill_ref(
@@ -157,12 +158,7 @@ def _output(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 def _as_index_tensor(values, device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=torch.int32)
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
-
-
-def chunk_indices(cu_seqlens: list[int], chunk: int) -> list[tuple[int, int]]:
-    """``(sequence, chunk)`` for every chunk of ``chunk`` tokens of every sequence."""
-    return [(n, i) for n in range(len(cu_seqlens) - 1) for i in range(triton.cdiv(cu_seqlens[n + 1] - cu_seqlens[n], chunk))]
+    return cached_ints(values, device)  # no stream sync (varlen.py)
 
 
 def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state,
@@ -175,15 +171,14 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
     if len(state_slots) != B or len(has_initial_state) != B:
         raise ValueError("causal_conv1d_prefill: need one state slot and one has_initial_state per sequence")
     y = _output(out, x)
-    chunks = chunk_indices(cu, BT)
-    if not chunks:
-        return y
     dev = x.device
+    idx_t, _, nch = chunk_tables(cu, BT, dev)
+    if not nch:
+        return y
     cu_t = _as_index_tensor(cu, dev)
     slots_t = _as_index_tensor(state_slots, dev)
     init_t = _as_index_tensor([bool(h) for h in has_initial_state] if not isinstance(has_initial_state, torch.Tensor) else has_initial_state, dev)
-    idx_t = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
-    causal_conv1d_prefill_kernel[(triton.cdiv(C, BC), len(chunks))](
+    causal_conv1d_prefill_kernel[(triton.cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
     )
     causal_conv1d_state_kernel[(triton.cdiv(C, BC), B)](

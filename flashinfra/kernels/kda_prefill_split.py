@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda_gate import load_gate_beta
+from flashinfra.kernels.varlen import chunk_tables
 
 
 @triton.jit
@@ -128,23 +129,17 @@ def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, 
     the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
     T, H, K = q.shape
     V = v.shape[-1]
-    chunks = [(n, i) for n in range(len(cu) - 1) for i in range(triton.cdiv(cu[n + 1] - cu[n], BT))]
-    offsets, total = [], 0
-    for n in range(len(cu) - 1):
-        offsets.append(total)
-        total += triton.cdiv(cu[n + 1] - cu[n], BT)
-    if not chunks:
+    idx, offsets_t, nch = chunk_tables(cu, BT, q.device)
+    if not nch:
         return o
     dev = q.device
-    idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
-    offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
     w, qg, kd = (torch.empty(T, H, K, dtype=torch.float32, device=dev) for _ in range(3))
     u = torch.empty(T, H, V, dtype=torch.float32, device=dev)
     aqk = torch.empty(T, H, BT, dtype=torch.float32, device=dev)
-    egl = torch.empty(len(chunks), H, K, dtype=torch.float32, device=dev)
+    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     BK = max(triton.next_power_of_2(K), 16)
-    kda_chunk_prep_kernel[(len(chunks), H)](
+    kda_chunk_prep_kernel[(nch, H)](
         q, k, v, g, beta, A_log, dt_bias, float(lower_bound) if lower_bound is not None else 0.0, cu_t, idx,
         w, u, qg, kd, aqk, egl,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,

@@ -1,0 +1,66 @@
+"""The per-batch index tensors of the variable-length kernels (causal conv, KDA prefill): built on the host
+from the batch's ``cu_seqlens``, state slots and flags, copied to the device without synchronising the
+stream, and kept for the next call with the same batch, so that the KDA layers of one forward (34 in
+GLM-5.3-Flash, the same batch each) build them once.
+
+Why not ``torch.tensor(values, device="cuda")``: a copy from pageable host memory waits for every kernel
+queued before it on the stream, so each such copy stalls the host until the GPU has drained, and the GPU then
+idles while the host prepares the next launches. Here the values go through pinned host memory and the
+copy is queued on the current stream like a kernel (the caching host allocator keeps the pinned buffer until
+the copy has run). The cache is keyed by the values, the device and the current stream (a tensor made on one
+stream is only known to be ready on that stream); the tensors it returns are read-only by contract.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+
+
+def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as an int32 tensor on ``device``, copied asynchronously to a CUDA device."""
+    t = torch.tensor(list(values), dtype=torch.int32)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def chunk_list(cu_seqlens: Sequence[int], chunk: int) -> list[tuple[int, int]]:
+    """``(sequence, chunk)`` for every chunk of ``chunk`` tokens of every sequence, in order."""
+    return [(n, i) for n in range(len(cu_seqlens) - 1)
+            for i in range(triton.cdiv(cu_seqlens[n + 1] - cu_seqlens[n], chunk))]
+
+
+def _stream_key(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(kind: str, values: tuple, chunk: int, device: torch.device, stream: int):
+    if kind == "ints":
+        return device_ints(values, device)
+    chunks = chunk_list(values, chunk)
+    offsets = [0]
+    for n in range(len(values) - 2):
+        offsets.append(offsets[-1] + triton.cdiv(values[n + 1] - values[n], chunk))
+    flat = [x for pair in chunks for x in pair]
+    both = device_ints(flat + offsets[: len(values) - 1], device)
+    return both[: len(flat)], both[len(flat):], len(chunks)
+
+
+def cached_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``device_ints``, made once per distinct ``values`` (and device and stream); read-only."""
+    device = torch.device(device)
+    return _cached("ints", tuple(int(v) for v in values), 0, device, _stream_key(device))
+
+
+def chunk_tables(cu_seqlens: Sequence[int], chunk: int, device: torch.device | str):
+    """``(chunk_indices, chunk_offsets, num_chunks)`` on ``device``: ``chunk_indices`` int32 [2 * num_chunks],
+    the ``(sequence, chunk)`` pairs of ``chunk_list`` flattened; ``chunk_offsets`` int32 [sequences], each
+    sequence's first chunk. One copy, cached like ``cached_ints``; read-only."""
+    device = torch.device(device)
+    return _cached("chunks", tuple(int(c) for c in cu_seqlens), chunk, device, _stream_key(device))
