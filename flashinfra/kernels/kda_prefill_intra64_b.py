@@ -27,13 +27,6 @@ the log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] fl
 key block with ``gl`` its row 63 (the padding rows past a sequence's end exist and repeat its last token's sum,
 so row 63 is always the chunk's total and no load is masked), and ``bc``, beta ([chunks, H, 64], zero past the
 end), once per key block.
-
-Two options shorten the program's chains (``v3_launches``' ``b_fold`` and ``b_norms``, off by default until a
-GPU times them: bench/notes/kda_prefill.md, "B with shorter chains"): ``FOLD`` forms ``M = Aqk Ai`` once per
-chunk-head (in the merge's precision) so that each column block's two products read the same operand
-(``w = Ai X`` and ``M X`` with ``X = beta k exp(gc)``; ``u = Ai (beta v)`` and ``ou = M (beta v)``) instead of
-the second waiting on the first's result; ``NORMS`` reads the rows' q/k norm factors from kernel D's scratch
-instead of the first pass over q and k.
 """
 
 from __future__ import annotations
@@ -55,9 +48,9 @@ def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
 @triton.jit
 def _key_cols(q, k, gc, bc, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl, stride_q_t, stride_k_t,
               K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr,
-              Q_LO: tl.constexpr, KD_LO: tl.constexpr, FOLD: tl.constexpr):
+              Q_LO: tl.constexpr, KD_LO: tl.constexpr):
     """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head, ``gc`` and ``bc``
-    the gate pass's scratch there; ``b_aqk`` is M = Aqk Ai with FOLD); returns beta."""
+    the gate pass's scratch there); returns beta."""
     o_t = tl.arange(0, 64)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -72,34 +65,23 @@ def _key_cols(q, k, gc, bc, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl
     _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
     b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
     # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
-    if FOLD:
-        # b_aqk is M = Aqk Ai: qw = q exp(gc) - M X, both products read X and neither waits on the other; qw's
-        # first, so that q's tile is not held through w's (160 registers instead of 186 for sm_90)
-        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
-                      other=0.0).to(tl.float32) * r_q[:, None]
-        _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_x, input_precision=LP), Q_LO, 64 * K)
-        _store_bf16(wqk + off_k, tl.dot(b_ai, b_x, input_precision=LP), W_LO, 64 * K)
-    else:
-        b_w = tl.dot(b_ai, b_x, input_precision=LP)
-        _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
-        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
-                      other=0.0).to(tl.float32) * r_q[:, None]
-        _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
+    b_w = tl.dot(b_ai, b_x, input_precision=LP)
+    _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
+    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
+                  other=0.0).to(tl.float32) * r_q[:, None]
+    _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
     return b_b
 
 
 @triton.jit
 def _value_cols(v, rows, m_t, i_h, o_f, b_ai, b_aqk, b_b, uo, stride_v_t, V: tl.constexpr, LP: tl.constexpr,
-                OU_BF16: tl.constexpr, FOLD: tl.constexpr):
-    """u and ou for the value columns o_f (``uo`` at the chunk-head; ``b_aqk`` is M = Aqk Ai with FOLD)."""
+                OU_BF16: tl.constexpr):
+    """u and ou for the value columns o_f (``uo`` at the chunk-head)."""
     off_v = tl.arange(0, 64)[:, None] * V + o_f[None, :]
     b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
     b_bv = b_v.to(tl.float32) * b_b[:, None]
     b_u = tl.dot(b_ai, b_bv, input_precision=LP)
-    if FOLD:
-        b_ou = tl.dot(b_aqk, b_bv, input_precision=LP)
-    else:
-        b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
+    b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
     if OU_BF16:
         # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
         _store_bf16(uo + off_v, b_u, True, 64 * V)
@@ -127,19 +109,15 @@ def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H: tl.constexpr):
 
 @triton.jit
 def kda_intra64_b_kernel(
-    q, k, v, gc, bc, norms, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl, stride_q_t, stride_k_t, stride_v_t,
-    scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
+    q, k, v, gc, bc, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl, stride_q_t, stride_k_t, stride_v_t, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr, FOLD: tl.constexpr, NORMS: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+    OU_BF16: tl.constexpr,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
-    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py). FOLD: ``M = Aqk Ai`` formed once in
-    SOLVE_PRECISION, and ``qw = q exp(gc) - M X``, ``ou = M (beta v)``; NORMS: the rows' ``scale / |q|`` and
-    ``1 / |k|`` read from kernel D's ``norms`` [chunks, H, 2, 64] instead of a pass over q and k."""
+    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai, b_aqk = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, aqk, ai, H)
-    if FOLD:
-        b_aqk = tl.dot(b_aqk, b_ai, input_precision=SOLVE_PRECISION)
     gc += i_ch * (64 * K)
     bc += i_ch * 64
     o_b = tl.arange(0, BK)
@@ -147,26 +125,22 @@ def kda_intra64_b_kernel(
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
     wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
     uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
-    if NORMS:
-        r_q = tl.load(norms + i_ch * 128 + tl.arange(0, 64))
-        r_k = tl.load(norms + i_ch * 128 + 64 + tl.arange(0, 64))
-    else:
-        # the q/k row norms over all K columns
-        sq_q = tl.zeros([64], dtype=tl.float32)
-        sq_k = tl.zeros([64], dtype=tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
-            b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
-            sq_q += tl.sum(b_x * b_x, 1)
-            b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
-                          other=0.0).to(tl.float32)
-            sq_k += tl.sum(b_x * b_x, 1)
-        r_q = scale / tl.sqrt(sq_q + 1e-6)
-        r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
+    # the q/k row norms over all K columns
+    sq_q = tl.zeros([64], dtype=tl.float32)
+    sq_k = tl.zeros([64], dtype=tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
+        b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
+        sq_q += tl.sum(b_x * b_x, 1)
+        b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        sq_k += tl.sum(b_x * b_x, 1)
+    r_q = scale / tl.sqrt(sq_q + 1e-6)
+    r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
     b_b = tl.zeros([64], dtype=tl.float32)
     for kk in tl.static_range(0, K, BK):
         b_b = _key_cols(q, k, gc, bc, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k, wqk, egl + i_ch * K,
-                        stride_q_t, stride_k_t, K, SQ, SKD, LOCAL_PRECISION, W_LO, Q_LO, KD_LO, FOLD)
+                        stride_q_t, stride_k_t, K, SQ, SKD, LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
     for vv in tl.static_range(0, V, BVB):
         _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
-                    OU_BF16, FOLD)
+                    OU_BF16)

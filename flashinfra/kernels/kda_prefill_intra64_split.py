@@ -52,13 +52,11 @@ def _ld(x, rows, m_tk, stride_t, o_k):
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale, norms,
-    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, NORMS: tl.constexpr,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals); ``gc``
-    and ``bc`` are the gate pass's scratch (kda_prefill_gate.py). With NORMS also the rows' ``scale / |q|``
-    and ``1 / |k|`` into ``norms`` [chunks, H, 2, 64] (kernel B's ``NORMS`` reads them instead of a pass of
-    its own over q and k)."""
+    and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -81,10 +79,6 @@ def kda_intra64_diag_kernel(
         ssq_k += tl.sum(b_k * b_k, 1)
     r_q = scale / tl.sqrt(ssq_q + 1e-6)
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    if NORMS:
-        p_n = norms + (i_c * H + i_h).to(tl.int64) * 128 + i_b * 16 + o_r
-        tl.store(p_n, r_q)
-        tl.store(p_n + 64, r_k)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
     b_b = tl.load(bc + o_r)

@@ -23,7 +23,7 @@ The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more; ``b_norms`` 512 more.
+``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more.
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
-                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False, b_fold: bool = False,
-                b_norms: bool = False):
+                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the gate pass (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta,
     once per chunk-head, which D, A and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py:
@@ -131,12 +130,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     the off-diagonal blocks per 16-row block and the merge per chunk, over K in slices of ``a_ks``, one warp,
     the merge's products in ``solve_precision``), the per-chunk tiles (``B``, kda_prefill_intra64_b.py: column
     blocks of ``b_block``, ``b_warps`` warps), the state pass.
-    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. ``b_fold``: B
-    forms ``M = Aqk Ai`` once per chunk-head (in ``solve_precision``) and each column block's two products
-    read the same operand (``qw = q exp(gc) - M X``, ``ou = M (beta v)``), none waiting on the other's result;
-    ``b_norms``: D writes the rows' q/k norm factors ([chunks, H, 2, 64] float32) and B reads them instead of
-    a pass over q and k (bench/notes/kda_prefill.md, "B with shorter chains"). The defaults are the fastest
-    measured on an H200 (bench/notes/kda_prefill.md)."""
+    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults are
+    the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -177,8 +172,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
     GBK = min(32, K)
-    # D's q/k norm factors for B (b_norms); otherwise a placeholder argument neither kernel reads
-    norms = torch.empty(nch, H, 2, 64, dtype=torch.float32, device=dev) if b_norms else bc
 
     def gate_pass():
         kda_gate_pass_kernel[(nch * (K // GBK), H)](
@@ -191,8 +184,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            *in_args, norms, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, NORMS=b_norms,
-            num_warps=d_warps, num_stages=1,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
+            num_stages=1,
         )
 
     def intra_offdiag():
@@ -211,9 +204,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
-            q, k, v, gc, bc, norms, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0),
-            K**-0.5, H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            OU_BF16=ou_bf16, FOLD=b_fold, NORMS=b_norms, SOLVE_PRECISION=solve, num_warps=b_warps, **lo,
+            q, k, v, gc, bc, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
+            OU_BF16=ou_bf16, num_warps=b_warps, **lo,
         )
 
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])

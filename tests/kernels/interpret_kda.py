@@ -63,25 +63,6 @@ def test_prefill_v3_split(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(b_fold=True, decay=0.1)),  # slow decay: M's far blocks matter; a one-token sequence
-    ([63, 5, 0, 129], dict(b_norms=True, KS=16)),  # an empty sequence, a one-token chunk; D's norms over two
-    # K slices
-    ([21, 130], dict(b_fold=True, b_norms=True, gated=True, lower_bound=-5.0, decay=0.5)),
-    ([77, 3], dict(b_fold=True, b_norms=True, gated=True, lower_bound=None, decay=0.2, b_block=16)),
-])
-def test_prefill_v3_b_chains(lens, kw):
-    """Kernel B with shorter chains: ``b_fold`` (M = Aqk Ai once per chunk-head, every column block's products
-    on its own operand) and ``b_norms`` (the q/k norm factors from kernel D), alone and together, at the
-    tolerances of the default path."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, **kw)
-
-
-def test_d_norms_scratch():
-    """Kernel D's norm factors alone against float64, their scratch poisoned (kda_cases.d_norms)."""
-    cases.d_norms("cpu", [1, 100, 0, 37, 64], H=2, K=32)
-
-
-@pytest.mark.parametrize("lens,kw", [
     ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=2)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice

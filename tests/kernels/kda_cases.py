@@ -359,33 +359,3 @@ def tiny_model_greedy_same(tmp_path, monkeypatch, device: str, steps: int = 8):
     assert fast == ref
     for a, b in zip(fast_logits, ref_logits):
         assert float((a - b).norm() / b.norm()) < 1e-2
-
-
-def d_norms(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, seed=0, KS=16, num_warps=2):
-    """Kernel D's q/k norm factors (``NORMS``, read by kernel B with ``b_norms``) against float64: every element
-    of the NaN-poisoned [chunks, H, 2, 64] scratch, ``scale / |q_r|`` and ``1 / |k_r|`` (rows past a sequence's
-    end are zero rows: ``1 / sqrt(1e-6)``, times the scale for q)."""
-    from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    T, cu = sum(lens), _cu(lens)
-    q, k = (torch.randn(T, H, K, device=device, generator=gen).to(dtype) for _ in range(2))
-    g_in, b_in, A_log, dt_bias, _g, _b = _gate_inputs(gen, device, T, H, K, False, None, 1.0)
-    chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
-    idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
-    nch = len(chunks)
-    gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, None, cu, idx, nch, H, K, False)
-    ref = torch.zeros(nch, H, 2, 64, dtype=torch.float64, device=device)
-    for i, (n, c) in enumerate(chunks):
-        t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
-        for j, (x, s) in enumerate(((q, K**-0.5), (k, 1.0))):
-            x64 = torch.zeros(64, H, K, dtype=torch.float64, device=device)
-            x64[: t1 - t0] = _d(x[t0:t1])
-            ref[i, :, j] = (s / torch.sqrt((x64 * x64).sum(-1) + 1e-6)).transpose(0, 1)
-    norms = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
-    aqk, ai = (torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device) for _ in range(2))
-    kda_intra64_diag_kernel[(nch * 4, H)](
-        q, k, gc, bc, torch.tensor(cu, dtype=torch.int32, device=device), idx, aqk, ai, q.stride(0), k.stride(0),
-        K**-0.5, norms, H=H, K=K, KS=KS, LOCAL_PRECISION="ieee", NORMS=True, num_warps=num_warps)
-    assert not torch.isnan(norms).any(), "kernel D left norm factors unwritten"
-    assert_close("D's norm factors", norms, ref, 1e-6, 1e-6, 1e-5)

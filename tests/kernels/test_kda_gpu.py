@@ -69,31 +69,6 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-B_CHAINS = [dict(b_fold=True), dict(b_norms=True), dict(b_fold=True, b_norms=True)]
-B_CHAIN_IDS = ["b_fold", "b_norms", "b_fold_b_norms"]  # so that -k "b_fold or b_norms" selects them
-
-
-@pytest.mark.parametrize("chains", B_CHAINS, ids=B_CHAIN_IDS)
-@pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
-def test_prefill_v3_b_chains_real_size(dtype, decay, chains):
-    """Kernel B with shorter chains (``b_fold``: M = Aqk Ai in tf32x3 once per chunk-head; ``b_norms``: the
-    q/k norm factors from kernel D), each alone and both, at the default path's tolerances."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         decay=decay, **chains)
-
-
-@pytest.mark.parametrize("chains", B_CHAINS, ids=B_CHAIN_IDS)
-@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (None, 0.2)])
-def test_prefill_v3_b_chains_gated_real_size(lower_bound, decay, chains):
-    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", decay=decay, **chains)
-
-
-def test_d_norms_for_b_norms_real_size():
-    """Kernel D's norm factors (b_norms) alone, their scratch poisoned, at the launcher's K slices of 32."""
-    cases.d_norms("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, KS=32)
-
-
 @pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
                                                                (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision):
