@@ -38,6 +38,7 @@ from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
+from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
@@ -148,16 +149,10 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     if out_x3 and BV > 32:
         # qw's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
         raise ValueError(f"kda_prefill v3: out_x3 needs BV <= 32 (the state pass's shared memory), got BV={BV}")
-    chunks, offsets = [], []
-    for n in range(len(cu) - 1):
-        offsets.append(len(chunks))
-        chunks.extend((n, i) for i in range(triton.cdiv(cu[n + 1] - cu[n], 64)))
-    if not chunks:
-        return []
     dev = q.device
-    idx = torch.tensor(chunks, dtype=torch.int32, device=dev).view(-1)
-    offsets_t = torch.tensor(offsets, dtype=torch.int32, device=dev)
-    nch = len(chunks)
+    idx, offsets_t, nch = chunk_tables(cu, 64, dev)  # cached per batch, no stream sync (varlen.py)
+    if not nch:
+        return []
     # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it
     chain = CHAIN_PRODUCTS[chain_precision]
     lo = {"W_LO": int(chain == 3), "Q_LO": int(out_x3), "KD_LO": int(chain == 3)}
