@@ -49,8 +49,8 @@ V2 = {"version": "v2"}
 # --variants: the default (v3) at other tuning options, whole calls
 VARIANTS = [{"BV": 32}, {"b_block": 64}, {"KS": 16, "d_warps": 1}, {"chain_precision": "bf16x3"}]
 # --parts: v3's launches timed one by one, at the defaults and at options over them ("bf16x3": w and kd as bf16
-# pairs; "ou_bf16": ou in bf16, u as a bf16 pair, which leaves shared memory for 3 stages of the state pass)
-PART_CONFIGS = [{}, {"chain_precision": "bf16x3"}, {"ou_bf16": True, "num_stages": 3}]
+# pairs; 3 pipeline stages of the state pass's tiles, which fit its shared memory at the bf16x2 chain)
+PART_CONFIGS = [{}, {"chain_precision": "bf16x3"}, {"num_stages": 3}]
 WARM = {str(i): cfg for i, cfg in enumerate(PART_CONFIGS)}
 
 

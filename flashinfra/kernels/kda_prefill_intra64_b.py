@@ -7,8 +7,8 @@ reads as whole tiles (rows past the end of a sequence are zeros):
   each rounded to bf16 and, where the state pass's chain needs it, followed by its lo half (hi + lo within
   2^-17 of the float32 value): 3 slots for the bf16x2 and bf16 chains, 5 for bf16x3 (w and kd pairs), one
   more for qw's lo half with ``out_x3``;
-- ``uo`` float32 [chunks, H, 2, 64, V]: ``u = Ai (beta v)`` and ``ou = Aqk u`` (with ``ou_bf16``: bf16
-  [chunks, H, 3, 64, V], u as a pair and ou rounded once, as the bf16 output is);
+- ``uo`` float32 [chunks, H, 2, V, 64]: ``u = Ai (beta v)`` and ``ou = Aqk u``, each stored transposed
+  ([V, 64]: the state pass carries the state transposed and reads them as [BV, 64] tiles);
 - ``egl`` float32 [chunks, H, K]: ``exp(gl)``.
 
 With them the state pass needs, per chunk, ``v' = u - w S``, ``o = ou + qw S``, ``S = exp(gl) S + kd^T v'``.
@@ -74,21 +74,15 @@ def _key_cols(q, k, gc, bc, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl
 
 
 @triton.jit
-def _value_cols(v, rows, m_t, i_h, o_f, b_ai, b_aqk, b_b, uo, stride_v_t, V: tl.constexpr, LP: tl.constexpr,
-                OU_BF16: tl.constexpr):
-    """u and ou for the value columns o_f (``uo`` at the chunk-head)."""
-    off_v = tl.arange(0, 64)[:, None] * V + o_f[None, :]
+def _value_cols(v, rows, m_t, i_h, o_f, b_ai, b_aqk, b_b, uo, stride_v_t, V: tl.constexpr, LP: tl.constexpr):
+    """u and ou for the value columns o_f (``uo`` at the chunk-head), stored transposed."""
+    off_v = tl.arange(0, 64)[:, None] + o_f[None, :] * 64
     b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
     b_bv = b_v.to(tl.float32) * b_b[:, None]
     b_u = tl.dot(b_ai, b_bv, input_precision=LP)
     b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
-    if OU_BF16:
-        # u feeds the state chain: a pair (slots 0, 1); ou only the bf16 output: one rounding (slot 2)
-        _store_bf16(uo + off_v, b_u, True, 64 * V)
-        tl.store(uo + 2 * 64 * V + off_v, b_ou.to(tl.bfloat16))
-    else:
-        tl.store(uo + off_v, b_u)
-        tl.store(uo + 64 * V + off_v, b_ou)
+    tl.store(uo + off_v, b_u)
+    tl.store(uo + 64 * V + off_v, b_ou)
 
 
 @triton.jit
@@ -112,7 +106,6 @@ def kda_intra64_b_kernel(
     q, k, v, gc, bc, cu_seqlens, chunk_indices, aqk, ai, wqk, uo, egl, stride_q_t, stride_k_t, stride_v_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    OU_BF16: tl.constexpr,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
     ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
@@ -124,7 +117,7 @@ def kda_intra64_b_kernel(
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
     wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
-    uo += i_ch * ((3 if OU_BF16 else 2) * 64 * V)
+    uo += i_ch * (2 * 64 * V)
     # the q/k row norms over all K columns
     sq_q = tl.zeros([64], dtype=tl.float32)
     sq_k = tl.zeros([64], dtype=tl.float32)
@@ -142,5 +135,4 @@ def kda_intra64_b_kernel(
         b_b = _key_cols(q, k, gc, bc, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k, wqk, egl + i_ch * K,
                         stride_q_t, stride_k_t, K, SQ, SKD, LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
     for vv in tl.static_range(0, V, BVB):
-        _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION,
-                    OU_BF16)
+        _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION)

@@ -4,9 +4,10 @@ parallel (the in-chunk matrices: the diagonal blocks, kda_prefill_intra64_split.
 ones per 16-row block with the merge into the inverse, kda_prefill_intra64_rows.py; the per-chunk tiles,
 kda_prefill_intra64_b.py), then one sequential pass per (value block, sequence, head) that carries the state.
 
-``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers and per chunk computes
-``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products with M = 64 or K rows,
-shaped for the tensor cores' warpgroup instructions, with no in-chunk matrix left in the loop. The products
+``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
+``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products shaped for the tensor
+cores' warpgroup instructions, each with its state-side operand in registers and its tile in shared memory,
+with no in-chunk matrix left in the loop. The products
 that carry S from chunk to chunk (``chain_precision``) split S and v' into bf16 hi + lo parts each step and
 accumulate in float32:
 
@@ -24,7 +25,7 @@ The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``; ``ou_bf16``: 6 V instead of 8 V; the gate pass's ``256 (K + 1)`` more.
+``out_x3``; the gate pass's ``256 (K + 1)`` more.
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ def kda_state64_kernel(
     wqk, uo, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    OU_BF16: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """``wqk``, ``uo`` and ``state`` are tensor descriptors over the scratch and the state slots viewed as
-    [rows, K], [rows, V] and [slots * H * K, V]: each tile moves between memory and shared memory by the copy
+    [rows, K], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared memory by the copy
     engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2 (bf16x2) or 1
     (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qw's at SQ, kd's at SKD, each lo half (where
-    written) in the next slot."""
+    written) in the next slot; ``uo`` holds u^T and ou^T ([V, 64] each) per chunk and head.
+
+    The state is carried transposed, ``Z = S^T`` [BV, K]: ``v'^T = u^T - Z w^T``, ``o^T = ou^T + Z qw^T``,
+    ``Z = exp(gl) Z + v'^T kd``. Every product then takes Z's or v'^T's bf16 parts, which live in registers, as
+    its first operand, and a tile the copy engine brought to shared memory as its second: nothing the chain
+    computes goes through shared memory on its way to the next product."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -78,52 +84,45 @@ def kda_state64_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     # A fresh sequence ignores whatever its slot holds (NaN included).
     r_s = (slot * H + i_h) * K
-    b_s = tl.where(has_init, state.load([r_s, i_v * BV]), 0.0)
+    b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
     for i_t in range(0, tl.cdiv(L, 64).to(tl.int32)):
         base = (c0 + i_t) * H + i_h
         r_w = base * (NS * 64)
-        b_wh = wqk.load([r_w, 0])
-        b_qh = wqk.load([r_w + SQ * 64, 0])
+        r_u = base * (2 * V) + i_v * BV
+        b_wh = tl.trans(wqk.load([r_w, 0]))
+        b_qh = tl.trans(wqk.load([r_w + SQ * 64, 0]))
         b_kh = wqk.load([r_w + SKD * 64, 0])
-        b_sh = b_s.to(tl.bfloat16)
-        b_sl = (b_s - b_sh.to(tl.float32)).to(tl.bfloat16)
+        b_zh = b_z.to(tl.bfloat16)
+        b_zl = (b_z - b_zh.to(tl.float32)).to(tl.bfloat16)
         # the output first, so that its registers are free before v' is formed
-        if OU_BF16:
-            b_o = uo.load([base * 192 + 128, i_v * BV]).to(tl.float32)
-        else:
-            b_o = uo.load([base * 128 + 64, i_v * BV])
-        b_o = _mma(b_qh, b_sh, b_o, DOT_F32)
-        b_o = _mma(b_qh, b_sl, b_o, DOT_F32)
+        b_o = _mma(b_zh, b_qh, uo.load([r_u + V, 0]), DOT_F32)
+        b_o = _mma(b_zl, b_qh, b_o, DOT_F32)
         if OUT_X3:
-            b_o = _mma(wqk.load([r_w + SQ * 64 + 64, 0]), b_sh, b_o, DOT_F32)
+            b_o = _mma(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
         rows = i_t * 64 + o_r
-        tl.store(o + (bos + rows)[:, None] * (H * V) + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-                 mask=(rows < L)[:, None])
-        b_ws = _mma(b_wh, b_sh, tl.zeros([64, BV], dtype=tl.float32), DOT_F32)
+        tl.store(o + (bos + rows)[None, :] * (H * V) + i_h * V + o_v[:, None], b_o.to(o.dtype.element_ty),
+                 mask=(rows < L)[None, :])
+        b_ws = _mma(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         if CHAIN == 3:
-            b_ws = _mma(wqk.load([r_w + 64, 0]), b_sh, b_ws, DOT_F32)
+            b_ws = _mma(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
-            b_ws = _mma(b_wh, b_sl, b_ws, DOT_F32)
-        if OU_BF16:
-            b_u = uo.load([base * 192, i_v * BV]).to(tl.float32) + uo.load([base * 192 + 64, i_v * BV]).to(tl.float32)
-        else:
-            b_u = uo.load([base * 128, i_v * BV])
-        b_vn = b_u - b_ws
+            b_ws = _mma(b_zl, b_wh, b_ws, DOT_F32)
+        b_vn = uo.load([r_u, 0]) - b_ws
         b_e = tl.load(egl + base.to(tl.int64) * K + o_k)
         b_vh = b_vn.to(tl.bfloat16)
-        b_s = _mma(tl.trans(b_kh), b_vh, b_s * b_e[:, None], DOT_F32)
+        b_z = _mma(b_vh, b_kh, b_z * b_e[None, :], DOT_F32)
         if CHAIN == 3:
-            b_s = _mma(tl.trans(wqk.load([r_w + SKD * 64 + 64, 0])), b_vh, b_s, DOT_F32)
+            b_z = _mma(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
         if CHAIN >= 2:
             b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
-            b_s = _mma(tl.trans(b_kh), b_vl, b_s, DOT_F32)
-    state.store([r_s, i_v * BV], b_s)
+            b_z = _mma(b_vl, b_kh, b_z, DOT_F32)
+    state.store([r_s, i_v * BV], tl.trans(b_z))
 
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
-                b_block: int = 32, b_warps: int = 4, ou_bf16: bool = False):
+                b_block: int = 32, b_warps: int = 4):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
     one): the gate pass (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta,
     once per chunk-head, which D, A and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py:
@@ -131,9 +130,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     program; ``A``, kda_prefill_intra64_rows.py:
     the off-diagonal blocks per 16-row block and the merge per chunk, over K in slices of ``a_ks``, one warp,
     the merge's products in ``solve_precision``), the per-chunk tiles (``B``, kda_prefill_intra64_b.py: column
-    blocks of ``b_block``, ``b_warps`` warps), the state pass.
-    ``ou_bf16`` writes ``ou`` (which only feeds the output) in bf16 and ``u`` as a bf16 pair. The defaults are
-    the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    blocks of ``b_block``, ``b_warps`` warps), the state pass. The defaults are the fastest measured on an
+    H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -194,25 +192,24 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
-    uo = (torch.empty(nch, H, 3, 64, V, dtype=torch.bfloat16, device=dev) if ou_bf16
-          else torch.empty(nch, H, 2, 64, V, dtype=torch.float32, device=dev))
+    uo = torch.empty(nch, H, 2, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            OU_BF16=ou_bf16, num_warps=b_warps, **lo,
+            num_warps=b_warps, **lo,
         )
 
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
-    uo_d = TensorDescriptor.from_tensor(uo.view(-1, V), [64, BV])
+    uo_d = TensorDescriptor.from_tensor(uo.view(-1, 64), [BV, 64])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
 
     def state_pass():
         kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
-            H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, OU_BF16=ou_bf16, **slots,
+            H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 

@@ -120,13 +120,6 @@ def test_prefill_v3_chain_matches_its_emulation(chain):
     assert dist[chain] < 1e-4 and dist[chain] * 100 < others, dist
 
 
-@pytest.mark.parametrize("chain", ["bf16x3", "bf16x2"])
-def test_prefill_v3_ou_bf16(chain):
-    """ou in bf16 and u as a bf16 pair (uo [chunks, H, 3, 64, V] bf16), with the bf16 output it is meant for."""
-    cases.prefill_varlen("cpu", [70, 1, 129], H=2, K=32, V=16, dtype=torch.bfloat16, seed=5, version="v3",
-                         chain_precision=chain, ou_bf16=True, decay=0.3)
-
-
 def test_prefill_v3_bad_options():
     q = torch.randn(70, 1, 16)
     args = (q, q, q, -torch.rand(70, 1, 16), torch.rand(70, 1), torch.zeros(1, 1, 16, 16), [0, 70], [0], [False])

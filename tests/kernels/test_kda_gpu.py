@@ -49,7 +49,7 @@ def test_prefill_v3_variants(launch):
 
 
 @pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
-                                    dict(b_warps=2), dict(ou_bf16=True)])
+                                    dict(b_warps=2), dict(num_stages=3)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          **launch)
@@ -267,16 +267,10 @@ def test_prefill_v3_x2_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", chain_precision="bf16x2", decay=decay)
 
 
-@pytest.mark.parametrize("launch", [dict(out_x3=True, BV=32), dict(ou_bf16=True)])
+@pytest.mark.parametrize("launch", [dict(out_x3=True, BV=32), dict(BV=128, num_warps=8)])
 def test_prefill_v3_x2_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3",
                          chain_precision="bf16x2", decay=0.3, **launch)
-
-
-def test_prefill_v3_ou_bf16_real_size():
-    """ou in bf16, u as a bf16 pair, with the default (bf16x3) chain and the bf16 output it feeds."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=torch.bfloat16, version="v3",
-                         ou_bf16=True, decay=0.1)
 
 
 def _final_state_f64(q, k, v, g, beta):
