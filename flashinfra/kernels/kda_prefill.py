@@ -201,12 +201,12 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     if version != "v2":
         raise ValueError(f"kda_prefill: version must be 'v2' or 'v3', got {version!r}")
     return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
-                             num_warps=num_warps or 8, num_stages=num_stages,
+                             num_warps=num_warps or 8, num_stages=num_stages or 2,
                              chain_precision=chain_precision or "tf32x3", local_precision=local_precision)
 
 
 def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
-                       BV: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                       BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                        chain_precision: str | None = None, local_precision: str = "tf32",
                        out: torch.Tensor | None = None, version: str | None = None, **v3_options):
     """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/notes/kda_prefill.md).
@@ -221,7 +221,7 @@ def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_ini
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
                              state_slots, has_initial_state, *, BT: int = 16,
-                             BV: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                             BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                              chain_precision: str | None = None, local_precision: str = "tf32",
                              out: torch.Tensor | None = None, version: str | None = None, **v3_options):
     H, K = q.shape[1], q.shape[2]

@@ -120,7 +120,7 @@ def kda_state64_kernel(
 
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
-                num_warps: int, num_stages: int, chain_precision: str, local_precision: str, out_x3: bool = False,
+                num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
                 b_block: int = 32, b_warps: int = 4):
     """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
@@ -141,6 +141,10 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
+    if num_stages is None:
+        # the state pass's tiles three steps deep where they fit the 227 KB of shared memory (sm_90, BV=64: 197 KB
+        # at the bf16x2 chain; the bf16x3 chain's two more tile slots take 3 stages to 295 KB)
+        num_stages = 3 if CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64 and not out_x3 else 2
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
