@@ -206,8 +206,8 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
         try:
             a["state"].copy_(s0)
             o.fill_(float("nan"))  # an element left unwritten shows as a NaN error
-            launches = v3_launches(a["q"], a["k"], a["v"], a["g"], a["beta"], o, a["state"], cu, cu_t, slots_t,
-                                   init_t, None, **opts)
+            launches = list(v3_launches(a["q"], a["k"], a["v"], a["g"], a["beta"], o, a["state"], cu, cu_t,
+                                        slots_t, init_t, None, **opts))
             for _, fn in launches:
                 fn()
             torch.cuda.synchronize()

@@ -123,8 +123,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str, out_x3: bool = False,
                 KS: int = 32, d_warps: int = 2, a_ks: int = 16, solve_precision: str | None = None,
                 b_block: int = 32, b_warps: int = 4):
-    """v3's launches as closures over freshly allocated scratch, in order (the benchmark times them one by
-    one): the gate pass (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta,
+    """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
+    exists, so that a caller launching them as they come has the GPU running the first while the host prepares
+    the next (the benchmark lists them and times them one by one): the gate pass (``gate``, kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta,
     once per chunk-head, which D, A and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py:
     the diagonal 16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per
     program; ``A``, kda_prefill_intra64_rows.py:
@@ -155,13 +156,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     dev = q.device
     idx, offsets_t, nch = chunk_tables(cu, 64, dev)  # cached per batch, no stream sync (varlen.py)
     if not nch:
-        return []
+        return
     # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it
     chain = CHAIN_PRODUCTS[chain_precision]
     lo = {"W_LO": int(chain == 3), "Q_LO": int(out_x3), "KD_LO": int(chain == 3)}
     slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"] + lo["Q_LO"])
-    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
-    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
                      BETA_LOGITS=gate is not None)
@@ -177,6 +176,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             H=H, K=K, BK=GBK, num_warps=1, **gate_args,
         )
 
+    yield "gate", gate_pass
+    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5)
 
@@ -185,6 +187,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
             num_stages=1,
         )
+
+    yield "intra_d", intra_diag
 
     def intra_offdiag():
         # each [16, 16] product on mma.sync runs in every warp of the program: one warp executes the fewest
@@ -195,6 +199,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             FAST_EXP=not env.triton_interpret(), num_warps=1, num_stages=1,
         )
 
+    yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     uo = torch.empty(nch, H, 2, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
@@ -206,6 +211,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             num_warps=b_warps, **lo,
         )
 
+    yield "intra_b", intra_b
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     uo_d = TensorDescriptor.from_tensor(uo.view(-1, 64), [BV, 64])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
@@ -217,8 +223,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
-    return [("gate", gate_pass), ("intra_d", intra_diag), ("intra_a", intra_offdiag), ("intra_b", intra_b),
-                       ("state", state_pass)]
+    yield "state", state_pass
 
 
 def kda_prefill_v3(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, **options):
