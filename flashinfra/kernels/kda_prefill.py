@@ -26,7 +26,7 @@ of every operand) at 12% more time. Against a float64 recurrence at T=65536 and 
 ``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
 (the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
 its products in ``chain_precision`` "tf32x3" (or "ieee", which the benchmarks use as the high-precision
-reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.3-1.5x faster
+reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.8-1.9x faster
 (bench/notes/kda_prefill.md).
 """
 

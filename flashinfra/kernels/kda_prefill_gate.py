@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda_gate import load_gate_beta
-from flashinfra.kernels.kda_prefill_intra64_split import _chunk_rows
+from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def kda_gate_pass_kernel(
     """Grid (chunks * K // BK, H): ``gc`` for one chunk, head and BK columns; beta with the first column block."""
     i_ck, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_k = i_ck // (K // BK), i_ck % (K // BK)
-    r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
+    r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     o_t = tl.arange(0, 64)
     o_k = i_k * BK + tl.arange(0, BK)
     m_t = o_t < left

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import _chunk_rows, _ld
+from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, load_rows
 
 
 @triton.jit
@@ -76,9 +76,9 @@ def _blk_in(q, k, gc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K
     m_tk = m_t[:, None] & m_k[None, :]
     b_gc = tl.load(gc + rows[:, None] * K + o_s[None, :])
     b_gc = b_gc * 1.4426950408889634  # log2(e): the exponentials below are powers of two
-    b_k = _ld(k, rows, m_tk, stride_k_t, o_s)
+    b_k = load_rows(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
-        b_q = _ld(q, rows, m_tk, stride_q_t, o_s)
+        b_q = load_rows(q, rows, m_tk, stride_q_t, o_s)
     else:
         b_q = b_k
     return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
@@ -219,7 +219,7 @@ def kda_intra64_offdiag_rows_kernel(
     blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``; ``gc`` and
     ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
+    r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
     gc += (i_c * H + i_h).to(tl.int64) * (64 * K)

@@ -23,8 +23,8 @@ What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the g
 ``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
 evaluated, clamped and scanned once, in the pass). Per K slice D loads its sub-block's 16 rows of ``gc`` and
 the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
-difference of the two; beta is one [16] load. ``_chunk_rows`` and ``_ld`` are shared with kernel A and the
-pass.
+difference of the two; beta is one [16] load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
+``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
+def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
     """First row (absolute) of sub-block t_sub of chunk i_c, and the number of its sequence's rows left
     from there."""
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
@@ -44,7 +44,7 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
 
 
 @triton.jit
-def _ld(x, rows, m_tk, stride_t, o_k):
+def load_rows(x, rows, m_tk, stride_t, o_k):
     """A [rows, K slice] tile in float32; x is the scalar base of the first row's head: the offsets stay
     int32 (tensors of 64-bit offsets would hold twice the registers)."""
     return tl.load(x + rows[:, None] * stride_t + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -59,7 +59,7 @@ def kda_intra64_diag_kernel(
     and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
-    r0, left = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
+    r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
     # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
@@ -73,8 +73,8 @@ def kda_intra64_diag_kernel(
     ssq_k = tl.zeros([16], dtype=tl.float32)
     for ks in range(K // KS):
         m_tk = m_t[:, None] & (o_s[None, :] >= 0)
-        b_q = _ld(q + ks * KS, rows, m_tk, stride_q_t, o_s)
-        b_k = _ld(k + ks * KS, rows, m_tk, stride_k_t, o_s)
+        b_q = load_rows(q + ks * KS, rows, m_tk, stride_q_t, o_s)
+        b_k = load_rows(k + ks * KS, rows, m_tk, stride_k_t, o_s)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
     r_q = scale / tl.sqrt(ssq_q + 1e-6)
@@ -91,8 +91,8 @@ def kda_intra64_diag_kernel(
         b_gc = tl.load(gc + ks * KS + o_r[:, None] * K + o_s[None, :])
         b_gm = tl.load(gc + ks * KS + 8 * K + o_s)
         b_e = tl.exp(b_gc - b_gm[None, :])
-        b_k = _ld(k + ks * KS, rows, m_tk, stride_k_t, o_s) * r_k[:, None]
-        b_q = _ld(q + ks * KS, rows, m_tk, stride_q_t, o_s) * r_q[:, None]
+        b_k = load_rows(k + ks * KS, rows, m_tk, stride_k_t, o_s) * r_k[:, None]
+        b_q = load_rows(q + ks * KS, rows, m_tk, stride_q_t, o_s) * r_q[:, None]
         b_kt = tl.trans(b_k * tl.exp(b_gm[None, :] - b_gc))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
