@@ -177,7 +177,7 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
         return y
     cu_t = _as_index_tensor(cu, dev)
     slots_t = _as_index_tensor(state_slots, dev)
-    init_t = _as_index_tensor([bool(h) for h in has_initial_state] if not isinstance(has_initial_state, torch.Tensor) else has_initial_state, dev)
+    init_t = _as_index_tensor(has_initial_state, dev)
     causal_conv1d_prefill_kernel[(triton.cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
     )
