@@ -39,25 +39,46 @@ def _sizes(device: str) -> dict:
 
 @register_check("kda.prefill", tags=("kernel", "kda", "triton"))
 def check_prefill() -> list[CheckResult]:
+    """float32 inputs (the v2 kernels), then bf16 inputs (v3, the default path of a bf16 model), plain and
+    with the gate fused (the model's op), against float64 on the same (rounded) inputs."""
     dev = kernel_device()
     if dev is None:
         return run_in_interpreter("flashinfra.kernels.checks", "kda.prefill")
     H, K = _sizes(dev)["H"] // 8 or 1, _sizes(dev)["K"]
     lens = [63, 1, 200] if dev == "cuda" else [63, 1, 20]
     T, cu = sum(lens), [0, lens[0], lens[0] + lens[1], sum(lens)]
-    q, k, v = (torch.randn(T, H, K, device=dev) for _ in range(3))
-    g = -5 * torch.sigmoid(torch.randn(T, H, K, device=dev))
-    beta = torch.rand(T, H, device=dev)
-    state = torch.randn(5, H, K, K, device=dev)
-    state[2] = NAN  # slot of the fresh sequence: must be ignored
     slots, init = [4, 2, 0], [True, False, True]
+    results = []
+    for act in (torch.float32, torch.bfloat16):
+        tag = "kda.prefill" if act == torch.float32 else "kda.prefill.bf16"
+        q, k, v = (torch.randn(T, H, K, device=dev).to(act) for _ in range(3))
+        g = -5 * torch.sigmoid(torch.randn(T, H, K, device=dev))
+        beta = torch.rand(T, H, device=dev)
+        state = torch.randn(5, H, K, K, device=dev)
+        state[2] = NAN  # slot of the fresh sequence: must be ignored
+        s64 = state.double().clone()
+        s64[2] = 0
+        ref = pre.kda_prefill_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, cu, slots, init)
+        out = torch.full((T, H, K), NAN, device=dev, dtype=act)
+        pre.kda_prefill_launch(q, k, v, g, beta, state, cu, slots, init, out=out)
+        if act == torch.float32:
+            tol = dict(atol=1e-5, rtol=1e-4) if dev == "cpu" else dict(atol=5e-3, rtol=5e-3)
+            s_tol = tol
+        else:  # the bf16 output's rounding; the state's w and kd rounded to bf16 once per chunk (bf16x2)
+            tol, s_tol = dict(atol=2e-2, rtol=2e-2), dict(atol=1e-2, rtol=1e-2)
+        results += [compare(f"{tag}.o", out, ref, **tol), compare(f"{tag}.state", state[slots], s64[slots], **s_tol)]
+    # the model's op: the gate from its raw projection with the lower bound, beta from its logits
+    g_raw, b_logits = torch.randn(T, H, K, device=dev).to(act), torch.randn(T, H, device=dev)
+    A_log, dt_bias = torch.randn(H, device=dev) * 0.3, torch.randn(H * K, device=dev)
+    state = torch.randn(5, H, K, K, device=dev)
     s64 = state.double().clone()
     s64[2] = 0
-    ref = pre.kda_prefill_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, cu, slots, init)
-    out = torch.full((T, H, K), NAN, device=dev)
-    pre.kda_prefill_launch(q, k, v, g, beta, state, cu, slots, init, out=out)
-    tol = dict(atol=1e-5, rtol=1e-4) if dev == "cpu" else dict(atol=5e-3, rtol=5e-3)
-    return [compare("kda.prefill.o", out, ref, **tol), compare("kda.prefill.state", state[slots], s64[slots], **tol)]
+    ref = pre.kda_prefill_gated_ref(*(_f64(t) for t in (q, k, v, g_raw, b_logits, A_log, dt_bias)), -5.0, s64, cu,
+                                    slots, init)
+    out = torch.full((T, H, K), NAN, device=dev, dtype=act)
+    pre.kda_prefill_gated_launch(q, k, v, g_raw, b_logits, A_log, dt_bias, -5.0, state, cu, slots, init, out=out)
+    return results + [compare("kda.prefill.bf16_gated.o", out, ref, **tol),
+                      compare("kda.prefill.bf16_gated.state", state[slots], s64[slots], **s_tol)]
 
 
 @register_check("kda.decode", tags=("kernel", "kda", "triton"))
