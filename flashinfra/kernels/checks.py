@@ -64,8 +64,8 @@ def check_prefill() -> list[CheckResult]:
         if act == torch.float32:
             tol = dict(atol=1e-5, rtol=1e-4) if dev == "cpu" else dict(atol=5e-3, rtol=5e-3)
             s_tol = tol
-        else:  # the bf16 output's rounding; the state's w and kd rounded to bf16 once per chunk (bf16x2)
-            tol, s_tol = dict(atol=2e-2, rtol=2e-2), dict(atol=1e-2, rtol=1e-2)
+        else:  # the bf16 output's rounding; the state as the GPU tests bound it (bf16x3 chain)
+            tol, s_tol = dict(atol=2e-2, rtol=2e-2), dict(atol=2e-3, rtol=2e-3)
         results += [compare(f"{tag}.o", out, ref, **tol), compare(f"{tag}.state", state[slots], s64[slots], **s_tol)]
     # the model's op: the gate from its raw projection with the lower bound, beta from its logits
     g_raw, b_logits = torch.randn(T, H, K, device=dev).to(act), torch.randn(T, H, device=dev)

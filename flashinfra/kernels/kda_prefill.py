@@ -15,13 +15,13 @@ blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; the per-c
 kda_prefill_intra64_b.py),
 then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
 three warpgroup products per chunk. Those carry it from chunk to chunk, so rounding there compounds over the
-whole sequence: the state enters them as a bf16 hi + lo pair (about 16 bits), never rounded to a single bf16
-or tf32 operand, whose rounding shows up as a growing error on long sequences with slow decay (see
-tests/kernels/test_kda_gpu.py). By default (``V3_CHAIN = "bf16x2"``) the per-chunk factors w and kd enter as
-one bf16 each, a rounding of the chunk's inputs that does not compound; "bf16x3" pairs them too (about 16 bits
-of every operand) at 12% more time. Against a float64 recurrence at T=65536 and 131072 the bf16x2 state error
-(1.6-1.8e-3) is below flash-linear-attention's (2.2-3.9e-3) and does not grow with length
-(bench/notes/kda_precision.md).
+whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of them enters as a bf16 hi + lo pair
+(three bf16 products, about 16 bits of each operand, as precise as tf32x3 here), never as a single bf16 or
+tf32 operand, whose rounding each step shows up in the state (see tests/kernels/test_kda_gpu.py). Against a
+float64 recurrence at T=65536 and 131072 the default's final-state error is 2.5-4.4e-4, 0.11-0.18x
+flash-linear-attention's. ``chain_precision="bf16x2"`` rounds the per-chunk factors w and kd to one bf16 each:
+10-13% faster on an H200, its state error 1.6-1.8e-3 (still below flash-linear-attention's 2.2-3.9e-3, but
+that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
 
 ``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
 (the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
@@ -46,8 +46,8 @@ from flashinfra.kernels.varlen import cached_ints
 # The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
 # (kda_prefill_split.py, 16-token chunks)
 DEFAULT_VERSION = "v3"
-# v3's state chain by default (kda_prefill_v3.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_prefill.md)
-V3_CHAIN = "bf16x2"
+# v3's state chain by default (kda_prefill_v3.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_precision.md)
+V3_CHAIN = "bf16x3"
 
 
 def default_version(dtype: torch.dtype, K: int, V: int) -> str:
@@ -212,9 +212,10 @@ def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_ini
     """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/notes/kda_prefill.md).
     ``version="v3"`` (the default for 16-bit inputs, ``default_version``) runs the 64-token-chunk kernels
     (BT is then fixed at 64; ``v3_options`` are ``v3_launches``' tuning options, kda_prefill_v3.py);
-    ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: ``V3_CHAIN`` by default, "bf16x3" for the
-    state's last bits, "bf16"; v2: "tf32x3", "tf32", "ieee") is exposed for callers who want the tighter chain,
-    for the tests that show the plain one is worse and for high-precision references."""
+    ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: ``V3_CHAIN`` by default, "bf16x2" for
+    10-13% more speed at flash-linear-attention's precision class, "bf16"; v2: "tf32x3", "tf32", "ieee") is
+    exposed for callers who make that trade, for the tests that show the plain chains are worse and for
+    high-precision references."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
                    num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)
 
