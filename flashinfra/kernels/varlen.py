@@ -9,6 +9,10 @@ idles while the host prepares the next launches. Here the values go through pinn
 copy is queued on the current stream like a kernel (the caching host allocator keeps the pinned buffer until
 the copy has run). The cache is keyed by the values, the device and the current stream (a tensor made on one
 stream is only known to be ready on that stream); the tensors it returns are read-only by contract.
+
+Not while a CUDA graph is being captured: a captured copy would read the pinned buffer at each replay, after the
+host allocator may have reused it, and a cached tensor made then would hold data only once that graph replays.
+The calls raise instead (as the pageable copies did), so that a capture falls back to eager execution.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tens
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
+    _refuse_capture()
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _refuse_capture() -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kernels.varlen: a variable-length op's index tensors are built on the host and cannot be "
+                           "made inside a CUDA graph capture; run the op eagerly")
 
 
 def chunk_list(cu_seqlens: Sequence[int], chunk: int) -> list[tuple[int, int]]:
@@ -36,7 +47,10 @@ def chunk_list(cu_seqlens: Sequence[int], chunk: int) -> list[tuple[int, int]]:
 
 
 def _stream_key(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    _refuse_capture()  # a hit too: an entry is known ready only on the stream that made it
+    return torch.cuda.current_stream(device).stream_id
 
 
 @functools.lru_cache(maxsize=64)

@@ -59,3 +59,17 @@ def test_prefill_ops_do_not_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(o.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_is_refused():
+    """Inside a CUDA graph capture the index tensors are refused, a miss and a hit alike (the feedback bench
+    then times the op eagerly), and the cache still serves eager calls afterwards."""
+    cu = [0, 70, 71]
+    eager = varlen.cached_ints(cu, "cuda")
+    for values in (cu, [0, 5, 9, 11]):
+        with pytest.raises(RuntimeError, match="CUDA graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                varlen.cached_ints(values, "cuda")
+    assert varlen.cached_ints(cu, "cuda") is eager and eager.tolist() == cu
