@@ -16,7 +16,7 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
         their sum as queued launches (``total``) and the whole call (``call``: argument checks, index
         tensors and scratch included, as FLA's call is timed; the ratio to FLA uses it), v2 beside them,
         FLA's chunk_kda (anchor style) with --fla; compile first, side by side:
-        for w in 0 1 2 3 v3_gated v2 v2_ieee v2_gated_ieee; do
+        for w in 0 1 2 v3_gated v2 v2_ieee v2_gated_ieee; do
             python bench/kda_prefill.py --warm $w & done; wait
 
 The anchor-style FLA call leaves q unnormalised (as the anchors ran it), so it computes another function and
