@@ -40,12 +40,6 @@ def _refuse_capture() -> None:
                            "made inside a CUDA graph capture; run the op eagerly")
 
 
-def chunk_list(cu_seqlens: Sequence[int], chunk: int) -> list[tuple[int, int]]:
-    """``(sequence, chunk)`` for every chunk of ``chunk`` tokens of every sequence, in order."""
-    return [(n, i) for n in range(len(cu_seqlens) - 1)
-            for i in range(triton.cdiv(cu_seqlens[n + 1] - cu_seqlens[n], chunk))]
-
-
 def _stream_key(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
@@ -54,27 +48,31 @@ def _stream_key(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(kind: str, values: tuple, chunk: int, device: torch.device, stream: int):
-    if kind == "ints":
-        return device_ints(values, device)
-    chunks = chunk_list(values, chunk)
-    offsets = [0]
-    for n in range(len(values) - 2):
-        offsets.append(offsets[-1] + triton.cdiv(values[n + 1] - values[n], chunk))
-    flat = [x for pair in chunks for x in pair]
-    both = device_ints(flat + offsets[: len(values) - 1], device)
-    return both[: len(flat)], both[len(flat):], len(chunks)
+def _ints(values: tuple, device: torch.device, stream: int) -> torch.Tensor:
+    return device_ints(values, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
+    pairs, offsets = [], []
+    for n in range(len(cu) - 1):
+        offsets.append(len(pairs) // 2)
+        for i in range(triton.cdiv(cu[n + 1] - cu[n], chunk)):
+            pairs += (n, i)
+    both = device_ints(pairs + offsets, device)  # one copy
+    return both[: len(pairs)], both[len(pairs):], len(pairs) // 2
 
 
 def cached_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """``device_ints``, made once per distinct ``values`` (and device and stream); read-only."""
     device = torch.device(device)
-    return _cached("ints", tuple(int(v) for v in values), 0, device, _stream_key(device))
+    return _ints(tuple(int(v) for v in values), device, _stream_key(device))
 
 
 def chunk_tables(cu_seqlens: Sequence[int], chunk: int, device: torch.device | str):
     """``(chunk_indices, chunk_offsets, num_chunks)`` on ``device``: ``chunk_indices`` int32 [2 * num_chunks],
-    the ``(sequence, chunk)`` pairs of ``chunk_list`` flattened; ``chunk_offsets`` int32 [sequences], each
-    sequence's first chunk. One copy, cached like ``cached_ints``; read-only."""
+    the ``(sequence, chunk)`` pair of every chunk of ``chunk`` tokens of every sequence, in order, flattened;
+    ``chunk_offsets`` int32 [sequences], each sequence's first chunk. One copy, cached like ``cached_ints``;
+    read-only."""
     device = torch.device(device)
-    return _cached("chunks", tuple(int(c) for c in cu_seqlens), chunk, device, _stream_key(device))
+    return _chunk_tables(tuple(int(c) for c in cu_seqlens), chunk, device, _stream_key(device))
