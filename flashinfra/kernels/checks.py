@@ -67,10 +67,12 @@ def check_prefill() -> list[CheckResult]:
         else:  # the bf16 output's rounding; the state as the GPU tests bound it (bf16x3 chain)
             tol, s_tol = dict(atol=2e-2, rtol=2e-2), dict(atol=2e-3, rtol=2e-3)
         results += [compare(f"{tag}.o", out, ref, **tol), compare(f"{tag}.state", state[slots], s64[slots], **s_tol)]
-    # the model's op: the gate from its raw projection with the lower bound, beta from its logits
+    # the model's op: the gate from its raw projection with the lower bound, beta from its logits; q, k, v, act
+    # and the tolerances are the loop's last (bf16) case
     g_raw, b_logits = torch.randn(T, H, K, device=dev).to(act), torch.randn(T, H, device=dev)
     A_log, dt_bias = torch.randn(H, device=dev) * 0.3, torch.randn(H * K, device=dev)
     state = torch.randn(5, H, K, K, device=dev)
+    state[2] = NAN
     s64 = state.double().clone()
     s64[2] = 0
     ref = pre.kda_prefill_gated_ref(*(_f64(t) for t in (q, k, v, g_raw, b_logits, A_log, dt_bias)), -5.0, s64, cu,
