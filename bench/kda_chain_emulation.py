@@ -11,6 +11,11 @@ added to its float32 accumulator in the order the kernel issues them:
 - bf16x3: ``w S ~ w_hi S_hi + w_lo S_hi + w_hi S_lo``, ``kd^T v' ~ kd_hi^T v'_hi + kd_lo^T v'_hi + kd_hi^T v'_lo``
 - bf16x2: ``w S ~ w_hi S_hi + w_hi S_lo``, ``kd^T v' ~ kd_hi^T v'_hi + kd_hi^T v'_lo``
 - bf16: ``w_hi S_hi``, ``kd_hi^T v'_hi``
+- fp16x2: bf16x2's products with every operand in fp16 instead (w and kd rounded to 11 significant bits, S and
+  v' as fp16 hi + lo pairs): not a kernel option, the question whether fp16's finer rounding would let the
+  two-product chain keep bf16x3's precision (it does not: 40-50x bf16x3's error, 0.7x plain tf32's)
+- tf32: one product each with both operands rounded to tf32 (v2's ``chain_precision="tf32"``), the class the
+  chain must stay out of
 - fp32: float32 operands, for scale.
 
 The reference is the same chunked algebra without any rounding, checked against ``kda_chunk_one_ref`` (run
@@ -38,7 +43,7 @@ from kda_common import header, write_results  # noqa: E402
 
 from flashinfra.kernels.kda_prefill import kda_chunk_one_ref, l2norm_ref  # noqa: E402
 
-CHAINS = ("exact", "fp32", "bf16x3", "bf16x2", "bf16")
+CHAINS = ("exact", "fp32", "bf16x3", "bf16x2", "bf16", "fp16x2", "tf32")
 # log-decay -a sigmoid(b x + c): bench/kda_precision.py's two regimes, the GPU chain test's, and a longer memory
 REGIMES = {"slow_decay": (0.05, 1.0, 0.0), "lower_bound": (5.0, 0.5, 6.0), "chain_test": (0.02, 1.0, 0.0),
            "long_memory": (0.002, 1.0, 0.0)}
@@ -77,16 +82,22 @@ def f32(x):
     return x.float().double()
 
 
-def bf(x, truncate: bool = False):
-    """x (float32 values) rounded to bf16: to nearest as on the GPU, or by truncation as Triton's interpreter."""
+def bf(x, truncate: bool = False, dtype: str = "bf16"):
+    """x (float32 values) rounded to bf16 (or ``dtype`` "fp16", or "tf32": 10 mantissa bits in float32's
+    range): to nearest as on the GPU, or (bf16) by truncation as Triton's interpreter."""
+    if dtype == "fp16":
+        return x.half().double()
+    if dtype == "tf32":
+        bits = x.float().contiguous().view(torch.int32)
+        return ((bits + 0x1000) & -8192).view(torch.float32).double()
     if truncate:
         return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32).double()
     return x.bfloat16().double()
 
 
-def pair(x, truncate: bool = False):
-    hi = bf(x, truncate)
-    return hi, bf(x - hi, truncate)
+def pair(x, truncate: bool = False, dtype: str = "bf16"):
+    hi = bf(x, truncate, dtype)
+    return hi, bf(x - hi, truncate, dtype)
 
 
 def chain(t: dict, mode: str, truncate: bool = False):
@@ -109,10 +120,18 @@ def chain(t: dict, mode: str, truncate: bool = False):
             vn = f32(r["u"][n] - f32(r["w"][n] @ S))
             S = f32(f32(r["egl"][n][:, None] * S) + f32(r["kd"][n].T @ vn))
         return o.view(-1, V), S
-    (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate) for n in ("w", "qw", "kd"))
-    x3, lo = mode == "bf16x3", mode in ("bf16x3", "bf16x2")
+    if mode == "tf32":
+        for n in range(N):
+            s_t = bf(S, dtype="tf32")
+            o[n] = f32(r["ou"][n] + f32(bf(r["qw"][n], dtype="tf32") @ s_t))
+            vn = f32(r["u"][n] - f32(bf(r["w"][n], dtype="tf32") @ s_t))
+            S = f32(f32(r["egl"][n][:, None] * S) + f32(bf(r["kd"][n], dtype="tf32").T @ bf(vn, dtype="tf32")))
+        return o.view(-1, V), S
+    dt = "fp16" if mode.startswith("fp16") else "bf16"
+    (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate, dt) for n in ("w", "qw", "kd"))
+    x3, lo = mode == "bf16x3", mode in ("bf16x3", "bf16x2", "fp16x2")
     for n in range(N):
-        s_h, s_l = pair(S, truncate)
+        s_h, s_l = pair(S, truncate, dt)
         o[n] = f32(f32(r["ou"][n] + q_h[n] @ s_h) + q_h[n] @ s_l)
         ws = f32(w_h[n] @ s_h)
         if x3:
@@ -120,7 +139,7 @@ def chain(t: dict, mode: str, truncate: bool = False):
         if lo:
             ws = f32(ws + w_h[n] @ s_l)
         vn = f32(r["u"][n] - ws)
-        v_h, v_l = pair(vn, truncate)
+        v_h, v_l = pair(vn, truncate, dt)
         S = f32(f32(r["egl"][n][:, None] * S) + k_h[n].T @ v_h)
         if x3:
             S = f32(S + k_l[n].T @ v_h)
