@@ -171,7 +171,9 @@ def lines(args) -> None:
             if row[0] == "Line No":
                 hdr = row.index("Warp Stall Sampling (All Samples)")
                 continue
-            if hdr is None or row[0] in ("-", ""):
+            # the SASS listing that follows each source listing has its own header ("Address", ...): only a
+            # source row starts with a line number
+            if hdr is None or not row[0].isdigit() or len(row) <= hdr:
                 continue
             key = f"{path}:{row[0]}"
             samples[fn][key] += float(row[hdr].replace(",", "") or 0)

@@ -86,8 +86,14 @@ def kda_state64_kernel(
     # A fresh sequence ignores whatever its slot holds (NaN included).
     r_s = (slot * H + i_h) * K
     b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
-    for i_t in range(0, tl.cdiv(L, 64).to(tl.int32)):
+    nt = tl.cdiv(L, 64).to(tl.int32)
+    # exp(gl) one step ahead: a plain load, waited on at its first use, which the pipeliner does not move; read
+    # where it is used it is a global round trip in every step (10% of the bf16x2 chain's state pass on an H200)
+    b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k)
+    for i_t in range(0, nt):
         base = (c0 + i_t) * H + i_h
+        b_e = b_e_next
+        b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
         r_w = base * (NS * 64)
         r_u = base * (2 * V) + i_v * BV
         b_wh = tl.trans(wqk.load([r_w, 0]))
@@ -109,7 +115,6 @@ def kda_state64_kernel(
         if CHAIN >= 2:
             b_ws = _mma(b_zl, b_wh, b_ws, DOT_F32)
         b_vn = uo.load([r_u, 0]) - b_ws
-        b_e = tl.load(egl + base.to(tl.int64) * K + o_k)
         b_vh = b_vn.to(tl.bfloat16)
         b_z = _mma(b_vh, b_kh, b_z * b_e[None, :], DOT_F32)
         if CHAIN == 3:
@@ -123,7 +128,8 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
-                solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4):
+                solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
+                b_maxnreg: int | None = 128):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one): the gate pass (``gate``,
@@ -132,15 +138,18 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
-    kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps), the state pass (``num_stages``
-    of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest measured on an H200
-    (bench/notes/kda_prefill.md)."""
+    kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
+    per thread or None: 128 fits four programs per SM instead of three, for 16 bytes of spills), the state
+    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest
+    measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
+    if b_maxnreg is not None and not 32 <= b_maxnreg <= 255:
+        raise ValueError(f"kda_prefill v3: b_maxnreg must be None or in [32, 255], got {b_maxnreg}")
     for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
@@ -210,7 +219,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            num_warps=b_warps, **lo,
+            num_warps=b_warps, **lo, **({} if b_maxnreg is None or env.triton_interpret() else {"maxnreg": b_maxnreg}),
         )
 
     yield "intra_b", intra_b

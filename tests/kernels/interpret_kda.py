@@ -53,6 +53,7 @@ def test_prefill_v3_gated(lower_bound):
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
     ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
+    ([63, 130, 1], dict(decay=0.3, b_maxnreg=None)),  # B without its register cap
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -134,6 +135,8 @@ def test_prefill_v3_bad_options():
                                        *args[6:], version="v3", out_x3=True, BV=64)
     with pytest.raises(ValueError, match="chain_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
+    with pytest.raises(ValueError, match="b_maxnreg must be None or in"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
 
 
 def test_prefill_v3_long_odd():
