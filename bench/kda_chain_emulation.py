@@ -82,7 +82,7 @@ def f32(x):
     return x.float().double()
 
 
-def bf(x, truncate: bool = False, dtype: str = "bf16"):
+def rounded(x, truncate: bool = False, dtype: str = "bf16"):
     """x (float32 values) rounded to bf16 (or ``dtype`` "fp16", or "tf32": 10 mantissa bits in float32's
     range): to nearest as on the GPU, or (bf16) by truncation as Triton's interpreter."""
     if dtype == "fp16":
@@ -96,8 +96,8 @@ def bf(x, truncate: bool = False, dtype: str = "bf16"):
 
 
 def pair(x, truncate: bool = False, dtype: str = "bf16"):
-    hi = bf(x, truncate, dtype)
-    return hi, bf(x - hi, truncate, dtype)
+    hi = rounded(x, truncate, dtype)
+    return hi, rounded(x - hi, truncate, dtype)
 
 
 def chain(t: dict, mode: str, truncate: bool = False):
@@ -122,10 +122,10 @@ def chain(t: dict, mode: str, truncate: bool = False):
         return o.view(-1, V), S
     if mode == "tf32":
         for n in range(N):
-            s_t = bf(S, dtype="tf32")
-            o[n] = f32(r["ou"][n] + f32(bf(r["qw"][n], dtype="tf32") @ s_t))
-            vn = f32(r["u"][n] - f32(bf(r["w"][n], dtype="tf32") @ s_t))
-            S = f32(f32(r["egl"][n][:, None] * S) + f32(bf(r["kd"][n], dtype="tf32").T @ bf(vn, dtype="tf32")))
+            s_t = rounded(S, dtype="tf32")
+            o[n] = f32(r["ou"][n] + f32(rounded(r["qw"][n], dtype="tf32") @ s_t))
+            vn = f32(r["u"][n] - f32(rounded(r["w"][n], dtype="tf32") @ s_t))
+            S = f32(f32(r["egl"][n][:, None] * S) + f32(rounded(r["kd"][n], dtype="tf32").T @ rounded(vn, dtype="tf32")))
         return o.view(-1, V), S
     dt = "fp16" if mode.startswith("fp16") else "bf16"
     (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate, dt) for n in ("w", "qw", "kd"))
