@@ -53,7 +53,6 @@ def test_prefill_v3_gated(lower_bound):
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
     ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
-    ([63, 130, 1], dict(decay=0.3, b_maxnreg=None)),  # B without its register cap
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
