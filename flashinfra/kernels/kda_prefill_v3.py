@@ -89,7 +89,8 @@ def kda_state64_kernel(
     nt = tl.cdiv(L, 64).to(tl.int32)
     # exp(gl) one step ahead: a plain load, waited on at its first use, which the pipeliner does not move; read
     # where it is used it is a global round trip in every step (10% of the bf16x2 chain's state pass on an H200)
-    b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k)
+    # (a sequence without chunks loads nothing: its first chunk may be past the end of the scratch)
+    b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k, mask=o_k < tl.where(nt > 0, K, 0))
     for i_t in range(0, nt):
         base = (c0 + i_t) * H + i_h
         b_e = b_e_next

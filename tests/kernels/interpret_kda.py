@@ -52,6 +52,7 @@ def test_prefill_v3_gated(lower_bound):
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
     ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
+    ([37, 64, 0], dict(decay=0.1)),  # an empty last sequence (its chunk offset is the end of the scratch)
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
 ])
 def test_prefill_v3_split(lens, kw):
