@@ -87,9 +87,9 @@ def kda_state64_kernel(
     r_s = (slot * H + i_h) * K
     b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
     nt = tl.cdiv(L, 64).to(tl.int32)
-    # exp(gl) one step ahead: a plain load, waited on at its first use, which the pipeliner does not move; read
-    # where it is used it is a global round trip in every step (10% of the bf16x2 chain's state pass on an H200)
-    # (a sequence without chunks loads nothing: its first chunk may be past the end of the scratch)
+    # exp(gl) is loaded a step ahead: a plain load waits at its first use and the pipeliner leaves it in place, so
+    # loaded where it is used it costs a global round trip in every step (10% of the bf16x2 chain's state pass on
+    # an H200). A sequence without chunks loads nothing (its first chunk may lie past the end of the scratch).
     b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k, mask=o_k < tl.where(nt > 0, K, 0))
     for i_t in range(0, nt):
         base = (c0 + i_t) * H + i_h
