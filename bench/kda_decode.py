@@ -58,11 +58,7 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             *STREAM_VARIANTS,
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
                                                  ("stream", 32, 2, o))],
-            ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
-            # the head work inside the state launch, computed `lead` heads ahead (kda_layer_decode_ahead.py)
-            *[("ahead", 64, 4, o) for o in ({}, dict(lead=32), dict(lead=512), dict(norm_heads=4, norm_warps=4),
-                                            dict(lead=512, norm_heads=4, norm_warps=4))],
-            ("ahead", 32, 2, {})]
+            ("block", 32, 2, dict(pdl=True))]  # the norm launch as a programmatic dependent (B=1's default)
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -75,8 +71,7 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
             + (f"_normh{launch['norm_heads']}" if "norm_heads" in launch else "")
             + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else "")
-            + ("_pdl" if launch.get("pdl") else "")
-            + (f"_lead{launch['lead']}" if "lead" in launch else ""))
+            + ("_pdl" if launch.get("pdl") else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):

@@ -25,8 +25,6 @@ bench/notes/kda_decode.md):
   whole head row: two launches).
 - ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
   the next block's load issued before the current block's arithmetic.
-- ``"ahead"`` (``kda_layer_decode_ahead.py``): the prep layout's head work moved into the state launch, each
-  head's inputs computed ``lead`` heads ahead of the programs that read them; then the norm launch.
 
 Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
 ``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
@@ -48,7 +46,6 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_ahead import ahead_state_launch, ready_flags
 from flashinfra.kernels.kda_layer_decode_parts import conv_shift, conv_silu, gated_norm, head_inputs, state_step
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
@@ -161,15 +158,13 @@ def kda_layer_decode_block_kernel(
 
 @triton.jit
 def kda_layer_decode_norm_kernel(
-    qkv, conv_state, gate, norm_w, eps, state_slots, out, ready, stride_x, stride_gate,
+    qkv, conv_state, gate, norm_w, eps, state_slots, out, stride_x, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr, PDL: tl.constexpr = False,
-    LOWER: tl.constexpr = False,
 ):
     """Grid (B * H,), after the block kernel: the head's gated RMSNorm and, unless the prep kernel did it,
     its q/k conv shift; with ``PDL`` (launched as a programmatic dependent of the block layout's state launch,
-    so that its start-up overlaps that launch's end) it waits for the state launch's writes first; with
-    ``LOWER`` (the ahead layout) it lowers the head's ``ready`` flag for the next call."""
+    so that its start-up overlaps that launch's end) it waits for the state launch's writes first."""
     if PDL:
         gdc_wait()
     i_bh = tl.program_id(0)
@@ -183,8 +178,6 @@ def kda_layer_decode_norm_kernel(
     if SHIFT_QK:
         conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
         conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    if LOWER:
-        tl.store(ready + i_bh, 0)
 
 
 @triton.jit
@@ -228,7 +221,7 @@ def kda_layer_decode_prep_kernel(
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
-GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles", "ahead")
+GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
@@ -286,8 +279,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            lead: int = 128):
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
@@ -306,7 +298,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end. ``lead`` (the ahead layout): how many heads ahead of its readers a head's inputs are computed."""
+    launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -329,11 +321,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
-    if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid in ("head", "ahead")):
+    if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid == "head"):
         raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm' (not with grid "
-                         f"'head' or 'ahead'), got {launches!r}")
-    if lead < 1:
-        raise ValueError(f"kda_layer_decode: lead must be at least 1, got {lead}")
+                         f"'head'), got {launches!r}")
     check_heads(prep_heads, norm_heads, W)
     if norm_heads > 1 and grid in ("block", "head"):
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
@@ -357,15 +347,13 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
     streamed = grid in ("stream", "stream_regs", "tiles")  # the state kernel reads only the scratch and the state
-    prepped = grid in ("prep", "ahead") or streamed
-    ready = ready_flags(qkv.device, B * H) if grid == "ahead" else None
+    prepped = grid == "prep" or streamed
     if grid == "stream":
         check_stream_layout(state, BV, sizes["BK"])
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
     evict = "evict_last" if streamed and scratch_l2 else ""
-    run = ("state", "norm") if grid == "ahead" else run  # its head work is the state launch's
     if prepped and "prep" in run and prep_heads > 1:
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
                           prep_heads, prep_warps)
@@ -374,10 +362,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
                                                BVF=BVF, EVICT=evict, num_warps=prep_warps)
     normed = False
-    if "state" in run and grid == "ahead":
-        ahead_state_launch(head_args, strides, state, state_slots, out, heads, ready, sizes,
-                           lower_bound is not None, BV, lead, num_warps, maxnreg)
-    elif "state" in run and streamed:
+    if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
                                      num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
@@ -385,12 +370,11 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
     if "norm" in run and not normed and norm_heads > 1:
-        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps, ready)
+        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](
-            qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, out if ready is None else ready,
-            qkv.stride(0), gate.stride(0), **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl,
-            LOWER=ready is not None, num_warps=norm_warps,
+            qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
+            **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl, num_warps=norm_warps,
             **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -106,12 +106,11 @@ def kda_layer_decode_prep_heads_kernel(
 
 @triton.jit
 def kda_layer_decode_norm_heads_kernel(
-    gate, norm_w, eps, out, ready, stride_gate,
-    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr, LOWER: tl.constexpr,
+    gate, norm_w, eps, out, stride_gate,
+    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): the gated RMSNorm of HB heads' output rows of one sequence, in place (each
-    row's reduction reads the whole row before any of it is stored); with ``LOWER`` (the ahead layout) the
-    heads' ``ready`` flags lowered for the next call."""
+    row's reduction reads the whole row before any of it is stored)."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -127,8 +126,6 @@ def kda_layer_decode_norm_heads_kernel(
     b_o = b_o * b_w[None, :] * tl.sigmoid(b_gate)
     tl.debug_barrier()
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m)
-    if LOWER:
-        tl.store(ready + i_b * H + o_h, tl.zeros_like(o_h), mask=o_h < H)
 
 
 def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
@@ -152,13 +149,12 @@ def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, d
         num_warps=num_warps)
 
 
-def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int,
-                      ready: torch.Tensor | None = None) -> None:
-    """The norm launch, ``norm_heads`` heads of one sequence per program; with ``ready``, lowering the flags."""
+def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
+    """The norm launch, ``norm_heads`` heads of one sequence per program."""
     B, H, V = out.shape
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
-        gate, norm_weight, float(eps), out, out if ready is None else ready, gate.stride(0), H=H, V=V,
-        BVF=triton.next_power_of_2(V), HB=norm_heads, LOWER=ready is not None, num_warps=num_warps)
+        gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
+        num_warps=num_warps)
 
 
 # Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per

@@ -176,23 +176,6 @@ def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, **launch)
 
 
-@pytest.mark.parametrize("state_dtype,lower_bound,K,launch", [
-    (torch.float32, -5.0, 24, dict(lead=1)),
-    (torch.bfloat16, None, 32, dict(lead=2, norm_heads=2)),
-    (torch.float32, None, 32, dict(BV=8, lead=64)),
-])
-def test_layer_decode_ahead(state_dtype, lower_bound, K, launch):
-    """The head inputs computed inside the state launch ``lead`` heads ahead of their readers: each head's by the
-    previous head's first V block (lead 1), with two-head norm programs, all by programs of their own (a lead
-    past the layer's 6 heads); K=V=24 masks part of a block. Two steps, the flags down after each."""
-    from flashinfra.kernels.kda_layer_decode_ahead import ready_flags
-
-    for seed in (0, 1):
-        cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, seed=seed,
-                           grid="ahead", **{"BV": 16, **launch})
-        assert int(ready_flags(torch.device("cpu"), 1).count_nonzero()) == 0
-
-
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,H,K,W,launch", [
     ("prep", torch.float32, -5.0, 3, 24, 4, dict(prep_heads=2, norm_heads=2)),
     ("prep", torch.bfloat16, None, 2, 32, 3, dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)),
@@ -225,10 +208,6 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
     with pytest.raises(ValueError, match="launches must be"):
         layer_decode.kda_layer_decode_launch(**a, grid="head", launches="prep")
-    with pytest.raises(ValueError, match="launches must be"):
-        layer_decode.kda_layer_decode_launch(**a, grid="ahead", launches="state")
-    with pytest.raises(ValueError, match="lead must be at least 1"):
-        layer_decode.kda_layer_decode_launch(**a, grid="ahead", lead=0)
     with pytest.raises(ValueError, match="prep_heads must be a power of two"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_heads=3)
     with pytest.raises(ValueError, match="norm_heads > 1 needs a layout with a prep launch"):

@@ -170,25 +170,6 @@ def test_layer_decode_prep_heads(heads, layout, state_dtype):
 
 
 PDL_LAYOUTS = [dict(grid="block", BV=32, num_warps=2)]  # the layout with pdl (B=1's)
-# the layouts whose launches depend on each other beyond stream order, as replayed step after step from one graph
-GRAPH_STEP_LAYOUTS = [dict(grid="block", BV=32, num_warps=2, pdl=True), dict(grid="ahead", BV=64, num_warps=4),
-                      dict(grid="ahead", BV=64, num_warps=4, lead=1, norm_heads=4, norm_warps=4)]
-AHEAD_OPTIONS = [dict(), dict(lead=1), dict(lead=512), dict(norm_heads=4, norm_warps=4), dict(BV=32, num_warps=2)]
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", AHEAD_OPTIONS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()) or "default")
-def test_layer_decode_ahead(launch, state_dtype):
-    """The head inputs computed inside the state launch, ``lead`` heads ahead of their readers: one sequence
-    (fewer heads than the lead), an odd batch, a batch of 129 (8256 heads); the flags are all down after
-    each call."""
-    from flashinfra.kernels.kda_layer_decode_ahead import ready_flags
-
-    launch = {"BV": 64, "num_warps": 4, **launch}
-    for B in (1, 67, 129):
-        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid="ahead",
-                           **launch)
-        assert int(ready_flags(torch.device("cuda", torch.cuda.current_device()), 1).count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -199,20 +180,19 @@ def test_layer_decode_pdl(layout, state_dtype):
         cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, pdl=True, **layout)
 
 
-@pytest.mark.parametrize("layout", GRAPH_STEP_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_layer_decode_graph_steps(layout):
-    """Three decode steps replayed from one CUDA graph: each step's state launch must see the previous step's
-    state and conv slot (with ``pdl``, the dependent norm launch before it has ended; in the ahead layout, the
-    flags the previous step raised and its norm launch lowered)."""
+@pytest.mark.parametrize("layout", PDL_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_layer_decode_pdl_graph_steps(layout):
+    """Three decode steps replayed from one CUDA graph with the dependent norm launch: each step's state launch
+    must see the previous step's state and conv slot (the norm launch before it has ended)."""
     B, H, K, steps = 33, 64, 128, 3
     a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, dtype=torch.bfloat16)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
     out = torch.empty((B, H, K), dtype=torch.bfloat16, device="cuda")
     layer.kda_layer_decode_launch(**{**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()},
-                                  out=out, **layout)  # compiles outside the capture
+                                  out=out, pdl=True, **layout)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer.kda_layer_decode_launch(**a, out=out, **layout)
+        layer.kda_layer_decode_launch(**a, out=out, pdl=True, **layout)
     for _ in range(steps):
         out.fill_(float("nan"))
         graph.replay()
@@ -230,7 +210,7 @@ def test_layer_decode_prep_heads_fp32_activations(heads):
         cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid, **heads)
 
 
-@pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs", "tiles", "ahead"])
+@pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs", "tiles"])
 def test_layer_decode_fp32_activations(grid):
     cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid)
 
