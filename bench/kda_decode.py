@@ -58,8 +58,7 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             *STREAM_VARIANTS,
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
                                                  ("stream", 32, 2, o))],
-            ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
-            ("tiles", 64, 4, dict(pairs=True, prep_heads=2, prep_warps=4))]
+            ("block", 32, 2, dict(pdl=True))]  # the norm launch as a programmatic dependent (B=1's default)
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -72,8 +71,7 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
             + (f"_normh{launch['norm_heads']}" if "norm_heads" in launch else "")
             + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else "")
-            + ("_pdl" if launch.get("pdl") else "")
-            + ("_pairs" if launch.get("pairs") else ""))
+            + ("_pdl" if launch.get("pdl") else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):
@@ -184,7 +182,6 @@ def main() -> int:
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
                 heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS]
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
-                                           ("tiles", 64, 4, dict(pairs=True)),
                                            ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
                                            ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads):
                     launch = opt[0] if opt else {}

@@ -279,8 +279,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            pairs: bool | None = None):
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
@@ -299,8 +298,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end. ``pairs`` (the tiles layout): two neighbouring [K, BV] tiles of a head per state program, both
-    loads in flight at once; when the two are the head's whole row the norm is applied there (two launches)."""
+    launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -311,7 +309,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
-    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False, pairs=False)
+    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False)
     if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
         base.update((n, v) for n, v in cfg.items() if n in base)
     maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
@@ -320,7 +318,6 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
     norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
     pdl = base["pdl"] if pdl is None else pdl
-    pairs = base["pairs"] if pairs is None else pairs
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
@@ -332,8 +329,6 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
-    if pairs and grid != "tiles":
-        raise ValueError(f"kda_layer_decode: pairs is an option of the tiles layout, not {grid!r}")
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -369,7 +364,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg, pairs)
+                                     num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,

@@ -118,48 +118,6 @@ def kda_layer_decode_tile_kernel(
 
 
 @triton.jit
-def kda_layer_decode_tile_pair_kernel(
-    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    """Grid (cdiv(V, 2 * BV), B * H): two neighbouring [K, BV] tiles of a head per program, both loads issued
-    before either tile's arithmetic, so that a program has twice the bytes in flight for the registers of
-    one float32 tile and one tile in the state dtype; with ``NORM`` (2 * BV >= V: the pair is the head's whole
-    row) the gated RMSNorm is applied here and the norm launch is left out."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    o_k = tl.arange(0, BK)
-    o_v0 = 2 * i_v * BV + tl.arange(0, BV)
-    o_v1 = o_v0 + BV
-    m_v0, m_v1 = o_v0 < V, o_v1 < V
-    slot = tl.load(state_slots + i_bh // H).to(tl.int64)
-    p_s0 = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v0[None, :]
-    m_s0 = (o_k < K)[:, None] & m_v0[None, :]
-    m_s1 = (o_k < K)[:, None] & m_v1[None, :]
-    b_s0 = tl.load(p_s0, mask=m_s0, other=0.0)
-    b_s1 = tl.load(p_s0 + BV, mask=m_s1, other=0.0)  # held in the state dtype until tile 0 is done
-    b_q, b_k, b_decay, b_v0, b_beta = _head_rows(heads, i_bh, o_k, o_v0, R)
-    b_v1 = tl.load(heads + i_bh * (5 * R) + 3 * R + o_v1, mask=m_v1, other=0.0, eviction_policy="evict_first")
-    b_s0, b_o0 = state_step(b_s0.to(tl.float32), b_q, b_k, b_decay, b_beta, b_v0)
-    tl.store(p_s0, b_s0.to(state.dtype.element_ty), mask=m_s0)
-    tl.debug_barrier()  # keeps tile 1's conversion to float32 after tile 0's arithmetic (one float32 tile live)
-    b_s1, b_o1 = state_step(b_s1.to(tl.float32), b_q, b_k, b_decay, b_beta, b_v1)
-    tl.store(p_s0 + BV, b_s1.to(state.dtype.element_ty), mask=m_s1)
-    if NORM:  # as _gated_norm_row, over the two halves of the row
-        ODT: tl.constexpr = out.dtype.element_ty
-        b_o0 = b_o0.to(ODT).to(tl.float32)
-        b_o1 = b_o1.to(ODT).to(tl.float32)
-        r = 1.0 / tl.sqrt((tl.sum(b_o0 * b_o0) + tl.sum(b_o1 * b_o1)) / V + eps)
-        gate_row = gate + (i_bh // H) * stride_gate + (i_bh % H) * V
-        b_o0 = b_o0 * r * tl.load(norm_w + o_v0, mask=m_v0, other=0.0).to(tl.float32) * tl.sigmoid(
-            tl.load(gate_row + o_v0, mask=m_v0, other=0.0).to(tl.float32))
-        b_o1 = b_o1 * r * tl.load(norm_w + o_v1, mask=m_v1, other=0.0).to(tl.float32) * tl.sigmoid(
-            tl.load(gate_row + o_v1, mask=m_v1, other=0.0).to(tl.float32))
-    tl.store(out + i_bh * V + o_v0, b_o0.to(out.dtype.element_ty), mask=m_v0)
-    tl.store(out + i_bh * V + o_v1, b_o1.to(out.dtype.element_ty), mask=m_v1)
-
-
-@triton.jit
 def _tile_slot(state_slots, t, tiles, H: tl.constexpr, NV: tl.constexpr):
     """Tile t's state slot (0 past the last tile, whose loads are masked off)."""
     return tl.load(state_slots + t // NV // H, mask=t < tiles, other=0).to(tl.int64)
@@ -257,22 +215,17 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None, pairs: bool = False) -> bool:
+                        tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
     persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
-    "tiles" with one program per tile, or with ``pairs`` per two neighbouring tiles of a head. Returns whether
-    the gated RMSNorm was applied too (a program holds a head's whole row)."""
+    "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
+    whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
-    norm = grid in ("stream", "tiles") and BV * (2 if pairs else 1) >= V
+    norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    if grid == "tiles" and pairs:
-        kda_layer_decode_tile_pair_kernel[(triton.cdiv(V, 2 * BV), B * H)](
-            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
-        return norm
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
@@ -303,7 +256,4 @@ STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict
                    ("stream", 32, 2, dict(PLAIN4, num_stages=5)), ("stream", 128, 4, PLAIN4),
                    ("stream", 64, 4, dict(PLAIN4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
                    ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
-                   ("tiles", 128, 8, {}),
-                   # two tiles of a head per program (``pairs``): [K, 2 x 64] is a whole row, the norm applied there
-                   ("tiles", 64, 4, dict(pairs=True)), ("tiles", 64, 4, dict(pairs=True, maxnreg=128)),
-                   ("tiles", 64, 8, dict(pairs=True)), ("tiles", 32, 4, dict(pairs=True))]
+                   ("tiles", 128, 8, {})]

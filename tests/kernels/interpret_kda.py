@@ -167,15 +167,11 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
     ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32, prep_warps=1)),
     ("tiles", torch.float32, None, 24, dict(norm_warps=1)),
-    ("tiles", torch.bfloat16, -5.0, 24, dict(pairs=True, BV=8)),
-    ("tiles", torch.float32, None, 32, dict(pairs=True)),
-    ("tiles", torch.bfloat16, None, 24, dict(pairs=True, BV=32, prep_heads=2)),
 ])
 def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24
     leaves rows and columns of the last tile outside the state (the descriptor's zero fill, masked plain
-    stores); BV >= V, or ``pairs`` with 2 * BV >= V: a head's whole row per program, the gated RMSNorm in the
-    state kernel."""
+    stores); BV >= V: one tile per head, the gated RMSNorm in the state kernel."""
     launch = {"BV": 16, **launch}
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, **launch)
 
@@ -218,8 +214,6 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
-    with pytest.raises(ValueError, match="pairs is an option of the tiles layout"):
-        layer_decode.kda_layer_decode_launch(**a, grid="stream", pairs=True)
 
 
 def test_stream_programs_per_sm():

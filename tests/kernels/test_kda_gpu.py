@@ -147,15 +147,13 @@ def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,launch", [(1, {}), (67, {}), (33, dict(programs=7)), (33, dict(per_sm=1)),
                                       (67, dict(BV=128, num_warps=4, num_stages=2)), (67, dict(tma_store=False)),
-                                      (67, dict(prep_warps=1, norm_warps=1)), (67, dict(prep_warps=2, norm_warps=2)),
-                                      (1, dict(pairs=True, BV=64, num_warps=4)), (67, dict(pairs=True)),
-                                      (67, dict(pairs=True, BV=16))])
+                                      (67, dict(prep_warps=1, norm_warps=1)), (67, dict(prep_warps=2, norm_warps=2))])
 @pytest.mark.parametrize("grid", ["stream", "stream_regs", "tiles"])
 def test_layer_decode_stream_sizes(grid, B, launch, state_dtype):
     """One tile per program (B=1), many (B=67, or a grid of 7 programs), one program per SM."""
-    if (grid != "stream" and ("tma_store" in launch or ("BV" in launch and "pairs" not in launch))) or (
-            grid == "tiles" and ("programs" in launch or "per_sm" in launch)) or (grid != "tiles" and "pairs" in launch):
-        pytest.skip("an option of the descriptor loop, of the persistent grid or of the tiles layout")
+    if (grid != "stream" and ("tma_store" in launch or "BV" in launch)) or (
+            grid == "tiles" and ("programs" in launch or "per_sm" in launch)):
+        pytest.skip("an option of the descriptor loop or of the persistent grid")
     launch = {"BV": 32, "num_warps": 2, **launch}
     cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, **launch)
 
