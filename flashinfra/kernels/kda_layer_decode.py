@@ -46,7 +46,8 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_parts import conv_shift, conv_silu, gated_norm, head_inputs, state_step
+from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, gated_norm, head_inputs, load_state,
+                                                       state_step)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
@@ -96,7 +97,7 @@ def kda_layer_decode_head_kernel(
     m_k = o_k < K
     p_s0 = state + (slot * H + i_h) * K * V + o_k[:, None] * V
     # The first state block goes first: it is the big load, and nothing it needs comes from the conv.
-    b_s = tl.load(p_s0 + o_b[None, :], mask=m_k[:, None] & (o_b < V)[None, :], other=0.0).to(tl.float32)
+    b_s = load_state(p_s0 + o_b[None, :], m_k[:, None] & (o_b < V)[None, :]).to(tl.float32)
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
     b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
@@ -106,7 +107,7 @@ def kda_layer_decode_head_kernel(
         o_v = i_v * BV + o_b
         m_v = o_v < V
         m_n = (o_v + BV) < V
-        b_next = tl.load(p_s0 + (o_v + BV)[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_next = load_state(p_s0 + (o_v + BV)[None, :], m_k[:, None] & m_n[None, :])
         b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
         b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
         tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
@@ -138,7 +139,7 @@ def kda_layer_decode_block_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
     p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # issued first: the big load
+    b_s = load_state(p_s, m_s).to(tl.float32)  # issued first: the big load
     x_row = qkv + i_b * stride_x
     cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
     if PREPPED:

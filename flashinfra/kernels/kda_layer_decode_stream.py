@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_parts import state_step
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def kda_layer_decode_tile_kernel(
     slot = tl.load(state_slots + i_bh // H).to(tl.int64)
     p_s = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_s = (o_k < K)[:, None] & m_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    b_s = load_state(p_s, m_s).to(tl.float32)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
@@ -148,12 +148,12 @@ def kda_layer_decode_stream_regs_kernel(
     slot = _tile_slot(state_slots, t0, tiles, H, NV)
     slot_next = _tile_slot(state_slots, t0 + G, tiles, H, NV)
     p_s, m_s = _tile_ptrs(state, slot, t0, tiles, o_k, o_b, H, K, V, BV, NV)
-    b_next = tl.load(p_s, mask=m_s, other=0.0)
+    b_next = load_state(p_s, m_s)
     for t in tl.range(t0, tiles, G, num_stages=1):
         b_s = b_next.to(tl.float32)
         p_s, m_s = _tile_ptrs(state, slot, t, tiles, o_k, o_b, H, K, V, BV, NV)
         p_n, m_n = _tile_ptrs(state, slot_next, t + G, tiles, o_k, o_b, H, K, V, BV, NV)
-        b_next = tl.load(p_n, mask=m_n, other=0.0)
+        b_next = load_state(p_n, m_n)
         slot = slot_next
         slot_next = _tile_slot(state_slots, t + 2 * G, tiles, H, NV)
         i_bh = t // NV

@@ -1,0 +1,122 @@
+"""How the decode recurrence's state access costs bandwidth: the bare fp32 recurrence (kda_decode's step on a
+[K, BV] block, 4 warps) in variants that differ only in how the state block is addressed and cached, with
+flash-linear-attention's ``fused_recurrent_kda`` in the same run. CUDA graph, H=64, K=V=128, B=64 and 256.
+
+    python bench/kda_decode_state_access.py --part slots [--out DIR]  -> results/kda_decode_state_slots.json
+    python bench/kda_decode_state_access.py --part hints [--out DIR]  -> results/kda_decode_state_hints.json
+
+``slots``: the slot index loaded (random slots, or the identity) or taken as the batch index (no dependent load
+before the state load), the new state written in place or to another buffer (as FLA's benchmark call does).
+``hints``: in place with random slots, the state load and store under L2 eviction policies and cache modifiers.
+(bench/notes/kda_decode.md, "The state read as evict_last".)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kda_common import copy_bandwidth_GBps, header, time_graph, write_results  # noqa: E402
+
+H, K, V = 64, 128, 128
+
+
+@triton.jit
+def recurrence_variant_kernel(q, k, v, g, beta, o, state, state_out, state_slots, scale,
+                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                              DIRECT: tl.constexpr, OUTPLACE: tl.constexpr, LEV: tl.constexpr = "",
+                              SEV: tl.constexpr = "", SCM: tl.constexpr = ""):
+    """kda_decode_kernel's step on one [K, BV] block (K, V multiples of the block), its state access varied."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    if DIRECT:
+        slot = i_b.to(tl.int64)
+    else:
+        slot = tl.load(state_slots + i_b).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    off = (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(state + off, eviction_policy=LEV)
+    b_q = tl.load(q + i_bh * K + o_k).to(tl.float32)
+    b_k = tl.load(k + i_bh * K + o_k).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + o_v).to(tl.float32)
+    b_g = tl.load(g + i_bh * K + o_k)
+    b_beta = tl.load(beta + i_bh)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_s = b_s * tl.exp(b_g)[:, None]
+    b_d = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_d[None, :]
+    tl.store(o + i_bh * V + o_v, tl.sum(b_s * b_q[:, None], 0).to(o.dtype.element_ty))
+    if OUTPLACE:
+        tl.store(state_out + (i_bh * K * V + o_k[:, None] * V + o_v[None, :]), b_s)
+    else:
+        tl.store(state + off, b_s, eviction_policy=SEV, cache_modifier=SCM)
+
+
+def variants(part: str):
+    """(name, launch options, which slots) per variant of the part."""
+    if part == "slots":
+        for bv in (32, 64):
+            for direct in (False, True):
+                for outp in (False, True):
+                    for slots in (("ident",) if direct else ("perm", "ident")):
+                        name = (f"BV{bv}_w4_{'direct' if direct else 'load_' + slots}_"
+                                f"{'outplace' if outp else 'inplace'}")
+                        yield name, dict(BV=bv, DIRECT=direct, OUTPLACE=outp), slots
+        return
+    hints = (("none", {}), ("lev_first", dict(LEV="evict_first")), ("sev_first", dict(SEV="evict_first")),
+             ("scs", dict(SCM=".cs")), ("lev_sev_first", dict(LEV="evict_first", SEV="evict_first")),
+             ("lev_last", dict(LEV="evict_last")), ("swt", dict(SCM=".wt")))
+    for bv in (64, 32):
+        for tag, hint in hints:
+            for outp in ((False, True) if tag == "none" else (False,)):
+                name = f"BV{bv}_w4_perm_{'outplace' if outp else 'inplace'}_{tag}"
+                yield name, dict(BV=bv, DIRECT=False, OUTPLACE=outp, **hint), "perm"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("slots", "hints"), required=True)
+    ap.add_argument("--out", help="also copy the JSON into this folder")
+    args = ap.parse_args()
+    from fla.ops.kda import fused_recurrent_kda
+
+    res = header()
+    res["copy_GBps"] = copy_bandwidth_GBps()
+    res["rows"] = []
+    for B in (64, 256):
+        row = {"B": B}
+        q = torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        g = (-5 * torch.sigmoid(torch.randn(B, H, K, device="cuda"))).float()
+        beta = torch.rand(B, H, device="cuda")
+        state = torch.randn(B + 3, H, K, V, device="cuda") * 0.1
+        slots = {"perm": torch.randperm(B + 3, device="cuda")[:B].to(torch.int32),
+                 "ident": torch.arange(B, device="cuda", dtype=torch.int32)}
+        state_out = torch.empty(B, H, K, V, device="cuda")
+        o = torch.empty(B, H, V, device="cuda", dtype=torch.bfloat16)
+        for name, opts, which in variants(args.part):
+            bv = opts.pop("BV")
+            row[name] = time_graph(lambda s=slots[which], bv=bv, opts=opts: recurrence_variant_kernel[(V // bv, B * H)](
+                q, k, v, g, beta, o, state, state_out, s, K**-0.5, H=H, K=K, V=V, BV=bv, num_warps=4, **opts))
+        h0 = state[:B].clone()
+        row["fla"] = time_graph(lambda: fused_recurrent_kda(
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.bfloat16().unsqueeze(1),
+            scale=K**-0.5, initial_state=h0, output_final_state=True))
+        res["rows"].append(row)
+        print(B, {n: round(t, 1) for n, t in row.items() if n != "B"}, flush=True)
+    write_results(f"kda_decode_state_{args.part}", res, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
