@@ -234,15 +234,16 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     4 warps; the state kernel is near the copy bandwidth), its prep launch 2 heads and its norm launch 4 heads
     per program at B=16 and 256 (1% faster; at B=64 within 0.5% of the per-head launches, which stay there).
     bf16 state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on
-    4 warps capped at 96 registers, with the same several-heads prep and norm launches (0.7% / 1.6% faster at
-    B=64 / 256)."""
+    4 warps capped at 96 registers, both with the same several-heads prep and norm launches (0.7% / 1.6% faster
+    at B=64 / 256; at B=16 2% faster in the 12:4x UTC run with the state read as evict_last,
+    bench/results/kda_decode_refresh_16_64.json, 0.4% in the 06:44 one)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
     heads = dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
         return dict(grid="prep", BV=64, num_warps=4, **({} if 32 < B <= 128 else heads))
     if B <= 32:
-        return dict(grid="stream", BV=32, num_warps=2)
+        return dict(grid="stream", BV=32, num_warps=2, **heads)
     return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, **heads)
 
 

@@ -196,7 +196,7 @@ def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch
 def test_layer_decode_default_config(B, state_dtype):
     """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
     launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
-    prep layout with several-heads prep and norm launches (fp32 state) or the streaming layout (bf16)."""
+    prep layout (fp32 state) or the streaming layout (bf16), each with several-heads prep and norm launches."""
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 
