@@ -1,6 +1,7 @@
-"""Triton pieces shared by the KDA layer decode kernels (``kda_layer_decode``, ``kda_layer_decode_stream``):
-the conv update of a token on a set of channels, a head's normalised q/k with its decay and beta, one
-delta-rule step on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
+"""Triton pieces shared by the KDA decode kernels (``kda_layer_decode``, ``kda_layer_decode_stream``; the state
+read also by the bare recurrence, ``kda_decode``): the conv update of a token on a set of channels, a head's
+normalised q/k with its decay and beta, the read of a state block to be updated in place, one delta-rule step
+on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
 
 from __future__ import annotations
 
