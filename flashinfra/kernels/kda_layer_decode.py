@@ -189,8 +189,9 @@ def kda_layer_decode_prep_kernel(
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
     EVICT: tl.constexpr = "",
 ):
-    """Grid (B * H,), before the state kernel: the head's q, k (conv, L2 norm, scale), decay and beta, once,
-    into ``heads`` float32, and the q/k conv shift (this program is the only reader of those channels).
+    """Grid (B * H,), before the state kernel, for conv widths above 4 (narrower ones take the several-heads
+    prep kernel with one head per program, kda_layer_decode_prep.py): the head's q, k (conv, L2 norm, scale),
+    decay and beta, once, into ``heads`` float32, and the q/k conv shift (the only reader of those channels).
     ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
     ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
     then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
@@ -356,7 +357,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
     evict = "evict_last" if streamed and scratch_l2 else ""
-    if prepped and "prep" in run and prep_heads > 1:
+    if prepped and "prep" in run and (prep_heads > 1 or W <= 4):  # the per-head kernel: wider convs
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
                           prep_heads, prep_warps)
     elif prepped and "prep" in run:

@@ -1,5 +1,9 @@
 """The prep and norm launches of the KDA layer decode with several heads of one sequence per program
-(``prep_heads`` / ``norm_heads`` > 1 in ``kda_layer_decode_launch``).
+(``prep_heads`` / ``norm_heads`` > 1 in ``kda_layer_decode_launch``); the prep kernel here also runs the
+one-head prep launch (``prep_heads=1``) for conv widths up to 4, in 280 instructions per warp against the
+per-head kernel's 392 (21 global loads per thread against 31, 6 barriers against 10): 11.4 -> 9.9 us at B=64 on
+an H200 (bench/notes/kda_decode.md, "The one-head prep launch"). ``kda_layer_decode_prep_kernel`` remains for
+wider convs.
 
 Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_kernel`` (one program per
 (sequence, head), 128-wide vectors): the scratch rows q, k, decay (v) and beta, the conv slot shifted, the

@@ -191,6 +191,16 @@ def test_layer_decode_prep_heads(grid, state_dtype, lower_bound, H, K, W, launch
                        **launch)
 
 
+@pytest.mark.parametrize("grid,state_dtype,launch", [
+    ("prep", torch.float32, {}), ("tiles", torch.bfloat16, {}), ("block", torch.float32, {}),
+    ("prep", torch.bfloat16, dict(prep_heads=1, norm_heads=2)),
+])
+def test_layer_decode_wide_conv(grid, state_dtype, launch):
+    """A conv width of 5: the per-head prep kernel (without and with the v rows), which the several-heads kernel
+    leaves to widths above 4, and the block layout's conv in its state kernel."""
+    cases.layer_decode("cpu", B=3, H=2, K=24, state_dtype=state_dtype, W=5, grid=grid, BV=16, **launch)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3])
 def test_layer_decode_default_config(B, state_dtype):
