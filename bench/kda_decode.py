@@ -58,7 +58,8 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             *STREAM_VARIANTS,
             *[v for o in HEADS_OPTIONS for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)),
                                                  ("stream", 32, 2, o))],
-            ("block", 32, 2, dict(pdl=True))]  # the norm launch as a programmatic dependent (B=1's default)
+            ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
+            ("prep", 64, 4, dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4))]  # one-head prep, 4-head norm
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
