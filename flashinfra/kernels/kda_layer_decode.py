@@ -17,14 +17,15 @@ bench/notes/kda_decode.md):
 - ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
   (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
   the state programs do only the recurrence and the v conv; three launches.
-- ``"stream"``, ``"stream_regs"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep
-  launch also computes the v conv and shifts the whole conv slot, so the state kernel reads only the
-  scratch and its state tiles: persistent programs with the state through a tensor descriptor in a
-  pipelined loop, persistent programs with the next tile prefetched into registers, or one program per
-  tile. The norm launch follows (``"stream"`` and ``"tiles"`` apply the norm themselves when a tile is a
-  whole head row: two launches).
-- ``"head"``: one launch, one program per (sequence, head) walking its state in ``BV``-column blocks with
-  the next block's load issued before the current block's arithmetic.
+- ``"stream"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep launch also computes
+  the v conv and shifts the whole conv slot, so the state kernel reads only the scratch and its state tiles:
+  persistent programs with the state through a tensor descriptor in a pipelined loop, or one program per
+  tile. The norm launch follows (both apply the norm themselves when a tile is a whole head row: two
+  launches).
+
+Layouts measured slower at every size and removed (bench/notes/kda_decode.md): one program per head walking
+its state, persistent programs prefetching the next tile into registers, the head work inside the state
+launch, two tiles per program.
 
 Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
 ``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
@@ -75,49 +76,6 @@ def kda_layer_decode_ref(
     g = kda_gate_ref(g_raw.view(B, H, K), A_log, dt_bias, lower_bound)
     o = kda_decode_ref(q, k, v, g, torch.sigmoid(beta_logits.float()), state, state_slots)
     return gated_rms_norm_ref(o, gate.view(B, H, V), norm_weight, eps)
-
-
-@triton.jit
-def kda_layer_decode_head_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_w, eps,
-    state, state_slots, out,
-    stride_x, stride_g, stride_b, stride_gate, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-):
-    """Grid (B * H,). One program per head walks the head's state in [K, BV] blocks (the next block's load
-    issued before the current block's arithmetic), keeping the register footprint of one block while the
-    RMSNorm still sees the whole output. The unnormalised output goes through ``out`` (rounded to its dtype,
-    as the unfused path rounds it before the norm); the conv slot is shifted last, after every read of it."""
-    i_bh = tl.program_id(0)
-    i_b, i_h = i_bh // H, i_bh % H
-    slot = tl.load(state_slots + i_b).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-    p_s0 = state + (slot * H + i_h) * K * V + o_k[:, None] * V
-    # The first state block goes first: it is the big load, and nothing it needs comes from the conv.
-    b_s = load_state(p_s0 + o_b[None, :], m_k[:, None] & (o_b < V)[None, :]).to(tl.float32)
-    x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
-    b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                            beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
-                                            H, K, W, BW, HAS_LOWER_BOUND)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + o_b
-        m_v = o_v < V
-        m_n = (o_v + BV) < V
-        b_next = load_state(p_s0 + (o_v + BV)[None, :], m_k[:, None] & m_n[None, :])
-        b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
-        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-        tl.store(p_s0 + o_v[None, :], b_s.to(state.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
-        b_s = b_next.to(tl.float32)
-    tl.debug_barrier()  # this program's own output stores are read back below, by other threads
-    gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
-    conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-    conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
-    conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + tl.arange(0, BVF), tl.arange(0, BVF) < V, W, BW)
 
 
 @triton.jit
@@ -223,7 +181,7 @@ def kda_layer_decode_prep_kernel(
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
-GRIDS = ("block", "prep", "head", "stream", "stream_regs", "tiles")
+GRIDS = ("block", "prep", "stream", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
@@ -285,13 +243,13 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
-    The streaming layouts (``"stream"``, ``"stream_regs"``) also take ``num_stages`` (the descriptor loop's
+    The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
     pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
     ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
     L2 when the state kernel reads it behind the state stream; off by default: at B=256 the scratch is 42 MB,
     most of the L2, which the kernels between the KDA layers would then lose);
-    ``"stream"`` also ``tma_store`` (the new state written back by the copy engine, or by plain stores);
+    and ``tma_store`` (the new state written back by the copy engine, or by plain stores);
     with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
@@ -324,11 +282,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
-    if launches not in ("all", "prep", "state", "norm") or (launches != "all" and grid == "head"):
-        raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm' (not with grid "
-                         f"'head'), got {launches!r}")
+    if launches not in ("all", "prep", "state", "norm"):
+        raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm', got {launches!r}")
     check_heads(prep_heads, norm_heads, W)
-    if norm_heads > 1 and grid in ("block", "head"):
+    if norm_heads > 1 and grid == "block":
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
@@ -340,16 +297,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
     sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))
-    if grid == "head":
-        kda_layer_decode_head_kernel[(B * H,)](
-            qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lb, norm_weight, float(eps),
-            state, state_slots, out, qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), gate.stride(0), K**-0.5,
-            **sizes, BV=BV, BVF=BVF, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
-        )
-        return out
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
-    streamed = grid in ("stream", "stream_regs", "tiles")  # the state kernel reads only the scratch and the state
+    streamed = grid in ("stream", "tiles")  # the state kernel reads only the scratch and the state
     prepped = grid == "prep" or streamed
     if grid == "stream":
         check_stream_layout(state, BV, sizes["BK"])

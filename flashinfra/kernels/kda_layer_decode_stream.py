@@ -1,5 +1,5 @@
-"""The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"stream_regs"`` /
-``"tiles"`` in ``kda_layer_decode_launch``).
+"""The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"tiles"`` in
+``kda_layer_decode_launch``).
 
 The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k,
 decay, v conv output and beta into a float32 scratch ``heads`` [B * H, 5, R] and shifted the whole conv
@@ -7,17 +7,12 @@ slot, so a state program reads nothing but the scratch (from L2) and its [K, BV]
 tile back in place and its [BV] unnormalised output; the norm kernel follows, except where a tile is a
 head's whole row (``stream`` and ``tiles`` then apply the gated RMSNorm themselves).
 
-``stream`` and ``stream_regs`` are persistent: a grid of as many programs per SM as fit walks the
-(sequence, head, V block) tiles t = pid, pid + G, ..., so that later tiles' states are on their way while
-the current one is reduced, instead of one tile per program with nothing in flight between its load and
-its store:
-
-- ``stream``: the state as a tensor descriptor over [slots * H, K, V], loaded by the copy engine in a
-  ``tl.range`` loop of ``STAGES`` stages, which Triton's pipeliner turns into a ring of STAGES - 1
-  shared-memory buffers (STAGES - 2 loads in flight while a tile is computed); the new tile leaves by the
-  copy engine through a staging buffer or by plain stores.
-- ``stream_regs``: plain loads, the next tile's held in registers (in the state dtype) while the current
-  one is computed; its slot index is read one tile further ahead, so no load waits on another.
+``stream`` is persistent: a grid of as many programs per SM as fit walks the (sequence, head, V block) tiles
+t = pid, pid + G, ..., so that later tiles' states are on their way while the current one is reduced. The
+state is a tensor descriptor over [slots * H, K, V], loaded by the copy engine in a ``tl.range`` loop of
+``STAGES`` stages, which Triton's pipeliner turns into a ring of STAGES - 1 shared-memory buffers (STAGES - 2
+loads in flight while a tile is computed); the new tile leaves by the copy engine through a staging buffer or
+by plain stores.
 
 ``tiles`` is the same state step without persistence: one program per tile (the bare recurrence's shape).
 """
@@ -117,53 +112,6 @@ def kda_layer_decode_tile_kernel(
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
-@triton.jit
-def _tile_slot(state_slots, t, tiles, H: tl.constexpr, NV: tl.constexpr):
-    """Tile t's state slot (0 past the last tile, whose loads are masked off)."""
-    return tl.load(state_slots + t // NV // H, mask=t < tiles, other=0).to(tl.int64)
-
-
-@triton.jit
-def _tile_ptrs(state, slot, t, tiles, o_k, o_b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BV: tl.constexpr, NV: tl.constexpr):
-    """Tile t's state pointers and mask (all off past the last tile)."""
-    i_bh = t // NV
-    o_v = (t - i_bh * NV) * BV + o_b
-    p = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    return p, (o_k < K)[:, None] & ((o_v < V) & (o_b * 0 + t < tiles))[None, :]
-
-
-@triton.jit
-def kda_layer_decode_stream_regs_kernel(
-    state, heads, state_slots, out, tiles,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-):
-    """Grid (G,), G <= tiles: program p takes tiles p, p + G, ...; tile t + G's state load is issued before
-    tile t's arithmetic and held in registers until the next iteration."""
-    NV: tl.constexpr = (V + BV - 1) // BV
-    G = tl.num_programs(0)
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    t0 = tl.program_id(0)
-    slot = _tile_slot(state_slots, t0, tiles, H, NV)
-    slot_next = _tile_slot(state_slots, t0 + G, tiles, H, NV)
-    p_s, m_s = _tile_ptrs(state, slot, t0, tiles, o_k, o_b, H, K, V, BV, NV)
-    b_next = load_state(p_s, m_s)
-    for t in tl.range(t0, tiles, G, num_stages=1):
-        b_s = b_next.to(tl.float32)
-        p_s, m_s = _tile_ptrs(state, slot, t, tiles, o_k, o_b, H, K, V, BV, NV)
-        p_n, m_n = _tile_ptrs(state, slot_next, t + G, tiles, o_k, o_b, H, K, V, BV, NV)
-        b_next = load_state(p_n, m_n)
-        slot = slot_next
-        slot_next = _tile_slot(state_slots, t + 2 * G, tiles, H, NV)
-        i_bh = t // NV
-        o_v = (t - i_bh * NV) * BV + o_b
-        b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
-        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=o_v < V)
-        tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-
-
 def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
                threads_per_sm: int = 2048) -> int:
     """How many programs fit on one SM at once (registers allocated per warp in units of 256, 1 KB of shared
@@ -216,9 +164,9 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
                         tma_store: bool, maxnreg: int | None = None) -> bool:
-    """Run the state kernel of ``grid`` over every tile of the batch: "stream" and "stream_regs" with a
-    persistent grid (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``),
-    "tiles" with one program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
+    """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
+    (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
+    program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
     whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
@@ -231,17 +179,12 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
             BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
         return norm
-    if grid == "stream":
-        check_stream_layout(state, BV, BK)
-        kernel = kda_layer_decode_stream_kernel
-        args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
-                gate, norm_weight, float(eps), gate.stride(0))
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
-                  num_warps=num_warps, num_stages=num_stages, **cap)
-    else:
-        kernel = kda_layer_decode_stream_regs_kernel
-        args = (state, heads, state_slots, out, tiles)
-        kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, num_warps=num_warps, **cap)
+    check_stream_layout(state, BV, BK)
+    kernel = kda_layer_decode_stream_kernel
+    args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
+            gate, norm_weight, float(eps), gate.stride(0))
+    kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
+              num_warps=num_warps, num_stages=num_stages, **cap)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
 
@@ -254,6 +197,6 @@ STREAM_VARIANTS = [("stream", 64, 4, dict(num_stages=4)), ("stream", 32, 2, dict
                    ("stream", 64, 4, PLAIN4), ("stream", 64, 4, dict(PLAIN4, num_stages=5)),
                    ("stream", 64, 4, dict(PLAIN4, num_stages=6)), ("stream", 32, 2, PLAIN4),
                    ("stream", 32, 2, dict(PLAIN4, num_stages=5)), ("stream", 128, 4, PLAIN4),
-                   ("stream", 64, 4, dict(PLAIN4, scratch_l2=True)), ("stream_regs", 64, 4, {}), ("tiles", 64, 4, {}),
+                   ("stream", 64, 4, dict(PLAIN4, scratch_l2=True)), ("tiles", 64, 4, {}),
                    ("tiles", 32, 2, {}), ("tiles", 32, 4, {}), ("tiles", 64, 4, dict(maxnreg=96)),
                    ("tiles", 128, 8, {})]

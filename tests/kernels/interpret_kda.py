@@ -149,10 +149,11 @@ def test_decode():
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
     ("block", torch.float32, -5.0, 24), ("block", torch.bfloat16, None, 32),
-    ("prep", torch.bfloat16, -5.0, 24), ("head", torch.float32, None, 32),
+    ("prep", torch.bfloat16, -5.0, 24), ("prep", torch.float32, None, 32),
 ])
 def test_layer_decode(grid, state_dtype, lower_bound, K):
-    """Every layout, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a block."""
+    """The one-shot layouts, both state dtypes, with and without the gate's lower bound; K=V=24 masks part of a
+    block."""
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16)
 
 
@@ -161,8 +162,7 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),
     ("stream", torch.bfloat16, -5.0, 24, dict(BV=32, tma_store=False)),
     ("stream", torch.float32, None, 32, dict(BV=32, scratch_l2=True)),
-    ("stream_regs", torch.bfloat16, -5.0, 32, {}),
-    ("stream_regs", torch.float32, None, 24, dict(programs=5)),
+    ("stream", torch.float32, None, 24, dict(programs=5)),
     ("tiles", torch.bfloat16, None, 24, dict(maxnreg=96)),
     ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
     ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32, prep_warps=1)),
@@ -217,7 +217,7 @@ def test_layer_decode_bad_layouts():
     with pytest.raises(ValueError, match="16-byte aligned state"):  # a 24-byte state row
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16)
     with pytest.raises(ValueError, match="launches must be"):
-        layer_decode.kda_layer_decode_launch(**a, grid="head", launches="prep")
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", launches="prep+state")
     with pytest.raises(ValueError, match="prep_heads must be a power of two"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_heads=3)
     with pytest.raises(ValueError, match="norm_heads > 1 needs a layout with a prep launch"):

@@ -121,8 +121,7 @@ def test_layer_decode_every_table_config(key_cfg):
 
 # every (grid, BV, num_warps) of the one-shot layouts that bench/kda_decode.py times, and whole-row blocks
 LAYOUTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
-           ("block", 128, 8), ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4), ("head", 32, 4),
-           ("head", 128, 4)]
+           ("block", 128, 8), ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -148,7 +147,7 @@ def test_layer_decode_stream_variants(grid, BV, num_warps, launch, state_dtype):
 @pytest.mark.parametrize("B,launch", [(1, {}), (67, {}), (33, dict(programs=7)), (33, dict(per_sm=1)),
                                       (67, dict(BV=128, num_warps=4, num_stages=2)), (67, dict(tma_store=False)),
                                       (67, dict(prep_warps=1, norm_warps=1)), (67, dict(prep_warps=2, norm_warps=2))])
-@pytest.mark.parametrize("grid", ["stream", "stream_regs", "tiles"])
+@pytest.mark.parametrize("grid", ["stream", "tiles"])
 def test_layer_decode_stream_sizes(grid, B, launch, state_dtype):
     """One tile per program (B=1), many (B=67, or a grid of 7 programs), one program per SM."""
     if (grid != "stream" and ("tma_store" in launch or "BV" in launch)) or (
@@ -210,7 +209,7 @@ def test_layer_decode_prep_heads_fp32_activations(heads):
         cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid, **heads)
 
 
-@pytest.mark.parametrize("grid", ["block", "prep", "head", "stream", "stream_regs", "tiles"])
+@pytest.mark.parametrize("grid", ["block", "prep", "stream", "tiles"])
 def test_layer_decode_fp32_activations(grid):
     cases.layer_decode("cuda", B=5, H=64, K=128, dtype=torch.float32, grid=grid)
 
