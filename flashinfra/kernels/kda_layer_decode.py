@@ -307,7 +307,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
     evict = "evict_last" if streamed and scratch_l2 else ""
-    if prepped and "prep" in run and (prep_heads > 1 or W <= 4):  # the per-head kernel: wider convs
+    # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
+    # the per-head kernel, which is left for conv widths above 4)
+    if prepped and "prep" in run and (prep_heads > 1 or W <= 4):
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
                           prep_heads, prep_warps)
     elif prepped and "prep" in run:
