@@ -2,8 +2,8 @@
 subprocess rounds, an A/A noise floor, and the Mann-Whitney test of ``flashinfra.feedback.stats``.
 
 ``compare(a, b, direction, min_effect)`` says ``better``, ``worse`` or ``no difference``. "Better" needs
-all three: the relative change of the medians beyond the noise floor (how far apart the baseline's own
-subprocesses land: what an A/A run would show), beyond ``min_effect``, and a
+all three: the relative change of the medians beyond the noise floor (how far apart either side's own
+subprocesses land: what an A/A or a B/B run would show), beyond ``min_effect``, and a
 Mann-Whitney p-value below ``alpha`` (two-sided; the direction comes from the medians). This differs
 from ``flashinfra.feedback.ab`` (whole subprocess rounds of A, B, A' per sample) in taking several block
 medians per subprocess, so that a candidate is judged with four subprocesses instead of nine or more.
@@ -55,20 +55,24 @@ def noise_floor(groups: list[list[float]]) -> float:
     return (q[2] - q[0]) / med
 
 
-def compare(a_groups: list[list[float]], b: list[float], direction: str = "lower", min_effect: float = 0.03,
-            alpha: float = 0.05) -> ABResult:
-    """``a_groups``: the baseline's values per subprocess (for the A/A noise floor); ``b``: the candidate's."""
+def compare(a_groups: list[list[float]], b_groups: list[list[float]], direction: str = "lower",
+            min_effect: float = 0.03, alpha: float = 0.05) -> ABResult:
+    """``a_groups`` and ``b_groups``: the baseline's and the candidate's values, one list per subprocess. The
+    noise floor is the larger of the two sides' spreads between subprocesses: a candidate whose own
+    subprocesses disagree by 8% cannot show a 5% gain, however its pooled median falls."""
     a = [v for g in a_groups for v in g]
+    b = [v for g in b_groups for v in g]
     if len(a) < 2 or len(b) < 2:
         raise ValueError("an A/B comparison needs at least two measurements per side")
     ma, mb = statistics.median(a), statistics.median(b)
     change = ((ma - mb) if direction == "lower" else (mb - ma)) / ma if ma else 0.0
     p = mann_whitney(b, a)["p_value"]
-    floor = max(noise_floor(a_groups), min_effect)
+    spread = max(noise_floor(a_groups), noise_floor(b_groups))
+    floor = max(spread, min_effect)
     if change > floor and p < alpha:
         verdict = "better"
     elif -change > floor and p < alpha:
         verdict = "worse"
     else:
         verdict = "no difference"
-    return ABResult(ma, mb, change, noise_floor(a_groups), p, verdict, len(a), len(b))
+    return ABResult(ma, mb, change, spread, p, verdict, len(a), len(b))

@@ -188,7 +188,7 @@ class Gate:
     def _target(self, t, blocks, metrics, reasons) -> dict:
         g = self.goals
         if t.metric in blocks["A"] and t.metric in blocks["B"]:
-            ab = abstats.compare(blocks["A"][t.metric], _flat(blocks["B"][t.metric]), t.direction, g.min_effect)
+            ab = abstats.compare(blocks["A"][t.metric], blocks["B"][t.metric], t.direction, g.min_effect)
             if ab.verdict != "better":
                 reasons.append(f"target {t.metric}: no improvement beyond the noise floor ({ab.summary()})")
             return {"metric": t.metric, **ab.to_dict(), "summary": ab.summary()}

@@ -207,8 +207,7 @@ class FeedbackTools:
                     blocks[side].setdefault(name, []).append(b["block_medians"])
         lines = []
         for name in blocks["A"]:
-            b_values = [v for group in blocks["B"][name] for v in group]
-            res = abstats.compare(blocks["A"][name], b_values, "lower", self.goals.min_effect)
+            res = abstats.compare(blocks["A"][name], blocks["B"][name], "lower", self.goals.min_effect)
             lines.append(f"{name}: {res.summary()}".replace("better", "faster").replace("worse", "slower"))
         return "\n".join(lines)
 

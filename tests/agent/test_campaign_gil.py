@@ -79,5 +79,7 @@ def test_transfer_campaign(repo, api_key):
     assert breaks.status == "failed"
     assert any("check transfer.roundtrip failed" in r and "transfer.checksums" in r for r in breaks.verdict["reasons"])
     (noop,) = by_hypothesis["a list() literal is faster"]
+    # The no-op leaves the GIL stall in place: timing rejects it (the overhead criterion, the target, or both:
+    # noise on a busy machine can hide either one), never a check.
     assert noop.status == "failed"
-    assert any("no improvement beyond the noise floor" in r for r in noop.verdict["reasons"])
+    assert noop.verdict["reasons"] and all(r.startswith(TIMING) for r in noop.verdict["reasons"]), noop.verdict
