@@ -15,7 +15,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
-from flashinfra.kernels.kda_layer_decode_parts import load_state
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_tile
 
 
 def kda_decode_ref(
@@ -50,8 +50,7 @@ def kda_decode_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)  # [BK, BV]
     b_q = tl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)

@@ -47,8 +47,8 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, gated_norm, head_inputs, load_state,
-                                                       state_step)
+from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
+                                                       load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
@@ -95,11 +95,10 @@ def kda_layer_decode_block_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)  # issued first: the big load
     x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
@@ -132,7 +131,7 @@ def kda_layer_decode_norm_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     gated_norm(out + i_bh * V, gate + i_b * stride_gate + i_h * V, norm_w, eps, V, BVF)
     if SHIFT_QK:
         conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
@@ -160,7 +159,7 @@ def kda_layer_decode_prep_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                             beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
                                             H, K, W, BW, HAS_LOWER_BOUND)

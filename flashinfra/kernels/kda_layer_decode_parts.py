@@ -1,7 +1,8 @@
-"""Triton pieces shared by the KDA decode kernels (``kda_layer_decode``, ``kda_layer_decode_stream``; the state
-read also by the bare recurrence, ``kda_decode``): the conv update of a token on a set of channels, a head's
-normalised q/k with its decay and beta, the read of a state block to be updated in place, one delta-rule step
-on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
+"""Triton pieces shared by the KDA decode kernels (``kda_layer_decode``, ``kda_layer_decode_prep``,
+``kda_layer_decode_stream``; the state's addressing and read also by the bare recurrence, ``kda_decode``, and the
+v2 prefill, ``kda_prefill_split``): where a sequence's slot keeps its state and conv taps, the conv update of a
+token on a set of channels, a head's normalised q/k with its decay and beta, the read of a state block to be
+updated in place, one delta-rule step on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda_gate import kda_log_decay
+
+
+@triton.jit
+def state_tile(state, slot, i_h, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Pointers and mask of head ``i_h``'s state block at rows ``o_k`` and columns ``o_v`` in ``slot`` (int64):
+    each slot holds H [K, V] states, row-major."""
+    p = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    return p, (o_k < K)[:, None] & (o_v < V)[None, :]
+
+
+@triton.jit
+def conv_slot(conv_state, slot, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+    """A sequence's conv slot (``slot`` int64): the last W - 1 inputs of its 2 H K + H V channels (q, k, then v),
+    [channels, W - 1]."""
+    return conv_state + slot * (2 * H * K + H * V) * (W - 1)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda_gate import kda_log_decay
+from flashinfra.kernels.kda_layer_decode_parts import conv_slot
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def kda_layer_decode_prep_heads_kernel(
     m_hk = m_h[:, None] & m_k[None, :]
     slot = tl.load(state_slots + i_b).to(tl.int64)
     x_row = qkv + i_b * stride_x
-    cs_slot = conv_state + slot * (2 * H * K + H * V) * (W - 1)
+    cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     ch_q = o_h[:, None] * K + o_k[None, :]
     b_g = tl.load(g_raw + i_b * stride_g + ch_q, mask=m_hk, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + ch_q, mask=m_hk, other=0.0)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile
 
 
 @triton.jit
@@ -99,9 +99,7 @@ def kda_layer_decode_tile_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    slot = tl.load(state_slots + i_bh // H).to(tl.int64)
-    p_s = state + (slot * H + i_bh % H) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    m_s = (o_k < K)[:, None] & m_v[None, :]
+    p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda_gate import load_gate_beta
+from flashinfra.kernels.kda_layer_decode_parts import state_tile
 from flashinfra.kernels.varlen import chunk_tables
 
 
@@ -99,8 +100,7 @@ def kda_chunk_state_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
     # A fresh sequence ignores whatever its slot holds (NaN included).
     b_s = tl.where(has_init, tl.load(p_s, mask=m_s, other=0.0).to(tl.float32), 0.0)
     for i_t in range(0, tl.cdiv(L, BT)):
