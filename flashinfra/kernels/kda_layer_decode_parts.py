@@ -89,13 +89,19 @@ def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
 
 
 @triton.jit
+def gate_apply(b_y, gate_row, norm_w, o_v, m_v):
+    """The gated RMSNorm's last step on a normalised output block at columns ``o_v``: times the norm weight and
+    sigmoid(gate)."""
+    b_gate = tl.load(gate_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return b_y * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+
+
+@triton.jit
 def gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
     """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
     o_f = tl.arange(0, BVF)
     m_f = o_f < V
     b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-    b_gate = tl.load(gate_row + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = b_o * tl.load(norm_w + o_f, mask=m_f, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+    b_o = gate_apply(b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps), gate_row, norm_w, o_f, m_f)
     tl.debug_barrier()
     tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
 @triton.jit
@@ -81,9 +81,7 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
     """The gated RMSNorm of a head's whole output row held by the program (columns past V hold zeros: the
     zero-filled state and zero v give a zero output there), rounded first as the norm launch would read it."""
     b_o = b_o.to(ODT).to(tl.float32)
-    b_o = b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-    b_gate = tl.load(gate_row + o_v, mask=m_v, other=0.0).to(tl.float32)
-    return b_o * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+    return gate_apply(b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps), gate_row, norm_w, o_v, m_v)
 
 
 @triton.jit

@@ -131,8 +131,6 @@ def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
                        num_warps=num_warps)
 
 
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grid,BV,num_warps,launch", STREAM_VARIANTS,
                          ids=lambda x: f"{x}" if not isinstance(x, dict) else "-".join(f"{k}{v}" for k, v in x.items()))
