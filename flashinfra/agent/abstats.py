@@ -1,9 +1,10 @@
 """The statistic behind an A/B verdict: baseline (A) and candidate (B) per-block medians from interleaved
-subprocess rounds, an A/A noise floor, and the Mann-Whitney test of ``flashinfra.feedback.stats``.
+subprocess rounds, a noise floor from each side's own spread, and the Mann-Whitney test of
+``flashinfra.feedback.stats``.
 
-``compare(a, b, direction, min_effect)`` says ``better``, ``worse`` or ``no difference``. "Better" needs
-all three: the relative change of the medians beyond the noise floor (how far apart either side's own
-subprocesses land: what an A/A or a B/B run would show), beyond ``min_effect``, and a
+``compare(a_groups, b_groups, direction, min_effect)`` says ``better``, ``worse`` or ``no difference``.
+"Better" needs all three: the relative change of the medians beyond the noise floor (how far apart either
+side's own subprocesses land: what an A/A or a B/B run would show), beyond ``min_effect``, and a
 Mann-Whitney p-value below ``alpha`` (two-sided; the direction comes from the medians). This differs
 from ``flashinfra.feedback.ab`` (whole subprocess rounds of A, B, A' per sample) in taking several block
 medians per subprocess, so that a candidate is judged with four subprocesses instead of nine or more.
