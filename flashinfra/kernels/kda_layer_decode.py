@@ -41,12 +41,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
+from flashinfra.kernels.kda_layer_decode_exchange import exchange_buffers, norm_exchange_launch, tag_store
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
@@ -81,17 +82,24 @@ def kda_layer_decode_ref(
 @triton.jit
 def kda_layer_decode_block_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, heads,
-    stride_x, stride_g, stride_b, scale,
+    xchg, counters, stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
+    EXCHANGE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them. With
+    ``EXCHANGE`` the output goes to the exchange buffer ``xchg`` as tagged words for the overlapped norm
+    launch (kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every program has."""
+    if PDL:
+        gdc_launch_dependents()
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
+    if EXCHANGE:
+        tag = tl.load(counters) + 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -109,7 +117,10 @@ def kda_layer_decode_block_kernel(
                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    if EXCHANGE:  # rounded as the norm launch would read it from out
+        tag_store(xchg + i_bh * V + o_v, b_o.to(out.dtype.element_ty).to(tl.float32), tag, m_v)
+    else:
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
     conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
 
@@ -239,7 +250,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
+                            norm_overlap: bool = False):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
@@ -258,7 +270,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end."""
+    launch's end. ``norm_overlap`` (the prep layout with its per-head norm launch, all launches): the norm
+    launch runs during the state launch's last wave, the output rows passed through tagged words
+    (kda_layer_decode_exchange.py)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -288,6 +302,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
+    if norm_overlap and (grid != "prep" or norm_heads > 1 or launches != "all"):
+        raise ValueError("kda_layer_decode: norm_overlap needs the prep layout, one head per norm program and all "
+                         f"launches, got grid={grid!r} norm_heads={norm_heads} launches={launches!r}")
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -305,6 +322,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
+    # the overlapped norm launch's exchange buffer and tag counters (otherwise two unused pointers)
+    exchange = exchange_buffers(qkv.device, B * H * V) if norm_overlap else (out, heads)
     evict = "evict_last" if streamed and scratch_l2 else ""
     # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
     # the per-head kernel, which is left for conv widths above 4)
@@ -321,9 +340,12 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                                      num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-            *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
-    if "norm" in run and not normed and norm_heads > 1:
+            *head_args, state, state_slots, out, heads, *exchange, *strides,
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, EXCHANGE=norm_overlap,
+            PDL=norm_overlap and qkv.is_cuda, num_warps=num_warps)
+    if norm_overlap:
+        norm_exchange_launch(*exchange, gate, norm_weight, eps, out, H, V, qkv.is_cuda)
+    elif "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](

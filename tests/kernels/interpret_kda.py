@@ -210,6 +210,28 @@ def test_layer_decode_default_config(B, state_dtype):
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 
+@pytest.mark.parametrize("state_dtype,lower_bound,K", [(torch.float32, -5.0, 24), (torch.bfloat16, None, 32)])
+def test_layer_decode_norm_overlap(state_dtype, lower_bound, K):
+    """The norm launch reading the output rows from the exchange buffer's tagged words: three calls on fresh
+    inputs through the same buffer, each against the reference, the tag counter one further after each (a word
+    left from the call before carries the old tag, so a norm that read it would poll out and fail the check)."""
+    from flashinfra.kernels import kda_layer_decode_exchange as exchange
+
+    for seed in range(3):
+        before = int(exchange._EXCHANGE[torch.device("cpu")][1][0]) if torch.device("cpu") in exchange._EXCHANGE else 0
+        cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid="prep",
+                           BV=16, norm_overlap=True, seed=seed)
+        xchg, counters = exchange._EXCHANGE[torch.device("cpu")]
+        assert counters.tolist() == [before + 1, 0]
+    # a norm launch with no state launch before it finds only the last call's words: it polls out, gives NaN rows
+    # (not the last call's output) and still moves the tag on
+    a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
+    out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
+    exchange.norm_exchange_launch(xchg, counters, a["gate"], a["norm_weight"], a["eps"], out, 2, K, pdl=False)
+    assert torch.isnan(out).all() and counters.tolist() == [before + 2, 0]
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid="prep", BV=16, norm_overlap=True)
+
+
 def test_layer_decode_bad_layouts():
     a = cases.layer_decode_inputs("cpu", B=2, H=1, K=12, state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grid must be one of"):
@@ -224,6 +246,9 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
+    for bad in (dict(grid="tiles"), dict(grid="prep", norm_heads=2), dict(grid="prep", launches="state")):
+        with pytest.raises(ValueError, match="norm_overlap needs the prep layout"):
+            layer_decode.kda_layer_decode_launch(**a, norm_overlap=True, **bad)
 
 
 def test_stream_programs_per_sm():

@@ -167,6 +167,10 @@ def test_layer_decode_prep_heads(heads, layout, state_dtype):
 
 
 PDL_LAYOUTS = [dict(grid="block", BV=32, num_warps=2)]  # the layout with pdl (B=1's)
+# the layouts whose launches overlap: the block layout's dependent norm launch, the prep layout's norm launch
+# reading the exchange buffer during the state launch
+OVERLAP_LAYOUTS = [dict(grid="block", BV=32, num_warps=2, pdl=True),
+                   dict(grid="prep", BV=64, num_warps=4, norm_overlap=True)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -177,26 +181,36 @@ def test_layer_decode_pdl(layout, state_dtype):
         cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, pdl=True, **layout)
 
 
-@pytest.mark.parametrize("layout", PDL_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_layer_decode_pdl_graph_steps(layout):
-    """Three decode steps replayed from one CUDA graph with the dependent norm launch: each step's state launch
-    must see the previous step's state and conv slot (the norm launch before it has ended)."""
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_layer_decode_norm_overlap(state_dtype):
+    """The norm launch overlapped with the prep layout's state launch, one call after another through the same
+    exchange buffer, the batch growing it (67 after 9, 256 after 67) and shrinking back."""
+    for B in (9, 67, 1, 256, 9):
+        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid="prep",
+                           BV=64, num_warps=4, norm_overlap=True, seed=B)
+
+
+@pytest.mark.parametrize("layout", OVERLAP_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_layer_decode_overlap_graph_steps(layout):
+    """Three decode steps replayed from one CUDA graph with overlapping launches: each step's state launch must
+    see the previous step's state and conv slot (the norm launch before it has ended), and with norm_overlap
+    each replay's norm launch must take its own step's rows (the tag moves on on the device)."""
     B, H, K, steps = 33, 64, 128, 3
     a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, dtype=torch.bfloat16)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
     out = torch.empty((B, H, K), dtype=torch.bfloat16, device="cuda")
     layer.kda_layer_decode_launch(**{**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()},
-                                  out=out, pdl=True, **layout)  # compiles outside the capture
+                                  out=out, **layout)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer.kda_layer_decode_launch(**a, out=out, pdl=True, **layout)
+        layer.kda_layer_decode_launch(**a, out=out, **layout)
+    rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
     for _ in range(steps):
         out.fill_(float("nan"))
         graph.replay()
         ref = layer.kda_layer_decode_ref(**r)
-    torch.cuda.synchronize()
-    rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
-    cases.assert_close("o", out, ref, rel, atol, rtol)
+        torch.cuda.synchronize()
+        cases.assert_close("o", out, ref, rel, atol, rtol)
     cases.assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
     assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
 

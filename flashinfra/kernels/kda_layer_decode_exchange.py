@@ -1,0 +1,116 @@
+"""The KDA layer decode's norm launch overlapped with its state launch (``norm_overlap=True`` with the prep
+layout in ``kda_layer_decode_launch``).
+
+The norm launch needs a head's whole output row, which the state launch's programs of that head write. In
+stream order it starts after the state launch's last program has ended, and it takes 3-5 us at B=64 on an
+H200. Meanwhile the state launch's last wave leaves SMs idle: its 8192 programs fill 15.5 waves of four per SM.
+Here the norm launch is a programmatic dependent of the state launch. Every state program signals
+``launch_dependents`` as it starts, so the norm programs are scheduled once the last wave has started, onto the
+slots the finished state programs free.
+
+A dependent launch makes the state launch's writes visible only through ``griddepcontrol.wait``, which waits
+for the whole state launch. So each head's output row goes through an exchange buffer of tagged words instead.
+Each 64-bit word holds a float32 output value in its low half and the call's tag in its high half. The state
+program writes its words by relaxed atomic exchange, which needs no fence. The norm program polls its row with
+volatile loads until every word carries the call's tag, then reads the values from the same words (the scheme of
+NCCL's low-latency protocol). The tag is a device counter plus one, read by both launches. The norm program that
+finishes last advances the counter for the next call. Nothing is reset between calls: a stale word carries an
+older tag. The polling is bounded (``MAX_POLLS``): a row that never gets its words is normalised as NaN, so a
+broken exchange shows in the output instead of hanging the device. Each norm program ends with ``griddepcontrol.wait``, so the norm launch ends only after
+the state launch does, and the stream's next work may rely on both.
+
+The counter, the done count and the exchange buffer are one set per device, shared by every KDA layer (the
+layers' decode calls run one after the other) and grown to the largest B * H * V seen. They must exist before a
+CUDA graph is captured (the first eager call makes them). A replay then advances the counter on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from flashinfra import env
+from flashinfra.kernels.kda_layer_decode_parts import gate_apply
+
+MAX_POLLS = 1 << 20  # about a second of polling at L2 latency; the state launch of B=256 takes 0.6 ms
+
+_EXCHANGE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def exchange_buffers(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``xchg`` int64 [>= words], ``counters`` int64 [2]: the tag counter and the norm launch's done count) for
+    ``device``, zero-filled when made or grown. Growing it during a CUDA graph capture is refused: the replays
+    would keep an allocation the capture's pool owns."""
+    xchg, counters = _EXCHANGE.get(device, (None, None))
+    if xchg is None or xchg.numel() < words:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kda_layer_decode: norm_overlap's exchange buffer must exist before a CUDA graph "
+                               "capture; run one eager call of the largest batch first")
+        counters = torch.zeros(2, dtype=torch.int64, device=device) if counters is None else counters
+        xchg = torch.zeros(words, dtype=torch.int64, device=device)
+        _EXCHANGE[device] = (xchg, counters)
+    return xchg, counters
+
+
+@triton.jit
+def tag_store(p, x, tag, m):
+    """The float32 values ``x`` into the words at ``p``, each with ``tag`` in its high half, by relaxed atomic
+    exchange (one morally strong 64-bit write per word, no fence)."""
+    word = ((tag & 0xFFFFFFFF) << 32) | (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    tl.atomic_xchg(p, word, mask=m, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _missing(w, tag, m):
+    """How many of the words ``w`` (where ``m``) do not carry ``tag``."""
+    return tl.sum((m & (((w >> 32) & 0xFFFFFFFF) != (tag & 0xFFFFFFFF))).to(tl.int32))
+
+
+@triton.jit
+def tag_wait(p, tag, m, MAX_POLLS: tl.constexpr):
+    """Poll the words at ``p`` until each carries ``tag``; their float32 values, or NaN everywhere if some word
+    still lacked the tag after MAX_POLLS loads."""
+    w = tl.load(p, mask=m, other=0, volatile=True)
+    n = 0
+    while (_missing(w, tag, m) > 0) & (n < MAX_POLLS):
+        w = tl.load(p, mask=m, other=0, volatile=True)
+        n += 1
+    x = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(_missing(w, tag, m) > 0, float("nan"), x)
+
+
+@triton.jit
+def kda_layer_decode_norm_exchange_kernel(
+    xchg, counters, gate, norm_w, eps, out, stride_gate,
+    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, MAX_POLLS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid (B * H,): the gated RMSNorm of one head's output row, read from the exchange buffer once the state
+    launch has written it there with this call's tag; the last program to finish advances the tag counter."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    tag = tl.load(counters) + 1
+    o_f = tl.arange(0, BVF)
+    m_f = o_f < V
+    b_o = tag_wait(xchg + i_bh * V + o_f, tag, m_f, MAX_POLLS)
+    b_o = gate_apply(b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps), gate + i_b * stride_gate + i_h * V, norm_w, o_f,
+                     m_f)
+    tl.store(out + i_bh * V + o_f, b_o.to(out.dtype.element_ty), mask=m_f)
+    # every program has read the counter before adding itself to the done count: the last one moves the tag on
+    if tl.atomic_add(counters + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.store(counters + 1, 0)
+        tl.store(counters, tag)
+    if PDL:
+        gdc_wait()
+
+
+def norm_exchange_launch(xchg, counters, gate, norm_weight, eps, out, H: int, V: int, pdl: bool) -> None:
+    """The overlapped norm launch (after a state launch that wrote ``xchg`` with ``tag_store``); ``pdl`` makes it
+    a programmatic dependent of that launch (CUDA; the interpreter runs the two launches in order, so its words
+    are there at the first load and it polls at most twice)."""
+    B = out.shape[0]
+    kda_layer_decode_norm_exchange_kernel[(B * H,)](
+        xchg, counters, gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V,
+        BVF=triton.next_power_of_2(V), MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
