@@ -43,11 +43,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashinfra import env
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_exchange import exchange_buffers, norm_exchange_launch, tag_store
+from flashinfra.kernels.kda_layer_decode_exchange import (MAX_POLLS, exchange_buffers, flag_wait, norm_exchange_launch,
+                                                          tag_store)
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
@@ -82,23 +84,26 @@ def kda_layer_decode_ref(
 @triton.jit
 def kda_layer_decode_block_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, heads,
-    xchg, counters, stride_x, stride_g, stride_b, scale,
+    xchg, counters, flags, stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
-    EXCHANGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    EXCHANGE: tl.constexpr = False, WAIT_PREP: tl.constexpr = False, PDL: tl.constexpr = False,
+    MAX_POLLS: tl.constexpr = 1,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
     few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them. With
     ``EXCHANGE`` the output goes to the exchange buffer ``xchg`` as tagged words for the overlapped norm
-    launch (kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every program has."""
-    if PDL:
+    launch (kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every program has; with
+    ``WAIT_PREP`` the head's rows are read once the prep launch has raised its flag to the call's tag (the
+    launch started before the prep launch ended), and with ``PDL`` the launch ends only after the prep's."""
+    if PDL and EXCHANGE:
         gdc_launch_dependents()
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
-    if EXCHANGE:
+    if EXCHANGE or WAIT_PREP:
         tag = tl.load(counters) + 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -108,9 +113,13 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
+        if WAIT_PREP:  # a head whose rows never came gets a NaN beta: its output and state show it
+            ready = flag_wait(flags + i_bh, tag, MAX_POLLS)
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
         b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
+        if WAIT_PREP:
+            b_beta = tl.where(ready, b_beta, float("nan"))
     else:
         b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
@@ -123,6 +132,8 @@ def kda_layer_decode_block_kernel(
         tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
     conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    if PDL and WAIT_PREP:
+        gdc_wait()
 
 
 @triton.jit
@@ -251,7 +262,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
                             prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            norm_overlap: bool = False):
+                            norm_overlap: bool = False, prep_overlap: bool = False):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
@@ -272,7 +283,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
     launch's end. ``norm_overlap`` (the prep layout with its per-head norm launch, all launches): the norm
     launch runs during the state launch's last wave, the output rows passed through tagged words
-    (kda_layer_decode_exchange.py)."""
+    (kda_layer_decode_exchange.py); ``prep_overlap`` (with ``norm_overlap``, conv widths up to 4) also starts
+    the state launch before the prep launch ends, each state program waiting for its head's flag."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -305,6 +317,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if norm_overlap and (grid != "prep" or norm_heads > 1 or launches != "all"):
         raise ValueError("kda_layer_decode: norm_overlap needs the prep layout, one head per norm program and all "
                          f"launches, got grid={grid!r} norm_heads={norm_heads} launches={launches!r}")
+    if prep_overlap and (not norm_overlap or W > 4):
+        raise ValueError("kda_layer_decode: prep_overlap needs norm_overlap (whose last norm program moves the tag "
+                         f"on) and the several-heads prep kernel (conv width <= 4), got W={W}")
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -322,14 +337,14 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
-    # the overlapped norm launch's exchange buffer and tag counters (otherwise two unused pointers)
-    exchange = exchange_buffers(qkv.device, B * H * V) if norm_overlap else (out, heads)
+    # the overlapped launches' exchange buffer, tag counters and prep flags (otherwise three unused pointers)
+    exchange = exchange_buffers(qkv.device, B * H, V) if norm_overlap else (out, heads, heads)
     evict = "evict_last" if streamed and scratch_l2 else ""
     # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
     # the per-head kernel, which is left for conv widths above 4)
     if prepped and "prep" in run and (prep_heads > 1 or W <= 4):
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
-                          prep_heads, prep_warps)
+                          prep_heads, prep_warps, *((exchange[2], exchange[1]) if prep_overlap else ()))
     elif prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
@@ -342,9 +357,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *exchange, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, EXCHANGE=norm_overlap,
-            PDL=norm_overlap and qkv.is_cuda, num_warps=num_warps)
+            WAIT_PREP=prep_overlap, PDL=norm_overlap and qkv.is_cuda, MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS,
+            num_warps=num_warps, **({"launch_pdl": True} if prep_overlap and qkv.is_cuda else {}))
     if norm_overlap:
-        norm_exchange_launch(*exchange, gate, norm_weight, eps, out, H, V, qkv.is_cuda)
+        norm_exchange_launch(*exchange[:2], gate, norm_weight, eps, out, H, V, qkv.is_cuda)
     elif "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

@@ -1,5 +1,6 @@
-"""The KDA layer decode's norm launch overlapped with its state launch (``norm_overlap=True`` with the prep
-layout in ``kda_layer_decode_launch``).
+"""The KDA layer decode's launches overlapped (the prep layout in ``kda_layer_decode_launch``):
+``norm_overlap=True`` runs the norm launch during the state launch, ``prep_overlap=True`` (with it) also the
+state launch during the prep launch.
 
 The norm launch needs a head's whole output row, which the state launch's programs of that head write. In
 stream order it starts after the state launch's last program has ended, and it takes 3-5 us at B=64 on an
@@ -10,18 +11,29 @@ slots the finished state programs free.
 
 A dependent launch makes the state launch's writes visible only through ``griddepcontrol.wait``, which waits
 for the whole state launch. So each head's output row goes through an exchange buffer of tagged words instead.
-Each 64-bit word holds a float32 output value in its low half and the call's tag in its high half. The state
-program writes its words by relaxed atomic exchange, which needs no fence. The norm program polls its row with
-volatile loads until every word carries the call's tag, then reads the values from the same words (the scheme of
-NCCL's low-latency protocol). The tag is a device counter plus one, read by both launches. The norm program that
-finishes last advances the counter for the next call. Nothing is reset between calls: a stale word carries an
-older tag. The polling is bounded (``MAX_POLLS``): a row that never gets its words is normalised as NaN, so a
-broken exchange shows in the output instead of hanging the device. Each norm program ends with ``griddepcontrol.wait``, so the norm launch ends only after
-the state launch does, and the stream's next work may rely on both.
+- Each 64-bit word holds a float32 output value in its low half and the call's tag in its high half.
+- The state program writes its words by relaxed atomic exchange, which needs no fence.
+- The norm program polls its row with volatile loads until every word carries the call's tag, then reads the
+  values from the same words (the scheme of NCCL's low-latency protocol).
+- The tag is a device counter plus one, read by every launch of the call. The norm program that finishes last
+  advances the counter for the next call. Nothing is reset between calls: a stale word carries an older tag.
+- The polling is bounded (``MAX_POLLS``): a row that never gets its words is normalised as NaN, so a broken
+  exchange shows in the output instead of hanging the device.
+- Each norm program ends with ``griddepcontrol.wait``, so the norm launch ends only after the state launch does,
+  and the stream's next work may rely on both.
 
-The counter, the done count and the exchange buffer are one set per device, shared by every KDA layer (the
-layers' decode calls run one after the other) and grown to the largest B * H * V seen. They must exist before a
-CUDA graph is captured (the first eager call makes them). A replay then advances the counter on the device.
+The prep launch (9.9 us at B=64) runs its 4096 programs in two waves. With ``prep_overlap`` every prep program
+signals ``launch_dependents`` as it starts, so the state launch, its dependent, begins during the second wave.
+- A prep program raises its heads' flags to the call's tag by a release once their rows and conv slot are
+  written. It has nothing left to do, so waiting for its own stores costs it nothing.
+- A state program issues its state load first, then waits for its head's flag by acquire loads, then reads the
+  rows. That head's prep program has started: the state launch began only after every prep program had.
+- A flag that never comes gives the head a NaN beta, so its output and state show it.
+- The state launch ends with ``griddepcontrol.wait``, for the same reason as the norm launch.
+
+The counter, the done count, the exchange buffer and the flags are one set per device. Every KDA layer shares
+it (the layers' decode calls run one after the other), and it grows to the largest batch seen. It must exist
+before a CUDA graph is captured; the first eager call makes it. A replay then advances the counter on the device.
 """
 
 from __future__ import annotations
@@ -36,22 +48,22 @@ from flashinfra.kernels.kda_layer_decode_parts import gate_apply
 
 MAX_POLLS = 1 << 20  # about a second of polling at L2 latency; the state launch of B=256 takes 0.6 ms
 
-_EXCHANGE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_EXCHANGE: dict[torch.device, dict[str, torch.Tensor]] = {}
 
 
-def exchange_buffers(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``xchg`` int64 [>= words], ``counters`` int64 [2]: the tag counter and the norm launch's done count) for
-    ``device``, zero-filled when made or grown. Growing it during a CUDA graph capture is refused: the replays
+def exchange_buffers(device: torch.device, heads: int, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``xchg`` int64 [>= heads * V]: the output rows' words; ``counters`` int64 [2]: the tag counter and the
+    norm launch's done count; ``flags`` int64 [>= heads]: the prep launch's per-head flags, ``prep_overlap``) for
+    ``device``, zero-filled when made or grown. Growing them during a CUDA graph capture is refused: the replays
     would keep an allocation the capture's pool owns."""
-    xchg, counters = _EXCHANGE.get(device, (None, None))
-    if xchg is None or xchg.numel() < words:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kda_layer_decode: norm_overlap's exchange buffer must exist before a CUDA graph "
-                               "capture; run one eager call of the largest batch first")
-        counters = torch.zeros(2, dtype=torch.int64, device=device) if counters is None else counters
-        xchg = torch.zeros(words, dtype=torch.int64, device=device)
-        _EXCHANGE[device] = (xchg, counters)
-    return xchg, counters
+    bufs = _EXCHANGE.setdefault(device, {})
+    for name, words in (("counters", 2), ("xchg", heads * V), ("flags", heads)):
+        if name not in bufs or bufs[name].numel() < words:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kda_layer_decode: the overlapped launches' exchange buffers must exist before a "
+                                   "CUDA graph capture; run one eager call of the largest batch first")
+            bufs[name] = torch.zeros(words, dtype=torch.int64, device=device)
+    return bufs["xchg"], bufs["counters"], bufs["flags"]
 
 
 @triton.jit
@@ -79,6 +91,17 @@ def tag_wait(p, tag, m, MAX_POLLS: tl.constexpr):
         n += 1
     x = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     return tl.where(_missing(w, tag, m) > 0, float("nan"), x)
+
+
+@triton.jit
+def flag_wait(p, tag, MAX_POLLS: tl.constexpr):
+    """Wait (acquire) until the flag at ``p`` is ``tag`` or MAX_POLLS reads have been made; whether it was."""
+    f = tl.atomic_add(p, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (f != tag) & (n < MAX_POLLS):
+        f = tl.atomic_add(p, 0, sem="acquire", scope="gpu")
+        n += 1
+    return f == tag
 
 
 @triton.jit

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer_decode
@@ -217,19 +218,33 @@ def test_layer_decode_norm_overlap(state_dtype, lower_bound, K):
     left from the call before carries the old tag, so a norm that read it would poll out and fail the check)."""
     from flashinfra.kernels import kda_layer_decode_exchange as exchange
 
+    xchg, counters, flags = exchange.exchange_buffers(torch.device("cpu"), 6, K)
     for seed in range(3):
-        before = int(exchange._EXCHANGE[torch.device("cpu")][1][0]) if torch.device("cpu") in exchange._EXCHANGE else 0
+        before = int(counters[0])
         cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid="prep",
-                           BV=16, norm_overlap=True, seed=seed)
-        xchg, counters = exchange._EXCHANGE[torch.device("cpu")]
+                           BV=16, norm_overlap=True, prep_overlap=bool(seed % 2), seed=seed)
         assert counters.tolist() == [before + 1, 0]
+        if seed % 2:  # every head's flag raised to this call's tag
+            assert flags[:6].tolist() == [before + 1] * 6
     # a norm launch with no state launch before it finds only the last call's words: it polls out, gives NaN rows
     # (not the last call's output) and still moves the tag on
     a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
     out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
     exchange.norm_exchange_launch(xchg, counters, a["gate"], a["norm_weight"], a["eps"], out, 2, K, pdl=False)
     assert torch.isnan(out).all() and counters.tolist() == [before + 2, 0]
-    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid="prep", BV=16, norm_overlap=True)
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid="prep", BV=16, norm_overlap=True,
+                       prep_overlap=True)
+    # a state launch whose prep flags are stale (the flags of the call before) poisons what it computes with NaN
+    flags.zero_()
+    a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
+    heads = torch.zeros(6, 4, triton.next_power_of_2(K))
+    out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
+    layer_decode.kda_layer_decode_block_kernel[(triton.cdiv(K, 16), 6)](
+        a["qkv"], a["conv_weight"], a["conv_state"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], 0.0,
+        a["state"], a["state_slots"], out, heads, xchg, counters, flags, a["qkv"].stride(0), a["g_raw"].stride(0),
+        a["beta_logits"].stride(0), K**-0.5, H=2, K=K, V=K, BK=triton.next_power_of_2(K), BV=16, W=4, BW=4,
+        HAS_LOWER_BOUND=False, PREPPED=True, WAIT_PREP=True, MAX_POLLS=2)
+    assert torch.isnan(out).all() and torch.isnan(a["state"][a["state_slots"]]).all()
 
 
 def test_layer_decode_bad_layouts():
@@ -249,6 +264,8 @@ def test_layer_decode_bad_layouts():
     for bad in (dict(grid="tiles"), dict(grid="prep", norm_heads=2), dict(grid="prep", launches="state")):
         with pytest.raises(ValueError, match="norm_overlap needs the prep layout"):
             layer_decode.kda_layer_decode_launch(**a, norm_overlap=True, **bad)
+    with pytest.raises(ValueError, match="prep_overlap needs norm_overlap"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_overlap=True)
 
 
 def test_stream_programs_per_sm():
