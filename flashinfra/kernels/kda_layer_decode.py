@@ -281,8 +281,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end. ``norm_overlap`` (the prep layout with its per-head norm launch, all launches): the norm
-    launch runs during the state launch's last wave, the output rows passed through tagged words
+    launch's end. ``norm_overlap`` (the prep layout, or tiles narrower than V; the per-head norm launch; all
+    launches): the norm launch runs during the state launch's last wave, the output rows passed through tagged words
     (kda_layer_decode_exchange.py); ``prep_overlap`` (with ``norm_overlap``, conv widths up to 4) also starts
     the state launch before the prep launch ends, each state program waiting for its head's flag."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -314,9 +314,11 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
-    if norm_overlap and (grid != "prep" or norm_heads > 1 or launches != "all"):
-        raise ValueError("kda_layer_decode: norm_overlap needs the prep layout, one head per norm program and all "
-                         f"launches, got grid={grid!r} norm_heads={norm_heads} launches={launches!r}")
+    if norm_overlap and (grid not in ("prep", "tiles") or norm_heads > 1 or launches != "all"
+                         or (grid == "tiles" and min(BV or cfg["BV"], triton.next_power_of_2(V)) >= V)):
+        raise ValueError("kda_layer_decode: norm_overlap needs the prep layout or tiles narrower than V, one head "
+                         f"per norm program and all launches, got grid={grid!r} BV={BV} norm_heads={norm_heads} "
+                         f"launches={launches!r}")
     if prep_overlap and (not norm_overlap or W > 4):
         raise ValueError("kda_layer_decode: prep_overlap needs norm_overlap (whose last norm program moves the tag "
                          f"on) and the several-heads prep kernel (conv width <= 4), got W={W}")
@@ -352,7 +354,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg)
+                                     num_stages, per_sm, programs, tma_store, maxnreg,
+                                     exchange if norm_overlap else None, prep_overlap)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *exchange, *strides,

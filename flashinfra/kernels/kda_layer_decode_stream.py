@@ -22,8 +22,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashinfra import env
+from flashinfra.kernels.kda_layer_decode_exchange import MAX_POLLS, flag_wait, tag_store
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
@@ -86,26 +89,41 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 
 @triton.jit
 def kda_layer_decode_tile_kernel(
-    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate, xchg, counters, flags,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, EXCHANGE: tl.constexpr = False, WAIT_PREP: tl.constexpr = False, PDL: tl.constexpr = False,
+    MAX_POLLS: tl.constexpr = 1,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out."""
+    RMSNorm is applied here and the norm launch is left out. ``EXCHANGE``, ``WAIT_PREP`` and ``PDL``: the
+    overlapped launches, as in ``kda_layer_decode_block_kernel`` (kda_layer_decode_exchange.py)."""
+    if PDL and EXCHANGE:
+        gdc_launch_dependents()
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    if EXCHANGE or WAIT_PREP:
+        tag = tl.load(counters) + 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
+    if WAIT_PREP:
+        ready = flag_wait(flags + i_bh, tag, MAX_POLLS)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
+    if WAIT_PREP:  # a head whose rows never came gets a NaN beta: its output and state show it
+        b_beta = tl.where(ready, b_beta, float("nan"))
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
                               out.dtype.element_ty)
-    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    if EXCHANGE:  # rounded as the norm launch would read it from out
+        tag_store(xchg + i_bh * V + o_v, b_o.to(out.dtype.element_ty).to(tl.float32), tag, m_v)
+    else:
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    if PDL and WAIT_PREP:
+        gdc_wait()
 
 
 def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
@@ -159,11 +177,14 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None) -> bool:
+                        tma_store: bool, maxnreg: int | None = None, exchange: tuple | None = None,
+                        wait_prep: bool = False) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
     (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
     program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row)."""
+    whole row). ``exchange`` (the exchange buffers; "tiles" only): the output goes there for the overlapped
+    norm launch, and with ``wait_prep`` each program waits for its head's prep flag
+    (kda_layer_decode_exchange.py)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -171,9 +192,13 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
     if grid == "tiles":
+        pdl = exchange is not None and state.is_cuda
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
-            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
+            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0),
+            *(exchange if exchange is not None else (out, heads, heads)), H=H, K=K, V=V, BK=BK, BV=BV, R=R,
+            NORM=norm, EXCHANGE=exchange is not None, WAIT_PREP=wait_prep, PDL=pdl,
+            MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS, num_warps=num_warps, **cap,
+            **({"launch_pdl": True} if wait_prep and pdl else {}))
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel

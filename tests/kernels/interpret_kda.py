@@ -11,6 +11,7 @@ import triton
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer_decode
+from flashinfra.kernels.kda_layer_decode_stream import kda_layer_decode_tile_kernel as tile_kernel
 from tests.kernels import kda_cases as cases
 
 
@@ -211,8 +212,11 @@ def test_layer_decode_default_config(B, state_dtype):
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 
-@pytest.mark.parametrize("state_dtype,lower_bound,K", [(torch.float32, -5.0, 24), (torch.bfloat16, None, 32)])
-def test_layer_decode_norm_overlap(state_dtype, lower_bound, K):
+@pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
+    ("prep", torch.float32, -5.0, 24), ("prep", torch.bfloat16, None, 32),
+    ("tiles", torch.bfloat16, -5.0, 24), ("tiles", torch.float32, None, 32),
+])
+def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
     """The norm launch reading the output rows from the exchange buffer's tagged words: three calls on fresh
     inputs through the same buffer, each against the reference, the tag counter one further after each (a word
     left from the call before carries the old tag, so a norm that read it would poll out and fail the check)."""
@@ -221,7 +225,7 @@ def test_layer_decode_norm_overlap(state_dtype, lower_bound, K):
     xchg, counters, flags = exchange.exchange_buffers(torch.device("cpu"), 6, K)
     for seed in range(3):
         before = int(counters[0])
-        cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid="prep",
+        cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid,
                            BV=16, norm_overlap=True, prep_overlap=bool(seed % 2), seed=seed)
         assert counters.tolist() == [before + 1, 0]
         if seed % 2:  # every head's flag raised to this call's tag
@@ -232,18 +236,24 @@ def test_layer_decode_norm_overlap(state_dtype, lower_bound, K):
     out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
     exchange.norm_exchange_launch(xchg, counters, a["gate"], a["norm_weight"], a["eps"], out, 2, K, pdl=False)
     assert torch.isnan(out).all() and counters.tolist() == [before + 2, 0]
-    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid="prep", BV=16, norm_overlap=True,
+    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid=grid, BV=16, norm_overlap=True,
                        prep_overlap=True)
     # a state launch whose prep flags are stale (the flags of the call before) poisons what it computes with NaN
     flags.zero_()
     a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
-    heads = torch.zeros(6, 4, triton.next_power_of_2(K))
+    BK = triton.next_power_of_2(K)
+    heads = torch.zeros(6, 5, BK)
     out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
-    layer_decode.kda_layer_decode_block_kernel[(triton.cdiv(K, 16), 6)](
-        a["qkv"], a["conv_weight"], a["conv_state"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], 0.0,
-        a["state"], a["state_slots"], out, heads, xchg, counters, flags, a["qkv"].stride(0), a["g_raw"].stride(0),
-        a["beta_logits"].stride(0), K**-0.5, H=2, K=K, V=K, BK=triton.next_power_of_2(K), BV=16, W=4, BW=4,
-        HAS_LOWER_BOUND=False, PREPPED=True, WAIT_PREP=True, MAX_POLLS=2)
+    if grid == "prep":
+        layer_decode.kda_layer_decode_block_kernel[(triton.cdiv(K, 16), 6)](
+            a["qkv"], a["conv_weight"], a["conv_state"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], 0.0,
+            a["state"], a["state_slots"], out, heads, xchg, counters, flags, a["qkv"].stride(0),
+            a["g_raw"].stride(0), a["beta_logits"].stride(0), K**-0.5, H=2, K=K, V=K, BK=BK, BV=16, W=4, BW=4,
+            HAS_LOWER_BOUND=False, PREPPED=True, WAIT_PREP=True, MAX_POLLS=2)
+    else:
+        tile_kernel[(triton.cdiv(K, 16), 6)](
+            a["state"], heads, a["state_slots"], out, a["gate"], a["norm_weight"], 1e-5, a["gate"].stride(0), xchg,
+            counters, flags, H=2, K=K, V=K, BK=BK, BV=16, R=BK, NORM=False, WAIT_PREP=True, MAX_POLLS=2)
     assert torch.isnan(out).all() and torch.isnan(a["state"][a["state_slots"]]).all()
 
 
@@ -261,7 +271,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
-    for bad in (dict(grid="tiles"), dict(grid="prep", norm_heads=2), dict(grid="prep", launches="state")):
+    for bad in (dict(grid="stream"), dict(grid="tiles", BV=16), dict(grid="prep", norm_heads=2),
+                dict(grid="prep", launches="state")):
         with pytest.raises(ValueError, match="norm_overlap needs the prep layout"):
             layer_decode.kda_layer_decode_launch(**a, norm_overlap=True, **bad)
     with pytest.raises(ValueError, match="prep_overlap needs norm_overlap"):

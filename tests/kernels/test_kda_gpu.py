@@ -171,7 +171,9 @@ PDL_LAYOUTS = [dict(grid="block", BV=32, num_warps=2)]  # the layout with pdl (B
 # reading the exchange buffer during the state launch
 OVERLAP_LAYOUTS = [dict(grid="block", BV=32, num_warps=2, pdl=True),
                    dict(grid="prep", BV=64, num_warps=4, norm_overlap=True),
-                   dict(grid="prep", BV=64, num_warps=4, norm_overlap=True, prep_overlap=True)]
+                   dict(grid="prep", BV=64, num_warps=4, norm_overlap=True, prep_overlap=True),
+                   dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, prep_heads=2, norm_overlap=True,
+                        prep_overlap=True)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -184,14 +186,15 @@ def test_layer_decode_pdl(layout, state_dtype):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prep_overlap", [False, True])
-def test_layer_decode_norm_overlap(prep_overlap, state_dtype):
-    """The norm launch overlapped with the prep layout's state launch (and that one with the prep launch), one
-    call after another through the same exchange buffers, the batch growing them (67 after 9, 256 after 67) and
-    shrinking back, one and two prep heads per program."""
+@pytest.mark.parametrize("layout", [dict(grid="prep"), dict(grid="tiles", maxnreg=96)], ids=lambda d: d["grid"])
+def test_layer_decode_norm_overlap(layout, prep_overlap, state_dtype):
+    """The norm launch overlapped with the state launch (and that one with the prep launch), one call after
+    another through the same exchange buffers, the batch growing them (67 after 9, 256 after 67) and shrinking
+    back, one and two prep heads per program."""
     for B, prep_heads in ((9, 1), (67, 1), (1, 1), (256, 2), (9, 2)):
-        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid="prep",
-                           BV=64, num_warps=4, norm_overlap=True, prep_overlap=prep_overlap, prep_heads=prep_heads,
-                           seed=B)
+        cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, BV=64,
+                           num_warps=4, norm_overlap=True, prep_overlap=prep_overlap, prep_heads=prep_heads, seed=B,
+                           **layout)
 
 
 @pytest.mark.parametrize("layout", OVERLAP_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
