@@ -43,12 +43,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashinfra import env
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_exchange import (MAX_POLLS, exchange_buffers, flag_wait, norm_exchange_launch,
+from flashinfra.kernels.kda_layer_decode_exchange import (exchange_buffers, flag_wait, max_polls, norm_exchange_launch,
                                                           tag_store)
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
@@ -360,7 +359,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *exchange, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, EXCHANGE=norm_overlap,
-            WAIT_PREP=prep_overlap, PDL=norm_overlap and qkv.is_cuda, MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS,
+            WAIT_PREP=prep_overlap, PDL=norm_overlap and qkv.is_cuda, MAX_POLLS=max_polls(),
             num_warps=num_warps, **({"launch_pdl": True} if prep_overlap and qkv.is_cuda else {}))
     if norm_overlap:
         norm_exchange_launch(*exchange[:2], gate, norm_weight, eps, out, H, V, qkv.is_cuda)

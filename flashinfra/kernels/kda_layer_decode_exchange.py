@@ -48,6 +48,12 @@ from flashinfra.kernels.kda_layer_decode_parts import gate_apply
 
 MAX_POLLS = 1 << 20  # about a second of polling at L2 latency; the state launch of B=256 takes 0.6 ms
 
+
+def max_polls() -> int:
+    """MAX_POLLS, or 2 under the interpreter, which runs the launches one after another: there every word and
+    flag is written before it is first read, and a broken exchange fails fast."""
+    return 2 if env.triton_interpret() else MAX_POLLS
+
 _EXCHANGE: dict[torch.device, dict[str, torch.Tensor]] = {}
 
 
@@ -130,10 +136,9 @@ def kda_layer_decode_norm_exchange_kernel(
 
 def norm_exchange_launch(xchg, counters, gate, norm_weight, eps, out, H: int, V: int, pdl: bool) -> None:
     """The overlapped norm launch (after a state launch that wrote ``xchg`` with ``tag_store``); ``pdl`` makes it
-    a programmatic dependent of that launch (CUDA; the interpreter runs the two launches in order, so its words
-    are there at the first load and it polls at most twice)."""
+    a programmatic dependent of that launch (CUDA; the interpreter runs the two launches in order)."""
     B = out.shape[0]
     kda_layer_decode_norm_exchange_kernel[(B * H,)](
         xchg, counters, gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V,
-        BVF=triton.next_power_of_2(V), MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS, PDL=pdl, num_warps=4,
+        BVF=triton.next_power_of_2(V), MAX_POLLS=max_polls(), PDL=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}))

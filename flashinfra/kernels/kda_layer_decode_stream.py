@@ -25,8 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra import env
-from flashinfra.kernels.kda_layer_decode_exchange import MAX_POLLS, flag_wait, tag_store
+from flashinfra.kernels.kda_layer_decode_exchange import flag_wait, max_polls, tag_store
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
@@ -197,7 +196,7 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0),
             *(exchange if exchange is not None else (out, heads, heads)), H=H, K=K, V=V, BK=BK, BV=BV, R=R,
             NORM=norm, EXCHANGE=exchange is not None, WAIT_PREP=wait_prep, PDL=pdl,
-            MAX_POLLS=2 if env.triton_interpret() else MAX_POLLS, num_warps=num_warps, **cap,
+            MAX_POLLS=max_polls(), num_warps=num_warps, **cap,
             **({"launch_pdl": True} if wait_prep and pdl else {}))
         return norm
     check_stream_layout(state, BV, BK)
