@@ -46,7 +46,10 @@ from triton.language.extra.cuda import gdc_wait
 from flashinfra import env
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply
 
-MAX_POLLS = 1 << 20  # about a second of polling at L2 latency; the state launch of B=256 takes 0.6 ms
+# About 0.2 s of polling at L2 latency, thousands of times the longest wait the launches make (a norm program waits
+# at most for one wave of the state launch, a state program for one prep program: each about 10 us on an H200),
+# and short enough that a broken exchange cannot hold the device for long (at B=256 the state launch is 62 waves).
+MAX_POLLS = 1 << 18
 
 
 def max_polls() -> int:
