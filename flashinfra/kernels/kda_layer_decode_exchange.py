@@ -32,8 +32,10 @@ signals ``launch_dependents`` as it starts, so the state launch, its dependent, 
 - The state launch ends with ``griddepcontrol.wait``, for the same reason as the norm launch.
 
 The counter, the done count, the exchange buffer and the flags are one set per device. Every KDA layer shares
-it (the layers' decode calls run one after the other), and it grows to the largest batch seen. It must exist
-before a CUDA graph is captured; the first eager call makes it. A replay then advances the counter on the device.
+it (the layers' decode calls run one after the other), and it grows to the largest batch seen; a buffer it
+outgrows stays allocated for the CUDA graphs captured with it. It must exist before a graph is captured: an
+eager call of the same batch size first makes it, as the engine's warm-up before each capture does. A replay
+then advances the counter on the device.
 """
 
 from __future__ import annotations
@@ -57,20 +59,26 @@ def max_polls() -> int:
     flag is written before it is first read, and a broken exchange fails fast."""
     return 2 if env.triton_interpret() else MAX_POLLS
 
+
 _EXCHANGE: dict[torch.device, dict[str, torch.Tensor]] = {}
+# Buffers replaced by larger ones stay allocated: a CUDA graph captured with one keeps its address.
+_RETIRED: list[torch.Tensor] = []
 
 
 def exchange_buffers(device: torch.device, heads: int, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``xchg`` int64 [>= heads * V]: the output rows' words; ``counters`` int64 [2]: the tag counter and the
     norm launch's done count; ``flags`` int64 [>= heads]: the prep launch's per-head flags, ``prep_overlap``) for
     ``device``, zero-filled when made or grown. Growing them during a CUDA graph capture is refused: the replays
-    would keep an allocation the capture's pool owns."""
+    would keep an allocation the capture's pool owns. A grown buffer's predecessor is kept, not freed, for the
+    graphs captured with it."""
     bufs = _EXCHANGE.setdefault(device, {})
     for name, words in (("counters", 2), ("xchg", heads * V), ("flags", heads)):
         if name not in bufs or bufs[name].numel() < words:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("kda_layer_decode: the overlapped launches' exchange buffers must exist before a "
-                                   "CUDA graph capture; run one eager call of the largest batch first")
+                                   "CUDA graph capture; run one eager call of this batch size first")
+            if name in bufs:
+                _RETIRED.append(bufs[name])
             bufs[name] = torch.zeros(words, dtype=torch.int64, device=device)
     return bufs["xchg"], bufs["counters"], bufs["flags"]
 

@@ -257,6 +257,19 @@ def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
     assert torch.isnan(out).all() and torch.isnan(a["state"][a["state_slots"]]).all()
 
 
+def test_exchange_buffers_grow_and_keep_the_old_ones():
+    """A larger batch gets larger buffers; the ones it replaces stay allocated (a CUDA graph captured with them
+    keeps their addresses); the tag counter is never replaced."""
+    from flashinfra.kernels import kda_layer_decode_exchange as exchange
+
+    dev = torch.device("cpu")
+    xchg, counters, flags = exchange.exchange_buffers(dev, 1000, 8)
+    assert exchange.exchange_buffers(dev, 10, 8)[0] is xchg
+    bigger, counters2, flags2 = exchange.exchange_buffers(dev, 2000, 8)
+    assert bigger.numel() >= 16000 and counters2 is counters and flags2.numel() >= 2000
+    assert any(t is xchg for t in exchange._RETIRED) and any(t is flags for t in exchange._RETIRED)
+
+
 def test_layer_decode_bad_layouts():
     a = cases.layer_decode_inputs("cpu", B=2, H=1, K=12, state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grid must be one of"):

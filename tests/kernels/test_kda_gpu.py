@@ -222,6 +222,32 @@ def test_layer_decode_overlap_graph_steps(layout):
     assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
 
 
+def test_layer_decode_overlap_graphs_across_buffer_growth():
+    """A graph captured at B=9, then a larger batch growing the exchange buffers (eagerly, then captured), then
+    both graphs replayed in turn: the first keeps its old buffers, and both follow the one tag counter."""
+    layout = dict(grid="prep", BV=64, num_warps=4, norm_overlap=True, prep_overlap=True)
+    rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
+    runs = []
+    for B in (9, 4096):  # 4096 sequences: more words than any earlier test's batch, so the buffers grow
+        a = cases.layer_decode_inputs("cuda", B=B, H=8, K=128, dtype=torch.bfloat16, seed=B)
+        r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+             for n, t in a.items()}
+        out = torch.empty((B, 8, 128), dtype=torch.bfloat16, device="cuda")
+        layer.kda_layer_decode_launch(**{**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()},
+                                      out=out, **layout)  # eager first: compiles and sizes the buffers
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer.kda_layer_decode_launch(**a, out=out, **layout)
+        runs.append((graph, out, a, r))
+    for _ in range(2):
+        for graph, out, a, r in runs:
+            out.fill_(float("nan"))
+            graph.replay()
+            ref = layer.kda_layer_decode_ref(**r)
+            torch.cuda.synchronize()
+            cases.assert_close("o", out, ref, rel, atol, rtol)
+
+
 @pytest.mark.parametrize("heads", HEADS_OPTIONS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_layer_decode_prep_heads_fp32_activations(heads):
     for grid in ("prep", "tiles"):
