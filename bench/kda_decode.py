@@ -64,7 +64,8 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("prep", 64, 4, dict(norm_overlap=True)),  # the norm launch during the state launch's last wave
             ("prep", 64, 4, dict(norm_overlap=True, prep_overlap=True)),  # and the state launch during the prep's
             ("tiles", 64, 4, dict(maxnreg=96, prep_heads=2, norm_overlap=True)),  # the same for bf16's layout
-            ("tiles", 64, 4, dict(maxnreg=96, prep_heads=2, norm_overlap=True, prep_overlap=True))]
+            ("tiles", 64, 4, dict(maxnreg=96, prep_heads=2, norm_overlap=True, prep_overlap=True)),
+            ("tiles", 64, 4, dict(maxnreg=96, norm_overlap=True, prep_overlap=True))]  # a prep of two waves
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
