@@ -11,6 +11,7 @@ import triton
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer_decode
+from flashinfra.kernels import kda_layer_decode_exchange as exchange
 from flashinfra.kernels.kda_layer_decode_stream import kda_layer_decode_tile_kernel as tile_kernel
 from tests.kernels import kda_cases as cases
 
@@ -220,8 +221,6 @@ def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
     """The norm launch reading the output rows from the exchange buffer's tagged words: three calls on fresh
     inputs through the same buffer, each against the reference, the tag counter one further after each (a word
     left from the call before carries the old tag, so a norm that read it would poll out and fail the check)."""
-    from flashinfra.kernels import kda_layer_decode_exchange as exchange
-
     xchg, counters, flags = exchange.exchange_buffers(torch.device("cpu"), 6, K)
     for seed in range(3):
         before = int(counters[0])
@@ -238,7 +237,7 @@ def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
     assert torch.isnan(out).all() and counters.tolist() == [before + 2, 0]
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid=grid, BV=16, norm_overlap=True,
                        prep_overlap=True)
-    # a state launch whose prep flags are stale (the flags of the call before) poisons what it computes with NaN
+    # a state launch whose heads' prep flags were never raised poisons what it computes with NaN
     flags.zero_()
     a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
     BK = triton.next_power_of_2(K)
@@ -260,8 +259,6 @@ def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
 def test_exchange_buffers_grow_and_keep_the_old_ones():
     """A larger batch gets larger buffers; the ones it replaces stay allocated (a CUDA graph captured with them
     keeps their addresses); the tag counter is never replaced."""
-    from flashinfra.kernels import kda_layer_decode_exchange as exchange
-
     dev = torch.device("cpu")
     xchg, counters, flags = exchange.exchange_buffers(dev, 1000, 8)
     assert exchange.exchange_buffers(dev, 10, 8)[0] is xchg
