@@ -41,14 +41,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_exchange import (exchange_buffers, flag_wait, max_polls, norm_exchange_launch,
-                                                          tag_store)
+from flashinfra.kernels.kda_layer_decode_exchange import (exchange_buffers, max_polls, norm_exchange_launch, state_begin,
+                                                          state_end, state_output, state_rows_ready)
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
@@ -97,13 +97,10 @@ def kda_layer_decode_block_kernel(
     launch (kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every program has; with
     ``WAIT_PREP`` the head's rows are read once the prep launch has raised its flag to the call's tag (the
     launch started before the prep launch ended), and with ``PDL`` the launch ends only after the prep's."""
-    if PDL and EXCHANGE:
-        gdc_launch_dependents()
+    tag = state_begin(counters, EXCHANGE, WAIT_PREP, PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
-    if EXCHANGE or WAIT_PREP:
-        tag = tl.load(counters) + 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -112,27 +109,21 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
-        if WAIT_PREP:  # a head whose rows never came gets a NaN beta: its output and state show it
-            ready = flag_wait(flags + i_bh, tag, MAX_POLLS)
+        ready = state_rows_ready(flags, i_bh, tag, WAIT_PREP, MAX_POLLS)
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
-        b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
-        if WAIT_PREP:
-            b_beta = tl.where(ready, b_beta, float("nan"))
+        # a head whose rows never came gets a NaN beta: its output and state show it
+        b_beta = tl.where(ready, tl.load(heads + i_bh * 4 * BK + 3 * BK), float("nan"))
     else:
         b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-    if EXCHANGE:  # rounded as the norm launch would read it from out
-        tag_store(xchg + i_bh * V + o_v, b_o.to(out.dtype.element_ty).to(tl.float32), tag, m_v)
-    else:
-        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    state_output(out, xchg, i_bh, o_v, m_v, b_o, tag, V, EXCHANGE)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
     conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
-    if PDL and WAIT_PREP:
-        gdc_wait()
+    state_end(WAIT_PREP, PDL)
 
 
 @triton.jit

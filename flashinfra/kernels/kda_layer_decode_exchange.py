@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashinfra import env
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply
@@ -119,6 +119,45 @@ def flag_wait(p, tag, MAX_POLLS: tl.constexpr):
         f = tl.atomic_add(p, 0, sem="acquire", scope="gpu")
         n += 1
     return f == tag
+
+
+@triton.jit
+def state_begin(counters, EXCHANGE: tl.constexpr, WAIT_PREP: tl.constexpr, PDL: tl.constexpr):
+    """A state program's start: with ``PDL`` and ``EXCHANGE`` the norm launch may be scheduled once every state
+    program has begun; the call's tag (0 when neither option is on)."""
+    if PDL and EXCHANGE:
+        gdc_launch_dependents()
+    tag = tl.zeros([], tl.int64)
+    if EXCHANGE or WAIT_PREP:
+        tag = tl.load(counters) + 1
+    return tag
+
+
+@triton.jit
+def state_rows_ready(flags, i_bh, tag, WAIT_PREP: tl.constexpr, MAX_POLLS: tl.constexpr):
+    """Before a state program reads its head's prep rows: with ``WAIT_PREP`` wait for the head's flag; whether
+    the rows are there (always with the option off)."""
+    ready = True
+    if WAIT_PREP:
+        ready = flag_wait(flags + i_bh, tag, MAX_POLLS)
+    return ready
+
+
+@triton.jit
+def state_output(out, xchg, i_bh, o_v, m_v, b_o, tag, V: tl.constexpr, EXCHANGE: tl.constexpr):
+    """A state program's [BV] output, rounded to out's dtype: into ``out``, or with ``EXCHANGE`` into the exchange
+    buffer's tagged words for the overlapped norm launch."""
+    if EXCHANGE:
+        tag_store(xchg + i_bh * V + o_v, b_o.to(out.dtype.element_ty).to(tl.float32), tag, m_v)
+    else:
+        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def state_end(WAIT_PREP: tl.constexpr, PDL: tl.constexpr):
+    """A state program's end: a launch that started before the prep launch ended ends only after it."""
+    if PDL and WAIT_PREP:
+        gdc_wait()
 
 
 @triton.jit

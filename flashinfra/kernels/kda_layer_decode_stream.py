@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_exchange import flag_wait, max_polls, tag_store
+from flashinfra.kernels.kda_layer_decode_exchange import (max_polls, state_begin, state_end, state_output,
+                                                          state_rows_ready)
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
@@ -97,32 +97,23 @@ def kda_layer_decode_tile_kernel(
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
     RMSNorm is applied here and the norm launch is left out. ``EXCHANGE``, ``WAIT_PREP`` and ``PDL``: the
     overlapped launches, as in ``kda_layer_decode_block_kernel`` (kda_layer_decode_exchange.py)."""
-    if PDL and EXCHANGE:
-        gdc_launch_dependents()
+    tag = state_begin(counters, EXCHANGE, WAIT_PREP, PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    if EXCHANGE or WAIT_PREP:
-        tag = tl.load(counters) + 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
-    if WAIT_PREP:
-        ready = flag_wait(flags + i_bh, tag, MAX_POLLS)
+    ready = state_rows_ready(flags, i_bh, tag, WAIT_PREP, MAX_POLLS)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
-    if WAIT_PREP:  # a head whose rows never came gets a NaN beta: its output and state show it
-        b_beta = tl.where(ready, b_beta, float("nan"))
+    b_beta = tl.where(ready, b_beta, float("nan"))  # a head whose rows never came: its output and state show it
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
                               out.dtype.element_ty)
-    if EXCHANGE:  # rounded as the norm launch would read it from out
-        tag_store(xchg + i_bh * V + o_v, b_o.to(out.dtype.element_ty).to(tl.float32), tag, m_v)
-    else:
-        tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    state_output(out, xchg, i_bh, o_v, m_v, b_o, tag, V, EXCHANGE)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    if PDL and WAIT_PREP:
-        gdc_wait()
+    state_end(WAIT_PREP, PDL)
 
 
 def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
