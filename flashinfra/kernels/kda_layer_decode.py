@@ -345,7 +345,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
                                      num_stages, per_sm, programs, tma_store, maxnreg,
-                                     exchange if norm_overlap else None, prep_overlap)
+                                     exchange, norm_overlap, prep_overlap)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *exchange, *strides,

@@ -168,13 +168,13 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
                         tma_store: bool, maxnreg: int | None = None, exchange: tuple | None = None,
-                        wait_prep: bool = False) -> bool:
+                        norm_overlap: bool = False, wait_prep: bool = False) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
     (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
     program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row). ``exchange`` (the exchange buffers; "tiles" only): the output goes there for the overlapped
-    norm launch, and with ``wait_prep`` each program waits for its head's prep flag
-    (kda_layer_decode_exchange.py)."""
+    whole row). ``exchange`` (the exchange buffers, or three unused pointers): with ``norm_overlap`` ("tiles"
+    only) the output goes there for the overlapped norm launch, and with ``wait_prep`` each program waits for
+    its head's prep flag (kda_layer_decode_exchange.py)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -182,11 +182,11 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
     if grid == "tiles":
-        pdl = exchange is not None and state.is_cuda
+        pdl = norm_overlap and state.is_cuda
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0),
-            *(exchange if exchange is not None else (out, heads, heads)), H=H, K=K, V=V, BK=BK, BV=BV, R=R,
-            NORM=norm, EXCHANGE=exchange is not None, WAIT_PREP=wait_prep, PDL=pdl,
+            *(exchange or (out, heads, heads)), H=H, K=K, V=V, BK=BK, BV=BV, R=R,
+            NORM=norm, EXCHANGE=norm_overlap, WAIT_PREP=wait_prep, PDL=pdl,
             MAX_POLLS=max_polls(), num_warps=num_warps, **cap,
             **({"launch_pdl": True} if wait_prep and pdl else {}))
         return norm
