@@ -61,11 +61,7 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
                                                  ("stream", 32, 2, o))],
             ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
             ("prep", 64, 4, dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4)),  # one-head prep, 4-head norm
-            ("prep", 64, 4, dict(norm_overlap=True)),  # the norm launch during the state launch's last wave
-            ("prep", 64, 4, dict(norm_overlap=True, prep_overlap=True)),  # and the state launch during the prep's
-            ("tiles", 64, 4, dict(maxnreg=96, prep_heads=2, norm_overlap=True)),  # the same for bf16's layout
-            ("tiles", 64, 4, dict(maxnreg=96, prep_heads=2, norm_overlap=True, prep_overlap=True)),
-            ("tiles", 64, 4, dict(maxnreg=96, norm_overlap=True, prep_overlap=True))]  # a prep of two waves
+            ("tiles", 64, 4, dict(maxnreg=96, prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4))]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -78,9 +74,7 @@ def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
             + (f"_prepw{launch['prep_warps']}" if "prep_warps" in launch else "")
             + (f"_normh{launch['norm_heads']}" if "norm_heads" in launch else "")
             + (f"_normw{launch['norm_warps']}" if "norm_warps" in launch else "")
-            + ("_pdl" if launch.get("pdl") else "")
-            + ("_overlap" if launch.get("norm_overlap") else "")
-            + ("_prepoverlap" if launch.get("prep_overlap") else ""))
+            + ("_pdl" if launch.get("pdl") else ""))
 
 
 def layer_inputs(B: int, state_dtype: torch.dtype, seed: int):

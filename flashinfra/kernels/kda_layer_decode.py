@@ -47,8 +47,6 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_exchange import (exchange_buffers, max_polls, norm_exchange_launch, state_begin,
-                                                          state_end, state_output, state_rows_ready)
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
@@ -83,21 +81,14 @@ def kda_layer_decode_ref(
 @triton.jit
 def kda_layer_decode_block_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, heads,
-    xchg, counters, flags, stride_x, stride_g, stride_b, scale,
+    stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
-    EXCHANGE: tl.constexpr = False, WAIT_PREP: tl.constexpr = False, PDL: tl.constexpr = False,
-    MAX_POLLS: tl.constexpr = 1,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them. With
-    ``EXCHANGE`` the output goes to the exchange buffer ``xchg`` as tagged words for the overlapped norm
-    launch (kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every program has; with
-    ``WAIT_PREP`` the head's rows are read once the prep launch has raised its flag to the call's tag (the
-    launch started before the prep launch ended), and with ``PDL`` the launch ends only after the prep's."""
-    tag = state_begin(counters, EXCHANGE, WAIT_PREP, PDL)
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -109,21 +100,18 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
-        ready = state_rows_ready(flags, i_bh, tag, WAIT_PREP, MAX_POLLS)
         p_h = heads + i_bh * 4 * BK + o_k
         b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
-        # a head whose rows never came gets a NaN beta: its output and state show it
-        b_beta = tl.where(ready, tl.load(heads + i_bh * 4 * BK + 3 * BK), float("nan"))
+        b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
     else:
         b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-    state_output(out, xchg, i_bh, o_v, m_v, b_o, tag, V, EXCHANGE)
+    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
     conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
-    state_end(WAIT_PREP, PDL)
 
 
 @triton.jit
@@ -201,17 +189,16 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     by more than 0.5%, else the previous choice; between timed sizes the nearer one (midpoints 32 and 128).
     B=1: the block layout ([K, 32] on 2 warps) with its norm launch dependent (``pdl``, 4-8% faster): the other
     layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
-    4 warps; the state kernel is near the copy bandwidth), its prep launch 2 heads and its norm launch 4 heads
-    per program at B=16 and 256 (1% faster; at B=64 within 0.5% of the per-head launches, which stay there).
-    bf16 state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on
-    4 warps capped at 96 registers, both with the same several-heads prep and norm launches (0.7% / 1.6% faster
-    at B=64 / 256; at B=16 2% faster in the 12:4x UTC run with the state read as evict_last,
-    bench/results/kda_decode_refresh_16_64.json, 0.4% in the 06:44 one)."""
+    4 warps; the state kernel is near the copy bandwidth). bf16 state: the streaming layout ([K, 32] on 2 warps)
+    up to B=32, above it one program per [K, 64] tile on 4 warps capped at 96 registers. All of them with the
+    norm launch 4 heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
+    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
+    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
-    heads = dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4)
+    heads = dict(prep_heads=2 if B <= 32 else 1, prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
-        return dict(grid="prep", BV=64, num_warps=4, **({} if 32 < B <= 128 else heads))
+        return dict(grid="prep", BV=64, num_warps=4, **heads)
     if B <= 32:
         return dict(grid="stream", BV=32, num_warps=2, **heads)
     return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, **heads)
@@ -251,8 +238,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            norm_overlap: bool = False, prep_overlap: bool = False):
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
@@ -271,10 +257,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end. ``norm_overlap`` (the prep layout, or tiles narrower than V; the per-head norm launch; all
-    launches): the norm launch runs during the state launch's last wave, the output rows passed through tagged words
-    (kda_layer_decode_exchange.py); ``prep_overlap`` (with ``norm_overlap``, conv widths up to 4) also starts
-    the state launch before the prep launch ends, each state program waiting for its head's flag."""
+    launch's end."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -304,14 +287,6 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
-    if norm_overlap and (grid not in ("prep", "tiles") or norm_heads > 1 or launches != "all"
-                         or (grid == "tiles" and min(BV or cfg["BV"], triton.next_power_of_2(V)) >= V)):
-        raise ValueError("kda_layer_decode: norm_overlap needs the prep layout or tiles narrower than V, one head "
-                         f"per norm program and all launches, got grid={grid!r} BV={BV} norm_heads={norm_heads} "
-                         f"launches={launches!r}")
-    if prep_overlap and (not norm_overlap or W > 4):
-        raise ValueError("kda_layer_decode: prep_overlap needs norm_overlap (whose last norm program moves the tag "
-                         f"on) and the several-heads prep kernel (conv width <= 4), got W={W}")
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -329,14 +304,12 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
     heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
-    # the overlapped launches' exchange buffer, tag counters and prep flags (otherwise three unused pointers)
-    exchange = exchange_buffers(qkv.device, B * H, V) if norm_overlap else (out, heads, heads)
     evict = "evict_last" if streamed and scratch_l2 else ""
     # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
     # the per-head kernel, which is left for conv widths above 4)
     if prepped and "prep" in run and (prep_heads > 1 or W <= 4):
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
-                          prep_heads, prep_warps, *((exchange[2], exchange[1]) if prep_overlap else ()))
+                          prep_heads, prep_warps)
     elif prepped and "prep" in run:
         kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
@@ -344,17 +317,12 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg,
-                                     exchange, norm_overlap, prep_overlap)
+                                     num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-            *head_args, state, state_slots, out, heads, *exchange, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, EXCHANGE=norm_overlap,
-            WAIT_PREP=prep_overlap, PDL=norm_overlap and qkv.is_cuda, MAX_POLLS=max_polls(),
-            num_warps=num_warps, **({"launch_pdl": True} if prep_overlap and qkv.is_cuda else {}))
-    if norm_overlap:
-        norm_exchange_launch(*exchange[:2], gate, norm_weight, eps, out, H, V, qkv.is_cuda)
-    elif "norm" in run and not normed and norm_heads > 1:
+            *head_args, state, state_slots, out, heads, *strides,
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
+    if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:
         kda_layer_decode_norm_kernel[(B * H,)](

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashinfra.kernels.kda_gate import kda_log_decay
 from flashinfra.kernels.kda_layer_decode_parts import conv_slot
@@ -61,20 +60,15 @@ def _conv_heads(x_row, conv_w, cs_slot, ch, m, W: tl.constexpr):
 
 @triton.jit
 def kda_layer_decode_prep_heads_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads, flags, counters,
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
-    EVICT: tl.constexpr, FLAG: tl.constexpr = False, PDL: tl.constexpr = False,
+    EVICT: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
     ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
-    beta row is left unwritten, 2 MB fewer at B=64, H=64). With ``FLAG`` each head's flag is raised to the
-    call's tag (the tag counter plus one) once its rows are written, for a state launch that starts before
-    this one ends (``prep_overlap``, kda_layer_decode_exchange.py), which ``PDL`` lets start as soon as every
-    program of this one has."""
-    if PDL:
-        gdc_launch_dependents()
+    beta row is left unwritten, 2 MB fewer at B=64, H=64)."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -113,8 +107,6 @@ def kda_layer_decode_prep_heads_kernel(
         tl.store(p_h + 4 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
     else:
         tl.store(p_h + 3 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
-    if FLAG:  # the release orders every store above (rows and conv slot) before the flag
-        tl.atomic_xchg(flags + i_b * H + o_h, tl.load(counters) + 1, mask=m_h, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -151,18 +143,15 @@ def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
 
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
                       heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
-                      evict: str, prep_heads: int, num_warps: int, flags=None, counters=None) -> None:
-    """The prep launch, ``prep_heads`` heads of one sequence per program; with ``flags`` and ``counters`` (the
-    exchange buffers) it raises each head's flag and lets its state launch start early (CUDA)."""
+                      evict: str, prep_heads: int, num_warps: int) -> None:
+    """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
-    flag = flags is not None
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
-        flags if flag else heads, counters if flag else heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
         HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
-        FLAG=flag, PDL=flag and qkv.is_cuda, num_warps=num_warps)
+        num_warps=num_warps)
 
 
 def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:

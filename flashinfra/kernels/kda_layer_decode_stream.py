@@ -24,8 +24,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_exchange import (max_polls, state_begin, state_end, state_output,
-                                                          state_rows_ready)
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
@@ -88,32 +86,26 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 
 @triton.jit
 def kda_layer_decode_tile_kernel(
-    state, heads, state_slots, out, gate, norm_w, eps, stride_gate, xchg, counters, flags,
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr, EXCHANGE: tl.constexpr = False, WAIT_PREP: tl.constexpr = False, PDL: tl.constexpr = False,
-    MAX_POLLS: tl.constexpr = 1,
+    NORM: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out. ``EXCHANGE``, ``WAIT_PREP`` and ``PDL``: the
-    overlapped launches, as in ``kda_layer_decode_block_kernel`` (kda_layer_decode_exchange.py)."""
-    tag = state_begin(counters, EXCHANGE, WAIT_PREP, PDL)
+    RMSNorm is applied here and the norm launch is left out."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
-    ready = state_rows_ready(flags, i_bh, tag, WAIT_PREP, MAX_POLLS)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
-    b_beta = tl.where(ready, b_beta, float("nan"))  # a head whose rows never came: its output and state show it
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
                               out.dtype.element_ty)
-    state_output(out, xchg, i_bh, o_v, m_v, b_o, tag, V, EXCHANGE)
+    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    state_end(WAIT_PREP, PDL)
 
 
 def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
@@ -167,14 +159,11 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None, exchange: tuple | None = None,
-                        norm_overlap: bool = False, wait_prep: bool = False) -> bool:
+                        tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
     (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
     program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row). ``exchange`` (the exchange buffers, or three unused pointers): with ``norm_overlap`` ("tiles"
-    only) the output goes there for the overlapped norm launch, and with ``wait_prep`` each program waits for
-    its head's prep flag (kda_layer_decode_exchange.py)."""
+    whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -182,13 +171,9 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
     if grid == "tiles":
-        pdl = norm_overlap and state.is_cuda
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
-            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0),
-            *(exchange or (out, heads, heads)), H=H, K=K, V=V, BK=BK, BV=BV, R=R,
-            NORM=norm, EXCHANGE=norm_overlap, WAIT_PREP=wait_prep, PDL=pdl,
-            MAX_POLLS=max_polls(), num_warps=num_warps, **cap,
-            **({"launch_pdl": True} if wait_prep and pdl else {}))
+            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
+            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel

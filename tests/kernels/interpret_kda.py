@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer_decode
-from flashinfra.kernels import kda_layer_decode_exchange as exchange
-from flashinfra.kernels.kda_layer_decode_stream import kda_layer_decode_tile_kernel as tile_kernel
 from tests.kernels import kda_cases as cases
 
 
@@ -205,66 +202,13 @@ def test_layer_decode_wide_conv(grid, state_dtype, launch):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("B", [1, 3, 33])
 def test_layer_decode_default_config(B, state_dtype):
     """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
     launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
-    prep layout (fp32 state) or the streaming layout (bf16), each with several-heads prep and norm launches."""
+    prep layout (fp32 state) or the streaming layout (bf16), each with two-head prep and four-head norm launches;
+    B=33 the prep layout or the tiles layout, with one-head prep launches."""
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
-
-
-@pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
-    ("prep", torch.float32, -5.0, 24), ("prep", torch.bfloat16, None, 32),
-    ("tiles", torch.bfloat16, -5.0, 24), ("tiles", torch.float32, None, 32),
-])
-def test_layer_decode_norm_overlap(grid, state_dtype, lower_bound, K):
-    """The norm launch reading the output rows from the exchange buffer's tagged words: three calls on fresh
-    inputs through the same buffer, each against the reference, the tag counter one further after each (a word
-    left from the call before carries the old tag, so a norm that read it would poll out and fail the check)."""
-    xchg, counters, flags = exchange.exchange_buffers(torch.device("cpu"), 6, K)
-    for seed in range(3):
-        before = int(counters[0])
-        cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid,
-                           BV=16, norm_overlap=True, prep_overlap=bool(seed % 2), seed=seed)
-        assert counters.tolist() == [before + 1, 0]
-        if seed % 2:  # every head's flag raised to this call's tag
-            assert flags[:6].tolist() == [before + 1] * 6
-    # a norm launch with no state launch before it finds only the last call's words: it polls out, gives NaN rows
-    # (not the last call's output) and still moves the tag on
-    a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
-    out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
-    exchange.norm_exchange_launch(xchg, counters, a["gate"], a["norm_weight"], a["eps"], out, 2, K, pdl=False)
-    assert torch.isnan(out).all() and counters.tolist() == [before + 2, 0]
-    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, grid=grid, BV=16, norm_overlap=True,
-                       prep_overlap=True)
-    # a state launch whose heads' prep flags were never raised poisons what it computes with NaN
-    flags.zero_()
-    a = cases.layer_decode_inputs("cpu", B=3, H=2, K=K, state_dtype=state_dtype)
-    BK = triton.next_power_of_2(K)
-    heads = torch.zeros(6, 5, BK)
-    out = torch.zeros(3, 2, K, dtype=a["qkv"].dtype)
-    if grid == "prep":
-        layer_decode.kda_layer_decode_block_kernel[(triton.cdiv(K, 16), 6)](
-            a["qkv"], a["conv_weight"], a["conv_state"], a["g_raw"], a["beta_logits"], a["A_log"], a["dt_bias"], 0.0,
-            a["state"], a["state_slots"], out, heads, xchg, counters, flags, a["qkv"].stride(0),
-            a["g_raw"].stride(0), a["beta_logits"].stride(0), K**-0.5, H=2, K=K, V=K, BK=BK, BV=16, W=4, BW=4,
-            HAS_LOWER_BOUND=False, PREPPED=True, WAIT_PREP=True, MAX_POLLS=2)
-    else:
-        tile_kernel[(triton.cdiv(K, 16), 6)](
-            a["state"], heads, a["state_slots"], out, a["gate"], a["norm_weight"], 1e-5, a["gate"].stride(0), xchg,
-            counters, flags, H=2, K=K, V=K, BK=BK, BV=16, R=BK, NORM=False, WAIT_PREP=True, MAX_POLLS=2)
-    assert torch.isnan(out).all() and torch.isnan(a["state"][a["state_slots"]]).all()
-
-
-def test_exchange_buffers_grow_and_keep_the_old_ones():
-    """A larger batch gets larger buffers; the ones it replaces stay allocated (a CUDA graph captured with them
-    keeps their addresses); the tag counter is never replaced."""
-    dev = torch.device("cpu")
-    xchg, counters, flags = exchange.exchange_buffers(dev, 1000, 8)
-    assert exchange.exchange_buffers(dev, 10, 8)[0] is xchg
-    bigger, counters2, flags2 = exchange.exchange_buffers(dev, 2000, 8)
-    assert bigger.numel() >= 16000 and counters2 is counters and flags2.numel() >= 2000
-    assert any(t is xchg for t in exchange._RETIRED) and any(t is flags for t in exchange._RETIRED)
 
 
 def test_layer_decode_bad_layouts():
@@ -281,12 +225,6 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
-    for bad in (dict(grid="stream"), dict(grid="tiles", BV=16), dict(grid="prep", norm_heads=2),
-                dict(grid="prep", launches="state")):
-        with pytest.raises(ValueError, match="norm_overlap needs the prep layout"):
-            layer_decode.kda_layer_decode_launch(**a, norm_overlap=True, **bad)
-    with pytest.raises(ValueError, match="prep_overlap needs norm_overlap"):
-        layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_overlap=True)
 
 
 def test_stream_programs_per_sm():
