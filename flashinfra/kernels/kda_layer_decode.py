@@ -47,8 +47,8 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_decay,
-                                                       head_inputs, load_state, scratch_inputs, state_step, state_tile)
+from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
+                                                       load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
@@ -80,16 +80,15 @@ def kda_layer_decode_ref(
 
 @triton.jit
 def kda_layer_decode_block_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, rows,
-    decays, scalars, stride_x, stride_g, stride_b, scale,
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, state_slots, out, heads,
+    stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from the prep kernel's scratch (``rows``, ``decays``,
-    ``scalars``)."""
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -101,7 +100,9 @@ def kda_layer_decode_block_kernel(
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
-        b_q, b_k, b_decay, b_beta = scratch_inputs(rows, decays, scalars, i_bh, o_k, m_k, BK, 2, "")
+        p_h = heads + i_bh * 4 * BK + o_k
+        b_q, b_k, b_decay = tl.load(p_h), tl.load(p_h + BK), tl.load(p_h + 2 * BK)
+        b_beta = tl.load(heads + i_bh * 4 * BK + 3 * BK)
     else:
         b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
@@ -139,19 +140,19 @@ def kda_layer_decode_norm_kernel(
 
 @triton.jit
 def kda_layer_decode_prep_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, rows, decays, scalars,
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
     EVICT: tl.constexpr = "",
 ):
     """Grid (B * H,), before the state kernel, for conv widths above 4 (narrower ones take the several-heads
-    prep kernel with one head per program, kda_layer_decode_prep.py): the head's q and k conv outputs, their
-    L2 norm factors, decay and beta, once, into the scratch, and the q/k conv shift (the only reader of those
-    channels). ``rows`` [B * H, 2, R] in qkv's dtype (q, k; R = BK) or, with ``PREP_V``, [B * H, 3, R] (q, k,
-    the v conv output; R = max(BK, BVF)), this program then also shifting the v channels' conv slot, so that
-    the state kernel reads only the scratch and the state; ``decays`` [B * H, R] float32; ``scalars``
-    [B * H, 4] float32: beta, q's factor (with ``scale``), k's factor."""
+    prep kernel with one head per program, kda_layer_decode_prep.py): the head's q, k (conv, L2 norm, scale),
+    decay and beta, once, into ``heads`` float32, and the q/k conv shift (the only reader of those channels).
+    ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
+    ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
+    then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
+    state."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -159,25 +160,22 @@ def kda_layer_decode_prep_kernel(
     m_k = o_k < K
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
-    NR: tl.constexpr = 3 if PREP_V else 2
-    b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
-    b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
-    p_r = rows + i_bh * (NR * R) + o_k
-    tl.store(p_r, b_q.to(rows.dtype.element_ty), mask=m_k, eviction_policy=EVICT)
-    tl.store(p_r + R, b_k.to(rows.dtype.element_ty), mask=m_k, eviction_policy=EVICT)
-    o_c = tl.arange(0, 4)
-    b_c = tl.where(o_c == 1, scale / tl.sqrt(tl.sum(b_q * b_q) + 1e-6), 1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
-    b_c = tl.where(o_c == 0, tl.sigmoid(tl.load(beta_logits + i_b * stride_b + i_h).to(tl.float32)), b_c)
-    tl.store(scalars + i_bh * 4 + o_c, b_c, mask=o_c < 3, eviction_policy=EVICT)
-    b_decay = head_decay(g_raw + i_b * stride_g, dt_bias, A_log, lower_bound, i_h, o_k, m_k, K, HAS_LOWER_BOUND)
-    tl.store(decays + i_bh * R + o_k, b_decay, mask=m_k, eviction_policy=EVICT)
+    b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
+                                            beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
+                                            H, K, W, BW, HAS_LOWER_BOUND)
+    p_h = heads + i_bh * (5 if PREP_V else 4) * R + o_k
+    tl.store(p_h, tl.where(m_k, b_q, 0.0), eviction_policy=EVICT)
+    tl.store(p_h + R, tl.where(m_k, b_k, 0.0), eviction_policy=EVICT)
+    tl.store(p_h + 2 * R, b_decay, eviction_policy=EVICT)
     if PREP_V:
         o_f = tl.arange(0, BVF)
         m_f = o_f < V
         b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W)
-        tl.store(rows + i_bh * (NR * R) + 2 * R + o_f, b_v.to(rows.dtype.element_ty), mask=m_f,
-                 eviction_policy=EVICT)
+        tl.store(heads + i_bh * 5 * R + 3 * R + o_f, tl.where(m_f, b_v, 0.0), eviction_policy=EVICT)
+        tl.store(p_h + 4 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
         conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
+    else:
+        tl.store(p_h + 3 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
     conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
@@ -304,30 +302,25 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if grid == "stream":
         check_stream_layout(state, BV, sizes["BK"])
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
-    # the prep launch's scratch: the q, k (and v) conv rows in qkv's dtype, the decay rows, per head beta and the
-    # L2 norm factors
-    rows = torch.empty((B * H, 3 if streamed else 2, R) if prepped else (1,), dtype=qkv.dtype, device=qkv.device)
-    decays = torch.empty((B * H, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
-    scalars = torch.empty((B * H, 4) if prepped else (1,), dtype=torch.float32, device=qkv.device)
+    heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     run = ("prep", "state", "norm") if launches == "all" else (launches,)
     evict = "evict_last" if streamed and scratch_l2 else ""
     # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
     # the per-head kernel, which is left for conv widths above 4)
-    scratch = (rows, decays, scalars)
     if prepped and "prep" in run and (prep_heads > 1 or W <= 4):
-        prep_heads_launch(*head_args, state_slots, scratch, sizes, lower_bound is not None, R, streamed, BVF, evict,
+        prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
                           prep_heads, prep_warps)
     elif prepped and "prep" in run:
-        kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, *scratch, *strides, **sizes,
+        kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
                                                HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
                                                BVF=BVF, EVICT=evict, num_warps=prep_warps)
     normed = False
     if "state" in run and streamed:
-        normed = stream_state_launch(state, scratch, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
+        normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
                                      num_stages, per_sm, programs, tma_store, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-            *head_args, state, state_slots, out, *scratch, *strides,
+            *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)

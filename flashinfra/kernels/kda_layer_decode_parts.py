@@ -1,9 +1,8 @@
 """Triton pieces shared by the KDA decode kernels (``kda_layer_decode``, ``kda_layer_decode_prep``,
 ``kda_layer_decode_stream``; the state's addressing and read also by the bare recurrence, ``kda_decode``, and the
 v2 prefill, ``kda_prefill_split``): where a sequence's slot keeps its state and conv taps, the conv update of a
-token on a set of channels, a head's normalised q/k with its decay and beta (computed, or read back from the
-prep launch's scratch), the read of a state block to be updated in place, one delta-rule step on a [K, BV] state
-block, and the gated RMSNorm of a head's output row."""
+token on a set of channels, a head's normalised q/k with its decay and beta, the read of a state block to be
+updated in place, one delta-rule step on a [K, BV] state block, and the gated RMSNorm of a head's output row."""
 
 from __future__ import annotations
 
@@ -57,39 +56,18 @@ def conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def head_decay(g_row, dt_bias, A_log, lower_bound, i_h, o_k, m_k, K: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
-    """The head's per-channel decay exp(g) from its raw gate row (``g_row``: the sequence's g_raw)."""
-    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    return tl.exp(kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND))
-
-
-@triton.jit
 def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
                  H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
     """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
     b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
     b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
+    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
     b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    return b_q, b_k, head_decay(g_row, dt_bias, A_log, lower_bound, i_h, o_k, m_k, K, HAS_LOWER_BOUND), b_beta
-
-
-@triton.jit
-def scratch_inputs(rows, decays, scalars, i_bh, o_k, m_k, R: tl.constexpr, NR: tl.constexpr, POLICY: tl.constexpr):
-    """A head's q (scaled), k, decay and beta from the prep launch's scratch: ``rows`` [B * H, NR, R] holds the
-    q and k conv outputs in the activations' dtype (as the conv rounds them: nothing is lost), ``decays``
-    [B * H, R] float32 the decay, ``scalars`` [B * H, 4] float32 beta and the q and k factors of the L2 norm
-    (q's times the attention scale). ``POLICY`` is the loads' L2 eviction policy."""
-    p_r = rows + i_bh * (NR * R) + o_k
-    p_c = scalars + i_bh * 4
-    b_q = tl.load(p_r, mask=m_k, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    b_k = tl.load(p_r + R, mask=m_k, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    b_q = b_q * tl.load(p_c + 1, eviction_policy=POLICY)
-    b_k = b_k * tl.load(p_c + 2, eviction_policy=POLICY)
-    b_decay = tl.load(decays + i_bh * R + o_k, mask=m_k, other=0.0, eviction_policy=POLICY)
-    return b_q, b_k, b_decay, tl.load(p_c, eviction_policy=POLICY)
+    return b_q, b_k, tl.exp(b_g), b_beta
 
 
 @triton.jit

@@ -6,8 +6,7 @@ an H200 (bench/notes/kda_decode.md, "The one-head prep launch"). ``kda_layer_dec
 wider convs.
 
 Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_kernel`` (one program per
-(sequence, head), 128-wide vectors): the scratch (q, k, (v) rows; decay; beta and the L2 norm factors), the conv
-slot shifted, the
+(sequence, head), 128-wide vectors): the scratch rows q, k, decay (v) and beta, the conv slot shifted, the
 gated RMSNorm in place. What changes is the shape of the work: a program takes ``HB`` heads as [HB, K]
 tiles, so the channels it reads (q|k|v row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K
 elements (vector loads and stores), each thread has HB times the independent loads in flight, and there are
@@ -61,16 +60,16 @@ def _conv_heads(x_row, conv_w, cs_slot, ch, m, W: tl.constexpr):
 
 @triton.jit
 def kda_layer_decode_prep_heads_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, rows, decays, scalars,
+    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; the scratch (``rows``,
-    ``decays``, ``scalars``) as ``kda_layer_decode_prep_kernel`` writes it."""
+    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
+    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
+    beta row is left unwritten, 2 MB fewer at B=64, H=64)."""
     NHB: tl.constexpr = (H + HB - 1) // HB
-    NR: tl.constexpr = 3 if PREP_V else 2
     pid = tl.program_id(0)
     i_b = pid // NHB
     o_h = (pid % NHB) * HB + tl.arange(0, HB)
@@ -86,26 +85,28 @@ def kda_layer_decode_prep_heads_kernel(
     b_g = b_g + tl.load(dt_bias + ch_q, mask=m_hk, other=0.0)
     b_rate = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_decay = tl.exp(kda_log_decay(b_g, b_rate[:, None], lower_bound, HAS_LOWER_BOUND))
-    tl.store(decays + ((i_b * H + o_h) * R)[:, None] + o_k[None, :], b_decay, mask=m_hk, eviction_policy=EVICT)
-    p_r = rows + ((i_b * H + o_h) * (NR * R))[:, None] + o_k[None, :]
-    b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W)
-    tl.store(p_r, b_q.to(rows.dtype.element_ty), mask=m_hk, eviction_policy=EVICT)
-    b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W)
-    tl.store(p_r + R, b_k.to(rows.dtype.element_ty), mask=m_hk, eviction_policy=EVICT)
-    # beta and the L2 norm factors, [HB, 4] (the fourth column unwritten)
-    o_c = tl.arange(0, 4)[None, :]
-    b_c = tl.where(o_c == 1, (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None],
-                   (1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None])
     b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_b + o_h, mask=m_h, other=0.0).to(tl.float32))
-    b_c = tl.where(o_c == 0, b_beta[:, None], b_c)
-    tl.store(scalars + ((i_b * H + o_h) * 4)[:, None] + o_c, b_c, mask=m_h[:, None] & (o_c < 3),
-             eviction_policy=EVICT)
+    NR: tl.constexpr = 5 if PREP_V else 4
+    p_h = heads + ((i_b * H + o_h) * (NR * R))[:, None] + o_k[None, :]
+    m_hr = m_h[:, None] & (o_k < R)[None, :]
+    b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W)
+    b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None]  # one division per head
+    tl.store(p_h, b_q, mask=m_hr, eviction_policy=EVICT)
+    b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W)
+    b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None]
+    tl.store(p_h + R, b_k, mask=m_hr, eviction_policy=EVICT)
+    tl.store(p_h + 2 * R, b_decay, mask=m_hr, eviction_policy=EVICT)
+    b_beta_row = tl.where((o_k == 0)[None, :], b_beta[:, None], 0.0)
+    m_beta = m_h[:, None] & (o_k == 0)[None, :]  # the state kernels read the beta row's first column only
     if PREP_V:
         o_f = tl.arange(0, BVF)
         m_hf = m_h[:, None] & (o_f < V)[None, :]
         b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W)
-        p_v = rows + ((i_b * H + o_h) * (NR * R))[:, None] + 2 * R + o_f[None, :]
-        tl.store(p_v, b_v.to(rows.dtype.element_ty), mask=m_hf, eviction_policy=EVICT)
+        p_v = heads + ((i_b * H + o_h) * (NR * R))[:, None] + 3 * R + o_f[None, :]
+        tl.store(p_v, b_v, mask=m_h[:, None] & (o_f < R)[None, :], eviction_policy=EVICT)
+        tl.store(p_h + 4 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
+    else:
+        tl.store(p_h + 3 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -141,14 +142,13 @@ def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
 
 
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
-                      scratch: tuple, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int, evict: str,
-                      prep_heads: int, num_warps: int) -> None:
-    """The prep launch, ``prep_heads`` heads of one sequence per program, into ``scratch`` (rows, decays,
-    scalars)."""
+                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
+                      evict: str, prep_heads: int, num_warps: int) -> None:
+    """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
-        qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, *scratch,
+        qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
         HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
         num_warps=num_warps)

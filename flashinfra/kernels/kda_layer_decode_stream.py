@@ -1,12 +1,11 @@
 """The state kernels of the KDA layer decode's streaming layouts (``grid="stream"`` / ``"tiles"`` in
 ``kda_layer_decode_launch``).
 
-The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k and v
-conv outputs (``rows`` [B * H, 3, R] in the activations' dtype), its decay (``decays``, float32), beta and the
-q/k L2 norm factors (``scalars``) and shifted the whole conv slot, so a state program reads nothing but the
-scratch and its [K, BV] state tile, and writes the tile back in place and its [BV] unnormalised output; the
-norm kernel follows, except where a tile is a head's whole row (``stream`` and ``tiles`` then apply the gated
-RMSNorm themselves).
+The prep kernel (``kda_layer_decode_prep_kernel`` with ``PREP_V``) has already written each head's q, k,
+decay, v conv output and beta into a float32 scratch ``heads`` [B * H, 5, R] and shifted the whole conv
+slot, so a state program reads nothing but the scratch (from L2) and its [K, BV] state tile, and writes the
+tile back in place and its [BV] unnormalised output; the norm kernel follows, except where a tile is a
+head's whole row (``stream`` and ``tiles`` then apply the gated RMSNorm themselves).
 
 ``stream`` is persistent: a grid of as many programs per SM as fit walks the (sequence, head, V block) tiles
 t = pid, pid + G, ..., so that later tiles' states are on their way while the current one is reduced. The
@@ -25,23 +24,25 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, scratch_inputs, state_step, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
 @triton.jit
-def _head_rows(rows, decays, scalars, i_bh, o_k, o_v, K: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
-    """A tile's inputs from the prep scratch (``scratch_inputs``: q scaled, k, decay over K, and beta) and its V
-    block of v; read with the L2 policy evict_first (the other V blocks of the head read them at about the same
-    time, then they are dead), which also demotes lines the prep launch wrote with evict_last."""
-    b_q, b_k, b_decay, b_beta = scratch_inputs(rows, decays, scalars, i_bh, o_k, o_k < K, R, 3, "evict_first")
-    b_v = tl.load(rows + i_bh * (3 * R) + 2 * R + o_v, mask=o_v < V, other=0.0,
-                  eviction_policy="evict_first").to(tl.float32)
-    return b_q, b_k, b_decay, b_v, b_beta
+def _head_rows(heads, i_bh, o_k, o_v, R: tl.constexpr):
+    """A tile's rows of the prep scratch: q (scaled), k, decay over K, its V block of v, and beta; read with
+    the L2 policy evict_first (the other V blocks of the head read them at about the same time, then they
+    are dead), which also demotes lines the prep launch wrote with evict_last."""
+    p_h = heads + i_bh * (5 * R)
+    b_q = tl.load(p_h + o_k, eviction_policy="evict_first")
+    b_k = tl.load(p_h + R + o_k, eviction_policy="evict_first")
+    b_decay = tl.load(p_h + 2 * R + o_k, eviction_policy="evict_first")
+    b_v = tl.load(p_h + 3 * R + o_v, eviction_policy="evict_first")
+    return b_q, b_k, b_decay, b_v, tl.load(p_h + 4 * R, eviction_policy="evict_first")
 
 
 @triton.jit
 def kda_layer_decode_stream_kernel(
-    state_d, rows, decays, scalars, state_slots, out, tiles, state, gate, norm_w, eps, stride_gate,
+    state_d, heads, state_slots, out, tiles, state, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
     STAGES: tl.constexpr, TMA_STORE: tl.constexpr, NORM: tl.constexpr,
 ):
@@ -62,7 +63,7 @@ def kda_layer_decode_stream_kernel(
         b_s = state_d.load([row, 0, i_v * BV]).reshape(BK, BV).to(tl.float32)
         o_v = i_v * BV + o_b
         m_v = o_v < V
-        b_q, b_k, b_decay, b_v, b_beta = _head_rows(rows, decays, scalars, i_bh, o_k, o_v, K, V, R)
+        b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
         b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
         if NORM:
             b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + i_h * V, norm_w, eps, o_v, m_v, V,
@@ -85,7 +86,7 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 
 @triton.jit
 def kda_layer_decode_tile_kernel(
-    state, rows, decays, scalars, state_slots, out, gate, norm_w, eps, stride_gate,
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
     NORM: tl.constexpr,
 ):
@@ -98,7 +99,7 @@ def kda_layer_decode_tile_kernel(
     m_v = o_v < V
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
-    b_q, b_k, b_decay, b_v, b_beta = _head_rows(rows, decays, scalars, i_bh, o_k, o_v, K, V, R)
+    b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
@@ -155,31 +156,31 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
                          f"multiple of 16, BV * {e} >= 16 bytes and K, BV <= 256 (V={V}, BV={BV}, BK={BK})")
 
 
-def stream_state_launch(state: torch.Tensor, scratch: tuple, state_slots: torch.Tensor, out: torch.Tensor,
+def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
                         tma_store: bool, maxnreg: int | None = None) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
     (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
-    program per tile; ``scratch`` is the prep launch's (rows, decays, scalars). Returns whether the gated
-    RMSNorm was applied too (a tile is a head's whole row)."""
+    program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
+    whole row)."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
     norm = grid in ("stream", "tiles") and BV >= V
     cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    sizes = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, NORM=norm)
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
-            state, *scratch, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), **sizes,
-            num_warps=num_warps, **cap)
+            state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
+            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel
-    args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), *scratch, state_slots, out, tiles,
-            state, gate, norm_weight, float(eps), gate.stride(0))
-    kw = dict(**sizes, STAGES=num_stages, TMA_STORE=tma_store, num_warps=num_warps, num_stages=num_stages, **cap)
+    args = (TensorDescriptor.from_tensor(state.view(-1, K, V), [1, BK, BV]), heads, state_slots, out, tiles, state,
+            gate, norm_weight, float(eps), gate.stride(0))
+    kw = dict(H=H, K=K, V=V, BK=BK, BV=BV, R=R, STAGES=num_stages, TMA_STORE=tma_store, NORM=norm,
+              num_warps=num_warps, num_stages=num_stages, **cap)
     kernel[(persistent_grid(kernel, args, kw, tiles, out.device, per_sm, programs),)](*args, **kw)
     return norm
 
