@@ -53,7 +53,9 @@ C = 3 * H * K
 # per program (the layer slower than the default at every size and state dtype), and pdl on the prep, tiles and stream
 # layouts (where it beat the same layout without it, B=1 and tiles at B=16, another variant was faster still; where
 # those layouts are the default, within 0.5% or slower). Removed since (13:0x UTC): the head and stream_regs layouts,
-# slower than the defaults at every size and state dtype in every run that timed them.
+# slower than the defaults at every size and state dtype in every run that timed them; and (15:1x UTC) the
+# overlapped launches (norm_overlap, prep_overlap), slower than the defaults at B=64 and 256 in both state dtypes
+# (bench/results/kda_decode_overlap.json).
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4),
             *STREAM_VARIANTS,
