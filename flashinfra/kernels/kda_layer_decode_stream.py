@@ -59,7 +59,8 @@ def kda_layer_decode_stream_kernel(
         i_bh = t // NV
         i_v = t - i_bh * NV
         i_h = i_bh % H
-        row = tl.load(state_slots + i_bh // H).to(tl.int32) * H + i_h
+        slot = tl.load(state_slots + i_bh // H)
+        row = slot.to(tl.int32) * H + i_h
         b_s = state_d.load([row, 0, i_v * BV]).reshape(BK, BV).to(tl.float32)
         o_v = i_v * BV + o_b
         m_v = o_v < V
@@ -72,8 +73,8 @@ def kda_layer_decode_stream_kernel(
         if TMA_STORE:
             state_d.store([row, 0, i_v * BV], b_s.to(state_d.dtype).reshape(1, BK, BV))
         else:
-            p_s = state + row.to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_s, b_s.to(state.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :])
+            p_s, m_s = state_tile(state, slot.to(tl.int64), i_h, o_k, o_v, H, K, V)
+            tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
 @triton.jit
