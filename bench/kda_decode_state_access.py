@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import copy_bandwidth_GBps, header, time_graph, write_results  # noqa: E402
 
+from flashinfra.kernels.kda_layer_decode_parts import state_step  # noqa: E402
+
 H, K, V = 64, 128, 128
 
 
@@ -52,10 +54,8 @@ def recurrence_variant_kernel(q, k, v, g, beta, o, state, state_out, state_slots
     b_beta = tl.load(beta + i_bh)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_s = b_s * tl.exp(b_g)[:, None]
-    b_d = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_d[None, :]
-    tl.store(o + i_bh * V + o_v, tl.sum(b_s * b_q[:, None], 0).to(o.dtype.element_ty))
+    b_s, b_o = state_step(b_s, b_q, b_k, tl.exp(b_g), b_beta, b_v)
+    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty))
     if OUTPLACE:
         tl.store(state_out + (i_bh * K * V + o_k[:, None] * V + o_v[None, :]), b_s)
     else:
