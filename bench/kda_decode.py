@@ -41,6 +41,7 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
     kda_layer_decode_launch,
     kda_layer_decode_ref,
 )
+from flashinfra.kernels.kda_layer_decode_halves import HALVES_VARIANTS  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
 
@@ -64,6 +65,12 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
             ("prep", 64, 4, dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4)),  # one-head prep, 4-head norm
             ("tiles", 64, 4, dict(maxnreg=96, prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4))]
+# The one-head prep and 4-head norm launches on fewer warps: at 4 warps the prep's 4096 programs at B=64 fill the
+# SMs' 64 warp slots twice; on 2 warps they fit in one wave (32 programs per SM).
+PREP_SHAPES = [dict(prep_heads=1, prep_warps=pw, norm_heads=4, norm_warps=nw)
+               for pw, nw in ((1, 4), (2, 4), (4, 1), (4, 2), (2, 2), (1, 1))]
+VARIANTS += [v for o in PREP_SHAPES for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)))]
+VARIANTS += HALVES_VARIANTS
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -185,10 +192,11 @@ def main() -> int:
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
-                heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS]
+                heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS + PREP_SHAPES]
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
                                            ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
-                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads):
+                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads,
+                                           (*HALVES_VARIANTS[0], ("prep", "state"))):
                     launch = opt[0] if opt else {}
                     if grid == "block":
                         continue
