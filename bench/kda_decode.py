@@ -41,7 +41,6 @@ from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
     kda_layer_decode_launch,
     kda_layer_decode_ref,
 )
-from flashinfra.kernels.kda_layer_decode_halves import HALVES_VARIANTS  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
 
@@ -56,7 +55,9 @@ C = 3 * H * K
 # those layouts are the default, within 0.5% or slower). Removed since (13:0x UTC): the head and stream_regs layouts,
 # slower than the defaults at every size and state dtype in every run that timed them; and (15:1x UTC) the
 # overlapped launches (norm_overlap, prep_overlap), slower than the defaults at B=64 and 256 in both state dtypes
-# (bench/results/kda_decode_overlap.json).
+# (bench/results/kda_decode_overlap.json). Timed once and left out (16:1x UTC): the one-head prep on 1 or 2 warps and
+# the 4-head norm on 1 or 2 (bench/results/kda_decode_prep_warps.json), and the halves layout, whole heads as two
+# column halves with the norm in the state kernel (bench/results/kda_decode_halves.json): slower than the defaults.
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4),
             *STREAM_VARIANTS,
@@ -65,12 +66,6 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("block", 32, 2, dict(pdl=True)),  # the norm launch as a programmatic dependent (B=1's default)
             ("prep", 64, 4, dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4)),  # one-head prep, 4-head norm
             ("tiles", 64, 4, dict(maxnreg=96, prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4))]
-# The one-head prep and 4-head norm launches on fewer warps: at 4 warps the prep's 4096 programs at B=64 fill the
-# SMs' 64 warp slots twice; on 2 warps they fit in one wave (32 programs per SM).
-PREP_SHAPES = [dict(prep_heads=1, prep_warps=pw, norm_heads=4, norm_warps=nw)
-               for pw, nw in ((1, 4), (2, 4), (4, 1), (4, 2), (2, 2), (1, 1))]
-VARIANTS += [v for o in PREP_SHAPES for v in (("prep", 64, 4, o), ("tiles", 64, 4, dict(maxnreg=96, **o)))]
-VARIANTS += HALVES_VARIANTS
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
@@ -192,11 +187,10 @@ def main() -> int:
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
-                heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS + PREP_SHAPES]
+                heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS]
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
                                            ("tiles", 64, 4, dict(prep_warps=1, norm_warps=1)),
-                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads,
-                                           (*HALVES_VARIANTS[0], ("prep", "state"))):
+                                           ("tiles", 64, 4, dict(prep_warps=2, norm_warps=2)), *heads):
                     launch = opt[0] if opt else {}
                     if grid == "block":
                         continue

@@ -17,9 +17,6 @@ bench/notes/kda_decode.md):
 - ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
   (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
   the state programs do only the recurrence and the v conv; three launches.
-- ``"halves"`` (``kda_layer_decode_halves.py``): the prep layout's prep launch, then one program per
-  (sequence, head) stepping the head's state as two column halves and applying the gated RMSNorm itself:
-  two launches.
 - ``"stream"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep launch also computes
   the v conv and shifts the whole conv slot, so the state kernel reads only the scratch and its state tiles:
   persistent programs with the state through a tensor descriptor in a pipelined loop, or one program per
@@ -28,7 +25,7 @@ bench/notes/kda_decode.md):
 
 Layouts measured slower at every size and removed (bench/notes/kda_decode.md): one program per head walking
 its state, persistent programs prefetching the next tile into registers, the head work inside the state
-launch, two tiles per program.
+launch, two tiles per program, one program per head holding its state as two column halves with the norm.
 
 Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
 ``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
@@ -50,7 +47,6 @@ from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_halves import halves_state_launch
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
@@ -184,7 +180,7 @@ def kda_layer_decode_prep_kernel(
     conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
-GRIDS = ("block", "prep", "halves", "stream", "tiles")
+GRIDS = ("block", "prep", "stream", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
@@ -255,7 +251,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
-    streaming and halves layouts' state kernel (more programs per SM, at the price of spills below what it needs);
+    streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
     ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program (4 unless the
     configuration says otherwise), ``prep_heads`` and ``norm_heads`` (powers of two; the norm's only with a
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
@@ -302,7 +298,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
     streamed = grid in ("stream", "tiles")  # the state kernel reads only the scratch and the state
-    prepped = grid in ("prep", "halves") or streamed
+    prepped = grid == "prep" or streamed
     if grid == "stream":
         check_stream_layout(state, BV, sizes["BK"])
     R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
@@ -322,14 +318,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
                                      num_stages, per_sm, programs, tma_store, maxnreg)
-    elif "state" in run and grid == "halves":
-        halves_state_launch(qkv, conv_weight, conv_state, state, state_slots, out, heads, gate, norm_weight, eps,
-                            sizes, num_warps, maxnreg)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
-    normed = normed or grid == "halves"
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

@@ -157,18 +157,6 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, grid=grid, BV=16)
 
 
-@pytest.mark.parametrize("state_dtype,lower_bound,K,W,launch", [
-    (torch.float32, -5.0, 24, 4, {}), (torch.bfloat16, None, 32, 4, {}),
-    (torch.float32, None, 20, 3, dict(prep_heads=2)), (torch.bfloat16, -5.0, 24, 5, {}),
-])
-def test_layer_decode_halves(state_dtype, lower_bound, K, W, launch):
-    """Whole heads as two column halves with the gated RMSNorm in the state kernel: K=V=24 fills the first half
-    (16 columns) and masks half of the second, V=20 most of it; conv widths 3, 4 and 5 (5: the per-head prep
-    kernel)."""
-    cases.layer_decode("cpu", B=3, H=2, K=K, state_dtype=state_dtype, lower_bound=lower_bound, W=W, grid="halves",
-                       **launch)
-
-
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K,launch", [
     ("stream", torch.float32, -5.0, 24, {}),
     ("stream", torch.bfloat16, None, 32, dict(programs=3, num_stages=3)),

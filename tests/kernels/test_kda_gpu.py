@@ -7,7 +7,6 @@ import torch
 
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer
-from flashinfra.kernels.kda_layer_decode_halves import HALVES_VARIANTS
 from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS
 from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
 from tests.kernels import kda_cases as cases
@@ -130,14 +129,6 @@ LAYOUTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2
 def test_layer_decode_layout_variants(grid, BV, num_warps, state_dtype):
     cases.layer_decode("cuda", B=9, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, BV=BV,
                        num_warps=num_warps)
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [9, 67])
-@pytest.mark.parametrize("grid,BV,num_warps,launch", HALVES_VARIANTS, ids=lambda v: str(v))
-def test_layer_decode_halves_variants(grid, BV, num_warps, launch, B, state_dtype):
-    cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, grid=grid, BV=BV,
-                       num_warps=num_warps, **launch)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
