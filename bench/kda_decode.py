@@ -68,6 +68,12 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
             ("tiles", 64, 4, dict(maxnreg=96, prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4))]
 
 
+# (BV, num_warps, maxnreg) of the bare recurrence (kda_decode_launch), each timed in a graph at every batch size and
+# state dtype as ``ours_recurrence_{fp32,bf16}_BV{n}_w{n}[_r{n}]``
+RECURRENCE_VARIANTS = [(32, 4, None), (32, 2, None), (64, 4, None), (64, 4, 96), (64, 8, None), (128, 8, None),
+                       (16, 2, None), (16, 1, None)]
+
+
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:
     launch = launch or {}
     return (f"{grid}_BV{bv}_w{nw}" + (f"_s{launch['num_stages']}" if "num_stages" in launch else "")
@@ -183,6 +189,11 @@ def main() -> int:
                     cases[f"ours_layer_{dt}_{variant_tag(grid, bv, nw, launch)}"] = (
                         lambda i=inputs, g=grid, b=bv, w=nw, o=launch: kda_layer_decode_launch(
                             **i, grid=g, BV=b, num_warps=w, **o))
+            for bv, nw, cap in RECURRENCE_VARIANTS:
+                for dt, st in (("fp32", fp32["state"]), ("bf16", bf16["state"])):
+                    cases[f"ours_recurrence_{dt}_BV{bv}_w{nw}" + (f"_r{cap}" if cap else "")] = (
+                        lambda s=st, b=bv, w=nw, c=cap: kda_decode_launch(q, k, v, g, beta, s, slots, BV=b,
+                                                                          num_warps=w, maxnreg=c))
             # each launch of the default layout and of the streaming layouts' lead variants alone (graph)
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))

@@ -84,21 +84,35 @@ def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, 
     return B, H, K, V
 
 
-def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int = 4,
-                      out: torch.Tensor | None = None):
+def recurrence_config(B: int, state_dtype: torch.dtype) -> dict:
+    """Value columns per program and warps, the fastest in a CUDA graph on an H200 (H=64, K=V=128; B=1, 16, 64, 256;
+    bench/results/kda_decode_recurrence.json): float32 state [K, 64] blocks on 4 warps above B=1 (2.4% / 3.8% faster
+    than [K, 32] at B=64 / 256, level at 16), [K, 32] on 4 warps at B=1; bfloat16 state [K, 32] on 2 warps (7% / 8%
+    / 21% faster than 4 warps at B=64 / 256 / 16)."""
+    if state_dtype == torch.float32:
+        return dict(BV=64 if B > 1 else 32, num_warps=4)
+    return dict(BV=32, num_warps=2)
+
+
+def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int | None = None,
+                      out: torch.Tensor | None = None, maxnreg: int | None = None):
+    """``BV`` value columns per program on ``num_warps`` warps (each left out: ``recurrence_config``'s);
+    ``maxnreg`` caps the registers per thread (more programs per SM)."""
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
     o = torch.empty((B, H, V), dtype=q.dtype, device=q.device) if out is None else out
     if o.shape != (B, H, V) or o.dtype != q.dtype or not o.is_contiguous():
         raise ValueError(f"kda_decode: out must be contiguous [{B}, {H}, {V}] {q.dtype}")
     if B == 0:
         return o
+    cfg = recurrence_config(B, state.dtype)
     BK = triton.next_power_of_2(K)
-    BV = BV or min(triton.next_power_of_2(V), 32)
+    BV = BV or min(cfg["BV"], max(triton.next_power_of_2(V), 16))
+    num_warps = num_warps or cfg["num_warps"]
     g, beta = g.contiguous(), beta.contiguous()
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, state_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps,
+        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return o
 

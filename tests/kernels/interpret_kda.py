@@ -143,8 +143,12 @@ def test_prefill_v3_long_odd():
     cases.prefill_varlen("cpu", [333], H=1, K=16, V=16, seed=3, version="v3", out_x3=True)
 
 
-def test_decode():
-    cases.decode("cpu", B=5, H=3, K=16, V=32, BV=16)
+@pytest.mark.parametrize("state_dtype,launch", [(torch.float32, dict(BV=16)), (torch.bfloat16, {}),
+                                                (torch.float32, dict(BV=64, num_warps=2))])
+def test_decode(state_dtype, launch):
+    """The bare recurrence: V=32 over two programs of 16 columns, the default configuration (bf16 state), and
+    one block wider than V (masked columns)."""
+    cases.decode("cpu", B=5, H=3, K=16, V=32, state_dtype=state_dtype, **launch)
 
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [

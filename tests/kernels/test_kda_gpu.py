@@ -89,9 +89,18 @@ def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
                        decay=decay, g_dtype=g_dtype)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 64, 67])
-def test_decode_real_size(B):
-    cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16)
+def test_decode_real_size(B, state_dtype):
+    """The launcher's own configuration (``recurrence_config``) per batch size and state dtype."""
+    cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("BV,num_warps,maxnreg", [(32, 4, None), (16, 1, None), (64, 4, 96), (128, 8, None)])
+def test_decode_variants(BV, num_warps, maxnreg, state_dtype):
+    cases.decode("cuda", B=9, H=64, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype, BV=BV,
+                 num_warps=num_warps, maxnreg=maxnreg)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
