@@ -56,7 +56,8 @@ C = 3 * H * K
 # slower than the defaults at every size and state dtype in every run that timed them; and (15:1x UTC) the
 # overlapped launches (norm_overlap, prep_overlap), slower than the defaults at B=64 and 256 in both state dtypes
 # (bench/results/kda_decode_overlap.json). Timed once and left out (16:1x UTC): the one-head prep on 1 or 2 warps and
-# the 4-head norm on 1 or 2 (bench/results/kda_decode_prep_warps.json), and the halves layout, whole heads as two
+# the 4-head norm on 1 or 2 (bench/results/kda_decode_prep_warps.json), 2 or 4 heads per prep program at one channel
+# per thread (8 or 16 warps; bench/results/kda_decode_prep_ctas.json), and the halves layout, whole heads as two
 # column halves with the norm in the state kernel (bench/results/kda_decode_halves.json): slower than the defaults.
 VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 2), ("block", 32, 4), ("block", 64, 4),
             ("prep", 16, 2), ("prep", 32, 2), ("prep", 32, 4), ("prep", 64, 4),
