@@ -29,8 +29,8 @@ def time_eager(fn, iters: int = 50, warmup: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def time_graph(fn, replays: int = 20, iters: int = 20) -> float:
-    """Median microseconds of one call captured in a CUDA graph, timed over ``replays`` back-to-back replays."""
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls of fn, after three warm-up calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -39,7 +39,14 @@ def time_graph(fn, replays: int = 20, iters: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_graph(fn, replays: int = 20, iters: int = 20) -> float:
+    """Median microseconds of one call captured in a CUDA graph, timed over ``replays`` back-to-back replays."""
+    graph = capture_graph(fn)
 
     def many():
         for _ in range(replays):

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import header, write_results  # noqa: E402
+from kda_common import capture_graph, header, write_results  # noqa: E402
 from kda_decode import layer_inputs  # noqa: E402
 
 from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
@@ -29,16 +29,7 @@ from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa:
 
 def kernel_trace(fn, calls: int, replays: int = 3) -> list[dict]:
     """The kernel events (name, ts, dur in us) of ``replays`` replays of a graph of ``calls`` calls of fn."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture_graph(fn, calls)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
