@@ -55,7 +55,7 @@ C = 3 * H * K
 # those layouts are the default, within 0.5% or slower). Removed since (13:0x UTC): the head and stream_regs layouts,
 # slower than the defaults at every size and state dtype in every run that timed them; and (15:1x UTC) the
 # overlapped launches (norm_overlap, prep_overlap), slower than the defaults at B=64 and 256 in both state dtypes
-# (bench/results/kda_decode_overlap.json). Timed once and left out (16:1x UTC): the one-head prep on 1 or 2 warps and
+# (bench/results/kda_decode_overlap.json). Timed once and left out (16:0x-16:3x UTC): the one-head prep on 1 or 2 warps and
 # the 4-head norm on 1 or 2 (bench/results/kda_decode_prep_warps.json), 2 or 4 heads per prep program at one channel
 # per thread (8 or 16 warps; bench/results/kda_decode_prep_ctas.json), and the halves layout, whole heads as two
 # column halves with the norm in the state kernel (bench/results/kda_decode_halves.json): slower than the defaults.
