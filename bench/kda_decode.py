@@ -10,8 +10,10 @@ alone in a graph (the default layout per size and the streaming layouts' lead va
 with ``_preph{n}_prepw{n}_normh{n}_normw{n}`` in the layout, the prep and norm launches with several heads per
 program (``kda_layer_decode_prep.HEADS_OPTIONS``), timed alone with the default layout and, in the
 ``ours_layer_*`` rows, as whole layers under the prep, tiles and stream layouts; ``_pdl``: the block layout's
-norm launch as a programmatic dependent of its state launch. ``--match REGEX`` times only the variant and
-parts keys it matches (the default and FLA rows always).
+norm launch as a programmatic dependent of its state launch. Keys ``ours_recurrence_{fp32,bf16}_BV{n}_w{n}[_r{n}]``:
+the bare recurrence (``kda_decode_launch``) at other block widths, warps and register caps than
+``recurrence_config``'s. ``--match REGEX`` times only the variant and parts keys it matches (the default and FLA rows
+always).
 """
 
 from __future__ import annotations
