@@ -84,6 +84,17 @@ def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, 
     return B, H, K, V
 
 
+def check_block_options(op: str, BV: int | None, num_warps: int | None, maxnreg: int | None) -> None:
+    """A decode launch's block width, warps and register cap, as a clear error instead of one deep in Triton."""
+    for name, n in (("BV", BV), ("num_warps", num_warps)):
+        if n is not None and (n < 1 or n & (n - 1)):
+            raise ValueError(f"{op}: {name} must be a power of two, got {n}")
+    if num_warps is not None and num_warps > 32:
+        raise ValueError(f"{op}: num_warps must be at most 32, got {num_warps}")
+    if maxnreg is not None and not 24 <= maxnreg <= 255:
+        raise ValueError(f"{op}: maxnreg must be None or in [24, 255], got {maxnreg}")
+
+
 def recurrence_config(B: int, state_dtype: torch.dtype) -> dict:
     """Value columns per program and warps, the fastest in a CUDA graph on an H200 (H=64, K=V=128; B=1, 16, 64, 256;
     bench/results/kda_decode_recurrence.json): float32 state [K, 64] blocks on 4 warps above B=1 (2.4% / 3.8% faster
@@ -99,6 +110,7 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     """``BV`` value columns per program on ``num_warps`` warps (each left out: ``recurrence_config``'s);
     ``maxnreg`` caps the registers per thread (more programs per SM)."""
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
+    check_block_options("kda_decode", BV, num_warps, maxnreg)
     o = torch.empty((B, H, V), dtype=q.dtype, device=q.device) if out is None else out
     if o.shape != (B, H, V) or o.dtype != q.dtype or not o.is_contiguous():
         raise ValueError(f"kda_decode: out must be contiguous [{B}, {H}, {V}] {q.dtype}")

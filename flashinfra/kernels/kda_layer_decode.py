@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.kda_decode import kda_decode_ref
+from flashinfra.kernels.kda_decode import check_block_options, kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
                                                        load_state, state_step, state_tile)
@@ -283,6 +283,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if launches not in ("all", "prep", "state", "norm"):
         raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm', got {launches!r}")
     check_heads(prep_heads, norm_heads, W)
+    check_block_options("kda_layer_decode", BV, num_warps, maxnreg)
+    check_block_options("kda_layer_decode", None, prep_warps, None)
+    check_block_options("kda_layer_decode", None, norm_warps, None)
     if norm_heads > 1 and grid == "block":
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":

@@ -229,6 +229,29 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
+    with pytest.raises(ValueError, match="BV must be a power of two"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", BV=12)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        layer_decode.kda_layer_decode_launch(**a, grid="block", num_warps=3)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", prep_warps=6)
+    with pytest.raises(ValueError, match="maxnreg must be None or in"):
+        layer_decode.kda_layer_decode_launch(**a, grid="tiles", maxnreg=300)
+
+
+def test_decode_bad_options():
+    """The bare recurrence's block options, refused before any launch; the state is left as it was."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 16, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(2, 1, 16, generator=gen), torch.rand(2, 1, generator=gen)
+    state = torch.randn(3, 1, 16, 16, generator=gen)
+    before = state.clone()
+    slots = torch.tensor([2, 0])
+    for opts, msg in ((dict(BV=24), "BV must be a power of two"), (dict(num_warps=64), "num_warps must be at most 32"),
+                      (dict(maxnreg=8), "maxnreg must be None or in")):
+        with pytest.raises(ValueError, match=msg):
+            kda_decode.kda_decode_launch(q, k, v, g, beta, state, slots, **opts)
+    assert torch.equal(state, before)
 
 
 def test_stream_programs_per_sm():
