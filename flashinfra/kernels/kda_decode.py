@@ -15,7 +15,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile
 
 
 def kda_decode_ref(
@@ -59,10 +59,7 @@ def kda_decode_kernel(
     b_beta = tl.load(beta + i_bh).to(tl.float32)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_s = b_s * tl.exp(b_g)[:, None]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], 0)
+    b_s, b_o = state_step(b_s, b_q, b_k, tl.exp(b_g), b_beta, b_v)
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
@@ -84,13 +81,14 @@ def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, 
     return B, H, K, V
 
 
-def check_block_options(op: str, BV: int | None, num_warps: int | None, maxnreg: int | None) -> None:
-    """A decode launch's block width, warps and register cap, as a clear error instead of one deep in Triton."""
-    for name, n in (("BV", BV), ("num_warps", num_warps)):
+def check_block_options(op: str, BV: int | None, maxnreg: int | None, *warps: int | None) -> None:
+    """A decode launch's block width, register cap and warps (of each of its launches), as a clear error instead
+    of one deep in Triton; None: the configuration's own."""
+    for name, n in (("BV", BV), *(("num_warps", w) for w in warps)):
         if n is not None and (n < 1 or n & (n - 1)):
             raise ValueError(f"{op}: {name} must be a power of two, got {n}")
-    if num_warps is not None and num_warps > 32:
-        raise ValueError(f"{op}: num_warps must be at most 32, got {num_warps}")
+    if any(w is not None and w > 32 for w in warps):
+        raise ValueError(f"{op}: num_warps must be at most 32, got {max(w for w in warps if w is not None)}")
     if maxnreg is not None and not 24 <= maxnreg <= 255:
         raise ValueError(f"{op}: maxnreg must be None or in [24, 255], got {maxnreg}")
 
@@ -110,7 +108,7 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     """``BV`` value columns per program on ``num_warps`` warps (each left out: ``recurrence_config``'s);
     ``maxnreg`` caps the registers per thread (more programs per SM)."""
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
-    check_block_options("kda_decode", BV, num_warps, maxnreg)
+    check_block_options("kda_decode", BV, maxnreg, num_warps)
     o = torch.empty((B, H, V), dtype=q.dtype, device=q.device) if out is None else out
     if o.shape != (B, H, V) or o.dtype != q.dtype or not o.is_contiguous():
         raise ValueError(f"kda_decode: out must be contiguous [{B}, {H}, {V}] {q.dtype}")

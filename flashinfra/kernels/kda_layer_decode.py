@@ -283,9 +283,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if launches not in ("all", "prep", "state", "norm"):
         raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm', got {launches!r}")
     check_heads(prep_heads, norm_heads, W)
-    check_block_options("kda_layer_decode", BV, num_warps, maxnreg)
-    check_block_options("kda_layer_decode", None, prep_warps, None)
-    check_block_options("kda_layer_decode", None, norm_warps, None)
+    check_block_options("kda_layer_decode", BV, maxnreg, num_warps, prep_warps, norm_warps)
     if norm_heads > 1 and grid == "block":
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
