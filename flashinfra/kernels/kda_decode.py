@@ -52,14 +52,19 @@ def kda_decode_kernel(
     m_k, m_v = o_k < K, o_v < V
     p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)  # [BK, BV]
-    b_q = tl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_g = tl.load(g + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + i_bh).to(tl.float32)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_s, b_o = state_step(b_s, b_q, b_k, tl.exp(b_g), b_beta, b_v)
+    # Every load is issued before any arithmetic: widened at its load, q's and k's vectors went to the state's
+    # row layout through shared memory right there, and the loads after each such barrier (k, v, g) waited for
+    # it, one more round trip each (compiled for sm_90, the loads of v and g came after four barriers).
+    b_q = tl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v, mask=m_v, other=0.0)
+    b_g = tl.load(g + i_bh * K + o_k, mask=m_k, other=0.0)
+    b_beta = tl.load(beta + i_bh)
+    b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    r_q = scale / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+    r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_s, b_o = state_step(b_s, b_q * r_q, b_k * r_k, tl.exp(b_g.to(tl.float32)), b_beta.to(tl.float32),
+                          b_v.to(tl.float32))
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 

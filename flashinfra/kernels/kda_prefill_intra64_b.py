@@ -19,7 +19,9 @@ head): a first pass over the key blocks accumulates the norms, then [64, BK] and
 time beside the chunk's two [64, 64] matrices (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole
 [64, K] tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
 bench/notes/kda_prefill.md, "B at its bytes floor"; nor were the column loops software-pipelined over 2 or 3
-stages, 1.02-1.03 ms: both are in the history before their removal).
+stages by Triton, 1.02-1.03 ms: both are in the history before their removal). Each block's tiles are loaded
+into registers while the block before it is computed, by hand: 0.88 -> 0.74 ms at 168 registers (three
+programs per SM; bench/notes/kda_prefill.md, "Loads ahead of the barriers").
 
 What B reads: q, k and v ([T, H, D] rows, masked past the sequence's end), Aqk and Ai (kernels D and A), and
 the gate pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``,
@@ -46,38 +48,46 @@ def _store_bf16(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
 
 
 @triton.jit
-def _key_cols(q, k, gc, bc, rows, m_t, i_h, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl, stride_q_t, stride_k_t,
-              K: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr,
-              Q_LO: tl.constexpr, KD_LO: tl.constexpr):
-    """exp(gl), kd, w and qw for the key columns o_k (``wqk`` and ``egl`` at the chunk-head, ``gc`` and ``bc``
-    the gate pass's scratch there); returns beta."""
+def _key_tiles(q, k, gc, rows, m_t, i_h, o_k, stride_q_t, stride_k_t, K: tl.constexpr):
+    """The tiles of the key columns o_k, as loaded (q and k in their dtype): the chunk-relative sums ``gc`` (their
+    last row the chunk's total: rows past the end repeat the last token's), that last row, k and q."""
     o_t = tl.arange(0, 64)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    # the chunk-relative sums, their last row the chunk's total (rows past the end repeat the last token's)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_gc = tl.load(gc + o_t[:, None] * K + o_k[None, :])
     b_gl = tl.load(gc + 63 * K + o_k)
-    b_b = tl.load(bc + o_t)
+    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    return b_gc, b_gl, b_k, b_q
+
+
+@triton.jit
+def _key_cols(b_gc, b_gl, b_k, b_q, b_b, o_k, b_ai, b_aqk, r_q, r_k, wqk, egl, K: tl.constexpr, SQ: tl.constexpr,
+              SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr):
+    """exp(gl), kd, w and qw for the key columns o_k from their tiles (``_key_tiles``; ``wqk`` and ``egl`` at
+    the chunk-head, ``b_b`` beta)."""
+    o_t = tl.arange(0, 64)
     tl.store(egl + o_k, tl.exp(b_gl))
     off_k = o_t[:, None] * K + o_k[None, :]
-    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk,
-                  other=0.0).to(tl.float32) * r_k[:, None]
+    b_k = b_k.to(tl.float32) * r_k[:, None]
     _store_bf16(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
     b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
     # o = qg S + Aqk v' with v' = u - w S, folded: qw = q exp(gc) - Aqk w, ou = Aqk u
     b_w = tl.dot(b_ai, b_x, input_precision=LP)
     _store_bf16(wqk + off_k, b_w, W_LO, 64 * K)
-    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk,
-                  other=0.0).to(tl.float32) * r_q[:, None]
+    b_q = b_q.to(tl.float32) * r_q[:, None]
     _store_bf16(wqk + SQ + off_k, b_q * tl.exp(b_gc) - tl.dot(b_aqk, b_w, input_precision=LP), Q_LO, 64 * K)
-    return b_b
 
 
 @triton.jit
-def _value_cols(v, rows, m_t, i_h, o_f, b_ai, b_aqk, b_b, uo, stride_v_t, V: tl.constexpr, LP: tl.constexpr):
-    """u and ou for the value columns o_f (``uo`` at the chunk-head), stored transposed."""
+def _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V: tl.constexpr):
+    """The value columns o_f of the chunk's rows (zeros past the sequence's end)."""
+    return tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
+
+
+@triton.jit
+def _value_cols(b_v, o_f, b_ai, b_aqk, b_b, uo, V: tl.constexpr, LP: tl.constexpr):
+    """u and ou for the value columns o_f (``b_v`` their tile, ``uo`` at the chunk-head), stored transposed."""
     off_v = tl.arange(0, 64)[:, None] + o_f[None, :] * 64
-    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
     b_bv = b_v.to(tl.float32) * b_b[:, None]
     b_u = tl.dot(b_ai, b_bv, input_precision=LP)
     b_ou = tl.dot(b_aqk, b_u, input_precision=LP)
@@ -130,9 +140,22 @@ def kda_intra64_b_kernel(
         sq_k += tl.sum(b_x * b_x, 1)
     r_q = scale / tl.sqrt(sq_q + 1e-6)
     r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
-    b_b = tl.zeros([64], dtype=tl.float32)
+    b_b = tl.load(bc + tl.arange(0, 64))
+    # Each block's tiles are loaded while the block before it is computed: loaded where they are used, they
+    # waited for the previous block's products (their barriers), one round trip per block.
+    b_gc, b_gl, b_k, b_q = _key_tiles(q, k, gc, rows, m_t, i_h, o_b, stride_q_t, stride_k_t, K)
     for kk in tl.static_range(0, K, BK):
-        b_b = _key_cols(q, k, gc, bc, rows, m_t, i_h, kk + o_b, b_ai, b_aqk, r_q, r_k, wqk, egl + i_ch * K,
-                        stride_q_t, stride_k_t, K, SQ, SKD, LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
+        n_gc, n_gl, n_k, n_q = b_gc, b_gl, b_k, b_q
+        if kk + BK < K:
+            n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
+        _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, b_aqk, r_q, r_k, wqk, egl + i_ch * K, K, SQ, SKD,
+                  LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
+        b_gc, b_gl, b_k, b_q = n_gc, n_gl, n_k, n_q
+    o_f = tl.arange(0, BVB)
+    b_v = _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V)
     for vv in tl.static_range(0, V, BVB):
-        _value_cols(v, rows, m_t, i_h, vv + tl.arange(0, BVB), b_ai, b_aqk, b_b, uo, stride_v_t, V, LOCAL_PRECISION)
+        b_v_next = b_v
+        if vv + BVB < V:
+            b_v_next = _load_v(v, rows, m_t, i_h, vv + BVB + o_f, stride_v_t, V)
+        _value_cols(b_v, vv + o_f, b_ai, b_aqk, b_b, uo, V, LOCAL_PRECISION)
+        b_v = b_v_next

@@ -51,6 +51,20 @@ def load_rows(x, rows, m_tk, stride_t, o_k):
 
 
 @triton.jit
+def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr, KS: tl.constexpr):
+    """The sub-block's tiles of K slice ``k0``, as loaded (q and k in their dtype): its 16 rows of ``gc``, the
+    middle row (row 8; padding rows past a sequence's end exist: no mask), k and q."""
+    o_r = tl.arange(0, 16)
+    o_s = tl.arange(0, KS)
+    m_tk = m_t[:, None] & (o_s < KS)[None, :]
+    b_gc = tl.load(gc + k0 + o_r[:, None] * K + o_s[None, :])
+    b_gm = tl.load(gc + k0 + 8 * K + o_s)
+    b_k = tl.load(k + k0 + rows[:, None] * stride_k_t + o_s[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + k0 + rows[:, None] * stride_q_t + o_s[None, :], mask=m_tk, other=0.0)
+    return b_gc, b_gm, b_k, b_q
+
+
+@triton.jit
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
@@ -82,20 +96,21 @@ def kda_intra64_diag_kernel(
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
     b_b = tl.load(bc + o_r)
-    for ks in range(K // KS):
-        # per-slice scalar bases: a tensor of pointers that does not change over the loop would be hoisted
-        # and held (64 bits per element) through it
-        m_k = o_s < KS
-        m_tk = m_t[:, None] & m_k[None, :]
+    # each K slice's tiles are loaded while the slice before it is multiplied: loaded where they are used, they
+    # waited for the previous slice's products (their barriers), one round trip per slice
+    b_gc, b_gm, b_k, b_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, 0, K, KS)
+    for ks in tl.static_range(K // KS):
+        n_gc, n_gm, n_k, n_q = b_gc, b_gm, b_k, b_q
+        if ks + 1 < K // KS:
+            n_gc, n_gm, n_k, n_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS, K, KS)
         # the pass's sums start at the chunk: their differences are the block's
-        b_gc = tl.load(gc + ks * KS + o_r[:, None] * K + o_s[None, :])
-        b_gm = tl.load(gc + ks * KS + 8 * K + o_s)
         b_e = tl.exp(b_gc - b_gm[None, :])
-        b_k = load_rows(k + ks * KS, rows, m_tk, stride_k_t, o_s) * r_k[:, None]
-        b_q = load_rows(q + ks * KS, rows, m_tk, stride_q_t, o_s) * r_q[:, None]
+        b_k = b_k.to(tl.float32) * r_k[:, None]
+        b_q = b_q.to(tl.float32) * r_q[:, None]
         b_kt = tl.trans(b_k * tl.exp(b_gm[None, :] - b_gc))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
+        b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
     b_l = tl.where(o_r[:, None] > o_r[None, :], acc_l * b_b[:, None], 0.0)
     blk = (i_c * H + i_h).to(tl.int64) * 4096 + i_b * (16 * 64 + 16)
     aqk += blk

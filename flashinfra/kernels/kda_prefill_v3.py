@@ -130,7 +130,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                b_maxnreg: int | None = 128):
+                b_maxnreg: int | None = 168):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one): the gate pass (``gate``,
@@ -140,7 +140,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
     kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
-    per thread or None: 128 fits four programs per SM instead of three, for 16 bytes of spills), the state
+    per thread or None: 168 fits three programs per SM instead of two, without spills), the state
     pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest
     measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
