@@ -43,12 +43,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from flashinfra import env
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_decode import check_block_options, kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
-from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_silu, conv_slot, gated_norm, head_inputs,
-                                                       load_state, state_step, state_tile)
+from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
+                                                       conv_slot, gated_norm, head_inputs, load_state, state_step,
+                                                       state_tile)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
@@ -108,10 +110,12 @@ def kda_layer_decode_block_kernel(
                                                 beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k,
                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
+    b_shift = conv_shift_load(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
-    conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
+    tl.debug_barrier()  # every thread's reads of the v channels' slot are done
+    conv_shift_store(cs_slot, 2 * H * K + i_h * V + o_v, m_v, b_shift, W, BW)
 
 
 @triton.jit
@@ -189,7 +193,7 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     by more than 0.5%, else the previous choice; between timed sizes the nearer one (midpoints 32 and 128).
     B=1: the block layout ([K, 32] on 2 warps) with its norm launch dependent (``pdl``, 4-8% faster): the other
     layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
-    4 warps; the state kernel is near the copy bandwidth). bf16 state: the streaming layout ([K, 32] on 2 warps)
+    4 warps at most 128 registers, four programs per SM; the state kernel is near the copy bandwidth). bf16 state: the streaming layout ([K, 32] on 2 warps)
     up to B=32, above it one program per [K, 64] tile on 4 warps capped at 96 registers. Above B=1, with the
     norm launch 4 heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
     bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
@@ -198,7 +202,7 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
     heads = dict(prep_heads=2 if B <= 32 else 1, prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
-        return dict(grid="prep", BV=64, num_warps=4, **heads)
+        return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads)
     if B <= 32:
         return dict(grid="stream", BV=32, num_warps=2, **heads)
     return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, **heads)
@@ -251,7 +255,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
     ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
     benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
-    streaming layouts' state kernel (more programs per SM, at the price of spills below what it needs);
+    state kernel (more programs per SM, at the price of spills below what it needs);
     ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program (4 unless the
     configuration says otherwise), ``prep_heads`` and ``norm_heads`` (powers of two; the norm's only with a
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
@@ -322,7 +326,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps)
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
+            **({} if maxnreg is None or env.triton_interpret() else dict(maxnreg=maxnreg)))
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

@@ -45,14 +45,28 @@ def conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
 @triton.jit
 def conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
     """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
-    o_j = tl.arange(0, BW)
-    mm = m[:, None] & (o_j < W - 1)[None, :]
-    p_s = cs_slot + ch[:, None] * (W - 1) + o_j[None, :]
-    b_next = tl.load(p_s + 1, mask=mm & (o_j < W - 2)[None, :], other=0.0)
-    b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    b_next = tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
+    b_next = conv_shift_load(x_row, cs_slot, ch, m, W, BW)
     tl.debug_barrier()
-    tl.store(p_s, b_next, mask=mm)
+    conv_shift_store(cs_slot, ch, m, b_next, W, BW)
+
+
+@triton.jit
+def conv_shift_load(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """The shifted slot of channels ``ch`` as ``conv_shift_store`` writes it ([channels, BW]), read early: a
+    program that loads it beside its other inputs and stores it at its end (after a barrier, as every thread's
+    reads of the slot must come first) saves the round trip that a load just before the store would wait."""
+    o_j = tl.arange(0, BW)
+    mm = m[:, None] & (o_j < W - 2)[None, :]
+    b_next = tl.load(cs_slot + ch[:, None] * (W - 1) + o_j[None, :] + 1, mask=mm, other=0.0)
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
+    return tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
+
+
+@triton.jit
+def conv_shift_store(cs_slot, ch, m, b_next, W: tl.constexpr, BW: tl.constexpr):
+    """Store the shifted slot that ``conv_shift_load`` read (after a barrier)."""
+    o_j = tl.arange(0, BW)
+    tl.store(cs_slot + ch[:, None] * (W - 1) + o_j[None, :], b_next, mask=m[:, None] & (o_j < W - 1)[None, :])
 
 
 @triton.jit
