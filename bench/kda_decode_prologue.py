@@ -5,7 +5,9 @@ shapes (fp32 state [K, 64] on 4 warps, bf16 [K, 32] on 2), H=64, K=V=128, B=16 /
 - mode 0: as shipped (two reductions, one per norm);
 - mode 1: no norms at all (q times the scale, k as is: a wrong result, timed only, to bound what the norms cost);
 - mode 2: both sums of squares in one reduction (one barrier pass instead of two);
-- mode 3: as 2, with q's factor applied to the [BV] output instead of the [K] vector.
+- mode 3: as 2, with q's factor applied to the [BV] output instead of the [K] vector;
+- mode 0 with the small loads (q, k, v, g, beta) read with the L2 policy evict_first, as the layer's tile kernel
+  reads its prep scratch.
 
 Modes 0, 2 and 3 are checked against the float32 reference ``kda_decode_ref`` on a fresh copy of the state, the
 output poisoned with NaN, before any timing (largest absolute error of the output and of the new state).
@@ -39,8 +41,10 @@ def _add2(a, b, c, d):
 
 @triton.jit
 def prologue_kernel(q, k, v, g, beta, o, state, state_slots, scale,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr):
-    """Grid (V // BV, B * H); q, k, v, o contiguous [B, H, D], g float32 [B, H, K], beta [B, H]."""
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
+                    EVICT: tl.constexpr = ""):
+    """Grid (V // BV, B * H); q, k, v, o contiguous [B, H, D], g float32 [B, H, K], beta [B, H]; EVICT: the L2
+    policy of the small loads (q, k, v, g, beta)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     slot = tl.load(state_slots + i_bh // H).to(tl.int64)
@@ -48,11 +52,11 @@ def prologue_kernel(q, k, v, g, beta, o, state, state_slots, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
     b_s = load_state(p_s, m_s).to(tl.float32)
-    b_q = tl.load(q + i_bh * K + o_k)
-    b_k = tl.load(k + i_bh * K + o_k)
-    b_v = tl.load(v + i_bh * V + o_v)
-    b_g = tl.load(g + i_bh * K + o_k)
-    b_beta = tl.load(beta + i_bh)
+    b_q = tl.load(q + i_bh * K + o_k, eviction_policy=EVICT)
+    b_k = tl.load(k + i_bh * K + o_k, eviction_policy=EVICT)
+    b_v = tl.load(v + i_bh * V + o_v, eviction_policy=EVICT)
+    b_g = tl.load(g + i_bh * K + o_k, eviction_policy=EVICT)
+    b_beta = tl.load(beta + i_bh, eviction_policy=EVICT)
     b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     if MODE == 1:
         r_q = scale
@@ -80,9 +84,9 @@ def time_case(q, k, v, g, beta, slots, s, BV: int, num_warps: int) -> dict:
     V = v.shape[-1]
     o = torch.empty(B, H, V, device="cuda", dtype=torch.bfloat16)
 
-    def launch(mode, state):
+    def launch(mode, state, evict=""):
         prologue_kernel[(V // BV, B * H)](q, k, v, g, beta, o, state, slots, K**-0.5, H=H, K=K, V=V, BV=BV, MODE=mode,
-                                          num_warps=num_warps)
+                                          EVICT=evict, num_warps=num_warps)
 
     row = {}
     for mode in (0, 2, 3):
@@ -95,6 +99,7 @@ def time_case(q, k, v, g, beta, slots, s, BV: int, num_warps: int) -> dict:
     row["default_graph_us"] = time_graph(lambda: kda_decode_launch(q, k, v, g, beta, s, slots, out=o))
     for mode in (0, 1, 2, 3):
         row[f"mode{mode}_graph_us"] = time_graph(lambda m=mode: launch(m, s))
+    row["mode0_evict_first_graph_us"] = time_graph(lambda: launch(0, s, "evict_first"))
     return row
 
 

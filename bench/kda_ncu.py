@@ -10,6 +10,7 @@ occupancy, issue activity, registers, shared memory, and its three largest warp 
         -f -o prefill python3 bench/kda_ncu.py prefill [--T 8192] [--configs JSON]
     ncu ... -o fla python3 bench/kda_ncu.py fla [--T 8192]
     ncu ... -o decode python3 bench/kda_ncu.py decode [--B 64]
+    ncu ... -o recurrence python3 bench/kda_ncu.py recurrence [--B 64]   (the bare kda_decode, fp32 then bf16)
     python3 bench/kda_ncu.py summarize prefill.ncu-rep fla.ncu-rep decode.ncu-rep --name kda_ncu [--out DIR]
 
 With ``--metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,
@@ -107,6 +108,21 @@ def decode(args) -> None:
         run_profiled(functools.partial(kda_layer_decode_launch, **a))
 
 
+def recurrence(args) -> None:
+    import torch
+    from kda_decode import H, K, V, layer_inputs
+
+    from flashinfra.kernels.kda_decode import kda_decode_launch
+
+    B = args.B
+    for dtype in (torch.float32, torch.bfloat16):
+        a = layer_inputs(B, dtype, seed=5)
+        q, k, v = (t.view(B, H, -1) for t in a["qkv"].split([H * K, H * K, H * V], dim=1))
+        g = -torch.rand(B, H, K, device="cuda") * 0.1
+        beta = torch.rand(B, H, device="cuda")
+        run_profiled(functools.partial(kda_decode_launch, q, k, v, g, beta, a["state"], a["state_slots"]))
+
+
 def summarize(args) -> None:
     from kda_common import header, write_results
 
@@ -201,6 +217,8 @@ def main() -> int:
     p.add_argument("--T", type=int, default=8192)
     p = sub.add_parser("decode")
     p.add_argument("--B", type=int, default=64)
+    p = sub.add_parser("recurrence")
+    p.add_argument("--B", type=int, default=64)
     p = sub.add_parser("summarize")
     p.add_argument("reports", nargs="+")
     p.add_argument("--name", default="kda_ncu")
@@ -211,7 +229,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--out")
     args = ap.parse_args()
-    {"prefill": prefill, "fla": fla, "decode": decode, "summarize": summarize, "lines": lines}[args.what](args)
+    {"prefill": prefill, "fla": fla, "decode": decode, "recurrence": recurrence, "summarize": summarize,
+     "lines": lines}[args.what](args)
     return 0
 
 
