@@ -54,13 +54,14 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
     ([37, 64, 0], dict(decay=0.1)),  # an empty last sequence (its chunk offset is the end of the scratch)
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
+    ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
     A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
     (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qw out of the
     comparison."""
-    cases.prefill_varlen("cpu", lens, H=2, K=32, V=16, seed=4, version="v3", out_x3=True, **kw)
+    cases.prefill_varlen("cpu", lens, **{"H": 2, "K": 32, "V": 16, "seed": 4, "version": "v3", "out_x3": True, **kw})
 
 
 @pytest.mark.parametrize("lens,kw", [
