@@ -73,8 +73,8 @@ VARIANTS = [("block", 16, 1), ("block", 16, 2), ("block", 16, 4), ("block", 32, 
 
 # (BV, num_warps, maxnreg) of the bare recurrence (kda_decode_launch), each timed in a graph at every batch size and
 # state dtype as ``ours_recurrence_{fp32,bf16}_BV{n}_w{n}[_r{n}]``
-RECURRENCE_VARIANTS = [(32, 4, None), (32, 2, None), (64, 4, None), (64, 4, 96), (64, 8, None), (128, 8, None),
-                       (16, 2, None), (16, 1, None)]
+RECURRENCE_VARIANTS = [(32, 4, None), (32, 2, None), (32, 2, 112), (32, 2, 104), (64, 4, None), (64, 4, 96), (64, 8, None),
+                       (128, 8, None), (16, 2, None), (16, 1, None)]
 
 
 def variant_tag(grid: str, bv: int, nw: int, launch: dict | None = None) -> str:

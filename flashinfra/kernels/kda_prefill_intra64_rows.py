@@ -1,8 +1,9 @@
 """KDA prefill (v3), kernel A: per 64-token chunk and head, the off-diagonal blocks of ``Aqk = q k^T`` and
 ``L = beta k k^T`` and the merge into the off-diagonal blocks of ``(I + L)^-1``, after kernel D
 (``kda_intra64_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
-Aqk's lower blocks go out, L's blocks are parked transposed in Aqk's unused upper blocks for the merge to read
-back, and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj`` runs column block by column block.
+Aqk's lower blocks go out; L's blocks stay in registers with D's four diagonal inverses (loaded while Aqk is
+stored), and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj`` runs on them column block by column block,
+so only its results go to memory (no barrier, no L round trip).
 
 Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products over K in slices (of 16 by
 default, ``a_ks``), against the boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of
@@ -17,11 +18,12 @@ Every factor is at most 1 (the per-token log-decay is at most 0), exact for any 
 ``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. Each block's q, k
 and cumulative decay are loaded once per slice; the q/k L2 norms, the scale and beta are row and column
 factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a program, so one program
-is one warp. On an H200 at T=8192, H=64 this takes 0.47 ms against 0.89 ms for the column form it replaced
-(each column block's products on all 64 rows, masked), which ran twice the instructions. That form (one pass
-or one per column block) and this one's options that lost (a register cap and two warps with slices of 32,
-measured slower; two pipeline stages, 11% more instructions) are in bench/notes/kda_prefill.md ("A per row
-block") and in the history before the commit that removed them (last present at f00b9d7).
+is one warp. On an H200 at T=8192, H=64 this takes 0.41 ms (0.47 with L parked in memory for the merge) against
+0.89 ms for the column form it replaced (each column block's products on all 64 rows, masked), which ran twice
+the instructions. That form (one pass or one per column block) and this one's options that lost (a register
+cap and two warps with slices of 32, measured slower; two pipeline stages, 11% more instructions) are in
+bench/notes/kda_prefill.md ("A per row block") and in the history before the commit that removed them (last
+present at f00b9d7).
 
 What A reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
 (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's
@@ -167,46 +169,28 @@ def _blk(p, i: tl.constexpr, j: tl.constexpr, o_r):
 
 
 @triton.jit
-def _blk_t(p, i: tl.constexpr, j: tl.constexpr, o_r):
-    """Pointers to block (i, j), i > j, of L as the unused block (j, i) of Aqk holds it: transposed."""
-    return p + (16 * j + o_r)[None, :] * 64 + 16 * i + o_r[:, None]
+def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr):
+    """Block (i, j) of Aqk."""
+    tl.store(_blk(aqk, i, j, tl.arange(0, 16)), acc_a * r_q * n_c)
 
 
 @triton.jit
-def _merge(aqk, ai, o_r, SP: tl.constexpr):
-    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses in
-    ``ai`` and L's blocks parked transposed in Aqk's upper blocks (stored before a barrier):
-    ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column block by column block, the sums P_i accumulated as
-    each ``Ai_mj`` is known, so that few blocks are live at once."""
-    ai_m = tl.load(_blk(ai, 0, 0, o_r))
-    p1 = _mm(tl.load(_blk_t(aqk, 1, 0, o_r)), ai_m, SP)
-    p2 = _mm(tl.load(_blk_t(aqk, 2, 0, o_r)), ai_m, SP)
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 0, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 1, 1, o_r)), p1, SP)
-    tl.store(_blk(ai, 1, 0, o_r), ai_m)
-    p2 += _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
-    tl.store(_blk(ai, 2, 0, o_r), ai_m)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
-    tl.store(_blk(ai, 3, 0, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-    ai_m = tl.load(_blk(ai, 1, 1, o_r))
-    p2 = _mm(tl.load(_blk_t(aqk, 2, 1, o_r)), ai_m, SP)
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 1, o_r)), ai_m, SP)
-    ai_m = -_mm(tl.load(_blk(ai, 2, 2, o_r)), p2, SP)
-    tl.store(_blk(ai, 2, 1, o_r), ai_m)
-    p3 += _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), ai_m, SP)
-    tl.store(_blk(ai, 3, 1, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-    p3 = _mm(tl.load(_blk_t(aqk, 3, 2, o_r)), tl.load(_blk(ai, 2, 2, o_r)), SP)
-    tl.store(_blk(ai, 3, 2, o_r), -_mm(tl.load(_blk(ai, 3, 3, o_r)), p3, SP))
-
-
-@triton.jit
-def _store_pair(aqk, acc_a, acc_l, r_q, r_k, n_c, i: tl.constexpr, j: tl.constexpr):
-    """Block (i, j) of Aqk, and of L into Aqk's unused block (j, i), transposed."""
-    o_r = tl.arange(0, 16)
-    tl.store(_blk(aqk, i, j, o_r), acc_a * r_q * n_c)
-    tl.store(_blk_t(aqk, i, j, o_r), acc_l * r_k * n_c)
+def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr):
+    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses
+    ``d0..d3`` and L's blocks ``l_ij``, all in registers: ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column
+    block by column block; only the results go to memory."""
+    ai10 = -_mm(d1, _mm(l10, d0, SP), SP)
+    ai20 = -_mm(d2, _mm(l20, d0, SP) + _mm(l21, ai10, SP), SP)
+    ai30 = -_mm(d3, _mm(l30, d0, SP) + _mm(l31, ai10, SP) + _mm(l32, ai20, SP), SP)
+    ai21 = -_mm(d2, _mm(l21, d1, SP), SP)
+    ai31 = -_mm(d3, _mm(l31, d1, SP) + _mm(l32, ai21, SP), SP)
+    ai32 = -_mm(d3, _mm(l32, d2, SP), SP)
+    tl.store(_blk(ai, 1, 0, o_r), ai10)
+    tl.store(_blk(ai, 2, 0, o_r), ai20)
+    tl.store(_blk(ai, 3, 0, o_r), ai30)
+    tl.store(_blk(ai, 2, 1, o_r), ai21)
+    tl.store(_blk(ai, 3, 1, o_r), ai31)
+    tl.store(_blk(ai, 3, 2, o_r), ai32)
 
 
 @triton.jit
@@ -216,7 +200,7 @@ def kda_intra64_offdiag_rows_kernel(
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
-    blocks and L's (parked), then Ai's off-diagonal blocks. KS: the K slice; FAST_EXP: ``_exp2``; ``gc`` and
+    blocks, then Ai's off-diagonal blocks (L kept in registers). KS: the K slice; FAST_EXP: ``_exp2``; ``gc`` and
     ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
@@ -228,18 +212,24 @@ def kda_intra64_offdiag_rows_kernel(
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
         q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
+    # kernel D's diagonal inverses, loaded before the stores so that their round trip overlaps them
+    o_r = tl.arange(0, 16)
+    d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))
+    d2, d3 = tl.load(_blk(ai, 2, 2, o_r)), tl.load(_blk(ai, 3, 3, o_r))
     # the column blocks' 1 / |k_c|
     n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
     n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
     n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
     r_q, r_k = _row_factors(bc, sq1, sk1, scale, 1)
-    _store_pair(aqk, a10, l10, r_q, r_k, n0, 1, 0)
+    _store_a(aqk, a10, r_q, n0, 1, 0)
+    l10 = l10 * r_k * n0
     r_q, r_k = _row_factors(bc, sq2, sk2, scale, 2)
-    _store_pair(aqk, a20, l20, r_q, r_k, n0, 2, 0)
-    _store_pair(aqk, a21, l21, r_q, r_k, n1, 2, 1)
+    _store_a(aqk, a20, r_q, n0, 2, 0)
+    _store_a(aqk, a21, r_q, n1, 2, 1)
+    l20, l21 = l20 * r_k * n0, l21 * r_k * n1
     r_q, r_k = _row_factors(bc, sq3, sk3, scale, 3)
-    _store_pair(aqk, a30, l30, r_q, r_k, n0, 3, 0)
-    _store_pair(aqk, a31, l31, r_q, r_k, n1, 3, 1)
-    _store_pair(aqk, a32, l32, r_q, r_k, n2, 3, 2)
-    tl.debug_barrier()  # L's blocks are read back by other threads in the merge
-    _merge(aqk, ai, tl.arange(0, 16), SOLVE_PRECISION)
+    _store_a(aqk, a30, r_q, n0, 3, 0)
+    _store_a(aqk, a31, r_q, n1, 3, 1)
+    _store_a(aqk, a32, r_q, n2, 3, 2)
+    l30, l31, l32 = l30 * r_k * n0, l31 * r_k * n1, l32 * r_k * n2
+    _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION)
