@@ -1,10 +1,11 @@
 """KDA prefill v3's state chain emulated in float64 on the CPU, with the kernel's roundings applied where the
 kernel applies them, to predict the precision of each ``chain_precision`` before it runs on a GPU.
 
-The in-chunk quantities (``w``, ``qw``, ``kd``, ``u``, ``ou``, ``exp(gl)``, kda_prefill_intra64_b.py) are
-computed exactly in float64 and rounded as kernel B stores them: float32 (its tf32x3 products are about
-float32-accurate), then bf16 (round to nearest) for w, qw and kd, with the lo half ``bf16(x - hi)`` where the
-chain reads it. The state pass (kda_prefill_v3.py) keeps S in float32; every tensor-core product takes its
+The in-chunk quantities (``w``, ``qg``, ``kd``, ``u``, ``exp(gl)``, kda_prefill_intra64_b.py, and ``Aqk``,
+kernels D and A) are computed exactly in float64 and rounded as the kernels store them: float32 (their tf32x3
+products are about float32-accurate), then bf16 (round to nearest) for w, qg, kd and Aqk, with the lo half
+``bf16(x - hi)`` where the chain reads it. The output is ``o = qg S + Aqk v'``: S's parts against qg's hi part,
+and ``Aqk v'`` in the chain's precision (as ``kd^T v'`` below, Aqk in kd's place). The state pass (kda_prefill_v3.py) keeps S in float32; every tensor-core product takes its
 bf16 operands exactly and is rounded to float32 once (accumulation inside one product is taken as exact),
 added to its float32 accumulator in the order the kernel issues them:
 
@@ -59,7 +60,8 @@ def inputs(T: int, regime: str, H: int = 1, K: int = 128, seed: int = 0):
 
 
 def in_chunk(q, k, v, g, beta):
-    """One head ([T, D] inputs, T a multiple of 64): exact per-chunk w, qw, kd, u, ou, exp(gl), each [N, 64, D]."""
+    """One head ([T, D] inputs, T a multiple of 64): exact per-chunk w, qg, kd, u, exp(gl) ([N, 64, D]) and Aqk
+    ([N, 64, 64])."""
     T, K = k.shape
     N = T // 64
     q = (l2norm_ref(q) * K**-0.5).view(N, 64, K)
@@ -75,7 +77,7 @@ def in_chunk(q, k, v, g, beta):
     Ai = torch.linalg.solve_triangular(I + L, I, upper=False, unitriangular=True)
     w = Ai @ (beta * kp)
     u = Ai @ (beta * v)
-    return dict(w=w, qw=q * gc.exp() - Aqk @ w, kd=k * (gl - gc).exp(), u=u, ou=Aqk @ u, egl=gl.exp()[:, 0, :])
+    return dict(w=w, qg=q * gc.exp(), kd=k * (gl - gc).exp(), u=u, aqk=Aqk, egl=gl.exp()[:, 0, :])
 
 
 def f32(x):
@@ -110,29 +112,31 @@ def chain(t: dict, mode: str, truncate: bool = False):
     if mode == "exact":
         for n in range(N):
             vn = t["u"][n] - t["w"][n] @ S
-            o[n] = t["ou"][n] + t["qw"][n] @ S
+            o[n] = t["qg"][n] @ S + t["aqk"][n] @ vn
             S = t["egl"][n][:, None] * S + t["kd"][n].T @ vn
         return o.view(-1, V), S
     r = {name: f32(x) for name, x in t.items()}
     if mode == "fp32":
         for n in range(N):
-            o[n] = f32(r["ou"][n] + f32(r["qw"][n] @ S))
             vn = f32(r["u"][n] - f32(r["w"][n] @ S))
+            o[n] = f32(f32(r["qg"][n] @ S) + f32(r["aqk"][n] @ vn))
             S = f32(f32(r["egl"][n][:, None] * S) + f32(r["kd"][n].T @ vn))
         return o.view(-1, V), S
     if mode == "tf32":
         for n in range(N):
             s_t = rounded(S, dtype="tf32")
-            o[n] = f32(r["ou"][n] + f32(rounded(r["qw"][n], dtype="tf32") @ s_t))
             vn = f32(r["u"][n] - f32(rounded(r["w"][n], dtype="tf32") @ s_t))
+            o[n] = f32(f32(rounded(r["qg"][n], dtype="tf32") @ s_t)
+                       + f32(rounded(r["aqk"][n], dtype="tf32") @ rounded(vn, dtype="tf32")))
             S = f32(f32(r["egl"][n][:, None] * S) + f32(rounded(r["kd"][n], dtype="tf32").T @ rounded(vn, dtype="tf32")))
         return o.view(-1, V), S
     dt = "fp16" if mode.startswith("fp16") else "bf16"
-    (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate, dt) for n in ("w", "qw", "kd"))
+    (w_h, w_l), (q_h, _), (k_h, k_l) = (pair(r[n], truncate, dt) for n in ("w", "qg", "kd"))
+    a_h, a_l = pair(r["aqk"], truncate, dt)
     x3, lo = mode == "bf16x3", mode in ("bf16x3", "bf16x2", "fp16x2")
     for n in range(N):
         s_h, s_l = pair(S, truncate, dt)
-        o[n] = f32(f32(r["ou"][n] + q_h[n] @ s_h) + q_h[n] @ s_l)
+        o[n] = f32(f32(q_h[n] @ s_h) + q_h[n] @ s_l)
         ws = f32(w_h[n] @ s_h)
         if x3:
             ws = f32(ws + w_l[n] @ s_h)
@@ -140,6 +144,11 @@ def chain(t: dict, mode: str, truncate: bool = False):
             ws = f32(ws + w_h[n] @ s_l)
         vn = f32(r["u"][n] - ws)
         v_h, v_l = pair(vn, truncate, dt)
+        o[n] = f32(o[n] + a_h[n] @ v_h)
+        if x3:
+            o[n] = f32(o[n] + a_l[n] @ v_h)
+        if lo:
+            o[n] = f32(o[n] + a_h[n] @ v_l)
         S = f32(f32(r["egl"][n][:, None] * S) + k_h[n].T @ v_h)
         if x3:
             S = f32(S + k_l[n].T @ v_h)

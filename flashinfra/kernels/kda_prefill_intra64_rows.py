@@ -1,9 +1,9 @@
 """KDA prefill (v3), kernel A: per 64-token chunk and head, the off-diagonal blocks of ``Aqk = q k^T`` and
 ``L = beta k k^T`` and the merge into the off-diagonal blocks of ``(I + L)^-1``, after kernel D
 (``kda_intra64_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
-Aqk's lower blocks go out; L's blocks stay in registers with D's four diagonal inverses (loaded while Aqk is
-stored), and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj`` runs on them column block by column block,
-so only its results go to memory (no barrier, no L round trip).
+Aqk's lower blocks go out (bf16, for the state pass's output product); L's blocks stay in registers with D's
+four diagonal inverses (loaded while Aqk is stored), and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``
+runs on them column block by column block, so only its results go to memory (no barrier, no L round trip).
 
 Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products over K in slices (of 16 by
 default, ``a_ks``), against the boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of
@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, load_rows
+from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, load_rows, store_pair
 
 
 @triton.jit
@@ -169,9 +169,9 @@ def _blk(p, i: tl.constexpr, j: tl.constexpr, o_r):
 
 
 @triton.jit
-def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr):
-    """Block (i, j) of Aqk."""
-    tl.store(_blk(aqk, i, j, tl.arange(0, 16)), acc_a * r_q * n_c)
+def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr, A_LO: tl.constexpr):
+    """Block (i, j) of Aqk, in bf16 (A_LO: its lo half in the next slot)."""
+    store_pair(_blk(aqk, i, j, tl.arange(0, 16)), acc_a * r_q * n_c, A_LO, 4096)
 
 
 @triton.jit
@@ -197,18 +197,18 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 def kda_intra64_offdiag_rows_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
-    blocks, then Ai's off-diagonal blocks (L kept in registers). KS: the K slice; FAST_EXP: ``_exp2``; ``gc`` and
-    ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
+    blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). KS: the K
+    slice; FAST_EXP: ``_exp2``; ``gc`` and ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
     gc += (i_c * H + i_h).to(tl.int64) * (64 * K)
     bc += (i_c * H + i_h).to(tl.int64) * 64
-    aqk += (i_c * H + i_h).to(tl.int64) * 4096
+    aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
         q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
@@ -221,15 +221,15 @@ def kda_intra64_offdiag_rows_kernel(
     n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
     n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
     r_q, r_k = _row_factors(bc, sq1, sk1, scale, 1)
-    _store_a(aqk, a10, r_q, n0, 1, 0)
+    _store_a(aqk, a10, r_q, n0, 1, 0, A_LO)
     l10 = l10 * r_k * n0
     r_q, r_k = _row_factors(bc, sq2, sk2, scale, 2)
-    _store_a(aqk, a20, r_q, n0, 2, 0)
-    _store_a(aqk, a21, r_q, n1, 2, 1)
+    _store_a(aqk, a20, r_q, n0, 2, 0, A_LO)
+    _store_a(aqk, a21, r_q, n1, 2, 1, A_LO)
     l20, l21 = l20 * r_k * n0, l21 * r_k * n1
     r_q, r_k = _row_factors(bc, sq3, sk3, scale, 3)
-    _store_a(aqk, a30, r_q, n0, 3, 0)
-    _store_a(aqk, a31, r_q, n1, 3, 1)
-    _store_a(aqk, a32, r_q, n2, 3, 2)
+    _store_a(aqk, a30, r_q, n0, 3, 0, A_LO)
+    _store_a(aqk, a31, r_q, n1, 3, 1, A_LO)
+    _store_a(aqk, a32, r_q, n2, 3, 2, A_LO)
     l30, l31, l32 = l30 * r_k * n0, l31 * r_k * n1, l32 * r_k * n2
     _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION)

@@ -1,7 +1,10 @@
 """KDA prefill (v3), the in-chunk matrices: per 64-token chunk and head, from the cumulative log-decay, beta
 and the L2-normalised q and k, the decay-weighted products ``L = beta k k^T`` (strictly lower)
-and ``Aqk = q k^T`` (lower, diagonal included) and the WY inverse ``Ai = (I + L)^-1``, written as [chunks, H,
-64, 64] float32 (the blocks above the diagonal are scratch: kernel B, kda_prefill_intra64_b.py, masks them).
+and ``Aqk = q k^T`` (lower, diagonal included) and the WY inverse ``Ai = (I + L)^-1``. ``Ai`` is written as
+[chunks, H, 64, 64] float32 (the blocks above the diagonal are scratch: kernel B, kda_prefill_intra64_b.py,
+masks them); ``Aqk``, which only the state pass reads (for the output's ``Aqk v'``), as [chunks, H, slots, 64,
+64] bf16, its lo half in a second slot where asked (``store_pair``), zeros above the diagonal included (the
+state pass reads it as whole tiles).
 The chunk is split into four 16-token sub-blocks, each product formed against a reference row that keeps
 every exponential factor at most 1 or within ``exp(+-80)``.
 
@@ -44,6 +47,16 @@ def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
 
 
 @triton.jit
+def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
+    """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
+    so that hi + lo is within 2^-17 of x."""
+    hi = x.to(tl.bfloat16)
+    tl.store(p, hi)
+    if LO:
+        tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
+
+
+@triton.jit
 def load_rows(x, rows, m_tk, stride_t, o_k):
     """A [rows, K slice] tile in float32; x is the scalar base of the first row's head: the offsets stay
     int32 (tensors of 64-bit offsets would hold twice the registers)."""
@@ -67,10 +80,11 @@ def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr
 @triton.jit
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
-    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals); ``gc``
-    and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), and
+    Aqk's zeros right of its diagonal block (A_LO: Aqk's lo halves too); ``gc`` and ``bc`` are the gate pass's
+    scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -112,11 +126,19 @@ def kda_intra64_diag_kernel(
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
         b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
     b_l = tl.where(o_r[:, None] > o_r[None, :], acc_l * b_b[:, None], 0.0)
-    blk = (i_c * H + i_h).to(tl.int64) * 4096 + i_b * (16 * 64 + 16)
-    aqk += blk
-    ai += blk
+    i_ch = (i_c * H + i_h).to(tl.int64)
+    aqk += i_ch * ((1 + A_LO) * 4096) + i_b * (16 * 64 + 16)
+    ai += i_ch * 4096 + i_b * (16 * 64 + 16)
     off = o_r[:, None] * 64 + o_r[None, :]
-    tl.store(aqk + off, tl.where(o_r[:, None] >= o_r[None, :], acc_a, 0.0))
+    store_pair(aqk + off, tl.where(o_r[:, None] >= o_r[None, :], acc_a, 0.0), A_LO, 4096)
+    # the row block's upper blocks, zeros (the state pass multiplies by whole [64, 64] tiles)
+    o_u = tl.arange(0, 64)
+    p_u = aqk + 16 + o_r[:, None] * 64 + o_u[None, :]
+    m_u = (o_r[:, None] >= 0) & (o_u < 48 - 16 * i_b)[None, :]
+    zero = tl.zeros([16, 64], dtype=tl.bfloat16)
+    tl.store(p_u, zero, mask=m_u)
+    if A_LO:
+        tl.store(p_u + 4096, zero, mask=m_u)
     # X = (I + L)^-1 row by row: X_i = e_i - sum_{m < i} L_im X_m (L_im = 0 for m >= i)
     tl.store(ai + off, b_l)
     tl.debug_barrier()  # the rows stored above are read back by other threads

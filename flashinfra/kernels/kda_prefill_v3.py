@@ -5,9 +5,9 @@ ones per 16-row block with the merge into the inverse, kda_prefill_intra64_rows.
 kda_prefill_intra64_b.py), then one sequential pass per (value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
-``v' = u - w S``, ``o = ou + qw S`` and ``S = exp(gl) S + kd^T v'``: three products shaped for the tensor
-cores' warpgroup instructions, each with its state-side operand in registers and its tile in shared memory,
-with no in-chunk matrix left in the loop. The products
+``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: four products shaped for the
+tensor cores' warpgroup instructions, each with its state-side operand in registers and its tile in shared
+memory. The products
 that carry S from chunk to chunk (``chain_precision``) split S and v' into bf16 hi + lo parts each step and
 accumulate in float32:
 
@@ -22,11 +22,12 @@ accumulate in float32:
 - ``"bf16"`` (one product each, S rounded to bf16 every step: its rounding compounds over a long sequence)
   exists to show that in a test.
 
-The output product uses S's hi and lo parts with qw's hi part (plus qw's lo part with ``out_x3``).
+The output's products use S's hi and lo parts with qg's hi part, and form ``Aqk v'`` in the chain's precision,
+Aqk in kd's place (its lo half written and read at bf16x3); ``out_x3`` adds qg's and Aqk's lo halves.
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
-head: ``64 (2 K slots + 8 V + 512) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``; the gate pass's ``256 (K + 1)`` more.
+head: ``64 (2 K slots + 4 V + 384) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
+``out_x3``, and 8 KB more for Aqk's lo half (bf16x3, out_x3); the gate pass's ``256 (K + 1)`` more.
 """
 
 from __future__ import annotations
@@ -58,18 +59,19 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def kda_state64_kernel(
-    wqk, uo, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """``wqk``, ``uo`` and ``state`` are tensor descriptors over the scratch and the state slots viewed as
-    [rows, K], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared memory by the copy
-    engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2 (bf16x2) or 1
-    (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qw's at SQ, kd's at SKD, each lo half (where
-    written) in the next slot; ``uo`` holds u^T and ou^T ([V, 64] each) per chunk and head.
+    """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
+    as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
+    memory by the copy engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2
+    (bf16x2) or 1 (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qg's at SQ, kd's at SKD, each lo
+    half (where written) in the next slot; ``u`` holds u^T ([V, 64]) per chunk and head, ``aqk`` Aqk ([64, 64]
+    bf16, its lo half next at bf16x3 or with OUT_X3: ``Aqk v'`` in the chain's precision, Aqk in kd's place).
 
-    The state is carried transposed, ``Z = S^T`` [BV, K]: ``v'^T = u^T - Z w^T``, ``o^T = ou^T + Z qw^T``,
+    The state is carried transposed, ``Z = S^T`` [BV, K]: ``v'^T = u^T - Z w^T``, ``o^T = Z qg^T + v'^T Aqk^T``,
     ``Z = exp(gl) Z + v'^T kd``. Every product then takes Z's or v'^T's bf16 parts, which live in registers, as
     its first operand, and a tile the copy engine brought to shared memory as its second: nothing the chain
     computes goes through shared memory on its way to the next product."""
@@ -96,32 +98,39 @@ def kda_state64_kernel(
         b_e = b_e_next
         b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
         r_w = base * (NS * 64)
-        r_u = base * (2 * V) + i_v * BV
+        r_a = base * ((1 + (CHAIN == 3 or OUT_X3)) * 64)
         b_wh = tl.trans(wqk.load([r_w, 0]))
         b_qh = tl.trans(wqk.load([r_w + SQ * 64, 0]))
         b_kh = wqk.load([r_w + SKD * 64, 0])
         b_zh = b_z.to(tl.bfloat16)
         b_zl = (b_z - b_zh.to(tl.float32)).to(tl.bfloat16)
-        # the output first, so that its registers are free before v' is formed
-        b_o = _mma(b_zh, b_qh, uo.load([r_u + V, 0]), DOT_F32)
+        # the output's state part first, so that Z's parts are free before v' is formed
+        b_o = _mma(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         b_o = _mma(b_zl, b_qh, b_o, DOT_F32)
         if OUT_X3:
             b_o = _mma(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
-        rows = i_t * 64 + o_r
-        tl.store(o + (bos + rows)[None, :] * (H * V) + i_h * V + o_v[:, None], b_o.to(o.dtype.element_ty),
-                 mask=(rows < L)[None, :])
         b_ws = _mma(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         if CHAIN == 3:
             b_ws = _mma(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
             b_ws = _mma(b_zl, b_wh, b_ws, DOT_F32)
-        b_vn = uo.load([r_u, 0]) - b_ws
+        b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh = b_vn.to(tl.bfloat16)
+        b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
+        # the output's in-chunk part, v' against Aqk (lower triangular, its upper blocks zeros)
+        b_at = tl.trans(aqk.load([r_a, 0]))
+        b_o = _mma(b_vh, b_at, b_o, DOT_F32)
+        if CHAIN == 3 or OUT_X3:
+            b_o = _mma(b_vh, tl.trans(aqk.load([r_a + 64, 0])), b_o, DOT_F32)
+        if CHAIN >= 2:
+            b_o = _mma(b_vl, b_at, b_o, DOT_F32)
+        rows = i_t * 64 + o_r
+        tl.store(o + (bos + rows)[None, :] * (H * V) + i_h * V + o_v[:, None], b_o.to(o.dtype.element_ty),
+                 mask=(rows < L)[None, :])
         b_z = _mma(b_vh, b_kh, b_z * b_e[None, :], DOT_F32)
         if CHAIN == 3:
             b_z = _mma(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
         if CHAIN >= 2:
-            b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
             b_z = _mma(b_vl, b_kh, b_z, DOT_F32)
     state.store([r_s, i_v * BV], tl.trans(b_z))
 
@@ -163,13 +172,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
     BV = min(BV, V)
     if out_x3 and BV > 32:
-        # qw's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
+        # qg's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
         raise ValueError(f"kda_prefill v3: out_x3 needs BV <= 32 (the state pass's shared memory), got BV={BV}")
     dev = q.device
     idx, offsets_t, nch = chunk_tables(cu, 64, dev)  # cached per batch, no stream sync (varlen.py)
     if not nch:
         return
-    # w, qw, kd in bf16, each followed by its lo half where the chain (or out_x3) reads it
+    # w, qg, kd and Aqk in bf16, each followed by its lo half where the chain (or out_x3) reads it
     chain = CHAIN_PRODUCTS[chain_precision]
     lo = {"W_LO": int(chain == 3), "Q_LO": int(out_x3), "KD_LO": int(chain == 3)}
     slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"] + lo["Q_LO"])
@@ -189,15 +198,16 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "gate", gate_pass
-    aqk = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    a_lo = int(chain == 3 or out_x3)
+    aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5)
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, num_warps=d_warps,
-            num_stages=1,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
+            num_warps=d_warps, num_stages=1,
         )
 
     yield "intra_d", intra_diag
@@ -208,29 +218,30 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
         kda_intra64_offdiag_rows_kernel[(nch, H)](
             *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            FAST_EXP=not env.triton_interpret(), num_warps=1, num_stages=1,
+            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, num_warps=1, num_stages=1,
         )
 
     yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
-    uo = torch.empty(nch, H, 2, V, 64, dtype=torch.float32, device=dev)
+    u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
-            q, k, v, gc, bc, cu_t, idx, aqk, ai, wqk, uo, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
+            q, k, v, gc, bc, cu_t, idx, ai, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
             num_warps=b_warps, **lo, **({} if b_maxnreg is None or env.triton_interpret() else {"maxnreg": b_maxnreg}),
         )
 
     yield "intra_b", intra_b
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
-    uo_d = TensorDescriptor.from_tensor(uo.view(-1, 64), [BV, 64])
+    u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [BV, 64])
+    aqk_d = TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
 
     def state_pass():
         kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
-            wqk_d, uo_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
+            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )

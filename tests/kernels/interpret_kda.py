@@ -59,7 +59,7 @@ def test_prefill_v3_gated(lower_bound):
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
     A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
-    (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qw out of the
+    (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qg out of the
     comparison."""
     cases.prefill_varlen("cpu", lens, **{"H": 2, "K": 32, "V": 16, "seed": 4, "version": "v3", "out_x3": True, **kw})
 
@@ -69,6 +69,7 @@ def test_prefill_v3_split(lens, kw):
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=2)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice
     ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=None, decay=0.3)),  # one-token chunks, gated
+    ([70, 33], dict(decay=0.5, a_lo=False)),  # Aqk's hi half alone (the default launch's)
 ])
 def test_prefill_v3_intra_a(lens, kw):
     """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
@@ -87,8 +88,8 @@ def test_gate_pass_scratch(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 37], dict(out_x3=True)),  # w, qw, qw lo, kd: 4 slots
-    ([63, 5, 0, 129], dict(decay=0.1)),  # w, qw, kd: 3 slots
+    ([1, 100, 37], dict(out_x3=True)),  # w, qg, qg lo, kd: 4 slots; Aqk lo
+    ([63, 5, 0, 129], dict(decay=0.1)),  # w, qg, kd: 3 slots
     ([21, 130], dict(gated=True, lower_bound=-5.0, out_x3=True, decay=0.5)),
 ])
 def test_prefill_v3_chain_bf16x2(lens, kw):
