@@ -177,7 +177,7 @@ def lines(args) -> None:
         text = subprocess.run(["ncu", "--import", rep, "--page", "source", "--print-source", "cuda,sass", "--csv"],
                               check=True, capture_output=True, text=True).stdout
         path, fn, hdr = "?", "?", None
-        samples, source = defaultdict(Counter), {}
+        samples, source, unparsed = defaultdict(Counter), {}, Counter()
         for row in csv.reader(io.StringIO(text)):
             if not row:
                 continue
@@ -192,12 +192,17 @@ def lines(args) -> None:
             if hdr is None or not row[0].isdigit() or len(row) <= hdr:
                 continue
             key = f"{path}:{row[0]}"
-            samples[fn][key] += float(row[hdr].replace(",", "") or 0)
+            try:
+                samples[fn][key] += float(row[hdr].replace(",", "") or 0)
+            except ValueError:
+                # a source line with unbalanced quotes (a docstring's) shifts the CSV's columns: left out, counted
+                unparsed[fn] += 1
+                continue
             source[key] = row[1].strip()[:110]
         kernels = {}
         for fn, per_line in samples.items():
             total = sum(per_line.values()) or 1.0
-            kernels[fn] = {"samples": total, "lines": [
+            kernels[fn] = {"samples": total, "unparsed_lines": unparsed[fn], "lines": [
                 {"share_pct": 100 * n / total, "line": key, "source": source[key]}
                 for key, n in per_line.most_common(args.top)]}
             print(f"== {fn}: {total:.0f} samples")
