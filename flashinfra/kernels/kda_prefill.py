@@ -14,19 +14,20 @@ matrices: the diagonal 16-token blocks and their inverses, kda_prefill_intra64_s
 blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; the per-chunk tiles,
 kda_prefill_intra64_b.py),
 then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
-three warpgroup products per chunk. Those carry it from chunk to chunk, so rounding there compounds over the
-whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of them enters as a bf16 hi + lo pair
-(three bf16 products, about 16 bits of each operand, as precise as tf32x3 here), never as a single bf16 or
-tf32 operand, whose rounding each step shows up in the state (see tests/kernels/test_kda_gpu.py). Against a
+four warpgroup products per chunk. Two of them, ``w S`` and ``kd^T v'``, carry it from chunk to chunk, so
+rounding there compounds over the whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of them
+enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operand, as precise as tf32x3 here),
+never as a single bf16 or tf32 operand, whose rounding each step shows up in the state (see
+tests/kernels/test_kda_gpu.py). Against a
 float64 recurrence at T=65536 and 131072 the default's final-state error is 2.5-4.4e-4, 0.11-0.18x
 flash-linear-attention's. ``chain_precision="bf16x2"`` rounds the per-chunk factors w and kd to one bf16 each:
-10-13% faster on an H200, its state error 1.6-1.8e-3 (still below flash-linear-attention's 2.2-3.9e-3, but
+14-15% faster on an H200, its state error 1.6-1.8e-3 (still below flash-linear-attention's 2.2-3.9e-3, but
 that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
 
 ``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
 (the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
 its products in ``chain_precision`` "tf32x3" (or "ieee", which the benchmarks use as the high-precision
-reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.8-1.9x faster
+reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.9-2.1x faster
 (bench/notes/kda_prefill.md).
 """
 
@@ -146,7 +147,8 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
-        raise ValueError(f"kda_prefill: out must be contiguous {list(shape)} {like.dtype}, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"kda_prefill: out must be contiguous {list(shape)} {like.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     return out
 
 
@@ -213,7 +215,7 @@ def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_ini
     ``version="v3"`` (the default for 16-bit inputs, ``default_version``) runs the 64-token-chunk kernels
     (BT is then fixed at 64; ``v3_options`` are ``v3_launches``' tuning options, kda_prefill_v3.py);
     ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: ``V3_CHAIN`` by default, "bf16x2" for
-    10-13% more speed at flash-linear-attention's precision class, "bf16"; v2: "tf32x3", "tf32", "ieee") is
+    14-15% more speed at flash-linear-attention's precision class, "bf16"; v2: "tf32x3", "tf32", "ieee") is
     exposed for callers who make that trade, for the tests that show the plain chains are worse and for
     high-precision references."""
     return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,

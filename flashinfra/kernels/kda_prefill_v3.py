@@ -16,7 +16,7 @@ accumulate in float32:
 - ``"bf16x2"``: w and kd arrive as one bf16 each, ``w S ~ w S_hi + w S_lo``, ``kd^T v' ~ kd^T v'_hi +
   kd^T v'_lo``: the state keeps its 16 bits from step to step, and only w and kd are rounded, once per
   chunk (an input rounding, which does not compound through S), for two thirds of the products and no lo
-  halves in the scratch (10-13% faster than bf16x3 on an H200; the state's error against float64 at
+  halves in the scratch (14-15% faster than bf16x3 on an H200; the state's error against float64 at
   65536-131072 tokens 4-7x bf16x3's, 0.5-0.7x flash-linear-attention's); bf16x3 is the public ops' default
   (``V3_CHAIN`` in kda_prefill.py);
 - ``"bf16"`` (one product each, S rounded to bf16 every step: its rounding compounds over a long sequence)
