@@ -65,6 +65,17 @@ def test_prefill_v3_split(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
+    ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
+    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
+    ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
+])
+def test_prefill_v3_intra_d(lens, kw):
+    """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
+    and Aqk's zeros above them (kda_cases.intra_d)."""
+    cases.intra_d("cpu", lens, H=2, K=32, **kw)
+
+
+@pytest.mark.parametrize("lens,kw", [
     ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5, num_warps=2)),
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice

@@ -160,19 +160,12 @@ def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lowe
     assert_close("gate pass: beta", bc, ref_b, 1e-6, 1e-6, 1e-5)
 
 
-def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True):
-    """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
-    blocks of ``Aqk`` (scale q k^T; bf16, with ``a_lo`` its lo half too: hi + lo is compared, else hi at a
-    bf16 rounding's tolerance), decay-weighted with the gate's -10 clamp, and ``Ai = (I + L)^-1``'s
-    off-diagonal blocks (L = beta k k^T) merged
-    from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
-    tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
-    (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
-    other element must be written; rows past a sequence's end hold zeros. A reads the gate pass's scratch
-    (``_gate_pass``, itself checked to write every element), as the launcher runs it."""
-    from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-
+def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bool, lower_bound, decay: float,
+                  seed: int) -> dict:
+    """The in-chunk kernels' inputs, the gate pass's scratch (``_gate_pass``, itself checked to write every
+    element, as the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk =
+    scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
+    decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), _cu(lens)
 
@@ -185,7 +178,6 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
-    # the float64 reference per chunk-head: [64, 64] Aqk (lower, diagonal included), L (strictly lower), Ai
     qn, kn = pre.l2norm_ref(_d(q)), pre.l2norm_ref(_d(k))
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
@@ -201,26 +193,79 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
         ref_a[i, :, :m, :m] = aa
         ref_l[i, :, :m, :m] = (ll * b64[t0:t1].transpose(0, 1)[:, :, None]).tril(-1)
     eye = torch.eye(64, dtype=torch.float64, device=device)
-    ref_ai = torch.linalg.inv(eye + ref_l)
-    blk = torch.arange(64, device=device) // 16
-    below, diag = blk[:, None] > blk[None, :], blk[:, None] == blk[None, :]
-    aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
-    ai = torch.where(diag, ref_ai, NAN).float()
-    planted = ai.clone()
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
+    return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
+                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l))
+
+
+def _blocks(device: str):
+    """Masks of a [64, 64] chunk matrix's 16 x 16 blocks: strictly below, on and strictly above the diagonal."""
+    blk = torch.arange(64, device=device) // 16
+    return blk[:, None] > blk[None, :], blk[:, None] == blk[None, :], blk[:, None] < blk[None, :]
+
+
+def _aqk_tolerances(precision: str, a_lo: bool) -> tuple[float, float, float]:
+    """Aqk's hi + lo pair at the products' precision, or its hi half alone at a bf16 rounding's."""
+    if not a_lo:
+        return 4e-3, 4e-3, 8e-3
+    return (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+
+
+def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
+            decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True):
+    """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
+    blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
+    tolerance) and of ``Ai``, and Aqk's zeros above its diagonal blocks, which the state pass multiplies by. Both
+    scratch matrices start as NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other
+    element of Aqk must be written, Ai's diagonal blocks too."""
+    from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
+
+    x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
+    nch = x["nch"]
+    below, diag, above = _blocks(device)
+    aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
+    ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
+    kda_intra64_diag_kernel[(nch * 4, H)](
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
+        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, num_warps=num_warps, num_stages=1)
+    rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+    assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
+    assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"
+    assert torch.equal(aqk.float()[..., above], torch.zeros_like(aqk.float()[..., above])), (
+        "kernel D left Aqk's blocks above the diagonal other than zero")
+    got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
+    assert_close("Aqk diagonal blocks", got_a[..., diag], x["ref_a"][..., diag], *_aqk_tolerances(precision, a_lo))
+    assert_close("Ai diagonal blocks", ai[..., diag], x["ref_ai"][..., diag], rel, atol, rtol)
+
+
+def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
+            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True):
+    """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
+    blocks of ``Aqk`` (bf16, compared as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
+    from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
+    tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
+    (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
+    other element must be written; rows past a sequence's end hold zeros."""
+    from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
+
+    x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
+    nch = x["nch"]
+    below, diag, _ = _blocks(device)
+    aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
+    ai = torch.where(diag, x["ref_ai"], NAN).float()
+    planted = ai.clone()
     solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        q, k, gc, bc, torch.tensor(cu, dtype=torch.int32, device=device), idx, aqk, ai, q.stride(0), k.stride(0),
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
         A_LO=a_lo, num_warps=num_warps)
     rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
-    got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
-    rel_a, atol_a, rtol_a = (rel, atol, rtol) if a_lo else (4e-3, 4e-3, 8e-3)
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
     assert torch.equal(*untouched), "kernel A wrote into Ai's diagonal or upper blocks"
-    assert_close("Aqk lower blocks", got_a[..., below], ref_a[..., below], rel_a, atol_a, rtol_a)
-    assert_close("Ai lower blocks", ai[..., below], ref_ai[..., below], rel, atol, rtol)
+    got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
+    assert_close("Aqk lower blocks", got_a[..., below], x["ref_a"][..., below], *_aqk_tolerances(precision, a_lo))
+    assert_close("Ai lower blocks", ai[..., below], x["ref_ai"][..., below], rel, atol, rtol)
 
 
 def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, seed=0, state_dtype=torch.float32,

@@ -69,6 +69,15 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
+@pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
+                                                          (False, -5.0, 5.0, False)])
+def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
+    """Kernel D alone against float64 with its scratch poisoned (kda_cases.intra_d): the diagonal blocks of Aqk
+    and Ai and Aqk's zeros above them, at the launcher's two warps, K slices of 32 and tf32 products."""
+    cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
+
+
 @pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
                                                                (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision):
