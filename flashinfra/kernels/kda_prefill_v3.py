@@ -62,14 +62,14 @@ def kda_state64_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    A_LO: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
     memory by the copy engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2
     (bf16x2) or 1 (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qg's at SQ, kd's at SKD, each lo
     half (where written) in the next slot; ``u`` holds u^T ([V, 64]) per chunk and head, ``aqk`` Aqk ([64, 64]
-    bf16, its lo half next at bf16x3 or with OUT_X3: ``Aqk v'`` in the chain's precision, Aqk in kd's place).
+    bf16, with A_LO its lo half next: ``Aqk v'`` in the chain's precision, Aqk in kd's place).
 
     The state is carried transposed, ``Z = S^T`` [BV, K]: ``v'^T = u^T - Z w^T``, ``o^T = Z qg^T + v'^T Aqk^T``,
     ``Z = exp(gl) Z + v'^T kd``. Every product then takes Z's or v'^T's bf16 parts, which live in registers, as
@@ -98,7 +98,7 @@ def kda_state64_kernel(
         b_e = b_e_next
         b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
         r_w = base * (NS * 64)
-        r_a = base * ((1 + (CHAIN == 3 or OUT_X3)) * 64)
+        r_a = base * ((1 + A_LO) * 64)
         b_wh = tl.trans(wqk.load([r_w, 0]))
         b_qh = tl.trans(wqk.load([r_w + SQ * 64, 0]))
         b_kh = wqk.load([r_w + SKD * 64, 0])
@@ -120,7 +120,7 @@ def kda_state64_kernel(
         # the output's in-chunk part, v' against Aqk (lower triangular, its upper blocks zeros)
         b_at = tl.trans(aqk.load([r_a, 0]))
         b_o = _mma(b_vh, b_at, b_o, DOT_F32)
-        if CHAIN == 3 or OUT_X3:
+        if A_LO:
             b_o = _mma(b_vh, tl.trans(aqk.load([r_a + 64, 0])), b_o, DOT_F32)
         if CHAIN >= 2:
             b_o = _mma(b_vl, b_at, b_o, DOT_F32)
@@ -198,7 +198,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "gate", gate_pass
-    a_lo = int(chain == 3 or out_x3)
+    a_lo = int(chain == 3 or out_x3)  # Aqk's lo half: the bf16x3 chain's precision, or out_x3's
     aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
@@ -242,7 +242,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def state_pass():
         kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
-            H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots,
+            H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots, A_LO=a_lo,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
