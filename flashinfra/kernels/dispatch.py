@@ -25,3 +25,8 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.is_cuda for t in tensors) or _interpreting()
 
+
+def register_cap(maxnreg: int | None) -> dict:
+    """A launch's register cap as Triton launch options: ``{"maxnreg": n}``, or none when uncapped or on the CPU
+    interpreter (which runs no register allocation)."""
+    return {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}

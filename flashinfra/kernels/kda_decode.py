@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dispatch import register_cap, use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
 from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile
 
@@ -127,7 +127,7 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, state_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps, **register_cap(maxnreg),
     )
     return o
 

@@ -43,9 +43,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from flashinfra import env
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dispatch import register_cap, use_triton
 from flashinfra.kernels.kda_decode import check_block_options, kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
@@ -230,7 +229,8 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
     if gate.shape != (B, H * V) or gate.stride(1) != 1:
         problems.append(f"gate {tuple(gate.shape)}")
     if A_log.shape != (H,) or dt_bias.shape != (H * K,) or norm_weight.shape != (V,):
-        problems.append(f"A_log {tuple(A_log.shape)} dt_bias {tuple(dt_bias.shape)} norm_weight {tuple(norm_weight.shape)}")
+        problems.append(f"A_log {tuple(A_log.shape)} dt_bias {tuple(dt_bias.shape)} "
+                        f"norm_weight {tuple(norm_weight.shape)}")
     if state_slots.shape != (B,):
         problems.append(f"state_slots {tuple(state_slots.shape)}")
     if problems:
@@ -328,7 +328,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
-            **({} if maxnreg is None or env.triton_interpret() else dict(maxnreg=maxnreg)))
+            **register_cap(maxnreg))
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

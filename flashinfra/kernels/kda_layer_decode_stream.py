@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
 
 
@@ -170,7 +171,7 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     BK = triton.next_power_of_2(K)
     tiles = B * H * triton.cdiv(V, BV)
     norm = grid in ("stream", "tiles") and BV >= V
-    cap = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    cap = register_cap(maxnreg)
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,

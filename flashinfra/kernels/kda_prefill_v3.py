@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
+from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
@@ -230,7 +231,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         kda_intra64_b_kernel[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, ai, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            num_warps=b_warps, **lo, **({} if b_maxnreg is None or env.triton_interpret() else {"maxnreg": b_maxnreg}),
+            num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )
 
     yield "intra_b", intra_b
