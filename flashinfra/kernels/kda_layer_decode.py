@@ -194,10 +194,10 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
     4 warps at most 128 registers, four programs per SM; the state kernel is near the copy bandwidth). bf16
     state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on 4 warps
-    capped at 96 registers. Above B=1, with the
-    norm launch 4 heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
-    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
-    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
+    capped at 96 registers. Above B=1, with the norm launch 4 heads per program and the prep launch 2 heads per
+    program up to B=32 (1-2% faster at B=16; bench/results/kda_decode_refresh_16_64.json), above it one head on 4
+    warps (fp32 1.1-1.3% faster at B=64 and 256 in seven runs, bf16 2.5-3.2%;
+    bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
     heads = dict(prep_heads=2 if B <= 32 else 1, prep_warps=4, norm_heads=4, norm_warps=4)
