@@ -29,6 +29,24 @@ def time_eager(fn, iters: int = 50, warmup: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def time_stream(fn, calls: int = 10, iters: int = 5) -> float:
+    """Median microseconds of one call among ``calls`` back-to-back calls between two CUDA events: the device
+    time of a launch that takes longer on the GPU than on the host (its host work overlaps the calls before)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` back-to-back calls of fn, after three warm-up calls on a side stream."""
     side = torch.cuda.Stream()

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import fla_version, header, time_eager, write_results  # noqa: E402
+from kda_common import fla_version, header, time_eager, time_stream, write_results  # noqa: E402
 
 from flashinfra.kernels import kda_prefill as pre  # noqa: E402
 from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
@@ -215,6 +215,7 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
             row["state_relerr_vs_ieee"] = float((a["state"] - ref_s).norm() / ref_s.norm())
             for name, fn in launches:
                 row[f"{name}_ms"] = time_eager(fn, iters=iters, warmup=1) / 1e3
+                row[f"{name}_stream_ms"] = time_stream(fn) / 1e3  # device time: ten calls back to back
             row["total_ms"] = time_eager(lambda: [fn() for _, fn in launches], iters=iters, warmup=1) / 1e3
             # the whole call, as FLA is timed: argument checks, index tensors and scratch included
             row["call_ms"] = time_eager(lambda: kda_prefill_launch(
@@ -281,6 +282,15 @@ def print_parts(res: dict) -> None:
               f"{r.get('error', '')[:60]}")
 
 
+def print_stream(res: dict) -> None:
+    """Each launch's device time (ten calls back to back, ``time_stream``) beside the single-call times above."""
+    names = ("gate", "intra_d", "intra_a", "intra_b", "state")
+    print(f"{'case':9s} {'config':44s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms, back to back)")
+    for r in res.get("parts", []):
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
+        print(f"{r['case']:9s} {cfg:44s} " + " ".join(f"{r.get(n + '_stream_ms', float('nan')):8.3f}" for n in names))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also copy the JSON into this folder")
@@ -312,6 +322,7 @@ def main() -> int:
             time_parts(label, shapes[label], res, args.fla)
             write_results(args.name, res, args.out)
         print_parts(res)
+        print_stream(res)
         return 0
     for label in args.cases.split(","):
         run_case(label, shapes[label], VARIANTS if args.variants else [], res, not args.no_fla, args.fla_fused)
