@@ -102,6 +102,15 @@ def pair(x, truncate: bool = False, dtype: str = "bf16"):
     return hi, rounded(x - hi, truncate, dtype)
 
 
+def state_pair(x, truncate: bool = False, dtype: str = "bf16", mode: str = "bf16x3"):
+    """The state pass's own split of S and v' (kda_prefill_v3.py, ``_parts``): for the bf16x3 and bf16x2 chains
+    bf16 hi by truncation and lo the rest to nearest; otherwise as the tiles' pairs (``pair``), both to nearest."""
+    if dtype != "bf16" or mode == "bf16":
+        return pair(x, truncate, dtype)
+    hi = rounded(x, True)
+    return hi, rounded(x - hi, truncate)
+
+
 def chain(t: dict, mode: str, truncate: bool = False):
     """The state pass over all chunks of one head: (o [T, V], final S [K, V]), S starting at zero; ``truncate``
     rounds to bf16 as Triton's interpreter does (tests/kernels/interpret_kda.py compares the kernel there)."""
@@ -135,7 +144,7 @@ def chain(t: dict, mode: str, truncate: bool = False):
     a_h, a_l = pair(r["aqk"], truncate, dt)
     x3, lo = mode == "bf16x3", mode in ("bf16x3", "bf16x2", "fp16x2")
     for n in range(N):
-        s_h, s_l = pair(S, truncate, dt)
+        s_h, s_l = state_pair(S, truncate, dt, mode)
         o[n] = f32(f32(q_h[n] @ s_h) + q_h[n] @ s_l)
         ws = f32(w_h[n] @ s_h)
         if x3:
@@ -143,7 +152,7 @@ def chain(t: dict, mode: str, truncate: bool = False):
         if lo:
             ws = f32(ws + w_h[n] @ s_l)
         vn = f32(r["u"][n] - ws)
-        v_h, v_l = pair(vn, truncate, dt)
+        v_h, v_l = state_pair(vn, truncate, dt, mode)
         o[n] = f32(o[n] + a_h[n] @ v_h)
         if x3:
             o[n] = f32(o[n] + a_l[n] @ v_h)

@@ -1,8 +1,7 @@
 """The prefill's state pass alone, timed back to back on v3's scratch: which limit is it at?
 
-Both state kernels (``kda_state64_kernel`` in kda_prefill_v3.py, Triton; ``kda_state64_gluon_kernel`` in
-kda_prefill_state_gluon.py, Gluon), one sequence of T tokens, K = V = 128, value blocks of 64 (two programs per
-head, one warpgroup each), for each chain precision:
+``kda_state64_kernel`` (kda_prefill_v3.py), one sequence of T tokens, K = V = 128, value blocks of 64 (two
+programs per head, one warpgroup each), for each chain precision:
 
 - the whole grid, at H = 64, 32 and 16 heads (128, 64 and 32 programs, each on its own SM): a program bound by
   its own chain of products takes the same time at every H; a pass bound by a bandwidth the programs share
@@ -21,7 +20,6 @@ import os
 import sys
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,14 +28,22 @@ from kda_common import header, time_stream, write_results  # noqa: E402
 
 import flashinfra.kernels.kda_prefill_v3 as v3  # noqa: E402
 from flashinfra.kernels import kda_prefill as pre  # noqa: E402
-from flashinfra.kernels import kda_prefill_state_gluon as sg  # noqa: E402
 
 K = V = 128
 BV = 64
 
 
-def scratch(T: int, H: int, chain: str) -> dict:
-    """v3's first four launches on random inputs; the state pass's arguments as ``v3_launches`` passes them."""
+class _Recorded:
+    """Stands in for the state kernel while v3's launches run: keeps the arguments of its one launch."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grid, self.args, self.kwargs = grid, args, kwargs
+        return launch
+
+
+def scratch(T: int, H: int, chain: str) -> _Recorded:
+    """v3's first four launches on random inputs, and the state pass's launch as ``v3_launches`` makes it."""
     gen = torch.Generator(device="cuda").manual_seed(H)
     q, k, v = (torch.randn(T, H, K, device="cuda", generator=gen).bfloat16() for _ in range(3))
     g = (-5.0 * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))).float()
@@ -45,36 +51,21 @@ def scratch(T: int, H: int, chain: str) -> dict:
     o = torch.empty(T, H, V, dtype=torch.bfloat16, device="cuda")
     state = torch.randn(1, H, K, V, device="cuda", generator=gen) * 0.1
     cu, cu_t, slots_t, init_t = pre._seq_args([0, T], [0], [True], T, 1, q.device)
-    rec = {}
-    launch = v3.state_pass_gluon
-    v3.state_pass_gluon = lambda *a, **kw: rec.update(args=a, kw=kw)  # record the state pass's arguments
+    rec, kernel = _Recorded(), v3.kda_state64_kernel
+    v3.kda_state64_kernel = rec
     try:
         for _, fn in v3.v3_launches(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, None, BV=BV,
-                                    num_warps=4, num_stages=None, chain_precision=chain, local_precision="tf32",
-                                    state_kernel="gluon"):
+                                    num_warps=4, num_stages=None, chain_precision=chain, local_precision="tf32"):
             fn()
     finally:
-        v3.state_pass_gluon = launch
+        v3.kda_state64_kernel = kernel
     torch.cuda.synchronize()
     return rec
 
 
-def launchers(rec: dict, H: int, value_blocks: int) -> dict:
-    """Both state kernels over the recorded scratch, on the first ``value_blocks`` value blocks of each head."""
-    wqk, u, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t = rec["args"]
-    kw = rec["kw"]
-    grid = (value_blocks, H)
-    consts = dict(H=H, K=K, V=V, BV=BV, CHAIN=kw["chain"], **kw["slots"], A_LO=kw["a_lo"], num_warps=4)
-    descs = sg.descriptors(wqk, u, aqk, egl, K, BV)
-    tr = (TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K]), TensorDescriptor.from_tensor(u.view(-1, 64), [BV, 64]),
-          TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64]))
-    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
-    return {
-        "gluon": lambda: sg.kda_state64_gluon_kernel[grid](*descs, o, state, cu_t, offsets_t, slots_t, init_t,
-                                                           STAGES=kw["stages"], **consts),
-        "triton": lambda: v3.kda_state64_kernel[grid](*tr, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
-                                                      OUT_X3=False, DOT_F32=False, num_stages=kw["stages"], **consts),
-    }
+def launcher(rec: _Recorded, value_blocks: int):
+    """The state kernel over the recorded scratch, on the first ``value_blocks`` value blocks of each head."""
+    return lambda: v3.kda_state64_kernel[(value_blocks, rec.grid[1])](*rec.args, **rec.kwargs)
 
 
 def main() -> int:
@@ -91,22 +82,17 @@ def main() -> int:
         for H in (int(h) for h in args.heads.split(",")):
             rec = scratch(args.T, H, chain)
             for blocks in (V // BV, 1):
-                for name, fn in launchers(rec, H, blocks).items():
-                    us = time_stream(fn)
-                    row = dict(chain=chain, H=H, T=args.T, value_blocks=blocks, programs=blocks * H, kernel=name,
-                               us=us, us_per_step=us / (args.T // 64))
-                    res["rows"].append(row)
-                    print(row, flush=True)
+                us = time_stream(launcher(rec, blocks))
+                row = dict(chain=chain, H=H, T=args.T, value_blocks=blocks, programs=blocks * H, us=us,
+                           us_per_step=us / (args.T // 64))
+                res["rows"].append(row)
+                print(row, flush=True)
             del rec
     write_results(args.name, res, args.out)
-    print(f"{'chain':7s} {'H':>3s} {'blocks':>6s} {'programs':>8s} {'triton us':>10s} {'gluon us':>9s} "
-          f"{'per step':>9s}")
-    rows = {(r["chain"], r["H"], r["value_blocks"], r["kernel"]): r for r in res["rows"]}
-    for (chain, H, blocks, name), r in rows.items():
-        if name == "triton":
-            g = rows[(chain, H, blocks, "gluon")]
-            print(f"{chain:7s} {H:3d} {blocks:6d} {r['programs']:8d} {r['us']:10.1f} {g['us']:9.1f} "
-                  f"{r['us_per_step']:5.2f}/{g['us_per_step']:.2f}")
+    print(f"{'chain':7s} {'H':>3s} {'blocks':>6s} {'programs':>8s} {'us':>8s} {'us per step':>11s}")
+    for r in res["rows"]:
+        print(f"{r['chain']:7s} {r['H']:3d} {r['value_blocks']:6d} {r['programs']:8d} {r['us']:8.1f} "
+              f"{r['us_per_step']:11.2f}")
     return 0
 
 

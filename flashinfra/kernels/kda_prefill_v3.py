@@ -43,7 +43,6 @@ from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
-from flashinfra.kernels.kda_prefill_state_gluon import state_pass_gluon
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
@@ -57,6 +56,22 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _parts(x, CHAIN: tl.constexpr):
+    """x's bf16 hi and lo parts. Where the chain takes both (CHAIN >= 2), hi + lo is within 2^-16 of x: hi is x
+    truncated to bf16 by a mask on its bits, lo the rest rounded to bf16. Truncating costs one bit against
+    rounding hi to nearest (2^-17), and saves a conversion (F2F, a quarter-rate instruction) per element on the
+    chain between two products: the state pass 9% faster at bf16x2, 3% at bf16x3 on an H200, with the same errors
+    against float64 to three digits (bench/notes/kda_prefill.md, "The state's bf16 parts by a mask"). The
+    single-bf16 chain (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would bias S."""
+    if CHAIN == 1:
+        hi = x.to(tl.bfloat16)
+        return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (x - hi).to(tl.bfloat16)
 
 
 @triton.jit
@@ -104,8 +119,7 @@ def kda_state64_kernel(
         b_wh = tl.trans(wqk.load([r_w, 0]))
         b_qh = tl.trans(wqk.load([r_w + SQ * 64, 0]))
         b_kh = wqk.load([r_w + SKD * 64, 0])
-        b_zh = b_z.to(tl.bfloat16)
-        b_zl = (b_z - b_zh.to(tl.float32)).to(tl.bfloat16)
+        b_zh, b_zl = _parts(b_z, CHAIN)
         # the output's state part first, so that Z's parts are free before v' is formed
         b_o = _mma(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         b_o = _mma(b_zl, b_qh, b_o, DOT_F32)
@@ -117,8 +131,7 @@ def kda_state64_kernel(
         if CHAIN >= 2:
             b_ws = _mma(b_zl, b_wh, b_ws, DOT_F32)
         b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
-        b_vh = b_vn.to(tl.bfloat16)
-        b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
+        b_vh, b_vl = _parts(b_vn, CHAIN)
         # the output's in-chunk part, v' against Aqk (lower triangular, its upper blocks zeros)
         b_at = tl.trans(aqk.load([r_a, 0]))
         b_o = _mma(b_vh, b_at, b_o, DOT_F32)
@@ -141,7 +154,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                b_maxnreg: int | None = 168, state_kernel: str | None = None):
+                b_maxnreg: int | None = 168):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one): the gate pass (``gate``,
@@ -152,9 +165,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
     kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
     per thread or None: 168 fits three programs per SM instead of two, without spills), the state
-    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2; ``state_kernel`` "triton",
-    ``kda_state64_kernel``, or "gluon", kda_prefill_state_gluon.py, on a GPU only: as fast at bf16x3, slower at
-    bf16x2). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest
+    measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -174,13 +186,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
     BV = min(BV, V)
-    gluon_ok = not (env.triton_interpret() or out_x3) and BV == 64 and K <= 128
-    state_kernel = state_kernel or "triton"
-    if state_kernel not in ("gluon", "triton"):
-        raise ValueError(f"kda_prefill v3: state_kernel must be 'gluon' or 'triton', got {state_kernel!r}")
-    if state_kernel == "gluon" and not gluon_ok:
-        raise ValueError("kda_prefill v3: the Gluon state pass runs on a GPU, with BV=64, K <= 128 and without "
-                         "out_x3")
     if out_x3 and BV > 32:
         # qg's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
         raise ValueError(f"kda_prefill v3: out_x3 needs BV <= 32 (the state pass's shared memory), got BV={BV}")
@@ -244,13 +249,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "intra_b", intra_b
-    if state_kernel == "gluon":
-        def state_pass_g():
-            state_pass_gluon(wqk, u, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t, H=H, K=K, V=V, BV=BV,
-                             chain=chain, slots=slots, a_lo=a_lo, stages=num_stages)
-
-        yield "state", state_pass_g
-        return
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [BV, 64])
     aqk_d = TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64])

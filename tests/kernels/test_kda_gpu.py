@@ -48,15 +48,6 @@ def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
 
 
-@pytest.mark.parametrize("chain", ["bf16x3", "bf16x2"])
-@pytest.mark.parametrize("state_kernel", ["gluon", "triton"])
-def test_prefill_v3_state_kernels(state_kernel, chain):
-    """Both state passes, ``kda_state64_kernel`` (the default) and the Gluon one (kda_prefill_state_gluon.py),
-    for both chains, with empty and one-token sequences among the lengths."""
-    cases.prefill_varlen("cuda", [1000, 0, 63, 1, 300, 64, 129, 0], H=4, K=128, V=128, dtype=torch.bfloat16,
-                         version="v3", chain_precision=chain, state_kernel=state_kernel, decay=0.3)
-
-
 @pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
                                     dict(b_warps=2), dict(num_stages=2)])
 def test_prefill_v3_split_variants(launch):
