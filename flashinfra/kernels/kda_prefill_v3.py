@@ -120,6 +120,8 @@ def kda_state64_kernel(
         b_qh = tl.trans(wqk.load([r_w + SQ * 64, 0]))
         b_kh = wqk.load([r_w + SKD * 64, 0])
         b_zh, b_zl = _parts(b_z, CHAIN)
+        # the decay now, while the step's first products run: Z itself is not read again this step
+        b_z = b_z * b_e[None, :]
         # the output's state part first, so that Z's parts are free before v' is formed
         b_o = _mma(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         b_o = _mma(b_zl, b_qh, b_o, DOT_F32)
@@ -142,7 +144,7 @@ def kda_state64_kernel(
         rows = i_t * 64 + o_r
         tl.store(o + (bos + rows)[None, :] * (H * V) + i_h * V + o_v[:, None], b_o.to(o.dtype.element_ty),
                  mask=(rows < L)[None, :])
-        b_z = _mma(b_vh, b_kh, b_z * b_e[None, :], DOT_F32)
+        b_z = _mma(b_vh, b_kh, b_z, DOT_F32)
         if CHAIN == 3:
             b_z = _mma(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
         if CHAIN >= 2:
