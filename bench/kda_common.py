@@ -12,27 +12,11 @@ import sys
 import torch
 
 
-def time_eager(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median microseconds of one call, each call bracketed by CUDA events (launch overhead included)."""
+def _event_median_us(fn, calls: int, iters: int, warmup: int) -> float:
+    """Median microseconds per call over ``iters`` timings of ``calls`` back-to-back calls between two CUDA
+    events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def time_stream(fn, calls: int = 10, iters: int = 5) -> float:
-    """Median microseconds of one call among ``calls`` back-to-back calls between two CUDA events: the device
-    time of a launch that takes longer on the GPU than on the host (its host work overlaps the calls before)."""
-    fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -45,6 +29,17 @@ def time_stream(fn, calls: int = 10, iters: int = 5) -> float:
         times.append(start.elapsed_time(end) * 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+def time_eager(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of one call, each call bracketed by CUDA events (launch overhead included)."""
+    return _event_median_us(fn, 1, iters, warmup)
+
+
+def time_stream(fn, calls: int = 10, iters: int = 5) -> float:
+    """Median microseconds of one call among ``calls`` back-to-back calls between two CUDA events: the device
+    time of a launch that takes longer on the GPU than on the host (its host work overlaps the calls before)."""
+    return _event_median_us(fn, calls, iters, 1)
 
 
 def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
