@@ -63,9 +63,10 @@ def _parts(x, CHAIN: tl.constexpr):
     """x's bf16 hi and lo parts. Where the chain takes both (CHAIN >= 2), hi + lo is within 2^-16 of x: hi is x
     truncated to bf16 by a mask on its bits, lo the rest rounded to bf16. Truncating costs one bit against
     rounding hi to nearest (2^-17), and saves a conversion (F2F, a quarter-rate instruction) per element on the
-    chain between two products: the state pass 9% faster at bf16x2, 3% at bf16x3 on an H200, with the same errors
-    against float64 to three digits (bench/notes/kda_prefill.md, "The state's bf16 parts by a mask"). The
-    single-bf16 chain (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would bias S."""
+    chain between two products: the state pass 12-13% faster at bf16x2, 3-4% at bf16x3 on an H200, with the
+    same errors against float64 to three digits (bench/notes/kda_prefill.md, "The state's bf16 parts by a
+    mask"). The single-bf16 chain (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would
+    bias S."""
     if CHAIN == 1:
         hi = x.to(tl.bfloat16)
         return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
