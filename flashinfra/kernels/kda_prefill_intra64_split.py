@@ -47,13 +47,20 @@ def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
 
 
 @triton.jit
+def bf16_pair(x):
+    """x as bf16 hi + lo parts, each rounded to nearest: hi + lo within 2^-17 of x."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
     """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
-    so that hi + lo is within 2^-17 of x."""
-    hi = x.to(tl.bfloat16)
+    so that hi + lo is within 2^-17 of x (``bf16_pair``)."""
+    hi, lo = bf16_pair(x)
     tl.store(p, hi)
     if LO:
-        tl.store(p + SLOT, (x - hi.to(tl.float32)).to(tl.bfloat16))
+        tl.store(p + SLOT, lo)
 
 
 @triton.jit

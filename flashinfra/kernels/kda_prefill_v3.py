@@ -42,7 +42,7 @@ from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
+from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
@@ -68,8 +68,7 @@ def _parts(x, CHAIN: tl.constexpr):
     mask"). The single-bf16 chain (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would
     bias S."""
     if CHAIN == 1:
-        hi = x.to(tl.bfloat16)
-        return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+        return bf16_pair(x)
     bits = x.to(tl.uint32, bitcast=True)
     hi = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (x - hi).to(tl.bfloat16)
