@@ -204,11 +204,14 @@ def _blocks(device: str):
     return blk[:, None] > blk[None, :], blk[:, None] == blk[None, :], blk[:, None] < blk[None, :]
 
 
+def _matrix_tolerances(precision: str) -> tuple[float, float, float]:
+    """(rel, atol, rtol) of an in-chunk matrix whose products run in ``precision``."""
+    return (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+
+
 def _aqk_tolerances(precision: str, a_lo: bool) -> tuple[float, float, float]:
     """Aqk's hi + lo pair at the products' precision, or its hi half alone at a bf16 rounding's."""
-    if not a_lo:
-        return 4e-3, 4e-3, 8e-3
-    return (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+    return _matrix_tolerances(precision) if a_lo else (4e-3, 4e-3, 8e-3)
 
 
 def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
@@ -228,7 +231,7 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     kda_intra64_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, num_warps=num_warps, num_stages=1)
-    rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+    rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
     assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"
     assert torch.equal(aqk.float()[..., above], torch.zeros_like(aqk.float()[..., above])), (
@@ -259,7 +262,7 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
         A_LO=a_lo, num_warps=num_warps)
-    rel, atol, rtol = (2e-5, 1e-5, 1e-4) if precision == "ieee" else (2e-3, 2e-3, 5e-3)
+    rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
     assert torch.equal(*untouched), "kernel A wrote into Ai's diagonal or upper blocks"
