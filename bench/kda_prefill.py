@@ -12,7 +12,7 @@ kernel), and with the same fusions as ours (``use_qk_l2norm_in_kernel``, ``use_g
     python bench/kda_prefill.py [--out DIR] [--variants] [--fla-fused] [--name kda_prefill]
         -> bench/results/<name>.json, a short table last
     python bench/kda_prefill.py --parts [--fla] [--configs JSON] [--name kda_prefill_v3_parts]
-        v3's launches timed one by one (PART_CONFIGS, or the JSON list),
+        v3's launches timed one by one (PART_CONFIGS, or the JSON list; the gate pass is the first part),
         their sum as queued launches (``total``) and the whole call (``call``: argument checks, index
         tensors and scratch included, as FLA's call is timed; the ratio to FLA uses it), v2 beside them,
         FLA's chunk_kda (anchor style) with --fla; compile first, side by side:
@@ -176,7 +176,8 @@ def time_fla(a: dict, s0: torch.Tensor, iters: int) -> dict:
 
 
 def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -> None:
-    """v3's launches one by one (in-chunk matrices with the gate's sums, per-chunk tiles, state pass) and together, per config, with the output's and final state's error against v2 in ieee fp32 (fp32
+    """v3's launches one by one (the gate pass, in-chunk matrices, per-chunk tiles, state
+    pass) and together, per config, with the output's and final state's error against v2 in ieee fp32 (fp32
     output), the gated op's error likewise and its time (bf16 activations, whole calls), and v2's total (and
     FLA's with ``with_fla``) in the same run."""
     a = inputs(lens, seed=len(lens) + lens[0])
@@ -264,14 +265,14 @@ def warm(name: str) -> None:
 
 
 def print_parts(res: dict) -> None:
-    print(f"{'case':9s} {'config':44s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} "
+    print(f"{'case':9s} {'config':44s} {'gate':>6s} {'D ms':>6s} {'A ms':>6s} {'B ms':>6s} {'state':>7s} "
           f"{'total':>7s} {'call':>7s} {'v2':>7s} {'FLA':>7s} {'FLA/call':>8s} {'err':>8s} {'state':>8s} {'gated':>8s} {'gated cfg':>9s} "
           f"{'gated ms':>8s}")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
         a_ms = r.get("intra_a_ms", r.get("intra_ms", nan))
-        print(f"{r['case']:9s} {cfg:44s} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} "
+        print(f"{r['case']:9s} {cfg:44s} {r.get('gate_ms', 0):6.3f} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} "
               f"{r.get('intra_b_ms', 0):6.3f} "
               f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r.get('call_ms', nan):7.3f} "
               f"{r['v2_ms']:7.3f} {r.get('fla_ms', nan):7.3f} {r.get('speedup_vs_fla', nan):8.3f} "
@@ -283,7 +284,7 @@ def print_parts(res: dict) -> None:
 
 def print_stream(res: dict) -> None:
     """Each launch's device time (ten calls back to back, ``time_stream``) beside the single-call times above."""
-    names = ("intra_d", "intra_a", "intra_b", "state")
+    names = ("gate", "intra_d", "intra_a", "intra_b", "state")
     print(f"{'case':9s} {'config':44s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms, back to back)")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"

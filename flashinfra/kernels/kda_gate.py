@@ -41,33 +41,17 @@ def kda_log_decay(x, rate, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
-def load_gate(g, A_log, dt_bias, lower_bound, rows, m_tk, i_h, o_k, m_k, stride_g_t, K: tl.constexpr,
-              GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, G_MIN: tl.constexpr):
-    """A head's log-decay on the token ``rows`` and columns ``o_k``, clamped below at ``G_MIN`` (the chunk
-    kernels' exactness bound), zero outside ``m_tk``; computed here from the raw projection
-    (``GATE_IN_KERNEL``) or read as given."""
-    b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    if GATE_IN_KERNEL:
-        b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    return tl.where(m_tk, tl.maximum(b_g, G_MIN), 0.0)
-
-
-@triton.jit
-def load_beta(beta, rows, m_t, i_h, stride_b_t, BETA_LOGITS: tl.constexpr):
-    """Beta on the token ``rows`` (its sigmoid taken here from logits with ``BETA_LOGITS``), zero outside
-    ``m_t``."""
-    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if BETA_LOGITS:
-        b_b = tl.sigmoid(b_b)
-    return tl.where(m_t, b_b, 0.0)
-
-
-@triton.jit
 def load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
                    K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
                    BETA_LOGITS: tl.constexpr, G_MIN: tl.constexpr):
-    """``load_gate`` and ``load_beta`` on the same rows."""
-    return (load_gate(g, A_log, dt_bias, lower_bound, rows, m_tk, i_h, o_k, m_k, stride_g_t, K, GATE_IN_KERNEL,
-                      HAS_LOWER_BOUND, G_MIN),
-            load_beta(beta, rows, m_t, i_h, stride_b_t, BETA_LOGITS))
+    """A head's log-decay (clamped below at ``G_MIN``, the chunk kernels' exactness bound) and beta for the
+    token ``rows``, zero past the sequence's end; the gate and beta's sigmoid computed here from the raw
+    projections (``GATE_IN_KERNEL``, ``BETA_LOGITS``) or read as given."""
+    b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if GATE_IN_KERNEL:
+        b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
+    if BETA_LOGITS:
+        b_b = tl.sigmoid(b_b)
+    return tl.where(m_tk, tl.maximum(b_g, G_MIN), 0.0), tl.where(m_t, b_b, 0.0)

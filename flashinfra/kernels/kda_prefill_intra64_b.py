@@ -44,20 +44,13 @@ from flashinfra.kernels.kda_prefill_intra64_split import store_pair
 
 
 @triton.jit
-def _key_tiles(q, k, gloc, rows, m_t, i_h, o_k, stride_q_t, stride_k_t, K: tl.constexpr):
-    """The tiles of the key columns o_k, as loaded (q and k in their dtype): the cumulative log-decay from the
-    chunk's first row ``gc`` (kernel D's per-block sums plus the blocks' totals before them), the chunk's total
-    ``gl`` (exactly ``gc``'s last row), k and q."""
+def _key_tiles(q, k, gc, rows, m_t, i_h, o_k, stride_q_t, stride_k_t, K: tl.constexpr):
+    """The tiles of the key columns o_k, as loaded (q and k in their dtype): the chunk-relative sums ``gc`` (their
+    last row the chunk's total: rows past the end repeat the last token's), that last row, k and q."""
     o_t = tl.arange(0, 64)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_gc = tl.load(gloc + o_t[:, None] * K + o_k[None, :])
-    # each block's total is its last row: the chunk's sums before blocks 1, 2 and 3, then the total
-    p1 = tl.load(gloc + 15 * K + o_k)
-    p2 = p1 + tl.load(gloc + 31 * K + o_k)
-    p3 = p2 + tl.load(gloc + 47 * K + o_k)
-    b_gl = p3 + tl.load(gloc + 63 * K + o_k)
-    blk = (o_t // 16)[:, None]
-    b_gc += tl.where(blk == 3, p3[None, :], tl.where(blk == 2, p2[None, :], tl.where(blk == 1, p1[None, :], 0.0)))
+    b_gc = tl.load(gc + o_t[:, None] * K + o_k[None, :])
+    b_gl = tl.load(gc + 63 * K + o_k)
     b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
     b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
     return b_gc, b_gl, b_k, b_q
@@ -108,7 +101,7 @@ def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H: tl.constexpr):
 
 @triton.jit
 def kda_intra64_b_kernel(
-    q, k, v, gloc, bc, cu_seqlens, chunk_indices, ai, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t, scale,
+    q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
 ):
@@ -116,7 +109,7 @@ def kda_intra64_b_kernel(
     ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H)
-    gloc += i_ch * (64 * K)
+    gc += i_ch * (64 * K)
     bc += i_ch * 64
     o_b = tl.arange(0, BK)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
@@ -138,11 +131,11 @@ def kda_intra64_b_kernel(
     b_b = tl.load(bc + tl.arange(0, 64))
     # Each block's tiles are loaded while the block before it is computed: loaded where they are used, they
     # waited for the previous block's products (their barriers), one round trip per block.
-    b_gc, b_gl, b_k, b_q = _key_tiles(q, k, gloc, rows, m_t, i_h, o_b, stride_q_t, stride_k_t, K)
+    b_gc, b_gl, b_k, b_q = _key_tiles(q, k, gc, rows, m_t, i_h, o_b, stride_q_t, stride_k_t, K)
     for kk in tl.static_range(0, K, BK):
         n_gc, n_gl, n_k, n_q = b_gc, b_gl, b_k, b_q
         if kk + BK < K:
-            n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gloc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
+            n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
         _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl + i_ch * K, K, SQ, SKD,
                   LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
         b_gc, b_gl, b_k, b_q = n_gc, n_gl, n_k, n_q

@@ -66,16 +66,17 @@ def _exp2_rows(x, FAST_EXP: tl.constexpr):
 
 
 @triton.jit
-def _blk_in(q, k, gloc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K: tl.constexpr,
+def _blk_in(q, k, gc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K: tl.constexpr,
             WITH_Q: tl.constexpr):
-    """Block m's K slice: q (with WITH_Q, else k again), k, the block's cumulative log-decay from its first row
-    (kernel D's ``gloc`` at the chunk-head and K slice) and its last row, the block's total, as a [1, KS] row,
-    both in log2 units. The last row is gathered (one shuffle per element) rather than loaded again, so that
-    ``total - cumsum`` is exactly 0 on the last row and the column factors stay at most 1."""
+    """Block m's K slice: q (with WITH_Q, else k again), k, the gate pass's chunk-relative cumulative decay
+    (``gc`` at the chunk-head and K slice) on the block's rows and on its last row, as a [1, KS] row, both in
+    log2 units (``_row_blocks`` takes them relative to the previous block's last row). The last row is gathered
+    (one shuffle per element) rather than loaded again, so that ``last - cumsum`` is exactly 0 on the last row
+    and the column factors stay at most 1."""
     rows = 16 * m + tl.arange(0, 16)
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
-    b_gc = tl.load(gloc + rows[:, None] * K + o_s[None, :])
+    b_gc = tl.load(gc + rows[:, None] * K + o_s[None, :])
     b_gc = b_gc * 1.4426950408889634  # log2(e): the exponentials below are powers of two
     b_k = load_rows(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
@@ -86,12 +87,12 @@ def _blk_in(q, k, gloc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr,
 
 
 @triton.jit
-def _row_blocks(q, k, gloc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.constexpr, LP: tl.constexpr,
+def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.constexpr, LP: tl.constexpr,
                 FAST_EXP: tl.constexpr):
     """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
     L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
     in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
-    ``exp(s_m)`` once block m has used it (``s_m`` its total, at most 0)."""
+    ``exp(s_m)`` once block m has used it (``s_m`` its last row minus the previous block's, at most 0)."""
     o_s = tl.arange(0, KS)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = z, z, z, z, z, z, z, z, z, z, z, z
@@ -99,26 +100,28 @@ def _row_blocks(q, k, gloc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: t
     sk0, sk1, sk2, sk3, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr
     for ks in range(K // KS):
         # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
-        qs, kk, gs = q + ks * KS, k + ks * KS, gloc + ks * KS
+        qs, kk, gs = q + ks * KS, k + ks * KS, gc + ks * KS
         m_k = o_s < KS
         _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 0, K, False)
         sk0 += tl.sum(b_k * b_k, 1)
         c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
+        b_p = b_s
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 1, K, True)
         sk1 += tl.sum(b_k * b_k, 1)
         sq1 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(b_gc, FAST_EXP)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
         c1 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        c0 = c0 * _exp2(b_s, FAST_EXP)
+        c0 = c0 * _exp2(b_s - b_p, FAST_EXP)
+        b_p = b_s
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 2, K, True)
         sk2 += tl.sum(b_k * b_k, 1)
         sq2 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(b_gc, FAST_EXP)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
         a20 = tl.dot(x_q, t0, a20, input_precision=LP)
@@ -126,14 +129,15 @@ def _row_blocks(q, k, gloc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: t
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
         c2 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        e2 = _exp2(b_s, FAST_EXP)
+        e2 = _exp2(b_s - b_p, FAST_EXP)
+        b_p = b_s
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
         b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 3, K, True)
         sk3 += tl.sum(b_k * b_k, 1)
         sq3 += tl.sum(b_q * b_q, 1)
-        b_f = _exp2_rows(b_gc, FAST_EXP)
+        b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
         a30 = tl.dot(x_q, t0, a30, input_precision=LP)
@@ -191,7 +195,7 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    q, k, gloc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr,
 ):
@@ -202,12 +206,12 @@ def kda_intra64_offdiag_rows_kernel(
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    gloc += (i_c * H + i_h).to(tl.int64) * (64 * K)
+    gc += (i_c * H + i_h).to(tl.int64) * (64 * K)
     bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
-        q, k, gloc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
+        q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
     # kernel D's diagonal inverses, loaded before the stores so that their round trip overlaps them
     o_r = tl.arange(0, 16)
     d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))

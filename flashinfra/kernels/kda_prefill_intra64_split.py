@@ -35,8 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_gate import load_beta, load_gate
-
 
 @triton.jit
 def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
@@ -73,38 +71,35 @@ def load_rows(x, rows, m_tk, stride_t, o_k):
 
 
 @triton.jit
-def _diag_slice(q, k, g, A_log, dt_bias, lower_bound, rows, m_t, i_h, stride_q_t, stride_k_t, stride_g_t, k0,
-                K: tl.constexpr, KS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
-    """The sub-block's tiles of K slice ``k0``: its log-decay (``load_gate``: clamped at -10 per token, zero past
-    the sequence's end), and k and q as loaded."""
-    o_s = k0 + tl.arange(0, KS)
-    m_tk = m_t[:, None] & (o_s < K)[None, :]
-    b_g = load_gate(g, A_log, dt_bias, lower_bound, rows, m_tk, i_h, o_s, o_s < K, stride_g_t, K, GATE_IN_KERNEL,
-                    HAS_LOWER_BOUND, -10.0)
-    b_k = tl.load(k + rows[:, None] * stride_k_t + o_s[None, :], mask=m_tk, other=0.0)
-    b_q = tl.load(q + rows[:, None] * stride_q_t + o_s[None, :], mask=m_tk, other=0.0)
-    return b_g, b_k, b_q
+def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr, KS: tl.constexpr):
+    """The sub-block's tiles of K slice ``k0``, as loaded (q and k in their dtype): its 16 rows of ``gc``, the
+    middle row (row 8; padding rows past a sequence's end exist: no mask), k and q."""
+    o_r = tl.arange(0, 16)
+    o_s = tl.arange(0, KS)
+    m_tk = m_t[:, None] & (o_s < KS)[None, :]
+    b_gc = tl.load(gc + k0 + o_r[:, None] * K + o_s[None, :])
+    b_gm = tl.load(gc + k0 + 8 * K + o_s)
+    b_k = tl.load(k + k0 + rows[:, None] * stride_k_t + o_s[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + k0 + rows[:, None] * stride_q_t + o_s[None, :], mask=m_tk, other=0.0)
+    return b_gc, b_gm, b_k, b_q
 
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, gloc, bc, aqk, ai,
-    stride_q_t, stride_k_t, stride_g_t, stride_b_t, scale,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, BETA_LOGITS: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the sub-block's cumulative log-decay ``gloc`` and beta ``bc`` (the scratch kernels A
-    and B read), the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), and Aqk's zeros right
-    of its diagonal block (A_LO: Aqk's lo halves too)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), and
+    Aqk's zeros right of its diagonal block (A_LO: Aqk's lo halves too); ``gc`` and ``bc`` are the gate pass's
+    scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
     q += r0 * stride_q_t + i_h * K
     k += r0 * stride_k_t + i_h * K
-    g += r0 * stride_g_t
-    # sub-block i_b of the chunk-head's [64, K] scratch rows (padding rows past the end included)
-    i_ch = (i_c * H + i_h).to(tl.int64)
-    gloc += i_ch * (64 * K) + i_b * (16 * K)
+    # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
+    gc += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
+    bc += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
     rows = o_r
@@ -121,30 +116,24 @@ def kda_intra64_diag_kernel(
     r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
     acc_l = tl.zeros([16, 16], dtype=tl.float32)
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
-    b_b = load_beta(beta + r0 * stride_b_t, rows, m_t, i_h, stride_b_t, BETA_LOGITS)
-    tl.store(bc + i_ch * 64 + i_b * 16 + o_r, b_b)
-    gate = (A_log, dt_bias, lower_bound)
+    b_b = tl.load(bc + o_r)
     # each K slice's tiles are loaded while the slice before it is multiplied: loaded where they are used, they
     # waited for the previous slice's products (their barriers), one round trip per slice
-    b_g, b_k, b_q = _diag_slice(q, k, g, *gate, rows, m_t, i_h, stride_q_t, stride_k_t, stride_g_t, 0, K, KS,
-                                GATE_IN_KERNEL, HAS_LOWER_BOUND)
+    b_gc, b_gm, b_k, b_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, 0, K, KS)
     for ks in tl.static_range(K // KS):
-        n_g, n_k, n_q = b_g, b_k, b_q
+        n_gc, n_gm, n_k, n_q = b_gc, b_gm, b_k, b_q
         if ks + 1 < K // KS:
-            n_g, n_k, n_q = _diag_slice(q, k, g, *gate, rows, m_t, i_h, stride_q_t, stride_k_t, stride_g_t,
-                                        (ks + 1) * KS, K, KS, GATE_IN_KERNEL, HAS_LOWER_BOUND)
-        # the sums from the sub-block's first row, and against its middle row (row 8): factors within exp(+-80)
-        b_gc = tl.cumsum(b_g, 0)
-        tl.store(gloc + ks * KS + o_r[:, None] * K + o_s[None, :], b_gc)
-        b_gm = tl.gather(b_gc, tl.full([1, KS], 8, tl.int32), 0)
-        b_e = tl.exp(b_gc - b_gm)
+            n_gc, n_gm, n_k, n_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS, K, KS)
+        # the pass's sums start at the chunk: their differences are the block's
+        b_e = tl.exp(b_gc - b_gm[None, :])
         b_k = b_k.to(tl.float32) * r_k[:, None]
         b_q = b_q.to(tl.float32) * r_q[:, None]
-        b_kt = tl.trans(b_k * tl.exp(b_gm - b_gc))
+        b_kt = tl.trans(b_k * tl.exp(b_gm[None, :] - b_gc))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
-        b_g, b_k, b_q = n_g, n_k, n_q
+        b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
     b_l = tl.where(o_r[:, None] > o_r[None, :], acc_l * b_b[:, None], 0.0)
+    i_ch = (i_c * H + i_h).to(tl.int64)
     aqk += i_ch * ((1 + A_LO) * 4096) + i_b * (16 * 64 + 16)
     ai += i_ch * 4096 + i_b * (16 * 64 + 16)
     off = o_r[:, None] * 64 + o_r[None, :]

@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.dispatch import register_cap
+from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel
@@ -203,17 +204,27 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
-    gloc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
+    gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
+    GBK = min(32, K)
+
+    def gate_pass():
+        kda_gate_pass_kernel[(nch * (K // GBK), H)](
+            g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
+            H=H, K=K, BK=GBK, num_warps=1, **gate_args,
+        )
+
+    yield "gate", gate_pass
     a_lo = int(chain == 3 or out_x3)  # Aqk's lo half: the bf16x3 chain's precision, or out_x3's
     aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
+    in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5)
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            q, k, g, beta, A_log, dt_bias, lb, cu_t, idx, gloc, bc, aqk, ai, q.stride(0), k.stride(0), g.stride(0),
-            beta.stride(0), K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            num_warps=d_warps, num_stages=1, **gate_args,
+            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
+            num_warps=d_warps, num_stages=1,
         )
 
     yield "intra_d", intra_diag
@@ -223,8 +234,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # instructions (two warps with slices of 32, and a register cap, measured slower; two pipeline stages
         # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
         kda_intra64_offdiag_rows_kernel[(nch, H)](
-            q, k, gloc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5, H=H, K=K, KS=min(a_ks, K),
-            LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, FAST_EXP=not env.triton_interpret(), A_LO=a_lo, num_warps=1, num_stages=1,
+            *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, num_warps=1, num_stages=1,
         )
 
     yield "intra_a", intra_offdiag
@@ -234,7 +245,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
-            q, k, v, gloc, bc, cu_t, idx, ai, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
+            q, k, v, gc, bc, cu_t, idx, ai, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
             num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )

@@ -57,8 +57,8 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
 ])
 def test_prefill_v3_split(lens, kw):
-    """v3's in-chunk matrices (kernel D, with the gate and its sums per 16-row block, kda_prefill_intra64_split.py;
-    kernel A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
+    """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
+    A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
     (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qg out of the
     comparison."""
     cases.prefill_varlen("cpu", lens, **{"H": 2, "K": 32, "V": 16, "seed": 4, "version": "v3", "out_x3": True, **kw})
@@ -68,13 +68,11 @@ def test_prefill_v3_split(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
-    ([1, 100, 0, 37], dict(K=64)),  # two K slices; an empty sequence
-    ([77, 3], dict(gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
 ])
 def test_prefill_v3_intra_d(lens, kw):
-    """Kernel D alone against float64, its outputs poisoned: the gate scratch it writes for kernels A and B, the
-    diagonal blocks and Aqk's zeros above them (kda_cases.intra_d)."""
-    cases.intra_d("cpu", lens, **{"H": 2, "K": 32, **kw})
+    """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
+    and Aqk's zeros above them (kda_cases.intra_d)."""
+    cases.intra_d("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -85,9 +83,19 @@ def test_prefill_v3_intra_d(lens, kw):
     ([70, 33], dict(decay=0.5, a_lo=False)),  # Aqk's hi half alone (the default launch's)
 ])
 def test_prefill_v3_intra_a(lens, kw):
-    """Kernel A alone against float64, reading kernel D's gate scratch, its own poisoned
+    """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
     (kda_cases.intra_a)."""
     cases.intra_a("cpu", lens, H=2, K=32, **kw)
+
+
+@pytest.mark.parametrize("lens,kw", [
+    ([1, 100, 0, 37], dict(K=64)),  # two column blocks (beta from the first); an empty sequence
+    ([21, 130], dict(K=32, gated=True, lower_bound=-5.0, decay=0.5)),
+    ([77, 3], dict(K=32, gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
+])
+def test_gate_pass_scratch(lens, kw):
+    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch)."""
+    cases.gate_scratch("cpu", lens, H=2, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [

@@ -114,14 +114,58 @@ def _gate_inputs(gen, device: str, T: int, H: int, K: int, gated: bool, lower_bo
     return g_in, b_in, g_in, g_in, _d(g_in).clamp(min=-10.0), _d(b_in)
 
 
+def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=32,
+               num_warps=1):
+    """v3's gate pass (kda_prefill_gate.py) into scratch poisoned with NaN, every element of which it must write;
+    returns the cumulative log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
+    from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
+
+    dev = g_in.device
+    gc = torch.full((nch, H, 64, K), NAN, dtype=torch.float32, device=dev)
+    bc = torch.full((nch, H, 64), NAN, dtype=torch.float32, device=dev)
+    kda_gate_pass_kernel[(nch * (K // BK), H)](
+        g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32, device=dev), idx,
+        gc, bc, g_in.stride(0), b_in.stride(0), H=H, K=K, BK=BK, num_warps=num_warps, GATE_IN_KERNEL=gated,
+        HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
+    assert not torch.isnan(gc).any() and not torch.isnan(bc).any(), "the gate pass left scratch unwritten"
+    return gc, bc
+
+
+def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lower_bound=-5.0, decay=5.0, seed=0,
+                 g_dtype=torch.float32, **launch):
+    """v3's gate pass alone against float64: per chunk and head the log-decay (the gated op's from a raw
+    projection given as a column slice, with or without its bound), clamped at -10 per token and summed from
+    the chunk's first row, rows past the sequence's end repeating its last token's sum, and beta (its sigmoid
+    when gated; zero past the end)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, cu = sum(lens), _cu(lens)
+
+    def rnd(*shape, dt=torch.float32):
+        return torch.randn(*shape, device=device, generator=gen).to(dt)
+
+    g_raw = rnd(T, H * K + 8, dt=g_dtype)[:, : H * K].view(T, H, K) if gated else None
+    g_in, b_in, A_log, dt_bias, g64, b64 = _gate_inputs(gen, device, T, H, K, gated, lower_bound, decay, g_raw)
+    chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
+    idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
+    nch = len(chunks)
+    ref_g = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)
+    ref_b = torch.zeros(nch, H, 64, dtype=torch.float64, device=device)
+    for i, (n, c) in enumerate(chunks):
+        t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
+        gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
+        ref_g[i] = torch.cat([gc, gc[:, -1:].expand(H, 64 - (t1 - t0), K)], 1)
+        ref_b[i, :, : t1 - t0] = b64[t0:t1].transpose(0, 1)
+    gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated, **launch)
+    assert_close("gate pass: cumulative log-decay", gc, ref_g, 1e-5, 1e-4, 1e-5)
+    assert_close("gate pass: beta", bc, ref_b, 1e-6, 1e-6, 1e-5)
+
+
 def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bool, lower_bound, decay: float,
-                  seed: int, g_dtype=None) -> dict:
-    """The in-chunk kernels' inputs (the gated op's raw gate as a column slice of a wider projection, in
-    ``g_dtype``) and the float64 references per chunk-head: ``ref_gloc`` [64, K] (the log-decay, clamped at -10
-    per token, summed from each 16-row block's first row; rows past a sequence's end add zero) and ``ref_bc``
-    [64] (beta, zero past the end), the scratch kernel D writes and kernels A and B read; [64, 64] ``ref_a``
-    (Aqk = scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai``
-    ((I + L)^-1), decay-weighted; rows past a sequence's end hold zeros."""
+                  seed: int) -> dict:
+    """The in-chunk kernels' inputs, the gate pass's scratch (``_gate_pass``, itself checked to write every
+    element, as the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk =
+    scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
+    decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), _cu(lens)
 
@@ -129,24 +173,18 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
         return torch.randn(*shape, device=device, generator=gen).to(dt)
 
     q, k = rnd(T, H, K), rnd(T, H, K)
-    g_raw = rnd(T, H * K + 8, dt=g_dtype or dtype)[:, : H * K].view(T, H, K) if gated else None
-    g_in, b_in, A_log, dt_bias, g64, b64 = _gate_inputs(gen, device, T, H, K, gated, lower_bound, decay, g_raw)
+    g_in, b_in, A_log, dt_bias, g64, b64 = _gate_inputs(gen, device, T, H, K, gated, lower_bound, decay,
+                                                        rnd(T, H, K) if gated else None)
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
     qn, kn = pre.l2norm_ref(_d(q)), pre.l2norm_ref(_d(k))
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
-    ref_gloc = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)
-    ref_bc = torch.zeros(nch, H, 64, dtype=torch.float64, device=device)
     for i, (n, c) in enumerate(chunks):
         t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
         m = t1 - t0
-        gp = torch.zeros(H, 64, K, dtype=torch.float64, device=device)
-        gp[:, :m] = g64[t0:t1].transpose(0, 1)
-        ref_gloc[i] = gp.view(H, 4, 16, K).cumsum(2).view(H, 64, K)
-        ref_bc[i, :, :m] = b64[t0:t1].transpose(0, 1)
-        gc = gp.cumsum(1)[:, :m]  # [H, m, K]
+        gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
         e = torch.exp(gc[:, :, None, :] - gc[:, None, :, :])  # [H, r, c, K], used for r >= c only
         low = torch.ones(m, m, dtype=torch.bool, device=device).tril()
         qh, kh = qn[t0:t1].transpose(0, 1), kn[t0:t1].transpose(0, 1)
@@ -155,9 +193,9 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
         ref_a[i, :, :m, :m] = aa
         ref_l[i, :, :m, :m] = (ll * b64[t0:t1].transpose(0, 1)[:, :, None]).tril(-1)
     eye = torch.eye(64, dtype=torch.float64, device=device)
-    return dict(q=q, k=k, g_in=g_in, b_in=b_in, A_log=A_log, dt_bias=dt_bias, ref_gloc=ref_gloc, ref_bc=ref_bc,
-                cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch, ref_a=ref_a, ref_l=ref_l,
-                ref_ai=torch.linalg.inv(eye + ref_l))
+    gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
+    return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
+                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l))
 
 
 def _blocks(device: str):
@@ -177,31 +215,22 @@ def _aqk_tolerances(precision: str, a_lo: bool) -> tuple[float, float, float]:
 
 
 def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True, g_dtype=None):
-    """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the scratch it
-    writes for kernels A and B (the log-decay summed per 16-row block, the gated op's from its raw projection,
-    clamped at -10 per token; beta), the diagonal blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi +
-    lo is compared, else hi at a bf16 rounding's tolerance) and of ``Ai``, and Aqk's zeros above its diagonal
-    blocks, which the state pass multiplies by. Every output starts as NaN: Aqk's and Ai's blocks below the
-    diagonal (kernel A's) must keep it, every other element of Aqk and of the gate scratch must be written,
-    Ai's diagonal blocks too."""
+            decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True):
+    """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
+    blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
+    tolerance) and of ``Ai``, and Aqk's zeros above its diagonal blocks, which the state pass multiplies by. Both
+    scratch matrices start as NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other
+    element of Aqk must be written, Ai's diagonal blocks too."""
     from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
 
-    x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed, g_dtype)
+    x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
     below, diag, above = _blocks(device)
     aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
     ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
-    gloc = torch.full((nch, H, 64, K), NAN, dtype=torch.float32, device=device)
-    bc = torch.full((nch, H, 64), NAN, dtype=torch.float32, device=device)
-    g_in, b_in = x["g_in"], x["b_in"]
     kda_intra64_diag_kernel[(nch * 4, H)](
-        x["q"], x["k"], g_in, b_in, x["A_log"], x["dt_bias"], float(lower_bound or 0.0), x["cu_t"], x["idx"], gloc,
-        bc, aqk, ai, x["q"].stride(0), x["k"].stride(0), g_in.stride(0), b_in.stride(0), K**-0.5, H=H, K=K, KS=KS,
-        LOCAL_PRECISION=precision, A_LO=a_lo, GATE_IN_KERNEL=gated, HAS_LOWER_BOUND=gated and lower_bound is not None,
-        BETA_LOGITS=gated, num_warps=num_warps, num_stages=1)
-    assert_close("kernel D: per-block cumulative log-decay", gloc, x["ref_gloc"], 1e-5, 1e-4, 1e-5)
-    assert_close("kernel D: beta", bc, x["ref_bc"], 1e-6, 1e-6, 1e-5)
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
+        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, num_warps=num_warps, num_stages=1)
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
     assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"
@@ -214,10 +243,9 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
 
 def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
             decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True):
-    """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64, reading kernel D's
-    gate scratch as float32 roundings of its float64 values: the off-diagonal blocks of ``Aqk`` (bf16, compared
-    as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged from diagonal inverses planted as
-    kernel D would write them (products in ``precision``, the merge's in
+    """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
+    blocks of ``Aqk`` (bf16, compared as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
+    from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
     tf32x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
     (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
     other element must be written; rows past a sequence's end hold zeros."""
@@ -231,8 +259,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     planted = ai.clone()
     solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["q"], x["k"], x["ref_gloc"].float(), x["ref_bc"].float(), x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0),
-        x["k"].stride(0), K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
+        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
         A_LO=a_lo, num_warps=num_warps)
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"

@@ -57,7 +57,7 @@ def test_prefill_v3_split_variants(launch):
 
 @pytest.mark.parametrize("dtype,decay", [(torch.bfloat16, 0.1), (torch.bfloat16, 5.0), (torch.float32, 5.0)])
 def test_prefill_v3_split_real_size(dtype, decay):
-    """v3 (in-chunk matrices, the gate's sums in kernel D, in kda_prefill_intra64_split.py and
+    """v3 (the gate pass, kda_prefill_gate.py; in-chunk matrices in kda_prefill_intra64_split.py and
     kda_prefill_intra64_rows.py); slow decay makes the products between a chunk's far sub-blocks matter."""
     cases.prefill_varlen("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
                          decay=decay)
@@ -69,27 +69,33 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("gated,lower_bound,decay,a_lo,g_dtype", [
-    (False, -5.0, 0.1, True, None), (True, -5.0, 0.5, True, torch.bfloat16), (False, -5.0, 5.0, False, None),
-    (True, None, 50.0, True, torch.bfloat16),  # the -10 clamp
-])
-def test_intra_d_real_size(gated, lower_bound, decay, a_lo, g_dtype):
-    """Kernel D alone against float64 with its outputs poisoned (kda_cases.intra_d): the gate scratch it writes
-    for kernels A and B, the diagonal blocks of Aqk and Ai and Aqk's zeros above them, at the launcher's two
-    warps, K slices of 32 and tf32 products."""
+@pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
+                                                          (False, -5.0, 5.0, False)])
+def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
+    """Kernel D alone against float64 with its scratch poisoned (kda_cases.intra_d): the diagonal blocks of Aqk
+    and Ai and Aqk's zeros above them, at the launcher's two warps, K slices of 32 and tf32 products."""
     cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo,
-                  g_dtype=g_dtype)
+                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
                                                                (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision):
-    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a), reading kernel D's gate
+    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a), reading the gate pass's
     scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
     slices of 16."""
     cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision)
+
+
+@pytest.mark.parametrize("gated,lower_bound,decay,g_dtype", [(False, -5.0, 5.0, torch.float32),
+                                                             (True, -5.0, 5.0, torch.bfloat16),
+                                                             (True, None, 50.0, torch.bfloat16)])
+def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
+    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch); the last case at the
+    -10 clamp."""
+    cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
+                       decay=decay, g_dtype=g_dtype)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
