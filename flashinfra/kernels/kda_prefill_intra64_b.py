@@ -18,16 +18,17 @@ written here and read back, for one product fewer per chunk in the state pass; b
 output's Aqk v' in the state pass".)
 
 Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
-product with ``Ai`` mixes rows, not columns), except for the q/k L2 norms. One program per (chunk, head): a
-first pass over the key blocks accumulates the norms, then [64, BK] and [64, BVB] tiles one block at a time
-beside the chunk's [64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K]
+product with ``Ai`` mixes rows, not columns), except for the q/k L2 norms, whose row factors kernel D writes
+(``rn``). One program per (chunk, head): [64, BK] and [64, BVB] tiles one block at a time beside the chunk's
+[64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K]
 tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
 bench/notes/kda_prefill.md, "B at its bytes floor"; nor were the column loops software-pipelined over 2 or 3
 stages by Triton, 1.02-1.03 ms: both are in the history before their removal). Each block's tiles are loaded
 into registers while the block before it is computed, by hand: 0.88 -> 0.74 ms at 168 registers (three
 programs per SM; bench/notes/kda_prefill.md, "Loads ahead of the barriers").
 
-What B reads: q, k and v ([T, H, D] rows, masked past the sequence's end), Ai (kernels D and A), and the gate
+What B reads: q, k and v ([T, H, D] rows, masked past the sequence's end), Ai (kernels D and A), the rows' norm
+factors (kernel D: ``scale / |q_r|`` and ``1 / |k_r|``, [chunks, H, 2, 64] float32), and the gate
 pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the
 log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per key
 block with ``gl`` its row 63 (the padding rows past a sequence's end exist and repeat its last token's sum, so
@@ -101,7 +102,7 @@ def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H: tl.constexpr):
 
 @triton.jit
 def kda_intra64_b_kernel(
-    q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t, scale,
+    q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, rn, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
 ):
@@ -116,18 +117,9 @@ def kda_intra64_b_kernel(
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
     wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
     u += i_ch * (64 * V)
-    # the q/k row norms over all K columns
-    sq_q = tl.zeros([64], dtype=tl.float32)
-    sq_k = tl.zeros([64], dtype=tl.float32)
-    for kk in tl.static_range(0, K, BK):
-        p = rows[:, None] * stride_q_t + i_h * K + kk + o_b[None, :]
-        b_x = tl.load(q + p, mask=m_t[:, None], other=0.0).to(tl.float32)
-        sq_q += tl.sum(b_x * b_x, 1)
-        b_x = tl.load(k + rows[:, None] * stride_k_t + i_h * K + kk + o_b[None, :], mask=m_t[:, None],
-                      other=0.0).to(tl.float32)
-        sq_k += tl.sum(b_x * b_x, 1)
-    r_q = scale / tl.sqrt(sq_q + 1e-6)
-    r_k = 1.0 / tl.sqrt(sq_k + 1e-6)
+    # the rows' norm factors (kernel D's: scale / |q_r|, 1 / |k_r|)
+    r_q = tl.load(rn + i_ch * 128 + tl.arange(0, 64))
+    r_k = tl.load(rn + i_ch * 128 + 64 + tl.arange(0, 64))
     b_b = tl.load(bc + tl.arange(0, 64))
     # Each block's tiles are loaded while the block before it is computed: loaded where they are used, they
     # waited for the previous block's products (their barriers), one round trip per block.

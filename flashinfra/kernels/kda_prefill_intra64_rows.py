@@ -16,14 +16,14 @@ block i - 1):
 
 Every factor is at most 1 (the per-token log-decay is at most 0), exact for any gate: the product
 ``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. Each block's q, k
-and cumulative decay are loaded once per slice; the q/k L2 norms, the scale and beta are row and column
-factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a program, so one program
-is one warp. On an H200 at T=8192, H=64 this takes 0.41 ms (0.47 with L parked in memory for the merge) against
-0.89 ms for the column form it replaced (each column block's products on all 64 rows, masked), which ran twice
-the instructions. That form (one pass or one per column block) and this one's options that lost (a register
-cap and two warps with slices of 32, measured slower; two pipeline stages, 11% more instructions) are in
-bench/notes/kda_prefill.md ("A per row block") and in the history before the commit that removed them (last
-present at f00b9d7).
+and cumulative decay are loaded once per slice; the q/k L2 norms (kernel D's factors ``rn``), the scale and
+beta are row and column factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a
+program, so one program is one warp. On an H200 at T=8192, H=64 this takes 0.38 ms (0.47 with L parked in
+memory for the merge, 0.40 with the norms' sums of squares formed here) against 0.89 ms for the column form it
+replaced (each column block's products on all 64 rows, masked), which ran twice the instructions. That form
+(one pass or one per column block) and this one's options that lost (a register cap and two warps with slices
+of 32, measured slower; two pipeline stages, 11% more instructions) are in bench/notes/kda_prefill.md ("A per
+row block") and in the history before the commit that removed them (last present at f00b9d7).
 
 What A reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
 (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's
@@ -96,20 +96,15 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
     o_s = tl.arange(0, KS)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = z, z, z, z, z, z, z, z, z, z, z, z
-    zr = tl.zeros([16], dtype=tl.float32)
-    sk0, sk1, sk2, sk3, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr
     for ks in range(K // KS):
         # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
         qs, kk, gs = q + ks * KS, k + ks * KS, gc + ks * KS
         m_k = o_s < KS
         _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 0, K, False)
-        sk0 += tl.sum(b_k * b_k, 1)
         c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
         b_p = b_s
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 1, K, True)
-        sk1 += tl.sum(b_k * b_k, 1)
-        sq1 += tl.sum(b_q * b_q, 1)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
@@ -119,8 +114,6 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         b_p = b_s
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 2, K, True)
-        sk2 += tl.sum(b_k * b_k, 1)
-        sq2 += tl.sum(b_q * b_q, 1)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
@@ -135,8 +128,6 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
         b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 3, K, True)
-        sk3 += tl.sum(b_k * b_k, 1)
-        sq3 += tl.sum(b_q * b_q, 1)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
@@ -146,15 +137,15 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         l31 = tl.dot(x_k, t1, l31, input_precision=LP)
         a32 = tl.dot(x_q, t2, a32, input_precision=LP)
         l32 = tl.dot(x_k, t2, l32, input_precision=LP)
-    return a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3
+    return a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32
 
 
 @triton.jit
-def _row_factors(bc, sq, sk, scale, m: tl.constexpr):
-    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (beta from the gate pass's
-    scratch at the chunk-head)."""
-    b_b = tl.load(bc + 16 * m + tl.arange(0, 16))
-    return (scale / tl.sqrt(sq + 1e-6))[:, None], (b_b / tl.sqrt(sk + 1e-6))[:, None]
+def _row_factors(bc, rn, m: tl.constexpr):
+    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (kernel D's norm factors
+    ``rn`` and the gate pass's beta at the chunk-head)."""
+    o_r = 16 * m + tl.arange(0, 16)
+    return tl.load(rn + o_r)[:, None], (tl.load(bc + o_r) * tl.load(rn + 64 + o_r))[:, None]
 
 
 @triton.jit
@@ -195,7 +186,7 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr,
 ):
@@ -210,24 +201,25 @@ def kda_intra64_offdiag_rows_kernel(
     bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096
-    a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32, sk0, sk1, sk2, sk3, sq1, sq2, sq3 = _row_blocks(
+    a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = _row_blocks(
         q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
     # kernel D's diagonal inverses, loaded before the stores so that their round trip overlaps them
     o_r = tl.arange(0, 16)
     d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))
     d2, d3 = tl.load(_blk(ai, 2, 2, o_r)), tl.load(_blk(ai, 3, 3, o_r))
-    # the column blocks' 1 / |k_c|
-    n0 = (1.0 / tl.sqrt(sk0 + 1e-6))[None, :]
-    n1 = (1.0 / tl.sqrt(sk1 + 1e-6))[None, :]
-    n2 = (1.0 / tl.sqrt(sk2 + 1e-6))[None, :]
-    r_q, r_k = _row_factors(bc, sq1, sk1, scale, 1)
+    # the column blocks' 1 / |k_c| (kernel D's)
+    rn += (i_c * H + i_h).to(tl.int64) * 128
+    n0 = tl.load(rn + 64 + o_r)[None, :]
+    n1 = tl.load(rn + 80 + o_r)[None, :]
+    n2 = tl.load(rn + 96 + o_r)[None, :]
+    r_q, r_k = _row_factors(bc, rn, 1)
     _store_a(aqk, a10, r_q, n0, 1, 0, A_LO)
     l10 = l10 * r_k * n0
-    r_q, r_k = _row_factors(bc, sq2, sk2, scale, 2)
+    r_q, r_k = _row_factors(bc, rn, 2)
     _store_a(aqk, a20, r_q, n0, 2, 0, A_LO)
     _store_a(aqk, a21, r_q, n1, 2, 1, A_LO)
     l20, l21 = l20 * r_k * n0, l21 * r_k * n1
-    r_q, r_k = _row_factors(bc, sq3, sk3, scale, 3)
+    r_q, r_k = _row_factors(bc, rn, 3)
     _store_a(aqk, a30, r_q, n0, 3, 0, A_LO)
     _store_a(aqk, a31, r_q, n1, 3, 1, A_LO)
     _store_a(aqk, a32, r_q, n2, 3, 2, A_LO)

@@ -16,7 +16,10 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
   diagonal block's ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by the
   gate pass, so the factors stay within ``exp(+-80)``; q and k are normalised first, over K in slices,
   so nothing overflows), and ``(I + L_ii)^-1`` by forward substitution, 15 row steps of float32 vector work
-  (the rows of ``L_ii`` go through the inverse's own scratch block and come back one at a time);
+  (the rows of ``L_ii`` go through the inverse's own scratch block and come back one at a time); and the rows'
+  norm factors ``rn`` ([chunks, H, 2, 64] float32: ``scale / |q_r|`` then ``1 / |k_r|``, eps inside the root),
+  which kernels A and B read instead of summing q's and k's squares again (A 5% faster, B unchanged:
+  bench/notes/kda_prefill.md, "The norms once, in kernel D");
 - ``kda_intra64_offdiag_rows_kernel`` (kda_prefill_intra64_rows.py; kernel A), one program per (chunk, head):
   the six off-diagonal block pairs as [16, 16] products, then the merge into ``Ai``'s off-diagonal blocks
   with kernel D's diagonal inverses.
@@ -86,12 +89,12 @@ def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, stride_q_t, stride_k_t, scale,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
 ):
-    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), and
-    Aqk's zeros right of its diagonal block (A_LO: Aqk's lo halves too); ``gc`` and ``bc`` are the gate pass's
-    scratch (kda_prefill_gate.py)."""
+    """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
+    zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
+    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -134,6 +137,10 @@ def kda_intra64_diag_kernel(
         b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
     b_l = tl.where(o_r[:, None] > o_r[None, :], acc_l * b_b[:, None], 0.0)
     i_ch = (i_c * H + i_h).to(tl.int64)
+    # the rows' norm factors, once for kernels A and B (stored after the loads above: a store before them would
+    # hold them back, as a possible alias)
+    tl.store(rn + i_ch * 128 + i_b * 16 + o_r, r_q)
+    tl.store(rn + i_ch * 128 + 64 + i_b * 16 + o_r, r_k)
     aqk += i_ch * ((1 + A_LO) * 4096) + i_b * (16 * 64 + 16)
     ai += i_ch * 4096 + i_b * (16 * 64 + 16)
     off = o_r[:, None] * 64 + o_r[None, :]

@@ -27,7 +27,8 @@ Aqk in kd's place (its lo half written and read at bf16x3); ``out_x3`` adds qg's
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 4 V + 384) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``, and 8 KB more for Aqk's lo half (bf16x3, out_x3); the gate pass's ``256 (K + 1)`` more.
+``out_x3``, and 8 KB more for Aqk's lo half (bf16x3, out_x3); the gate pass's ``256 (K + 1)`` and the norm
+factors' 512 bytes more.
 """
 
 from __future__ import annotations
@@ -218,12 +219,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     a_lo = int(chain == 3 or out_x3)  # Aqk's lo half: the bf16x3 chain's precision, or out_x3's
     aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    rn = torch.empty(nch, H, 2, 64, dtype=torch.float32, device=dev)  # D's norm factors, read by A and B
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
-    in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, q.stride(0), k.stride(0), K**-0.5)
+    in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
 
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
-            *in_args, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
+            *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
             num_warps=d_warps, num_stages=1,
         )
 
@@ -245,7 +247,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def intra_b():
         kda_intra64_b_kernel[(nch, H)](
-            q, k, v, gc, bc, cu_t, idx, ai, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0), K**-0.5,
+            q, k, v, gc, bc, cu_t, idx, ai, rn, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0),
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
             num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )

@@ -165,7 +165,8 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     """The in-chunk kernels' inputs, the gate pass's scratch (``_gate_pass``, itself checked to write every
     element, as the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk =
     scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
-    decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros."""
+    decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros; [2, 64] ``ref_rn``, the rows'
+    norm factors that kernel D writes for A and B (``scale / |q_r|`` and ``1 / |k_r|``, eps inside the root)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), _cu(lens)
 
@@ -181,6 +182,8 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     qn, kn = pre.l2norm_ref(_d(q)), pre.l2norm_ref(_d(k))
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
+    ref_rn = torch.full((nch, H, 2, 64), 1e3, dtype=torch.float64, device=device)  # 1 / sqrt(eps) on padding rows
+    ref_rn[:, :, 0] *= K**-0.5
     for i, (n, c) in enumerate(chunks):
         t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
         m = t1 - t0
@@ -192,10 +195,12 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
         ll = torch.einsum("hrd,hcd,hrcd->hrc", kh, kh, torch.where(low[None, :, :, None], e, 0.0))
         ref_a[i, :, :m, :m] = aa
         ref_l[i, :, :m, :m] = (ll * b64[t0:t1].transpose(0, 1)[:, :, None]).tril(-1)
+        for j, (x, f) in enumerate(((q, K**-0.5), (k, 1.0))):
+            ref_rn[i, :, j, :m] = f / torch.sqrt((_d(x[t0:t1]) ** 2).sum(-1) + 1e-6).transpose(0, 1)
     eye = torch.eye(64, dtype=torch.float64, device=device)
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
     return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
-                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l))
+                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l), ref_rn=ref_rn)
 
 
 def _blocks(device: str):
@@ -218,9 +223,10 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
             decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True):
     """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
     blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
-    tolerance) and of ``Ai``, and Aqk's zeros above its diagonal blocks, which the state pass multiplies by. Both
-    scratch matrices start as NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other
-    element of Aqk must be written, Ai's diagonal blocks too."""
+    tolerance) and of ``Ai``, Aqk's zeros above its diagonal blocks, which the state pass multiplies by, and the
+    rows' norm factors that kernels A and B read. Every output starts as NaN: Aqk's and Ai's blocks below the
+    diagonal (kernel A's) must keep it, every other element of Aqk and of the norm factors must be written, Ai's
+    diagonal blocks too."""
     from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
@@ -228,9 +234,11 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     below, diag, above = _blocks(device)
     aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
     ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
+    rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
     kda_intra64_diag_kernel[(nch * 4, H)](
-        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, num_warps=num_warps, num_stages=1)
+    assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
     assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"
@@ -259,8 +267,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     planted = ai.clone()
     solve = "ieee" if precision == "ieee" else "tf32x3"  # the launcher's merge precision
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["q"].stride(0), x["k"].stride(0),
-        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
+        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), x["q"].stride(0),
+        x["k"].stride(0), H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
         A_LO=a_lo, num_warps=num_warps)
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
