@@ -39,30 +39,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, load_rows, store_pair
-
-
-@triton.jit
-def _exp2(x, FAST_EXP: tl.constexpr):
-    """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
-    check and two multiplies to keep them, 15% of the K loop's instructions). The interpreter runs
-    ``tl.math.exp2``: it has no PTX."""
-    if FAST_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return tl.math.exp2(x)
+from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, exp2, load_rows, store_pair
 
 
 @triton.jit
 def _exp2_rows(x, FAST_EXP: tl.constexpr):
-    """``_exp2`` for the row factors, marked not pure: as a pure chain load -> exponential -> product Triton
+    """``exp2`` for the row factors, marked not pure: as a pure chain load -> exponential -> product Triton
     moves it into the products' operand layout, each of the gate tile, its boundary row, q and k through shared
     memory (26 barriers per K slice instead of 8, compiled for sm_90); not pure, the exponential stays in the
     load layout and only the row products go through shared memory."""
     if FAST_EXP:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=False, pack=1)
-    return _exp2(x, FAST_EXP)
+    return exp2(x, FAST_EXP)
 
 
 @triton.jit
@@ -101,7 +90,7 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         qs, kk, gs = q + ks * KS, k + ks * KS, gc + ks * KS
         m_k = o_s < KS
         _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 0, K, False)
-        c0 = b_k * _exp2(b_s - b_gc, FAST_EXP)
+        c0 = b_k * exp2(b_s - b_gc, FAST_EXP)
         b_p = b_s
         # block 1: rows against c0
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 1, K, True)
@@ -109,8 +98,8 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
         l10 = tl.dot(b_k * b_f, t0, l10, input_precision=LP)
-        c1 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        c0 = c0 * _exp2(b_s - b_p, FAST_EXP)
+        c1 = b_k * exp2(b_s - b_gc, FAST_EXP)
+        c0 = c0 * exp2(b_s - b_p, FAST_EXP)
         b_p = b_s
         # block 2: rows against c0, c1
         b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 2, K, True)
@@ -121,8 +110,8 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         l20 = tl.dot(x_k, t0, l20, input_precision=LP)
         a21 = tl.dot(x_q, t1, a21, input_precision=LP)
         l21 = tl.dot(x_k, t1, l21, input_precision=LP)
-        c2 = b_k * _exp2(b_s - b_gc, FAST_EXP)
-        e2 = _exp2(b_s - b_p, FAST_EXP)
+        c2 = b_k * exp2(b_s - b_gc, FAST_EXP)
+        e2 = exp2(b_s - b_p, FAST_EXP)
         b_p = b_s
         c0 = c0 * e2
         c1 = c1 * e2
@@ -192,7 +181,7 @@ def kda_intra64_offdiag_rows_kernel(
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). KS: the K
-    slice; FAST_EXP: ``_exp2``; ``gc`` and ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
+    slice; FAST_EXP: ``exp2``; ``gc`` and ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     q += r0 * stride_q_t + i_h * K

@@ -57,6 +57,17 @@ def bf16_pair(x):
 
 
 @triton.jit
+def exp2(x, FAST_EXP: tl.constexpr):
+    """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
+    check and two multiplies to keep them: 15% of kernel A's K loop's instructions). The interpreter runs
+    ``tl.math.exp2``: it has no PTX."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.math.exp2(x)
+
+
+@triton.jit
 def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
     """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
     so that hi + lo is within 2^-17 of x (``bf16_pair``)."""
@@ -91,10 +102,12 @@ def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
+    FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
-    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
+    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py); FAST_EXP: ``exp2`` (the exponents are
+    within +-80 / ln 2, so none is flushed)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -128,10 +141,10 @@ def kda_intra64_diag_kernel(
         if ks + 1 < K // KS:
             n_gc, n_gm, n_k, n_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS, K, KS)
         # the pass's sums start at the chunk: their differences are the block's
-        b_e = tl.exp(b_gc - b_gm[None, :])
+        b_e = exp2((b_gc - b_gm[None, :]) * 1.4426950408889634, FAST_EXP)
         b_k = b_k.to(tl.float32) * r_k[:, None]
         b_q = b_q.to(tl.float32) * r_q[:, None]
-        b_kt = tl.trans(b_k * tl.exp(b_gm[None, :] - b_gc))
+        b_kt = tl.trans(b_k * exp2((b_gm[None, :] - b_gc) * 1.4426950408889634, FAST_EXP))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
         b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q

@@ -226,7 +226,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_diag():
         kda_intra64_diag_kernel[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            num_warps=d_warps, num_stages=1,
+            FAST_EXP=not env.triton_interpret(), num_warps=d_warps, num_stages=1,
         )
 
     yield "intra_d", intra_diag

@@ -237,7 +237,8 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
     kda_intra64_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
-        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, num_warps=num_warps, num_stages=1)
+        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
+        num_warps=num_warps, num_stages=1)
     assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
