@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import chunk_rows, exp2, load_rows, store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, store_pair
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _blk_in(q, k, gc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K
     m_t = rows < left
     m_tk = m_t[:, None] & m_k[None, :]
     b_gc = tl.load(gc + rows[:, None] * K + o_s[None, :])
-    b_gc = b_gc * 1.4426950408889634  # log2(e): the exponentials below are powers of two
+    b_gc = b_gc * LOG2E  # the exponentials below are powers of two
     b_k = load_rows(k, rows, m_tk, stride_k_t, o_s)
     if WITH_Q:
         b_q = load_rows(q, rows, m_tk, stride_q_t, o_s)

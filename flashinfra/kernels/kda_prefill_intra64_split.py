@@ -56,6 +56,9 @@ def bf16_pair(x):
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
+
+
 @triton.jit
 def exp2(x, FAST_EXP: tl.constexpr):
     """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
@@ -141,10 +144,10 @@ def kda_intra64_diag_kernel(
         if ks + 1 < K // KS:
             n_gc, n_gm, n_k, n_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS, K, KS)
         # the pass's sums start at the chunk: their differences are the block's
-        b_e = exp2((b_gc - b_gm[None, :]) * 1.4426950408889634, FAST_EXP)
+        b_e = exp2((b_gc - b_gm[None, :]) * LOG2E, FAST_EXP)
         b_k = b_k.to(tl.float32) * r_k[:, None]
         b_q = b_q.to(tl.float32) * r_q[:, None]
-        b_kt = tl.trans(b_k * exp2((b_gm[None, :] - b_gc) * 1.4426950408889634, FAST_EXP))
+        b_kt = tl.trans(b_k * exp2((b_gm[None, :] - b_gc) * LOG2E, FAST_EXP))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
         b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
