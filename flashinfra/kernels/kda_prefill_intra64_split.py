@@ -10,7 +10,7 @@ every exponential factor at most 1 or within ``exp(+-80)``.
 
 One kernel for all of it runs about 100 dependent small products per chunk in one program of 255
 registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H=64 on an H200, against
-0.46 + 0.47 ms for the two kernels now). The work goes to two kernels of short chains:
+0.31 + 0.38 ms for the two kernels now). The work goes to two kernels of short chains:
 
 - ``kda_intra64_diag_kernel`` (this module; kernel D), one program per (chunk, 16-token sub-block, head): the
   diagonal block's ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by the
@@ -27,10 +27,12 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
 What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
 (kda_prefill_gate.py, launched first): ``gc``, the log-decay's cumulative sum from the chunk's first row, and
 ``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
-evaluated, clamped and scanned once, in the pass). Per K slice D loads its sub-block's 16 rows of ``gc`` and
+evaluated, clamped and scanned once, in the pass; scanned in D instead, over rows that span D's warps, it made D
+slower than the pass it replaced: bench/notes/kda_prefill.md, "The gate pass inside kernel D"). Per K slice D loads its sub-block's 16 rows of ``gc`` and
 the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
 difference of the two; beta is one [16] load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
-``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass.
+``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass; ``bf16_pair`` and
+``store_pair`` (bf16 hi + lo parts) with kernel B and the state pass, ``exp2`` with kernel A.
 """
 
 from __future__ import annotations
