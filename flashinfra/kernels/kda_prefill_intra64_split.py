@@ -62,12 +62,13 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
 
 
 @triton.jit
-def exp2(x, FAST_EXP: tl.constexpr):
+def exp2(x, FAST_EXP: tl.constexpr, PURE: tl.constexpr = True):
     """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
-    check and two multiplies to keep them: 15% of kernel A's K loop's instructions). The interpreter runs
-    ``tl.math.exp2``: it has no PTX."""
+    check and two multiplies to keep them: 15% of kernel A's K loop's instructions). PURE=False keeps the
+    instruction where it is written (kernel A's ``_exp2_rows``). The interpreter runs ``tl.math.exp2``: it has
+    no PTX."""
     if FAST_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=PURE,
                                          pack=1)
     return tl.math.exp2(x)
 
