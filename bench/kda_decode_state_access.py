@@ -10,8 +10,8 @@ before the state load), the new state written in place or to another buffer (as 
 ``hints``: in place with random slots, the state load and store under L2 eviction policies and cache modifiers.
 (bench/notes/kda_decode.md, "The state read as evict_last".)
 ``work``: fp32 and bf16 states, in place with random slots and evict_last as shipped, at each dtype's default block
-([K, 64] on 4 warps, [K, 32] on 2) and the other: the whole step (as the kernels take it, and in three other
-orders: ``recurrence_variant_kernel``'s WORK), the step's decay alone (the block read, scaled
+([K, 64] on 4 warps, [K, 32] on 2) and the other: the whole step (as the kernels take it, and in the other
+forms of ``recurrence_variant_kernel``'s WORK), the step's decay alone (the block read, scaled
 per row and written back: the same bytes and addressing with almost no arithmetic), and the decay with the first
 reduction and the update (no output): how much of the step's time the access pattern alone takes.
 
