@@ -1,0 +1,152 @@
+"""The bare decode recurrence with each state column's K inside one warp (Gluon, explicit layout), against the
+shipped kernel and flash-linear-attention's fused_recurrent_kda in the same run. CUDA graph, H=64, K=V=128.
+
+Why: Triton lays a [K, BV] state tile out with its warps along K, so each of the step's sums over K (k^T S, then
+the output's q^T S) and q's and k's norms cross warps through shared memory behind barriers: 19 barriers per
+program in the bare kernel. `bench/kda_decode_state_access.py --part work` measured a bf16 [K, 64] program at 72.4 us
+at B=64 without its output and 96.3 us with it (bench/notes/kda_decode.md, "What the bf16 step's output costs").
+Here the layout is explicit: ``size_per_thread [K / LANES_K, BV / (LANES_V * WARPS)]``, ``threads_per_warp
+[LANES_K, LANES_V]``, ``warps_per_cta [1, WARPS]``; every sum over K is in-thread plus shuffles, and the program
+has no barrier and no shared memory (compiled for sm_90 with Triton 3.6: bf16 [K, 64] on 4 warps 808 instructions
+and 96 registers, against 936 and 117 for the shipped kernel at that shape).
+
+Each variant is first checked against a float64 recurrence (output poisoned before the call, a bf16 or fp32 state
+updated in place through random slots), then timed.
+
+    python bench/kda_decode_warp_k.py [--batches 64,256] [--out DIR]  -> bench/results/kda_decode_warp_k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, write_results  # noqa: E402
+
+from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
+
+H, K, V = 64, 128, 128
+# (BV, LANES_V, WARPS) per state dtype: value columns per program, lanes along V in a warp, warps along V
+VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8)],
+            "fp32": [(64, 2, 4), (32, 2, 2), (128, 2, 8)]}
+
+
+@gluon.jit
+def kda_decode_warp_k_kernel(
+    q, k, v, g, beta, o, state, state_slots, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, LANES_V: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Grid (V / BV, B * H): ``kda_decode_kernel``'s step (kda_decode.py) on a [K, BV] block whose columns each lie
+    in one warp. K and V must be multiples of the layout's extent (no masks)."""
+    LANES_K: gl.constexpr = 32 // LANES_V
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, BV // (LANES_V * WARPS)],
+                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
+                                            order=[1, 0])
+    i_v, i_bh = gl.program_id(0), gl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = gl.load(state_slots + i_b).to(gl.int64)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
+    o_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+    p_s = state + (slot * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    b_s = gl.load(p_s, eviction_policy="evict_last")
+    b_q = gl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k).to(gl.float32)
+    b_k = gl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k).to(gl.float32)
+    b_v = gl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v).to(gl.float32)
+    b_g = gl.load(g + i_bh * K + o_k).to(gl.float32)
+    b_beta = gl.load(beta + i_bh).to(gl.float32)
+    r_q = scale / gl.sqrt(gl.sum(b_q * b_q, 0) + 1e-6)
+    b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, 0) + 1e-6)
+    b_s = b_s.to(gl.float32) * gl.exp(b_g)[:, None]
+    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    gl.store(p_s, b_s.to(state.dtype.element_ty))
+    gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
+
+
+def warp_k_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARPS: int):
+    B = q.shape[0]
+    kda_decode_warp_k_kernel[(V // BV, B * H)](
+        q, k, v, g, beta, o, state, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+    return o
+
+
+def recurrence_f64(q, k, v, g, beta, state, slots):
+    """One step in float64: the output and the new states of the slots."""
+    qd, kd = q.double(), k.double()
+    qd = qd / torch.sqrt((qd * qd).sum(-1, keepdim=True) + 1e-6) * K**-0.5
+    kd = kd / torch.sqrt((kd * kd).sum(-1, keepdim=True) + 1e-6)
+    S = state[slots.long()].double() * g.double().exp()[..., None]
+    delta = (v.double() - (S * kd[..., None]).sum(-2)) * beta.double()[..., None]
+    S = S + kd[..., None] * delta[..., None, :]
+    return (S * qd[..., None]).sum(-2), S
+
+
+def relerr(a, b) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--out", help="also copy the JSON into this folder")
+    args = ap.parse_args()
+    res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
+    print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
+    for B in (int(b) for b in args.batches.split(",")):
+        torch.manual_seed(B)
+        q = torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        g = (-5 * torch.sigmoid(torch.randn(B, H, K, device="cuda"))).float()
+        beta = torch.rand(B, H, device="cuda")
+        slots = torch.randperm(B + 3, device="cuda")[:B].to(torch.int32)
+        base = torch.randn(B + 3, H, K, V, device="cuda") * 0.1
+        o = torch.empty(B, H, V, device="cuda", dtype=torch.bfloat16)
+        row = {"B": B}
+        for dt, sdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            state = base.to(sdt)
+            ref_o, ref_s = recurrence_f64(q, k, v, g, beta, state, slots)
+            for bv, lanes_v, warps in VARIANTS[dt]:
+                name = f"warp_k_{dt}_BV{bv}_l{lanes_v}_w{warps}"
+                st = state.clone()
+                o.fill_(float("nan"))
+                warp_k_launch(q, k, v, g, beta, st, slots, o, bv, lanes_v, warps)
+                row[name + "_relerr_o"] = relerr(o, ref_o)
+                row[name + "_relerr_state"] = relerr(st[slots.long()], ref_s)
+                row[name + "_graph_us"] = time_graph(
+                    lambda st=st, bv=bv, lv=lanes_v, w=warps: warp_k_launch(q, k, v, g, beta, st, slots, o, bv, lv, w))
+            st = state.clone()
+            o.fill_(float("nan"))
+            kda_decode_launch(q, k, v, g, beta, st, slots, out=o)
+            row[f"shipped_{dt}_relerr_o"] = relerr(o, ref_o)
+            row[f"shipped_{dt}_relerr_state"] = relerr(st[slots.long()], ref_s)
+            row[f"shipped_{dt}_graph_us"] = time_graph(lambda st=st: kda_decode_launch(q, k, v, g, beta, st, slots, out=o))
+        try:
+            from fla.ops.kda import fused_recurrent_kda
+
+            h0 = base[slots.long()].clone()
+            row["fla_fp32_graph_us"] = time_graph(lambda: fused_recurrent_kda(
+                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.bfloat16().unsqueeze(1),
+                scale=K**-0.5, initial_state=h0, output_final_state=True))
+        except ImportError as exc:
+            row["fla_error"] = repr(exc)
+        for key in [k_ for k_ in row if k_.endswith("_graph_us")]:
+            nbytes = B * H * K * V * 2 * (2 if "bf16" in key else 4)
+            row[key.replace("_graph_us", "_frac_copy")] = nbytes / row[key] / 1e3 / res["copy_GBps"]
+        res["rows"].append(row)
+        print(B, {n: (round(x, 4) if "relerr" in n or "frac" in n else round(x, 1)) for n, x in row.items()
+                  if n != "B" and not isinstance(x, str)}, flush=True)
+        write_results("kda_decode_warp_k", res, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
