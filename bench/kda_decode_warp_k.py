@@ -10,10 +10,16 @@ Here the layout is explicit: ``size_per_thread [K / LANES_K, BV / (LANES_V * WAR
 has no barrier and no shared memory (compiled for sm_90 with Triton 3.6: bf16 [K, 64] on 4 warps 808 instructions
 and 96 registers, against 936 and 117 for the shipped kernel at that shape).
 
-Each variant is first checked against a float64 recurrence (output poisoned before the call, a bf16 or fp32 state
-updated in place through random slots), then timed.
+``--part layer``: the layer (bench/kda_decode.py's inputs) as two launches, the shipped prep launch and one
+program per head holding the whole [K, V] state in that layout (V across the warps) that also applies the gated
+RMSNorm, whose sum over V is the program's only cross-warp step: the norm launch is gone (at B=64 the fp32 layer is
+prep ~10 + state ~135 + norm ~3-4 us; 90% of copy is about 146.4 us).
 
-    python bench/kda_decode_warp_k.py [--batches 64,256] [--out DIR]  -> bench/results/kda_decode_warp_k.json
+Each variant is first checked against float64 (the recurrence, or kda_layer_decode_ref for the layer; outputs
+poisoned before the call, a bf16 or fp32 state updated in place through random slots), then timed.
+
+    python bench/kda_decode_warp_k.py [--part bare|layer] [--batches 64,256] [--out DIR]
+        -> bench/results/kda_decode_warp_k.json, kda_decode_warp_k_layer.json
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import sys
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -31,12 +38,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, write_results  # noqa: E402
 
+from kda_decode import layer_bytes, layer_inputs  # noqa: E402
+
 from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda_layer_decode_prep import prep_heads_launch  # noqa: E402
 
 H, K, V = 64, 128, 128
 # (BV, LANES_V, WARPS) per state dtype: value columns per program, lanes along V in a warp, warps along V
 VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8)],
             "fp32": [(64, 2, 4), (32, 2, 2), (128, 2, 8)]}
+# (LANES_V, WARPS) of the layer's head kernel (a whole [K, V] head per program): compiled for sm_90, fp32 state
+# 116 / 56 registers, 2 barriers (the norm's sum over V), no spills
+LAYER_VARIANTS = [(2, 8), (1, 16)]
 
 
 @gluon.jit
@@ -71,6 +85,58 @@ def kda_decode_warp_k_kernel(
     gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
 
 
+@gluon.jit
+def kda_layer_head_warp_k_kernel(
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, R: gl.constexpr, LANES_V: gl.constexpr, WARPS: gl.constexpr,
+):
+    """Grid (B * H,): one head's [K, V] state from the prep scratch ``heads`` ([B * H, 5, R]: q scaled, k, decay,
+    v, beta; kda_layer_decode.py's "tiles" layout), its columns' K inside one warp, then the gated RMSNorm of the
+    output row (rounded to ``out``'s dtype first, as the norm launch reads it)."""
+    LANES_K: gl.constexpr = 32 // LANES_V
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, V // (LANES_V * WARPS)],
+                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
+                                            order=[1, 0])
+    i_bh = gl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = gl.load(state_slots + i_b).to(gl.int64)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
+    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, layout))
+    p_s = state + (slot * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    b_s = gl.load(p_s, eviction_policy="evict_last")
+    p_h = heads + i_bh * (5 * R)
+    b_q = gl.load(p_h + o_k, eviction_policy="evict_first")
+    b_k = gl.load(p_h + R + o_k, eviction_policy="evict_first")
+    b_decay = gl.load(p_h + 2 * R + o_k, eviction_policy="evict_first")
+    b_v = gl.load(p_h + 3 * R + o_v, eviction_policy="evict_first")
+    b_beta = gl.load(p_h + 4 * R, eviction_policy="evict_first")
+    b_s = b_s.to(gl.float32) * b_decay[:, None]
+    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    gl.store(p_s, b_s.to(state.dtype.element_ty))
+    b_o = gl.sum(b_s * b_q[:, None], 0).to(out.dtype.element_ty).to(gl.float32)
+    b_o = b_o / gl.sqrt(gl.sum(b_o * b_o, 0) / V + eps)
+    b_gate = gl.load(gate + i_b * stride_gate + i_h * V + o_v).to(gl.float32)
+    b_o = b_o * gl.load(norm_w + o_v).to(gl.float32) / (1.0 + gl.exp(-b_gate))
+    gl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty))
+
+
+def warp_k_layer(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_weight,
+                 eps, state, state_slots, LANES_V: int = 2, WARPS: int = 8):
+    """The layer as the shipped prep launch (one head per program, 4 warps) and the head kernel above."""
+    B = qkv.shape[0]
+    W = conv_weight.shape[-1]
+    out = torch.empty(B, H, V, device=qkv.device, dtype=qkv.dtype)
+    heads = torch.empty(B * H, 5, max(K, V), device=qkv.device, dtype=torch.float32)
+    sizes = dict(H=H, K=K, V=V, BK=K, W=W, BW=triton.next_power_of_2(W - 1))
+    lb = 0.0 if lower_bound is None else float(lower_bound)
+    prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias.float(), lb, state_slots, heads,
+                      sizes, lower_bound is not None, max(K, V), True, V, "", 1, 4)
+    kda_layer_head_warp_k_kernel[(B * H,)](
+        state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, R=max(K, V),
+        LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+    return out
+
+
 def warp_k_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARPS: int):
     B = q.shape[0]
     kda_decode_warp_k_kernel[(V // BV, B * H)](
@@ -94,57 +160,83 @@ def relerr(a, b) -> float:
     return float((a.double() - b).norm() / b.norm())
 
 
+def fla_recurrence_us(q, k, v, g, beta, h0) -> dict:
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+    except ImportError as exc:
+        return {"fla_error": repr(exc)}
+    return {"fla_fp32_graph_us": time_graph(lambda: fused_recurrent_kda(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.bfloat16().unsqueeze(1),
+        scale=K**-0.5, initial_state=h0, output_final_state=True))}
+
+
+def bare_row(B: int) -> dict:
+    """The bare recurrence's variants, the shipped kernel and FLA's fp32 recurrence at batch B."""
+    torch.manual_seed(B)
+    q = torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    g = (-5 * torch.sigmoid(torch.randn(B, H, K, device="cuda"))).float()
+    beta = torch.rand(B, H, device="cuda")
+    slots = torch.randperm(B + 3, device="cuda")[:B].to(torch.int32)
+    base = torch.randn(B + 3, H, K, V, device="cuda") * 0.1
+    o = torch.empty(B, H, V, device="cuda", dtype=torch.bfloat16)
+    row = {"B": B}
+    for dt, sdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        state = base.to(sdt)
+        ref_o, ref_s = recurrence_f64(q, k, v, g, beta, state, slots)
+        cases = {f"warp_k_{dt}_BV{bv}_l{lv}_w{w}": (lambda st, bv=bv, lv=lv, w=w: warp_k_launch(
+            q, k, v, g, beta, st, slots, o, bv, lv, w)) for bv, lv, w in VARIANTS[dt]}
+        cases[f"shipped_{dt}"] = lambda st: kda_decode_launch(q, k, v, g, beta, st, slots, out=o)
+        for name, fn in cases.items():
+            st = state.clone()
+            o.fill_(float("nan"))
+            fn(st)
+            row[name + "_relerr_o"] = relerr(o, ref_o)
+            row[name + "_relerr_state"] = relerr(st[slots.long()], ref_s)
+            row[name + "_graph_us"] = time_graph(lambda fn=fn, st=st: fn(st))
+    row |= fla_recurrence_us(q, k, v, g, beta, base[slots.long()].clone())
+    for key in [k_ for k_ in row if k_.endswith("_graph_us")]:
+        row[key.replace("_graph_us", "_frac_copy")] = B * H * K * V * 2 * (2 if "bf16" in key else 4) / row[key] / 1e3
+    return row
+
+
+def layer_row(B: int) -> dict:
+    """The layer as prep + head kernel (two launches) and the shipped layer, both state dtypes, at batch B."""
+    row = {"B": B}
+    for dt, sdt, es in (("fp32", torch.float32, 4), ("bf16", torch.bfloat16, 2)):
+        a = layer_inputs(B, sdt, seed=B + es)
+        r = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in a.items()}
+        r = {**r, "conv_state": a["conv_state"].double().clone(), "state": a["state"].double().clone()}
+        ref = kda_layer_decode_ref(**r)
+        cases = {f"warp_k_layer_{dt}_l{lv}_w{w}": (lambda lv=lv, w=w, **x: warp_k_layer(**x, LANES_V=lv, WARPS=w))
+                 for lv, w in LAYER_VARIANTS}
+        cases[f"shipped_layer_{dt}"] = kda_layer_decode_launch
+        for name, fn in cases.items():
+            x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
+            out = fn(**x)
+            row[name + "_relerr_o"] = relerr(out, ref)
+            row[name + "_relerr_state"] = relerr(x["state"], r["state"])
+            row[name + "_graph_us"] = time_graph(lambda fn=fn, x=x: fn(**x))
+            row[name + "_frac_copy"] = layer_bytes(B, es) / row[name + "_graph_us"] / 1e3
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("bare", "layer"), default="bare")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--out", help="also copy the JSON into this folder")
     args = ap.parse_args()
     res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
     print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
     for B in (int(b) for b in args.batches.split(",")):
-        torch.manual_seed(B)
-        q = torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        g = (-5 * torch.sigmoid(torch.randn(B, H, K, device="cuda"))).float()
-        beta = torch.rand(B, H, device="cuda")
-        slots = torch.randperm(B + 3, device="cuda")[:B].to(torch.int32)
-        base = torch.randn(B + 3, H, K, V, device="cuda") * 0.1
-        o = torch.empty(B, H, V, device="cuda", dtype=torch.bfloat16)
-        row = {"B": B}
-        for dt, sdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            state = base.to(sdt)
-            ref_o, ref_s = recurrence_f64(q, k, v, g, beta, state, slots)
-            for bv, lanes_v, warps in VARIANTS[dt]:
-                name = f"warp_k_{dt}_BV{bv}_l{lanes_v}_w{warps}"
-                st = state.clone()
-                o.fill_(float("nan"))
-                warp_k_launch(q, k, v, g, beta, st, slots, o, bv, lanes_v, warps)
-                row[name + "_relerr_o"] = relerr(o, ref_o)
-                row[name + "_relerr_state"] = relerr(st[slots.long()], ref_s)
-                row[name + "_graph_us"] = time_graph(
-                    lambda st=st, bv=bv, lv=lanes_v, w=warps: warp_k_launch(q, k, v, g, beta, st, slots, o, bv, lv, w))
-            st = state.clone()
-            o.fill_(float("nan"))
-            kda_decode_launch(q, k, v, g, beta, st, slots, out=o)
-            row[f"shipped_{dt}_relerr_o"] = relerr(o, ref_o)
-            row[f"shipped_{dt}_relerr_state"] = relerr(st[slots.long()], ref_s)
-            row[f"shipped_{dt}_graph_us"] = time_graph(lambda st=st: kda_decode_launch(q, k, v, g, beta, st, slots, out=o))
-        try:
-            from fla.ops.kda import fused_recurrent_kda
-
-            h0 = base[slots.long()].clone()
-            row["fla_fp32_graph_us"] = time_graph(lambda: fused_recurrent_kda(
-                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.bfloat16().unsqueeze(1),
-                scale=K**-0.5, initial_state=h0, output_final_state=True))
-        except ImportError as exc:
-            row["fla_error"] = repr(exc)
-        for key in [k_ for k_ in row if k_.endswith("_graph_us")]:
-            nbytes = B * H * K * V * 2 * (2 if "bf16" in key else 4)
-            row[key.replace("_graph_us", "_frac_copy")] = nbytes / row[key] / 1e3 / res["copy_GBps"]
+        row = bare_row(B) if args.part == "bare" else layer_row(B)
+        for key in [k_ for k_ in row if k_.endswith("_frac_copy")]:
+            row[key] /= res["copy_GBps"]  # GB/s -> share of copy
         res["rows"].append(row)
         print(B, {n: (round(x, 4) if "relerr" in n or "frac" in n else round(x, 1)) for n, x in row.items()
                   if n != "B" and not isinstance(x, str)}, flush=True)
-        write_results("kda_decode_warp_k", res, args.out)
+        write_results("kda_decode_warp_k" + ("_layer" if args.part == "layer" else ""), res, args.out)
     return 0
 
 
