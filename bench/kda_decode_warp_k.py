@@ -46,8 +46,8 @@ from flashinfra.kernels.kda_layer_decode_prep import prep_heads_launch  # noqa: 
 
 H, K, V = 64, 128, 128
 # (BV, LANES_V, WARPS) per state dtype: value columns per program, lanes along V in a warp, warps along V
-VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8)],
-            "fp32": [(64, 2, 4), (32, 2, 2), (128, 2, 8)]}
+VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8), (16, 2, 1)],
+            "fp32": [(64, 2, 4), (32, 2, 2), (128, 2, 8), (16, 2, 1)]}
 # (LANES_V, WARPS) of the layer's head kernel (a whole [K, V] head per program): compiled for sm_90, fp32 state
 # 116 / 56 registers, 2 barriers (the norm's sum over V), no spills
 LAYER_VARIANTS = [(2, 8), (1, 16)]
