@@ -40,7 +40,7 @@ from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, wri
 
 from kda_decode import layer_bytes, layer_inputs  # noqa: E402
 
-from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
+from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
 from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_prep import prep_heads_launch  # noqa: E402
 
@@ -146,14 +146,10 @@ def warp_k_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARP
 
 
 def recurrence_f64(q, k, v, g, beta, state, slots):
-    """One step in float64: the output and the new states of the slots."""
-    qd, kd = q.double(), k.double()
-    qd = qd / torch.sqrt((qd * qd).sum(-1, keepdim=True) + 1e-6) * K**-0.5
-    kd = kd / torch.sqrt((kd * kd).sum(-1, keepdim=True) + 1e-6)
-    S = state[slots.long()].double() * g.double().exp()[..., None]
-    delta = (v.double() - (S * kd[..., None]).sum(-2)) * beta.double()[..., None]
-    S = S + kd[..., None] * delta[..., None, :]
-    return (S * qd[..., None]).sum(-2), S
+    """One step in float64 (``kda_decode_ref`` on float64 copies): the output and the new states of the slots."""
+    s64 = state.double().clone()
+    o = kda_decode_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, slots)
+    return o, s64[slots.long()]
 
 
 def relerr(a, b) -> float:

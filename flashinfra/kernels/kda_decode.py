@@ -28,10 +28,12 @@ def kda_decode_ref(
     state_slots: torch.Tensor,  # [B] int
 ) -> torch.Tensor:  # [B, H, V] in q's dtype
     K, dtype = q.shape[-1], q.dtype
-    q = l2norm_ref(q.float()) * K**-0.5
-    k = l2norm_ref(k.float())
-    S = state[state_slots].float() * g.float().exp()[..., None]  # [B, H, K, V]
-    delta = (v.float() - (S * k[..., None]).sum(-2)) * beta.float()[..., None]  # [B, H, V]
+    # float32 arithmetic, or float64 where q or the state is float64 (the tests' and checks' references)
+    ct = torch.promote_types(torch.promote_types(q.dtype, state.dtype), torch.float32)
+    q = l2norm_ref(q.to(ct)) * K**-0.5
+    k = l2norm_ref(k.to(ct))
+    S = state[state_slots].to(ct) * g.to(ct).exp()[..., None]  # [B, H, K, V]
+    delta = (v.to(ct) - (S * k[..., None]).sum(-2)) * beta.to(ct)[..., None]  # [B, H, V]
     S = S + k[..., None] * delta[..., None, :]
     o = (S * q[..., None]).sum(-2)
     state[state_slots] = S.to(state.dtype)
