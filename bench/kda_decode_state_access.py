@@ -32,15 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import copy_bandwidth_GBps, header, time_graph, write_results  # noqa: E402
+from kda_decode_prologue import _add2  # noqa: E402  (the pairwise sum for a reduction over two values)
 
 from flashinfra.kernels.kda_layer_decode_parts import state_step  # noqa: E402
 
 H, K, V = 64, 128, 128
-
-
-@triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -84,7 +80,7 @@ def recurrence_variant_kernel(q, k, v, g, beta, o, state, state_out, state_slots
     elif WORK == "two_sums" or WORK == "pair":  # o = q^T S + (q . k) delta, both sums over the decayed block
         b_s = b_s * tl.exp(b_g)[:, None]
         if WORK == "pair":
-            b_ks, b_qs = tl.reduce((b_s * b_k[:, None], b_s * b_q[:, None]), 0, _add_pairs)
+            b_ks, b_qs = tl.reduce((b_s * b_k[:, None], b_s * b_q[:, None]), 0, _add2)
         else:
             b_ks, b_qs = tl.sum(b_s * b_k[:, None], 0), tl.sum(b_s * b_q[:, None], 0)
         b_delta = (b_v - b_ks) * b_beta
