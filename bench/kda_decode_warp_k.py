@@ -10,6 +10,12 @@ Here the layout is explicit: ``size_per_thread [K / LANES_K, BV / (LANES_V * WAR
 has no barrier and no shared memory (compiled for sm_90 with Triton 3.6: bf16 [K, 64] on 4 warps 808 instructions
 and 96 registers, against 936 and 117 for the shipped kernel at that shape).
 
+The ``tma_*`` variants use the same layouts over a block that the copy engine copies into shared memory and back
+(whole 128-byte lines per request), to separate the layout's arithmetic from its access pattern.
+
+Measured slower than the shipped kernels in every form (bench/notes/kda_decode.md, "Each column's K inside one warp,
+measured"); kept as the record of that result.
+
 ``--part layer``: the layer (bench/kda_decode.py's inputs) as two launches, the shipped prep launch and one
 program per head holding the whole [K, V] state in that layout (V across the warps) that also applies the gated
 RMSNorm, whose sum over V is the program's only cross-warp step: the norm launch is gone (at B=64 the fp32 layer is
@@ -32,6 +38,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +56,12 @@ H, K, V = 64, 128, 128
 # (BV, LANES_V, WARPS) per state dtype: value columns per program, lanes along V in a warp, warps along V
 VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8), (16, 2, 1)],
             "fp32": [(64, 2, 4), (32, 2, 2), (128, 2, 8), (16, 2, 1)]}
+# the same layouts over a tile copied in and out by the copy engine (rows of 64 bytes or more: swizzled banks)
+TMA_VARIANTS = {"bf16": [(64, 2, 4), (32, 2, 2), (32, 1, 4), (128, 2, 8), (64, 1, 8)],
+                "fp32": [(32, 2, 2), (32, 1, 4), (16, 1, 2)]}
+# the copy engine's copies: ``async_load`` / ``async_store`` from Triton 3.7 on
+_copy_in = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_copy_out = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # (LANES_V, WARPS) of the layer's head kernel (a whole [K, V] head per program): compiled for sm_90, fp32 state
 # 116 / 56 registers, 2 barriers (the norm's sum over V), no spills
 LAYER_VARIANTS = [(2, 8), (1, 16)]
@@ -83,6 +97,49 @@ def kda_decode_warp_k_kernel(
     b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
     gl.store(p_s, b_s.to(state.dtype.element_ty))
     gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
+
+
+@gluon.jit
+def kda_decode_tma_kernel(
+    q, k, v, g, beta, o, state_d, state_slots, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, LANES_V: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """``kda_decode_warp_k_kernel``'s step with the [K, BV] block copied into shared memory and back by the copy
+    engine (whole 128-byte lines per request) and read and written there in the warp-K layout: one barrier
+    (before the copy out), no cross-warp sums."""
+    LANES_K: gl.constexpr = 32 // LANES_V
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, BV // (LANES_V * WARPS)],
+                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
+                                            order=[1, 0])
+    i_v, i_bh = gl.program_id(0), gl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    slot = gl.load(state_slots + i_b)
+    row = (slot * H + i_h) * K
+    tile = gl.allocate_shared_memory(state_d.dtype, [K, BV], state_d.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, state_d.block_type.nbytes)
+    _copy_in(state_d, [row, i_v * BV], bar, tile)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
+    o_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+    b_q = gl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k).to(gl.float32)
+    b_k = gl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k).to(gl.float32)
+    b_v = gl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v).to(gl.float32)
+    b_g = gl.load(g + i_bh * K + o_k).to(gl.float32)
+    b_beta = gl.load(beta + i_bh).to(gl.float32)
+    r_q = scale / gl.sqrt(gl.sum(b_q * b_q, 0) + 1e-6)
+    b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, 0) + 1e-6)
+    mbarrier.wait(bar, 0)
+    b_s = tile.load(layout).to(gl.float32) * gl.exp(b_g)[:, None]
+    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    tile.store(b_s.to(state_d.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    _copy_out(state_d, [row, i_v * BV], tile)
+    gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
+    tma.store_wait(0)
+    mbarrier.invalidate(bar)
 
 
 @gluon.jit
@@ -145,6 +202,16 @@ def warp_k_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARP
     return o
 
 
+def tma_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARPS: int):
+    B = q.shape[0]
+    dt = gl.bfloat16 if state.dtype == torch.bfloat16 else gl.float32
+    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
+    kda_decode_tma_kernel[(V // BV, B * H)](
+        q, k, v, g, beta, o, state_d, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+    return o
+
+
 def recurrence_f64(q, k, v, g, beta, state, slots):
     """One step in float64 (``kda_decode_ref`` on float64 copies): the output and the new states of the slots."""
     s64 = state.double().clone()
@@ -182,6 +249,8 @@ def bare_row(B: int) -> dict:
         ref_o, ref_s = recurrence_f64(q, k, v, g, beta, state, slots)
         cases = {f"warp_k_{dt}_BV{bv}_l{lv}_w{w}": (lambda st, bv=bv, lv=lv, w=w: warp_k_launch(
             q, k, v, g, beta, st, slots, o, bv, lv, w)) for bv, lv, w in VARIANTS[dt]}
+        cases |= {f"tma_{dt}_BV{bv}_l{lv}_w{w}": (lambda st, bv=bv, lv=lv, w=w: tma_launch(
+            q, k, v, g, beta, st, slots, o, bv, lv, w)) for bv, lv, w in TMA_VARIANTS[dt]}
         cases[f"shipped_{dt}"] = lambda st: kda_decode_launch(q, k, v, g, beta, st, slots, out=o)
         for name, fn in cases.items():
             st = state.clone()
