@@ -1,13 +1,14 @@
-"""Host time of one KDA prefill call (v3, T=8192, H=64, K=V=128, bf16): what the Python side costs per call, apart
-from the GPU's work. ``enqueue_us``: calls queued back to back while the GPU is busy with the earlier ones (no
-synchronisation inside), per call; ``from_idle_us``: one call's host time with the GPU idle, median of 20;
-``stages_us``: from a call's start to each launch's entry into Triton and its return (the kernels' ``run``
-wrapped), medians of 20 calls from an idle GPU; ``launch_us``: one launch of the gate pass queued through
-``kernel[grid](...)`` against the same launch through its compiled kernel (``CompiledKernel[grid](*args)``,
-without the per-call binding and specialisation), median per launch over 200 back to back; then a cProfile of
-20 calls, the functions by their own time and by cumulative time.
+"""Host time of one KDA prefill call (v3, H=64, K=V=128, bf16): what the Python side costs per call, apart from
+the GPU's work, for the plain op at T=8192 and the gated op (the engine's call) at T=8192 and 256.
+``enqueue_us``: calls queued back to back while the GPU is busy with the earlier ones (no synchronisation inside),
+per call; ``from_idle_us``: one call's host time with the GPU idle, median of 20; ``stages_us``: from a call's
+start to each launch's entry into its launcher and its return, medians of 20 calls from an idle GPU;
+``launch_us``: one launch of the gate pass queued through Triton's ``kernel[grid](...)``, through
+``launch.fast`` (the compiled kernel kept per configuration) and through the compiled kernel's own runner,
+median per launch over 200 back to back; then a cProfile of 20 gated calls at T=256, the functions by their own
+time and by cumulative time.
 
-    python bench/kda_prefill_host.py [--out DIR]  -> bench/results/kda_prefill_host.json
+    python bench/kda_prefill_host.py [--out DIR] [--name NAME]  -> bench/results/NAME.json (kda_prefill_host)
 """
 
 from __future__ import annotations
@@ -30,45 +31,52 @@ from kda_common import header, write_results  # noqa: E402
 from kda_prefill import inputs  # noqa: E402
 
 from flashinfra.kernels import kda_prefill_v3 as v3  # noqa: E402
-from flashinfra.kernels.kda_prefill import kda_prefill_launch  # noqa: E402
+from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
+try:
+    from flashinfra.kernels.launch import fast  # noqa: E402
+except ImportError:  # a tree from before launch.fast (A/B runs): its launches go through Triton's run
+    fast = None
 
 
-def launch_stages(call_args) -> dict:
-    """Median microseconds from a call's start to each v3 launch's entry into Triton's ``run`` and its return."""
+def launch_stages(call, call_args) -> dict:
+    """Median microseconds from a call's start to each v3 launch's entry into its launcher (``launch.fast``) and
+    its return."""
     kernels = {"gate": v3.kda_gate_pass_kernel, "D": v3.kda_intra64_diag_kernel,
                "A": v3.kda_intra64_offdiag_rows_kernel, "B": v3.kda_intra64_b_kernel, "state": v3.kda_state64_kernel}
     marks: list[tuple[str, float]] = []
-    saved = {name: k.run for name, k in kernels.items()}
 
-    def timed(name, run):
+    def timed(name, launch):
         def wrapper(*args, **kwargs):
             marks.append((name + "_in", time.perf_counter()))
-            out = run(*args, **kwargs)
+            out = launch(*args, **kwargs)
             marks.append((name + "_out", time.perf_counter()))
             return out
         return wrapper
 
     samples: dict[str, list[float]] = {}
+    hooked = {name: fast(k) if fast else k for name, k in kernels.items()}
+    attr = "launch" if fast else "run"
     try:
-        for name, k in kernels.items():
-            k.run = timed(name, saved[name])
+        for name, k in hooked.items():
+            setattr(k, attr, timed(name, getattr(k, attr)))
         for _ in range(20):
             torch.cuda.synchronize()
             marks.clear()
             t0 = time.perf_counter()
-            kda_prefill_launch(*call_args)
+            call(*call_args)
             samples.setdefault("call_out", []).append((time.perf_counter() - t0) * 1e6)
             for name, t in marks:
                 samples.setdefault(name, []).append((t - t0) * 1e6)
     finally:
-        for name, k in kernels.items():
-            k.run = saved[name]
+        for k in hooked.values():
+            delattr(k, attr)  # the class's method again
     torch.cuda.synchronize()
     return {name: round(statistics.median(v), 1) for name, v in samples.items()}
 
 
 def launch_costs(a) -> dict:
-    """The gate pass queued 200 times back to back through ``kernel[grid](...)`` and through its compiled kernel."""
+    """The gate pass queued 200 times back to back through ``kernel[grid](...)``, ``launch.fast`` and its compiled
+    kernel's runner."""
     T, H, K = a["q"].shape
     cu = torch.tensor(a["cu"], dtype=torch.int32, device="cuda")
     idx = torch.tensor([[0, c] for c in range(T // 64)], dtype=torch.int32, device="cuda").view(-1)
@@ -89,8 +97,12 @@ def launch_costs(a) -> dict:
     def direct():
         runner(*full)
 
+    def fast_launch():
+        fast(v3.kda_gate_pass_kernel)[grid](*args, **consts, num_warps=1)
+
     out = {}
-    for name, fn in (("jit", jit), ("compiled", direct), ("jit_again", jit)):
+    ways = (("jit", jit), ("fast", fast_launch), ("compiled", direct), ("jit_again", jit))
+    for name, fn in ways if fast else ways[:1] + ways[2:]:
         fn()
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -101,53 +113,64 @@ def launch_costs(a) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="also copy the JSON into this folder")
-    args = ap.parse_args()
-    a = inputs([8192], seed=1)
-    call_args = (a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], [0], [True])
+def host_times(call, call_args) -> dict:
+    """enqueue_us, from_idle_us and stages_us of one call (see the module's docstring)."""
     for _ in range(3):
-        kda_prefill_launch(*call_args)
+        call(*call_args)
     torch.cuda.synchronize()
     n = 20
     t = time.perf_counter()
     for _ in range(n):
-        kda_prefill_launch(*call_args)
+        call(*call_args)
     enqueue = (time.perf_counter() - t) / n * 1e6
     torch.cuda.synchronize()
 
     def from_idle() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        kda_prefill_launch(*call_args)
+        call(*call_args)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         return (t1 - t0) * 1e6
 
     idle = statistics.median(from_idle() for _ in range(20))
-    stages = launch_stages(call_args)
-    launch = launch_costs(a)
+    return {"enqueue_us": round(enqueue, 1), "from_idle_us": round(idle, 1), "stages_us": launch_stages(call, call_args)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also copy the JSON into this folder")
+    ap.add_argument("--name", default="kda_prefill_host")
+    args = ap.parse_args()
+    res = header() | {"cases": {}}
+    for label, T, gated in (("plain_T8192", 8192, False), ("gated_T8192", 8192, True), ("gated_T256", 256, True)):
+        a = inputs([T], seed=1)
+        if gated:
+            call, call_args = kda_prefill_gated_launch, (a["q"], a["k"], a["v"], a["g_raw"], a["beta_logits"],
+                                                         a["A_log"], a["dt_bias"], -5.0, a["state"], a["cu"], [0],
+                                                         [True])
+        else:
+            call, call_args = kda_prefill_launch, (a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"],
+                                                   [0], [True])
+        res["cases"][label] = host_times(call, call_args)
+        print(label, res["cases"][label], flush=True)
+    res["launch_us"] = launch_costs(inputs([8192], seed=1))
+    print("one launch (us):", res["launch_us"])
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
-    for _ in range(n):
-        kda_prefill_launch(*call_args)
+    for _ in range(20):
+        call(*call_args)
     prof.disable()
     torch.cuda.synchronize()
-    res = header() | {"enqueue_us": enqueue, "from_idle_us": idle, "stages_us": stages, "launch_us": launch,
-                      "profile": {}}
+    res["profile"] = {}
     for order in ("tottime", "cumtime"):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(order).print_stats(18)
         res["profile"][order] = text.getvalue()
-    print(f"enqueue per call (GPU busy) {enqueue:.1f} us; host time of a call from idle, median {idle:.1f} us")
-    print("stages (us from the call's start):", stages)
-    print("one launch (us):", launch)
-    print(res["profile"]["tottime"])
-    write_results("kda_prefill_host", res, args.out)
+    write_results(args.name, res, args.out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.varlen import cached_ints, chunk_tables
+from flashinfra.kernels.launch import fast
+from flashinfra.kernels.varlen import cached_int_lists, cached_ints, chunk_tables
 
 
 def causal_conv1d_prefill_ref(
@@ -175,13 +176,14 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
     idx_t, _, nch = chunk_tables(cu, BT, dev)
     if not nch:
         return y
-    cu_t = _as_index_tensor(cu, dev)
-    slots_t = _as_index_tensor(state_slots, dev)
-    init_t = _as_index_tensor(has_initial_state, dev)
-    causal_conv1d_prefill_kernel[(triton.cdiv(C, BC), nch)](
+    if isinstance(state_slots, torch.Tensor) or isinstance(has_initial_state, torch.Tensor):
+        cu_t, slots_t, init_t = (_as_index_tensor(t, dev) for t in (cu, state_slots, has_initial_state))
+    else:  # one cached copy for the three (varlen.py)
+        cu_t, slots_t, init_t = cached_int_lists((cu, state_slots, has_initial_state), dev)
+    fast(causal_conv1d_prefill_kernel)[(triton.cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
     )
-    causal_conv1d_state_kernel[(triton.cdiv(C, BC), B)](
+    fast(causal_conv1d_state_kernel)[(triton.cdiv(C, BC), B)](
         x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
     )
     return y

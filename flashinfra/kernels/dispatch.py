@@ -15,7 +15,7 @@ def _reference_forced() -> bool:
 
 
 @functools.cache
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return env.triton_interpret()
 
 
@@ -23,10 +23,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``."""
     if _reference_forced():
         return False
-    return all(t.is_cuda for t in tensors) or _interpreting()
+    return all(t.is_cuda for t in tensors) or interpreting()
 
 
 def register_cap(maxnreg: int | None) -> dict:
     """A launch's register cap as Triton launch options: ``{"maxnreg": n}``, or none when uncapped or on the CPU
     interpreter (which runs no register allocation)."""
-    return {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}
+    return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}

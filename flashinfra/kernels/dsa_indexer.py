@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfra.kernels.launch import fast
+
 FMIN = torch.finfo(torch.float32).min
 
 
@@ -129,15 +131,16 @@ def dsa_select(
     if k > 0 and T > 0:
         pool_keys = torch.empty(B, P, Di, dtype=cache.dtype, device=dev)
         BP = 16  # 16 pools x 128 channels x 8 warps: no register spills (ptxas, sm_90)
-        pool_keys_kernel[(B, triton.cdiv(P, BP))](cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P,
-                                                  cache.stride(1), KP=kpool, BS=bs, DI=Di, BP=BP, num_warps=8)
+        fast(pool_keys_kernel)[(B, triton.cdiv(P, BP))](
+            cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P, cache.stride(1), KP=kpool, BS=bs, DI=Di,
+            BP=BP, num_warps=8)
         keys = torch.empty(T, P, dtype=torch.int64, device=dev)
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()
         BP = 64
-        index_score_kernel[(T, triton.cdiv(P, BP))](q, w, pool_keys, token_seq, positions, keys, P, Di**-0.5,
-                                                    q.stride(0), w.stride(0), KP=kpool, HI=Hi, DI=Di, BP=BP,
-                                                    IEEE=q.dtype == torch.float32, num_warps=4)
+        fast(index_score_kernel)[(T, triton.cdiv(P, BP))](
+            q, w, pool_keys, token_seq, positions, keys, P, Di**-0.5, q.stride(0), w.stride(0), KP=kpool, HI=Hi,
+            DI=Di, BP=BP, IEEE=q.dtype == torch.float32, num_warps=4)
         pools = (torch.topk(keys, k, dim=1).values & 0xFFFFFFFF)  # [T, k]
         toks = pools[:, :, None] * kpool + torch.arange(kpool, device=dev)
         seen = (pools * kpool + kpool - 1 <= pos[:, None])[:, :, None]

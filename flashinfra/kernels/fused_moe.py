@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -76,8 +77,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     sorted_ids = torch.full((S,), Tk, dtype=torch.int32, device=dev)
     fill = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     BLOCK = 256
-    moe_place_kernel[(triton.cdiv(Tk, BLOCK),)](flat.to(torch.int32).contiguous(), ends - padded, fill, sorted_ids,
-                                               Tk, BLOCK=BLOCK, num_warps=4)
+    fast(moe_place_kernel)[(triton.cdiv(Tk, BLOCK),)](flat.to(torch.int32).contiguous(), ends - padded, fill,
+                                                     sorted_ids, Tk, BLOCK=BLOCK, num_warps=4)
     starts = torch.arange(0, S, BM, device=dev, dtype=torch.int32)
     expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:]
@@ -199,12 +200,13 @@ def _experts(x, w13, w2, s13, s2, pair_w, ids, limit, out):
     ieee = x.dtype == torch.float32
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
     grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, cfg["BN1"]))
-    moe_gemm1_kernel[grid1](x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), _offset(s13, w13),
-                            T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK, IEEE=ieee, **launch)
+    fast(moe_gemm1_kernel)[grid1](
+        x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), _offset(s13, w13), T * k, float(limit),
+        E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK, IEEE=ieee, **launch)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
-    moe_gemm2_kernel[grid2](h, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(s2, w2), T * k,
-                            E=E, N=D, K=N, BM=BM, BN=cfg["BN2"], BK=BK, IEEE=ieee, **launch)
+    fast(moe_gemm2_kernel)[grid2](h, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(s2, w2),
+                                  T * k, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"], BK=BK, IEEE=ieee, **launch)
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
@@ -246,7 +248,7 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
     _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs)
     BD = min(1024, triton.next_power_of_2(D))
-    moe_sum_kernel[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
+    fast(moe_sum_kernel)[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 

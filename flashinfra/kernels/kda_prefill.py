@@ -41,7 +41,7 @@ from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda_gate import kda_gate_ref, l2norm_ref
 from flashinfra.kernels.kda_prefill_split import kda_prefill_split
 from flashinfra.kernels.kda_prefill_v3 import kda_prefill_v3
-from flashinfra.kernels.varlen import cached_ints
+from flashinfra.kernels.varlen import cached_int_lists
 
 
 # The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
@@ -165,8 +165,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
         raise ValueError(f"kda_prefill: {B} sequences need {B} state slots and has_initial_state flags")
     if any(not 0 <= s < num_slots for s in slots) or len(set(slots)) != B:
         raise ValueError(f"kda_prefill: state slots must be distinct and in [0, {num_slots}), got {slots}")
-    t = cached_ints(cu + slots + init, device)  # no stream sync; the batch's layers share it
-    return cu, t[: B + 1], t[B + 1 : 2 * B + 1], t[2 * B + 1 :]
+    return cu, *cached_int_lists((cu, slots, init), device)  # no stream sync; the batch's layers share them
 
 
 def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,

@@ -44,6 +44,7 @@ from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel
+from flashinfra.kernels.launch import fast
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
@@ -160,7 +161,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 b_maxnreg: int | None = 168):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
-    the next (the benchmark lists them and times them one by one): the gate pass (``gate``,
+    the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
+    kernel kept per configuration: no per-call binding by Triton): the gate pass (``gate``,
     kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta, once per chunk-head, which D, A
     and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
@@ -210,7 +212,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     GBK = min(32, K)
 
     def gate_pass():
-        kda_gate_pass_kernel[(nch * (K // GBK), H)](
+        fast(kda_gate_pass_kernel)[(nch * (K // GBK), H)](
             g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
             H=H, K=K, BK=GBK, num_warps=1, **gate_args,
         )
@@ -224,7 +226,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
 
     def intra_diag():
-        kda_intra64_diag_kernel[(nch * 4, H)](
+        fast(kda_intra64_diag_kernel)[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
             FAST_EXP=not env.triton_interpret(), num_warps=d_warps, num_stages=1,
         )
@@ -235,7 +237,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # each [16, 16] product on mma.sync runs in every warp of the program: one warp executes the fewest
         # instructions (two warps with slices of 32, and a register cap, measured slower; two pipeline stages
         # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
-        kda_intra64_offdiag_rows_kernel[(nch, H)](
+        fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
             *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
             FAST_EXP=not env.triton_interpret(), A_LO=a_lo, num_warps=1, num_stages=1,
         )
@@ -246,7 +248,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     def intra_b():
-        kda_intra64_b_kernel[(nch, H)](
+        fast(kda_intra64_b_kernel)[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, ai, rn, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0),
             H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
             num_warps=b_warps, **lo, **register_cap(b_maxnreg),
@@ -259,7 +261,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
 
     def state_pass():
-        kda_state64_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+        fast(kda_state64_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots, A_LO=a_lo,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,

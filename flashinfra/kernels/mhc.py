@@ -21,6 +21,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.norms import unweighted_rms_norm_ref
+from flashinfra.kernels.launch import fast
 
 
 def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
@@ -170,15 +171,15 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     SPLIT = triton.cdiv(K, KS)
     part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=dev)
     sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=dev)
-    hc_mix_kernel[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
-                                   IEEE=streams.dtype == torch.float32, num_warps=4)
+    fast(hc_mix_kernel)[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
+                                         IEEE=streams.dtype == torch.float32, num_warps=4)
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
     # fewer, larger programs
     BT2 = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
-    hc_pre_kernel[(triton.cdiv(T, BT2),)](streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb,
-                                          T, D, SPLIT, iters, eps, norm_eps, N=n, BN=BN, BT=BT2,
-                                          BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))),
-                                          SP=triton.next_power_of_2(SPLIT), num_warps=4)
+    fast(hc_pre_kernel)[(triton.cdiv(T, BT2),)](
+        streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
+        N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), SP=triton.next_power_of_2(SPLIT),
+        num_warps=4)
     return y, post, comb
 
 
@@ -192,9 +193,8 @@ def hc_post_launch(streams, out, post, comb):
     if T:
         BT = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
         BD = max(16, min(1024 // BT, triton.next_power_of_2(D)))
-        hc_post_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](streams, out.contiguous(), post.contiguous(),
-                                                                 comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD,
-                                                                 num_warps=4)
+        fast(hc_post_kernel)[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+            streams, out.contiguous(), post.contiguous(), comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD, num_warps=4)
     return y
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
 
 
 def route_ref(
@@ -102,9 +103,9 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
         # one warp per token: the k arg-max rounds reduce with warp shuffles only (four warps per program
         # spent ~28 us on them at batch 1, through shared memory, for 288 experts)
         BE = triton.next_power_of_2(E)
-        route_kernel[(T,)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling), TOPK=top_k, G=n_group,
-                           TOPK_GROUP=topk_group, NORM=norm_topk_prob, BT=1, BE=BE,
-                           num_warps=1 if BE <= 1024 else 4)
+        fast(route_kernel)[(T,)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling), TOPK=top_k,
+                                 G=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BT=1, BE=BE,
+                                 num_warps=1 if BE <= 1024 else 4)
     return w, ids
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,8 +85,8 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        rms_norm_kernel[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, BT=BT, BD=BD,
-                                               num_warps=4 if BD <= 2048 else 8)
+        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, BT=BT, BD=BD,
+                                                     num_warps=4 if BD <= 2048 else 8)
     return y
 
 
@@ -101,8 +102,8 @@ def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        gated_rms_norm_kernel[(triton.cdiv(N, BT),)](x2, g2, weight, y, x2.stride(0), g2.stride(0), N, D, eps,
-                                                     BT=BT, BD=BD, num_warps=4)
+        fast(gated_rms_norm_kernel)[(triton.cdiv(N, BT),)](
+            x2, g2, weight, y, x2.stride(0), g2.stride(0), N, D, eps, BT=BT, BD=BD, num_warps=4)
     return y
 
 

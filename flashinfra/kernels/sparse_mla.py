@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
 
 
 def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale):
@@ -139,13 +140,13 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     dev = q_lat.device
     part_acc = torch.empty(T * split * H, BR, dtype=torch.float32, device=dev) if split > 1 else o
     part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
-    sparse_mla_kernel[(T, triton.cdiv(H, BH), split)](
+    fast(sparse_mla_kernel)[(T, triton.cdiv(H, BH), split)](
         q_lat, latent, sel, token_seq, block_tables, o, part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S,
         block_tables.shape[1], H, CH, scale, R=R, BR=BR, BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split,
         IEEE=q_lat.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
-        sparse_mla_combine_kernel[(T, H)](part_acc, part_ml, o, H, R=R, BR=BR, SPLIT=split, num_warps=4)
+        fast(sparse_mla_combine_kernel)[(T, H)](part_acc, part_ml, o, H, R=R, BR=BR, SPLIT=split, num_warps=4)
     return o
 
 

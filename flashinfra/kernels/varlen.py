@@ -18,10 +18,12 @@ The calls raise instead (as the pageable copies did), so that a capture falls ba
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
 import triton
+from triton.runtime.driver import driver
 
 
 def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -44,7 +46,8 @@ def _stream_key(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     _refuse_capture()  # a hit too: an entry is known ready only on the stream that made it
-    return torch.cuda.current_stream(device).stream_id
+    # the raw stream handle, as Triton reads it for its launches (a few microseconds less than a Stream object)
+    return driver.active.get_current_stream(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,10 +66,25 @@ def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
     return both[: len(pairs)], both[len(pairs):], len(pairs) // 2
 
 
+@functools.lru_cache(maxsize=64)
+def _ints_split(sizes: tuple, values: tuple, device: torch.device, stream: int) -> tuple[torch.Tensor, ...]:
+    t = device_ints(values, device)
+    bounds = [0, *itertools.accumulate(sizes)]
+    return tuple(t[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
 def cached_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """``device_ints``, made once per distinct ``values`` (and device and stream); read-only."""
     device = torch.device(device)
     return _ints(tuple(int(v) for v in values), device, _stream_key(device))
+
+
+def cached_int_lists(lists: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """``cached_ints`` of several lists at once: one copy, one tensor per list (views of it, cached with it, so a
+    later call makes no tensor at all); read-only."""
+    device = torch.device(device)
+    return _ints_split(tuple(len(x) for x in lists), tuple(int(v) for x in lists for v in x), device,
+                       _stream_key(device))
 
 
 def chunk_tables(cu_seqlens: Sequence[int], chunk: int, device: torch.device | str):

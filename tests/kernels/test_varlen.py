@@ -30,6 +30,17 @@ def test_cached_ints_reuses_per_values():
     assert varlen.cached_ints([True, False], "cpu").tolist() == [1, 0]
 
 
+def test_cached_int_lists_splits_one_copy():
+    cu, slots, init = varlen.cached_int_lists(([0, 5, 9], [3, 1], [True, False]), "cpu")
+    assert (cu.tolist(), slots.tolist(), init.tolist()) == ([0, 5, 9], [3, 1], [1, 0])
+    assert cu.dtype == slots.dtype == init.dtype == torch.int32
+    assert cu.untyped_storage().data_ptr() == init.untyped_storage().data_ptr()  # views of one tensor
+    again = varlen.cached_int_lists(([0, 5, 9], (3, 1), [1, 0]), "cpu")
+    assert again[0] is cu and again[2] is init  # cached, views included
+    other = varlen.cached_int_lists(([0, 5], [9, 3, 1], [1, 0]), "cpu")  # the same values, split otherwise
+    assert other[0].tolist() == [0, 5] and other[1].tolist() == [9, 3, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prefill_ops_do_not_sync():

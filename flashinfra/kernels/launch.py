@@ -1,0 +1,78 @@
+"""Triton launches with less host work per call, for the ops that run eagerly (prefill).
+
+``kernel[grid](*args, **kw)`` binds the arguments in Python, builds the specialisation key as a string, checks
+the kernel's globals and reads Triton's settings on every call: 20-50 us of host time per launch on an H200's host
+(bench/results/kda_prefill_host.json), several times the GPU time of a short prefill's kernels. ``fast(kernel)``
+wraps a ``@triton.jit`` function with the same ``[grid](...)`` call. Its first launch per configuration goes
+through Triton (which compiles or finds the kernel); later ones launch the compiled kernel directly, found by a key
+made of each runtime argument's specialisation as Triton itself computes it (``native_specialize_impl``: dtype,
+16-byte alignment, integer width and divisibility, ``== 1``), the constexpr values and the launch options.
+
+Under the interpreter, or for arguments off the GPU, the call is Triton's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.runtime.driver import driver
+
+from flashinfra.kernels.dispatch import interpreting
+
+
+class FastKernel:
+    """``fn[grid](*args, **kwargs)`` with the compiled kernel kept per specialisation. Runtime arguments are given
+    positionally; constexprs and launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...) by name."""
+
+    def __init__(self, fn: triton.runtime.JITFunction):
+        self.fn = fn
+        self.names = fn.arg_names
+        self.defaults = {p.name: p.default for p in fn.params if p.has_default}
+        # arguments given by position must be runtime ones: a constexpr's key is its value, not its specialisation
+        self.positional = min((p.num for p in fn.params if p.is_constexpr), default=len(fn.params))
+        self._compiled: dict[tuple, object] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if len(args) > self.positional:
+            raise TypeError(f"{self.fn.__name__}: constexpr arguments must be given by name")
+        first = args[0]
+        if interpreting() or not isinstance(first, torch.Tensor) or not first.is_cuda:
+            self.fn[grid](*args, **kwargs)
+            return
+        device = first.device.index
+        key = (device, tuple([native_specialize_impl(BaseBackend, a, False, True, True) for a in args]),
+               tuple(kwargs.items()))
+        kept = self._compiled.get(key)
+        if kept is None:  # Triton compiles (or finds) and launches it; the parameters after ``args`` are kept
+            tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):])
+            self._compiled[key] = (self.fn[grid](*args, **kwargs), tail)
+            return
+        compiled, tail = kept
+        stream = driver.active.get_current_stream(device)
+        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(leave, "calls", True):  # a profiler's hooks: as Triton does
+            meta = compiled.launch_metadata(grid, stream, *args, *tail)
+        else:
+            meta = enter = leave = None
+        g = (*grid, 1, 1)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, leave,
+                     *args, *tail)
+
+
+_fast: dict[triton.runtime.JITFunction, FastKernel] = {}
+
+
+def fast(fn):
+    """``fn``'s FastKernel, made once per kernel (anything but a JIT function, such as a benchmark's recorder put
+    in its place, is returned as it is)."""
+    if not isinstance(fn, triton.runtime.JITFunction):
+        return fn
+    kernel = _fast.get(fn)
+    if kernel is None:
+        kernel = _fast[fn] = FastKernel(fn)
+    return kernel

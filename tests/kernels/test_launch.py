@@ -1,0 +1,72 @@
+"""``launch.fast`` (flashinfra/kernels/launch.py): a kernel launched through it computes what Triton's own launch
+does for every specialisation it meets in turn (a pointer off 16-byte alignment, an integer that is 1, one not
+divisible by 16), so a kept compiled kernel is never reused where Triton would have compiled another; and later
+launches skip Triton's binding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.launch import FastKernel, fast
+
+
+@triton.jit
+def _scaled_rows_kernel(x, y, stride_x, N, D, scale, BT: tl.constexpr, BD: tl.constexpr):
+    o_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m = (o_t < N)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x + o_t[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(y + o_t[:, None] * D + o_d[None, :], (b_x * scale).to(y.dtype.element_ty), mask=m)
+
+
+def _run(kernel, x: torch.Tensor, D: int, scale: float) -> torch.Tensor:
+    N = x.shape[0]
+    y = torch.full((N, D), float("nan"), dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(N, 16),)](x, y, x.stride(0), N, D, scale, BT=16, BD=triton.next_power_of_2(D))
+    return y
+
+
+def test_constexpr_by_position_is_refused():
+    with pytest.raises(TypeError, match="by name"):
+        FastKernel(_scaled_rows_kernel).launch((1,), (None,) * 7, {})
+
+
+def test_non_jit_objects_pass_through():
+    marker = object()
+    assert fast(marker) is marker
+    assert fast(_scaled_rows_kernel) is fast(_scaled_rows_kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_specialisation_matches_the_reference():
+    kernel = FastKernel(_scaled_rows_kernel)
+    calls = []
+    jit_run = _scaled_rows_kernel.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return jit_run(*args, **kwargs)
+
+    base = torch.randn(70, 48, device="cuda", dtype=torch.bfloat16)
+    cases = [  # (rows, row stride's tensor, D): each changes a specialisation of the one before
+        (base[:32], 32),  # aligned, N and D multiples of 16
+        (base[:32], 32),  # the same: the kept kernel
+        (base[1:33, 1:], 32),  # x 2 bytes off alignment, stride 48
+        (base[:1], 32),  # N == 1
+        (base[:17, :20], 20),  # N, D not multiples of 16
+        (base[:32], 32),  # the first again
+    ]
+    _scaled_rows_kernel.run = counted
+    try:
+        for i, (x, D) in enumerate(cases):
+            calls.clear()
+            y = _run(kernel, x, D, 0.5)
+            ref = (x[:, :D].float() * 0.5).to(x.dtype)
+            torch.testing.assert_close(y, ref, rtol=0, atol=0)
+            assert len(calls) == (0 if i in (1, 5) else 1), i  # Triton binds only a new specialisation
+    finally:
+        _scaled_rows_kernel.run = jit_run
