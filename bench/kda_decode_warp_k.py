@@ -68,6 +68,28 @@ LAYER_VARIANTS = [(2, 8), (1, 16)]
 
 
 @gluon.jit
+def _head_vectors(q, k, v, g, beta, i_b, i_h, i_bh, o_k, o_v, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
+                  stride_v_b, stride_v_h, scale, K: gl.constexpr):
+    """One head's step inputs in the block's row (``o_k``) and column (``o_v``) layouts: q and its norm factor, k
+    normalised, v, g and beta, float32."""
+    b_q = gl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k).to(gl.float32)
+    b_k = gl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k).to(gl.float32)
+    b_v = gl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v).to(gl.float32)
+    b_g = gl.load(g + i_bh * K + o_k).to(gl.float32)
+    b_beta = gl.load(beta + i_bh).to(gl.float32)
+    r_q = scale / gl.sqrt(gl.sum(b_q * b_q, 0) + 1e-6)
+    return b_q, r_q, b_k / gl.sqrt(gl.sum(b_k * b_k, 0) + 1e-6), b_v, b_g, b_beta
+
+
+@gluon.jit
+def _step(b_s, b_q, r_q, b_k, b_v, b_g, b_beta):
+    """The delta-rule step on a float32 [K, BV] block: the new block and its [BV] output."""
+    b_s = b_s * gl.exp(b_g)[:, None]
+    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    return b_s, gl.sum(b_s * b_q[:, None], 0) * r_q
+
+
+@gluon.jit
 def kda_decode_warp_k_kernel(
     q, k, v, g, beta, o, state, state_slots, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, LANES_V: gl.constexpr,
@@ -86,17 +108,12 @@ def kda_decode_warp_k_kernel(
     o_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
     p_s = state + (slot * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s = gl.load(p_s, eviction_policy="evict_last")
-    b_q = gl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k).to(gl.float32)
-    b_k = gl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k).to(gl.float32)
-    b_v = gl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v).to(gl.float32)
-    b_g = gl.load(g + i_bh * K + o_k).to(gl.float32)
-    b_beta = gl.load(beta + i_bh).to(gl.float32)
-    r_q = scale / gl.sqrt(gl.sum(b_q * b_q, 0) + 1e-6)
-    b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, 0) + 1e-6)
-    b_s = b_s.to(gl.float32) * gl.exp(b_g)[:, None]
-    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    b_q, r_q, b_k, b_v, b_g, b_beta = _head_vectors(q, k, v, g, beta, i_b, i_h, i_bh, o_k, o_v, stride_q_b,
+                                                    stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, scale,
+                                                    K)
+    b_s, b_o = _step(b_s.to(gl.float32), b_q, r_q, b_k, b_v, b_g, b_beta)
     gl.store(p_s, b_s.to(state.dtype.element_ty))
-    gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
+    gl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty))
 
 
 @gluon.jit
@@ -123,21 +140,16 @@ def kda_decode_tma_kernel(
     _copy_in(state_d, [row, i_v * BV], bar, tile)
     o_k = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
     o_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-    b_q = gl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_k).to(gl.float32)
-    b_k = gl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_k).to(gl.float32)
-    b_v = gl.load(v + i_b * stride_v_b + i_h * stride_v_h + o_v).to(gl.float32)
-    b_g = gl.load(g + i_bh * K + o_k).to(gl.float32)
-    b_beta = gl.load(beta + i_bh).to(gl.float32)
-    r_q = scale / gl.sqrt(gl.sum(b_q * b_q, 0) + 1e-6)
-    b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, 0) + 1e-6)
+    b_q, r_q, b_k, b_v, b_g, b_beta = _head_vectors(q, k, v, g, beta, i_b, i_h, i_bh, o_k, o_v, stride_q_b,
+                                                    stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, scale,
+                                                    K)
     mbarrier.wait(bar, 0)
-    b_s = tile.load(layout).to(gl.float32) * gl.exp(b_g)[:, None]
-    b_s = b_s + b_k[:, None] * ((b_v - gl.sum(b_s * b_k[:, None], 0)) * b_beta)[None, :]
+    b_s, b_o = _step(tile.load(layout).to(gl.float32), b_q, r_q, b_k, b_v, b_g, b_beta)
     tile.store(b_s.to(state_d.dtype))
     fence_async_shared()
     gl.thread_barrier()
     _copy_out(state_d, [row, i_v * BV], tile)
-    gl.store(o + i_bh * V + o_v, (gl.sum(b_s * b_q[:, None], 0) * r_q).to(o.dtype.element_ty))
+    gl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty))
     tma.store_wait(0)
     mbarrier.invalidate(bar)
 
