@@ -92,15 +92,10 @@ def _step(b_s, b_q, r_q, b_k, b_v, b_g, b_beta):
 @gluon.jit
 def kda_decode_warp_k_kernel(
     q, k, v, g, beta, o, state, state_slots, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, LANES_V: gl.constexpr,
-    WARPS: gl.constexpr,
+    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, layout: gl.constexpr,
 ):
     """Grid (V / BV, B * H): ``kda_decode_kernel``'s step (kda_decode.py) on a [K, BV] block whose columns each lie
     in one warp. K and V must be multiples of the layout's extent (no masks)."""
-    LANES_K: gl.constexpr = 32 // LANES_V
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, BV // (LANES_V * WARPS)],
-                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
-                                            order=[1, 0])
     i_v, i_bh = gl.program_id(0), gl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = gl.load(state_slots + i_b).to(gl.int64)
@@ -119,16 +114,11 @@ def kda_decode_warp_k_kernel(
 @gluon.jit
 def kda_decode_tma_kernel(
     q, k, v, g, beta, o, state_d, state_slots, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, LANES_V: gl.constexpr,
-    WARPS: gl.constexpr,
+    scale, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, layout: gl.constexpr,
 ):
     """``kda_decode_warp_k_kernel``'s step with the [K, BV] block copied into shared memory and back by the copy
     engine (whole 128-byte lines per request) and read and written there in the warp-K layout: one barrier
     (before the copy out), no cross-warp sums."""
-    LANES_K: gl.constexpr = 32 // LANES_V
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, BV // (LANES_V * WARPS)],
-                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
-                                            order=[1, 0])
     i_v, i_bh = gl.program_id(0), gl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = gl.load(state_slots + i_b)
@@ -157,15 +147,11 @@ def kda_decode_tma_kernel(
 @gluon.jit
 def kda_layer_head_warp_k_kernel(
     state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, R: gl.constexpr, LANES_V: gl.constexpr, WARPS: gl.constexpr,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
 ):
     """Grid (B * H,): one head's [K, V] state from the prep scratch ``heads`` ([B * H, 5, R]: q scaled, k, decay,
     v, beta; kda_layer_decode.py's "tiles" layout), its columns' K inside one warp, then the gated RMSNorm of the
     output row (rounded to ``out``'s dtype first, as the norm launch reads it)."""
-    LANES_K: gl.constexpr = 32 // LANES_V
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[K // LANES_K, V // (LANES_V * WARPS)],
-                                            threads_per_warp=[LANES_K, LANES_V], warps_per_cta=[1, WARPS],
-                                            order=[1, 0])
     i_bh = gl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = gl.load(state_slots + i_b).to(gl.int64)
@@ -189,6 +175,14 @@ def kda_layer_head_warp_k_kernel(
     gl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty))
 
 
+def warp_k_layout(cols: int, lanes_v: int, warps: int) -> gl.BlockedLayout:
+    """A [K, cols] block with each column's K inside one warp: ``lanes_v`` lanes and ``warps`` warps along the
+    columns, the warp's other lanes along K."""
+    lanes_k = 32 // lanes_v
+    return gl.BlockedLayout(size_per_thread=[K // lanes_k, cols // (lanes_v * warps)],
+                            threads_per_warp=[lanes_k, lanes_v], warps_per_cta=[1, warps], order=[1, 0])
+
+
 def warp_k_layer(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound, norm_weight,
                  eps, state, state_slots, LANES_V: int = 2, WARPS: int = 8):
     """The layer as the shipped prep launch (one head per program, 4 warps) and the head kernel above."""
@@ -202,7 +196,7 @@ def warp_k_layer(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, 
                       sizes, lower_bound is not None, max(K, V), True, V, "", 1, 4)
     kda_layer_head_warp_k_kernel[(B * H,)](
         state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, R=max(K, V),
-        LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+        layout=warp_k_layout(V, LANES_V, WARPS), num_warps=WARPS)
     return out
 
 
@@ -210,17 +204,18 @@ def warp_k_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARP
     B = q.shape[0]
     kda_decode_warp_k_kernel[(V // BV, B * H)](
         q, k, v, g, beta, o, state, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, layout=warp_k_layout(BV, LANES_V, WARPS), num_warps=WARPS)
     return o
 
 
 def tma_launch(q, k, v, g, beta, state, slots, o, BV: int, LANES_V: int, WARPS: int):
     B = q.shape[0]
     dt = gl.bfloat16 if state.dtype == torch.bfloat16 else gl.float32
-    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
+    tile = gl.NVMMASharedLayout.get_default_for([K, BV], dt)
+    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV], tile)
     kda_decode_tma_kernel[(V // BV, B * H)](
         q, k, v, g, beta, o, state_d, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, LANES_V=LANES_V, WARPS=WARPS, num_warps=WARPS)
+        v.stride(1), K**-0.5, H=H, K=K, V=V, BV=BV, layout=warp_k_layout(BV, LANES_V, WARPS), num_warps=WARPS)
     return o
 
 
