@@ -37,7 +37,7 @@ from flashinfra.kernels.kda_prefill_v3 import _mma  # noqa: E402
 
 H, K, V = 64, 128, 128
 # (BV, warps) of the variants timed
-VARIANTS = [(32, 2), (64, 4), (32, 4), (64, 2)]
+VARIANTS = [(64, 4), (32, 2), (128, 8), (64, 8), (32, 4)]
 
 
 @triton.jit
