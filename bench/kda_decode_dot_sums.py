@@ -13,12 +13,19 @@ accumulated in float32. The new block is formed in float32 and rounded once, as 
 Each variant is first checked against a float64 step (output poisoned, the bf16 state updated in place through
 random slots), then timed.
 
-    python bench/kda_decode_dot_sums.py [--batches 64,256] [--out DIR]  -> bench/results/kda_decode_dot_sums.json
+    python bench/kda_decode_dot_sums.py [--part bare|layer] [--batches 64,256] [--out DIR]
+        -> bench/results/kda_decode_dot_sums.json, kda_decode_dot_sums_layer.json
+
+``--part layer``: the bf16 layer (bench/kda_decode.py's inputs) with the same step in its "tiles" state kernel
+(``kda_layer_tile_dot_kernel`` in the shipped kernel's place), at the default configuration and as one [K, V] tile
+per head on 8 warps (the gated norm in the state kernel), against the shipped layer; each checked against
+``kda_layer_decode_ref`` in float64 first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -33,6 +40,9 @@ from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, wri
 
 from flashinfra import env  # noqa: E402
 from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
+from flashinfra.kernels import kda_layer_decode_stream as stream  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_tile  # noqa: E402
 from flashinfra.kernels.kda_prefill_v3 import _mma  # noqa: E402
 
 H, K, V = 64, 128, 128
@@ -47,6 +57,25 @@ def _parts3(x):
     r = x - hi.to(tl.float32)
     mid = r.to(tl.bfloat16)
     return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_step(b_s, b_q, b_k, b_d, b_beta, b_v, BV: tl.constexpr, DOT_F32: tl.constexpr):
+    """The step on a bf16 [K, BV] block as loaded (exact), q scaled and normalised, k normalised, d = exp(g): the new
+    block in float32 and the [BV] output. Both sums over K come from one [16, K] x [K, BV] product."""
+    qk = tl.sum(b_q * b_k)
+    kh, km, kl = _parts3(b_k * b_d)
+    qh, qm, ql = _parts3(b_q * b_d)
+    r = tl.arange(0, 16)[:, None]
+    a = tl.where(r == 0, kh[None, :], tl.where(r == 1, km[None, :], tl.where(r == 2, kl[None, :],
+                                                                             tl.zeros_like(kh)[None, :])))
+    a = tl.where(r == 3, qh[None, :], tl.where(r == 4, qm[None, :], tl.where(r == 5, ql[None, :], a)))
+    # [16, BV] float32: rows 0-2 the parts of k_n^T (d S), rows 3-5 those of q_n^T (d S)
+    p = _mma(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)
+    ks = tl.sum(tl.where(r < 3, p, 0.0), 0)
+    qs = tl.sum(tl.where((r >= 3) & (r < 6), p, 0.0), 0)
+    b_delta = (b_v - ks) * b_beta
+    return b_s.to(tl.float32) * b_d[:, None] + b_k[:, None] * b_delta[None, :], qs + qk * b_delta
 
 
 @triton.jit
@@ -70,21 +99,55 @@ def kda_decode_dot_kernel(
     b_beta = tl.load(beta + i_bh).to(tl.float32)
     b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    qk = tl.sum(b_q * b_k)
-    kh, km, kl = _parts3(b_k * b_d)
-    qh, qm, ql = _parts3(b_q * b_d)
-    r = tl.arange(0, 16)[:, None]
-    zero = tl.zeros([16, K], dtype=tl.bfloat16)
-    a = tl.where(r == 0, kh[None, :], tl.where(r == 1, km[None, :], tl.where(r == 2, kl[None, :], zero)))
-    a = tl.where(r == 3, qh[None, :], tl.where(r == 4, qm[None, :], tl.where(r == 5, ql[None, :], a)))
-    # [16, BV] float32: rows 0-2 the parts of k_n^T (d S), rows 3-5 those of q_n^T (d S)
-    p = _mma(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)
-    ks = tl.sum(tl.where(r < 3, p, 0.0), 0)
-    qs = tl.sum(tl.where((r >= 3) & (r < 6), p, 0.0), 0)
-    b_delta = (b_v - ks) * b_beta
-    b_s = b_s.to(tl.float32) * b_d[:, None] + b_k[:, None] * b_delta[None, :]
+    b_s, b_o = _dot_step(b_s, b_q, b_k, b_d, b_beta, b_v, BV, DOT_F32)
     tl.store(p_s, b_s.to(state.dtype.element_ty))
-    tl.store(o + i_bh * V + o_v, (qs + qk * b_delta).to(o.dtype.element_ty))
+    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty))
+
+
+@triton.jit
+def kda_layer_tile_dot_kernel(
+    state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+    NORM: tl.constexpr, DOT_F32: tl.constexpr = False,
+):
+    """``kda_layer_decode_tile_kernel`` (kda_layer_decode_stream.py, the layer's bf16 state kernel above B=32)
+    with ``_dot_step``: same arguments, so ``layer_with_dot_tiles`` puts it in that kernel's place."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
+    b_s = load_state(p_s, m_s)  # bf16 as loaded: exact
+    b_q, b_k, b_decay, b_v, b_beta = stream._head_rows(heads, i_bh, o_k, o_v, R)
+    b_s, b_o = _dot_step(b_s, b_q, b_k, b_decay, b_beta, b_v, BV, DOT_F32)
+    if NORM:
+        b_o = stream._gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v,
+                                     V, out.dtype.element_ty)
+    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+
+
+class layer_with_dot_tiles:
+    """Within the block: the layer's "tiles" state kernel is ``kda_layer_tile_dot_kernel`` (a bf16 state only)."""
+
+    def __enter__(self):
+        self.saved = stream.kda_layer_decode_tile_kernel
+        dot_f32 = env.triton_interpret()
+        stream.kda_layer_decode_tile_kernel = _Bound(kda_layer_tile_dot_kernel, DOT_F32=dot_f32)
+        return self
+
+    def __exit__(self, *exc):
+        stream.kda_layer_decode_tile_kernel = self.saved
+
+
+class _Bound:
+    """``kernel[grid](...)`` with some constexprs fixed."""
+
+    def __init__(self, kernel, **fixed):
+        self.kernel, self.fixed = kernel, fixed
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.fixed)
 
 
 def dot_launch(q, k, v, g, beta, state, slots, o, BV: int, num_warps: int):
@@ -150,20 +213,51 @@ def row(B: int) -> dict:
     return res
 
 
+def layer_row(B: int) -> dict:
+    """The bf16 layer at batch B, shipped and with the dot tiles kernel: at the default configuration, at [K, 64]
+    on 4 warps capped at 80 registers (six programs per SM), and as one [K, V] tile per head on 8 warps (the norm
+    in the state kernel, two launches); each checked against float64."""
+    from kda_decode import layer_bytes, layer_inputs
+
+    a = layer_inputs(B, torch.bfloat16, seed=B + 2)
+    r = {n: (x.double().clone() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in a.items()}
+    ref = kda_layer_decode_ref(**r)
+    res = {"B": B}
+    shapes = {"default": {}, "tiles_BV64_w4_cap80": dict(grid="tiles", BV=64, num_warps=4, maxnreg=80),
+              "tiles_BV128_w8": dict(grid="tiles", BV=128, num_warps=8)}
+    for dot in (False, True):
+        for shape, launch in shapes.items():
+            name = ("dot_" if dot else "shipped_") + shape
+            x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
+            with layer_with_dot_tiles() if dot else contextlib.nullcontext():
+                out = kda_layer_decode_launch(**x, **launch)
+                res[name + "_relerr_o"] = relerr(out, ref)
+                res[name + "_relerr_state"] = relerr(x["state"], r["state"])
+                res[name + "_graph_us"] = time_graph(lambda x=x, launch=launch: kda_layer_decode_launch(**x, **launch))
+            res[name + "_frac_copy"] = layer_bytes(B, 2) / res[name + "_graph_us"] / 1e3
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("bare", "layer"), default="bare")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--out", help="also copy the JSON into this folder")
     args = ap.parse_args()
     res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
     for B in (int(b) for b in args.batches.split(",")):
-        r = row(B)
-        for key in [n for n in r if n.endswith("_graph_us")]:
-            r[key.replace("_graph_us", "_frac_copy")] = B * H * K * V * 2 * 2 / r[key] / 1e3 / res["copy_GBps"]
+        if args.part == "bare":
+            r = row(B)
+            for key in [n for n in r if n.endswith("_graph_us")]:
+                r[key.replace("_graph_us", "_frac_copy")] = B * H * K * V * 2 * 2 / r[key] / 1e3
+        else:
+            r = layer_row(B)
+        for key in [n for n in r if n.endswith("_frac_copy")]:
+            r[key] /= res["copy_GBps"]  # GB/s -> share of copy
         res["rows"].append(r)
         print(B, {n: round(x, 4 if "relerr" in n or "frac" in n else 1) for n, x in r.items()
                   if n != "B" and not isinstance(x, str)}, flush=True)
-        write_results("kda_decode_dot_sums", res, args.out)
+        write_results("kda_decode_dot_sums" + ("_layer" if args.part == "layer" else ""), res, args.out)
     return 0
 
 
