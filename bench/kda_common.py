@@ -99,6 +99,11 @@ def fla_version() -> str | None:
         return None
 
 
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64 (b is the reference)."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def write_results(name: str, results: dict, copy_to: str | None = None) -> str:
     """Write ``bench/results/<name>.json`` and, when ``copy_to`` is given, a copy in that folder."""
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -111,3 +116,28 @@ def write_results(name: str, results: dict, copy_to: str | None = None) -> str:
         with open(os.path.join(copy_to, f"{name}.json"), "w") as f:
             f.write(text + "\n")
     return path
+
+
+def part_main(doc: str, name: str, parts: dict, batches: str = "64,256") -> int:
+    """The command line of a benchmark made of parts: ``--part`` picks one of ``parts`` (each a function of the
+    batch size returning a row, whose ``*_frac_copy`` entries are in GB/s), ``--batches`` the batch sizes. Each
+    row's bandwidths become shares of the copy bandwidth measured first; the rows are written after each batch to
+    ``bench/results/<name>.json`` for the first part, ``<name>_<part>.json`` for the others."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--part", choices=tuple(parts), default=next(iter(parts)))
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--out", help="also copy the JSON into this folder")
+    args = ap.parse_args()
+    res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
+    print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
+    for B in (int(b) for b in args.batches.split(",")):
+        row = parts[args.part](B)
+        for key in [k for k in row if k.endswith("_frac_copy")]:
+            row[key] /= res["copy_GBps"]  # GB/s -> share of copy
+        res["rows"].append(row)
+        print(B, {n: round(x, 4 if "relerr" in n or "frac" in n else 1) for n, x in row.items()
+                  if n != "B" and not isinstance(x, str)}, flush=True)
+        write_results(name + ("" if args.part == next(iter(parts)) else f"_{args.part}"), res, args.out)
+    return 0

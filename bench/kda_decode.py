@@ -32,6 +32,7 @@ from kda_common import (  # noqa: E402
     copy_bandwidth_GBps,
     fla_version,
     header,
+    relerr,
     time_eager,
     time_graph,
     write_results,
@@ -112,14 +113,28 @@ def layer_bytes(B: int, state_bytes: int) -> int:
     return state + conv + io
 
 
+def layer_reference(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer step on ``a`` in float64 (the unfused reference): its output and the new recurrent states."""
+    r = {k: (v.double().clone() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in a.items()}
+    return kda_layer_decode_ref(**r), r["state"]
+
+
+def time_layer_variant(row: dict, name: str, fn, a: dict, ref: tuple, B: int, state_bytes: int) -> None:
+    """A layer launch ``fn(**inputs)`` on fresh copies of ``a``'s states: into ``row``, its output's and new state's
+    errors against ``ref`` (``layer_reference(a)``), then its time in a CUDA graph and its share of
+    ``layer_bytes`` in GB/s."""
+    x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
+    out = fn(**x)
+    row[name + "_relerr_o"] = relerr(out, ref[0])
+    row[name + "_relerr_state"] = relerr(x["state"], ref[1])
+    row[name + "_graph_us"] = time_graph(lambda: fn(**x))
+    row[name + "_frac_copy"] = layer_bytes(B, state_bytes) / row[name + "_graph_us"] / 1e3
+
+
 def check_layer(B: int, state_dtype: torch.dtype) -> float:
     """Relative error of the fused kernel against the unfused reference computed in float64."""
     a = layer_inputs(B, state_dtype, seed=123)
-    r = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in a.items()}
-    r = {**r, "conv_state": a["conv_state"].double().clone(), "state": a["state"].double().clone()}
-    ref = kda_layer_decode_ref(**r)
-    out = kda_layer_decode_launch(**a)
-    return float((out.double() - ref).norm() / ref.norm())
+    return relerr(kda_layer_decode_launch(**a), layer_reference(a)[0])
 
 
 def main() -> int:

@@ -24,7 +24,6 @@ per head on 8 warps (the gated norm in the state kernel), against the shipped la
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -36,12 +35,12 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, write_results  # noqa: E402
+from kda_common import part_main, relerr, time_graph  # noqa: E402
 
 from flashinfra import env  # noqa: E402
 from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
 from flashinfra.kernels import kda_layer_decode_stream as stream  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_parts import load_state, state_tile  # noqa: E402
 from flashinfra.kernels.kda_prefill_v3 import _mma  # noqa: E402
 
@@ -171,10 +170,6 @@ def step_inputs(B: int, Hn: int, Kn: int, Vn: int, device: str, seed: int) -> di
     return dict(q=q, k=k, v=v, g=g, beta=beta, slots=slots.to(device=device, dtype=torch.int32), state=state)
 
 
-def relerr(a, b) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 def check(a: dict, fn) -> tuple[float, float]:
     """Output and new-state errors of ``fn(state, out)`` against one float64 step (kda_decode_ref)."""
     s64 = a["state"].double().clone()
@@ -210,6 +205,8 @@ def row(B: int) -> dict:
             scale=K**-0.5, initial_state=h0, output_final_state=True))
     except ImportError as exc:
         res["fla_error"] = repr(exc)
+    for key in [n for n in res if n.endswith("_graph_us")]:
+        res[key.replace("_graph_us", "_frac_copy")] = B * H * K * V * 2 * 2 / res[key] / 1e3  # GB/s
     return res
 
 
@@ -217,48 +214,23 @@ def layer_row(B: int) -> dict:
     """The bf16 layer at batch B, shipped and with the dot tiles kernel: at the default configuration, at [K, 64]
     on 4 warps capped at 80 registers (six programs per SM), and as one [K, V] tile per head on 8 warps (the norm
     in the state kernel, two launches); each checked against float64."""
-    from kda_decode import layer_bytes, layer_inputs
+    from kda_decode import layer_inputs, layer_reference, time_layer_variant
 
     a = layer_inputs(B, torch.bfloat16, seed=B + 2)
-    r = {n: (x.double().clone() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in a.items()}
-    ref = kda_layer_decode_ref(**r)
+    ref = layer_reference(a)
     res = {"B": B}
     shapes = {"default": {}, "tiles_BV64_w4_cap80": dict(grid="tiles", BV=64, num_warps=4, maxnreg=80),
               "tiles_BV128_w8": dict(grid="tiles", BV=128, num_warps=8)}
     for dot in (False, True):
         for shape, launch in shapes.items():
-            name = ("dot_" if dot else "shipped_") + shape
-            x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
             with layer_with_dot_tiles() if dot else contextlib.nullcontext():
-                out = kda_layer_decode_launch(**x, **launch)
-                res[name + "_relerr_o"] = relerr(out, ref)
-                res[name + "_relerr_state"] = relerr(x["state"], r["state"])
-                res[name + "_graph_us"] = time_graph(lambda x=x, launch=launch: kda_layer_decode_launch(**x, **launch))
-            res[name + "_frac_copy"] = layer_bytes(B, 2) / res[name + "_graph_us"] / 1e3
+                time_layer_variant(res, ("dot_" if dot else "shipped_") + shape,
+                                   lambda launch=launch, **x: kda_layer_decode_launch(**x, **launch), a, ref, B, 2)
     return res
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("bare", "layer"), default="bare")
-    ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--out", help="also copy the JSON into this folder")
-    args = ap.parse_args()
-    res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
-    for B in (int(b) for b in args.batches.split(",")):
-        if args.part == "bare":
-            r = row(B)
-            for key in [n for n in r if n.endswith("_graph_us")]:
-                r[key.replace("_graph_us", "_frac_copy")] = B * H * K * V * 2 * 2 / r[key] / 1e3
-        else:
-            r = layer_row(B)
-        for key in [n for n in r if n.endswith("_frac_copy")]:
-            r[key] /= res["copy_GBps"]  # GB/s -> share of copy
-        res["rows"].append(r)
-        print(B, {n: round(x, 4 if "relerr" in n or "frac" in n else 1) for n, x in r.items()
-                  if n != "B" and not isinstance(x, str)}, flush=True)
-        write_results("kda_decode_dot_sums" + ("_layer" if args.part == "layer" else ""), res, args.out)
-    return 0
+    return part_main(__doc__, "kda_decode_dot_sums", {"bare": row, "layer": layer_row})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ poisoned before the call, a bf16 or fp32 state updated in place through random s
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -44,12 +43,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import copy_bandwidth_GBps, fla_version, header, time_graph, write_results  # noqa: E402
+from kda_common import part_main, relerr, time_graph  # noqa: E402
 
-from kda_decode import layer_bytes, layer_inputs  # noqa: E402
+from kda_decode import layer_inputs, layer_reference, time_layer_variant  # noqa: E402
 
 from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_prep import prep_heads_launch  # noqa: E402
 
 H, K, V = 64, 128, 128
@@ -226,10 +225,6 @@ def recurrence_f64(q, k, v, g, beta, state, slots):
     return o, s64[slots.long()]
 
 
-def relerr(a, b) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 def fla_recurrence_us(q, k, v, g, beta, h0) -> dict:
     try:
         from fla.ops.kda import fused_recurrent_kda
@@ -277,39 +272,17 @@ def layer_row(B: int) -> dict:
     row = {"B": B}
     for dt, sdt, es in (("fp32", torch.float32, 4), ("bf16", torch.bfloat16, 2)):
         a = layer_inputs(B, sdt, seed=B + es)
-        r = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in a.items()}
-        r = {**r, "conv_state": a["conv_state"].double().clone(), "state": a["state"].double().clone()}
-        ref = kda_layer_decode_ref(**r)
+        ref = layer_reference(a)
         cases = {f"warp_k_layer_{dt}_l{lv}_w{w}": (lambda lv=lv, w=w, **x: warp_k_layer(**x, LANES_V=lv, WARPS=w))
                  for lv, w in LAYER_VARIANTS}
         cases[f"shipped_layer_{dt}"] = kda_layer_decode_launch
         for name, fn in cases.items():
-            x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
-            out = fn(**x)
-            row[name + "_relerr_o"] = relerr(out, ref)
-            row[name + "_relerr_state"] = relerr(x["state"], r["state"])
-            row[name + "_graph_us"] = time_graph(lambda fn=fn, x=x: fn(**x))
-            row[name + "_frac_copy"] = layer_bytes(B, es) / row[name + "_graph_us"] / 1e3
+            time_layer_variant(row, name, fn, a, ref, B, es)
     return row
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("bare", "layer"), default="bare")
-    ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--out", help="also copy the JSON into this folder")
-    args = ap.parse_args()
-    res = header() | {"fla": fla_version(), "copy_GBps": copy_bandwidth_GBps(), "rows": []}
-    print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
-    for B in (int(b) for b in args.batches.split(",")):
-        row = bare_row(B) if args.part == "bare" else layer_row(B)
-        for key in [k_ for k_ in row if k_.endswith("_frac_copy")]:
-            row[key] /= res["copy_GBps"]  # GB/s -> share of copy
-        res["rows"].append(row)
-        print(B, {n: (round(x, 4) if "relerr" in n or "frac" in n else round(x, 1)) for n, x in row.items()
-                  if n != "B" and not isinstance(x, str)}, flush=True)
-        write_results("kda_decode_warp_k" + ("_layer" if args.part == "layer" else ""), res, args.out)
-    return 0
+    return part_main(__doc__, "kda_decode_warp_k", {"bare": bare_row, "layer": layer_row})
 
 
 if __name__ == "__main__":
