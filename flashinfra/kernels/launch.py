@@ -32,16 +32,18 @@ class FastKernel:
         self.fn = fn
         self.names = fn.arg_names
         self.defaults = {p.name: p.default for p in fn.params if p.has_default}
-        # arguments given by position must be runtime ones: a constexpr's key is its value, not its specialisation
+        # runtime arguments by position, constexprs by name: a constexpr's key is its value, a runtime argument's its
+        # specialisation (a tensor by name would be keyed by the object itself, and kept)
         self.positional = min((p.num for p in fn.params if p.is_constexpr), default=len(fn.params))
+        self.runtime = frozenset(p.name for p in fn.params if not p.is_constexpr)
         self._compiled: dict[tuple, object] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if len(args) > self.positional:
-            raise TypeError(f"{self.fn.__name__}: constexpr arguments must be given by name")
+        if len(args) > self.positional or not self.runtime.isdisjoint(kwargs):
+            raise TypeError(f"{self.fn.__name__}: runtime arguments go by position, constexprs by name")
         first = args[0]
         if interpreting() or not isinstance(first, torch.Tensor) or not first.is_cuda:
             self.fn[grid](*args, **kwargs)

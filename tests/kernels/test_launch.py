@@ -29,9 +29,12 @@ def _run(kernel, x: torch.Tensor, D: int, scale: float) -> torch.Tensor:
     return y
 
 
-def test_constexpr_by_position_is_refused():
-    with pytest.raises(TypeError, match="by name"):
-        FastKernel(_scaled_rows_kernel).launch((1,), (None,) * 7, {})
+def test_arguments_in_the_wrong_place_are_refused():
+    kernel = FastKernel(_scaled_rows_kernel)
+    with pytest.raises(TypeError, match="by name"):  # a constexpr by position
+        kernel.launch((1,), (None,) * 7, {})
+    with pytest.raises(TypeError, match="by position"):  # a runtime argument by name
+        kernel.launch((1,), (None,) * 5, {"scale": 1.0, "BT": 16, "BD": 16})
 
 
 def test_non_jit_objects_pass_through():
