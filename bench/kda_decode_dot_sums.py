@@ -42,7 +42,7 @@ from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # n
 from flashinfra.kernels import kda_layer_decode_stream as stream  # noqa: E402
 from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
 from flashinfra.kernels.kda_layer_decode_parts import load_state, state_tile  # noqa: E402
-from flashinfra.kernels.kda_prefill_v3 import _mma  # noqa: E402
+from flashinfra.kernels.kda_prefill_intra64_split import mma_bf16  # noqa: E402
 
 H, K, V = 64, 128, 128
 # (BV, warps) of the variants timed
@@ -70,7 +70,7 @@ def _dot_step(b_s, b_q, b_k, b_d, b_beta, b_v, BV: tl.constexpr, DOT_F32: tl.con
                                                                              tl.zeros_like(kh)[None, :])))
     a = tl.where(r == 3, qh[None, :], tl.where(r == 4, qm[None, :], tl.where(r == 5, ql[None, :], a)))
     # [16, BV] float32: rows 0-2 the parts of k_n^T (d S), rows 3-5 those of q_n^T (d S)
-    p = _mma(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)
+    p = mma_bf16(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)
     ks = tl.sum(tl.where(r < 3, p, 0.0), 0)
     qs = tl.sum(tl.where((r >= 3) & (r < 6), p, 0.0), 0)
     b_delta = (b_v - ks) * b_beta

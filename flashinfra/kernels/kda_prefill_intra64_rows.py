@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, mm_bf16x3, store_pair
 
 
 @triton.jit
@@ -135,7 +135,10 @@ def _row_factors(bc, rn, m: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, P: tl.constexpr):
+def _mm(a, b, P: tl.constexpr, DOT_F32: tl.constexpr):
+    """``a b`` for float32 operands: Triton's ``input_precision`` P, or "bf16x3" (``mm_bf16x3``)."""
+    if P == "bf16x3":
+        return mm_bf16x3(a, b, DOT_F32)
     return tl.dot(a, b, input_precision=P)
 
 
@@ -152,16 +155,17 @@ def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr, A_LO: tl.co
 
 
 @triton.jit
-def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr):
+def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr, DOT_F32: tl.constexpr):
     """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses
     ``d0..d3`` and L's blocks ``l_ij``, all in registers: ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column
-    block by column block; only the results go to memory."""
-    ai10 = -_mm(d1, _mm(l10, d0, SP), SP)
-    ai20 = -_mm(d2, _mm(l20, d0, SP) + _mm(l21, ai10, SP), SP)
-    ai30 = -_mm(d3, _mm(l30, d0, SP) + _mm(l31, ai10, SP) + _mm(l32, ai20, SP), SP)
-    ai21 = -_mm(d2, _mm(l21, d1, SP), SP)
-    ai31 = -_mm(d3, _mm(l31, d1, SP) + _mm(l32, ai21, SP), SP)
-    ai32 = -_mm(d3, _mm(l32, d2, SP), SP)
+    block by column block; only the results go to memory. SP: the products' precision (``_mm``)."""
+    F: tl.constexpr = DOT_F32
+    ai10 = -_mm(d1, _mm(l10, d0, SP, F), SP, F)
+    ai20 = -_mm(d2, _mm(l20, d0, SP, F) + _mm(l21, ai10, SP, F), SP, F)
+    ai30 = -_mm(d3, _mm(l30, d0, SP, F) + _mm(l31, ai10, SP, F) + _mm(l32, ai20, SP, F), SP, F)
+    ai21 = -_mm(d2, _mm(l21, d1, SP, F), SP, F)
+    ai31 = -_mm(d3, _mm(l31, d1, SP, F) + _mm(l32, ai21, SP, F), SP, F)
+    ai32 = -_mm(d3, _mm(l32, d2, SP, F), SP, F)
     tl.store(_blk(ai, 1, 0, o_r), ai10)
     tl.store(_blk(ai, 2, 0, o_r), ai20)
     tl.store(_blk(ai, 3, 0, o_r), ai30)
@@ -174,7 +178,7 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 def kda_intra64_offdiag_rows_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). KS: the K
@@ -210,4 +214,4 @@ def kda_intra64_offdiag_rows_kernel(
     _store_a(aqk, a31, r_q, n1, 3, 1, A_LO)
     _store_a(aqk, a32, r_q, n2, 3, 2, A_LO)
     l30, l31, l32 = l30 * r_k * n0, l31 * r_k * n1, l32 * r_k * n2
-    _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION)
+    _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32)

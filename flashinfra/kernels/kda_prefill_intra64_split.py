@@ -58,6 +58,26 @@ def bf16_pair(x):
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
+@triton.jit
+def mma_bf16(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a b`` with bf16 operands; DOT_F32 (Triton's CPU interpreter, whose bf16 dot is wrong) widens
+    them to float32 first."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
+    """``a b`` for float32 operands as three bf16 products (each operand a ``bf16_pair``, the lo x lo term left
+    out): about 16 bits of each operand, against tf32x3's 21, at a third of its instructions in kernel A's merge,
+    since a float32 accumulator converts to a bf16 operand without shuffles."""
+    ah, al = bf16_pair(a)
+    bh, bl = bf16_pair(b)
+    acc = mma_bf16(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_F32)
+    return mma_bf16(ah, bh, mma_bf16(ah, bl, acc, DOT_F32), DOT_F32)
+
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
 
 

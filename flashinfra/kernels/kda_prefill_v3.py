@@ -43,21 +43,14 @@ from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel
+from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel, mma_bf16
 from flashinfra.kernels.launch import fast
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
+# the WY merge's products in kernel A (kda_prefill_intra64_rows.py): Triton's precisions, or three bf16 products
+SOLVE_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x3")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_F32: tl.constexpr):
-    """``acc + a b`` with bf16 operands; DOT_F32 (Triton's CPU interpreter, whose bf16 dot is wrong) widens
-    them to float32 first."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -125,32 +118,32 @@ def kda_state64_kernel(
         # the decay now, while the step's first products run: Z itself is not read again this step
         b_z = b_z * b_e[None, :]
         # the output's state part first, so that Z's parts are free before v' is formed
-        b_o = _mma(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
-        b_o = _mma(b_zl, b_qh, b_o, DOT_F32)
+        b_o = mma_bf16(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
+        b_o = mma_bf16(b_zl, b_qh, b_o, DOT_F32)
         if OUT_X3:
-            b_o = _mma(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
-        b_ws = _mma(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
+            b_o = mma_bf16(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
+        b_ws = mma_bf16(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         if CHAIN == 3:
-            b_ws = _mma(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
+            b_ws = mma_bf16(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
-            b_ws = _mma(b_zl, b_wh, b_ws, DOT_F32)
+            b_ws = mma_bf16(b_zl, b_wh, b_ws, DOT_F32)
         b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)
         # the output's in-chunk part, v' against Aqk (lower triangular, its upper blocks zeros)
         b_at = tl.trans(aqk.load([r_a, 0]))
-        b_o = _mma(b_vh, b_at, b_o, DOT_F32)
+        b_o = mma_bf16(b_vh, b_at, b_o, DOT_F32)
         if A_LO:
-            b_o = _mma(b_vh, tl.trans(aqk.load([r_a + 64, 0])), b_o, DOT_F32)
+            b_o = mma_bf16(b_vh, tl.trans(aqk.load([r_a + 64, 0])), b_o, DOT_F32)
         if CHAIN >= 2:
-            b_o = _mma(b_vl, b_at, b_o, DOT_F32)
+            b_o = mma_bf16(b_vl, b_at, b_o, DOT_F32)
         rows = i_t * 64 + o_r
         tl.store(o + (bos + rows)[None, :] * (H * V) + i_h * V + o_v[:, None], b_o.to(o.dtype.element_ty),
                  mask=(rows < L)[None, :])
-        b_z = _mma(b_vh, b_kh, b_z, DOT_F32)
+        b_z = mma_bf16(b_vh, b_kh, b_z, DOT_F32)
         if CHAIN == 3:
-            b_z = _mma(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
+            b_z = mma_bf16(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
         if CHAIN >= 2:
-            b_z = _mma(b_vl, b_kh, b_z, DOT_F32)
+            b_z = mma_bf16(b_vl, b_kh, b_z, DOT_F32)
     state.store([r_s, i_v * BV], tl.trans(b_z))
 
 
@@ -207,6 +200,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
+    if solve not in SOLVE_PRECISIONS:
+        raise ValueError(f"kda_prefill v3: solve_precision must be one of {SOLVE_PRECISIONS}, got {solve!r}")
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
     GBK = min(32, K)
@@ -239,7 +234,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
             *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, num_warps=1, num_stages=1,
+            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), num_warps=1, num_stages=1,
         )
 
     yield "intra_a", intra_offdiag

@@ -55,6 +55,7 @@ def test_prefill_v3_gated(lower_bound):
     ([37, 64, 0], dict(decay=0.1)),  # an empty last sequence (its chunk offset is the end of the scratch)
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="bf16x3")),  # A's merge in bf16 x 3
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -81,6 +82,8 @@ def test_prefill_v3_intra_d(lens, kw):
     ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32)),  # one K slice
     ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=None, decay=0.3)),  # one-token chunks, gated
     ([70, 33], dict(decay=0.5, a_lo=False)),  # Aqk's hi half alone (the default launch's)
+    ([70, 1, 0, 64, 129], dict(decay=0.1, solve="bf16x3")),  # the merge in three bf16 products
+    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=5.0, solve="bf16x3")),
 ])
 def test_prefill_v3_intra_a(lens, kw):
     """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
@@ -150,6 +153,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
     with pytest.raises(ValueError, match="b_maxnreg must be None or in"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
+    with pytest.raises(ValueError, match="solve_precision must be one of"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
 
 
 def test_prefill_v3_long_odd():

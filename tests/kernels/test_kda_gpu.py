@@ -43,6 +43,7 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
+                                    dict(solve_precision="bf16x3"),
                                     dict(b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
@@ -78,14 +79,15 @@ def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
                   lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
 
 
-@pytest.mark.parametrize("gated,lower_bound,decay,precision", [(False, -5.0, 0.1, "tf32"), (False, -5.0, 5.0, "ieee"),
-                                                               (True, -5.0, 0.5, "tf32"), (True, None, 0.2, "tf32")])
-def test_intra_a_real_size(gated, lower_bound, decay, precision):
+@pytest.mark.parametrize("gated,lower_bound,decay,precision,solve", [
+    (False, -5.0, 0.1, "tf32", None), (False, -5.0, 5.0, "ieee", None), (True, -5.0, 0.5, "tf32", None),
+    (True, None, 0.2, "tf32", None), (False, -5.0, 5.0, "ieee", "bf16x3"), (True, -5.0, 0.1, "ieee", "bf16x3")])
+def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
     """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a), reading the gate pass's
     scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
     slices of 16."""
     cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision)
+                  lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision, solve=solve)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,g_dtype", [(False, -5.0, 5.0, torch.float32),
