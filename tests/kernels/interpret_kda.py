@@ -56,6 +56,7 @@ def test_prefill_v3_gated(lower_bound):
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="bf16x3")),  # A's merge in bf16 x 3
+    ([21, 130], dict(decay=0.1, d_inverse="products", solve_precision="bf16x3")),  # D's inverses as products too
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -69,6 +70,8 @@ def test_prefill_v3_split(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
+    ([70, 1, 0, 64, 129], dict(decay=0.1, inverse="products")),  # (I + L)^-1 as products
+    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=5.0, inverse="products")),
 ])
 def test_prefill_v3_intra_d(lens, kw):
     """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
@@ -155,6 +158,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
     with pytest.raises(ValueError, match="solve_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
+    with pytest.raises(ValueError, match="d_inverse must be"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", d_inverse="newton")
 
 
 def test_prefill_v3_long_odd():

@@ -43,7 +43,7 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
-                                    dict(solve_precision="bf16x3"),
+                                    dict(solve_precision="bf16x3"), dict(d_inverse="products"),
                                     dict(b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
@@ -70,13 +70,15 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
-                                                          (False, -5.0, 5.0, False)])
-def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
+@pytest.mark.parametrize("gated,lower_bound,decay,a_lo,inverse", [
+    (False, -5.0, 0.1, True, "rows"), (True, -5.0, 0.5, True, "rows"), (False, -5.0, 5.0, False, "rows"),
+    (False, -5.0, 0.1, True, "products"), (True, -5.0, 5.0, True, "products")])
+def test_intra_d_real_size(gated, lower_bound, decay, a_lo, inverse):
     """Kernel D alone against float64 with its scratch poisoned (kda_cases.intra_d): the diagonal blocks of Aqk
     and Ai and Aqk's zeros above them, at the launcher's two warps, K slices of 32 and tf32 products."""
     cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
+                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo,
+                  inverse=inverse)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,precision,solve", [
