@@ -70,8 +70,8 @@ def mma_bf16(a, b, acc, DOT_F32: tl.constexpr):
 @triton.jit
 def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
     """``a b`` for float32 operands as three bf16 products (each operand a ``bf16_pair``, the lo x lo term left
-    out): about 16 bits of each operand, against tf32x3's 21, at a third of its instructions in kernel A's merge,
-    since a float32 accumulator converts to a bf16 operand without shuffles."""
+    out): about 16 bits of each operand, against tf32x3's 21, for half the instructions in kernel A's merge (a float32
+    accumulator becomes a bf16 operand without the shuffles a tf32 operand needs; bench/notes/kda_prefill.md)."""
     ah, al = bf16_pair(a)
     bh, bl = bf16_pair(b)
     acc = mma_bf16(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_F32)
