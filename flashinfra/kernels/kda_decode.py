@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import register_cap, use_triton
+from flashinfra.kernels.dispatch import interpreting, register_cap, use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_step_dot, state_tile
 
 
 def kda_decode_ref(
@@ -45,7 +45,10 @@ def kda_decode_kernel(
     q, k, v, g, beta, o, state, state_slots,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False,
 ):
+    """Grid (cdiv(V, BV), B * H). DOT_SUMS (a bf16 state): the step's two sums over K as one tensor-core product
+    on the block as loaded (``state_step_dot``); DOT_F32: the interpreter's widened bf16 products."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -53,7 +56,9 @@ def kda_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
-    b_s = load_state(p_s, m_s).to(tl.float32)  # [BK, BV]
+    b_s = load_state(p_s, m_s)  # [BK, BV]
+    if not DOT_SUMS:
+        b_s = b_s.to(tl.float32)
     # Every load is issued before any arithmetic: widened at its load, q's and k's vectors went to the state's
     # row layout through shared memory right there, and the loads after each such barrier (k, v, g) waited for
     # it, one more round trip each (compiled for sm_90, the loads of v and g came after four barriers).
@@ -65,8 +70,12 @@ def kda_decode_kernel(
     b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     r_q = scale / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
     r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_s, b_o = state_step(b_s, b_q * r_q, b_k * r_k, tl.exp(b_g.to(tl.float32)), b_beta.to(tl.float32),
-                          b_v.to(tl.float32))
+    if DOT_SUMS:
+        b_s, b_o = state_step_dot(b_s, b_q * r_q, b_k * r_k, tl.exp(b_g.to(tl.float32)), b_beta.to(tl.float32),
+                                  b_v.to(tl.float32), BV, DOT_F32)
+    else:
+        b_s, b_o = state_step(b_s, b_q * r_q, b_k * r_k, tl.exp(b_g.to(tl.float32)), b_beta.to(tl.float32),
+                              b_v.to(tl.float32))
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
@@ -100,6 +109,14 @@ def check_block_options(op: str, BV: int | None, maxnreg: int | None, *warps: in
         raise ValueError(f"{op}: maxnreg must be None or in [24, 255], got {maxnreg}")
 
 
+def check_dot_sums(op: str, dot_sums: bool, state_dtype: torch.dtype, K: int, BV: int | None) -> None:
+    """``dot_sums`` needs a bf16 state (a float32 block is not exact in bf16) and products of at least 16 by 16."""
+    if dot_sums and state_dtype != torch.bfloat16:
+        raise ValueError(f"{op}: dot_sums needs a bfloat16 state, got {state_dtype}")
+    if dot_sums and (K < 16 or (BV is not None and BV < 16)):
+        raise ValueError(f"{op}: dot_sums needs K and BV of at least 16, got K={K} BV={BV}")
+
+
 def recurrence_config(B: int, state_dtype: torch.dtype) -> dict:
     """Value columns per program and warps, the fastest in a CUDA graph on an H200 (H=64, K=V=128; B=1, 16, 64, 256;
     bench/results/kda_decode_recurrence.json): float32 state [K, 64] blocks on 4 warps above B=1 (2.4% / 3.8% faster
@@ -111,11 +128,13 @@ def recurrence_config(B: int, state_dtype: torch.dtype) -> dict:
 
 
 def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int | None = None,
-                      out: torch.Tensor | None = None, maxnreg: int | None = None):
+                      out: torch.Tensor | None = None, maxnreg: int | None = None, dot_sums: bool = False):
     """``BV`` value columns per program on ``num_warps`` warps (each left out: ``recurrence_config``'s);
-    ``maxnreg`` caps the registers per thread (more programs per SM)."""
+    ``maxnreg`` caps the registers per thread (more programs per SM); ``dot_sums`` (a bf16 state, K and BV at
+    least 16): the step's sums over K on the tensor cores (``state_step_dot``)."""
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
     check_block_options("kda_decode", BV, maxnreg, num_warps)
+    check_dot_sums("kda_decode", dot_sums, state.dtype, K, BV)
     o = torch.empty((B, H, V), dtype=q.dtype, device=q.device) if out is None else out
     if o.shape != (B, H, V) or o.dtype != q.dtype or not o.is_contiguous():
         raise ValueError(f"kda_decode: out must be contiguous [{B}, {H}, {V}] {q.dtype}")
@@ -129,7 +148,8 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, state_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps, **register_cap(maxnreg),
+        H=H, K=K, V=V, BK=BK, BV=BV, DOT_SUMS=dot_sums, DOT_F32=interpreting(), num_warps=num_warps,
+        **register_cap(maxnreg),
     )
     return o
 

@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import register_cap, use_triton
-from flashinfra.kernels.kda_decode import check_block_options, kda_decode_ref
+from flashinfra.kernels.kda_decode import check_block_options, check_dot_sums, kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
                                                        conv_slot, gated_norm, head_inputs, load_state, state_step,
@@ -243,7 +243,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None):
+                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
+                            dot_sums: bool = False):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
     The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
@@ -262,7 +263,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end."""
+    launch's end. ``dot_sums`` (the tiles layout, a bf16 state): the state step's sums over K as one tensor-core
+    product (``state_step_dot``)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -293,6 +295,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
     if pdl and grid != "block":
         raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
+    if dot_sums and grid != "tiles":
+        raise ValueError(f"kda_layer_decode: dot_sums is an option of the tiles layout, not {grid!r}")
+    check_dot_sums("kda_layer_decode", dot_sums, state.dtype, K, BV)
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -323,7 +328,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     normed = False
     if "state" in run and streamed:
         normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg)
+                                     num_stages, per_sm, programs, tma_store, maxnreg, dot_sums)
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.dispatch import register_cap
-from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_tile
+from flashinfra.kernels.dispatch import interpreting, register_cap
+from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_step_dot, state_tile
 
 
 @triton.jit
@@ -90,19 +90,24 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 def kda_layer_decode_tile_kernel(
     state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out."""
+    RMSNorm is applied here and the norm launch is left out. DOT_SUMS (a bf16 state): ``state_step_dot``."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
-    b_s = load_state(p_s, m_s).to(tl.float32)
+    b_s = load_state(p_s, m_s)
+    if not DOT_SUMS:
+        b_s = b_s.to(tl.float32)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
-    b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+    if DOT_SUMS:
+        b_s, b_o = state_step_dot(b_s, b_q, b_k, b_decay, b_beta, b_v, BV, DOT_F32)
+    else:
+        b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     if NORM:
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
                               out.dtype.element_ty)
@@ -161,11 +166,11 @@ def check_stream_layout(state: torch.Tensor, BV: int, BK: int) -> None:
 def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, grid: str, BV: int, R: int,
                         num_warps: int, num_stages: int, per_sm: int | None, programs: int | None,
-                        tma_store: bool, maxnreg: int | None = None) -> bool:
+                        tma_store: bool, maxnreg: int | None = None, dot_sums: bool = False) -> bool:
     """Run the state kernel of ``grid`` over every tile of the batch: "stream" with a persistent grid
     (``programs`` programs if given, else as many per SM as fit, at most ``per_sm``), "tiles" with one
     program per tile. Returns whether the gated RMSNorm was applied too (a tile is a head's
-    whole row)."""
+    whole row). ``dot_sums``: the tiles kernel's ``DOT_SUMS``."""
     B = out.shape[0]
     H, K, V = state.shape[1:]
     BK = triton.next_power_of_2(K)
@@ -175,7 +180,7 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, num_warps=num_warps, **cap)
+            BV=BV, R=R, NORM=norm, DOT_SUMS=dot_sums, DOT_F32=interpreting(), num_warps=num_warps, **cap)
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel

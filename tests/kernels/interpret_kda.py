@@ -167,11 +167,22 @@ def test_prefill_v3_long_odd():
 
 
 @pytest.mark.parametrize("state_dtype,launch", [(torch.float32, dict(BV=16)), (torch.bfloat16, {}),
-                                                (torch.float32, dict(BV=64, num_warps=2))])
+                                                (torch.float32, dict(BV=64, num_warps=2)),
+                                                (torch.bfloat16, dict(dot_sums=True)),
+                                                (torch.bfloat16, dict(dot_sums=True, BV=16, num_warps=2))])
 def test_decode(state_dtype, launch):
-    """The bare recurrence: V=32 over two programs of 16 columns, the default configuration (bf16 state), and
-    one block wider than V (masked columns)."""
+    """The bare recurrence: V=32 over two programs of 16 columns, the default configuration (bf16 state), one
+    block wider than V (masked columns), and the sums over K as a tensor-core product (``dot_sums``)."""
     cases.decode("cpu", B=5, H=3, K=16, V=32, state_dtype=state_dtype, **launch)
+
+
+def test_decode_dot_sums_padded_k_and_bad_options():
+    """``dot_sums`` with K=24 (the block's rows padded to 32 with zeros), and its refusals."""
+    cases.decode("cpu", B=4, H=2, K=24, V=32, state_dtype=torch.bfloat16, dot_sums=True)
+    with pytest.raises(ValueError, match="dot_sums needs a bfloat16 state"):
+        cases.decode("cpu", B=2, H=1, K=16, V=16, dot_sums=True)
+    with pytest.raises(ValueError, match="dot_sums needs K and BV of at least 16"):
+        cases.decode("cpu", B=2, H=1, K=16, V=16, state_dtype=torch.bfloat16, dot_sums=True, BV=8)
 
 
 @pytest.mark.parametrize("grid,state_dtype,lower_bound,K", [
@@ -194,6 +205,8 @@ def test_layer_decode(grid, state_dtype, lower_bound, K):
     ("tiles", torch.float32, -5.0, 32, dict(BV=8)),
     ("tiles", torch.bfloat16, -5.0, 24, dict(BV=32, prep_warps=1)),
     ("tiles", torch.float32, None, 24, dict(norm_warps=1)),
+    ("tiles", torch.bfloat16, -5.0, 24, dict(dot_sums=True)),  # the sums on the tensor cores, K rows padded
+    ("tiles", torch.bfloat16, None, 32, dict(BV=32, dot_sums=True)),  # a whole row: the norm in the state kernel
 ])
 def test_layer_decode_stream(grid, state_dtype, lower_bound, K, launch):
     """The persistent layouts: 12 tiles over 4 programs by default (3 or 5 programs: uneven shares); K=V=24
@@ -252,6 +265,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="block", norm_heads=2)
     with pytest.raises(ValueError, match="pdl is an option of the block layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
+    with pytest.raises(ValueError, match="dot_sums is an option of the tiles layout"):
+        layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16, dot_sums=True)
     with pytest.raises(ValueError, match="BV must be a power of two"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", BV=12)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):

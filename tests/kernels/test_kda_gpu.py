@@ -116,6 +116,16 @@ def test_decode_variants(BV, num_warps, maxnreg, state_dtype):
                  num_warps=num_warps, maxnreg=maxnreg)
 
 
+@pytest.mark.parametrize("B,BV,num_warps", [(9, 64, 4), (67, 32, 2), (9, 128, 8), (1, 64, 4)])
+def test_decode_dot_sums_real_size(B, BV, num_warps):
+    """The bf16 state's sums over K as one tensor-core product (``dot_sums``), bare and in the layer's tiles
+    kernel (with [K, 128] tiles: the norm in the state kernel)."""
+    cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.bfloat16, BV=BV,
+                 num_warps=num_warps, dot_sums=True)
+    cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=torch.bfloat16, dtype=torch.bfloat16, grid="tiles",
+                       BV=BV, num_warps=num_warps, dot_sums=True)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 33, 67])
 def test_layer_decode_real_size(B, state_dtype):
