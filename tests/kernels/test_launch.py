@@ -73,3 +73,24 @@ def test_every_specialisation_matches_the_reference():
             assert len(calls) == (0 if i in (1, 5) else 1), i  # Triton binds only a new specialisation
     finally:
         _scaled_rows_kernel.run = jit_run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiler_hooks_see_every_launch():
+    """A launch hook (as profilers install through Triton's knobs) is called for the kept kernel's launches too."""
+    kernel = FastKernel(_scaled_rows_kernel)
+    seen = []
+
+    def hook(metadata):  # Triton's LazyDict
+        seen.append(metadata.get()["name"] if metadata is not None else None)
+
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(hook)
+    try:
+        x = torch.randn(32, 32, device="cuda")
+        for _ in range(3):  # the first through Triton, then the kept kernel
+            _run(kernel, x, 32, 2.0)
+    finally:
+        hooks.remove(hook)
+    assert seen == ["_scaled_rows_kernel"] * 3, seen
