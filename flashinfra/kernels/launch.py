@@ -10,7 +10,7 @@ through Triton (which compiles or finds the kernel); later ones launch the compi
 made of each runtime argument's specialisation as Triton itself computes it (``native_specialize_impl``: dtype,
 16-byte alignment, integer width and divisibility, ``== 1``), the constexpr values and the launch options.
 
-Under the interpreter, or for arguments off the GPU, the call is Triton's own.
+Under the interpreter, for arguments off the GPU or for a grid given as a function, the call is Triton's own.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class FastKernel:
         if len(args) > self.positional or not self.runtime.isdisjoint(kwargs):
             raise TypeError(f"{self.fn.__name__}: runtime arguments go by position, constexprs by name")
         first = args[0]
-        if interpreting() or not isinstance(first, torch.Tensor) or not first.is_cuda:
+        if interpreting() or callable(grid) or not isinstance(first, torch.Tensor) or not first.is_cuda:
             self.fn[grid](*args, **kwargs)
             return
         device = first.device.index
