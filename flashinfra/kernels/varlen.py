@@ -51,11 +51,6 @@ def _stream_key(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _ints(values: tuple, device: torch.device, stream: int) -> torch.Tensor:
-    return device_ints(values, device)
-
-
-@functools.lru_cache(maxsize=64)
 def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
     pairs, offsets = [], []
     for n in range(len(cu) - 1):
@@ -73,18 +68,17 @@ def _ints_split(sizes: tuple, values: tuple, device: torch.device, stream: int) 
     return tuple(t[a:b] for a, b in zip(bounds, bounds[1:]))
 
 
-def cached_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """``device_ints``, made once per distinct ``values`` (and device and stream); read-only."""
-    device = torch.device(device)
-    return _ints(tuple(int(v) for v in values), device, _stream_key(device))
-
-
 def cached_int_lists(lists: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
-    """``cached_ints`` of several lists at once: one copy, one tensor per list (views of it, cached with it, so a
-    later call makes no tensor at all); read-only."""
+    """``device_ints`` of several lists at once, made once per distinct lists (and device and stream): one copy,
+    one tensor per list (views of it, cached with it, so a later call makes no tensor at all); read-only."""
     device = torch.device(device)
     return _ints_split(tuple(len(x) for x in lists), tuple(int(v) for x in lists for v in x), device,
                        _stream_key(device))
+
+
+def cached_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``cached_int_lists`` of one list."""
+    return cached_int_lists((values,), device)[0]
 
 
 def chunk_tables(cu_seqlens: Sequence[int], chunk: int, device: torch.device | str):
