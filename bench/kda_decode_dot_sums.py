@@ -10,9 +10,8 @@ bits), the rows of one [16, K] operand.
 
 ``--part bare``: the bare recurrence (``kda_decode_launch(dot_sums=True)``) at several block shapes, against the
 default configuration and FLA's fp32 recurrence. ``--part layer``: the bf16 layer (bench/kda_decode.py's inputs)
-with the tiles kernel's ``dot_sums``, at the default configuration's shape, capped at 80 registers (six programs per
-SM) and as one [K, V] tile per head on 8 warps (the gated norm in the state kernel), each against the same launch
-without it. Each variant is first checked against float64 (the output poisoned, the bf16 state updated in place
+with the tiles kernel's ``dot_sums``, at the default configuration's shape (capped at 96 registers), capped at 80
+(six programs per SM) and uncapped, each against the same launch without it. Each variant is first checked against float64 (the output poisoned, the bf16 state updated in place
 through random slots, the slots outside the batch unchanged), then timed.
 
     python bench/kda_decode_dot_sums.py [--part bare|layer] [--batches 64,256] [--out DIR]
@@ -35,12 +34,12 @@ from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # n
 from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
 
 H, K, V = 64, 128, 128
-# (BV, warps) of the bare variants timed; the default configuration is bf16 [K, 32] on 2 warps
-VARIANTS = [(64, 4), (32, 2), (128, 8), (64, 8), (32, 4)]
+# (BV, warps, register cap) of the bare variants timed; the default configuration is bf16 [K, 32] on 2 warps
+VARIANTS = [(64, 4, None), (64, 4, 80), (32, 2, None), (128, 8, None)]
 # the layer's launches timed with and without dot_sums ("default": decode_config's choice above B=32, spelled out)
 LAYER_SHAPES = {"default": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, norm_heads=4),
                 "tiles_BV64_w4_cap80": dict(grid="tiles", BV=64, num_warps=4, maxnreg=80, norm_heads=4),
-                "tiles_BV128_w8": dict(grid="tiles", BV=128, num_warps=8)}
+                "tiles_BV64_w4_nocap": dict(grid="tiles", BV=64, num_warps=4, norm_heads=4)}
 
 
 def step_inputs(B: int, device: str, seed: int) -> dict:
@@ -75,8 +74,9 @@ def bare_row(B: int) -> dict:
     q, k, v, g, beta, slots = (a[n] for n in ("q", "k", "v", "g", "beta", "slots"))
     o = torch.empty_like(v)
     res = {"B": B}
-    cases = {f"dot_BV{bv}_w{w}": (lambda st, out, bv=bv, w=w: kda_decode_launch(
-        q, k, v, g, beta, st, slots, BV=bv, num_warps=w, out=out, dot_sums=True)) for bv, w in VARIANTS}
+    cases = {f"dot_BV{bv}_w{w}" + (f"_cap{cap}" if cap else ""): (lambda st, out, bv=bv, w=w, cap=cap: kda_decode_launch(
+        q, k, v, g, beta, st, slots, BV=bv, num_warps=w, out=out, maxnreg=cap, dot_sums=True))
+        for bv, w, cap in VARIANTS}
     cases["default_bf16"] = lambda st, out: kda_decode_launch(q, k, v, g, beta, st, slots, out=out)
     for name, fn in cases.items():
         res[name + "_relerr_o"], res[name + "_relerr_state"] = check(a, fn)

@@ -7,8 +7,9 @@
    2026-11-30 05:00 UTC this bench called ``kda_prefill_ref``, which computes in float32), with slow-decay gates
    (log-decay about -0.025 per token: long memory) and gates at the -5 lower bound (fast decay).
    Reported: relative error of all outputs, of the last 4096, and of the final state.
-2. Decode, 4096 steps of the fused layer decode (B=8, H=64) with fp32 and with bf16 state, against the
-   same steps in float64, with typical gates and with slow-decay gates.
+2. Decode, 4096 steps of the fused layer decode (B=8, H=64) with fp32 and with bf16 state (bf16 also with the
+   step's sums on the tensor cores, ``dot_sums``), against the same steps in float64, with typical gates and with
+   slow-decay gates.
 
     python bench/kda_precision.py [--out DIR] [--lengths 65536,131072]  -> bench/results/kda_precision.json
 """
@@ -103,8 +104,11 @@ def decode_case(regime: str, steps: int = 4096, B: int = 8, H: int = 64, K: int 
     fixed = dict(conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, norm_weight=norm_weight,
                  eps=1e-5, state_slots=slots)
     fixed64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in fixed.items()}
-    states = {"fp32": torch.zeros(B, H, K, K, device="cuda"), "bf16": torch.zeros(B, H, K, K, device="cuda",
-                                                                                     dtype=torch.bfloat16)}
+    # each state's launch options: the defaults for both dtypes, and bf16 in one program per [K, 64] tile with the
+    # step's sums over K on the tensor cores (``dot_sums``, the default above B=32)
+    launches = {"fp32": {}, "bf16": {}, "bf16_dot_sums": dict(grid="tiles", BV=64, num_warps=4, dot_sums=True)}
+    states = {n: torch.zeros(B, H, K, K, device="cuda", dtype=torch.float32 if n == "fp32" else torch.bfloat16)
+              for n in launches}
     convs = {n: torch.zeros(B, C, W - 1, device="cuda", dtype=torch.bfloat16) for n in states}
     s64, c64 = torch.zeros(B, H, K, K, device="cuda", dtype=torch.float64), torch.zeros(B, C, W - 1, device="cuda",
                                                                                         dtype=torch.float64)
@@ -117,7 +121,7 @@ def decode_case(regime: str, steps: int = 4096, B: int = 8, H: int = 64, K: int 
         ref = kda_layer_decode_ref(**{n: t.double() for n, t in step_in.items()}, **fixed64, conv_state=c64,
                                    state=s64)
         for n in states:
-            out = kda_layer_decode_launch(**step_in, **fixed, conv_state=convs[n], state=states[n])
+            out = kda_layer_decode_launch(**step_in, **fixed, conv_state=convs[n], state=states[n], **launches[n])
             if step >= steps - 256:
                 err[n][0] += float((out.double() - ref).pow(2).sum())
                 err[n][1] += float(ref.pow(2).sum())

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import interpreting, register_cap, use_triton
 from flashinfra.kernels.kda_gate import l2norm_ref
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_step_dot, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import (load_state, state_step, state_step_dot, state_tile,
+                                                      store_state)
 
 
 def kda_decode_ref(
@@ -45,18 +46,19 @@ def kda_decode_kernel(
     q, k, v, g, beta, o, state, state_slots,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False,
+    DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H). DOT_SUMS (a bf16 state): the step's two sums over K as one tensor-core product
-    on the block as loaded (``state_step_dot``); DOT_F32: the interpreter's widened bf16 products."""
+    on the block as loaded (``state_step_dot``); DOT_F32: the interpreter's widened bf16 products; EVEN (BK == K
+    and BV divides V): every block inside the state, read and written without a mask."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    m_k, m_v = o_k < K, (o_v < V) | EVEN  # a constant mask, folded away, where EVEN
     p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
-    b_s = load_state(p_s, m_s)  # [BK, BV]
+    b_s = load_state(p_s, m_s, not EVEN)  # [BK, BV]
     if not DOT_SUMS:
         b_s = b_s.to(tl.float32)
     # Every load is issued before any arithmetic: widened at its load, q's and k's vectors went to the state's
@@ -77,7 +79,7 @@ def kda_decode_kernel(
         b_s, b_o = state_step(b_s, b_q * r_q, b_k * r_k, tl.exp(b_g.to(tl.float32)), b_beta.to(tl.float32),
                               b_v.to(tl.float32))
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    store_state(p_s, b_s, m_s, not EVEN)
 
 
 def _check_decode_args(q, k, v, g, beta, state, state_slots) -> tuple[int, int, int, int]:
@@ -117,21 +119,28 @@ def check_dot_sums(op: str, dot_sums: bool, state_dtype: torch.dtype, K: int, BV
         raise ValueError(f"{op}: dot_sums needs K and BV of at least 16, got K={K} BV={BV}")
 
 
+def dot_sums_fit(state_dtype: torch.dtype, K: int, BV: int) -> bool:
+    """Whether a configuration's ``dot_sums`` applies to this state (``check_dot_sums`` would pass)."""
+    return state_dtype == torch.bfloat16 and K >= 16 and BV >= 16
+
+
 def recurrence_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Value columns per program and warps, the fastest in a CUDA graph on an H200 (H=64, K=V=128; B=1, 16, 64, 256;
-    bench/results/kda_decode_recurrence.json): float32 state [K, 64] blocks on 4 warps above B=1 (2.4% / 3.8% faster
-    than [K, 32] at B=64 / 256, level at 16), [K, 32] on 4 warps at B=1; bfloat16 state [K, 32] on 2 warps (7% / 8%
-    / 21% faster than 4 warps at B=64 / 256 / 16)."""
+    """Value columns per program, warps and the step's form, the fastest in a CUDA graph on an H200 (H=64, K=V=128;
+    B=1, 16, 64, 256): float32 state [K, 64] blocks on 4 warps above B=1 (2.4% / 3.8% faster than [K, 32] at B=64 /
+    256, level at 16; bench/results/kda_decode_recurrence.json), [K, 32] on 4 warps at B=1; bfloat16 state [K, 64]
+    on 4 warps with the sums over K on the tensor cores (``dot_sums``: 75.0 / 279.5 us at B=64 / 256 against 81.0 /
+    307.6 for the step on the CUDA cores at its best shape, [K, 32] on 2 warps; level at 16;
+    bench/results/kda_decode_dot_sums.json)."""
     if state_dtype == torch.float32:
-        return dict(BV=64 if B > 1 else 32, num_warps=4)
-    return dict(BV=32, num_warps=2)
+        return dict(BV=64 if B > 1 else 32, num_warps=4, dot_sums=False)
+    return dict(BV=64, num_warps=4, dot_sums=True)
 
 
 def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = None, num_warps: int | None = None,
-                      out: torch.Tensor | None = None, maxnreg: int | None = None, dot_sums: bool = False):
-    """``BV`` value columns per program on ``num_warps`` warps (each left out: ``recurrence_config``'s);
-    ``maxnreg`` caps the registers per thread (more programs per SM); ``dot_sums`` (a bf16 state, K and BV at
-    least 16): the step's sums over K on the tensor cores (``state_step_dot``)."""
+                      out: torch.Tensor | None = None, maxnreg: int | None = None, dot_sums: bool | None = None):
+    """``BV`` value columns per program on ``num_warps`` warps; ``maxnreg`` caps the registers per thread (more
+    programs per SM); ``dot_sums`` (a bf16 state, K and BV at least 16): the step's sums over K on the tensor cores
+    (``state_step_dot``). Each left out: ``recurrence_config``'s (its ``dot_sums`` where the state fits it)."""
     B, H, K, V = _check_decode_args(q, k, v, g, beta, state, state_slots)
     check_block_options("kda_decode", BV, maxnreg, num_warps)
     check_dot_sums("kda_decode", dot_sums, state.dtype, K, BV)
@@ -144,11 +153,14 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     BK = triton.next_power_of_2(K)
     BV = BV or min(cfg["BV"], max(triton.next_power_of_2(V), 16))
     num_warps = num_warps or cfg["num_warps"]
+    if dot_sums is None:
+        dot_sums = cfg["dot_sums"] and dot_sums_fit(state.dtype, K, BV)
     g, beta = g.contiguous(), beta.contiguous()
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, state_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, DOT_SUMS=dot_sums, DOT_F32=interpreting(), num_warps=num_warps,
+        H=H, K=K, V=V, BK=BK, BV=BV, DOT_SUMS=dot_sums, DOT_F32=interpreting(), EVEN=BK == K and V % BV == 0,
+        num_warps=num_warps,
         **register_cap(maxnreg),
     )
     return o

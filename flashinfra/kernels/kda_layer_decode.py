@@ -45,11 +45,11 @@ from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import register_cap, use_triton
-from flashinfra.kernels.kda_decode import check_block_options, check_dot_sums, kda_decode_ref
+from flashinfra.kernels.kda_decode import check_block_options, check_dot_sums, dot_sums_fit, kda_decode_ref
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
                                                        conv_slot, gated_norm, head_inputs, load_state, state_step,
-                                                       state_tile)
+                                                       state_tile, store_state)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
@@ -85,19 +85,21 @@ def kda_layer_decode_block_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
-    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them."""
+    few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them. EVEN (BK == K
+    and BV divides V): every block inside the state, no masks."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    m_k, m_v = o_k < K, (o_v < V) | EVEN  # a constant mask, folded away, where EVEN
     p_s, m_s = state_tile(state, slot, i_h, o_k, o_v, H, K, V)
-    b_s = load_state(p_s, m_s).to(tl.float32)  # issued first: the big load
+    b_s = load_state(p_s, m_s, not EVEN).to(tl.float32)  # issued first: the big load
     x_row = qkv + i_b * stride_x
     cs_slot = conv_slot(conv_state, slot, H, K, V, W)
     if PREPPED:
@@ -112,7 +114,7 @@ def kda_layer_decode_block_kernel(
     b_shift = conv_shift_load(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
     b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
-    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    store_state(p_s, b_s, m_s, not EVEN)
     tl.debug_barrier()  # every thread's reads of the v channels' slot are done
     conv_shift_store(cs_slot, 2 * H * K + i_h * V + o_v, m_v, b_shift, W, BW)
 
@@ -194,7 +196,8 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
     4 warps at most 128 registers, four programs per SM; the state kernel is near the copy bandwidth). bf16
     state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on 4 warps
-    capped at 96 registers. Above B=1, with the norm launch 4 heads per program and the prep launch 2 heads per
+    capped at 96 registers, with the step's sums over K on the tensor cores (``dot_sums``: 91.5 / 333.4 us at B=64 /
+    256 against 92.0 / 336.8; bench/results/kda_decode_dot_sums_layer.json). Above B=1, with the norm launch 4 heads per program and the prep launch 2 heads per
     program up to B=32 (1-2% faster at B=16; bench/results/kda_decode_refresh_16_64.json), above it one head on 4
     warps (fp32 1.1-1.3% faster at B=64 and 256 in seven runs, bf16 2.5-3.2%;
     bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
@@ -205,7 +208,7 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
         return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads)
     if B <= 32:
         return dict(grid="stream", BV=32, num_warps=2, **heads)
-    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, **heads)
+    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, **heads)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -244,9 +247,10 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
                             prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            dot_sums: bool = False):
+                            dot_sums: bool | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
-    options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``).
+    options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``, ``dot_sums``
+    where the state fits it).
     The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
     pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
     programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
@@ -275,7 +279,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
-    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False)
+    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False, dot_sums=False)
     if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
         base.update((n, v) for n, v in cfg.items() if n in base)
     maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
@@ -284,6 +288,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
     norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
     pdl = base["pdl"] if pdl is None else pdl
+    if dot_sums is None:
+        dot_sums = base["dot_sums"] and dot_sums_fit(state.dtype, K, min(BV or cfg["BV"], triton.next_power_of_2(V)))
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
@@ -332,8 +338,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif "state" in run:
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped, num_warps=num_warps,
-            **register_cap(maxnreg))
+            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
+            EVEN=sizes["BK"] == K and V % BV == 0, num_warps=num_warps, **register_cap(maxnreg))
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.dispatch import interpreting, register_cap
-from flashinfra.kernels.kda_layer_decode_parts import gate_apply, load_state, state_step, state_step_dot, state_tile
+from flashinfra.kernels.kda_layer_decode_parts import (gate_apply, load_state, state_step, state_step_dot, state_tile,
+                                                      store_state)
 
 
 @triton.jit
@@ -90,17 +91,18 @@ def _gated_norm_row(b_o, gate_row, norm_w, eps, o_v, m_v, V: tl.constexpr, ODT: 
 def kda_layer_decode_tile_kernel(
     state, heads, state_slots, out, gate, norm_w, eps, stride_gate,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-    NORM: tl.constexpr, DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False,
+    NORM: tl.constexpr, DOT_SUMS: tl.constexpr = False, DOT_F32: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): one [K, BV] tile per program, nothing but the prep scratch and the tile
     read (the bare recurrence's shape); with ``NORM`` (BV >= V, a tile is a head's whole row) the gated
-    RMSNorm is applied here and the norm launch is left out. DOT_SUMS (a bf16 state): ``state_step_dot``."""
+    RMSNorm is applied here and the norm launch is left out. DOT_SUMS (a bf16 state): ``state_step_dot``;
+    EVEN (BK == K and BV divides V): every tile inside the state, no masks."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    m_v = (o_v < V) | EVEN  # a constant mask, folded away, where EVEN
     p_s, m_s = state_tile(state, tl.load(state_slots + i_bh // H).to(tl.int64), i_bh % H, o_k, o_v, H, K, V)
-    b_s = load_state(p_s, m_s)
+    b_s = load_state(p_s, m_s, not EVEN)
     if not DOT_SUMS:
         b_s = b_s.to(tl.float32)
     b_q, b_k, b_decay, b_v, b_beta = _head_rows(heads, i_bh, o_k, o_v, R)
@@ -112,7 +114,7 @@ def kda_layer_decode_tile_kernel(
         b_o = _gated_norm_row(b_o, gate + (i_bh // H) * stride_gate + (i_bh % H) * V, norm_w, eps, o_v, m_v, V,
                               out.dtype.element_ty)
     tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
-    tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+    store_state(p_s, b_s, m_s, not EVEN)
 
 
 def fit_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
@@ -180,7 +182,8 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, DOT_SUMS=dot_sums, DOT_F32=interpreting(), num_warps=num_warps, **cap)
+            BV=BV, R=R, NORM=norm, DOT_SUMS=dot_sums, DOT_F32=interpreting(), EVEN=BK == K and V % BV == 0,
+            num_warps=num_warps, **cap)
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel

@@ -128,14 +128,12 @@ def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    FAST_EXP: tl.constexpr, INVERSE: tl.constexpr = "rows", DOT_F32: tl.constexpr = False,
+    FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
     ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py); FAST_EXP: ``exp2`` (the exponents are
-    within +-80 / ln 2, so none is flushed). INVERSE: (I + L)^-1 by 15 row steps through memory ("rows") or as
-    the product (I - L)(I + L^2)(I + L^4)(I + L^8) of three-bf16 products ("products", ``mm_bf16x3``; L is
-    nilpotent, L^16 = 0); DOT_F32: the interpreter's widened bf16 products."""
+    within +-80 / ln 2, so none is flushed)."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -194,20 +192,13 @@ def kda_intra64_diag_kernel(
     tl.store(p_u, zero, mask=m_u)
     if A_LO:
         tl.store(p_u + 4096, zero, mask=m_u)
-    eye = (o_r[:, None] == o_r[None, :]).to(tl.float32)
-    b_x = eye
-    if INVERSE == "products":
-        l2 = mm_bf16x3(b_l, b_l, DOT_F32)
-        l4 = mm_bf16x3(l2, l2, DOT_F32)
-        b_x = mm_bf16x3(eye - b_l, eye + l2, DOT_F32)
-        b_x = mm_bf16x3(mm_bf16x3(b_x, eye + l4, DOT_F32), eye + mm_bf16x3(l4, l4, DOT_F32), DOT_F32)
-    else:
-        # X = (I + L)^-1 row by row: X_i = e_i - sum_{m < i} L_im X_m (L_im = 0 for m >= i)
-        tl.store(ai + off, b_l)
-        tl.debug_barrier()  # the rows stored above are read back by other threads
-        p_row = ai + o_r
-        for i in range(1, 16):
-            b_li = tl.load(p_row + i * 64)
-            b_x = tl.where((o_r == i)[:, None], b_x - tl.sum(b_li[:, None] * b_x, 0)[None, :], b_x)
-        tl.debug_barrier()  # every row read before the inverse overwrites them
+    # X = (I + L)^-1 row by row: X_i = e_i - sum_{m < i} L_im X_m (L_im = 0 for m >= i)
+    b_x = (o_r[:, None] == o_r[None, :]).to(tl.float32)
+    tl.store(ai + off, b_l)
+    tl.debug_barrier()  # the rows stored above are read back by other threads
+    p_row = ai + o_r
+    for i in range(1, 16):
+        b_li = tl.load(p_row + i * 64)
+        b_x = tl.where((o_r == i)[:, None], b_x - tl.sum(b_li[:, None] * b_x, 0)[None, :], b_x)
+    tl.debug_barrier()  # every row read before the inverse overwrites them
     tl.store(ai + off, b_x)

@@ -150,7 +150,7 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
-                solve_precision: str | None = None, d_inverse: str = "rows", b_block: int = 32, b_warps: int = 4,
+                solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
                 b_maxnreg: int | None = 168):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
@@ -158,8 +158,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     kernel kept per configuration: no per-call binding by Triton): the gate pass (``gate``,
     kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta, once per chunk-head, which D, A
     and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and
-    their inverses, over K in slices of ``KS``, ``d_warps`` warps per program, the inverses by row steps or, with
-    ``d_inverse="products"``, as products of three-bf16 products; ``A``,
+    their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
     kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
@@ -200,11 +199,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
                      BETA_LOGITS=gate is not None)
     lb = float(lower_bound) if lower_bound is not None else 0.0
-    solve = solve_precision or ("ieee" if local_precision == "ieee" else "tf32x3")
+    # the merge in three bf16 products unless everything is ieee: kernel A 5% faster than in tf32x3 on an H200 (T=8192
+    # and 16 packed sequences), the final state's error at T=65536 and 131072 unchanged to three digits
+    # (bench/results/kda_prefill_options.json, kda_precision.json)
+    solve = solve_precision or ("ieee" if local_precision == "ieee" else "bf16x3")
     if solve not in SOLVE_PRECISIONS:
         raise ValueError(f"kda_prefill v3: solve_precision must be one of {SOLVE_PRECISIONS}, got {solve!r}")
-    if d_inverse not in ("rows", "products"):
-        raise ValueError(f"kda_prefill v3: d_inverse must be 'rows' or 'products', got {d_inverse!r}")
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
     GBK = min(32, K)
@@ -226,7 +226,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_diag():
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            FAST_EXP=not env.triton_interpret(), INVERSE=d_inverse, DOT_F32=env.triton_interpret(),
+            FAST_EXP=not env.triton_interpret(),
             num_warps=d_warps, num_stages=1,
         )
 

@@ -55,8 +55,7 @@ def test_prefill_v3_gated(lower_bound):
     ([37, 64, 0], dict(decay=0.1)),  # an empty last sequence (its chunk offset is the end of the scratch)
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
-    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="bf16x3")),  # A's merge in bf16 x 3
-    ([21, 130], dict(decay=0.1, d_inverse="products", solve_precision="bf16x3")),  # D's inverses as products too
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="tf32x3")),  # A's merge in tf32x3
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -70,8 +69,6 @@ def test_prefill_v3_split(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
-    ([70, 1, 0, 64, 129], dict(decay=0.1, inverse="products")),  # (I + L)^-1 as products
-    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=5.0, inverse="products")),
 ])
 def test_prefill_v3_intra_d(lens, kw):
     """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
@@ -158,8 +155,6 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
     with pytest.raises(ValueError, match="solve_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
-    with pytest.raises(ValueError, match="d_inverse must be"):
-        kda_prefill.kda_prefill_launch(*args, version="v3", d_inverse="newton")
 
 
 def test_prefill_v3_long_odd():
@@ -168,11 +163,13 @@ def test_prefill_v3_long_odd():
 
 @pytest.mark.parametrize("state_dtype,launch", [(torch.float32, dict(BV=16)), (torch.bfloat16, {}),
                                                 (torch.float32, dict(BV=64, num_warps=2)),
-                                                (torch.bfloat16, dict(dot_sums=True)),
+                                                (torch.bfloat16, dict(dot_sums=False)),
+                                                (torch.bfloat16, dict(dot_sums=False, BV=64)),
                                                 (torch.bfloat16, dict(dot_sums=True, BV=16, num_warps=2))])
 def test_decode(state_dtype, launch):
-    """The bare recurrence: V=32 over two programs of 16 columns, the default configuration (bf16 state), one
-    block wider than V (masked columns), and the sums over K as a tensor-core product (``dot_sums``)."""
+    """The bare recurrence: V=32 over two programs of 16 columns, the default configuration (bf16 state: the sums
+    over K as a tensor-core product, ``dot_sums``), one block wider than V (masked columns), and the bf16 step on
+    the CUDA cores."""
     cases.decode("cpu", B=5, H=3, K=16, V=32, state_dtype=state_dtype, **launch)
 
 

@@ -43,7 +43,7 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
-                                    dict(solve_precision="bf16x3"), dict(d_inverse="products"),
+                                    dict(solve_precision="tf32x3"),
                                     dict(b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
@@ -70,15 +70,13 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("gated,lower_bound,decay,a_lo,inverse", [
-    (False, -5.0, 0.1, True, "rows"), (True, -5.0, 0.5, True, "rows"), (False, -5.0, 5.0, False, "rows"),
-    (False, -5.0, 0.1, True, "products"), (True, -5.0, 5.0, True, "products")])
-def test_intra_d_real_size(gated, lower_bound, decay, a_lo, inverse):
+@pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
+                                                         (False, -5.0, 5.0, False)])
+def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
     """Kernel D alone against float64 with its scratch poisoned (kda_cases.intra_d): the diagonal blocks of Aqk
     and Ai and Aqk's zeros above them, at the launcher's two warps, K slices of 32 and tf32 products."""
     cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo,
-                  inverse=inverse)
+                  lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,precision,solve", [
@@ -109,11 +107,14 @@ def test_decode_real_size(B, state_dtype):
     cases.decode("cuda", B=B, H=64, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype,dot_sums", [(torch.float32, None), (torch.bfloat16, None),
+                                                  (torch.bfloat16, False)])
 @pytest.mark.parametrize("BV,num_warps,maxnreg", [(32, 4, None), (16, 1, None), (64, 4, 96), (128, 8, None)])
-def test_decode_variants(BV, num_warps, maxnreg, state_dtype):
+def test_decode_variants(BV, num_warps, maxnreg, state_dtype, dot_sums):
+    """Block shapes of the bare recurrence; for a bf16 state with the step's sums on the tensor cores (the
+    configuration's) and on the CUDA cores."""
     cases.decode("cuda", B=9, H=64, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype, BV=BV,
-                 num_warps=num_warps, maxnreg=maxnreg)
+                 num_warps=num_warps, maxnreg=maxnreg, dot_sums=dot_sums)
 
 
 @pytest.mark.parametrize("B,BV,num_warps", [(9, 64, 4), (67, 32, 2), (9, 128, 8), (1, 64, 4)])
