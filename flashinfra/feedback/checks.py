@@ -115,8 +115,11 @@ def check_kda_prefill() -> list[CheckResult]:
         ob, sb = kda_recurrent_f64(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], start)
         ref_o.append(ob)
         ref_s.append(sb)
-    return [compare("op.kda_prefill.o", o, torch.cat(ref_o)),
-            compare("op.kda_prefill.state", state[slots], torch.stack(ref_s)),
+    # on CUDA the op runs the chunked kernels, whose in-chunk products are tf32 (about 1e-3 relative); on the CPU
+    # its float32 reference
+    tol = dict(atol=5e-3, rtol=5e-3) if o.is_cuda else {}
+    return [compare("op.kda_prefill.o", o, torch.cat(ref_o), **tol),
+            compare("op.kda_prefill.state", state[slots], torch.stack(ref_s), **tol),
             _untouched("op.kda_prefill.other_slots", state, slots)]
 
 

@@ -125,8 +125,12 @@ def _check_layer(name: str, state_dtype: torch.dtype) -> list[CheckResult]:
     ref = layer.kda_layer_decode_ref(**r)
     out = torch.full(ref.shape, NAN, dtype=act, device=dev)
     layer.kda_layer_decode_launch(**a, out=out)
-    state_tol = dict(atol=1e-5, rtol=1e-4) if state_dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    return [compare(f"{name}.o", out, ref), compare(f"{name}.state", a["state"], r["state"], **state_tol),
+    # bf16 activations (CUDA): the kernels round the conv outputs to bf16 as the unfused conv does and the float64
+    # reference does not, so the output and the new state carry that rounding (the GPU tests' bounds)
+    exact = state_dtype == torch.float32 and act == torch.float32
+    o_tol = {} if act == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    state_tol = dict(atol=1e-5, rtol=1e-4) if exact else dict(atol=1e-2, rtol=1e-2)
+    return [compare(f"{name}.o", out, ref, **o_tol), compare(f"{name}.state", a["state"], r["state"], **state_tol),
             compare(f"{name}.conv_state", a["conv_state"], r["conv_state"], atol=0, rtol=0)]
 
 

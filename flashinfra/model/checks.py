@@ -9,6 +9,8 @@ prompt alone. transformers is a test dependency; without it these checks fail wi
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import tempfile
 from pathlib import Path
 
@@ -28,8 +30,29 @@ TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, o
                    projection_intermediate_size=64)
 
 
+# transformers' glm5_next functions that it sends to flash-linear-attention whenever that package imports, whatever
+# the tensors' device; the references here run on the CPU, so they take the functions' own PyTorch bodies
+_KERNELIZED = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+               "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def _torch_bodies():
+    """transformers' glm5_next with its kernelized functions replaced by the PyTorch bodies they wrap."""
+    from transformers.models.glm5_next import modeling_glm5_next as mod
+
+    saved = {n: getattr(mod, n) for n in _KERNELIZED if hasattr(mod, n)}
+    try:
+        for n, fn in saved.items():
+            setattr(mod, n, inspect.unwrap(fn))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(mod, n, fn)
+
+
 def _pair(seed: int, **overrides):
-    """-> (transformers model, our LoadedModel) with the same random weights."""
+    """-> (a caller of the transformers model on its PyTorch path, our LoadedModel) with the same random weights."""
     import torch
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
@@ -47,7 +70,13 @@ def _pair(seed: int, **overrides):
                 p.add_(0.3 * torch.randn_like(p))
     with tempfile.TemporaryDirectory(prefix="flashinfra-check-") as path:
         hf.save_pretrained(path)
-        return hf, load_model(path)  # weights are copied in, so the files may go
+        ours = load_model(path)  # weights are copied in, so the files may go
+
+    def reference(**inputs):
+        with _torch_bodies():
+            return hf(**inputs)
+
+    return reference, ours
 
 
 def _prompt(n: int, seed: int) -> list[int]:
