@@ -1,4 +1,5 @@
-"""A/B experiments on a throwaway git repository whose benchmark is 2x slower in revision B."""
+"""A/B experiments on a throwaway git repository whose benchmark does 4x the work in revision B (4x rather than 2x:
+on a shared two-core machine the A/A noise floor has reached 34%, which a 2x slowdown only just clears)."""
 
 import json
 import math
@@ -51,8 +52,8 @@ def toy_repo(tmp_path_factory):
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "baseline")
     _git(repo, "tag", "fast")
-    (repo / "toybench.py").write_text(TOY.format(n=40000))
-    _git(repo, "commit", "-q", "-am", "twice the work")
+    (repo / "toybench.py").write_text(TOY.format(n=80000))
+    _git(repo, "commit", "-q", "-am", "four times the work")
     return repo
 
 
@@ -66,15 +67,15 @@ def test_aa_says_no_difference(toy_repo):
     assert 0.5 < r["ratio_b_over_a"] < 1.5
 
 
-def test_2x_slowdown_says_slower(toy_repo, capsys):
+def test_4x_slowdown_says_slower(toy_repo, capsys):
     rc = cli.main(["ab", "--repo", str(toy_repo), "--a", "fast", "--b", "HEAD", "--bench", "toy.spin",
                    "--rounds", "8", "--json", "--device", "cpu", "--runs", "15", "--provider", "toybench",
                    "--no-default-providers"])
     r = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert r["verdict"] == "slower", r
-    # B does twice the work; the ratio is not pinned to 2 because other processes share the machine.
-    assert r["ratio_b_over_a"] > 1.3 and r["confidence"] > 0.9
+    # B does four times the work; the ratio is not pinned to 4 because other processes share the machine.
+    assert r["ratio_b_over_a"] > 2 and r["confidence"] > 0.9
     assert r["ratio_ci95"][0] > 1 + r["threshold"]
     assert r["flags"] == {"A": [], "B": [], "A'": []}
     assert "worktree" not in subprocess.run(["git", "-C", str(toy_repo), "worktree", "list"],
