@@ -119,6 +119,11 @@ def check_dot_sums(op: str, dot_sums: bool, state_dtype: torch.dtype, K: int, BV
         raise ValueError(f"{op}: dot_sums needs K and BV of at least 16, got K={K} BV={BV}")
 
 
+def blocks_inside(K: int, V: int, BK: int, BV: int) -> bool:
+    """Whether every [BK, BV] block of a [K, V] state lies inside it (the kernels' ``EVEN``: no masks)."""
+    return BK == K and V % BV == 0
+
+
 def dot_sums_fit(state_dtype: torch.dtype, K: int, BV: int) -> bool:
     """Whether a configuration's ``dot_sums`` applies to this state (``check_dot_sums`` would pass)."""
     return state_dtype == torch.bfloat16 and K >= 16 and BV >= 16
@@ -159,9 +164,8 @@ def kda_decode_launch(q, k, v, g, beta, state, state_slots, BV: int | None = Non
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o, state, state_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BV=BV, DOT_SUMS=dot_sums, DOT_F32=interpreting(), EVEN=BK == K and V % BV == 0,
-        num_warps=num_warps,
-        **register_cap(maxnreg),
+        H=H, K=K, V=V, BK=BK, BV=BV, DOT_SUMS=dot_sums, DOT_F32=interpreting(),
+        EVEN=blocks_inside(K, V, BK, BV), num_warps=num_warps, **register_cap(maxnreg),
     )
     return o
 

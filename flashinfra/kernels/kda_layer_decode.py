@@ -45,7 +45,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.causal_conv1d import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import register_cap, use_triton
-from flashinfra.kernels.kda_decode import check_block_options, check_dot_sums, dot_sums_fit, kda_decode_ref
+from flashinfra.kernels.kda_decode import (blocks_inside, check_block_options, check_dot_sums, dot_sums_fit,
+                                           kda_decode_ref)
 from flashinfra.kernels.kda_gate import kda_gate_ref
 from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
                                                        conv_slot, gated_norm, head_inputs, load_state, state_step,
@@ -197,10 +198,10 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     4 warps at most 128 registers, four programs per SM; the state kernel is near the copy bandwidth). bf16
     state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on 4 warps
     capped at 96 registers, with the step's sums over K on the tensor cores (``dot_sums``: 91.5 / 333.4 us at B=64 /
-    256 against 92.0 / 336.8; bench/results/kda_decode_dot_sums_layer.json). Above B=1, with the norm launch 4 heads per program and the prep launch 2 heads per
-    program up to B=32 (1-2% faster at B=16; bench/results/kda_decode_refresh_16_64.json), above it one head on 4
-    warps (fp32 1.1-1.3% faster at B=64 and 256 in seven runs, bf16 2.5-3.2%;
-    bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
+    256 against 92.0 / 336.8; bench/results/kda_decode_dot_sums_layer.json). Above B=1, with the norm launch 4
+    heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
+    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
+    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
     heads = dict(prep_heads=2 if B <= 32 else 1, prep_warps=4, norm_heads=4, norm_warps=4)
@@ -339,7 +340,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
             *head_args, state, state_slots, out, heads, *strides,
             **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
-            EVEN=sizes["BK"] == K and V % BV == 0, num_warps=num_warps, **register_cap(maxnreg))
+            EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=num_warps, **register_cap(maxnreg))
     if "norm" in run and not normed and norm_heads > 1:
         norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
     elif "norm" in run and not normed:

@@ -89,8 +89,8 @@ def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_b
 @triton.jit
 def load_state(p, m, MASKED: tl.constexpr = True):
     """A state block, read to be written back in place by the same program (``store_state``; MASKED False: the
-    block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines there. On an H200 (bench/notes/kda_decode.md, "The state read as
-    evict_last") the bare fp32 recurrence at B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5
+    block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines
+    there. On an H200 (bench/notes/kda_decode.md, "The state read as evict_last") the bare fp32 recurrence at B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5
     without the hint (as fast as writing to another buffer; evict_first on the load 141.9 / 549.7)."""
     if MASKED:
         b = tl.load(p, mask=m, other=0.0, eviction_policy="evict_last")
@@ -102,8 +102,9 @@ def load_state(p, m, MASKED: tl.constexpr = True):
 @triton.jit
 def store_state(p, b_s, m, MASKED: tl.constexpr = True):
     """Write back, rounded to the state's dtype, the block that ``load_state`` read with the same mask. Without
-    the mask (a block inside the state) the bf16 [K, 64] program on 4 warps compiles to 768 instructions and 83
-    registers against 808 and 96 (Triton 3.6, sm_90): six programs per SM instead of five."""
+    the masks (a block inside the state) the bare bf16 ``dot_sums`` program, [K, 64] on 4 warps, compiles to 760
+    instructions and 83 registers against 808 and 96 (Triton 3.6, sm_90): 75.0 against 77.3 us at B=64 on an
+    H200 (bench/notes/kda_decode.md, "The two sums on the tensor cores, timed")."""
     if MASKED:
         tl.store(p, b_s.to(p.dtype.element_ty), mask=m)
     else:

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.dispatch import interpreting, register_cap
+from flashinfra.kernels.kda_decode import blocks_inside
 from flashinfra.kernels.kda_layer_decode_parts import (gate_apply, load_state, state_step, state_step_dot, state_tile,
                                                       store_state)
 
@@ -182,8 +183,8 @@ def stream_state_launch(state: torch.Tensor, heads: torch.Tensor, state_slots: t
     if grid == "tiles":
         kda_layer_decode_tile_kernel[(triton.cdiv(V, BV), B * H)](
             state, heads, state_slots, out, gate, norm_weight, float(eps), gate.stride(0), H=H, K=K, V=V, BK=BK,
-            BV=BV, R=R, NORM=norm, DOT_SUMS=dot_sums, DOT_F32=interpreting(), EVEN=BK == K and V % BV == 0,
-            num_warps=num_warps, **cap)
+            BV=BV, R=R, NORM=norm, DOT_SUMS=dot_sums, DOT_F32=interpreting(),
+            EVEN=blocks_inside(K, V, BK, BV), num_warps=num_warps, **cap)
         return norm
     check_stream_layout(state, BV, BK)
     kernel = kda_layer_decode_stream_kernel
