@@ -102,7 +102,9 @@ FILES = {
         torch.set_num_threads(1)  # the toy engine runs one op at a time; timings stay comparable
 
 
-        def _pages(seed, n=2, numel=512 * 1024):
+        # four 2 MB pages: the GIL-holding checksum adds about 100 ms to a 57 ms prefill, far above the noise of a
+        # busy two-core machine (A/A noise floors of 30-48% were seen there)
+        def _pages(seed, n=4, numel=512 * 1024):
             g = torch.Generator().manual_seed(seed)
             return [torch.randn(numel, generator=g) for _ in range(n)]
 
@@ -192,8 +194,10 @@ GOALS = {
         metric = "prefill_with_transfer"
         direction = "lower"
         [[criterion]]
-        name = "transfer overhead at most 5%"
-        expr = "prefill_with_transfer / prefill_alone <= 1.05"
+        # 25%, not 5%: with the GIL released the thread still shares a busy two-core machine's cores; the fixed
+        # transfer measured 1.06-1.18 there
+        name = "transfer overhead at most 25%"
+        expr = "prefill_with_transfer / prefill_alone <= 1.25"
         [guardrails]
         editable = ["engine/**"]
         read_only = ["goals/**"]

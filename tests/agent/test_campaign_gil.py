@@ -61,8 +61,8 @@ def test_transfer_campaign(repo, api_key):
 
     # Signals: the overhead criterion fails; the probe names the transfer thread inside checksum().
     bench = results["call_0_0"]
-    unmet = re.search(r"transfer overhead at most 5%'.*\(value ([\d.]+)\) -> NOT MET", bench)
-    assert unmet and float(unmet.group(1)) > 1.05, bench
+    unmet = re.search(r"transfer overhead at most 25%'.*\(value ([\d.]+)\) -> NOT MET", bench)
+    assert unmet and float(unmet.group(1)) > 1.25, bench
     probe = results["call_1_0"]
     assert re.search(r"[1-9]\d* stall\(s\)", probe)
     assert "kv-transfer: " in probe and "in checksum: return sum(page.numpy().tobytes())" in probe
@@ -73,7 +73,7 @@ def test_transfer_campaign(repo, api_key):
         by_hypothesis.setdefault(c.hypothesis, []).append(c)
     correct = by_hypothesis[CORRECT]
     assert [c.status for c in correct][-1] == "passed", [c.verdict["reasons"] for c in correct]
-    assert correct[-1].verdict["criteria"][0]["value"] <= 1.05
+    assert correct[-1].verdict["criteria"][0]["value"] <= 1.25
     assert all(r.startswith(TIMING) for c in correct[:-1] for r in c.verdict["reasons"])
     (breaks,) = by_hypothesis["skip the checksum"]
     assert breaks.status == "failed"
