@@ -1,0 +1,133 @@
+"""A Triton kernel of flashinfra compiled for the H200 (sm_90) on any machine, without a GPU: its SASS
+instruction count, registers and stack (spills), the most frequent opcodes and, with ``--lines``, the
+instructions per source line. The instruction counts in bench/notes (for example "760 instructions and 83
+registers") come from this, with the Triton version the GPU machine runs (3.6: ``pip install --target DIR
+triton==3.6.0`` and ``PYTHONPATH=DIR``).
+
+Pointer and stride arguments are compiled as 16-byte aligned, as Triton specialises them at a real launch.
+The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VALUE`` overrides a constexpr
+(``state=fp32`` the state's element type).
+
+    python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
+        presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
+        (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPE = dict(H=64, K=128, V=128, BK=128)
+PRESETS = {
+    "decode": ("flashinfra.kernels.kda_decode:kda_decode_kernel",
+               "q:*bf16 k:*bf16 v:*bf16 g:*fp32 beta:*fp32 o:*bf16 state:*bf16 state_slots:*i32 stride_q_b:i32 "
+               "stride_q_h:i32 stride_k_b:i32 stride_k_h:i32 stride_v_b:i32 stride_v_h:i32 scale:fp32",
+               dict(SHAPE, BV=64, DOT_SUMS=True, DOT_F32=False, EVEN=True)),
+    "tiles": ("flashinfra.kernels.kda_layer_decode_stream:kda_layer_decode_tile_kernel",
+              "state:*bf16 heads:*fp32 state_slots:*i32 out:*bf16 gate:*bf16 norm_w:*bf16 eps:fp32 stride_gate:i32",
+              dict(SHAPE, BV=64, R=128, NORM=False, DOT_SUMS=True, DOT_F32=False, EVEN=True)),
+    "block": ("flashinfra.kernels.kda_layer_decode:kda_layer_decode_block_kernel",
+              "qkv:*bf16 conv_w:*fp32 conv_state:*bf16 g_raw:*bf16 beta_logits:*bf16 A_log:*fp32 dt_bias:*fp32 "
+              "lower_bound:fp32 state:*fp32 state_slots:*i32 out:*bf16 heads:*fp32 stride_x:i32 stride_g:i32 "
+              "stride_b:i32 scale:fp32",
+              dict(SHAPE, BV=64, W=4, BW=4, HAS_LOWER_BOUND=True, PREPPED=True, EVEN=True)),
+    "prep": ("flashinfra.kernels.kda_layer_decode_prep:kda_layer_decode_prep_heads_kernel",
+             "qkv:*bf16 conv_w:*fp32 conv_state:*bf16 g_raw:*bf16 beta_logits:*bf16 A_log:*fp32 dt_bias:*fp32 "
+             "lower_bound:fp32 state_slots:*i32 heads:*fp32 stride_x:i32 stride_g:i32 stride_b:i32 scale:fp32",
+             dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
+}
+INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
+LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def _value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    return int(text) if re.fullmatch(r"-?\d+", text) else text
+
+
+def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | None):
+    """The compiled kernel (Triton's CompiledKernel) for sm_90, and the kernel function."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path, signature, constexprs = PRESETS[preset]
+    module, name = path.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    sig = dict(item.split(":") for item in signature.split())
+    if "state" in overrides:
+        sig["state"] = "*" + overrides.pop("state")
+    constexprs = {**constexprs, **overrides}
+    sig.update({n: "constexpr" for n in constexprs})
+    names = fn.arg_names
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+               if t.startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs=aligned)
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options), fn
+
+
+def count(compiled, fn, lines: bool) -> dict:
+    """Instructions, registers, stack bytes, opcodes and (``lines``) instructions per source line."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "--print-line-info", cubin], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage).groups()
+    ops, per_line, where = collections.Counter(), collections.Counter(), None
+    for text in sass[sass.index(".text." + fn.__name__):].splitlines():
+        found = LINE.search(text)
+        if found:
+            where = f"{os.path.basename(found.group(1))}:{found.group(2)}"
+            continue
+        ins = INSTRUCTION.match(text)
+        if ins:
+            words = ins.group(1).split()
+            ops[(words[1] if words[0].startswith("@") else words[0]).split(".")[0].rstrip(";")] += 1
+            per_line[where] += 1
+    res = {"instructions": sum(ops.values()), "registers": int(regs), "stack_bytes": int(stack),
+           "opcodes": dict(ops.most_common())}
+    if lines:
+        res["lines"] = dict(per_line.most_common(20))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("overrides", nargs="*", help="NAME=VALUE constexprs (state=fp32: the state's element type)")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int)
+    ap.add_argument("--lines", action="store_true", help="also the instructions per source line")
+    args = ap.parse_args()
+    overrides = {k: _value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
+    compiled, fn = compile_sm90(args.preset, overrides, args.warps, args.maxnreg)
+    res = count(compiled, fn, args.lines)
+    print(f"{args.preset} {' '.join(args.overrides)} warps={args.warps} maxnreg={args.maxnreg}: "
+          f"{res['instructions']} instructions, {res['registers']} registers, {res['stack_bytes']} bytes of stack")
+    print("opcodes:", dict(list(res["opcodes"].items())[:12]))
+    for where, n in res.get("lines", {}).items():
+        print(f"{n:6d}  {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

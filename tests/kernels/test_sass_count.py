@@ -1,0 +1,28 @@
+"""bench/sass_count.py: a decode kernel compiled for sm_90 without a GPU, counted."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sass_count.py"
+
+
+@pytest.fixture(scope="module")
+def sass_count():
+    spec = importlib.util.spec_from_file_location("sass_count", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mask_free_blocks_compile_shorter(sass_count):
+    """The bare bf16 decode program ([K, 64] on 4 warps, sums on the tensor cores) with its blocks read and
+    written without masks (EVEN) is shorter than with them, and both use the tensor cores."""
+    got = {}
+    for even in (True, False):
+        compiled, fn = sass_count.compile_sm90("decode", {"EVEN": even}, num_warps=4, maxnreg=None)
+        got[even] = sass_count.count(compiled, fn, lines=True)
+    assert 0 < got[True]["instructions"] < got[False]["instructions"]
+    assert all(r["opcodes"].get("HMMA", 0) > 0 for r in got.values())
+    assert all(0 < r["registers"] <= 255 and r["lines"] for r in got.values())
