@@ -289,8 +289,6 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
     norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
     pdl = base["pdl"] if pdl is None else pdl
-    if dot_sums is None:
-        dot_sums = base["dot_sums"] and dot_sums_fit(state.dtype, K, min(BV or cfg["BV"], triton.next_power_of_2(V)))
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
@@ -310,6 +308,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
         return out
     BVF = triton.next_power_of_2(V)
     BV = min(BV or cfg["BV"], BVF)
+    if dot_sums is None:  # the configuration's, where the state fits it (a caller's own value is checked above)
+        dot_sums = base["dot_sums"] and dot_sums_fit(state.dtype, K, BV)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
     sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))
