@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import mm_f32, store_pair
 
 
 @triton.jit
@@ -59,7 +59,8 @@ def _key_tiles(q, k, gc, rows, m_t, i_h, o_k, stride_q_t, stride_k_t, K: tl.cons
 
 @triton.jit
 def _key_cols(b_gc, b_gl, b_k, b_q, b_b, o_k, b_ai, r_q, r_k, wqk, egl, K: tl.constexpr, SQ: tl.constexpr,
-              SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr):
+              SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+              DOT_F32: tl.constexpr):
     """exp(gl), kd, w and qg for the key columns o_k from their tiles (``_key_tiles``; ``wqk`` and ``egl`` at
     the chunk-head, ``b_b`` beta)."""
     o_t = tl.arange(0, 64)
@@ -69,7 +70,7 @@ def _key_cols(b_gc, b_gl, b_k, b_q, b_b, o_k, b_ai, r_q, r_k, wqk, egl, K: tl.co
     b_e = tl.exp(b_gc)
     store_pair(wqk + SKD + off_k, b_k * tl.exp(b_gl[None, :] - b_gc), KD_LO, 64 * K)
     store_pair(wqk + SQ + off_k, b_q.to(tl.float32) * r_q[:, None] * b_e, Q_LO, 64 * K)
-    store_pair(wqk + off_k, tl.dot(b_ai, b_k * (b_b[:, None] * b_e), input_precision=LP), W_LO, 64 * K)
+    store_pair(wqk + off_k, mm_f32(b_ai, b_k * (b_b[:, None] * b_e), LP, DOT_F32), W_LO, 64 * K)
 
 
 @triton.jit
@@ -79,10 +80,10 @@ def _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V: tl.constexpr):
 
 
 @triton.jit
-def _value_cols(b_v, o_f, b_ai, b_b, u, LP: tl.constexpr):
+def _value_cols(b_v, o_f, b_ai, b_b, u, LP: tl.constexpr, DOT_F32: tl.constexpr):
     """u for the value columns o_f (``b_v`` their tile, ``u`` at the chunk-head), stored transposed."""
     off_v = tl.arange(0, 64)[:, None] + o_f[None, :] * 64
-    tl.store(u + off_v, tl.dot(b_ai, b_v.to(tl.float32) * b_b[:, None], input_precision=LP))
+    tl.store(u + off_v, mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], LP, DOT_F32))
 
 
 @triton.jit
@@ -105,6 +106,7 @@ def kda_intra64_b_kernel(
     q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, rn, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+    DOT_F32: tl.constexpr = False,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
     ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
@@ -129,7 +131,7 @@ def kda_intra64_b_kernel(
         if kk + BK < K:
             n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
         _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl + i_ch * K, K, SQ, SKD,
-                  LOCAL_PRECISION, W_LO, Q_LO, KD_LO)
+                  LOCAL_PRECISION, W_LO, Q_LO, KD_LO, DOT_F32)
         b_gc, b_gl, b_k, b_q = n_gc, n_gl, n_k, n_q
     o_f = tl.arange(0, BVB)
     b_v = _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V)
@@ -137,5 +139,5 @@ def kda_intra64_b_kernel(
         b_v_next = b_v
         if vv + BVB < V:
             b_v_next = _load_v(v, rows, m_t, i_h, vv + BVB + o_f, stride_v_t, V)
-        _value_cols(b_v, vv + o_f, b_ai, b_b, u, LOCAL_PRECISION)
+        _value_cols(b_v, vv + o_f, b_ai, b_b, u, LOCAL_PRECISION, DOT_F32)
         b_v = b_v_next

@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, mm_bf16x3, store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, mm_f32, store_pair
 
 
 @triton.jit
@@ -135,14 +135,6 @@ def _row_factors(bc, rn, m: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, P: tl.constexpr, DOT_F32: tl.constexpr):
-    """``a b`` for float32 operands: Triton's ``input_precision`` P, or "bf16x3" (``mm_bf16x3``)."""
-    if P == "bf16x3":
-        return mm_bf16x3(a, b, DOT_F32)
-    return tl.dot(a, b, input_precision=P)
-
-
-@triton.jit
 def _blk(p, i: tl.constexpr, j: tl.constexpr, o_r):
     """Pointers to block (i, j) of a [64, 64] matrix at p."""
     return p + (16 * i + o_r)[:, None] * 64 + 16 * j + o_r[None, :]
@@ -158,14 +150,14 @@ def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr, A_LO: tl.co
 def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr, DOT_F32: tl.constexpr):
     """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses
     ``d0..d3`` and L's blocks ``l_ij``, all in registers: ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column
-    block by column block; only the results go to memory. SP: the products' precision (``_mm``)."""
+    block by column block; only the results go to memory. SP: the products' precision (``mm_f32``)."""
     F: tl.constexpr = DOT_F32
-    ai10 = -_mm(d1, _mm(l10, d0, SP, F), SP, F)
-    ai20 = -_mm(d2, _mm(l20, d0, SP, F) + _mm(l21, ai10, SP, F), SP, F)
-    ai30 = -_mm(d3, _mm(l30, d0, SP, F) + _mm(l31, ai10, SP, F) + _mm(l32, ai20, SP, F), SP, F)
-    ai21 = -_mm(d2, _mm(l21, d1, SP, F), SP, F)
-    ai31 = -_mm(d3, _mm(l31, d1, SP, F) + _mm(l32, ai21, SP, F), SP, F)
-    ai32 = -_mm(d3, _mm(l32, d2, SP, F), SP, F)
+    ai10 = -mm_f32(d1, mm_f32(l10, d0, SP, F), SP, F)
+    ai20 = -mm_f32(d2, mm_f32(l20, d0, SP, F) + mm_f32(l21, ai10, SP, F), SP, F)
+    ai30 = -mm_f32(d3, mm_f32(l30, d0, SP, F) + mm_f32(l31, ai10, SP, F) + mm_f32(l32, ai20, SP, F), SP, F)
+    ai21 = -mm_f32(d2, mm_f32(l21, d1, SP, F), SP, F)
+    ai31 = -mm_f32(d3, mm_f32(l31, d1, SP, F) + mm_f32(l32, ai21, SP, F), SP, F)
+    ai32 = -mm_f32(d3, mm_f32(l32, d2, SP, F), SP, F)
     tl.store(_blk(ai, 1, 0, o_r), ai10)
     tl.store(_blk(ai, 2, 0, o_r), ai20)
     tl.store(_blk(ai, 3, 0, o_r), ai30)

@@ -79,6 +79,14 @@ def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
     return mma_bf16(ah, bh, mma_bf16(ah, bl, acc, DOT_F32), DOT_F32)
 
 
+@triton.jit
+def mm_f32(a, b, P: tl.constexpr, DOT_F32: tl.constexpr):
+    """``a b`` for float32 operands: Triton's ``input_precision`` P, or "bf16x3" (``mm_bf16x3``)."""
+    if P == "bf16x3":
+        return mm_bf16x3(a, b, DOT_F32)
+    return tl.dot(a, b, input_precision=P)
+
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
 
 

@@ -151,8 +151,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                b_maxnreg: int | None = 168, b_in_state: bool = False, tile_regs: int | None = None,
-                tile_prefetch: bool = True, tile_role: int = 0, tile_warps: int = 8):
+                b_maxnreg: int | None = 168, b_precision: str | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -163,10 +162,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
     kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
-    per thread or None: 168 fits three programs per SM instead of two, without spills), the state
-    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). With ``b_in_state`` (Hopper,
-    K = 128, BV = 64, the bf16x3 or bf16x2 chain) there is no kernel B: the state pass forms its tiles itself, in
-    a second warpgroup with ``tile_regs`` registers (kda_prefill_fused.py). The defaults are the fastest
+    per thread or None: 168 fits three programs per SM instead of two, without spills; its two products with Ai
+    in ``b_precision``, by default ``local_precision``: "bf16x3" makes the final state's error against float64
+    about 35 times smaller, 3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an
+    H200), the state
+    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest
     measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
@@ -190,10 +190,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     if out_x3 and BV > 32:
         # qg's lo half is one more [64, K] bf16 tile per pipeline stage: 262 KB of shared memory at BV=64
         raise ValueError(f"kda_prefill v3: out_x3 needs BV <= 32 (the state pass's shared memory), got BV={BV}")
-    if b_in_state and (env.triton_interpret() or torch.cuda.get_device_capability(q.device)[0] != 9 or K != 128
-                       or BV != 64 or chain_precision == "bf16" or out_x3):
-        raise ValueError("kda_prefill v3: b_in_state needs a Hopper GPU, K = 128, BV = 64, the bf16x3 or bf16x2 "
-                         "chain and no out_x3")
     dev = q.device
     idx, offsets_t, nch = chunk_tables(cu, 64, dev)  # cached per batch, no stream sync (varlen.py)
     if not nch:
@@ -212,6 +208,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "bf16x3")
     if solve not in SOLVE_PRECISIONS:
         raise ValueError(f"kda_prefill v3: solve_precision must be one of {SOLVE_PRECISIONS}, got {solve!r}")
+    b_prec = b_precision or local_precision
+    if b_prec not in SOLVE_PRECISIONS:
+        raise ValueError(f"kda_prefill v3: b_precision must be one of {SOLVE_PRECISIONS}, got {b_prec!r}")
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
     GBK = min(32, K)
@@ -249,19 +248,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "intra_a", intra_offdiag
-    if b_in_state:
-        from flashinfra.kernels.kda_prefill_fused import kda_state_tiles_kernel
-
-        def state_tiles():
-            kda_state_tiles_kernel[(V // BV, (len(cu) - 1) * H)](
-                q, k, v, gc, bc, rn, ai, aqk, o, state, cu_t, offsets_t, slots_t, init_t,
-                q.stride(0), k.stride(0), v.stride(0), H=H, K=K, V=V, BV=BV, CHAIN=chain, A_LO=a_lo,
-                TILE_REGS=tile_regs or (216 if tile_warps == 4 else 120), PREFETCH=tile_prefetch, ROLE=tile_role, TILE_WARPS=tile_warps, num_warps=4,
-                maxnreg=min(256, 65536 // (32 * (4 + tile_warps))) // 8 * 8,
-            )
-
-        yield "state", state_tiles
-        return
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
@@ -269,8 +255,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_b():
         fast(kda_intra64_b_kernel)[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, ai, rn, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0),
-            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=local_precision,
-            num_warps=b_warps, **lo, **register_cap(b_maxnreg),
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=b_prec,
+            DOT_F32=env.triton_interpret(), num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )
 
     yield "intra_b", intra_b

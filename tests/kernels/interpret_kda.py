@@ -56,6 +56,7 @@ def test_prefill_v3_gated(lower_bound):
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="tf32x3")),  # A's merge in tf32x3
+    ([1, 70, 33], dict(V=32, b_block=16, decay=0.1, b_precision="bf16x3")),  # B's products in three bf16 ones
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -155,6 +156,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
     with pytest.raises(ValueError, match="solve_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
+    with pytest.raises(ValueError, match="b_precision"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", b_precision="fp8")
 
 
 def test_prefill_v3_long_odd():

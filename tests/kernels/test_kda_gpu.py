@@ -43,31 +43,10 @@ def test_prefill_v3_gated_real_size(lower_bound):
 
 
 @pytest.mark.parametrize("launch", [dict(BV=32), dict(BV=32, out_x3=True), dict(solve_precision="tf32"),
-                                    dict(solve_precision="tf32x3"),
+                                    dict(solve_precision="tf32x3"), dict(b_precision="bf16x3"),
                                     dict(b_warps=8), dict(BV=32, num_warps=8)])
 def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
-
-
-@pytest.mark.parametrize("dtype,decay,chain", [(torch.bfloat16, 0.1, "bf16x3"), (torch.bfloat16, 5.0, "bf16x3"),
-                                               (torch.float32, 0.5, "bf16x3"), (torch.bfloat16, 0.1, "bf16x2")])
-def test_prefill_v3_b_in_state_real_size(dtype, decay, chain):
-    """Kernel B's tiles formed in the state pass (kda_prefill_fused.py): empty, one-token and whole-chunk
-    sequences among longer ones, outputs poisoned, fresh and carried states."""
-    cases.prefill_varlen("cuda", [1000, 63, 1, 0, 300, 64, 129], H=8, K=128, V=128, dtype=dtype, version="v3",
-                         decay=decay, chain_precision=chain, b_in_state=True)
-
-
-@pytest.mark.parametrize("lower_bound,decay", [(-5.0, 5.0), (None, 0.2)])
-def test_prefill_v3_b_in_state_gated_real_size(lower_bound, decay):
-    cases.prefill_varlen("cuda", [777, 64, 1], H=8, K=128, V=128, dtype=torch.bfloat16, gated=True,
-                         lower_bound=lower_bound, version="v3", decay=decay, b_in_state=True)
-
-
-def test_prefill_v3_b_in_state_refuses_other_shapes():
-    with pytest.raises(ValueError, match="b_in_state"):
-        cases.prefill_varlen("cuda", [100], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", BV=32,
-                             b_in_state=True)
 
 
 @pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
@@ -349,13 +328,13 @@ def test_v3_state_chain_precisions():
     beta = torch.rand(T, H, device="cuda", generator=gen)
     s64 = _final_state_f64(q, k, v, g, beta)
     errs = {}
-    for prec, opts in (("bf16", {}), ("bf16x2", {}), ("bf16x3", {}), ("bf16x3_b_in_state", {"b_in_state": True})):
+    for prec in ("bf16", "bf16x2", "bf16x3"):
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec[:6],
-                                       local_precision="tf32x3", version="v3", **opts)
+        kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False], chain_precision=prec,
+                                       local_precision="tf32x3", version="v3")
         errs[prec] = float((s.double() - s64).norm() / s64.norm())
     print("final-state relative error against float64:", errs)
-    assert errs["bf16x3"] < 1e-4 and errs["bf16x3_b_in_state"] < 1e-4, errs
+    assert errs["bf16x3"] < 1e-4, errs
     assert errs["bf16"] > 5 * errs["bf16x3"], errs
     assert 9e-4 < errs["bf16x2"] < 4e-3 and errs["bf16x2"] < errs["bf16"], errs
 
