@@ -48,8 +48,9 @@ from flashinfra.kernels.launch import fast
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
-# the WY merge's products in kernel A (kda_prefill_intra64_rows.py): Triton's precisions, or three bf16 products
-SOLVE_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x3")
+# float32 products in kernels A (the WY merge) and B (with Ai): Triton's precisions, or three bf16 products
+# (``mm_f32``, kda_prefill_intra64_split.py)
+PRODUCT_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x3")
 CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
 
 
@@ -206,11 +207,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     # and 16 packed sequences), the final state's error at T=65536 and 131072 unchanged to three digits
     # (bench/results/kda_prefill_options.json, kda_precision.json)
     solve = solve_precision or ("ieee" if local_precision == "ieee" else "bf16x3")
-    if solve not in SOLVE_PRECISIONS:
-        raise ValueError(f"kda_prefill v3: solve_precision must be one of {SOLVE_PRECISIONS}, got {solve!r}")
+    if solve not in PRODUCT_PRECISIONS:
+        raise ValueError(f"kda_prefill v3: solve_precision must be one of {PRODUCT_PRECISIONS}, got {solve!r}")
     b_prec = b_precision or local_precision
-    if b_prec not in SOLVE_PRECISIONS:
-        raise ValueError(f"kda_prefill v3: b_precision must be one of {SOLVE_PRECISIONS}, got {b_prec!r}")
+    if b_prec not in PRODUCT_PRECISIONS:
+        raise ValueError(f"kda_prefill v3: b_precision must be one of {PRODUCT_PRECISIONS}, got {b_prec!r}")
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
     GBK = min(32, K)
