@@ -105,11 +105,12 @@ def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H: tl.constexpr):
 def kda_intra64_b_kernel(
     q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, rn, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-    LOCAL_PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    DOT_F32: tl.constexpr = False,
+    PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
-    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py)."""
+    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py). PRECISION: the two products with Ai
+    (``mm_f32``); DOT_F32: the interpreter's widened bf16 products."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     rows, m_t, i_ch, b_ai = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H)
     gc += i_ch * (64 * K)
@@ -131,7 +132,7 @@ def kda_intra64_b_kernel(
         if kk + BK < K:
             n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
         _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl + i_ch * K, K, SQ, SKD,
-                  LOCAL_PRECISION, W_LO, Q_LO, KD_LO, DOT_F32)
+                  PRECISION, W_LO, Q_LO, KD_LO, DOT_F32)
         b_gc, b_gl, b_k, b_q = n_gc, n_gl, n_k, n_q
     o_f = tl.arange(0, BVB)
     b_v = _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V)
@@ -139,5 +140,5 @@ def kda_intra64_b_kernel(
         b_v_next = b_v
         if vv + BVB < V:
             b_v_next = _load_v(v, rows, m_t, i_h, vv + BVB + o_f, stride_v_t, V)
-        _value_cols(b_v, vv + o_f, b_ai, b_b, u, LOCAL_PRECISION, DOT_F32)
+        _value_cols(b_v, vv + o_f, b_ai, b_b, u, PRECISION, DOT_F32)
         b_v = b_v_next

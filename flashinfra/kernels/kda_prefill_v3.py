@@ -256,7 +256,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_b():
         fast(kda_intra64_b_kernel)[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, ai, rn, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0),
-            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), LOCAL_PRECISION=b_prec,
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), PRECISION=b_prec,
             DOT_F32=env.triton_interpret(), num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )
 
