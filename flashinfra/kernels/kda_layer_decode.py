@@ -29,7 +29,9 @@ launch, two tiles per program, one program per head holding its state as two col
 
 Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
 ``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
-programmatic dependent of its state launch (``pdl``), so that its start-up overlaps the state launch's end.
+programmatic dependent of its state launch (``pdl``), so that its start-up overlaps the state launch's end;
+and the batch in micro-batches on two streams (``micro_batches``, microbatch.py), so that one half's prep and norm
+launches run beside the other half's state launch.
 
 The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
 (conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
@@ -53,6 +55,7 @@ from flashinfra.kernels.kda_layer_decode_parts import (conv_shift, conv_shift_lo
                                                        state_tile, store_state)
 from flashinfra.kernels.kda_layer_decode_prep import check_heads, norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda_layer_decode_stream import check_stream_layout, stream_state_launch
+from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
@@ -201,14 +204,23 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     256 against 92.0 / 336.8; bench/results/kda_decode_dot_sums_layer.json). Above B=1, with the norm launch 4
     heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
     bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
-    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json)."""
+    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json). Two micro-batches
+    on two streams (``micro_batches``; timed at B=8, 12, 16, 32, 48, 64, 128, 256,
+    bench/results/kda_decode_microbatch.json and _small.json): fp32 from B=8 (at B=8 / 16 / 64 / 256 20.9 / 43.5 /
+    148.3 / 565.0 us against 21.6 / 46.8 / 151.4 / 569.6; at B=32 within 1%), bf16 above B=32, the tiles layout
+    (89.1 / 333.5 against 91.9 / 337.4 at B=64 / 256; the streaming layout's persistent programs leave nothing to
+    overlap: 28.5 against 25.7 at B=16)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
-    heads = dict(prep_heads=2 if B <= 32 else 1, prep_warps=4, norm_heads=4, norm_warps=4)
+    micro = dict(micro_batches=2) if B >= 8 else {}
+    if B <= 32:
+        heads = dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4)
+        if state_dtype == torch.float32:
+            return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads, **micro)
+        return dict(grid="stream", BV=32, num_warps=2, **heads)
+    heads = dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4, micro_batches=2)
     if state_dtype == torch.float32:
         return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads)
-    if B <= 32:
-        return dict(grid="stream", BV=32, num_warps=2, **heads)
     return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, **heads)
 
 
@@ -248,7 +260,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                             tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
                             prep_warps: int | None = None, norm_warps: int | None = None,
                             prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            dot_sums: bool | None = None):
+                            dot_sums: bool | None = None, micro_batches: int | None = None):
     """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
     options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``, ``dot_sums``
     where the state fits it).
@@ -269,7 +281,9 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
     the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
     launch's end. ``dot_sums`` (the tiles layout, a bf16 state): the state step's sums over K as one tensor-core
-    product (``state_step_dot``)."""
+    product (``state_step_dot``). ``micro_batches``: the batch cut into that many row ranges, each launched
+    with the options resolved for the whole batch, alternately on the caller's stream and a side stream
+    (microbatch.py; one range's prep and norm launches run beside another's state launch)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -280,7 +294,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
     cfg = decode_config(B, state.dtype)
-    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False, dot_sums=False)
+    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False, dot_sums=False,
+                micro_batches=1)
     if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
         base.update((n, v) for n, v in cfg.items() if n in base)
     maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
@@ -289,6 +304,7 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
     norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
     pdl = base["pdl"] if pdl is None else pdl
+    micro_batches = base["micro_batches"] if micro_batches is None else micro_batches
     grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
     if grid not in GRIDS:
         raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
@@ -303,6 +319,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if dot_sums and grid != "tiles":
         raise ValueError(f"kda_layer_decode: dot_sums is an option of the tiles layout, not {grid!r}")
     check_dot_sums("kda_layer_decode", dot_sums, state.dtype, K, BV)
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"kda_layer_decode: micro_batches must be a positive integer, got {micro_batches!r}")
     pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
@@ -310,6 +328,19 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     BV = min(BV or cfg["BV"], BVF)
     if dot_sums is None:  # the configuration's, where the state fits it (a caller's own value is checked above)
         dot_sums = base["dot_sums"] and dot_sums_fit(state.dtype, K, BV)
+    if micro_batches > 1 and B > 1:
+        whole = dict(grid=grid, BV=BV, num_warps=num_warps, num_stages=num_stages, per_sm=per_sm, programs=programs,
+                     scratch_l2=scratch_l2, tma_store=tma_store, launches=launches, maxnreg=maxnreg,
+                     prep_warps=prep_warps, norm_warps=norm_warps, prep_heads=prep_heads, norm_heads=norm_heads,
+                     pdl=pdl, dot_sums=dot_sums, micro_batches=1)
+
+        def rows(lo: int, hi: int) -> None:
+            kda_layer_decode_launch(qkv[lo:hi], conv_weight, conv_state, g_raw[lo:hi], beta_logits[lo:hi], gate[lo:hi],
+                                    A_log, dt_bias, lower_bound, norm_weight, eps, state, state_slots[lo:hi],
+                                    out=out[lo:hi], **whole)
+
+        on_two_streams(micro_ranges(B, micro_batches), rows, qkv.device)
+        return out
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
     sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))

@@ -241,13 +241,23 @@ def test_layer_decode_wide_conv(grid, state_dtype, launch):
     cases.layer_decode("cpu", B=3, H=2, K=24, state_dtype=state_dtype, W=5, grid=grid, BV=16, **launch)
 
 
+@pytest.mark.parametrize("grid,state_dtype,B,micro_batches", [
+    ("prep", torch.float32, 5, 2), ("tiles", torch.bfloat16, 3, 3), ("block", torch.bfloat16, 4, 2),
+    ("stream", torch.float32, 2, 4),  # more micro-batches than rows: one row each
+])
+def test_layer_decode_micro_batches(grid, state_dtype, B, micro_batches):
+    """The batch cut into row ranges (here one after another: the two streams are CUDA's), each launched with
+    the options resolved for the whole batch: every range's rows, slots and output rows, odd splits."""
+    cases.layer_decode("cpu", B=B, H=2, K=24, state_dtype=state_dtype, grid=grid, BV=16, micro_batches=micro_batches)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3, 33])
 def test_layer_decode_default_config(B, state_dtype):
     """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
     launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
     prep layout (fp32 state) or the streaming layout (bf16), each with two-head prep and four-head norm launches;
-    B=33 the prep layout or the tiles layout, with one-head prep launches."""
+    B=33 the prep layout or the tiles layout, with one-head prep launches, in two micro-batches."""
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 
@@ -267,6 +277,8 @@ def test_layer_decode_bad_layouts():
         layer_decode.kda_layer_decode_launch(**a, grid="prep", pdl=True)
     with pytest.raises(ValueError, match="dot_sums is an option of the tiles layout"):
         layer_decode.kda_layer_decode_launch(**a, grid="stream", BV=16, dot_sums=True)
+    with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+        layer_decode.kda_layer_decode_launch(**a, grid="prep", micro_batches=0)
     with pytest.raises(ValueError, match="BV must be a power of two"):
         layer_decode.kda_layer_decode_launch(**a, grid="prep", BV=12)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):

@@ -210,20 +210,26 @@ def test_layer_decode_pdl(layout, state_dtype):
         cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16, pdl=True, **layout)
 
 
-@pytest.mark.parametrize("layout", PDL_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_layer_decode_pdl_graph_steps(layout):
-    """Three decode steps replayed from one CUDA graph with the dependent norm launch: each step's state launch
-    must see the previous step's state and conv slot (the norm launch before it has ended); each step's output is
-    checked."""
-    B, H, K, steps = 33, 64, 128, 3
-    a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, dtype=torch.bfloat16)
+GRAPH_STEP_CASES = [(33, torch.float32, dict(pdl=True, **PDL_LAYOUTS[0])),  # the dependent norm launch
+                    (67, torch.float32, {}), (67, torch.bfloat16, {}),  # the defaults: two micro-batches
+                    (67, torch.bfloat16, dict(grid="tiles", BV=64, num_warps=4, micro_batches=3))]
+
+
+@pytest.mark.parametrize("B,state_dtype,launch", GRAPH_STEP_CASES,
+                         ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
+def test_layer_decode_graph_steps(B, state_dtype, launch):
+    """Three decode steps replayed from one CUDA graph: each step's launches must see the previous step's state
+    and conv slot (after a dependent norm launch has ended; after both streams of the micro-batches have joined);
+    each step's output is checked."""
+    H, K, steps = 64, 128, 3
+    a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, state_dtype=state_dtype, dtype=torch.bfloat16)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
     out = torch.empty((B, H, K), dtype=torch.bfloat16, device="cuda")
     layer.kda_layer_decode_launch(**{**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()},
-                                  out=out, pdl=True, **layout)  # compiles outside the capture
+                                  out=out, **launch)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer.kda_layer_decode_launch(**a, out=out, pdl=True, **layout)
+        layer.kda_layer_decode_launch(**a, out=out, **launch)
     rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
     for _ in range(steps):
         out.fill_(float("nan"))
@@ -233,6 +239,22 @@ def test_layer_decode_pdl_graph_steps(layout):
         cases.assert_close("o", out, ref, rel, atol, rtol)
     cases.assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
     assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,micro_batches", [(67, 2), (67, 4), (64, 3), (2, 2)])
+def test_layer_decode_micro_batches_match(B, micro_batches, state_dtype):
+    """Micro-batches on two streams give the single launch's output and states bit for bit (the same kernels
+    on disjoint rows and slots), eager, at the configuration for the whole batch."""
+    a = cases.layer_decode_inputs("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16)
+    results = []
+    for n in (1, micro_batches):
+        x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
+        out = torch.full((B, 64, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer.kda_layer_decode_launch(**x, out=out, micro_batches=n)
+        results.append((out, x["conv_state"], x["state"]))
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("heads", HEADS_OPTIONS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))

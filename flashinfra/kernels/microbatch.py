@@ -1,0 +1,47 @@
+"""Micro-batches on two streams: a batch's rows cut into consecutive ranges, each range's launches issued in
+order on one stream, the ranges alternating between the caller's stream and a side stream. One range's short
+launches, bound by their latency (a KDA decode layer's prep and norm launches), then run beside another range's
+long one, bound by memory bandwidth (its state launch), instead of leaving the bandwidth idle before and after it
+(bench/notes/kda_decode.md, "Micro-batches on two streams").
+
+The side stream waits for the caller's stream before its first launch, and the caller's stream waits for the side
+stream after the last, so the caller sees one ordered operation; inside CUDA graph capture the fork and join are
+captured with it. Off CUDA the ranges run one after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def micro_ranges(B: int, n: int) -> list[tuple[int, int]]:
+    """``n`` consecutive row ranges of ``B`` rows (at most ``B``), as even as integers allow."""
+    n = max(1, min(n, B))
+    cuts = [B * i // n for i in range(n + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, kept for the process (a pool stream: no CUDA call inside a graph capture)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index)
+    return _SIDE[index]
+
+
+def on_two_streams(ranges: list[tuple[int, int]], launch: Callable[[int, int], None], device: torch.device) -> None:
+    """``launch(lo, hi)`` for each range, the first on the current stream, the next on the side stream, and so on."""
+    if len(ranges) == 1 or device.type != "cuda":
+        for lo, hi in ranges:
+            launch(lo, hi)
+        return
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    side.wait_stream(main)
+    for i, (lo, hi) in enumerate(ranges):
+        with torch.cuda.stream(side if i % 2 else main):
+            launch(lo, hi)
+    main.wait_stream(side)
