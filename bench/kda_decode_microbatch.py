@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -29,10 +30,14 @@ from flashinfra.kernels.kda_layer_decode import decode_config, kda_layer_decode_
 from flashinfra.kernels.microbatch import on_two_streams  # noqa: E402
 
 ROW_ARGS = ("qkv", "g_raw", "beta_logits", "gate", "state_slots")  # the per-sequence inputs; the rest are shared
+BLOCK64 = dict(grid="block", BV=64, num_warps=4, maxnreg=128)  # no prep launch: the state kernel does the head work
 # name -> micro-batches of the launcher (``micro_batches``), or fractions of the batch per range with the streams:
-# "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream
+# "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream;
+# and optionally the first range's own launch options (the block layout: nothing launched before its state kernel)
 VARIANTS = {"single": 1, "mb2": 2, "mb3": 3, "mb4": 4, "mb2_one_stream": ((1, 1), "one"), "mb_1_3": ((1, 3), "two"),
-            "mb_1_2_1": ((1, 2, 1), "two")}
+            "mb_1_2_1": ((1, 2, 1), "two"), "blockA_1_1": ((1, 1), "two", BLOCK64),
+            "blockA_1_3": ((1, 3), "two", BLOCK64), "blockA_1_7": ((1, 7), "two", BLOCK64),
+            "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2))}
 
 
 def ranges_of(B: int, parts: tuple) -> list[tuple[int, int]]:
@@ -42,15 +47,16 @@ def ranges_of(B: int, parts: tuple) -> list[tuple[int, int]]:
 
 def one_call(variant, a: dict, cfg: dict) -> torch.Tensor:
     """One layer call: the launcher with ``micro_batches`` (an int), or its ranges launched here at the whole
-    batch's configuration (``cfg``) on two streams or one."""
+    batch's configuration (``cfg``; the first range at its own options where the variant gives them) on two
+    streams or one."""
     if isinstance(variant, int):
         return kda_layer_decode_launch(**a, micro_batches=variant)
-    parts, streams = variant
+    parts, streams, *first = variant
     out = torch.empty(a["qkv"].shape[0], H, V, dtype=a["qkv"].dtype, device="cuda")
 
     def rows(lo: int, hi: int) -> None:
         kda_layer_decode_launch(**{k: (x[lo:hi] if k in ROW_ARGS else x) for k, x in a.items()}, out=out[lo:hi],
-                                **{**cfg, "micro_batches": 1})
+                                **(first[0] if first and lo == 0 else {**cfg, "micro_batches": 1}))
 
     ranges = ranges_of(out.shape[0], parts)
     if streams == "two":
@@ -71,14 +77,15 @@ def graph_us(fn, calls: int, replays: int = 20) -> float:
     return time_eager(many, iters=20, warmup=2) / (replays * calls)
 
 
-def row_for(B: int) -> dict:
+def row_for(B: int, names: list[str]) -> dict:
     row = {"B": B}
     for dt, sdt, nbytes in (("fp32", torch.float32, 4), ("bf16", torch.bfloat16, 2)):
         a = layer_inputs(B, sdt, seed=B)
         cfg = dict(decode_config(B, sdt))
         row[f"config_{dt}"] = cfg
         want = None
-        for name, variant in VARIANTS.items():
+        for name in names:
+            variant = VARIANTS[name]
             # every case starts from copies of the same states; its results are checked against the first's
             x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
             call = (lambda x=x, v=variant: one_call(v, x, cfg))
@@ -98,18 +105,21 @@ def main() -> int:
     ap.add_argument("--batches", default="16,32,48,64,128,256")
     ap.add_argument("--out", help="also copy the JSON into this folder")
     ap.add_argument("--name", default="kda_decode_microbatch", help="the results file's name")
+    ap.add_argument("--variants", default="", help="time only the variants matching this regular expression (and "
+                    "the single launch, always first: the others are checked against it)")
     args = ap.parse_args()
     res = header() | {"copy_GBps": copy_bandwidth_GBps(), "rows": []}
     print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
+    names = ["single"] + [n for n in VARIANTS if n != "single" and re.search(args.variants, n)]
     for B in (int(b) for b in args.batches.split(",")):
-        row = row_for(B)
+        row = row_for(B, names)
         for key in [k for k in row if k.endswith("_frac_copy")]:
             row[key] /= res["copy_GBps"]
         res["rows"].append(row)
         write_results(args.name, res, args.out)
         print(f"B={B}")
         for dt in ("fp32", "bf16"):
-            for name in VARIANTS:
+            for name in names:
                 print(f"  {dt} {name:12s} graph1 {row[f'{dt}_{name}_graph1_us']:7.1f} us "
                       f"({row[f'{dt}_{name}_graph1_frac_copy']:.3f})  graph10 {row[f'{dt}_{name}_graph10_us']:7.1f} us "
                       f"({row[f'{dt}_{name}_graph10_frac_copy']:.3f})  maxdiff {row[f'{dt}_{name}_maxdiff']:.1e}",

@@ -283,7 +283,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     launch's end. ``dot_sums`` (the tiles layout, a bf16 state): the state step's sums over K as one tensor-core
     product (``state_step_dot``). ``micro_batches``: the batch cut into that many row ranges, each launched
     with the options resolved for the whole batch, alternately on the caller's stream and a side stream
-    (microbatch.py; one range's prep and norm launches run beside another's state launch)."""
+    (microbatch.py; one range's prep and norm launches run beside another's state launch); by default the
+    configuration's inside a CUDA graph capture, one outside."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
@@ -298,6 +299,11 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
                 micro_batches=1)
     if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
         base.update((n, v) for n, v in cfg.items() if n in base)
+    if not (qkv.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # the configuration's micro-batches only inside a CUDA graph: eager, the host's time per launch, which they
+        # double, is longer than the layer's GPU time (B=64 fp32 in bench/results/kda_decode.json: 327 us a call
+        # eager, 150 in a graph; 694 eager with two micro-batches), so there is no GPU idle time for them to fill
+        base["micro_batches"] = 1
     maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
     prep_warps = base["prep_warps"] if prep_warps is None else prep_warps
     norm_warps = base["norm_warps"] if norm_warps is None else norm_warps

@@ -18,11 +18,13 @@ import torch
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def micro_ranges(B: int, n: int) -> list[tuple[int, int]]:
-    """``n`` consecutive row ranges of ``B`` rows (at most ``B``), as even as integers allow."""
-    n = max(1, min(n, B))
-    cuts = [B * i // n for i in range(n + 1)]
-    return list(zip(cuts, cuts[1:]))
+def micro_ranges(B: int, n: int, align: int = 4) -> list[tuple[int, int]]:
+    """At most ``n`` consecutive, non-empty row ranges covering ``B`` rows, as even as cuts at multiples of ``align``
+    rows allow (fewer where ``B`` is small). At 4 rows a range's per-row pointers (int32 slots and wider) keep the
+    16-byte alignment that Triton specialises a kernel on, so the ranges' launches run the kernels compiled for the
+    whole batch, also when only the whole batch ran before a CUDA graph's capture."""
+    cuts = sorted({0, B, *(min(B, align * round(B * i / (n * align))) for i in range(1, n))})
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

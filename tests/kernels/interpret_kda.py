@@ -242,12 +242,12 @@ def test_layer_decode_wide_conv(grid, state_dtype, launch):
 
 
 @pytest.mark.parametrize("grid,state_dtype,B,micro_batches", [
-    ("prep", torch.float32, 5, 2), ("tiles", torch.bfloat16, 3, 3), ("block", torch.bfloat16, 4, 2),
-    ("stream", torch.float32, 2, 4),  # more micro-batches than rows: one row each
+    ("prep", torch.float32, 9, 2), ("tiles", torch.bfloat16, 13, 3), ("block", torch.bfloat16, 8, 2),
+    ("stream", torch.float32, 5, 4),  # fewer rows than 4-row cuts for four ranges: two
 ])
 def test_layer_decode_micro_batches(grid, state_dtype, B, micro_batches):
     """The batch cut into row ranges (here one after another: the two streams are CUDA's), each launched with
-    the options resolved for the whole batch: every range's rows, slots and output rows, odd splits."""
+    the options resolved for the whole batch: every range's rows, slots and output rows, uneven ranges."""
     cases.layer_decode("cpu", B=B, H=2, K=24, state_dtype=state_dtype, grid=grid, BV=16, micro_batches=micro_batches)
 
 
@@ -257,7 +257,7 @@ def test_layer_decode_default_config(B, state_dtype):
     """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
     launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
     prep layout (fp32 state) or the streaming layout (bf16), each with two-head prep and four-head norm launches;
-    B=33 the prep layout or the tiles layout, with one-head prep launches, in two micro-batches."""
+    B=33 the prep layout or the tiles layout, with one-head prep launches (its micro-batches are for CUDA graphs)."""
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 
 

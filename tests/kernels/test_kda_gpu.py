@@ -9,6 +9,7 @@ from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer
 from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS
 from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
+from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from tests.kernels import kda_cases as cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -217,11 +218,19 @@ GRAPH_STEP_CASES = [(33, torch.float32, dict(pdl=True, **PDL_LAYOUTS[0])),  # th
 
 @pytest.mark.parametrize("B,state_dtype,launch", GRAPH_STEP_CASES,
                          ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
-def test_layer_decode_graph_steps(B, state_dtype, launch):
+def test_layer_decode_graph_steps(B, state_dtype, launch, monkeypatch):
     """Three decode steps replayed from one CUDA graph: each step's launches must see the previous step's state
     and conv slot (after a dependent norm launch has ended; after both streams of the micro-batches have joined);
-    each step's output is checked."""
+    each step's output is checked. The row ranges launched are recorded: the configuration's micro-batches
+    only inside the capture."""
     H, K, steps = 64, 128, 3
+    ranges = []
+
+    def recorded(rs, launch_rows, device):
+        ranges.append(rs)
+        on_two_streams(rs, launch_rows, device)
+
+    monkeypatch.setattr(layer, "on_two_streams", recorded)
     a = cases.layer_decode_inputs("cuda", B=B, H=H, K=K, state_dtype=state_dtype, dtype=torch.bfloat16)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
     out = torch.empty((B, H, K), dtype=torch.bfloat16, device="cuda")
@@ -230,6 +239,10 @@ def test_layer_decode_graph_steps(B, state_dtype, launch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layer.kda_layer_decode_launch(**a, out=out, **launch)
+    # a caller's own layout takes none of the configuration's options, micro-batches included
+    default = 1 if "grid" in launch else layer.decode_config(B, state_dtype).get("micro_batches", 1)
+    eager, captured = launch.get("micro_batches", 1), launch.get("micro_batches", default)
+    assert ranges == [micro_ranges(B, n) for n in (eager, captured) if n > 1], "the row ranges of the two calls"
     rel, atol, rtol = cases.tolerances(torch.bfloat16, "cuda")
     for _ in range(steps):
         out.fill_(float("nan"))
@@ -242,7 +255,7 @@ def test_layer_decode_graph_steps(B, state_dtype, launch):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,micro_batches", [(67, 2), (67, 4), (64, 3), (2, 2)])
+@pytest.mark.parametrize("B,micro_batches", [(67, 2), (67, 4), (64, 3), (9, 2)])
 def test_layer_decode_micro_batches_match(B, micro_batches, state_dtype):
     """Micro-batches on two streams give the single launch's output and states bit for bit (the same kernels
     on disjoint rows and slots), eager, at the configuration for the whole batch."""
