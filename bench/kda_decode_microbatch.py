@@ -32,12 +32,29 @@ from flashinfra.kernels.microbatch import on_two_streams  # noqa: E402
 ROW_ARGS = ("qkv", "g_raw", "beta_logits", "gate", "state_slots")  # the per-sequence inputs; the rest are shared
 BLOCK64 = dict(grid="block", BV=64, num_warps=4, maxnreg=128)  # no prep launch: the state kernel does the head work
 # name -> micro-batches of the launcher (``micro_batches``), or fractions of the batch per range with the streams:
-# "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream;
+# "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream,
+# "hiA" the first of two ranges on a high-priority stream;
 # and optionally the first range's own launch options (the block layout: nothing launched before its state kernel)
 VARIANTS = {"single": 1, "mb2": 2, "mb3": 3, "mb4": 4, "mb2_one_stream": ((1, 1), "one"), "mb_1_3": ((1, 3), "two"),
             "mb_1_2_1": ((1, 2, 1), "two"), "blockA_1_1": ((1, 1), "two", BLOCK64),
             "blockA_1_3": ((1, 3), "two", BLOCK64), "blockA_1_7": ((1, 7), "two", BLOCK64),
-            "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2))}
+            "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2)),
+            "hiA_1_1": ((1, 1), "hiA"), "hiA_1_3": ((1, 3), "hiA"), "hiA_3_1": ((3, 1), "hiA")}
+_HIGH: list = []  # a high-priority stream for the "hiA" variants
+
+
+def first_range_high(ranges: list[tuple[int, int]], launch) -> None:
+    """Two ranges: the first on a high-priority side stream, the second on the caller's stream, so that the first
+    range's state launch is dispatched ahead of the second range's prep launch once its own prep has ended."""
+    main = torch.cuda.current_stream()
+    if not _HIGH:
+        _HIGH.append(torch.cuda.Stream(priority=-1))
+    high = _HIGH[0]
+    high.wait_stream(main)
+    with torch.cuda.stream(high):
+        launch(*ranges[0])
+    launch(*ranges[1])
+    main.wait_stream(high)
 
 
 def ranges_of(B: int, parts: tuple) -> list[tuple[int, int]]:
@@ -61,6 +78,8 @@ def one_call(variant, a: dict, cfg: dict) -> torch.Tensor:
     ranges = ranges_of(out.shape[0], parts)
     if streams == "two":
         on_two_streams(ranges, rows, out.device)
+    elif streams == "hiA":
+        first_range_high(ranges, rows)
     else:
         for lo, hi in ranges:
             rows(lo, hi)
