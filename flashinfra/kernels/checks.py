@@ -123,15 +123,22 @@ def _check_layer(name: str, state_dtype: torch.dtype) -> list[CheckResult]:
     a = _layer_inputs(dev, 5, _sizes(dev)["H"], _sizes(dev)["K"], state_dtype, act)
     r = {n: _f64(t) for n, t in a.items()}
     ref = layer.kda_layer_decode_ref(**r)
+    split = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
     out = torch.full(ref.shape, NAN, dtype=act, device=dev)
     layer.kda_layer_decode_launch(**a, out=out)
+    # the same step in two micro-batches (rows 0-3 and 4; on two streams on CUDA): the same results, bit for bit
+    out_split = torch.full(ref.shape, NAN, dtype=act, device=dev)
+    layer.kda_layer_decode_launch(**split, out=out_split, micro_batches=2)
     # bf16 activations (CUDA): the kernels round the conv outputs to bf16 as the unfused conv does and the float64
     # reference does not, so the output and the new state carry that rounding (the GPU tests' bounds)
     exact = state_dtype == torch.float32 and act == torch.float32
     o_tol = {} if act == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     state_tol = dict(atol=1e-5, rtol=1e-4) if exact else dict(atol=1e-2, rtol=1e-2)
     return [compare(f"{name}.o", out, ref, **o_tol), compare(f"{name}.state", a["state"], r["state"], **state_tol),
-            compare(f"{name}.conv_state", a["conv_state"], r["conv_state"], atol=0, rtol=0)]
+            compare(f"{name}.conv_state", a["conv_state"], r["conv_state"], atol=0, rtol=0),
+            *(compare(f"{name}.micro_batches.{n}", x, y, atol=0, rtol=0) for n, x, y in (
+                ("o", out_split, out), ("state", split["state"], a["state"]),
+                ("conv_state", split["conv_state"], a["conv_state"])))]
 
 
 @register_check("kda.layer_decode", tags=("kernel", "kda", "triton"))
