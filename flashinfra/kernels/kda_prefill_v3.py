@@ -151,8 +151,8 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
-                solve_precision: str | None = None, b_block: int = 32, b_warps: int = 4,
-                b_maxnreg: int | None = 168, b_precision: str | None = None):
+                solve_precision: str | None = None, b_block: int = 32, b_value_block: int | None = None,
+                b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -162,7 +162,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
-    kda_prefill_intra64_b.py: column blocks of ``b_block``, ``b_warps`` warps, at most ``b_maxnreg`` registers
+    kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block`` (by
+    default ``b_block``), ``b_warps`` warps, at most ``b_maxnreg`` registers
     per thread or None: 168 fits three programs per SM instead of two, without spills; its two products with Ai
     in ``b_precision``, by default ``local_precision``: "bf16x3" makes the final state's error against float64
     about 35 times smaller, 3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an
@@ -177,7 +178,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
     if b_maxnreg is not None and not 32 <= b_maxnreg <= 255:
         raise ValueError(f"kda_prefill v3: b_maxnreg must be None or in [32, 255], got {b_maxnreg}")
-    for name, n in (("KS", KS), ("b_block", b_block), ("a_ks", a_ks)):
+    b_value_block = b_value_block or b_block
+    for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages is None:
@@ -256,7 +258,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     def intra_b():
         fast(kda_intra64_b_kernel)[(nch, H)](
             q, k, v, gc, bc, cu_t, idx, ai, rn, wqk, u, egl, q.stride(0), k.stride(0), v.stride(0),
-            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_block, V), PRECISION=b_prec,
+            H=H, K=K, V=V, BK=min(b_block, K), BVB=min(b_value_block, V), PRECISION=b_prec,
             DOT_F32=env.triton_interpret(), num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )
 

@@ -57,6 +57,8 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="tf32x3")),  # A's merge in tf32x3
     ([1, 70, 33], dict(V=32, b_block=16, decay=0.1, b_precision="bf16x3")),  # B's products in three bf16 ones
+    # B's value blocks wider than its key blocks: two of each
+    ([1, 70, 33], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3)),
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
