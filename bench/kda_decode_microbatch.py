@@ -31,7 +31,8 @@ from flashinfra.kernels.microbatch import on_two_streams  # noqa: E402
 
 ROW_ARGS = ("qkv", "g_raw", "beta_logits", "gate", "state_slots")  # the per-sequence inputs; the rest are shared
 BLOCK64 = dict(grid="block", BV=64, num_warps=4, maxnreg=128)  # no prep launch: the state kernel does the head work
-# name -> micro-batches of the launcher (``micro_batches``), or fractions of the batch per range with the streams:
+# name -> micro-batches of the launcher (``micro_batches``), or its options (a dict), or fractions of the batch per
+# range with the streams:
 # "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream,
 # "hiA" the first of two ranges on a high-priority stream;
 # and optionally the first range's own launch options (the block layout: nothing launched before its state kernel)
@@ -39,7 +40,12 @@ VARIANTS = {"single": 1, "mb2": 2, "mb3": 3, "mb4": 4, "mb2_one_stream": ((1, 1)
             "mb_1_2_1": ((1, 2, 1), "two"), "blockA_1_1": ((1, 1), "two", BLOCK64),
             "blockA_1_3": ((1, 3), "two", BLOCK64), "blockA_1_7": ((1, 7), "two", BLOCK64),
             "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2)),
-            "hiA_1_1": ((1, 1), "hiA"), "hiA_1_3": ((1, 3), "hiA"), "hiA_3_1": ((3, 1), "hiA")}
+            "hiA_1_1": ((1, 1), "hiA"), "hiA_1_3": ((1, 3), "hiA"), "hiA_3_1": ((3, 1), "hiA"),
+            # the layout of the larger batches (a bf16 state's above B=32) at smaller ones, whole and in two
+            "tiles": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, norm_heads=4),
+            "tiles_mb2": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1,
+                              norm_heads=4, micro_batches=2),
+            "stream": dict(grid="stream", BV=32, num_warps=2, prep_heads=2, norm_heads=4)}  # a bf16 state's up to B=8
 _HIGH: list = []  # a high-priority stream for the "hiA" variants
 
 
@@ -68,6 +74,8 @@ def one_call(variant, a: dict, cfg: dict) -> torch.Tensor:
     streams or one."""
     if isinstance(variant, int):
         return kda_layer_decode_launch(**a, micro_batches=variant)
+    if isinstance(variant, dict):
+        return kda_layer_decode_launch(**a, **variant)
     parts, streams, *first = variant
     out = torch.empty(a["qkv"].shape[0], H, V, dtype=a["qkv"].dtype, device="cuda")
 
@@ -105,6 +113,8 @@ def row_for(B: int, names: list[str]) -> dict:
         want = None
         for name in names:
             variant = VARIANTS[name]
+            if isinstance(variant, dict) and variant.get("dot_sums") and sdt != torch.bfloat16:
+                continue  # the tensor-core step takes a bf16 state only
             # every case starts from copies of the same states; its results are checked against the first's
             x = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
             call = (lambda x=x, v=variant: one_call(v, x, cfg))
@@ -138,7 +148,7 @@ def main() -> int:
         write_results(args.name, res, args.out)
         print(f"B={B}")
         for dt in ("fp32", "bf16"):
-            for name in names:
+            for name in (n for n in names if f"{dt}_{n}_graph1_us" in row):
                 print(f"  {dt} {name:12s} graph1 {row[f'{dt}_{name}_graph1_us']:7.1f} us "
                       f"({row[f'{dt}_{name}_graph1_frac_copy']:.3f})  graph10 {row[f'{dt}_{name}_graph10_us']:7.1f} us "
                       f"({row[f'{dt}_{name}_graph10_frac_copy']:.3f})  maxdiff {row[f'{dt}_{name}_maxdiff']:.1e}",

@@ -193,35 +193,35 @@ GRIDS = ("block", "prep", "stream", "tiles")
 
 
 def decode_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Launch options per batch size and state dtype: at each size timed in a CUDA graph on an H200 (B=1, 16,
-    64, 256; H=64, K=V=128; bench/results/kda_decode.json) the fastest variant where it beat the previous choice
-    by more than 0.5%, else the previous choice; between timed sizes the nearer one (midpoints 32 and 128).
+    """Launch options per batch size and state dtype: at each size timed in a CUDA graph on an H200 (H=64,
+    K=V=128; bench/results/kda_decode.json, kda_decode_microbatch*.json) the fastest variant where it beat the
+    previous choice by more than 0.5%, else the previous choice; between timed sizes the nearer one.
     B=1: the block layout ([K, 32] on 2 warps) with its norm launch dependent (``pdl``, 4-8% faster): the other
-    layouts' extra launches cost more than they save for one sequence. fp32 state: the prep layout ([K, 64] on
-    4 warps at most 128 registers, four programs per SM; the state kernel is near the copy bandwidth). bf16
-    state: the streaming layout ([K, 32] on 2 warps) up to B=32, above it one program per [K, 64] tile on 4 warps
-    capped at 96 registers, with the step's sums over K on the tensor cores (``dot_sums``: 91.5 / 333.4 us at B=64 /
-    256 against 92.0 / 336.8; bench/results/kda_decode_dot_sums_layer.json). Above B=1, with the norm launch 4
-    heads per program and the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
-    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (fp32 1.1-1.3% faster at B=64 and
-    256 in seven runs, bf16 2.5-3.2%; bench/results/kda_decode_prep_one_head_4heads_norm.json). Two micro-batches
-    on two streams (``micro_batches``; timed at B=8, 12, 16, 32, 48, 64, 128, 256,
-    bench/results/kda_decode_microbatch.json and _small.json): fp32 from B=8 (at B=8 / 16 / 64 / 256 20.9 / 43.5 /
-    148.3 / 565.0 us against 21.6 / 46.8 / 151.4 / 569.6; at B=32 within 1%), bf16 above B=32, the tiles layout
-    (89.1 / 333.5 against 91.9 / 337.4 at B=64 / 256; the streaming layout's persistent programs leave nothing to
-    overlap: 28.5 against 25.7 at B=16)."""
+    layouts' extra launches cost more than they save for one sequence.
+    fp32 state: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM; the state kernel is
+    near the copy bandwidth), the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
+    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (1.1-1.3% faster at B=64 and 256 in
+    seven runs; bench/results/kda_decode_prep_one_head_4heads_norm.json).
+    bf16 state: the streaming layout ([K, 32] on 2 warps, the prep launch 2 heads per program) up to B=8; above it
+    one program per [K, 64] tile on 4 warps capped at 96 registers with the step's sums over K on the tensor cores
+    (``dot_sums``), the prep launch one head per program (at B=16 / 24 / 32 24.2 / 40.1 / 51.6 us against the
+    streaming layout's 26.3 / 44.0 / 55.9, bench/results/kda_decode_microbatch_bf16_small.json; at B=64 / 256
+    91.5 / 333.4 against 92.0 / 336.8 without ``dot_sums``, kda_decode_dot_sums_layer.json).
+    The norm launch 4 heads per program above B=1.
+    Two micro-batches on two streams (``micro_batches``, inside CUDA graphs; bench/results/kda_decode_microbatch.json,
+    _small.json, _bf16_small.json): fp32 from B=8 (at B=8 / 16 / 64 / 256 20.9 / 43.5 / 148.3 / 565.0 us against
+    21.6 / 46.8 / 151.4 / 569.6; at B=32 within 1%), bf16 from B=24 (37.5 / 47.8 at B=24 / 32 against 40.1 / 51.6,
+    89.1 / 333.5 at B=64 / 256 against 91.9 / 337.4; equal at B=16)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
-    micro = dict(micro_batches=2) if B >= 8 else {}
-    if B <= 32:
-        heads = dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4)
-        if state_dtype == torch.float32:
-            return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads, **micro)
-        return dict(grid="stream", BV=32, num_warps=2, **heads)
-    heads = dict(prep_heads=1, prep_warps=4, norm_heads=4, norm_warps=4, micro_batches=2)
+    norm = dict(prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
-        return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, **heads)
-    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, **heads)
+        return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, **norm,
+                    **(dict(micro_batches=2) if B >= 8 else {}))
+    if B <= 8:
+        return dict(grid="stream", BV=32, num_warps=2, prep_heads=2, **norm)
+    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, **norm,
+                **(dict(micro_batches=2) if B > 20 else {}))
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,

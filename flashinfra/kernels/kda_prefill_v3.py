@@ -151,7 +151,7 @@ def kda_state64_kernel(
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
-                solve_precision: str | None = None, b_block: int = 32, b_value_block: int | None = None,
+                solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
@@ -162,14 +162,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
-    kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block`` (by
-    default ``b_block``), ``b_warps`` warps, at most ``b_maxnreg`` registers
-    per thread or None: 168 fits three programs per SM instead of two, without spills; its two products with Ai
-    in ``b_precision``, by default ``local_precision``: "bf16x3" makes the final state's error against float64
-    about 35 times smaller, 3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an
-    H200), the state
-    pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest
-    measured on an H200 (bench/notes/kda_prefill.md)."""
+    kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block`` (64: B 3%
+    faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps, at most
+    ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without spills;
+    its two products with Ai in ``b_precision``, by default ``local_precision``: "bf16x3" makes the final state's
+    error against float64 about 35 times smaller, 3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the
+    whole pass on an H200), the state pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or
+    2). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -178,7 +177,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
     if b_maxnreg is not None and not 32 <= b_maxnreg <= 255:
         raise ValueError(f"kda_prefill v3: b_maxnreg must be None or in [32, 255], got {b_maxnreg}")
-    b_value_block = b_value_block or b_block
     for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")

@@ -54,10 +54,11 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 100, 37], dict(decay=0.1)),  # the default options; a one-token sequence
     ([37, 64, 0], dict(decay=0.1)),  # an empty last sequence (its chunk offset is the end of the scratch)
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5)),
-    ([1, 70, 33], dict(V=32, b_block=16, decay=0.3)),  # B in two key and two value blocks, each loaded a block ahead
+    # B in two key and two value blocks, each loaded a block ahead
+    ([1, 70, 33], dict(V=32, b_block=16, b_value_block=16, decay=0.3)),
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, solve_precision="tf32x3")),  # A's merge in tf32x3
-    ([1, 70, 33], dict(V=32, b_block=16, decay=0.1, b_precision="bf16x3")),  # B's products in three bf16 ones
-    # B's value blocks wider than its key blocks: two of each
+    ([1, 70, 33], dict(V=32, b_block=16, b_value_block=16, decay=0.1, b_precision="bf16x3")),  # B's products in bf16x3
+    # B's value blocks wider than its key blocks (the default's 32 and 64 at K=V=128): two of each
     ([1, 70, 33], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3)),
 ])
 def test_prefill_v3_split(lens, kw):
