@@ -202,24 +202,23 @@ def decode_config(B: int, state_dtype: torch.dtype) -> dict:
     near the copy bandwidth), the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
     bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (1.1-1.3% faster at B=64 and 256 in
     seven runs; bench/results/kda_decode_prep_one_head_4heads_norm.json).
-    bf16 state: the streaming layout ([K, 32] on 2 warps, the prep launch 2 heads per program) up to B=8; above it
-    one program per [K, 64] tile on 4 warps capped at 96 registers with the step's sums over K on the tensor cores
-    (``dot_sums``), the prep launch one head per program (at B=16 / 24 / 32 24.2 / 40.1 / 51.6 us against the
-    streaming layout's 26.3 / 44.0 / 55.9, bench/results/kda_decode_microbatch_bf16_small.json; at B=64 / 256
-    91.5 / 333.4 against 92.0 / 336.8 without ``dot_sums``, kda_decode_dot_sums_layer.json).
+    bf16 state: one program per [K, 64] tile on 4 warps capped at 96 registers with the step's sums over K on the
+    tensor cores (``dot_sums``), the prep launch one head per program (at B=2 / 4 / 8 / 12 / 16 / 24 / 32 9.4 /
+    11.4 / 15.4 / 19.6 / 24.2 / 40.1 / 51.6 us against the streaming layout's 10.6 / 12.4 / 15.9 / 20.5 / 26.3 /
+    44.0 / 55.9, bench/results/kda_decode_microbatch_bf16_tiny.json and _bf16_small.json; at B=64 / 256 91.5 /
+    333.4 against 92.0 / 336.8 without ``dot_sums``, kda_decode_dot_sums_layer.json).
     The norm launch 4 heads per program above B=1.
     Two micro-batches on two streams (``micro_batches``, inside CUDA graphs; bench/results/kda_decode_microbatch.json,
     _small.json, _bf16_small.json): fp32 from B=8 (at B=8 / 16 / 64 / 256 20.9 / 43.5 / 148.3 / 565.0 us against
     21.6 / 46.8 / 151.4 / 569.6; at B=32 within 1%), bf16 from B=24 (37.5 / 47.8 at B=24 / 32 against 40.1 / 51.6,
-    89.1 / 333.5 at B=64 / 256 against 91.9 / 337.4; equal at B=16)."""
+    89.1 / 333.5 at B=64 / 256 against 91.9 / 337.4; equal at B=16, slower at B=8 and 12: 21.1 / 25.2 against
+    15.4 / 19.6)."""
     if B <= 1:
         return dict(grid="block", BV=32, num_warps=2, pdl=True)
     norm = dict(prep_warps=4, norm_heads=4, norm_warps=4)
     if state_dtype == torch.float32:
         return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, **norm,
                     **(dict(micro_batches=2) if B >= 8 else {}))
-    if B <= 8:
-        return dict(grid="stream", BV=32, num_warps=2, prep_heads=2, **norm)
     return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, **norm,
                 **(dict(micro_batches=2) if B > 20 else {}))
 

@@ -259,7 +259,7 @@ def test_layer_decode_micro_batches(grid, state_dtype, B, micro_batches):
 def test_layer_decode_default_config(B, state_dtype):
     """The launcher's own choice (``decode_config``): B=1 the block layout with ``pdl`` (which only reaches the
     launcher here: the interpreter runs the launches in order; the GPU tests run the dependent launch); B=3 the
-    prep layout (fp32 state) or the streaming layout (bf16), each with two-head prep and four-head norm launches;
+    prep layout with two-head prep launches (fp32 state) or the tiles layout (bf16), with four-head norm launches;
     B=33 the prep layout or the tiles layout, with one-head prep launches (its micro-batches are for CUDA graphs)."""
     cases.layer_decode("cpu", B=B, H=3, K=24, state_dtype=state_dtype)
 

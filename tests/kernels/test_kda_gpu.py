@@ -130,7 +130,7 @@ def test_decode_dot_sums_real_size(B, BV, num_warps):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [1, 33, 67])
+@pytest.mark.parametrize("B", [1, 2, 33, 67])
 def test_layer_decode_real_size(B, state_dtype):
     """The configuration ``decode_config`` picks for B."""
     cases.layer_decode("cuda", B=B, H=64, K=128, state_dtype=state_dtype, dtype=torch.bfloat16)
