@@ -301,8 +301,8 @@ def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     if not (qkv.is_cuda and torch.cuda.is_current_stream_capturing()):
         # the configuration's micro-batches only inside a CUDA graph: eager, the host's time per launch, which they
         # double, is longer than the layer's GPU time (B=64 fp32 on an H200: 234 us a call eager, 146 in a graph,
-        # bench/results/kda_decode.json; 694 eager with two micro-batches, kda_decode_micro_eager.json), so there
-        # is no GPU idle time for them to fill
+        # bench/results/kda_decode_micro_graph_only.json; 694 eager with two micro-batches,
+        # kda_decode_micro_eager.json), so there is no GPU idle time for them to fill
         base["micro_batches"] = 1
     maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
     prep_warps = base["prep_warps"] if prep_warps is None else prep_warps
