@@ -214,9 +214,11 @@ def main() -> int:
                     cases[f"ours_recurrence_{dt}_BV{bv}_w{nw}" + (f"_r{cap}" if cap else "")] = (
                         lambda s=st, b=bv, w=nw, c=cap: kda_decode_launch(q, k, v, g, beta, s, slots, BV=b,
                                                                           num_warps=w, maxnreg=c))
-            # each launch of the default layout and of the streaming layouts' lead variants alone (graph)
+            # each launch of the default layout and of the streaming layouts' lead variants alone (graph), for the
+            # whole batch (the micro-batches' two streams would overlap what this splits)
             for dt, inputs, sdt in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
                 cfg = dict(decode_config(B, sdt))
+                cfg.pop("micro_batches", None)
                 default = (cfg.pop("grid"), cfg.pop("BV"), cfg.pop("num_warps"), cfg)
                 heads = [(*default[:3], {**default[3], **o}, ("prep", "norm")) for o in HEADS_OPTIONS]
                 for grid, bv, nw, *opt in (default, ("stream", 64, 4, PLAIN4), ("prep", 64, 4), ("tiles", 64, 4),
