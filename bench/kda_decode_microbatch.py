@@ -41,11 +41,12 @@ VARIANTS = {"single": 1, "mb2": 2, "mb3": 3, "mb4": 4, "mb2_one_stream": ((1, 1)
             "blockA_1_3": ((1, 3), "two", BLOCK64), "blockA_1_7": ((1, 7), "two", BLOCK64),
             "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2)),
             "hiA_1_1": ((1, 1), "hiA"), "hiA_1_3": ((1, 3), "hiA"), "hiA_3_1": ((3, 1), "hiA"),
-            # the layout of the larger batches (a bf16 state's above B=32) at smaller ones, whole and in two
+            # a bf16 state's layouts at small batches: the tiles layout with the tensor-core step, whole and in two,
+            # and the streaming layout (persistent programs)
             "tiles": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, norm_heads=4),
             "tiles_mb2": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1,
                               norm_heads=4, micro_batches=2),
-            "stream": dict(grid="stream", BV=32, num_warps=2, prep_heads=2, norm_heads=4)}  # a bf16 state's up to B=8
+            "stream": dict(grid="stream", BV=32, num_warps=2, prep_heads=2, norm_heads=4)}
 _HIGH: list = []  # a high-priority stream for the "hiA" variants
 
 
