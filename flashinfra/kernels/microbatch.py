@@ -27,12 +27,16 @@ def micro_ranges(B: int, n: int, align: int = 4) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device, kept for the process (a pool stream: no CUDA call inside a graph capture)."""
+def side_stream(device: torch.device, avoid: torch.cuda.Stream) -> torch.cuda.Stream:
+    """One side stream per device, kept for the process, other than ``avoid`` (the caller's stream). It comes from
+    torch's stream pool, which a capture has set up before it starts (its own stream comes from there), so taking
+    one inside a capture makes no CUDA call. The pool hands its streams out in turn, so the kept one can be the
+    caller's own: then another is taken."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
+    side = _SIDE.get(index)
+    if side is None or side == avoid:
+        side = _SIDE[index] = torch.cuda.Stream(device=index)
+    return side
 
 
 def on_two_streams(ranges: list[tuple[int, int]], launch: Callable[[int, int], None], device: torch.device) -> None:
@@ -41,7 +45,8 @@ def on_two_streams(ranges: list[tuple[int, int]], launch: Callable[[int, int], N
         for lo, hi in ranges:
             launch(lo, hi)
         return
-    main, side = torch.cuda.current_stream(device), side_stream(device)
+    main = torch.cuda.current_stream(device)
+    side = side_stream(device, main)
     side.wait_stream(main)
     for i, (lo, hi) in enumerate(ranges):
         with torch.cuda.stream(side if i % 2 else main):

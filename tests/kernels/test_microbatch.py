@@ -29,3 +29,26 @@ def test_off_cuda_the_ranges_run_in_order():
     seen = []
     on_two_streams(micro_ranges(13, 3), lambda lo, hi: seen.append((lo, hi)), torch.device("cpu"))
     assert seen == [(0, 4), (4, 8), (8, 13)]
+
+
+def test_the_side_stream_is_kept_and_never_the_callers(monkeypatch):
+    """The side stream is taken once per device and kept; where the kept one is the caller's own stream (the pool
+    hands its streams out in turn), another is taken. Stream objects stand in for CUDA's here."""
+    import torch
+
+    from flashinfra.kernels import microbatch
+
+    made = []
+
+    class FakeStream:
+        def __init__(self, device):
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(microbatch, "_SIDE", {})
+    dev, caller = torch.device("cuda", 0), object()
+    first = microbatch.side_stream(dev, caller)
+    assert microbatch.side_stream(dev, caller) is first and len(made) == 1, "not kept"
+    other = microbatch.side_stream(dev, first)  # the caller's stream is the kept one
+    assert other is not first and len(made) == 2
+    assert microbatch.side_stream(torch.device("cuda", 1), caller) is not other, "one per device"
