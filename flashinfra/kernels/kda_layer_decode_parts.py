@@ -90,8 +90,9 @@ def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_b
 def load_state(p, m, MASKED: tl.constexpr = True):
     """A state block, read to be written back in place by the same program (``store_state``; MASKED False: the
     block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines
-    there. On an H200 (bench/notes/kda_decode.md, "The state read as evict_last") the bare fp32 recurrence at B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5
-    without the hint (as fast as writing to another buffer; evict_first on the load 141.9 / 549.7)."""
+    there. On an H200 (bench/notes/kda_decode.md, "The state read as evict_last") the bare fp32 recurrence at
+    B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5 without the hint (as fast as writing to
+    another buffer; evict_first on the load 141.9 / 549.7)."""
     if MASKED:
         b = tl.load(p, mask=m, other=0.0, eviction_policy="evict_last")
     else:
