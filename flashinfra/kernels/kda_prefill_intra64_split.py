@@ -28,8 +28,8 @@ What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the g
 (kda_prefill_gate.py, launched first): ``gc``, the log-decay's cumulative sum from the chunk's first row, and
 ``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
 evaluated, clamped and scanned once, in the pass; scanned in D instead, over rows that span D's warps, it made D
-slower than the pass it replaced: bench/notes/kda_prefill.md, "The gate pass inside kernel D"). Per K slice D loads its sub-block's 16 rows of ``gc`` and
-the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
+slower than the pass it replaced: bench/notes/kda_prefill.md, "The gate pass inside kernel D"). Per K slice D
+loads its sub-block's 16 rows of ``gc`` and the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
 difference of the two; beta is one [16] load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
 ``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass; ``bf16_pair`` and
 ``store_pair`` (bf16 hi + lo parts) with kernel B and the state pass, ``exp2`` with kernel A.
