@@ -34,33 +34,39 @@ BLOCK64 = dict(grid="block", BV=64, num_warps=4, maxnreg=128)  # no prep launch:
 # name -> micro-batches of the launcher (``micro_batches``), or its options (a dict), or fractions of the batch per
 # range with the streams:
 # "two" alternating the caller's and the side stream (microbatch.on_two_streams), "one" all on the caller's stream,
-# "hiA" the first of two ranges on a high-priority stream;
+# "hiA" / "hiB" the first / second of two ranges on a high-priority stream;
 # and optionally the first range's own launch options (the block layout: nothing launched before its state kernel)
 VARIANTS = {"single": 1, "mb2": 2, "mb3": 3, "mb4": 4, "mb2_one_stream": ((1, 1), "one"), "mb_1_3": ((1, 3), "two"),
             "mb_1_2_1": ((1, 2, 1), "two"), "blockA_1_1": ((1, 1), "two", BLOCK64),
             "blockA_1_3": ((1, 3), "two", BLOCK64), "blockA_1_7": ((1, 7), "two", BLOCK64),
             "blockA32_1_3": ((1, 3), "two", dict(grid="block", BV=32, num_warps=2)),
             "hiA_1_1": ((1, 1), "hiA"), "hiA_1_3": ((1, 3), "hiA"), "hiA_3_1": ((3, 1), "hiA"),
+            # a short first range in the block layout (its state launch needs no prep launch before it) beside the
+            # rest on a high-priority stream: the short range's state programs take only the slots the rest's prep
+            # and state launches leave free, so they fill the rest's prep time and its state launch's last wave
+            "hiB_1_15": ((1, 15), "hiB"), "blockA_1_15": ((1, 15), "two", BLOCK64),
+            "blockLo_1_15": ((1, 15), "hiB", BLOCK64), "blockLo_1_7": ((1, 7), "hiB", BLOCK64),
+            "blockLo32_1_15": ((1, 15), "hiB", dict(grid="block", BV=32, num_warps=2)),
             # a bf16 state's layouts at small batches: the tiles layout with the tensor-core step, whole and in two,
             # and the streaming layout (persistent programs)
             "tiles": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, norm_heads=4),
             "tiles_mb2": dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1,
                               norm_heads=4, micro_batches=2),
             "stream": dict(grid="stream", BV=32, num_warps=2, prep_heads=2, norm_heads=4)}
-_HIGH: list = []  # a high-priority stream for the "hiA" variants
+_HIGH: list = []  # a high-priority stream for the "hiA" and "hiB" variants
 
 
-def first_range_high(ranges: list[tuple[int, int]], launch) -> None:
-    """Two ranges: the first on a high-priority side stream, the second on the caller's stream, so that the first
-    range's state launch is dispatched ahead of the second range's prep launch once its own prep has ended."""
+def one_range_high(ranges: list[tuple[int, int]], launch, high_index: int) -> None:
+    """Two ranges: ``ranges[high_index]`` on a high-priority side stream, the other on the caller's stream, so that
+    the block scheduler dispatches the high one's programs first wherever both launches have programs waiting."""
     main = torch.cuda.current_stream()
     if not _HIGH:
         _HIGH.append(torch.cuda.Stream(priority=-1))
     high = _HIGH[0]
     high.wait_stream(main)
-    with torch.cuda.stream(high):
-        launch(*ranges[0])
-    launch(*ranges[1])
+    for i, (lo, hi) in enumerate(ranges):
+        with torch.cuda.stream(high if i == high_index else main):
+            launch(lo, hi)
     main.wait_stream(high)
 
 
@@ -87,8 +93,8 @@ def one_call(variant, a: dict, cfg: dict) -> torch.Tensor:
     ranges = ranges_of(out.shape[0], parts)
     if streams == "two":
         on_two_streams(ranges, rows, out.device)
-    elif streams == "hiA":
-        first_range_high(ranges, rows)
+    elif streams in ("hiA", "hiB"):
+        one_range_high(ranges, rows, 0 if streams == "hiA" else 1)
     else:
         for lo, hi in ranges:
             rows(lo, hi)

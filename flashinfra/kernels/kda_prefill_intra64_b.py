@@ -20,20 +20,23 @@ output's Aqk v' in the state pass".)
 Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
 product with ``Ai`` mixes rows, not columns), except for the q/k L2 norms, whose row factors kernel D writes
 (``rn``). One program per (chunk, head): [64, BK] and [64, BVB] tiles one block at a time beside the chunk's
-[64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K]
-tiles to 1.01 ms; a grid of one program per column block, with the norms from kernel D, was no faster:
-bench/notes/kda_prefill.md, "B at its bytes floor"; nor were the column loops software-pipelined over 2 or 3
-stages by Triton, 1.02-1.03 ms: both are in the history before their removal). Each block's tiles are loaded
-into registers while the block before it is computed, by hand: 0.88 -> 0.74 ms at 168 registers (three
-programs per SM; bench/notes/kda_prefill.md, "Loads ahead of the barriers").
+[64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms; a grid
+of one program per column block, with the norms from kernel D, was no faster: bench/notes/kda_prefill.md, "B at
+its bytes floor"). The tiles come by the copy engine (TMA): q, k and v through descriptors over their [T, H * D]
+rows, ``gc`` and Ai over the chunk-major scratch, with the key and value column loops software-pipelined
+``STAGES`` deep, so a program has the next blocks' tiles in flight while it computes one. At three stages and 168
+registers (three programs per SM) B took 0.55 ms at T=8192 on an H200 against 0.59-0.61 for the same loads by
+pointers a block ahead by hand, and 1.25 against 1.34-1.36 ms in a packed batch of 16 sequences
+(bench/notes/kda_prefill.md, "Kernel B's tiles by the copy engine"). The stores stay plain: by the copy engine
+too they were no faster.
 
-What B reads: q, k and v ([T, H, D] rows, masked past the sequence's end), Ai (kernels D and A), the rows' norm
-factors (kernel D: ``scale / |q_r|`` and ``1 / |k_r|``, [chunks, H, 2, 64] float32), and the gate
-pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the
-log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per key
-block with ``gl`` its row 63 (the padding rows past a sequence's end exist and repeat its last token's sum, so
-row 63 is always the chunk's total and no load is masked), and ``bc``, beta ([chunks, H, 64], zero past the
-end), once per key block.
+What B reads: q, k and v (rows past the sequence's end zeroed after the load: they belong to the next sequence
+or lie past the tensor, where the copy engine fills zeros), Ai (kernels D and A), the rows' norm factors (kernel
+D: ``scale / |q_r|`` and ``1 / |k_r|``, [chunks, H, 2, 64] float32), and the gate pass's scratch
+(kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's cumulative
+sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per key block with ``gl`` its row
+63 (the padding rows past a sequence's end exist and repeat its last token's sum, so row 63 is always the
+chunk's total), and ``bc``, beta ([chunks, H, 64], zero past the end).
 """
 
 from __future__ import annotations
@@ -45,24 +48,11 @@ from flashinfra.kernels.kda_prefill_intra64_split import mm_f32, store_pair
 
 
 @triton.jit
-def _key_tiles(q, k, gc, rows, m_t, i_h, o_k, stride_q_t, stride_k_t, K: tl.constexpr):
-    """The tiles of the key columns o_k, as loaded (q and k in their dtype): the chunk-relative sums ``gc`` (their
-    last row the chunk's total: rows past the end repeat the last token's), that last row, k and q."""
-    o_t = tl.arange(0, 64)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_gc = tl.load(gc + o_t[:, None] * K + o_k[None, :])
-    b_gl = tl.load(gc + 63 * K + o_k)
-    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    return b_gc, b_gl, b_k, b_q
-
-
-@triton.jit
 def _key_cols(b_gc, b_gl, b_k, b_q, b_b, o_k, b_ai, r_q, r_k, wqk, egl, K: tl.constexpr, SQ: tl.constexpr,
               SKD: tl.constexpr, LP: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
               DOT_F32: tl.constexpr):
-    """exp(gl), kd, w and qg for the key columns o_k from their tiles (``_key_tiles``; ``wqk`` and ``egl`` at
-    the chunk-head, ``b_b`` beta)."""
+    """exp(gl), kd, w and qg for the key columns o_k from their tiles (``gc``, its last row ``gl``, k and q as
+    loaded; ``wqk`` and ``egl`` at the chunk-head, ``b_b`` beta)."""
     o_t = tl.arange(0, 64)
     tl.store(egl + o_k, tl.exp(b_gl))
     off_k = o_t[:, None] * K + o_k[None, :]
@@ -74,71 +64,49 @@ def _key_cols(b_gc, b_gl, b_k, b_q, b_b, o_k, b_ai, r_q, r_k, wqk, egl, K: tl.co
 
 
 @triton.jit
-def _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V: tl.constexpr):
-    """The value columns o_f of the chunk's rows (zeros past the sequence's end)."""
-    return tl.load(v + rows[:, None] * stride_v_t + i_h * V + o_f[None, :], mask=m_t[:, None], other=0.0)
-
-
-@triton.jit
-def _value_cols(b_v, o_f, b_ai, b_b, u, LP: tl.constexpr, DOT_F32: tl.constexpr):
-    """u for the value columns o_f (``b_v`` their tile, ``u`` at the chunk-head), stored transposed."""
-    off_v = tl.arange(0, 64)[:, None] + o_f[None, :] * 64
-    tl.store(u + off_v, mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], LP, DOT_F32))
-
-
-@triton.jit
-def _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H: tl.constexpr):
-    """Rows (absolute), their mask, the chunk-head's index and its Ai (lower blocks, zeros above)."""
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    o_t = tl.arange(0, 64)
-    i_ch = (i_c * H + i_h).to(tl.int64)
-    off_a = o_t[:, None] * 64 + o_t[None, :]
-    m_blk = (o_t[None, :] // 16) <= (o_t[:, None] // 16)
-    b_ai = tl.load(ai + i_ch * 4096 + off_a, mask=m_blk, other=0.0)
-    return bos + t0 + o_t, t0 + o_t < L, i_ch, b_ai
-
-
-@triton.jit
 def kda_intra64_b_kernel(
-    q, k, v, gc, bc, cu_seqlens, chunk_indices, ai, rn, wqk, u, egl, stride_q_t, stride_k_t, stride_v_t,
+    bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, q_d, k_d, v_d, gc_d, ai_d,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time;
-    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py). PRECISION: the two products with Ai
-    (``mm_f32``); DOT_F32: the interpreter's widened bf16 products."""
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time.
+    ``q_d``, ``k_d`` and ``v_d`` are descriptors over q, k and v as [T, H * D] rows with [64, BK] (q, k) and
+    [64, BVB] (v) blocks; ``gc_d`` over ``gc`` as [chunks * H * 64, K] with [64, BK] blocks, ``ai_d`` over Ai as
+    [chunks * H * 64, 64]. PRECISION: the two products with Ai (``mm_f32``); DOT_F32: the interpreter's widened
+    bf16 products."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    rows, m_t, i_ch, b_ai = _chunk_head(cu_seqlens, chunk_indices, i_c, i_h, ai, H)
-    gc += i_ch * (64 * K)
-    bc += i_ch * 64
-    o_b = tl.arange(0, BK)
+    i_n = tl.load(chunk_indices + 2 * i_c)
+    t0 = tl.load(chunk_indices + 2 * i_c + 1) * 64
+    bos = tl.load(cu_seqlens + i_n)
+    o_t = tl.arange(0, 64)
+    m_t = t0 + o_t < tl.load(cu_seqlens + i_n + 1) - bos
+    r0 = bos + t0
+    i_ch = i_c * H + i_h
+    # Ai's lower blocks (the blocks above them are scratch)
+    b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
+    i_ch64 = i_ch.to(tl.int64)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
-    wqk += i_ch * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
-    u += i_ch * (64 * V)
-    # the rows' norm factors (kernel D's: scale / |q_r|, 1 / |k_r|)
-    r_q = tl.load(rn + i_ch * 128 + tl.arange(0, 64))
-    r_k = tl.load(rn + i_ch * 128 + 64 + tl.arange(0, 64))
-    b_b = tl.load(bc + tl.arange(0, 64))
-    # Each block's tiles are loaded while the block before it is computed: loaded where they are used, they
-    # waited for the previous block's products (their barriers), one round trip per block.
-    b_gc, b_gl, b_k, b_q = _key_tiles(q, k, gc, rows, m_t, i_h, o_b, stride_q_t, stride_k_t, K)
-    for kk in tl.static_range(0, K, BK):
-        n_gc, n_gl, n_k, n_q = b_gc, b_gl, b_k, b_q
-        if kk + BK < K:
-            n_gc, n_gl, n_k, n_q = _key_tiles(q, k, gc, rows, m_t, i_h, kk + BK + o_b, stride_q_t, stride_k_t, K)
-        _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl + i_ch * K, K, SQ, SKD,
-                  PRECISION, W_LO, Q_LO, KD_LO, DOT_F32)
-        b_gc, b_gl, b_k, b_q = n_gc, n_gl, n_k, n_q
+    wqk += i_ch64 * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
+    u += i_ch64 * (64 * V)
+    egl += i_ch64 * K
+    gc += i_ch64 * (64 * K) + 63 * K
+    # the rows' norm factors (kernel D's: scale / |q_r|, 1 / |k_r|) and beta
+    r_q = tl.load(rn + i_ch64 * 128 + o_t)
+    r_k = tl.load(rn + i_ch64 * 128 + 64 + o_t)
+    b_b = tl.load(bc + i_ch64 * 64 + o_t)
+    o_b = tl.arange(0, BK)
+    for kk in tl.range(0, K, BK, num_stages=STAGES):
+        b_gc = gc_d.load([i_ch * 64, kk])
+        b_gl = tl.load(gc + kk + o_b)
+        b_k = tl.where(m_t[:, None], k_d.load([r0, i_h * K + kk]), 0.0)
+        b_q = tl.where(m_t[:, None], q_d.load([r0, i_h * K + kk]), 0.0)
+        _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl, K, SQ, SKD, PRECISION, W_LO, Q_LO,
+                  KD_LO, DOT_F32)
+    # u for BVB value columns at a time, stored transposed
     o_f = tl.arange(0, BVB)
-    b_v = _load_v(v, rows, m_t, i_h, o_f, stride_v_t, V)
-    for vv in tl.static_range(0, V, BVB):
-        b_v_next = b_v
-        if vv + BVB < V:
-            b_v_next = _load_v(v, rows, m_t, i_h, vv + BVB + o_f, stride_v_t, V)
-        _value_cols(b_v, vv + o_f, b_ai, b_b, u, PRECISION, DOT_F32)
-        b_v = b_v_next
+    for vv in tl.range(0, V, BVB, num_stages=STAGES):
+        b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
+        tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
+                 mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))

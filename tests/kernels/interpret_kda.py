@@ -60,6 +60,10 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 70, 33], dict(V=32, b_block=16, b_value_block=16, decay=0.1, b_precision="bf16x3")),  # B's products in bf16x3
     # B's value blocks wider than its key blocks (the default's 32 and 64 at K=V=128): two of each
     ([1, 70, 33], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3)),
+    # B's column loops unpipelined; q, k and v rows 8 elements longer (a 16-byte multiple: read in place) and 1
+    # longer (copied first for the copy engine); rows past each sequence's end
+    ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, b_stages=1, row_pad=8)),
+    ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, row_pad=1)),
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -159,6 +163,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
     with pytest.raises(ValueError, match="solve_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
+    with pytest.raises(ValueError, match="b_stages must be >= 1"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", b_stages=0)
     with pytest.raises(ValueError, match="b_precision"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_precision="fp8")
 

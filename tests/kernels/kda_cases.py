@@ -41,16 +41,17 @@ def _d(t):
 
 
 def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=torch.float32, gated=False,
-                   lower_bound=-5.0, seed=0, decay=5.0, **launch):
+                   lower_bound=-5.0, seed=0, decay=5.0, row_pad=0, **launch):
     """``decay`` scales the log-decay (the gate's rate when gated): small values keep a long memory, so that
-    products between distant tokens of a chunk matter to the result."""
+    products between distant tokens of a chunk matter to the result. ``row_pad``: q, k and v as views of rows
+    that many elements longer (a row stride other than H * D)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, N = sum(lens), len(lens)
 
     def rnd(*shape, dt=dtype):
         return torch.randn(*shape, device=device, generator=gen).to(dt)
 
-    q, k, v = rnd(T, H, K), rnd(T, H, K), rnd(T, H, V)
+    q, k, v = (rnd(T, H * D + row_pad)[:, :H * D].unflatten(1, (H, D)) for D in (K, K, V))
     num_slots = N + 2
     slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:N].tolist()
     init = [bool(i % 2) for i in range(N)]
