@@ -18,17 +18,22 @@ Every factor is at most 1 (the per-token log-decay is at most 0), exact for any 
 ``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. Each block's q, k
 and cumulative decay are loaded once per slice; the q/k L2 norms (kernel D's factors ``rn``), the scale and
 beta are row and column factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a
-program, so one program is one warp. On an H200 at T=8192, H=64 this takes 0.38 ms (0.47 with L parked in
-memory for the merge, 0.40 with the norms' sums of squares formed here) against 0.89 ms for the column form it
-replaced (each column block's products on all 64 rows, masked), which ran twice the instructions. That form
-(one pass or one per column block) and this one's options that lost (a register cap and two warps with slices
-of 32, measured slower; two pipeline stages, 11% more instructions) are in bench/notes/kda_prefill.md ("A per
-row block") and in the history before the commit that removed them (last present at f00b9d7).
+program, so one program is one warp. On an H200 at T=8192, H=64 this took 0.38 ms with its tiles loaded by
+pointers (0.47 with L parked in memory for the merge, 0.40 with the norms' sums of squares formed here) against
+0.89 ms for the column form it replaced (each column block's products on all 64 rows, masked), which ran twice
+the instructions. That form (one pass or one per column block) and this one's options that lost (a register cap
+and two warps with slices of 32, measured slower; two pipeline stages of pointer loads, 11% more instructions)
+are in bench/notes/kda_prefill.md ("A per row block") and in the history before the commit that removed them
+(last present at f00b9d7). Eight one-warp programs per SM (registers) left each slice's loads exposed: the tiles
+now come by the copy engine (TMA) into shared memory, ``STAGES`` slices in flight (``tl.range``), which took A
+from 0.36 to 0.28 ms at T=8192 at three stages (bench/notes/kda_prefill.md, "Kernel A's tiles by the copy
+engine"; one stage 0.51).
 
-What A reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
+What A reads: q and k ([T, H, K] rows through descriptors of [16, KS] tiles, rows past the sequence's end zeroed
+after the load) and the gate pass's scratch
 (kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's
-cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, unmasked: the padding rows past a
-sequence's end exist and repeat its last token's sum), one [16, KS] tile per block and slice, whose last row
+cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, through a descriptor; the padding rows
+past a sequence's end exist and repeat its last token's sum), one [16, KS] tile per block and slice, whose last row
 is gathered from the tile; each block's sums are taken relative to the previous block's last row (``b_i``
 above), so every exponent is a difference of two entries of ``gc``. Beta is ``bc`` ([chunks, H, 64]),
 loaded per row block at the store.
@@ -39,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, load_rows, mm_f32, store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, mm_f32, store_pair
 
 
 @triton.jit
@@ -52,45 +57,38 @@ def _exp2_rows(x, FAST_EXP: tl.constexpr):
 
 
 @triton.jit
-def _blk_in(q, k, gc, left, o_s, m_k, stride_q_t, stride_k_t, m: tl.constexpr, K: tl.constexpr,
-            WITH_Q: tl.constexpr):
-    """Block m's K slice: q (with WITH_Q, else k again), k, the gate pass's chunk-relative cumulative decay
-    (``gc`` at the chunk-head and K slice) on the block's rows and on its last row, as a [1, KS] row, both in
-    log2 units (``_row_blocks`` takes them relative to the previous block's last row). The last row is gathered
-    (one shuffle per element) rather than loaded again, so that ``last - cumsum`` is exactly 0 on the last row
-    and the column factors stay at most 1."""
-    rows = 16 * m + tl.arange(0, 16)
-    m_t = rows < left
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_gc = tl.load(gc + rows[:, None] * K + o_s[None, :])
-    b_gc = b_gc * LOG2E  # the exponentials below are powers of two
-    b_k = load_rows(k, rows, m_tk, stride_k_t, o_s)
+def _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m: tl.constexpr, WITH_Q: tl.constexpr):
+    """Block m's K slice (columns ``kc`` on): q (with WITH_Q, else k again) and k, rows past the sequence's end
+    zeroed, from their rows' descriptors (``r0`` the chunk's first row, ``h_col`` the head's first column); the
+    gate pass's chunk-relative cumulative decay (``g_row`` the chunk-head's first row of its scratch) on the
+    block's rows and on its last row, as a [1, KS] row, both in log2 units (``_row_blocks`` takes them relative
+    to the previous block's last row). The last row is gathered (one shuffle per element) rather than loaded
+    again, so that ``last - cumsum`` is exactly 0 on the last row and the column factors stay at most 1."""
+    m_t = (16 * m + tl.arange(0, 16) < left)[:, None]
+    b_gc = gc_d.load([g_row + 16 * m, kc]) * LOG2E  # the exponentials below are powers of two
+    b_k = tl.where(m_t, k_d.load([r0 + 16 * m, h_col + kc]).to(tl.float32), 0.0)
     if WITH_Q:
-        b_q = load_rows(q, rows, m_tk, stride_q_t, o_s)
+        b_q = tl.where(m_t, q_d.load([r0 + 16 * m, h_col + kc]).to(tl.float32), 0.0)
     else:
         b_q = b_k
     return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
 
 
 @triton.jit
-def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.constexpr, LP: tl.constexpr,
-                FAST_EXP: tl.constexpr):
+def _row_blocks(q_d, k_d, gc_d, r0, g_row, h_col, left, K: tl.constexpr, KS: tl.constexpr, LP: tl.constexpr,
+                FAST_EXP: tl.constexpr, STAGES: tl.constexpr):
     """The raw products of the six block pairs over K in slices (accumulators ``a_ij`` for Aqk, ``l_ij`` for
-    L), and the sums of squares of each block's k (blocks 0-3) and q (blocks 1-3). Per slice the blocks come
-    in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j`` takes block m's
-    ``exp(s_m)`` once block m has used it (``s_m`` its last row minus the previous block's, at most 0)."""
-    o_s = tl.arange(0, KS)
+    L). Per slice the blocks come in order, each leaving its column operand ``c_j`` for the blocks below; ``c_j``
+    takes block m's ``exp(s_m)`` once block m has used it (``s_m`` its last row minus the previous block's, at
+    most 0). The slices' tiles come by the copy engine, ``STAGES`` slices in flight."""
     z = tl.zeros([16, 16], dtype=tl.float32)
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = z, z, z, z, z, z, z, z, z, z, z, z
-    for ks in range(K // KS):
-        # per-slice scalar bases: the loads' pointers are formed in the loop, not held through it
-        qs, kk, gs = q + ks * KS, k + ks * KS, gc + ks * KS
-        m_k = o_s < KS
-        _q0, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 0, K, False)
+    for kc in tl.range(0, K, KS, num_stages=STAGES):
+        _q0, b_k, b_gc, b_s = _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 0, False)
         c0 = b_k * exp2(b_s - b_gc, FAST_EXP)
         b_p = b_s
         # block 1: rows against c0
-        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 1, K, True)
+        b_q, b_k, b_gc, b_s = _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 1, True)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         t0 = tl.trans(c0)
         a10 = tl.dot(b_q * b_f, t0, a10, input_precision=LP)
@@ -99,7 +97,7 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         c0 = c0 * exp2(b_s - b_p, FAST_EXP)
         b_p = b_s
         # block 2: rows against c0, c1
-        b_q, b_k, b_gc, b_s = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 2, K, True)
+        b_q, b_k, b_gc, b_s = _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 2, True)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1 = tl.trans(c0), tl.trans(c1)
@@ -113,7 +111,7 @@ def _row_blocks(q, k, gc, left, stride_q_t, stride_k_t, K: tl.constexpr, KS: tl.
         c0 = c0 * e2
         c1 = c1 * e2
         # block 3: rows against c0, c1, c2
-        b_q, b_k, b_gc, _s3 = _blk_in(qs, kk, gs, left, o_s, m_k, stride_q_t, stride_k_t, 3, K, True)
+        b_q, b_k, b_gc, _s3 = _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 3, True)
         b_f = _exp2_rows(b_gc - b_p, FAST_EXP)
         x_q, x_k = b_q * b_f, b_k * b_f
         t0, t1, t2 = tl.trans(c0), tl.trans(c1), tl.trans(c2)
@@ -168,23 +166,24 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t,
+    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
+    STAGES: tl.constexpr = 3,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
-    blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). KS: the K
-    slice; FAST_EXP: ``exp2``; ``gc`` and ``bc``: the gate pass's scratch (kda_prefill_gate.py)."""
+    blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
+    ``k_d``: descriptors over q's and k's [T, H * K] rows, ``gc_d`` over the gate pass's ``gc`` as [chunks * H *
+    64, K] (kda_prefill_gate.py), all in [16, KS] tiles (KS: the K slice); ``bc``: the pass's beta; FAST_EXP:
+    ``exp2``; STAGES: the slices in flight."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
-    q += r0 * stride_q_t + i_h * K
-    k += r0 * stride_k_t + i_h * K
-    gc += (i_c * H + i_h).to(tl.int64) * (64 * K)
     bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = _row_blocks(
-        q, k, gc, left, stride_q_t, stride_k_t, K, KS, LOCAL_PRECISION, FAST_EXP)
+        q_d, k_d, gc_d, r0.to(tl.int32), (i_c * H + i_h) * 64, i_h * K, left, K, KS, LOCAL_PRECISION, FAST_EXP,
+        STAGES)
     # kernel D's diagonal inverses, loaded before the stores so that their round trip overlaps them
     o_r = tl.arange(0, 16)
     d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))

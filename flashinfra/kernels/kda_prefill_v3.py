@@ -148,12 +148,12 @@ def kda_state64_kernel(
     state.store([r_s, i_v * BV], tl.trans(b_z))
 
 
-def rows_descriptor(x: torch.Tensor, block: int) -> TensorDescriptor:
-    """A descriptor over ``x`` [T, H, D] (heads contiguous, any row stride) as [T, H * D] rows in [64, block]
+def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A descriptor over ``x`` [T, H, D] (heads contiguous, any row stride) as [T, H * D] rows in ``block``
     tiles. The copy engine needs a 16-byte aligned base and row stride; other rows are copied first."""
     if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
         x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-    return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [64, block])
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], block)
 
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
@@ -161,7 +161,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
-                b_stages: int = 3):
+                b_stages: int = 3, a_stages: int = 3):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -170,7 +170,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
-    slices of ``a_ks``, one warp, the merge's products in ``solve_precision``), the per-chunk tiles (``B``,
+    slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
+    engine ``a_stages`` deep: 3 made A 22-26% faster than loads by pointers on an H200), the per-chunk tiles (``B``,
     kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block`` (64: B 3%
     faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps, at most
     ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without spills;
@@ -252,13 +253,18 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     yield "intra_d", intra_diag
 
+    AKS = min(a_ks, K)
+    a_d = [rows_descriptor(q, [16, AKS]), rows_descriptor(k, [16, AKS]),
+           TensorDescriptor.from_tensor(gc.view(-1, K), [16, AKS])]
+
     def intra_offdiag():
         # each [16, 16] product on mma.sync runs in every warp of the program: one warp executes the fewest
-        # instructions (two warps with slices of 32, and a register cap, measured slower; two pipeline stages
-        # count 11% more instructions: bench/notes/kda_prefill.md, "A per row block")
+        # instructions (two warps with slices of 32, and a register cap, measured slower: bench/notes/kda_prefill.md,
+        # "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
-            *in_args, H=H, K=K, KS=min(a_ks, K), LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), num_warps=1, num_stages=1,
+            bc, cu_t, idx, aqk, ai, rn, *a_d, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), STAGES=a_stages,
+            num_warps=1, num_stages=1,
         )
 
     yield "intra_a", intra_offdiag
@@ -267,7 +273,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_value_block, V)
-    rows_d = [rows_descriptor(x, block) for x, block in ((q, BK), (k, BK), (v, BVB))]
+    rows_d = [rows_descriptor(x, [64, block]) for x, block in ((q, BK), (k, BK), (v, BVB))]
     gc_d = TensorDescriptor.from_tensor(gc.view(-1, K), [64, BK])
     ai_d = TensorDescriptor.from_tensor(ai.view(-1, 64), [64, 64])
 

@@ -92,6 +92,7 @@ def test_prefill_v3_intra_d(lens, kw):
     ([70, 33], dict(decay=0.5, a_lo=False)),  # Aqk's hi half alone (the default launch's)
     ([70, 1, 0, 64, 129], dict(decay=0.1, solve="bf16x3")),  # the merge in three bf16 products
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=5.0, solve="bf16x3")),
+    ([70, 1, 0, 64, 129], dict(decay=0.1, stages=1)),  # the slices unpipelined
 ])
 def test_prefill_v3_intra_a(lens, kw):
     """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned

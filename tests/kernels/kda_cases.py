@@ -259,14 +259,17 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
 
 
 def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True, solve=None):
+            decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True, solve=None, stages=3):
     """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
     blocks of ``Aqk`` (bf16, compared as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
     from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
     ``solve``: by default bf16x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
     (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
     other element must be written; rows past a sequence's end hold zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
+    from flashinfra.kernels.kda_prefill_v3 import rows_descriptor
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -275,10 +278,12 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     ai = torch.where(diag, x["ref_ai"], NAN).float()
     planted = ai.clone()
     solve = solve or ("ieee" if precision == "ieee" else "bf16x3")  # the launcher's merge precision by default
+    tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
+             TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), x["q"].stride(0),
-        x["k"].stride(0), H=H, K=K, KS=KS, LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu",
-        A_LO=a_lo, DOT_F32=device == "cpu", num_warps=num_warps)
+        x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
+        SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,
+        num_warps=num_warps)
     rel, atol, rtol = _ai_tolerances(precision, solve == "bf16x3")
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
