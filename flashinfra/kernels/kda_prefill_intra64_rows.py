@@ -30,13 +30,12 @@ from 0.36 to 0.28 ms at T=8192 at three stages (bench/notes/kda_prefill.md, "Ker
 engine"; one stage 0.51).
 
 What A reads: q and k ([T, H, K] rows through descriptors of [16, KS] tiles, rows past the sequence's end zeroed
-after the load) and the gate pass's scratch
-(kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's
-cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, through a descriptor; the padding rows
-past a sequence's end exist and repeat its last token's sum), one [16, KS] tile per block and slice, whose last row
-is gathered from the tile; each block's sums are taken relative to the previous block's last row (``b_i``
-above), so every exponent is a difference of two entries of ``gc``. Beta is ``bc`` ([chunks, H, 64]),
-loaded per row block at the store.
+after the load) and the gate pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op
+alike: ``gc``, the log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, through a
+descriptor; the padding rows past a sequence's end exist and repeat its last token's sum), one [16, KS] tile per
+block and slice, whose last row is gathered from the tile; each block's sums are taken relative to the previous
+block's last row (``b_i`` above), so every exponent is a difference of two entries of ``gc``. Beta is ``bc``
+([chunks, H, 64]), loaded per row block at the store.
 """
 
 from __future__ import annotations

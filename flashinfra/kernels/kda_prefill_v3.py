@@ -148,11 +148,16 @@ def kda_state64_kernel(
     state.store([r_s, i_v * BV], tl.trans(b_z))
 
 
-def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A descriptor over ``x`` [T, H, D] (heads contiguous, any row stride) as [T, H * D] rows in ``block``
-    tiles. The copy engine needs a 16-byte aligned base and row stride; other rows are copied first."""
+def copy_engine_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, H, D] (heads contiguous, any row stride) itself where its base and row stride are 16-byte
+    aligned, as the copy engine needs, else a contiguous copy."""
     if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
-        x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+    return x
+
+
+def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A descriptor over ``x`` [T, H, D] (``copy_engine_rows``) as [T, H * D] rows in ``block`` tiles."""
     return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], block)
 
 
@@ -171,16 +176,16 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
-    engine ``a_stages`` deep: 3 made A 22-26% faster than loads by pointers on an H200), the per-chunk tiles (``B``,
-    kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block`` (64: B 3%
-    faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps, at most
-    ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without spills;
-    its tiles by the copy engine, its column loops ``b_stages`` deep (3: B 8% faster than the same loads by
-    pointers, 2 stages no faster, 4 level with 3, on an H200);
-    its two products with Ai in ``b_precision``, by default ``local_precision``: "bf16x3" makes the final state's
-    error against float64 about 35 times smaller, 3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the
-    whole pass on an H200), the state pass (``num_stages`` of tiles in flight: by default as many as fit, 3 or
-    2). The defaults are the fastest measured on an H200 (bench/notes/kda_prefill.md)."""
+    engine ``a_stages`` deep: 3 made A 22-26% faster than loads by pointers on an H200), the per-chunk tiles
+    (``B``, kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block``
+    (64: B 3% faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps,
+    at most ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without
+    spills; its tiles by the copy engine, its column loops ``b_stages`` deep (3: B 8% faster than the same loads
+    by pointers, 2 stages no faster, 4 level with 3, on an H200); its two products with Ai in ``b_precision``, by
+    default ``local_precision``: "bf16x3" makes the final state's error against float64 about 35 times smaller,
+    3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an H200), the state pass
+    (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest measured
+    on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -189,8 +194,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
     if b_maxnreg is not None and not 32 <= b_maxnreg <= 255:
         raise ValueError(f"kda_prefill v3: b_maxnreg must be None or in [32, 255], got {b_maxnreg}")
-    if b_stages < 1:
-        raise ValueError(f"kda_prefill v3: b_stages must be >= 1, got {b_stages}")
+    for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
+        if n < 1:
+            raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
     for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
@@ -254,7 +260,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     yield "intra_d", intra_diag
 
     AKS = min(a_ks, K)
-    a_d = [rows_descriptor(q, [16, AKS]), rows_descriptor(k, [16, AKS]),
+    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's and B's tiles come by the copy engine
+    a_d = [rows_descriptor(tq, [16, AKS]), rows_descriptor(tk, [16, AKS]),
            TensorDescriptor.from_tensor(gc.view(-1, K), [16, AKS])]
 
     def intra_offdiag():
@@ -273,7 +280,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_value_block, V)
-    rows_d = [rows_descriptor(x, [64, block]) for x, block in ((q, BK), (k, BK), (v, BVB))]
+    rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tq, BK), (tk, BK), (tv, BVB))]
     gc_d = TensorDescriptor.from_tensor(gc.view(-1, K), [64, BK])
     ai_d = TensorDescriptor.from_tensor(ai.view(-1, 64), [64, 64])
 

@@ -166,6 +166,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
     with pytest.raises(ValueError, match="b_stages must be >= 1"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_stages=0)
+    with pytest.raises(ValueError, match="a_stages must be >= 1"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", a_stages=0)
     with pytest.raises(ValueError, match="b_precision"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_precision="fp8")
 
