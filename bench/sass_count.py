@@ -10,7 +10,9 @@ The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VA
 
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
-        (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel)
+        (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
+        kda_intra64_offdiag_rows_kernel: DIAG=True with kernel D's work inside; KS=32 with tiles [16, 32] is not
+        preset)
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ PRESETS = {
              "qkv:*bf16 conv_w:*fp32 conv_state:*bf16 g_raw:*bf16 beta_logits:*bf16 A_log:*fp32 dt_bias:*fp32 "
              "lower_bound:fp32 state_slots:*i32 heads:*fp32 stride_x:i32 stride_g:i32 stride_b:i32 scale:fp32",
              dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
+    "intra_a": ("flashinfra.kernels.kda_prefill_intra64_rows:kda_intra64_offdiag_rows_kernel",
+                "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,16]> "
+                "k_d:tensordesc<bf16[16,16]> gc_d:tensordesc<fp32[16,16]> scale:fp32",
+                dict(H=64, K=128, KS=16, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
+                     DOT_F32=False, STAGES=3, DIAG=False)),
 }
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
@@ -104,6 +111,7 @@ def count(compiled, fn, lines: bool) -> dict:
             ops[(words[1] if words[0].startswith("@") else words[0]).split(".")[0].rstrip(";")] += 1
             per_line[where] += 1
     res = {"instructions": sum(ops.values()), "registers": int(regs), "stack_bytes": int(stack),
+           "shared_bytes": compiled.metadata.shared,
            "opcodes": dict(ops.most_common())}
     if lines:
         res["lines"] = dict(per_line.most_common(20))
@@ -122,7 +130,8 @@ def main() -> int:
     compiled, fn = compile_sm90(args.preset, overrides, args.warps, args.maxnreg)
     res = count(compiled, fn, args.lines)
     print(f"{args.preset} {' '.join(args.overrides)} warps={args.warps} maxnreg={args.maxnreg}: "
-          f"{res['instructions']} instructions, {res['registers']} registers, {res['stack_bytes']} bytes of stack")
+          f"{res['instructions']} instructions, {res['registers']} registers, {res['stack_bytes']} bytes of stack, "
+          f"{res['shared_bytes']} bytes of shared memory")
     print("opcodes:", dict(list(res["opcodes"].items())[:12]))
     for where, n in res.get("lines", {}).items():
         print(f"{n:6d}  {where}")
