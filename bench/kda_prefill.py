@@ -271,7 +271,7 @@ def print_parts(res: dict) -> None:
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"
         nan = float("nan")
-        a_ms = r.get("intra_a_ms", r.get("intra_da_ms", nan))  # A, or A with D's work inside
+        a_ms = r.get("intra_a_ms", r.get("intra_ms", nan))
         print(f"{r['case']:9s} {cfg:44s} {r.get('gate_ms', 0):6.3f} {r.get('intra_d_ms', 0):6.3f} {a_ms:6.3f} "
               f"{r.get('intra_b_ms', 0):6.3f} "
               f"{r.get('state_ms', nan):7.3f} {r.get('total_ms', nan):7.3f} {r.get('call_ms', nan):7.3f} "
@@ -284,7 +284,7 @@ def print_parts(res: dict) -> None:
 
 def print_stream(res: dict) -> None:
     """Each launch's device time (ten calls back to back, ``time_stream``) beside the single-call times above."""
-    names = ("gate", "intra_d", "intra_a", "intra_da", "intra_b", "state")
+    names = ("gate", "intra_d", "intra_a", "intra_b", "state")
     print(f"{'case':9s} {'config':44s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms, back to back)")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"

@@ -56,8 +56,7 @@ def _exp2_rows(x, FAST_EXP: tl.constexpr):
 
 
 @triton.jit
-def _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m: tl.constexpr, WITH_Q: tl.constexpr,
-            ROW: tl.constexpr = 15):
+def _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m: tl.constexpr, WITH_Q: tl.constexpr):
     """Block m's K slice (columns ``kc`` on): q (with WITH_Q, else k again) and k, rows past the sequence's end
     zeroed, from their rows' descriptors (``r0`` the chunk's first row, ``h_col`` the head's first column); the
     gate pass's chunk-relative cumulative decay (``g_row`` the chunk-head's first row of its scratch) on the
@@ -71,7 +70,7 @@ def _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m: tl.constexpr, WITH_Q:
         b_q = tl.where(m_t, q_d.load([r0 + 16 * m, h_col + kc]).to(tl.float32), 0.0)
     else:
         b_q = b_k
-    return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], ROW, tl.int32), 0)
+    return b_q, b_k, b_gc, tl.gather(b_gc, tl.full([1, b_gc.shape[1]], 15, tl.int32), 0)
 
 
 @triton.jit
@@ -125,75 +124,6 @@ def _row_blocks(q_d, k_d, gc_d, r0, g_row, h_col, left, K: tl.constexpr, KS: tl.
 
 
 @triton.jit
-def _diag_step(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m: tl.constexpr, acc_l, acc_a, ssq_q, ssq_k,
-               LP: tl.constexpr, FAST_EXP: tl.constexpr):
-    """Block m's diagonal products over one K slice, against the block's middle row (row 8: every factor within
-    ``exp(+-80)`` under the gate pass's clamp), and its rows' sums of squares; q and k enter unnormalised (the
-    norms scale the sums afterwards, exactly)."""
-    b_q, b_k, b_gc, b_gm = _blk_in(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, m, True, 8)
-    b_e = exp2(b_gc - b_gm, FAST_EXP)
-    b_kt = tl.trans(b_k * exp2(b_gm - b_gc, FAST_EXP))
-    acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LP)
-    acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LP)
-    return acc_l, acc_a, ssq_q + tl.sum(b_q * b_q, 1), ssq_k + tl.sum(b_k * b_k, 1)
-
-
-@triton.jit
-def _diag_out(aqk, ai, bc, rn, acc_l, acc_a, ssq_q, ssq_k, scale, m: tl.constexpr, A_LO: tl.constexpr,
-              SP: tl.constexpr, DOT_F32: tl.constexpr):
-    """Block m's outputs from its raw diagonal products: the rows' norm factors ``rn`` (``scale / |q_r|``,
-    ``1 / |k_r|``, eps inside the root), Aqk's diagonal block (lower, diagonal included) and the zeros right of
-    it (the state pass multiplies by whole tiles), and ``(I + L_mm)^-1`` as ``(I - L)(I + L^2)(I + L^4)(I +
-    L^8)`` (L strictly lower: ``L^16 = 0``), six products in SP, in registers."""
-    o_r = tl.arange(0, 16)
-    r_q = scale / tl.sqrt(ssq_q + 1e-6)
-    r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    tl.store(rn + 16 * m + o_r, r_q)
-    tl.store(rn + 64 + 16 * m + o_r, r_k)
-    c_k = tl.reshape(r_k, [1, 16])
-    below = o_r[:, None] > o_r[None, :]
-    store_pair(_blk(aqk, m, m, o_r), tl.where(below | (o_r[:, None] == o_r[None, :]), acc_a * r_q[:, None] * c_k, 0.0),
-               A_LO, 4096)
-    zero = tl.zeros([16, 16], dtype=tl.bfloat16)
-    for j in tl.static_range(m + 1, 4):
-        tl.store(_blk(aqk, m, j, o_r), zero)
-        if A_LO:
-            tl.store(_blk(aqk, m, j, o_r) + 4096, zero)
-    b_l = tl.where(below, acc_l * (tl.load(bc + 16 * m + o_r) * r_k)[:, None] * c_k, 0.0)
-    F: tl.constexpr = DOT_F32
-    b_x = (o_r[:, None] == o_r[None, :]).to(tl.float32) - b_l
-    b_p = mm_f32(b_l, b_l, SP, F)
-    b_x += mm_f32(b_x, b_p, SP, F)
-    b_p = mm_f32(b_p, b_p, SP, F)
-    b_x += mm_f32(b_x, b_p, SP, F)
-    b_p = mm_f32(b_p, b_p, SP, F)
-    b_x += mm_f32(b_x, b_p, SP, F)
-    tl.store(_blk(ai, m, m, o_r), b_x)
-
-
-@triton.jit
-def _diag_blocks(aqk, ai, bc, rn, q_d, k_d, gc_d, r0, g_row, h_col, left, scale, K: tl.constexpr,
-                 KS: tl.constexpr, LP: tl.constexpr, SP: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr,
-                 DOT_F32: tl.constexpr, STAGES: tl.constexpr):
-    """Kernel D's work inside kernel A (``DIAG``): the four diagonal blocks over K in slices, their tiles by the
-    copy engine, then each block's outputs (``_diag_out``)."""
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    zr = tl.zeros([16], dtype=tl.float32)
-    l0, a0, l1, a1, l2, a2, l3, a3 = z, z, z, z, z, z, z, z
-    q0, k0, q1, k1, q2, k2, q3, k3 = zr, zr, zr, zr, zr, zr, zr, zr
-    for kc in tl.range(0, K, KS, num_stages=STAGES):
-        l0, a0, q0, k0 = _diag_step(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 0, l0, a0, q0, k0, LP, FAST_EXP)
-        l1, a1, q1, k1 = _diag_step(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 1, l1, a1, q1, k1, LP, FAST_EXP)
-        l2, a2, q2, k2 = _diag_step(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 2, l2, a2, q2, k2, LP, FAST_EXP)
-        l3, a3, q3, k3 = _diag_step(q_d, k_d, gc_d, r0, g_row, h_col, kc, left, 3, l3, a3, q3, k3, LP, FAST_EXP)
-    _diag_out(aqk, ai, bc, rn, l0, a0, q0, k0, scale, 0, A_LO, SP, DOT_F32)
-    _diag_out(aqk, ai, bc, rn, l1, a1, q1, k1, scale, 1, A_LO, SP, DOT_F32)
-    _diag_out(aqk, ai, bc, rn, l2, a2, q2, k2, scale, 2, A_LO, SP, DOT_F32)
-    _diag_out(aqk, ai, bc, rn, l3, a3, q3, k3, scale, 3, A_LO, SP, DOT_F32)
-    tl.debug_barrier()  # A reads the inverses and norm factors back
-
-
-@triton.jit
 def _row_factors(bc, rn, m: tl.constexpr):
     """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (kernel D's norm factors
     ``rn`` and the gate pass's beta at the chunk-head)."""
@@ -235,10 +165,10 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d, scale,
+    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
-    STAGES: tl.constexpr = 3, DIAG: tl.constexpr = False,
+    STAGES: tl.constexpr = 3,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
@@ -250,10 +180,6 @@ def kda_intra64_offdiag_rows_kernel(
     bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096
-    rn += (i_c * H + i_h).to(tl.int64) * 128
-    if DIAG:
-        _diag_blocks(aqk, ai, bc, rn, q_d, k_d, gc_d, r0.to(tl.int32), (i_c * H + i_h) * 64, i_h * K, left, scale,
-                     K, KS, LOCAL_PRECISION, SOLVE_PRECISION, FAST_EXP, A_LO, DOT_F32, STAGES)
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = _row_blocks(
         q_d, k_d, gc_d, r0.to(tl.int32), (i_c * H + i_h) * 64, i_h * K, left, K, KS, LOCAL_PRECISION, FAST_EXP,
         STAGES)
@@ -262,6 +188,7 @@ def kda_intra64_offdiag_rows_kernel(
     d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))
     d2, d3 = tl.load(_blk(ai, 2, 2, o_r)), tl.load(_blk(ai, 3, 3, o_r))
     # the column blocks' 1 / |k_c| (kernel D's)
+    rn += (i_c * H + i_h).to(tl.int64) * 128
     n0 = tl.load(rn + 64 + o_r)[None, :]
     n1 = tl.load(rn + 80 + o_r)[None, :]
     n2 = tl.load(rn + 96 + o_r)[None, :]

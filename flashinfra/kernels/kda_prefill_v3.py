@@ -166,7 +166,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
-                b_stages: int = 3, a_stages: int = 3, diag_in_a: bool = False):
+                b_stages: int = 3, a_stages: int = 3):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -257,8 +257,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             num_warps=d_warps, num_stages=1,
         )
 
-    if not diag_in_a:
-        yield "intra_d", intra_diag
+    yield "intra_d", intra_diag
 
     AKS = min(a_ks, K)
     tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's and B's tiles come by the copy engine
@@ -270,12 +269,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # instructions (two warps with slices of 32, and a register cap, measured slower: bench/notes/kda_prefill.md,
         # "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
-            bc, cu_t, idx, aqk, ai, rn, *a_d, K**-0.5, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision,
-            SOLVE_PRECISION=solve, FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(),
-            STAGES=a_stages, DIAG=diag_in_a, num_warps=1, num_stages=1,
+            bc, cu_t, idx, aqk, ai, rn, *a_d, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), STAGES=a_stages,
+            num_warps=1, num_stages=1,
         )
 
-    yield ("intra_da" if diag_in_a else "intra_a"), intra_offdiag
+    yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)

@@ -64,9 +64,6 @@ def test_prefill_v3_gated(lower_bound):
     # longer (copied first for the copy engine); rows past each sequence's end
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, b_stages=1, row_pad=8)),
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, row_pad=1)),
-    # kernel D's work inside kernel A
-    ([1, 70, 33, 0, 5], dict(decay=0.3, diag_in_a=True)),
-    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5, diag_in_a=True, row_pad=8)),
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -101,16 +98,6 @@ def test_prefill_v3_intra_a(lens, kw):
     """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
     (kda_cases.intra_a)."""
     cases.intra_a("cpu", lens, H=2, K=32, **kw)
-
-
-@pytest.mark.parametrize("lens,kw", [
-    ([70, 1, 0, 64, 129], dict(decay=0.1)),  # slow decay; an empty sequence, one-token chunks; two K slices
-    ([70, 33], dict(gated=True, lower_bound=-5.0, decay=5.0, solve="bf16x3", a_lo=False)),
-    ([70, 33], dict(gated=True, lower_bound=None, decay=0.3, KS=32, stages=1)),  # one K slice, unpipelined
-])
-def test_prefill_v3_intra_da(lens, kw):
-    """Kernel A with kernel D's work inside against float64, its scratch poisoned (kda_cases.intra_da)."""
-    cases.intra_da("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [

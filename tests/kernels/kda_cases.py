@@ -281,9 +281,9 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
              TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, K**-0.5, H=H, K=K, KS=KS,
-        LOCAL_PRECISION=precision, SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu",
-        STAGES=stages, num_warps=num_warps)
+        x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
+        SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,
+        num_warps=num_warps)
     rel, atol, rtol = _ai_tolerances(precision, solve == "bf16x3")
     assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
@@ -291,40 +291,6 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
     assert_close("Aqk lower blocks", got_a[..., below], x["ref_a"][..., below], *_aqk_tolerances(precision, a_lo))
     assert_close("Ai lower blocks", ai[..., below], x["ref_ai"][..., below], rel, atol, rtol)
-
-
-def intra_da(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-             decay=5.0, seed=0, KS=16, precision="ieee", a_lo=True, solve=None, stages=3):
-    """v3's kernel A with kernel D's work inside (``DIAG``, kda_prefill_intra64_rows.py) against float64: all of
-    ``Aqk`` (bf16, its blocks above the diagonal zeros), ``Ai``'s blocks on and below the diagonal (the diagonal
-    inverses as products in ``solve``) and the rows' norm factors. Every output starts as NaN: Ai's blocks above
-    the diagonal must keep it, every other element must be written."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-    from flashinfra.kernels.kda_prefill_v3 import rows_descriptor
-
-    x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
-    nch = x["nch"]
-    below, diag, above = _blocks(device)
-    aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
-    ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
-    rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
-    solve = solve or ("ieee" if precision == "ieee" else "bf16x3")
-    tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
-             TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
-    kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, *tiles, K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
-        SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,
-        DIAG=True, num_warps=1)
-    assert_close("row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
-    assert torch.isnan(ai[..., above]).all(), "Ai's blocks above the diagonal were written"
-    assert torch.equal(aqk.float()[..., above], torch.zeros_like(aqk.float()[..., above])), (
-        "Aqk's blocks above the diagonal are not zeros")
-    got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
-    on_below = below | diag
-    assert_close("Aqk", got_a[..., on_below], x["ref_a"][..., on_below], *_aqk_tolerances(precision, a_lo))
-    assert_close("Ai", ai[..., on_below], x["ref_ai"][..., on_below], *_ai_tolerances(precision, solve == "bf16x3"))
 
 
 def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, seed=0, state_dtype=torch.float32,
