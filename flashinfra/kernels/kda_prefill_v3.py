@@ -166,14 +166,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
-                b_stages: int = 3, a_stages: int = 3):
+                b_stages: int = 3, a_stages: int = 3, gate_block: int = 64, gate_warps: int = 2):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
     kernel kept per configuration: no per-call binding by Triton): the gate pass (``gate``,
     kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta, once per chunk-head, which D, A
-    and B read), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal 16-token blocks and
-    their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
+    and B read; ``gate_block`` key columns per program on ``gate_warps`` warps: 64 on 2 took 7% off the pass
+    against 32 on 1 on an H200), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal
+    16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
     engine ``a_stages`` deep: 3 made A 22-26% faster than loads by pointers on an H200), the per-chunk tiles
@@ -197,7 +198,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
         if n < 1:
             raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
-    for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks)):
+    for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks),
+                    ("gate_block", gate_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages is None:
@@ -234,12 +236,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         raise ValueError(f"kda_prefill v3: b_precision must be one of {PRODUCT_PRECISIONS}, got {b_prec!r}")
     gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
     bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
-    GBK = min(32, K)
+    GBK = min(gate_block, K)
 
     def gate_pass():
         fast(kda_gate_pass_kernel)[(nch * (K // GBK), H)](
             g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
-            H=H, K=K, BK=GBK, num_warps=1, **gate_args,
+            H=H, K=K, BK=GBK, num_warps=gate_warps, **gate_args,
         )
 
     yield "gate", gate_pass

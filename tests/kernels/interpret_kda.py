@@ -64,6 +64,8 @@ def test_prefill_v3_gated(lower_bound):
     # longer (copied first for the copy engine); rows past each sequence's end
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, b_stages=1, row_pad=8)),
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, row_pad=1)),
+    # the gate pass in two column blocks of 16, on two warps
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5, gate_block=16, gate_warps=2)),
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -101,7 +103,8 @@ def test_prefill_v3_intra_a(lens, kw):
 
 
 @pytest.mark.parametrize("lens,kw", [
-    ([1, 100, 0, 37], dict(K=64)),  # two column blocks (beta from the first); an empty sequence
+    ([1, 100, 0, 37], dict(K=64, BK=32, num_warps=1)),  # two column blocks (beta from the first); an empty sequence
+    ([1, 100, 0, 37], dict(K=64)),  # the launcher's shape: one block of 64 on two warps
     ([21, 130], dict(K=32, gated=True, lower_bound=-5.0, decay=0.5)),
     ([77, 3], dict(K=32, gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
 ])

@@ -115,13 +115,15 @@ def _gate_inputs(gen, device: str, T: int, H: int, K: int, gated: bool, lower_bo
     return g_in, b_in, g_in, g_in, _d(g_in).clamp(min=-10.0), _d(b_in)
 
 
-def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=32,
-               num_warps=1):
-    """v3's gate pass (kda_prefill_gate.py) into scratch poisoned with NaN, every element of which it must write;
-    returns the cumulative log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
+def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=64,
+               num_warps=2):
+    """v3's gate pass (kda_prefill_gate.py; by default in the launcher's shape, ``BK`` columns at most per
+    program) into scratch poisoned with NaN, every element of which it must write; returns the cumulative
+    log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
     from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 
     dev = g_in.device
+    BK = min(BK, K)
     gc = torch.full((nch, H, 64, K), NAN, dtype=torch.float32, device=dev)
     bc = torch.full((nch, H, 64), NAN, dtype=torch.float32, device=dev)
     kda_gate_pass_kernel[(nch * (K // BK), H)](
