@@ -198,6 +198,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
         if n < 1:
             raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
+    if gate_warps not in (1, 2, 4, 8):
+        raise ValueError(f"kda_prefill v3: gate_warps must be 1, 2, 4 or 8, got {gate_warps}")
     for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks),
                     ("gate_block", gate_block)):
         if n & (n - 1) or n < 16:

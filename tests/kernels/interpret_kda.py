@@ -173,6 +173,10 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", a_stages=0)
     with pytest.raises(ValueError, match="b_precision"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_precision="fp8")
+    with pytest.raises(ValueError, match="gate_warps must be"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", gate_warps=3)
+    with pytest.raises(ValueError, match="gate_block must be"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", gate_block=48)
 
 
 def test_prefill_v3_long_odd():
