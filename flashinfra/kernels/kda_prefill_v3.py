@@ -163,10 +163,10 @@ def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BV: int,
                 num_warps: int, num_stages: int | None, chain_precision: str, local_precision: str,
-                out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 16,
+                out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 32,
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
-                b_stages: int = 3, a_stages: int = 3, gate_block: int = 64, gate_warps: int = 2):
+                b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -177,7 +177,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
-    engine ``a_stages`` deep: 3 made A 22-26% faster than loads by pointers on an H200), the per-chunk tiles
+    engine ``a_stages`` deep: slices of 16 three deep made A 22-26% faster than loads by pointers on an H200,
+    slices of 32 two deep 2-6% faster again), the per-chunk tiles
     (``B``, kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block``
     (64: B 3% faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps,
     at most ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without

@@ -53,7 +53,7 @@ def test_prefill_v3_variants(launch):
 @pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
                                     dict(b_value_block=32), dict(b_value_block=128), dict(b_warps=2),
                                     dict(b_stages=2), dict(b_stages=4, b_block=64), dict(b_stages=1, row_pad=1),
-                                    dict(a_stages=1), dict(a_stages=2, a_ks=32),
+                                    dict(a_stages=1), dict(a_stages=3, a_ks=16),
                                     dict(num_stages=2), dict(gate_block=32, gate_warps=1),
                                     dict(gate_block=128, gate_warps=4)])
 def test_prefill_v3_split_variants(launch):
