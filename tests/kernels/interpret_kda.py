@@ -47,7 +47,7 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 100, 37], dict(decay=0.1, b_block=16)),  # slow decay: the far sub-blocks' products matter; B in
     # two column blocks
     ([63, 5, 0, 129], dict(KS=16, d_warps=1)),  # D in two K slices, an empty sequence, a one-token chunk
-    ([63, 5, 0, 129], dict(a_ks=32, decay=0.5)),  # A in one K slice of 32
+    ([63, 5, 0, 129], dict(a_ks=16, a_stages=3, decay=0.5)),  # A in two K slices of 16, three deep
     ([21, 130], dict(gated=True, lower_bound=-0.3, decay=0.1, b_block=16)),
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3)),
     ([77, 3], dict(gated=True, lower_bound=None, decay=0.2)),
@@ -69,7 +69,7 @@ def test_prefill_v3_gated(lower_bound):
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
-    A per 16-row block, two K slices of 16 here by default, kda_prefill_intra64_rows.py) and tiles
+    A per 16-row block, one K slice of 32 here by default, kda_prefill_intra64_rows.py) and tiles
     (kda_prefill_intra64_b.py) at their options; out_x3 keeps the interpreter's bf16 truncation of qg out of the
     comparison."""
     cases.prefill_varlen("cpu", lens, **{"H": 2, "K": 32, "V": 16, "seed": 4, "version": "v3", "out_x3": True, **kw})
