@@ -11,7 +11,7 @@ The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VA
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
         (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
-        kda_intra64_offdiag_rows_kernel, its tiles [16, 16])
+        kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep)
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ PRESETS = {
              "lower_bound:fp32 state_slots:*i32 heads:*fp32 stride_x:i32 stride_g:i32 stride_b:i32 scale:fp32",
              dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
     "intra_a": ("flashinfra.kernels.kda_prefill_intra64_rows:kda_intra64_offdiag_rows_kernel",
-                "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,16]> "
-                "k_d:tensordesc<bf16[16,16]> gc_d:tensordesc<fp32[16,16]>",
-                dict(H=64, K=128, KS=16, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
-                     DOT_F32=False, STAGES=3)),
+                "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,32]> "
+                "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]>",
+                dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
+                     DOT_F32=False, STAGES=2)),
 }
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')

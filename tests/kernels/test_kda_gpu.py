@@ -50,8 +50,8 @@ def test_prefill_v3_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", **launch)
 
 
-@pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32), dict(b_block=64), dict(b_block=16),
-                                    dict(b_value_block=32), dict(b_value_block=128), dict(b_warps=2),
+@pytest.mark.parametrize("launch", [dict(KS=16, d_warps=1), dict(a_ks=32, a_stages=3), dict(b_block=64),
+                                    dict(b_block=16), dict(b_value_block=32), dict(b_value_block=128), dict(b_warps=2),
                                     dict(b_stages=2), dict(b_stages=4, b_block=64), dict(b_stages=1, row_pad=1),
                                     dict(a_stages=1), dict(a_stages=3, a_ks=16),
                                     dict(num_stages=2), dict(gate_block=32, gate_warps=1),
