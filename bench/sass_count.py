@@ -11,7 +11,8 @@ The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VA
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
         (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
-        kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep)
+        kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), state (the prefill's state
+        pass, kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring)
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ PRESETS = {
                 "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]>",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
                      DOT_F32=False, STAGES=2)),
+    "state": ("flashinfra.kernels.kda_prefill_v3:kda_state64_kernel",
+              "wqk:tensordesc<bf16[64,128]> u:tensordesc<fp32[64,64]> aqk:tensordesc<bf16[64,64]> egl:*fp32 o:*bf16 "
+              "state:tensordesc<fp32[128,64]> cu_seqlens:*i32 chunk_offsets:*i32 state_slots:*i32 "
+              "has_initial_state:*i32",
+              dict(H=64, K=128, V=128, BV=64, CHAIN=3, OUT_X3=False, NS=5, SQ=2, SKD=3, A_LO=1, DOT_F32=False)),
 }
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
@@ -61,7 +67,7 @@ def _value(text: str):
     return int(text) if re.fullmatch(r"-?\d+", text) else text
 
 
-def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | None):
+def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | None, num_stages: int = 3):
     """The compiled kernel (Triton's CompiledKernel) for sm_90, and the kernel function."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -80,7 +86,7 @@ def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | No
                if t.startswith("*") or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs=aligned)
-    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options), fn
 
 
@@ -123,10 +129,11 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="NAME=VALUE constexprs (state=fp32: the state's element type)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--maxnreg", type=int)
+    ap.add_argument("--stages", type=int, default=3, help="num_stages (the state pass's ring: 2 at bf16x3)")
     ap.add_argument("--lines", action="store_true", help="also the instructions per source line")
     args = ap.parse_args()
     overrides = {k: _value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
-    compiled, fn = compile_sm90(args.preset, overrides, args.warps, args.maxnreg)
+    compiled, fn = compile_sm90(args.preset, overrides, args.warps, args.maxnreg, args.stages)
     res = count(compiled, fn, args.lines)
     print(f"{args.preset} {' '.join(args.overrides)} warps={args.warps} maxnreg={args.maxnreg}: "
           f"{res['instructions']} instructions, {res['registers']} registers, {res['stack_bytes']} bytes of stack, "
