@@ -1,4 +1,4 @@
-"""bench/sass_count.py: a decode kernel compiled for sm_90 without a GPU, counted."""
+"""bench/sass_count.py: kernels compiled for sm_90 without a GPU, counted."""
 
 import importlib.util
 from pathlib import Path
@@ -26,3 +26,13 @@ def test_mask_free_blocks_compile_shorter(sass_count):
     assert 0 < got[True]["instructions"] < got[False]["instructions"]
     assert all(r["opcodes"].get("HMMA", 0) > 0 for r in got.values())
     assert all(0 < r["registers"] <= 255 and r["lines"] for r in got.values())
+
+
+def test_prefill_state_pass_fits_an_sm(sass_count):
+    """The prefill's state pass at the launcher's shape (the bf16x3 chain, value blocks of 64, a ring of two stages of
+    tiles by the copy engine) compiles for sm_90 within an SM's 227 KB of shared memory, on the warpgroup products:
+    a change that outgrows it fails here, on a CPU, before it fails to launch on a GPU."""
+    compiled, fn = sass_count.compile_sm90("state", {}, num_warps=4, maxnreg=None, num_stages=2)
+    res = sass_count.count(compiled, fn, lines=False)
+    assert 200_000 < res["shared_bytes"] <= 232_448
+    assert res["opcodes"].get("HGMMA", 0) >= 20 and res["registers"] <= 255
