@@ -42,8 +42,9 @@ from flashinfra import env
 from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
+from flashinfra.kernels.kda_prefill_intra64_mat import kda_intra64_inv_kernel, kda_intra64_mat_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel, mma_bf16
+from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel, mma_bf16, prefetch_l2
 from flashinfra.kernels.launch import fast
 from flashinfra.kernels.varlen import chunk_tables
 
@@ -72,10 +73,10 @@ def _parts(x, CHAIN: tl.constexpr):
 
 @triton.jit
 def kda_state64_kernel(
-    wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    A_LO: tl.constexpr, DOT_F32: tl.constexpr,
+    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -108,6 +109,11 @@ def kda_state64_kernel(
     b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k, mask=o_k < tl.where(nt > 0, K, 0))
     for i_t in range(0, nt):
         base = (c0 + i_t) * H + i_h
+        if L2_AHEAD:
+            ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
+            prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2, True)
+            prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4, True)
+            prefetch_l2(aqk_p + ahead * ((1 + A_LO) * 4096), (1 + A_LO) * 4096 * 2, True)
         b_e = b_e_next
         b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
         r_w = base * (NS * 64)
@@ -166,7 +172,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 out_x3: bool = False, KS: int = 32, d_warps: int = 2, a_ks: int = 32,
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
-                b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2):
+                b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
+                intra: str = "split", m_ks: int = 16, m_stages: int = 2, state_l2_ahead: int = 0,
+                b_prefetch: bool = False, a_prefetch: bool = False, d_prefetch: bool = False):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -199,10 +207,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
         if n < 1:
             raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
+    if intra not in ("split", "mat"):
+        raise ValueError(f"kda_prefill v3: intra must be 'split' or 'mat', got {intra!r}")
     if gate_warps not in (1, 2, 4, 8):
         raise ValueError(f"kda_prefill v3: gate_warps must be 1, 2, 4 or 8, got {gate_warps}")
     for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks),
-                    ("gate_block", gate_block)):
+                    ("gate_block", gate_block), ("m_ks", m_ks)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages is None:
@@ -255,17 +265,36 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
 
+    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's, B's and M's tiles come by the copy engine
+    if intra == "mat":
+        MKS = min(m_ks, K)
+        lbuf = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+        m_d = [rows_descriptor(tq, [64, MKS]), rows_descriptor(tk, [64, MKS]),
+               TensorDescriptor.from_tensor(gc.view(-1, K), [64, MKS]), rows_descriptor(tk, [16, MKS]),
+               TensorDescriptor.from_tensor(gc.view(-1, K), [16, MKS])]
+
+        def intra_mat():
+            fast(kda_intra64_mat_kernel)[(nch, H)](
+                bc, cu_t, idx, aqk, lbuf, rn, *m_d, K**-0.5, H=H, K=K, KS=MKS, LOCAL_PRECISION=local_precision,
+                A_LO=a_lo, FAST_EXP=not env.triton_interpret(), STAGES=m_stages, num_warps=4, num_stages=1,
+            )
+
+        def intra_inv():
+            fast(kda_intra64_inv_kernel)[(nch, H)](
+                lbuf, ai, H=H, SOLVE_PRECISION=solve, DOT_F32=env.triton_interpret(), num_warps=1, num_stages=1,
+            )
+
+        yield "intra_m", intra_mat
+        yield "intra_i", intra_inv
+
     def intra_diag():
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            FAST_EXP=not env.triton_interpret(),
+            FAST_EXP=not env.triton_interpret(), PREFETCH=d_prefetch and not env.triton_interpret(),
             num_warps=d_warps, num_stages=1,
         )
 
-    yield "intra_d", intra_diag
-
     AKS = min(a_ks, K)
-    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's and B's tiles come by the copy engine
     a_d = [rows_descriptor(tq, [16, AKS]), rows_descriptor(tk, [16, AKS]),
            TensorDescriptor.from_tensor(gc.view(-1, K), [16, AKS])]
 
@@ -274,12 +303,15 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # instructions (two warps with slices of 32, and a register cap, measured slower: bench/notes/kda_prefill.md,
         # "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
-            bc, cu_t, idx, aqk, ai, rn, *a_d, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
+            bc, cu_t, idx, aqk, ai, rn, *a_d, tq, tk, gc, tq.stride(0), tk.stride(0), H=H, K=K, KS=AKS,
+            LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, PREFETCH=a_prefetch and not env.triton_interpret(),
             FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), STAGES=a_stages,
             num_warps=1, num_stages=1,
         )
 
-    yield "intra_a", intra_offdiag
+    if intra == "split":
+        yield "intra_d", intra_diag
+        yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
@@ -304,8 +336,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
 
     def state_pass():
         fast(kda_state64_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
-            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t,
+            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots, A_LO=a_lo,
+            L2_AHEAD=0 if env.triton_interpret() else state_l2_ahead,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 
