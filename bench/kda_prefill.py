@@ -284,7 +284,7 @@ def print_parts(res: dict) -> None:
 
 def print_stream(res: dict) -> None:
     """Each launch's device time (ten calls back to back, ``time_stream``) beside the single-call times above."""
-    names = ("gate", "intra_d", "intra_a", "intra_m", "intra_i", "intra_b", "state")
+    names = ("gate", "intra_d", "intra_a", "intra_b", "state")
     print(f"{'case':9s} {'config':44s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms, back to back)")
     for r in res.get("parts", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items()) or "default"

@@ -48,8 +48,7 @@ PRESETS = {
              dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
     "intra_a": ("flashinfra.kernels.kda_prefill_intra64_rows:kda_intra64_offdiag_rows_kernel",
                 "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,32]> "
-                "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]> q_p:*bf16 k_p:*bf16 gc_p:*fp32 stride_q:i32 "
-                "stride_k:i32",
+                "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]>",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
                      DOT_F32=False, STAGES=2)),
     "state": ("flashinfra.kernels.kda_prefill_v3:kda_state64_kernel",

@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, mm_f32, prefetch_l2, store_pair
+from flashinfra.kernels.kda_prefill_intra64_split import LOG2E, chunk_rows, exp2, mm_f32, store_pair
 
 
 @triton.jit
@@ -165,10 +165,10 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d, q_p, k_p, gc_p, stride_q, stride_k,
+    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
-    STAGES: tl.constexpr = 3, PREFETCH: tl.constexpr = False,
+    STAGES: tl.constexpr = 3,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
@@ -177,13 +177,6 @@ def kda_intra64_offdiag_rows_kernel(
     ``exp2``; STAGES: the slices in flight."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
-    if PREFETCH:
-        # the chunk-head's q, k and gc lines asked of the L2 at once: the slices' copies then find them there
-        o_t = tl.arange(0, 64)
-        rows = r0 + tl.minimum(o_t, tl.maximum(left - 1, 0)).to(tl.int64)
-        prefetch_l2(q_p + rows * stride_q + i_h * K, K * 2)
-        prefetch_l2(k_p + rows * stride_k + i_h * K, K * 2)
-        prefetch_l2(gc_p + (i_c * H + i_h).to(tl.int64) * (64 * K) + tl.arange(0, 32) * (2 * K), 2 * K * 4)
     bc += (i_c * H + i_h).to(tl.int64) * 64
     aqk += (i_c * H + i_h).to(tl.int64) * ((1 + A_LO) * 4096)
     ai += (i_c * H + i_h).to(tl.int64) * 4096

@@ -103,28 +103,23 @@ def exp2(x, FAST_EXP: tl.constexpr, PURE: tl.constexpr = True):
 
 
 @triton.jit
-def prefetch_l2(p, nbytes, FIRST_THREAD: tl.constexpr = False):
-    """Ask the L2 for ``nbytes`` bytes (a multiple of 16) at each pointer of ``p`` (16-byte aligned): one bulk
-    prefetch per element, or with FIRST_THREAD one from the program's first thread alone (``p`` a scalar, which
-    every thread holds). It moves nothing into the program and waits for nothing; the interpreter has no PTX."""
-    n = tl.full(p.shape, nbytes, tl.int32)
-    if FIRST_THREAD:
-        tl.inline_asm_elementwise("{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r", [p, n],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [p, n],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+def prefetch_l2(p, nbytes: tl.constexpr):
+    """Ask the L2 for ``nbytes`` bytes (a multiple of 16) at ``p`` (a scalar pointer, 16-byte aligned): one bulk
+    prefetch (``cp.async.bulk.prefetch.L2``), from the program's first thread alone. It moves nothing into the
+    program and waits for nothing. No PTX under the interpreter: the callers leave it out there."""
+    tl.inline_asm_elementwise("{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
+                              [p, tl.full([], nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr, mask=None):
+def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
     """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
-    so that hi + lo is within 2^-17 of x (``bf16_pair``); only where ``mask`` holds, if given."""
+    so that hi + lo is within 2^-17 of x (``bf16_pair``)."""
     hi, lo = bf16_pair(x)
-    tl.store(p, hi, mask=mask)
+    tl.store(p, hi)
     if LO:
-        tl.store(p + SLOT, lo, mask=mask)
+        tl.store(p + SLOT, lo)
 
 
 @triton.jit
@@ -152,7 +147,7 @@ def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    FAST_EXP: tl.constexpr, PREFETCH: tl.constexpr = False,
+    FAST_EXP: tl.constexpr,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
@@ -165,9 +160,6 @@ def kda_intra64_diag_kernel(
     k += r0 * stride_k_t + i_h * K
     # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
     gc += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
-    if PREFETCH:
-        # the sub-block's gc rows asked of the L2 now: the norms' loop runs before the products read them
-        prefetch_l2(gc, 16 * K * 4, True)
     bc += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)

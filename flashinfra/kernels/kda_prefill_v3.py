@@ -42,7 +42,6 @@ from flashinfra import env
 from flashinfra.kernels.dispatch import register_cap
 from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
-from flashinfra.kernels.kda_prefill_intra64_mat import kda_intra64_inv_kernel, kda_intra64_mat_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel, mma_bf16, prefetch_l2
 from flashinfra.kernels.launch import fast
@@ -88,7 +87,12 @@ def kda_state64_kernel(
     The state is carried transposed, ``Z = S^T`` [BV, K]: ``v'^T = u^T - Z w^T``, ``o^T = Z qg^T + v'^T Aqk^T``,
     ``Z = exp(gl) Z + v'^T kd``. Every product then takes Z's or v'^T's bf16 parts, which live in registers, as
     its first operand, and a tile the copy engine brought to shared memory as its second: nothing the chain
-    computes goes through shared memory on its way to the next product."""
+    computes goes through shared memory on its way to the next product.
+
+    ``wqk_p``, ``u_p`` and ``aqk_p`` are the same scratch as pointers: with L2_AHEAD, each step first asks the L2
+    for the tiles of the step that many ahead (one bulk prefetch per tensor, from the first thread). Triton issues
+    a two-deep ring's copies for a step at the end of the step before, so without it each step begins by waiting
+    on DRAM."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -111,9 +115,9 @@ def kda_state64_kernel(
         base = (c0 + i_t) * H + i_h
         if L2_AHEAD:
             ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
-            prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2, True)
-            prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4, True)
-            prefetch_l2(aqk_p + ahead * ((1 + A_LO) * 4096), (1 + A_LO) * 4096 * 2, True)
+            prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2)
+            prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
+            prefetch_l2(aqk_p + ahead * ((1 + A_LO) * 4096), (1 + A_LO) * 4096 * 2)
         b_e = b_e_next
         b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
         r_w = base * (NS * 64)
@@ -173,8 +177,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                intra: str = "split", m_ks: int = 16, m_stages: int = 2, state_l2_ahead: int = 0,
-                b_prefetch: bool = False, a_prefetch: bool = False, d_prefetch: bool = False):
+                state_l2_ahead: int | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -194,8 +197,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     by pointers, 2 stages no faster, 4 level with 3, on an H200); its two products with Ai in ``b_precision``, by
     default ``local_precision``: "bf16x3" makes the final state's error against float64 about 35 times smaller,
     3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an H200), the state pass
-    (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2). The defaults are the fastest measured
-    on an H200 (bench/notes/kda_prefill.md)."""
+    (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2; ``state_l2_ahead``: the step whose tiles
+    each step asks of the L2, by default the next one at 2 stages, none at 3). The defaults are the fastest
+    measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -207,18 +211,23 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
         if n < 1:
             raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
-    if intra not in ("split", "mat"):
-        raise ValueError(f"kda_prefill v3: intra must be 'split' or 'mat', got {intra!r}")
     if gate_warps not in (1, 2, 4, 8):
         raise ValueError(f"kda_prefill v3: gate_warps must be 1, 2, 4 or 8, got {gate_warps}")
     for name, n in (("KS", KS), ("b_block", b_block), ("b_value_block", b_value_block), ("a_ks", a_ks),
-                    ("gate_block", gate_block), ("m_ks", m_ks)):
+                    ("gate_block", gate_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if num_stages is None:
         # the state pass's tiles three steps deep where they fit the 227 KB of shared memory (sm_90, BV=64: 197 KB
         # at the bf16x2 chain; the bf16x3 chain's two more tile slots take 3 stages to 295 KB)
         num_stages = 3 if CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64 and not out_x3 else 2
+    if state_l2_ahead is None:
+        # a step ahead at the two-deep ring: the state pass 3-8% faster at T=8192 and 65536 on an H200, level (+-3%)
+        # in a packed batch; the three-deep ring (bf16x2) has its copies a step ahead already, and the prefetch made
+        # it 6-8% slower (bench/notes/kda_prefill.md, "The state pass's tiles asked of the L2 a step ahead")
+        state_l2_ahead = 1 if num_stages == 2 else 0
+    if state_l2_ahead < 0:
+        raise ValueError(f"kda_prefill v3: state_l2_ahead must be >= 0, got {state_l2_ahead}")
     if num_stages < 2 and not env.triton_interpret():
         # one stage faulted (illegal address) on an H200 with Triton 3.6 in a varlen batch, BV=32
         raise ValueError("kda_prefill v3: num_stages must be >= 2")
@@ -265,36 +274,17 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
 
-    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's, B's and M's tiles come by the copy engine
-    if intra == "mat":
-        MKS = min(m_ks, K)
-        lbuf = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
-        m_d = [rows_descriptor(tq, [64, MKS]), rows_descriptor(tk, [64, MKS]),
-               TensorDescriptor.from_tensor(gc.view(-1, K), [64, MKS]), rows_descriptor(tk, [16, MKS]),
-               TensorDescriptor.from_tensor(gc.view(-1, K), [16, MKS])]
-
-        def intra_mat():
-            fast(kda_intra64_mat_kernel)[(nch, H)](
-                bc, cu_t, idx, aqk, lbuf, rn, *m_d, K**-0.5, H=H, K=K, KS=MKS, LOCAL_PRECISION=local_precision,
-                A_LO=a_lo, FAST_EXP=not env.triton_interpret(), STAGES=m_stages, num_warps=4, num_stages=1,
-            )
-
-        def intra_inv():
-            fast(kda_intra64_inv_kernel)[(nch, H)](
-                lbuf, ai, H=H, SOLVE_PRECISION=solve, DOT_F32=env.triton_interpret(), num_warps=1, num_stages=1,
-            )
-
-        yield "intra_m", intra_mat
-        yield "intra_i", intra_inv
-
     def intra_diag():
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            FAST_EXP=not env.triton_interpret(), PREFETCH=d_prefetch and not env.triton_interpret(),
+            FAST_EXP=not env.triton_interpret(),
             num_warps=d_warps, num_stages=1,
         )
 
+    yield "intra_d", intra_diag
+
     AKS = min(a_ks, K)
+    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # A's and B's tiles come by the copy engine
     a_d = [rows_descriptor(tq, [16, AKS]), rows_descriptor(tk, [16, AKS]),
            TensorDescriptor.from_tensor(gc.view(-1, K), [16, AKS])]
 
@@ -303,15 +293,12 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # instructions (two warps with slices of 32, and a register cap, measured slower: bench/notes/kda_prefill.md,
         # "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
-            bc, cu_t, idx, aqk, ai, rn, *a_d, tq, tk, gc, tq.stride(0), tk.stride(0), H=H, K=K, KS=AKS,
-            LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve, PREFETCH=a_prefetch and not env.triton_interpret(),
+            bc, cu_t, idx, aqk, ai, rn, *a_d, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
             FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), STAGES=a_stages,
             num_warps=1, num_stages=1,
         )
 
-    if intra == "split":
-        yield "intra_d", intra_diag
-        yield "intra_a", intra_offdiag
+    yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)

@@ -2,6 +2,8 @@
 precision of the state chain: a plain bf16 (v3) or tf32 (v2) product there is measurably worse than bf16x3
 or tf32x3."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -376,6 +378,28 @@ def test_v3_state_chain_precisions():
     assert errs["bf16x3"] < 1e-4, errs
     assert errs["bf16"] > 5 * errs["bf16x3"], errs
     assert 9e-4 < errs["bf16x2"] < 4e-3 and errs["bf16x2"] < errs["bf16"], errs
+
+
+@pytest.mark.parametrize("chain", ["bf16x3", "bf16x2"])
+def test_prefill_v3_state_l2_prefetch_changes_nothing(chain):
+    """The state pass's L2 prefetch (``state_l2_ahead``: one, two or no steps ahead) moves nothing into the program:
+    outputs and final states bitwise those without it, in a packed batch with empty and one-token sequences."""
+    lens, H = [1000, 0, 1, 300, 64, 129], 4
+    T = sum(lens)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(T, H, 128, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    g = -5 * torch.sigmoid(torch.randn(T, H, 128, device="cuda", generator=gen))
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    s0 = torch.randn(len(lens), H, 128, 128, device="cuda", generator=gen)
+    cu = [0] + list(itertools.accumulate(lens))
+    got = []
+    for ahead in (0, 1, 2):
+        s = s0.clone()
+        o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, cu, list(range(len(lens))), [True] * len(lens),
+                                           chain_precision=chain, version="v3", state_l2_ahead=ahead)
+        got.append((o, s))
+    for o, s in got[1:]:
+        assert torch.equal(o, got[0][0]) and torch.equal(s, got[0][1])
 
 
 def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
