@@ -222,9 +222,10 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # at the bf16x2 chain; the bf16x3 chain's two more tile slots take 3 stages to 295 KB)
         num_stages = 3 if CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64 and not out_x3 else 2
     if state_l2_ahead is None:
-        # a step ahead at the two-deep ring: the state pass 3-8% faster at T=8192 and 65536 on an H200, level (+-3%)
-        # in a packed batch; the three-deep ring (bf16x2) has its copies a step ahead already, and the prefetch made
-        # it 6-8% slower (bench/notes/kda_prefill.md, "The state pass's tiles asked of the L2 a step ahead")
+        # a step ahead at the two-deep ring: the state pass 6-9% faster at T=8192 and 3% at T=65536 on an H200,
+        # level (+-3%) in a packed batch; the three-deep ring (bf16x2) has its copies a step ahead already, and the
+        # prefetch made it 6-8% slower (bench/notes/kda_prefill.md, "The state pass's tiles asked of the L2 a step
+        # ahead")
         state_l2_ahead = 1 if num_stages == 2 else 0
     if state_l2_ahead < 0:
         raise ValueError(f"kda_prefill v3: state_l2_ahead must be >= 0, got {state_l2_ahead}")
