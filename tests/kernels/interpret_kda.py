@@ -11,6 +11,7 @@ import torch
 from flashinfra.kernels import kda_decode, kda_prefill
 from flashinfra.kernels import kda_layer_decode as layer_decode
 from tests.kernels import kda_cases as cases
+from tests.kernels import kda_intra_cases as intra_cases
 
 
 @pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16], [5, 0, 3]])
@@ -82,8 +83,8 @@ def test_prefill_v3_split(lens, kw):
 ])
 def test_prefill_v3_intra_d(lens, kw):
     """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
-    and Aqk's zeros above them (kda_cases.intra_d)."""
-    cases.intra_d("cpu", lens, H=2, K=32, **kw)
+    and Aqk's zeros above them (kda_intra_cases.intra_d)."""
+    intra_cases.intra_d("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -98,8 +99,8 @@ def test_prefill_v3_intra_d(lens, kw):
 ])
 def test_prefill_v3_intra_a(lens, kw):
     """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
-    (kda_cases.intra_a)."""
-    cases.intra_a("cpu", lens, H=2, K=32, **kw)
+    (kda_intra_cases.intra_a)."""
+    intra_cases.intra_a("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -109,8 +110,8 @@ def test_prefill_v3_intra_a(lens, kw):
     ([77, 3], dict(K=32, gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
 ])
 def test_gate_pass_scratch(lens, kw):
-    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch)."""
-    cases.gate_scratch("cpu", lens, H=2, **kw)
+    """The gate pass alone against float64, scratch poisoned (kda_intra_cases.gate_scratch)."""
+    intra_cases.gate_scratch("cpu", lens, H=2, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [

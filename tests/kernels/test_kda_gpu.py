@@ -13,6 +13,7 @@ from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS
 from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from tests.kernels import kda_cases as cases
+from tests.kernels import kda_intra_cases as intra_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -80,9 +81,9 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
 @pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
                                                          (False, -5.0, 5.0, False)])
 def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
-    """Kernel D alone against float64 with its scratch poisoned (kda_cases.intra_d): the diagonal blocks of Aqk
+    """Kernel D alone against float64 with its scratch poisoned (kda_intra_cases.intra_d): the diagonal blocks of Aqk
     and Ai and Aqk's zeros above them, at the launcher's two warps, K slices of 32 and tf32 products."""
-    cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    intra_cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
 
 
@@ -90,10 +91,10 @@ def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
     (False, -5.0, 0.1, "tf32", None), (False, -5.0, 5.0, "ieee", None), (True, -5.0, 0.5, "tf32", None),
     (True, None, 0.2, "tf32", None), (False, -5.0, 5.0, "ieee", "bf16x3"), (True, -5.0, 0.1, "ieee", "bf16x3")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
-    """Kernel A alone against float64 with its scratch poisoned (kda_cases.intra_a), reading the gate pass's
+    """Kernel A alone against float64 with its scratch poisoned (kda_intra_cases.intra_a), reading the gate pass's
     scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
     slices of 16."""
-    cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    intra_cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision, solve=solve)
 
 
@@ -101,9 +102,9 @@ def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
                                                              (True, -5.0, 5.0, torch.bfloat16),
                                                              (True, None, 50.0, torch.bfloat16)])
 def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
-    """The gate pass alone against float64, scratch poisoned (kda_cases.gate_scratch); the last case at the
+    """The gate pass alone against float64, scratch poisoned (kda_intra_cases.gate_scratch); the last case at the
     -10 clamp."""
-    cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
+    intra_cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
                        decay=decay, g_dtype=g_dtype)
 
 
