@@ -67,8 +67,8 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         b_in = torch.rand(T, H, device=device, generator=gen)
     out = torch.full((T, H, V), NAN, dtype=dtype, device=device)
     if gated:
-        pre.kda_prefill_gated_launch(q, k, v, g_in, b_in, A_log, dt_bias, lower_bound, state, offsets(lens), slots, init,
-                                     out=out, **launch)
+        pre.kda_prefill_gated_launch(q, k, v, g_in, b_in, A_log, dt_bias, lower_bound, state, offsets(lens), slots,
+                                     init, out=out, **launch)
     else:
         pre.kda_prefill_launch(q, k, v, g_in, b_in, state, offsets(lens), slots, init, out=out, **launch)
     rel, atol, rtol = tolerances(dtype, device)

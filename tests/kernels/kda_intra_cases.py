@@ -181,9 +181,9 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
     blocks of ``Aqk`` (bf16, compared as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
     from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
-    ``solve``: by default bf16x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks A must not write
-    (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted values, every
-    other element must be written; rows past a sequence's end hold zeros."""
+    ``solve``: by default bf16x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks
+    A must not write (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted
+    values, every other element must be written; rows past a sequence's end hold zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
