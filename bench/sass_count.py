@@ -11,8 +11,10 @@ The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VA
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
         (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
-        kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), state (the prefill's state
-        pass, kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring)
+        kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), intra_d (kernel D,
+        kda_intra64_diag_kernel: K slices of 32; ``--warps 2 --stages 1``), intra_b (kernel B, kda_intra64_b_kernel:
+        key blocks of 32, value blocks of 64, three deep; ``--maxnreg 168``), state (the prefill's state pass,
+        kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring)
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ PRESETS = {
                 "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]>",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
                      DOT_F32=False, STAGES=2)),
+    "intra_d": ("flashinfra.kernels.kda_prefill_intra64_split:kda_intra64_diag_kernel",
+                "q:*bf16 k:*bf16 gc:*fp32 bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 "
+                "stride_q_t:i32 stride_k_t:i32 scale:fp32",
+                dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", A_LO=1, FAST_EXP=True)),
+    "intra_b": ("flashinfra.kernels.kda_prefill_intra64_b:kda_intra64_b_kernel",
+                "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 rn:*fp32 gc:*fp32 wqk:*bf16 u:*fp32 egl:*fp32 "
+                "q_d:tensordesc<bf16[64,32]> k_d:tensordesc<bf16[64,32]> v_d:tensordesc<bf16[64,64]> "
+                "gc_d:tensordesc<fp32[64,32]> ai_d:tensordesc<fp32[64,64]>",
+                dict(H=64, K=128, V=128, BK=32, BVB=64, PRECISION="tf32", W_LO=1, Q_LO=0, KD_LO=1, DOT_F32=False,
+                     STAGES=3)),
     "state": ("flashinfra.kernels.kda_prefill_v3:kda_state64_kernel",
               "wqk:tensordesc<bf16[64,128]> u:tensordesc<fp32[64,64]> aqk:tensordesc<bf16[64,64]> egl:*fp32 o:*bf16 "
               "state:tensordesc<fp32[128,64]> cu_seqlens:*i32 chunk_offsets:*i32 state_slots:*i32 "
