@@ -14,7 +14,8 @@ The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VA
         kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), intra_d (kernel D,
         kda_intra64_diag_kernel: K slices of 32; ``--warps 2 --stages 1``), intra_b (kernel B, kda_intra64_b_kernel:
         key blocks of 32, value blocks of 64, three deep; ``--maxnreg 168``), state (the prefill's state pass,
-        kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring)
+        kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring),
+        state_u (the same forming u from v and Aib, ``u_in_state``)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ PRESETS = {
              dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
     "intra_a": ("flashinfra.kernels.kda_prefill_intra64_rows:kda_intra64_offdiag_rows_kernel",
                 "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,32]> "
-                "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]>",
+                "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]> aib:*bf16",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
                      DOT_F32=False, STAGES=2)),
     "intra_d": ("flashinfra.kernels.kda_prefill_intra64_split:kda_intra64_diag_kernel",
@@ -66,9 +67,14 @@ PRESETS = {
     "state": ("flashinfra.kernels.kda_prefill_v3:kda_state64_kernel",
               "wqk:tensordesc<bf16[64,128]> u:tensordesc<fp32[64,64]> aqk:tensordesc<bf16[64,64]> egl:*fp32 o:*bf16 "
               "state:tensordesc<fp32[128,64]> cu_seqlens:*i32 chunk_offsets:*i32 state_slots:*i32 "
-              "has_initial_state:*i32 wqk_p:*bf16 u_p:*fp32 aqk_p:*bf16",
+              "has_initial_state:*i32 wqk_p:*bf16 u_p:*fp32 aqk_p:*bf16 v:*bf16 stride_v:i32",
               dict(H=64, K=128, V=128, BV=64, CHAIN=3, OUT_X3=False, NS=5, SQ=2, SKD=3, A_LO=1, DOT_F32=False)),
 }
+# the state pass forming u itself (``u_in_state``): ``u`` is then over Aib's bf16 pair, and Aqk has no lo half
+PRESETS["state_u"] = (PRESETS["state"][0],
+                      PRESETS["state"][1].replace("u:tensordesc<fp32[64,64]>", "u:tensordesc<bf16[64,64]>")
+                      .replace("u_p:*fp32", "u_p:*bf16"),
+                      dict(PRESETS["state"][2], A_LO=0, U_IN_STATE=True, L2_AHEAD=1))
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
@@ -91,7 +97,9 @@ def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | No
     sig = dict(item.split(":") for item in signature.split())
     if "state" in overrides:
         sig["state"] = "*" + overrides.pop("state")
-    constexprs = {**constexprs, **overrides}
+    # constexprs left at their defaults are given too (newer Triton versions do not fill them in here)
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = {**defaults, **constexprs, **overrides}
     sig.update({n: "constexpr" for n in constexprs})
     names = fn.arg_names
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()

@@ -68,13 +68,14 @@ def kda_intra64_b_kernel(
     bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, q_d, k_d, v_d, gc_d, ai_d,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    DOT_F32: tl.constexpr, STAGES: tl.constexpr,
+    DOT_F32: tl.constexpr, STAGES: tl.constexpr, AIB: tl.constexpr = False,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time.
     ``q_d``, ``k_d`` and ``v_d`` are descriptors over q, k and v as [T, H * D] rows with [64, BK] (q, k) and
     [64, BVB] (v) blocks; ``gc_d`` over ``gc`` as [chunks * H * 64, K] with [64, BK] blocks, ``ai_d`` over Ai as
     [chunks * H * 64, 64]. PRECISION: the two products with Ai (``mm_f32``); DOT_F32: the interpreter's widened
-    bf16 products."""
+    bf16 products. With AIB, ``ai_d`` is over ``Aib = Ai diag(beta)`` as bf16 hi + lo pairs ([chunks * H * 2 *
+    64, 64], kernel A's): w is ``Aib (k exp(gc))``, and u is left to the state pass (``u`` and ``v_d`` unused)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
     t0 = tl.load(chunk_indices + 2 * i_c + 1) * 64
@@ -83,8 +84,11 @@ def kda_intra64_b_kernel(
     m_t = t0 + o_t < tl.load(cu_seqlens + i_n + 1) - bos
     r0 = bos + t0
     i_ch = i_c * H + i_h
-    # Ai's lower blocks (the blocks above them are scratch)
-    b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
+    # Ai's lower blocks (the blocks above them are scratch), or Aib's pair (zeros above)
+    if AIB:
+        b_ai = ai_d.load([i_ch * 128, 0]).to(tl.float32) + ai_d.load([i_ch * 128 + 64, 0]).to(tl.float32)
+    else:
+        b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
     i_ch64 = i_ch.to(tl.int64)
     SQ: tl.constexpr = (1 + W_LO) * 64 * K
     SKD: tl.constexpr = (2 + W_LO + Q_LO) * 64 * K
@@ -95,7 +99,10 @@ def kda_intra64_b_kernel(
     # the rows' norm factors (kernel D's: scale / |q_r|, 1 / |k_r|) and beta
     r_q = tl.load(rn + i_ch64 * 128 + o_t)
     r_k = tl.load(rn + i_ch64 * 128 + 64 + o_t)
-    b_b = tl.load(bc + i_ch64 * 64 + o_t)
+    if AIB:  # beta is in Aib's columns already
+        b_b = tl.full([64], 1.0, tl.float32)
+    else:
+        b_b = tl.load(bc + i_ch64 * 64 + o_t)
     o_b = tl.arange(0, BK)
     for kk in tl.range(0, K, BK, num_stages=STAGES):
         b_gc = gc_d.load([i_ch * 64, kk])
@@ -104,9 +111,10 @@ def kda_intra64_b_kernel(
         b_q = tl.where(m_t[:, None], q_d.load([r0, i_h * K + kk]), 0.0)
         _key_cols(b_gc, b_gl, b_k, b_q, b_b, kk + o_b, b_ai, r_q, r_k, wqk, egl, K, SQ, SKD, PRECISION, W_LO, Q_LO,
                   KD_LO, DOT_F32)
-    # u for BVB value columns at a time, stored transposed
-    o_f = tl.arange(0, BVB)
-    for vv in tl.range(0, V, BVB, num_stages=STAGES):
-        b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
-        tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
-                 mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))
+    if not AIB:
+        # u for BVB value columns at a time, stored transposed
+        o_f = tl.arange(0, BVB)
+        for vv in tl.range(0, V, BVB, num_stages=STAGES):
+            b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
+            tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
+                     mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))

@@ -144,10 +144,22 @@ def _store_a(aqk, acc_a, r_q, n_c, i: tl.constexpr, j: tl.constexpr, A_LO: tl.co
 
 
 @triton.jit
-def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr, DOT_F32: tl.constexpr):
+def _store_ai(ai, x, bc, i: tl.constexpr, j: tl.constexpr, o_r, AIB: tl.constexpr):
+    """Block (i, j) of ``Ai`` in float32, or with AIB of ``Aib = Ai diag(beta)`` as a bf16 hi + lo pair (its
+    columns scaled by their tokens' beta, ``bc`` at the chunk-head)."""
+    if AIB:
+        store_pair(_blk(ai, i, j, o_r), x * tl.load(bc + 16 * j + o_r)[None, :], True, 4096)
+    else:
+        tl.store(_blk(ai, i, j, o_r), x)
+
+
+@triton.jit
+def _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr, DOT_F32: tl.constexpr,
+           AIB: tl.constexpr):
     """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses
     ``d0..d3`` and L's blocks ``l_ij``, all in registers: ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column
-    block by column block; only the results go to memory. SP: the products' precision (``mm_f32``)."""
+    block by column block; only the results go to memory (``_store_ai``). SP: the products' precision
+    (``mm_f32``)."""
     F: tl.constexpr = DOT_F32
     ai10 = -mm_f32(d1, mm_f32(l10, d0, SP, F), SP, F)
     ai20 = -mm_f32(d2, mm_f32(l20, d0, SP, F) + mm_f32(l21, ai10, SP, F), SP, F)
@@ -155,26 +167,28 @@ def _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constex
     ai21 = -mm_f32(d2, mm_f32(l21, d1, SP, F), SP, F)
     ai31 = -mm_f32(d3, mm_f32(l31, d1, SP, F) + mm_f32(l32, ai21, SP, F), SP, F)
     ai32 = -mm_f32(d3, mm_f32(l32, d2, SP, F), SP, F)
-    tl.store(_blk(ai, 1, 0, o_r), ai10)
-    tl.store(_blk(ai, 2, 0, o_r), ai20)
-    tl.store(_blk(ai, 3, 0, o_r), ai30)
-    tl.store(_blk(ai, 2, 1, o_r), ai21)
-    tl.store(_blk(ai, 3, 1, o_r), ai31)
-    tl.store(_blk(ai, 3, 2, o_r), ai32)
+    _store_ai(ai, ai10, bc, 1, 0, o_r, AIB)
+    _store_ai(ai, ai20, bc, 2, 0, o_r, AIB)
+    _store_ai(ai, ai30, bc, 3, 0, o_r, AIB)
+    _store_ai(ai, ai21, bc, 2, 1, o_r, AIB)
+    _store_ai(ai, ai31, bc, 3, 1, o_r, AIB)
+    _store_ai(ai, ai32, bc, 3, 2, o_r, AIB)
 
 
 @triton.jit
 def kda_intra64_offdiag_rows_kernel(
-    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d,
+    bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d, aib,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
-    STAGES: tl.constexpr = 3,
+    STAGES: tl.constexpr = 3, AIB: tl.constexpr = False,
 ):
     """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
     ``k_d``: descriptors over q's and k's [T, H * K] rows, ``gc_d`` over the gate pass's ``gc`` as [chunks * H *
     64, K] (kda_prefill_gate.py), all in [16, KS] tiles (KS: the K slice); ``bc``: the pass's beta; FAST_EXP:
-    ``exp2``; STAGES: the slices in flight."""
+    ``exp2``; STAGES: the slices in flight. With AIB the whole inverse goes to ``aib`` instead, as ``Aib = Ai
+    diag(beta)`` in bf16 hi + lo pairs ([chunks, H, 2, 64, 64], zeros above the diagonal blocks): kernel B and the
+    state pass read it, the state pass to form ``u = Aib v`` itself."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     bc += (i_c * H + i_h).to(tl.int64) * 64
@@ -204,4 +218,16 @@ def kda_intra64_offdiag_rows_kernel(
     _store_a(aqk, a31, r_q, n1, 3, 1, A_LO)
     _store_a(aqk, a32, r_q, n2, 3, 2, A_LO)
     l30, l31, l32 = l30 * r_k * n0, l31 * r_k * n1, l32 * r_k * n2
-    _merge(ai, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32)
+    if AIB:
+        aib += (i_c * H + i_h).to(tl.int64) * 8192
+        for b in tl.static_range(4):
+            # the upper blocks' zeros (the state pass multiplies whole tiles)
+            for c in tl.static_range(b + 1, 4):
+                store_pair(_blk(aib, b, c, o_r), tl.zeros([16, 16], dtype=tl.float32), True, 4096)
+        _store_ai(aib, d0, bc, 0, 0, o_r, True)
+        _store_ai(aib, d1, bc, 1, 1, o_r, True)
+        _store_ai(aib, d2, bc, 2, 2, o_r, True)
+        _store_ai(aib, d3, bc, 3, 3, o_r, True)
+        _merge(aib, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32, True)
+    else:
+        _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32, False)

@@ -44,7 +44,7 @@ from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda_prefill_intra64_b import kda_intra64_b_kernel
 from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
 from flashinfra.kernels.kda_prefill_intra64_split import bf16_pair, kda_intra64_diag_kernel, mma_bf16, prefetch_l2
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import device_descriptors, fast
 from flashinfra.kernels.varlen import chunk_tables
 
 CHAIN_PRECISIONS = ("bf16x3", "bf16x2", "bf16")
@@ -73,9 +73,10 @@ def _parts(x, CHAIN: tl.constexpr):
 @triton.jit
 def kda_state64_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
+    v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
+    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, U_IN_STATE: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -92,7 +93,12 @@ def kda_state64_kernel(
     ``wqk_p``, ``u_p`` and ``aqk_p`` are the same scratch as pointers: with L2_AHEAD, each step first asks the L2
     for the tiles of the step that many ahead (one bulk prefetch per tensor, from the first thread). Triton issues
     a two-deep ring's copies for a step at the end of the step before, so without it each step begins by waiting
-    on DRAM."""
+    on DRAM.
+
+    With U_IN_STATE the pass forms u itself, ``u^T = v^T Aib^T`` (two products: v exact in bf16, ``Aib = Ai
+    diag(beta)`` as kernel A's bf16 hi + lo pair, which ``u`` and ``u_p`` then hold, [rows, 64] per half), from v's
+    [64, BV] tiles through a descriptor made here over the sequence's own rows (``v``, ``stride_v``: the copy engine
+    fills the rows past its end with zeros, so another sequence's values never enter the products)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -107,6 +113,9 @@ def kda_state64_kernel(
     r_s = (slot * H + i_h) * K
     b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
     nt = tl.cdiv(L, 64).to(tl.int32)
+    if U_IN_STATE:
+        v_d = tl.make_tensor_descriptor(v + bos * stride_v + i_h * V + i_v * BV, [L.to(tl.int32), BV], [stride_v, 1],
+                                        [64, BV])
     # exp(gl) is loaded a step ahead: a plain load waits at its first use and the pipeliner leaves it in place, so
     # loaded where it is used it costs a global round trip in every step (10% of the bf16x2 chain's state pass on
     # an H200). A sequence without chunks loads nothing (its first chunk may lie past the end of the scratch).
@@ -116,7 +125,10 @@ def kda_state64_kernel(
         if L2_AHEAD:
             ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
             prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2)
-            prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
+            if U_IN_STATE:
+                prefetch_l2(u_p + ahead * 8192, 8192 * 2)
+            else:
+                prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
             prefetch_l2(aqk_p + ahead * ((1 + A_LO) * 4096), (1 + A_LO) * 4096 * 2)
         b_e = b_e_next
         b_e_next = tl.load(egl + ((c0 + tl.minimum(i_t + 1, nt - 1)) * H + i_h).to(tl.int64) * K + o_k)
@@ -138,7 +150,12 @@ def kda_state64_kernel(
             b_ws = mma_bf16(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
             b_ws = mma_bf16(b_zl, b_wh, b_ws, DOT_F32)
-        b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
+        if U_IN_STATE:
+            b_vt = tl.trans(v_d.load([i_t * 64, 0]))
+            b_u = mma_bf16(b_vt, tl.trans(u.load([base * 128, 0])), tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
+            b_vn = mma_bf16(b_vt, tl.trans(u.load([base * 128 + 64, 0])), b_u, DOT_F32) - b_ws
+        else:
+            b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)
         # the output's in-chunk part, v' against Aqk (lower triangular, its upper blocks zeros)
         b_at = tl.trans(aqk.load([r_a, 0]))
@@ -177,7 +194,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                state_l2_ahead: int | None = None):
+                state_l2_ahead: int | None = None, u_in_state: bool = False):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -198,7 +215,11 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     default ``local_precision``: "bf16x3" makes the final state's error against float64 about 35 times smaller,
     3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an H200), the state pass
     (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2; ``state_l2_ahead``: the step whose tiles
-    each step asks of the L2, by default the next one at 2 stages, none at 3). The defaults are the fastest
+    each step asks of the L2, by default the next one at 2 stages, none at 3). ``u_in_state``: kernel A writes
+    ``Aib = Ai diag(beta)`` as a bf16 pair, kernel B forms w from it and leaves u out (its value loop, 48 of the 210
+    KB it moves per chunk-head), and the state pass forms u from v and Aib (two products a step more, off the
+    chain); Aqk then keeps its hi half alone (shared memory), so the output's error rises by about 30%; not yet
+    timed on a GPU (bench/notes/kda_prefill.md, "u formed inside the state pass"). The defaults are the fastest
     measured on an H200 (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
@@ -221,6 +242,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # the state pass's tiles three steps deep where they fit the 227 KB of shared memory (sm_90, BV=64: 197 KB
         # at the bf16x2 chain; the bf16x3 chain's two more tile slots take 3 stages to 295 KB)
         num_stages = 3 if CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64 and not out_x3 else 2
+    if u_in_state and (v.dtype != torch.bfloat16 or out_x3):
+        raise ValueError(f"kda_prefill v3: u_in_state needs bf16 v (the state pass's products) and no out_x3 (its "
+                         f"shared memory), got {v.dtype}, out_x3={out_x3}")
     if state_l2_ahead is None:
         # a step ahead at the two-deep ring: the state pass 6-9% faster at T=8192 and 3% at T=65536 on an H200,
         # level (+-3%) in a packed batch; the three-deep ring (bf16x2) has its copies a step ahead already, and the
@@ -268,10 +292,14 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "gate", gate_pass
-    a_lo = int(chain == 3 or out_x3)  # Aqk's lo half: the bf16x3 chain's precision, or out_x3's
+    # Aqk's lo half: the bf16x3 chain's precision, or out_x3's; with u_in_state the state pass's ring has no room for
+    # it (231,552 of the 232,448 bytes of shared memory without it, 247,952 with it, compiled for sm_90)
+    a_lo = int(out_x3 or (chain == 3 and not u_in_state))
     aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
     ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
     rn = torch.empty(nch, H, 2, 64, dtype=torch.float32, device=dev)  # D's norm factors, read by A and B
+    # Aib = Ai diag(beta) in bf16 hi + lo pairs (u_in_state), which kernel A writes for B and the state pass
+    aib = torch.empty(nch, H, 2, 64, 64, dtype=torch.bfloat16, device=dev) if u_in_state else ai
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
 
@@ -294,39 +322,42 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         # instructions (two warps with slices of 32, and a register cap, measured slower: bench/notes/kda_prefill.md,
         # "A per row block")
         fast(kda_intra64_offdiag_rows_kernel)[(nch, H)](
-            bc, cu_t, idx, aqk, ai, rn, *a_d, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=solve,
-            FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(), STAGES=a_stages,
-            num_warps=1, num_stages=1,
+            bc, cu_t, idx, aqk, ai, rn, *a_d, aib, H=H, K=K, KS=AKS, LOCAL_PRECISION=local_precision,
+            SOLVE_PRECISION=solve, FAST_EXP=not env.triton_interpret(), A_LO=a_lo, DOT_F32=env.triton_interpret(),
+            STAGES=a_stages, AIB=u_in_state, num_warps=1, num_stages=1,
         )
 
     yield "intra_a", intra_offdiag
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
-    u = torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
+    # u in float32 from kernel B, or (u_in_state) Aib's pair from kernel A in its place
+    u = aib if u_in_state else torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_value_block, V)
     rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tq, BK), (tk, BK), (tv, BVB))]
     gc_d = TensorDescriptor.from_tensor(gc.view(-1, K), [64, BK])
-    ai_d = TensorDescriptor.from_tensor(ai.view(-1, 64), [64, 64])
+    ai_d = TensorDescriptor.from_tensor(aib.view(-1, 64), [64, 64])  # Ai itself unless u_in_state
 
     def intra_b():
         fast(kda_intra64_b_kernel)[(nch, H)](
             bc, cu_t, idx, rn, gc, wqk, u, egl, *rows_d, gc_d, ai_d, H=H, K=K, V=V, BK=BK, BVB=BVB,
-            PRECISION=b_prec, STAGES=b_stages, DOT_F32=env.triton_interpret(), num_warps=b_warps, **lo,
-            **register_cap(b_maxnreg),
+            PRECISION=b_prec, STAGES=b_stages, DOT_F32=env.triton_interpret(), AIB=u_in_state, num_warps=b_warps,
+            **lo, **register_cap(b_maxnreg),
         )
 
     yield "intra_b", intra_b
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
-    u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [BV, 64])
+    u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [64 if u_in_state else BV, 64])
     aqk_d = TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64])
     state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
+    if u_in_state:
+        device_descriptors()
 
     def state_pass():
         fast(kda_state64_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
-            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk,
+            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots, A_LO=a_lo,
-            L2_AHEAD=0 if env.triton_interpret() else state_l2_ahead,
+            L2_AHEAD=0 if env.triton_interpret() else state_l2_ahead, U_IN_STATE=u_in_state,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 

@@ -80,3 +80,18 @@ def fast(fn):
     if kernel is None:
         kernel = _fast[fn] = FastKernel(fn)
     return kernel
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def device_descriptors() -> None:
+    """Let kernels make tensor descriptors on the device (``tl.make_tensor_descriptor``): Triton's launcher then
+    allocates a scratch per launch (128 bytes a program) through the allocator set here, from PyTorch's caching
+    allocator on the current stream. The allocator is Triton's context variable, so it is set in each calling
+    context; an allocator set before (by another library) is kept."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)

@@ -67,6 +67,12 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, row_pad=1)),
     # the gate pass in two column blocks of 16, on two warps
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5, gate_block=16, gate_warps=2)),
+    # u formed in the state pass from v and Aib (bf16 v): slow decay, empty and one-token sequences, padded rows
+    ([1, 100, 0, 37], dict(decay=0.1, u_in_state=True, out_x3=False, dtype=torch.bfloat16)),
+    ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, decay=0.3, row_pad=8, u_in_state=True, out_x3=False,
+                             dtype=torch.bfloat16)),
+    ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, u_in_state=True, out_x3=False, dtype=torch.bfloat16,
+                     chain_precision="bf16x2")),
 ])
 def test_prefill_v3_split(lens, kw):
     """v3's gate pass (kda_prefill_gate.py), in-chunk matrices (kernel D, kda_prefill_intra64_split.py; kernel
@@ -357,3 +363,31 @@ def test_dispatch_runs_triton_under_interpreter():
 
 def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
     cases.tiny_model_greedy_same(tmp_path, monkeypatch, "cpu")
+
+
+@pytest.mark.parametrize("u_in_state", [False, True])
+def test_prefill_v3_next_sequence_cannot_leak(u_in_state):
+    """Non-finite values in one sequence's v leave the sequences before and after it bitwise unchanged: the rows past
+    a sequence's end that a chunk's tiles cover are zeroed (kernel B), or bounded by the state pass's own descriptor
+    of the sequence's rows (``u_in_state``), before any product, where 0 x inf would be NaN."""
+    gen = torch.Generator().manual_seed(0)
+    lens, H, K, V = [70, 30, 64], 2, 32, 16
+    T = sum(lens)
+    q, k, v = (torch.randn(T, H, D, generator=gen).bfloat16() for D in (K, K, V))
+    g = -0.3 * torch.sigmoid(torch.randn(T, H, K, generator=gen))
+    beta = torch.rand(T, H, generator=gen)
+    s0 = torch.randn(3, H, K, V, generator=gen)
+    cu = [0, 70, 100, 164]
+    got = []
+    for bad in (False, True):
+        vv = v.clone()
+        if bad:
+            vv[70:100] = float("inf")
+        s = s0.clone()
+        o = kda_prefill.kda_prefill_launch(q, k, vv, g, beta, s, cu, [0, 1, 2], [True] * 3, version="v3",
+                                           u_in_state=u_in_state)
+        got.append((o, s))
+    (o, s), (o_bad, s_bad) = got
+    assert torch.equal(o[:70], o_bad[:70]) and torch.equal(o[100:], o_bad[100:])
+    assert torch.equal(s[0], s_bad[0]) and torch.equal(s[2], s_bad[2])
+    assert not torch.isfinite(s_bad[1]).all()  # the bad sequence's own state does take the values in

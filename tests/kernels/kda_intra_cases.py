@@ -199,7 +199,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
              TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
     kda_intra64_offdiag_rows_kernel[(nch, H)](
-        x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, H=H, K=K, KS=KS, LOCAL_PRECISION=precision,
+        x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, ai, H=H, K=K, KS=KS,
+        LOCAL_PRECISION=precision,
         SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,
         num_warps=num_warps)
     rel, atol, rtol = _ai_tolerances(precision, solve == "bf16x3")

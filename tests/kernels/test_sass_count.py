@@ -31,13 +31,17 @@ def test_mask_free_blocks_compile_shorter(sass_count):
 def test_prefill_state_pass_fits_an_sm(sass_count):
     """The prefill's state pass at the launcher's shape (the bf16x3 chain, value blocks of 64, a ring of two stages of
     tiles by the copy engine, the next step's tiles asked of the L2) compiles for sm_90 within an SM's 227 KB of
-    shared memory, on the warpgroup products, with its three bulk L2 prefetches: a change that outgrows it fails
-    here, on a CPU, before it fails to launch on a GPU."""
+    shared memory, on the warpgroup products, with its three bulk L2 prefetches, and so does its ``u_in_state`` form:
+    a change that outgrows it fails here, on a CPU, before it fails to launch on a GPU."""
     compiled, fn = sass_count.compile_sm90("state", {"L2_AHEAD": 1}, num_warps=4, maxnreg=None, num_stages=2)
     res = sass_count.count(compiled, fn, lines=False)
     assert 200_000 < res["shared_bytes"] <= 232_448
     assert res["opcodes"].get("HGMMA", 0) >= 20 and res["registers"] <= 255
     assert res["opcodes"].get("UBLKPF", 0) == 3
+    # forming u from v and Aib (u_in_state): Aqk's lo half gives way, and the ring fits
+    compiled, fn = sass_count.compile_sm90("state_u", {}, num_warps=4, maxnreg=None, num_stages=2)
+    res = sass_count.count(compiled, fn, lines=False)
+    assert 200_000 < res["shared_bytes"] <= 232_448 and res["opcodes"].get("HGMMA", 0) >= 20
 
 
 def test_prefill_tiles_kernel_fits_three_programs_per_sm(sass_count):
