@@ -219,15 +219,14 @@ def kda_intra64_offdiag_rows_kernel(
     _store_a(aqk, a32, r_q, n2, 3, 2, A_LO)
     l30, l31, l32 = l30 * r_k * n0, l31 * r_k * n1, l32 * r_k * n2
     if AIB:
-        aib += (i_c * H + i_h).to(tl.int64) * 8192
+        # the whole inverse goes to Aib's pair (two [64, 64] slots): its diagonal blocks and the zeros above them
+        # (the state pass multiplies whole tiles) here, the merge's blocks below
+        ai = aib + (i_c * H + i_h).to(tl.int64) * (2 * 4096)
         for b in tl.static_range(4):
-            # the upper blocks' zeros (the state pass multiplies whole tiles)
             for c in tl.static_range(b + 1, 4):
-                store_pair(_blk(aib, b, c, o_r), tl.zeros([16, 16], dtype=tl.float32), True, 4096)
-        _store_ai(aib, d0, bc, 0, 0, o_r, True)
-        _store_ai(aib, d1, bc, 1, 1, o_r, True)
-        _store_ai(aib, d2, bc, 2, 2, o_r, True)
-        _store_ai(aib, d3, bc, 3, 3, o_r, True)
-        _merge(aib, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32, True)
-    else:
-        _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32, False)
+                store_pair(_blk(ai, b, c, o_r), tl.zeros([16, 16], dtype=tl.float32), True, 4096)
+        _store_ai(ai, d0, bc, 0, 0, o_r, True)
+        _store_ai(ai, d1, bc, 1, 1, o_r, True)
+        _store_ai(ai, d2, bc, 2, 2, o_r, True)
+        _store_ai(ai, d3, bc, 3, 3, o_r, True)
+    _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SOLVE_PRECISION, DOT_F32, AIB)

@@ -126,7 +126,7 @@ def kda_state64_kernel(
             ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
             prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2)
             if U_IN_STATE:
-                prefetch_l2(u_p + ahead * 8192, 8192 * 2)
+                prefetch_l2(u_p + ahead * (2 * 4096), 2 * 4096 * 2)  # Aib's pair in u's place
             else:
                 prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
             prefetch_l2(aqk_p + ahead * ((1 + A_LO) * 4096), (1 + A_LO) * 4096 * 2)
@@ -152,8 +152,9 @@ def kda_state64_kernel(
             b_ws = mma_bf16(b_zl, b_wh, b_ws, DOT_F32)
         if U_IN_STATE:
             b_vt = tl.trans(v_d.load([i_t * 64, 0]))
-            b_u = mma_bf16(b_vt, tl.trans(u.load([base * 128, 0])), tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
-            b_vn = mma_bf16(b_vt, tl.trans(u.load([base * 128 + 64, 0])), b_u, DOT_F32) - b_ws
+            r_u = base * (2 * 64)  # Aib's hi and lo [64, 64] halves
+            b_u = mma_bf16(b_vt, tl.trans(u.load([r_u, 0])), tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
+            b_vn = mma_bf16(b_vt, tl.trans(u.load([r_u + 64, 0])), b_u, DOT_F32) - b_ws
         else:
             b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)
