@@ -6,7 +6,7 @@ triton==3.6.0`` and ``PYTHONPATH=DIR``).
 
 Pointer and stride arguments are compiled as 16-byte aligned, as Triton specialises them at a real launch.
 The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VALUE`` overrides a constexpr
-(``state=fp32`` the state's element type).
+(``state=fp32``, ``o=fp32``: a pointer argument's element type).
 
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
@@ -95,8 +95,8 @@ def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | No
     module, name = path.split(":")
     fn = getattr(importlib.import_module(module), name)
     sig = dict(item.split(":") for item in signature.split())
-    if "state" in overrides:
-        sig["state"] = "*" + overrides.pop("state")
+    for name in [n for n, v in overrides.items() if n in sig and not isinstance(v, (bool, int))]:
+        sig[name] = "*" + overrides.pop(name)  # a pointer argument's element type (state=fp32)
     # constexprs left at their defaults are given too (newer Triton versions do not fill them in here)
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     constexprs = {**defaults, **constexprs, **overrides}
@@ -146,7 +146,7 @@ def count(compiled, fn, lines: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("preset", choices=sorted(PRESETS))
-    ap.add_argument("overrides", nargs="*", help="NAME=VALUE constexprs (state=fp32: the state's element type)")
+    ap.add_argument("overrides", nargs="*", help="NAME=VALUE constexprs, or a pointer argument's element type (state=fp32)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--maxnreg", type=int)
     ap.add_argument("--stages", type=int, default=3, help="num_stages (the state pass's ring: 2 at bf16x3)")

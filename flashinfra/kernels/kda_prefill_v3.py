@@ -23,12 +23,14 @@ accumulate in float32:
   exists to show that in a test.
 
 The output's products use S's hi and lo parts with qg's hi part, and form ``Aqk v'`` in the chain's precision,
-Aqk in kd's place (its lo half written and read at bf16x3); ``out_x3`` adds qg's and Aqk's lo halves.
+Aqk in kd's place (its lo half written and read at bf16x3 without ``u_in_state``); ``out_x3`` adds qg's and Aqk's
+lo halves. By default (``u_in_state``, bf16 v and output) the state pass forms u itself from v's tiles and
+``Aib = Ai diag(beta)``, which kernel A writes as a bf16 pair; otherwise kernel B writes u in float32.
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
-head: ``64 (2 K slots + 4 V + 384) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with
-``out_x3``, and 8 KB more for Aqk's lo half (bf16x3, out_x3); the gate pass's ``256 (K + 1)`` and the norm
-factors' 512 bytes more.
+head: ``64 (2 K slots + 384) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with ``out_x3``; then
+Aib's 16 KB (``u_in_state``), or u's ``256 V`` bytes and 8 KB more for Aqk's lo half (bf16x3, out_x3); the gate
+pass's ``256 (K + 1)`` and the norm factors' 512 bytes more.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                state_l2_ahead: int | None = None, u_in_state: bool = False):
+                state_l2_ahead: int | None = None, u_in_state: bool | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -219,9 +221,10 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     each step asks of the L2, by default the next one at 2 stages, none at 3). ``u_in_state``: kernel A writes
     ``Aib = Ai diag(beta)`` as a bf16 pair, kernel B forms w from it and leaves u out (its value loop, 48 of the 210
     KB it moves per chunk-head), and the state pass forms u from v and Aib (two products a step more, off the
-    chain); Aqk then keeps its hi half alone (shared memory), so the output's error rises by about 30%; not yet
-    timed on a GPU (bench/notes/kda_prefill.md, "u formed inside the state pass"). The defaults are the fastest
-    measured on an H200 (bench/notes/kda_prefill.md)."""
+    chain); Aqk then keeps its hi half alone (shared memory), so the output's error rises by about 30%, and u's own
+    rounding leaves the chain (the final state's error against float64 35 times smaller at T=8192); by default on
+    wherever it fits (bf16 v and output, no out_x3). The defaults are the fastest measured on an H200
+    (bench/notes/kda_prefill.md)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
@@ -239,13 +242,20 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                     ("gate_block", gate_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
+    if u_in_state is None:
+        # u formed in the state pass wherever it fits: the whole call 8-10% faster at the bf16x3 chain, 7% at bf16x2
+        # (at two stages, against bf16x2's three without it) on an H200 (bench/notes/kda_prefill.md, "u formed
+        # inside the state pass, timed"); a float32 output's store takes the shared memory it would need
+        u_in_state = v.dtype == torch.bfloat16 and o.element_size() == 2 and not out_x3
+    if u_in_state and (v.dtype != torch.bfloat16 or o.element_size() != 2 or out_x3):
+        raise ValueError(f"kda_prefill v3: u_in_state needs bf16 v (the state pass's products), a 16-bit output and "
+                         f"no out_x3 (its shared memory), got v {v.dtype}, output {o.dtype}, out_x3={out_x3}")
     if num_stages is None:
         # the state pass's tiles three steps deep where they fit the 227 KB of shared memory (sm_90, BV=64: 197 KB
-        # at the bf16x2 chain; the bf16x3 chain's two more tile slots take 3 stages to 295 KB)
-        num_stages = 3 if CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64 and not out_x3 else 2
-    if u_in_state and (v.dtype != torch.bfloat16 or out_x3):
-        raise ValueError(f"kda_prefill v3: u_in_state needs bf16 v (the state pass's products) and no out_x3 (its "
-                         f"shared memory), got {v.dtype}, out_x3={out_x3}")
+        # at the bf16x2 chain without u_in_state; the bf16x3 chain's two more tile slots take 3 stages to 295 KB,
+        # u_in_state's v and Aib tiles bf16x2's to 248 KB)
+        narrow = CHAIN_PRODUCTS[chain_precision] < 3 and min(BV, V) <= 64
+        num_stages = 3 if narrow and not (out_x3 or u_in_state) else 2
     if state_l2_ahead is None:
         # a step ahead at the two-deep ring: the state pass 6-9% faster at T=8192 and 3% at T=65536 on an H200,
         # level (+-3%) in a packed batch; the three-deep ring (bf16x2) has its copies a step ahead already, and the
