@@ -6,7 +6,8 @@ triton==3.6.0`` and ``PYTHONPATH=DIR``).
 
 Pointer and stride arguments are compiled as 16-byte aligned, as Triton specialises them at a real launch.
 The presets are the decode kernels at H=64, K=V=128, bf16 activations; ``NAME=VALUE`` overrides a constexpr
-(``state=fp32``, ``o=fp32``: a pointer argument's element type).
+(``state=fp32``, ``o=fp32``: a pointer argument's element type; ``ai_d=tensordesc<bf16[64,64]>``: a
+descriptor's).
 
     python bench/sass_count.py decode [--warps 4] [--maxnreg 96] [--lines] [BV=64 EVEN=True ...]
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
@@ -96,7 +97,8 @@ def compile_sm90(preset: str, overrides: dict, num_warps: int, maxnreg: int | No
     fn = getattr(importlib.import_module(module), name)
     sig = dict(item.split(":") for item in signature.split())
     for name in [n for n, v in overrides.items() if n in sig and not isinstance(v, (bool, int))]:
-        sig[name] = "*" + overrides.pop(name)  # a pointer argument's element type (state=fp32)
+        kind = overrides.pop(name)  # a pointer argument's element type (state=fp32), or a descriptor's type
+        sig[name] = kind if kind.startswith("tensordesc") else "*" + kind
     # constexprs left at their defaults are given too (newer Triton versions do not fill them in here)
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     constexprs = {**defaults, **constexprs, **overrides}
