@@ -18,11 +18,13 @@ four warpgroup products per chunk. Two of them, ``w S`` and ``kd^T v'``, carry i
 rounding there compounds over the whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of them
 enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operand, as precise as tf32x3 here),
 never as a single bf16 or tf32 operand, whose rounding each step shows up in the state (see
-tests/kernels/test_kda_gpu.py). Against a
-float64 recurrence at T=65536 and 131072 the default's final-state error is 2.5-4.4e-4, 0.11-0.18x
-flash-linear-attention's. ``chain_precision="bf16x2"`` rounds the per-chunk factors w and kd to one bf16 each:
-14-15% faster on an H200, its state error 1.6-1.8e-3 (still below flash-linear-attention's 2.2-3.9e-3, but
-that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
+tests/kernels/test_kda_gpu.py). By default (bf16 v and output) the state pass also forms u from v and
+``Ai diag(beta)`` as a bf16 pair, so u's own rounding stays out of the state. Against a float64 recurrence at
+T=65536 and 131072 the default's final-state error is 6.7e-6 to 1.6e-4, 1/15 to 1/370 of
+flash-linear-attention's, its output's 2.5e-3, 0.53-0.67x flash-linear-attention's
+(bench/results/kda_precision_u_in_state.json). ``chain_precision="bf16x2"`` rounds the per-chunk factors
+w and kd to one bf16 each: the call 10% faster on an H200, its state error 1.5-1.8e-3 (still below
+flash-linear-attention's 2.2-3.9e-3, but that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
 
 ``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
 (the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
