@@ -20,7 +20,7 @@ enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operan
 never as a single bf16 or tf32 operand, whose rounding each step shows up in the state (see
 tests/kernels/test_kda_gpu.py). By default (bf16 v and output) the state pass also forms u from v and
 ``Ai diag(beta)`` as a bf16 pair, so u's own rounding stays out of the state. Against a float64 recurrence at
-T=65536 and 131072 the default's final-state error is 6.7e-6 to 1.6e-4, 1/15 to 1/370 of
+T=65536 and 131072 the default's final-state error is 6.7e-6 to 1.6e-4, 1/24 to 1/325 of
 flash-linear-attention's, its output's 2.5e-3, 0.53-0.67x flash-linear-attention's
 (bench/results/kda_precision_u_in_state.json). ``chain_precision="bf16x2"`` rounds the per-chunk factors
 w and kd to one bf16 each: the call 10% faster on an H200, its state error 1.5-1.8e-3 (still below
