@@ -10,7 +10,8 @@ through Triton (which compiles or finds the kernel); later ones launch the compi
 made of each runtime argument's specialisation as Triton itself computes it (``native_specialize_impl``: dtype,
 16-byte alignment, integer width and divisibility, ``== 1``), the constexpr values and the launch options.
 
-Under the interpreter, for arguments off the GPU or for a grid given as a function, the call is Triton's own.
+Under the interpreter, for arguments off the GPU (the first runtime argument, a tensor or a host tensor descriptor,
+tells) or for a grid given as a function, the call is Triton's own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.runtime.driver import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.dispatch import interpreting
 
@@ -45,6 +47,7 @@ class FastKernel:
         if len(args) > self.positional or not self.runtime.isdisjoint(kwargs):
             raise TypeError(f"{self.fn.__name__}: runtime arguments go by position, constexprs by name")
         first = args[0]
+        first = first.base if isinstance(first, TensorDescriptor) else first  # a descriptor's tensor names the GPU
         if interpreting() or callable(grid) or not isinstance(first, torch.Tensor) or not first.is_cuda:
             self.fn[grid](*args, **kwargs)
             return

@@ -94,3 +94,39 @@ def test_profiler_hooks_see_every_launch():
     finally:
         hooks.remove(hook)
     assert seen == ["_scaled_rows_kernel"] * 3, seen
+
+
+@triton.jit
+def _tile_copy_kernel(x_d, y, BT: tl.constexpr, BD: tl.constexpr):
+    """y's [BT, BD] tile i = x's, read through the host descriptor ``x_d``."""
+    i = tl.program_id(0)
+    b_x = x_d.load([i * BT, 0])
+    o_t = i * BT + tl.arange(0, BT)
+    tl.store(y + o_t[:, None] * BD + tl.arange(0, BD)[None, :], b_x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_descriptor_first_takes_the_kept_kernel():
+    """A kernel whose first runtime argument is a host tensor descriptor (as the prefill's state pass) is launched
+    through the kept compiled kernel after its first launch, and copies what it should each time."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel = FastKernel(_tile_copy_kernel)
+    calls = []
+    jit_run = _tile_copy_kernel.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return jit_run(*args, **kwargs)
+
+    _tile_copy_kernel.run = counted
+    try:
+        for _ in range(3):
+            x = torch.randn(64, 32, device="cuda")
+            y = torch.full_like(x, float("nan"))
+            kernel[(4,)](TensorDescriptor.from_tensor(x, [16, 32]), y, BT=16, BD=32)
+            torch.testing.assert_close(y, x, rtol=0, atol=0)
+    finally:
+        _tile_copy_kernel.run = jit_run
+    assert len(calls) == 1  # Triton's own launch once, then the kept kernel
