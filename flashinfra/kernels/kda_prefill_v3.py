@@ -243,7 +243,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
     if u_in_state is None:
-        # u formed in the state pass wherever it fits: the whole call 8-10% faster at the bf16x3 chain, 7% at bf16x2
+        # u formed in the state pass wherever it fits: the whole call 8-10% faster at the bf16x3 chain, 3-7% at bf16x2
         # (at two stages, against bf16x2's three without it) on an H200 (bench/notes/kda_prefill.md, "u formed
         # inside the state pass, timed"); a float32 output's store takes the shared memory it would need
         u_in_state = v.dtype == torch.bfloat16 and o.element_size() == 2 and not out_x3

@@ -184,6 +184,11 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", gate_warps=3)
     with pytest.raises(ValueError, match="gate_block must be"):
         kda_prefill.kda_prefill_launch(*args, version="v3", gate_block=48)
+    # u formed in the state pass needs bf16 v and a 16-bit output (float32 q gives a float32 output here)
+    with pytest.raises(ValueError, match="u_in_state needs bf16 v"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", u_in_state=True)
+    with pytest.raises(ValueError, match="u_in_state needs bf16 v"):
+        kda_prefill.kda_prefill_launch(q, q, q.bfloat16(), *args[3:], version="v3", u_in_state=True)
 
 
 def test_prefill_v3_long_odd():
