@@ -5,6 +5,8 @@ launches skip Triton's binding."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -20,6 +22,22 @@ def _scaled_rows_kernel(x, y, stride_x, N, D, scale, BT: tl.constexpr, BD: tl.co
     m = (o_t < N)[:, None] & (o_d < D)[None, :]
     b_x = tl.load(x + o_t[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(y + o_t[:, None] * D + o_d[None, :], (b_x * scale).to(y.dtype.element_ty), mask=m)
+
+
+@contextlib.contextmanager
+def _triton_launches(fn):
+    """A list that gains an item per launch of ``fn`` through Triton's own ``run`` (its binding) in the block."""
+    calls, jit_run = [], fn.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return jit_run(*args, **kwargs)
+
+    fn.run = counted
+    try:
+        yield calls
+    finally:
+        fn.run = jit_run
 
 
 def _run(kernel, x: torch.Tensor, D: int, scale: float) -> torch.Tensor:
@@ -47,13 +65,6 @@ def test_non_jit_objects_pass_through():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_specialisation_matches_the_reference():
     kernel = FastKernel(_scaled_rows_kernel)
-    calls = []
-    jit_run = _scaled_rows_kernel.run
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return jit_run(*args, **kwargs)
-
     base = torch.randn(70, 48, device="cuda", dtype=torch.bfloat16)
     cases = [  # (rows, row stride's tensor, D): each changes a specialisation of the one before
         (base[:32], 32),  # aligned, N and D multiples of 16
@@ -63,16 +74,13 @@ def test_every_specialisation_matches_the_reference():
         (base[:17, :20], 20),  # N, D not multiples of 16
         (base[:32], 32),  # the first again
     ]
-    _scaled_rows_kernel.run = counted
-    try:
+    with _triton_launches(_scaled_rows_kernel) as calls:
         for i, (x, D) in enumerate(cases):
             calls.clear()
             y = _run(kernel, x, D, 0.5)
             ref = (x[:, :D].float() * 0.5).to(x.dtype)
             torch.testing.assert_close(y, ref, rtol=0, atol=0)
             assert len(calls) == (0 if i in (1, 5) else 1), i  # Triton binds only a new specialisation
-    finally:
-        _scaled_rows_kernel.run = jit_run
 
 
 @pytest.mark.gpu
@@ -113,20 +121,10 @@ def test_a_descriptor_first_takes_the_kept_kernel():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     kernel = FastKernel(_tile_copy_kernel)
-    calls = []
-    jit_run = _tile_copy_kernel.run
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return jit_run(*args, **kwargs)
-
-    _tile_copy_kernel.run = counted
-    try:
+    with _triton_launches(_tile_copy_kernel) as calls:
         for _ in range(3):
             x = torch.randn(64, 32, device="cuda")
             y = torch.full_like(x, float("nan"))
             kernel[(4,)](TensorDescriptor.from_tensor(x, [16, 32]), y, BT=16, BD=32)
             torch.testing.assert_close(y, x, rtol=0, atol=0)
-    finally:
-        _tile_copy_kernel.run = jit_run
     assert len(calls) == 1  # Triton's own launch once, then the kept kernel
