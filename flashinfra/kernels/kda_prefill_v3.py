@@ -197,7 +197,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                state_l2_ahead: int | None = None, u_in_state: bool | None = None):
+                state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
@@ -205,7 +205,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta, once per chunk-head, which D, A
     and B read; ``gate_block`` key columns per program on ``gate_warps`` warps: 64 on 2 took 7% off the pass
     against 32 on 1 on an H200), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal
-    16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per program; ``A``,
+    16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per program, at most
+    ``d_maxnreg`` registers per thread or None: without Aqk's lo half D takes 132 for sm_90 (Triton 3.6), seven
+    programs per SM where 128 fit eight, and capped at 128 it does not spill; not yet timed; ``A``,
     kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
     slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
     engine ``a_stages`` deep: slices of 16 three deep made A 22-26% faster than loads by pointers on an H200,
@@ -231,8 +233,9 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     V = v.shape[-1]
     if K & (K - 1) or V & (V - 1) or min(K, V) < 16 or BV & (BV - 1) or not 16 <= BV:
         raise ValueError(f"kda_prefill v3: K, V and BV must be powers of two >= 16, got K={K} V={V} BV={BV}")
-    if b_maxnreg is not None and not 32 <= b_maxnreg <= 255:
-        raise ValueError(f"kda_prefill v3: b_maxnreg must be None or in [32, 255], got {b_maxnreg}")
+    for name, cap in (("b_maxnreg", b_maxnreg), ("d_maxnreg", d_maxnreg)):
+        if cap is not None and not 32 <= cap <= 255:
+            raise ValueError(f"kda_prefill v3: {name} must be None or in [32, 255], got {cap}")
     for name, n in (("a_stages", a_stages), ("b_stages", b_stages)):
         if n < 1:
             raise ValueError(f"kda_prefill v3: {name} must be >= 1, got {n}")
@@ -318,7 +321,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
             *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
             FAST_EXP=not env.triton_interpret(),
-            num_warps=d_warps, num_stages=1,
+            num_warps=d_warps, num_stages=1, **register_cap(d_maxnreg),
         )
 
     yield "intra_d", intra_diag

@@ -172,6 +172,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", chain_precision="bf16x4")
     with pytest.raises(ValueError, match="b_maxnreg must be None or in"):
         kda_prefill.kda_prefill_launch(*args, version="v3", b_maxnreg=16)
+    with pytest.raises(ValueError, match="d_maxnreg must be None or in"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", d_maxnreg=300)
     with pytest.raises(ValueError, match="solve_precision must be one of"):
         kda_prefill.kda_prefill_launch(*args, version="v3", solve_precision="bf16x2")
     with pytest.raises(ValueError, match="b_stages must be >= 1"):

@@ -60,7 +60,7 @@ def test_prefill_v3_variants(launch):
                                     dict(num_stages=2), dict(gate_block=32, gate_warps=1),
                                     dict(gate_block=128, gate_warps=4), dict(u_in_state=True),
                                     dict(u_in_state=True, chain_precision="bf16x2"),
-                                    dict(u_in_state=True, state_l2_ahead=0)])
+                                    dict(u_in_state=True, state_l2_ahead=0), dict(d_maxnreg=128)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          **launch)

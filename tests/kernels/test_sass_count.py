@@ -53,3 +53,13 @@ def test_prefill_tiles_kernel_fits_three_programs_per_sm(sass_count):
     assert res["stack_bytes"] == 0 and res["registers"] * 128 * 3 <= 65536
     assert 3 * res["shared_bytes"] <= 232_448
     assert res["opcodes"].get("HGMMA", 0) > 0 and res["opcodes"].get("UTMALDG", 0) > 0
+
+
+def test_prefill_diagonal_kernel_fits_eight_programs_per_sm_capped(sass_count):
+    """Kernel D (the in-chunk diagonal blocks) without Aqk's lo half, as ``u_in_state`` runs it, capped at 128
+    registers (``d_maxnreg``) compiles for sm_90 without spills on its two warps: eight programs per SM by
+    registers."""
+    compiled, fn = sass_count.compile_sm90("intra_d", {"A_LO": 0}, num_warps=2, maxnreg=128, num_stages=1)
+    res = sass_count.count(compiled, fn, lines=False)
+    assert res["stack_bytes"] == 0 and res["registers"] * 64 * 8 <= 65536
+    assert res["opcodes"].get("HMMA", 0) > 0
