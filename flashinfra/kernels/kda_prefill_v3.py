@@ -200,33 +200,37 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
-    the next (the benchmark lists them and times them one by one), each through ``launch.fast`` (the compiled
-    kernel kept per configuration: no per-call binding by Triton): the gate pass (``gate``,
-    kda_prefill_gate.py: the log-decay's chunk-relative cumulative sum and beta, once per chunk-head, which D, A
-    and B read; ``gate_block`` key columns per program on ``gate_warps`` warps: 64 on 2 took 7% off the pass
-    against 32 on 1 on an H200), the in-chunk matrices (``D``, kda_prefill_intra64_split.py: the diagonal
-    16-token blocks and their inverses, over K in slices of ``KS``, ``d_warps`` warps per program, at most
-    ``d_maxnreg`` registers per thread or None: without Aqk's lo half D takes 132 for sm_90 (Triton 3.6), seven
-    programs per SM where 128 fit eight, and capped at 128 it does not spill; not yet timed; ``A``,
-    kda_prefill_intra64_rows.py: the off-diagonal blocks per 16-row block and the merge per chunk, over K in
-    slices of ``a_ks``, one warp, the merge's products in ``solve_precision``, its slices' tiles by the copy
-    engine ``a_stages`` deep: slices of 16 three deep made A 22-26% faster than loads by pointers on an H200,
-    slices of 32 two deep 2-6% faster again), the per-chunk tiles
-    (``B``, kda_prefill_intra64_b.py: key column blocks of ``b_block``, value column blocks of ``b_value_block``
-    (64: B 3% faster than at 32 in a packed batch of 16 sequences on an H200, level at T=8192), ``b_warps`` warps,
-    at most ``b_maxnreg`` registers per thread or None: 168 fits three programs per SM instead of two, without
-    spills; its tiles by the copy engine, its column loops ``b_stages`` deep (3: B 8% faster than the same loads
-    by pointers, 2 stages no faster, 4 level with 3, on an H200); its two products with Ai in ``b_precision``, by
-    default ``local_precision``: "bf16x3" makes the final state's error against float64 about 35 times smaller,
-    3.8e-4 -> 1.1e-5 at T=8192, for 7% more time in B, 2% in the whole pass on an H200), the state pass
-    (``num_stages`` of tiles in flight: by default as many as fit, 3 or 2; ``state_l2_ahead``: the step whose tiles
-    each step asks of the L2, by default the next one at 2 stages, none at 3). ``u_in_state``: kernel A writes
-    ``Aib = Ai diag(beta)`` as a bf16 pair, kernel B forms w from it and leaves u out (its value loop, 48 of the 210
-    KB it moves per chunk-head), and the state pass forms u from v and Aib (two products a step more, off the
-    chain); Aqk then keeps its hi half alone (shared memory), so the output's error rises by about 30%, and u's own
-    rounding leaves the chain (the final state's error against float64 35 times smaller at T=8192); by default on
-    wherever it fits (bf16 v and output, no out_x3). The defaults are the fastest measured on an H200
-    (bench/notes/kda_prefill.md)."""
+    the next (the benchmark lists them and times them one by one). Each goes through ``launch.fast`` (the compiled
+    kernel kept per configuration: no per-call binding by Triton). The defaults are the fastest measured on an
+    H200 (bench/notes/kda_prefill.md); the options, launch by launch (the percentages measured there):
+
+    - ``gate`` (kda_prefill_gate.py): the log-decay's chunk-relative cumulative sum and beta, once per chunk-head,
+      which D, A and B read; ``gate_block`` key columns per program on ``gate_warps`` warps (64 on 2: 7% off the
+      pass against 32 on 1).
+    - ``intra_d`` (D, kda_prefill_intra64_split.py): the diagonal 16-token blocks and their inverses, over K in
+      slices of ``KS``, ``d_warps`` warps per program, at most ``d_maxnreg`` registers per thread or None (without
+      Aqk's lo half D takes 132 for sm_90 with Triton 3.6: seven programs per SM where 128 fit eight; capped at
+      128 it does not spill; not yet timed).
+    - ``intra_a`` (A, kda_prefill_intra64_rows.py): the off-diagonal blocks per 16-row block and the merge per
+      chunk, one warp, over K in slices of ``a_ks`` whose tiles the copy engine brings ``a_stages`` deep (slices
+      of 16 three deep: 22-26% faster than loads by pointers; slices of 32 two deep: 2-6% faster again); the
+      merge's products in ``solve_precision``.
+    - ``intra_b`` (B, kda_prefill_intra64_b.py): the per-chunk tiles, in key column blocks of ``b_block`` and
+      value column blocks of ``b_value_block`` (64: 3% faster than 32 in a packed batch, level at T=8192), on
+      ``b_warps`` warps with at most ``b_maxnreg`` registers per thread or None (168: three programs per SM
+      instead of two, without spills); its tiles by the copy engine, its column loops ``b_stages`` deep (3: 8%
+      faster than loads by pointers; 2 no faster, 4 level); its products with Ai in ``b_precision``, by default
+      ``local_precision`` ("bf16x3": the final state's error 35 times smaller without ``u_in_state``, for 7% more
+      time in B).
+    - ``state``: the sequential pass, ``num_stages`` of tiles in flight (by default as many as fit, 3 or 2), each
+      step asking the L2 for the tiles of the step ``state_l2_ahead`` ahead (by default the next at 2 stages,
+      none at 3).
+
+    ``u_in_state`` (by default on wherever it fits: bf16 v and output, no ``out_x3``): kernel A writes ``Aib = Ai
+    diag(beta)`` as a bf16 pair, kernel B forms w from it and leaves u out (its value loop, 48 of the 210 KB it
+    moved per chunk-head), and the state pass forms u from v and Aib (two products a step more, off the chain).
+    Aqk then keeps its hi half alone (shared memory): the output's error rises by about 30%, and u's own rounding
+    leaves the chain (the final state's error against float64 35 times smaller at T=8192)."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
