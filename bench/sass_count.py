@@ -14,9 +14,10 @@ descriptor's).
         (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
         kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), intra_d (kernel D,
         kda_intra64_diag_kernel: K slices of 32; ``--warps 2 --stages 1``), intra_b (kernel B, kda_intra64_b_kernel:
-        key blocks of 32, value blocks of 64, three deep; ``--maxnreg 168``), state (the prefill's state pass,
-        kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain; ``--stages 2`` for its ring),
-        state_u (the same forming u from v and Aib, ``u_in_state``)
+        key blocks of 32, value blocks of 64, three deep; ``--maxnreg 168``; u formed here, as for a float32
+        output), intra_b_u (the same with u left to the state pass: the launcher's default, ``u_in_state``), state
+        (the prefill's state pass, kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain,
+        reading u; ``--stages 2`` for its ring), state_u (the same forming u from v and Aib: the default)
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ PRESETS["state_u"] = (PRESETS["state"][0],
                       PRESETS["state"][1].replace("u:tensordesc<fp32[64,64]>", "u:tensordesc<bf16[64,64]>")
                       .replace("u_p:*fp32", "u_p:*bf16"),
                       dict(PRESETS["state"][2], A_LO=0, U_IN_STATE=True, L2_AHEAD=1))
+# kernel B leaving u to the state pass (``u_in_state``): its Ai descriptor over Aib's bf16 pair
+PRESETS["intra_b_u"] = (PRESETS["intra_b"][0],
+                        PRESETS["intra_b"][1].replace("ai_d:tensordesc<fp32[64,64]>", "ai_d:tensordesc<bf16[64,64]>"),
+                        dict(PRESETS["intra_b"][2], AIB=True))
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+([@A-Z].*)")
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 

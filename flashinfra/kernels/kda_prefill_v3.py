@@ -249,12 +249,14 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                     ("gate_block", gate_block)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"kda_prefill v3: {name} must be a power of two >= 16, got {n}")
+    # u formed in the state pass needs bf16 v (its products) and a 16-bit output without out_x3 (shared memory)
+    u_fits = v.dtype == torch.bfloat16 and o.element_size() == 2 and not out_x3
     if u_in_state is None:
-        # u formed in the state pass wherever it fits: the whole call 8-10% faster at the bf16x3 chain, 3-7% at bf16x2
-        # (at two stages, against bf16x2's three without it) on an H200 (bench/notes/kda_prefill.md, "u formed
-        # inside the state pass, timed"); a float32 output's store takes the shared memory it would need
-        u_in_state = v.dtype == torch.bfloat16 and o.element_size() == 2 and not out_x3
-    if u_in_state and (v.dtype != torch.bfloat16 or o.element_size() != 2 or out_x3):
+        # on wherever it fits: the whole call 8-10% faster at the bf16x3 chain, 3-7% at bf16x2 (at two stages,
+        # against bf16x2's three without it) on an H200 (bench/notes/kda_prefill.md, "u formed inside the state
+        # pass, timed"); a float32 output's store takes the shared memory it would need
+        u_in_state = u_fits
+    elif u_in_state and not u_fits:
         raise ValueError(f"kda_prefill v3: u_in_state needs bf16 v (the state pass's products), a 16-bit output and "
                          f"no out_x3 (its shared memory), got v {v.dtype}, output {o.dtype}, out_x3={out_x3}")
     if num_stages is None:

@@ -44,11 +44,13 @@ def test_prefill_state_pass_fits_an_sm(sass_count):
     assert 200_000 < res["shared_bytes"] <= 232_448 and res["opcodes"].get("HGMMA", 0) >= 20
 
 
-def test_prefill_tiles_kernel_fits_three_programs_per_sm(sass_count):
-    """Kernel B (the per-chunk tiles) at the launcher's shape and register cap (168) compiles for sm_90 without
-    spills, on the warpgroup products, its tiles by the copy engine, within a third of an SM's registers and shared
-    memory: three programs per SM, which its time on an H200 was measured at."""
-    compiled, fn = sass_count.compile_sm90("intra_b", {}, num_warps=4, maxnreg=168, num_stages=1)
+@pytest.mark.parametrize("preset", ["intra_b", "intra_b_u"])
+def test_prefill_tiles_kernel_fits_three_programs_per_sm(sass_count, preset):
+    """Kernel B (the per-chunk tiles) at the launcher's shape and register cap (168), forming u or leaving it to the
+    state pass (``u_in_state``, the default), compiles for sm_90 without spills, on the warpgroup products, its
+    tiles by the copy engine, within a third of an SM's registers and shared memory: three programs per SM, which
+    its time on an H200 was measured at."""
+    compiled, fn = sass_count.compile_sm90(preset, {}, num_warps=4, maxnreg=168, num_stages=1)
     res = sass_count.count(compiled, fn, lines=False)
     assert res["stack_bytes"] == 0 and res["registers"] * 128 * 3 <= 65536
     assert 3 * res["shared_bytes"] <= 232_448
