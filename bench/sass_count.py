@@ -13,7 +13,8 @@ descriptor's).
         presets: decode (kda_decode_kernel), tiles (kda_layer_decode_tile_kernel), block
         (kda_layer_decode_block_kernel), prep (kda_layer_decode_prep_heads_kernel), intra_a (the prefill's kernel A,
         kda_intra64_offdiag_rows_kernel, at the launcher's K slices of 32, two deep), intra_d (kernel D,
-        kda_intra64_diag_kernel: K slices of 32; ``--warps 2 --stages 1``), intra_b (kernel B, kda_intra64_b_kernel:
+        kda_intra64_diag_kernel: K slices of 32, qg and kd into the bf16x3 chain's slots; ``--warps 2 --stages 1
+        --maxnreg 128``), intra_b (kernel B, kda_intra64_b_kernel:
         key blocks of 32, value blocks of 64, three deep; ``--maxnreg 168``; u formed here, as for a float32
         output), intra_b_u (the same with u left to the state pass: the launcher's default, ``u_in_state``), state
         (the prefill's state pass, kda_state64_kernel, at the launcher's value blocks of 64 and bf16x3 chain,
@@ -58,11 +59,12 @@ PRESETS = {
                      DOT_F32=False, STAGES=2)),
     "intra_d": ("flashinfra.kernels.kda_prefill_intra64_split:kda_intra64_diag_kernel",
                 "q:*bf16 k:*bf16 gc:*fp32 bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 "
-                "stride_q_t:i32 stride_k_t:i32 scale:fp32",
-                dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", A_LO=1, FAST_EXP=True)),
+                "stride_q_t:i32 stride_k_t:i32 scale:fp32 wqk:*bf16",
+                dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", A_LO=1, FAST_EXP=True, NS=5, SQ=2, SKD=3, Q_LO=False,
+                     KD_LO=True)),
     "intra_b": ("flashinfra.kernels.kda_prefill_intra64_b:kda_intra64_b_kernel",
                 "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 rn:*fp32 gc:*fp32 wqk:*bf16 u:*fp32 egl:*fp32 "
-                "q_d:tensordesc<bf16[64,32]> k_d:tensordesc<bf16[64,32]> v_d:tensordesc<bf16[64,64]> "
+                "k_d:tensordesc<bf16[64,32]> v_d:tensordesc<bf16[64,64]> "
                 "gc_d:tensordesc<fp32[64,32]> ai_d:tensordesc<fp32[64,64]>",
                 dict(H=64, K=128, V=128, BK=32, BVB=64, PRECISION="tf32", W_LO=1, Q_LO=0, KD_LO=1, DOT_F32=False,
                      STAGES=3)),

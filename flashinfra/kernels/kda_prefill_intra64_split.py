@@ -19,7 +19,9 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
   (the rows of ``L_ii`` go through the inverse's own scratch block and come back one at a time); and the rows'
   norm factors ``rn`` ([chunks, H, 2, 64] float32: ``scale / |q_r|`` then ``1 / |k_r|``, eps inside the root),
   which kernels A and B read instead of summing q's and k's squares again (A 5% faster, B unchanged:
-  bench/notes/kda_prefill.md, "The norms once, in kernel D");
+  bench/notes/kda_prefill.md, "The norms once, in kernel D"); and, from the same tiles, its rows of the state
+  pass's ``qg`` and ``kd``, which kernel B wrote before (B, moving 40% fewer bytes, 0.42 -> 0.23 ms at T=8192 on
+  an H200, D 0.32 -> 0.42: bench/notes/kda_prefill.md, "qg and kd from kernel D");
 - ``kda_intra64_offdiag_rows_kernel`` (kda_prefill_intra64_rows.py; kernel A), one program per (chunk, head):
   the six off-diagonal block pairs as [16, 16] products, then the merge into ``Ai``'s off-diagonal blocks
   with kernel D's diagonal inverses.
@@ -29,8 +31,9 @@ What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the g
 ``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
 evaluated, clamped and scanned once, in the pass; scanned in D instead, over rows that span D's warps, it made D
 slower than the pass it replaced: bench/notes/kda_prefill.md, "The gate pass inside kernel D"). Per K slice D
-loads its sub-block's 16 rows of ``gc`` and the middle row (row 8), unmasked (the padding rows past a sequence's end exist), and forms each exponent as the
-difference of the two; beta is one [16] load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
+loads its sub-block's 16 rows of ``gc``, the middle row (row 8) and the chunk's last (row 63, for kd), unmasked
+(the padding rows past a sequence's end exist), and forms each exponent as a difference of two; beta is one [16]
+load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
 ``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass; ``bf16_pair`` and
 ``store_pair`` (bf16 hi + lo parts) with kernel B and the state pass, ``exp2`` with kernel A.
 """
@@ -130,29 +133,35 @@ def load_rows(x, rows, m_tk, stride_t, o_k):
 
 
 @triton.jit
-def _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr, KS: tl.constexpr):
+def _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.constexpr, KS: tl.constexpr):
     """The sub-block's tiles of K slice ``k0``, as loaded (q and k in their dtype): its 16 rows of ``gc``, the
-    middle row (row 8; padding rows past a sequence's end exist: no mask), k and q."""
+    middle row (row 8; padding rows past a sequence's end exist: no mask), the chunk's last row ``gl``, k and
+    q."""
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
     m_tk = m_t[:, None] & (o_s < KS)[None, :]
     b_gc = tl.load(gc + k0 + o_r[:, None] * K + o_s[None, :])
     b_gm = tl.load(gc + k0 + 8 * K + o_s)
+    b_gl = tl.load(gl + k0 + o_s)
     b_k = tl.load(k + k0 + rows[:, None] * stride_k_t + o_s[None, :], mask=m_tk, other=0.0)
     b_q = tl.load(q + k0 + rows[:, None] * stride_q_t + o_s[None, :], mask=m_tk, other=0.0)
-    return b_gc, b_gm, b_k, b_q
+    return b_gc, b_gm, b_gl, b_k, b_q
 
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale, wqk,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    FAST_EXP: tl.constexpr,
+    FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, Q_LO: tl.constexpr,
+    KD_LO: tl.constexpr,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
     ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py); FAST_EXP: ``exp2`` (the exponents are
-    within +-80 / ln 2, so none is flushed)."""
+    within +-80 / ln 2, so none is flushed); and the sub-block's rows of the state pass's ``qg = q exp(gc)`` and
+    ``kd = k exp(gl - gc)`` (``gl`` the chunk's last row of ``gc``) from the tiles its K loop holds, into kernel B's
+    scratch ``wqk`` ([chunks, H, NS, 64, K] bf16: qg at slot SQ and kd at SKD, each followed by its lo half with
+    Q_LO / KD_LO; kda_prefill_intra64_b.py), whose w slots B fills."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -160,6 +169,8 @@ def kda_intra64_diag_kernel(
     k += r0 * stride_k_t + i_h * K
     # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
     gc += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
+    gl = gc + (63 - 16 * i_b) * K  # the chunk's row 63 (its total: kda_prefill_gate.py)
+    wqk += (i_c * H + i_h).to(tl.int64) * (NS * 64 * K) + i_b * (16 * K)
     bc += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
     o_r = tl.arange(0, 16)
     o_s = tl.arange(0, KS)
@@ -180,19 +191,24 @@ def kda_intra64_diag_kernel(
     b_b = tl.load(bc + o_r)
     # each K slice's tiles are loaded while the slice before it is multiplied: loaded where they are used, they
     # waited for the previous slice's products (their barriers), one round trip per slice
-    b_gc, b_gm, b_k, b_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, 0, K, KS)
+    b_gc, b_gm, b_gl, b_k, b_q = _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, 0, K, KS)
     for ks in tl.static_range(K // KS):
-        n_gc, n_gm, n_k, n_q = b_gc, b_gm, b_k, b_q
+        n_gc, n_gm, n_gl, n_k, n_q = b_gc, b_gm, b_gl, b_k, b_q
         if ks + 1 < K // KS:
-            n_gc, n_gm, n_k, n_q = _diag_slice(q, k, gc, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS, K, KS)
+            n_gc, n_gm, n_gl, n_k, n_q = _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, (ks + 1) * KS,
+                                                     K, KS)
         # the pass's sums start at the chunk: their differences are the block's
         b_e = exp2((b_gc - b_gm[None, :]) * LOG2E, FAST_EXP)
         b_k = b_k.to(tl.float32) * r_k[:, None]
         b_q = b_q.to(tl.float32) * r_q[:, None]
+        # the state pass's qg and kd rows (the exponents at most 0: ``exp2`` flushes only factors below 2^-126)
+        off = o_r[:, None] * K + ks * KS + o_s[None, :]
+        store_pair(wqk + SQ * (64 * K) + off, b_q * exp2(b_gc * LOG2E, FAST_EXP), Q_LO, 64 * K)
+        store_pair(wqk + SKD * (64 * K) + off, b_k * exp2((b_gl[None, :] - b_gc) * LOG2E, FAST_EXP), KD_LO, 64 * K)
         b_kt = tl.trans(b_k * exp2((b_gm[None, :] - b_gc) * LOG2E, FAST_EXP))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)
         acc_a = tl.dot(b_q * b_e, b_kt, acc_a, input_precision=LOCAL_PRECISION)
-        b_gc, b_gm, b_k, b_q = n_gc, n_gm, n_k, n_q
+        b_gc, b_gm, b_gl, b_k, b_q = n_gc, n_gm, n_gl, n_k, n_q
     b_l = tl.where(o_r[:, None] > o_r[None, :], acc_l * b_b[:, None], 0.0)
     i_ch = (i_c * H + i_h).to(tl.int64)
     # the rows' norm factors, once for kernels A and B (stored after the loads above: a store before them would

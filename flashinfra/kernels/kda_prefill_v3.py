@@ -197,7 +197,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = None):
+                state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = 128):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one). Each goes through ``launch.fast`` (the compiled
@@ -207,19 +207,20 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     - ``gate`` (kda_prefill_gate.py): the log-decay's chunk-relative cumulative sum and beta, once per chunk-head,
       which D, A and B read; ``gate_block`` key columns per program on ``gate_warps`` warps (64 on 2: 7% off the
       pass against 32 on 1).
-    - ``intra_d`` (D, kda_prefill_intra64_split.py): the diagonal 16-token blocks and their inverses, over K in
-      slices of ``KS``, ``d_warps`` warps per program, at most ``d_maxnreg`` registers per thread or None (without
-      Aqk's lo half D takes 132 for sm_90 with Triton 3.6: seven programs per SM where 128 fit eight; capped at
-      128 it does not spill; not yet timed).
+    - ``intra_d`` (D, kda_prefill_intra64_split.py): the diagonal 16-token blocks and their inverses, and the
+      state pass's qg and kd from the same tiles, over K in slices of ``KS`` (32: 5% faster than 16),
+      ``d_warps`` warps per program (2: 4 are 25% slower), at most ``d_maxnreg`` registers per thread or None
+      (128: eight programs per SM where its 166 fit six, 8 bytes of spills, 7-8% faster).
     - ``intra_a`` (A, kda_prefill_intra64_rows.py): the off-diagonal blocks per 16-row block and the merge per
       chunk, one warp, over K in slices of ``a_ks`` whose tiles the copy engine brings ``a_stages`` deep (slices
       of 16 three deep: 22-26% faster than loads by pointers; slices of 32 two deep: 2-6% faster again); the
       merge's products in ``solve_precision``.
-    - ``intra_b`` (B, kda_prefill_intra64_b.py): the per-chunk tiles, in key column blocks of ``b_block`` and
-      value column blocks of ``b_value_block`` (64: 3% faster than 32 in a packed batch, level at T=8192), on
-      ``b_warps`` warps with at most ``b_maxnreg`` registers per thread or None (168: three programs per SM
-      instead of two, without spills); its tiles by the copy engine, its column loops ``b_stages`` deep (3: 8%
-      faster than loads by pointers; 2 no faster, 4 level); its products with Ai in ``b_precision``, by default
+    - ``intra_b`` (B, kda_prefill_intra64_b.py): w (and u without ``u_in_state``), in key column blocks of
+      ``b_block`` and value column blocks of ``b_value_block`` (64: 3% faster than 32 in a packed batch, level at
+      T=8192), on ``b_warps`` warps with at most ``b_maxnreg`` registers per thread or None (168: three programs
+      per SM instead of two without u_in_state, without spills; B without u takes 109, and 96 were no faster);
+      its tiles by the copy engine, its column loops ``b_stages`` deep (3: 8% faster than loads by pointers; 2 no
+      faster, 4 level); its products with Ai in ``b_precision``, by default
       ``local_precision`` ("bf16x3": the final state's error 35 times smaller without ``u_in_state``, for 7% more
       time in B).
     - ``state``: the sequential pass, ``num_stages`` of tiles in flight (by default as many as fit, 3 or 2), each
@@ -322,11 +323,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     aib = torch.empty(nch, H, 2, 64, 64, dtype=torch.bfloat16, device=dev) if u_in_state else ai
     # D, A and B read the pass's scratch: one compiled reader for the plain and the gated op
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
+    # the state pass's tiles: qg and kd from D, w from B
+    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
 
     def intra_diag():
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
-            *in_args, K**-0.5, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            FAST_EXP=not env.triton_interpret(),
+            *in_args, K**-0.5, wqk, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
+            FAST_EXP=not env.triton_interpret(), **slots, Q_LO=lo["Q_LO"], KD_LO=lo["KD_LO"],
             num_warps=d_warps, num_stages=1, **register_cap(d_maxnreg),
         )
 
@@ -348,21 +351,20 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         )
 
     yield "intra_a", intra_offdiag
-    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
     # u in float32 from kernel B, or (u_in_state) Aib's pair from kernel A in its place
     u = aib if u_in_state else torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_value_block, V)
-    rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tq, BK), (tk, BK), (tv, BVB))]
+    rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tk, BK), (tv, BVB))]
     gc_d = TensorDescriptor.from_tensor(gc.view(-1, K), [64, BK])
     ai_d = TensorDescriptor.from_tensor(aib.view(-1, 64), [64, 64])  # Ai itself unless u_in_state
 
     def intra_b():
         fast(kda_intra64_b_kernel)[(nch, H)](
             bc, cu_t, idx, rn, gc, wqk, u, egl, *rows_d, gc_d, ai_d, H=H, K=K, V=V, BK=BK, BVB=BVB,
-            PRECISION=b_prec, STAGES=b_stages, DOT_F32=env.triton_interpret(), AIB=u_in_state, num_warps=b_warps,
-            **lo, **register_cap(b_maxnreg),
+            PRECISION=b_prec, STAGES=b_stages, DOT_F32=env.triton_interpret(), AIB=u_in_state,
+            num_warps=b_warps, **lo, **register_cap(b_maxnreg),
         )
 
     yield "intra_b", intra_b

@@ -86,6 +86,7 @@ def test_prefill_v3_split(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
+    ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=-5.0, decay=0.5, a_lo=False)),
 ])
 def test_prefill_v3_intra_d(lens, kw):
     """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks

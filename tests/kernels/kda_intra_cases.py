@@ -85,7 +85,8 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     element, as the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk =
     scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
     decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros; [2, 64] ``ref_rn``, the rows'
-    norm factors that kernel D writes for A and B (``scale / |q_r|`` and ``1 / |k_r|``, eps inside the root)."""
+    norm factors that kernel D writes for A and B (``scale / |q_r|`` and ``1 / |k_r|``, eps inside the root); [64, K]
+    ``ref_qg`` (``q exp(gc) scale / |q|``) and ``ref_kd`` (``k exp(gl - gc) / |k|``), the state pass's tiles."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), offsets(lens)
 
@@ -103,10 +104,14 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     ref_l = torch.zeros_like(ref_a)
     ref_rn = torch.full((nch, H, 2, 64), 1e3, dtype=torch.float64, device=device)  # 1 / sqrt(eps) on padding rows
     ref_rn[:, :, 0] *= K**-0.5
+    ref_qg = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)  # zeros past a sequence's end
+    ref_kd = torch.zeros_like(ref_qg)
     for i, (n, c) in enumerate(chunks):
         t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
         m = t1 - t0
         gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
+        ref_qg[i, :, :m] = qn[t0:t1].transpose(0, 1) * K**-0.5 * gc.exp()
+        ref_kd[i, :, :m] = kn[t0:t1].transpose(0, 1) * (gc[:, -1:] - gc).exp()
         e = torch.exp(gc[:, :, None, :] - gc[:, None, :, :])  # [H, r, c, K], used for r >= c only
         low = torch.ones(m, m, dtype=torch.bool, device=device).tril()
         qh, kh = qn[t0:t1].transpose(0, 1), kn[t0:t1].transpose(0, 1)
@@ -119,7 +124,8 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     eye = torch.eye(64, dtype=torch.float64, device=device)
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
     return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
-                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l), ref_rn=ref_rn)
+                ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l), ref_rn=ref_rn, ref_qg=ref_qg,
+                ref_kd=ref_kd)
 
 
 def _blocks(device: str):
@@ -150,9 +156,10 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
     blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
     tolerance) and of ``Ai``, Aqk's zeros above its diagonal blocks, which the state pass multiplies by, and the
-    rows' norm factors that kernels A and B read. Every output starts as NaN: Aqk's and Ai's blocks below the
-    diagonal (kernel A's) must keep it, every other element of Aqk and of the norm factors must be written, Ai's
-    diagonal blocks too."""
+    rows' norm factors that kernels A and B read; the state pass's qg (bf16) and kd (a bf16 pair) in the bf16x3
+    chain's slots of kernel B's scratch, whose w slots must keep their poison. Every output starts as
+    NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other element of Aqk and of the
+    norm factors must be written, Ai's diagonal blocks too."""
     from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
@@ -161,11 +168,16 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     aqk = torch.full((nch, H, 1 + a_lo, 64, 64), NAN, dtype=torch.bfloat16, device=device)
     ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
     rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
+    wqk = torch.full((nch, H, 5, 64, K), NAN, dtype=torch.bfloat16, device=device)  # w, w lo, qg, kd, kd lo
     kda_intra64_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
-        K**-0.5, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
-        num_warps=num_warps, num_stages=1)
+        K**-0.5, wqk, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
+        NS=5, SQ=2, SKD=3, Q_LO=False, KD_LO=True, num_warps=num_warps, num_stages=1)
     assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
+    assert torch.isnan(wqk[:, :, :2].float()).all(), "kernel D wrote into w's slots"
+    assert_close("kernel D: qg", wqk[:, :, 2].float(), x["ref_qg"], 4e-3, 4e-3, 8e-3)
+    assert_close("kernel D: kd pair", wqk[:, :, 3].float() + wqk[:, :, 4].float(), x["ref_kd"],
+                 *_matrix_tolerances("bf16x3"))
     rel, atol, rtol = _matrix_tolerances(precision)
     assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
     assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"

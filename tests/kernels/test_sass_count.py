@@ -58,10 +58,13 @@ def test_prefill_tiles_kernel_fits_three_programs_per_sm(sass_count, preset):
 
 
 def test_prefill_diagonal_kernel_fits_eight_programs_per_sm_capped(sass_count):
-    """Kernel D (the in-chunk diagonal blocks) without Aqk's lo half, as ``u_in_state`` runs it, capped at 128
-    registers (``d_maxnreg``) compiles for sm_90 without spills on its two warps: eight programs per SM by
-    registers."""
+    """Kernel D (the in-chunk diagonal blocks, and the state pass's qg and kd) without Aqk's lo half, as
+    ``u_in_state`` runs it, takes more than 128 registers uncapped (six programs per SM) and, capped at 128
+    (``d_maxnreg``, the launcher's), compiles for sm_90 on its two warps with a few spilled values (8 bytes with
+    Triton 3.6, 40 with 3.9): eight programs per SM by registers."""
+    compiled, fn = sass_count.compile_sm90("intra_d", {"A_LO": 0}, num_warps=2, maxnreg=None, num_stages=1)
+    assert sass_count.count(compiled, fn, lines=False)["registers"] > 128
     compiled, fn = sass_count.compile_sm90("intra_d", {"A_LO": 0}, num_warps=2, maxnreg=128, num_stages=1)
     res = sass_count.count(compiled, fn, lines=False)
-    assert res["stack_bytes"] == 0 and res["registers"] * 64 * 8 <= 65536
+    assert res["stack_bytes"] <= 64 and res["registers"] * 64 * 8 <= 65536
     assert res["opcodes"].get("HMMA", 0) > 0
