@@ -51,6 +51,11 @@ VARIANTS = [{"BV": 32}, {"b_block": 64}, {"KS": 16, "d_warps": 1}, {"chain_preci
 # --parts: v3's launches timed one by one, at the defaults and at options over them ("bf16x2": w and kd as one
 # bf16 each, which leaves shared memory for 3 pipeline stages of the state pass's tiles; with 2)
 PART_CONFIGS = [{}, {"chain_precision": "bf16x2"}, {"chain_precision": "bf16x2", "num_stages": 2}]
+ITERS: list[int] = []  # --iters: timed calls per median, else 10 (5 past 20k tokens)
+
+
+def iters_for(T: int) -> int:
+    return ITERS[0] if ITERS else 5 if T > 20000 else 10
 WARM = {str(i): cfg for i, cfg in enumerate(PART_CONFIGS)}
 
 
@@ -124,7 +129,7 @@ def run_case(label: str, lens: list[int], variants: list[dict], res: dict, with_
             if name in ("ours", "ours_v2", "fla_norm"):
                 outputs[name] = (out[0][0] if isinstance(out, tuple) else out).float()
             first = time.time() - t0
-            us = time_eager(fn, iters=5 if T > 20000 else 10, warmup=1)
+            us = time_eager(fn, iters=iters_for(T), warmup=1)
             row[f"{name}_ms"] = us / 1e3
             row[f"{name}_Mtok_s"] = T / us
             print(f"  {label} {name}: {us / 1e3:.3f} ms, {T / us:.2f} M tok/s (first call {first:.1f} s)", flush=True)
@@ -193,7 +198,7 @@ def time_parts(label: str, lens: list[int], res: dict, with_fla: bool = False) -
     gated_v3 = kda_prefill_gated_launch(*gated_args, s0.clone(), a["cu"], slots, init, version="v3")
     gated_err = float((gated_v3 - gated_ref).norm() / gated_ref.norm())
     del gated_v3
-    iters = 5 if T > 20000 else 10
+    iters = iters_for(T)
     v2_us = time_eager(lambda: kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"],
                                                   slots, init, version="v2"), iters=iters, warmup=1)
     fla = time_fla(a, s0, iters) if with_fla else {}
@@ -299,12 +304,15 @@ def main() -> int:
     ap.add_argument("--fla-fused", action="store_true", help="also time FLA with the gate and beta in its kernel")
     ap.add_argument("--name", default="kda_prefill", help="result file name in bench/results/")
     ap.add_argument("--cases", default="T8192,varlen16,T65536")
+    ap.add_argument("--iters", type=int, help="timed calls per median (10, or 5 past 20k tokens)")
     ap.add_argument("--parts", action="store_true", help="only time v3's launches one by one (see time_parts)")
     ap.add_argument("--fla", action="store_true", help="with --parts: also time FLA's chunk_kda (autotunes first)")
     ap.add_argument("--warm", help="only compile the kernels of one --parts call: v3, v3_gated, v2, v2_ieee, ...")
     ap.add_argument("--configs", help="with --parts or --warm: a JSON list of v3 configs instead of PART_CONFIGS "
                                       "(--warm NAME compiles the config at index NAME)")
     args = ap.parse_args()
+    if args.iters:
+        ITERS.append(args.iters)
     if args.configs:
         PART_CONFIGS[:] = json.loads(args.configs)
     if args.warm:
