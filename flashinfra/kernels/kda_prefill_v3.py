@@ -1,8 +1,9 @@
 """KDA prefill (v3): 64-token chunks; the gate pass first (kda_prefill_gate.py: the log-decay's chunk-relative
 cumulative sum and beta, once per chunk and head, which the in-chunk kernels read), the in-chunk pass in
-parallel (the in-chunk matrices: the diagonal blocks, kda_prefill_intra64_split.py, and the off-diagonal
-ones per 16-row block with the merge into the inverse, kda_prefill_intra64_rows.py; the per-chunk tiles,
-kda_prefill_intra64_b.py), then one sequential pass per (value block, sequence, head) that carries the state.
+parallel (the in-chunk matrices: the diagonal blocks, with the per-chunk tiles qg and kd from the same loads,
+kda_prefill_intra64_split.py, and the off-diagonal ones per 16-row block with the merge into the inverse,
+kda_prefill_intra64_rows.py; the tile w, kda_prefill_intra64_b.py), then one sequential pass per (value block,
+sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
 ``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: four products shaped for the
