@@ -24,7 +24,7 @@ product with ``Ai`` mixes rows, not columns), except for k's L2 norm, whose row 
 [64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms; a grid
 of one program per column block, with the norms from kernel D, was no faster: bench/notes/kda_prefill.md, "B at
 its bytes floor"). Since qg and kd moved to kernel D, B reads and writes 96 of the 160 KB per chunk-head it
-moved (0.42 -> 0.23 ms at T=8192, D 0.32 -> 0.42: bench/notes/kda_prefill.md, "qg and kd from kernel D"). The
+moved (0.42 -> 0.23 ms at T=8192, D 0.32 -> 0.39: bench/notes/kda_prefill.md, "qg and kd from kernel D"). The
 tiles come by the copy engine (TMA): k and v through descriptors over their [T, H * D] rows, ``gc`` and Ai over
 the chunk-major scratch, with the key and value column loops software-pipelined ``STAGES`` deep, so a program
 has the next blocks' tiles in flight while it computes one. At three stages and 168 registers (three programs per
