@@ -67,8 +67,8 @@ def _key_cols(b_gc, b_gl, b_k, b_b, o_k, b_ai, r_k, wqk, egl, K: tl.constexpr, L
 def kda_intra64_b_kernel(
     bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, k_d, v_d, gc_d, ai_d,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-    PRECISION: tl.constexpr, W_LO: tl.constexpr, Q_LO: tl.constexpr, KD_LO: tl.constexpr,
-    DOT_F32: tl.constexpr, STAGES: tl.constexpr, AIB: tl.constexpr = False,
+    PRECISION: tl.constexpr, W_LO: tl.constexpr, NS: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
+    AIB: tl.constexpr = False,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time.
     ``k_d`` and ``v_d`` are descriptors over k and v as [T, H * D] rows with [64, BK] (k) and [64, BVB] (v)
@@ -76,7 +76,7 @@ def kda_intra64_b_kernel(
     [chunks * H * 64, 64]. PRECISION: the two products with Ai (``mm_f32``); DOT_F32: the interpreter's widened
     bf16 products. With AIB, ``ai_d`` is over ``Aib = Ai diag(beta)`` as bf16 hi + lo pairs ([chunks * H * 2 *
     64, 64], kernel A's): w is ``Aib (k exp(gc))``, and u is left to the state pass (``u`` and ``v_d`` unused).
-    Q_LO and KD_LO give the slots' layout (qg's and kd's, kernel D's)."""
+    NS: ``wqk``'s slots per chunk-head (w's first, W_LO: with its lo half; qg's and kd's after them, kernel D's)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
     t0 = tl.load(chunk_indices + 2 * i_c + 1) * 64
@@ -91,7 +91,7 @@ def kda_intra64_b_kernel(
     else:
         b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
     i_ch64 = i_ch.to(tl.int64)
-    wqk += i_ch64 * ((3 + W_LO + Q_LO + KD_LO) * 64 * K)
+    wqk += i_ch64 * (NS * 64 * K)
     u += i_ch64 * (64 * V)
     egl += i_ch64 * K
     gc += i_ch64 * (64 * K) + 63 * K

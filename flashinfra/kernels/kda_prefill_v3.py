@@ -365,7 +365,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         fast(kda_intra64_b_kernel)[(nch, H)](
             bc, cu_t, idx, rn, gc, wqk, u, egl, *rows_d, gc_d, ai_d, H=H, K=K, V=V, BK=BK, BVB=BVB,
             PRECISION=b_prec, STAGES=b_stages, DOT_F32=env.triton_interpret(), AIB=u_in_state,
-            num_warps=b_warps, **lo, **register_cap(b_maxnreg),
+            W_LO=lo["W_LO"], NS=slots["NS"], num_warps=b_warps, **register_cap(b_maxnreg),
         )
 
     yield "intra_b", intra_b
