@@ -154,7 +154,8 @@ def count(compiled, fn, lines: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("preset", choices=sorted(PRESETS))
-    ap.add_argument("overrides", nargs="*", help="NAME=VALUE constexprs, or a pointer argument's element type (state=fp32)")
+    ap.add_argument("overrides", nargs="*",
+                    help="NAME=VALUE constexprs, or a pointer argument's element type (state=fp32)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--maxnreg", type=int)
     ap.add_argument("--stages", type=int, default=3, help="num_stages (the state pass's ring: 2 at bf16x3)")
