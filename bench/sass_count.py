@@ -59,7 +59,7 @@ PRESETS = {
                      DOT_F32=False, STAGES=2)),
     "intra_d": ("flashinfra.kernels.kda_prefill_intra64_split:kda_intra64_diag_kernel",
                 "q:*bf16 k:*bf16 gc:*fp32 bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 "
-                "stride_q_t:i32 stride_k_t:i32 scale:fp32 wqk:*bf16",
+                "stride_q_t:i32 stride_k_t:i32 scale:fp32 wqk:*bf16 egl:*fp32",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", A_LO=1, FAST_EXP=True, NS=5, SQ=2, SKD=3, Q_LO=False,
                      KD_LO=True)),
     "intra_b": ("flashinfra.kernels.kda_prefill_intra64_b:kda_intra64_b_kernel",
@@ -78,6 +78,10 @@ PRESETS["state_u"] = (PRESETS["state"][0],
                       PRESETS["state"][1].replace("u:tensordesc<fp32[64,64]>", "u:tensordesc<bf16[64,64]>")
                       .replace("u_p:*fp32", "u_p:*bf16"),
                       dict(PRESETS["state"][2], A_LO=0, U_IN_STATE=True, L2_AHEAD=1))
+# the state pass applying w's product itself (``w_in_state``: w's slots hold -kg), and kernel D writing -kg
+PRESETS["state_w"] = (PRESETS["state_u"][0], PRESETS["state_u"][1], dict(PRESETS["state_u"][2], W_IN_STATE=True))
+PRESETS["intra_d_kg"] = (PRESETS["intra_d"][0], PRESETS["intra_d"][1],
+                         dict(PRESETS["intra_d"][2], A_LO=0, KG=True, W_LO=True))
 # kernel B leaving u to the state pass (``u_in_state``): its Ai descriptor over Aib's bf16 pair
 PRESETS["intra_b_u"] = (PRESETS["intra_b"][0],
                         PRESETS["intra_b"][1].replace("ai_d:tensordesc<fp32[64,64]>", "ai_d:tensordesc<bf16[64,64]>"),

@@ -150,10 +150,10 @@ def _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.const
 
 @triton.jit
 def kda_intra64_diag_kernel(
-    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale, wqk,
+    q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale, wqk, egl,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
     FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, Q_LO: tl.constexpr,
-    KD_LO: tl.constexpr,
+    KD_LO: tl.constexpr, KG: tl.constexpr = False, W_LO: tl.constexpr = False,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
@@ -161,7 +161,9 @@ def kda_intra64_diag_kernel(
     within +-80 / ln 2, so none is flushed); and the sub-block's rows of the state pass's ``qg = q exp(gc)`` and
     ``kd = k exp(gl - gc)`` (``gl`` the chunk's last row of ``gc``) from the tiles its K loop holds, into kernel B's
     scratch ``wqk`` ([chunks, H, NS, 64, K] bf16: qg at slot SQ and kd at SKD, each followed by its lo half with
-    Q_LO / KD_LO; kda_prefill_intra64_b.py), whose w slots B fills."""
+    Q_LO / KD_LO; kda_prefill_intra64_b.py), whose w slots B fills. With KG the w slots take ``-kg = -k exp(gc)``
+    instead (with W_LO its lo half too), and ``egl`` [chunks, H, K] float32 ``exp(gl)`` (the last sub-block's
+    programs): the state pass then applies w's product itself (``v' = Aib (v - kg S)``) and kernel B is not run."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -203,7 +205,12 @@ def kda_intra64_diag_kernel(
         b_q = b_q.to(tl.float32) * r_q[:, None]
         # the state pass's qg and kd rows (the exponents at most 0: ``exp2`` flushes only factors below 2^-126)
         off = o_r[:, None] * K + ks * KS + o_s[None, :]
-        store_pair(wqk + SQ * (64 * K) + off, b_q * exp2(b_gc * LOG2E, FAST_EXP), Q_LO, 64 * K)
+        b_eg = exp2(b_gc * LOG2E, FAST_EXP)
+        store_pair(wqk + SQ * (64 * K) + off, b_q * b_eg, Q_LO, 64 * K)
+        if KG:
+            store_pair(wqk + off, -(b_k * b_eg), W_LO, 64 * K)
+            if i_b == 3:
+                tl.store(egl + (i_c * H + i_h).to(tl.int64) * K + ks * KS + o_s, tl.exp(b_gl))
         store_pair(wqk + SKD * (64 * K) + off, b_k * exp2((b_gl[None, :] - b_gc) * LOG2E, FAST_EXP), KD_LO, 64 * K)
         b_kt = tl.trans(b_k * exp2((b_gm[None, :] - b_gc) * LOG2E, FAST_EXP))
         acc_l = tl.dot(b_k * b_e, b_kt, acc_l, input_precision=LOCAL_PRECISION)

@@ -80,6 +80,7 @@ def kda_state64_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, U_IN_STATE: tl.constexpr = False,
+    W_IN_STATE: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -101,7 +102,12 @@ def kda_state64_kernel(
     With U_IN_STATE the pass forms u itself, ``u^T = v^T Aib^T`` (two products: v exact in bf16, ``Aib = Ai
     diag(beta)`` as kernel A's bf16 hi + lo pair, which ``u`` and ``u_p`` then hold, [rows, 64] per half), from v's
     [64, BV] tiles through a descriptor made here over the sequence's own rows (``v``, ``stride_v``: the copy engine
-    fills the rows past its end with zeros, so another sequence's values never enter the products)."""
+    fills the rows past its end with zeros, so another sequence's values never enter the products).
+
+    With W_IN_STATE (and U_IN_STATE) w's slots hold ``-kg = -k exp(gc)`` (kernel D's) instead of ``w = Aib kg``,
+    and the pass applies Aib after the state: ``v'^T = u^T + (Z (-kg)^T) Aib^T``, the second product in the chain's
+    precision (``Z (-kg)^T``'s bf16 parts against Aib's pair). That is a product more on the chain a step, and no
+    kernel B."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -156,8 +162,19 @@ def kda_state64_kernel(
         if U_IN_STATE:
             b_vt = tl.trans(v_d.load([i_t * 64, 0]))
             r_u = base * (2 * 64)  # Aib's hi and lo [64, 64] halves
-            b_u = mma_bf16(b_vt, tl.trans(u.load([r_u, 0])), tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
-            b_vn = mma_bf16(b_vt, tl.trans(u.load([r_u + 64, 0])), b_u, DOT_F32) - b_ws
+            b_ah = tl.trans(u.load([r_u, 0]))
+            b_al = tl.trans(u.load([r_u + 64, 0]))
+            b_u = mma_bf16(b_vt, b_al, mma_bf16(b_vt, b_ah, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32), DOT_F32)
+            if W_IN_STATE:
+                # v'^T = u^T + (Z (-kg)^T) Aib^T: b_ws holds Z (-kg)^T (w's slots hold -kg); v stays the first
+                # operand of u's products (as the accumulator its tile's copy left the pipeline: each step waited for
+                # it)
+                b_th, b_tl = _parts(b_ws, CHAIN)
+                b_vn = mma_bf16(b_th, b_ah, b_u, DOT_F32)
+                if CHAIN >= 2:
+                    b_vn = mma_bf16(b_tl, b_ah, mma_bf16(b_th, b_al, b_vn, DOT_F32), DOT_F32)
+            else:
+                b_vn = b_u - b_ws
         else:
             b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)
@@ -198,7 +215,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
                 solve_precision: str | None = None, b_block: int = 32, b_value_block: int = 64,
                 b_warps: int = 4, b_maxnreg: int | None = 168, b_precision: str | None = None,
                 b_stages: int = 3, a_stages: int = 2, gate_block: int = 64, gate_warps: int = 2,
-                state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = 128):
+                state_l2_ahead: int | None = None, u_in_state: bool | None = None, d_maxnreg: int | None = 128,
+                w_in_state: bool | None = None):
     """v3's launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next (the benchmark lists them and times them one by one). Each goes through ``launch.fast`` (the compiled
@@ -261,6 +279,10 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     elif u_in_state and not u_fits:
         raise ValueError(f"kda_prefill v3: u_in_state needs bf16 v (the state pass's products), a 16-bit output and "
                          f"no out_x3 (its shared memory), got v {v.dtype}, output {o.dtype}, out_x3={out_x3}")
+    if w_in_state is None:
+        w_in_state = u_in_state
+    elif w_in_state and not u_in_state:
+        raise ValueError("kda_prefill v3: w_in_state needs u_in_state (the state pass's v tiles and Aib)")
     if num_stages is None:
         # the state pass's tiles three steps deep where they fit the 227 KB of shared memory (sm_90, BV=64: 197 KB
         # at the bf16x2 chain without u_in_state; the bf16x3 chain's two more tile slots take 3 stages to 295 KB,
@@ -326,12 +348,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
     # the state pass's tiles: qg and kd from D, w from B
     wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
+    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)  # exp(gl): from D with w_in_state, else B
 
     def intra_diag():
         fast(kda_intra64_diag_kernel)[(nch * 4, H)](
-            *in_args, K**-0.5, wqk, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
-            FAST_EXP=not env.triton_interpret(), **slots, Q_LO=lo["Q_LO"], KD_LO=lo["KD_LO"],
-            num_warps=d_warps, num_stages=1, **register_cap(d_maxnreg),
+            *in_args, K**-0.5, wqk, egl, H=H, K=K, KS=min(KS, K), LOCAL_PRECISION=local_precision, A_LO=a_lo,
+            FAST_EXP=not env.triton_interpret(), **slots, Q_LO=lo["Q_LO"], KD_LO=lo["KD_LO"], KG=w_in_state,
+            W_LO=lo["W_LO"], num_warps=d_warps, num_stages=1, **register_cap(d_maxnreg),
         )
 
     yield "intra_d", intra_diag
@@ -354,7 +377,6 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     yield "intra_a", intra_offdiag
     # u in float32 from kernel B, or (u_in_state) Aib's pair from kernel A in its place
     u = aib if u_in_state else torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
-    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
 
     BK, BVB = min(b_block, K), min(b_value_block, V)
     rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tk, BK), (tv, BVB))]
@@ -368,7 +390,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
             W_LO=lo["W_LO"], NS=slots["NS"], num_warps=b_warps, **register_cap(b_maxnreg),
         )
 
-    yield "intra_b", intra_b
+    if not w_in_state:
+        yield "intra_b", intra_b
     wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
     u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [64 if u_in_state else BV, 64])
     aqk_d = TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64])
@@ -380,7 +403,7 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
         fast(kda_state64_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
             H=H, K=K, V=V, BV=BV, CHAIN=chain, OUT_X3=out_x3, **slots, A_LO=a_lo,
-            L2_AHEAD=0 if env.triton_interpret() else state_l2_ahead, U_IN_STATE=u_in_state,
+            L2_AHEAD=0 if env.triton_interpret() else state_l2_ahead, U_IN_STATE=u_in_state, W_IN_STATE=w_in_state,
             DOT_F32=env.triton_interpret(), num_warps=num_warps, num_stages=num_stages,
         )
 

@@ -67,10 +67,14 @@ def test_prefill_v3_gated(lower_bound):
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, b_block=16, b_value_block=32, decay=0.3, row_pad=1)),
     # the gate pass in two column blocks of 16, on two warps
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.5, gate_block=16, gate_warps=2)),
-    # u formed in the state pass from v and Aib (bf16 v): slow decay, empty and one-token sequences, padded rows
+    # u formed in the state pass from v and Aib (bf16 v), and w's product too (w_in_state, its default there: no
+    # kernel B): slow decay, empty and one-token sequences, padded rows
     ([1, 100, 0, 37], dict(decay=0.1, u_in_state=True, out_x3=False, dtype=torch.bfloat16)),
+    ([1, 100, 0, 37], dict(decay=0.1, u_in_state=True, w_in_state=False, out_x3=False, dtype=torch.bfloat16)),
     ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, decay=0.3, row_pad=8, u_in_state=True, out_x3=False,
                              dtype=torch.bfloat16)),
+    ([1, 70, 33, 0, 5], dict(K=32, V=64, BV=32, decay=0.3, row_pad=8, u_in_state=True, w_in_state=False,
+                             out_x3=False, dtype=torch.bfloat16, chain_precision="bf16x2")),
     ([21, 130], dict(gated=True, lower_bound=-5.0, decay=0.3, u_in_state=True, out_x3=False, dtype=torch.bfloat16,
                      chain_precision="bf16x2")),
 ])
@@ -87,6 +91,9 @@ def test_prefill_v3_split(lens, kw):
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
     ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
     ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=-5.0, decay=0.5, a_lo=False)),
+    # -kg and exp(gl) in kernel B's place (w_in_state)
+    ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=-5.0, decay=0.5, a_lo=False, kg=True)),
+    ([70, 33], dict(decay=0.1, KS=16, a_lo=False, kg=True)),
 ])
 def test_prefill_v3_intra_d(lens, kw):
     """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
@@ -192,6 +199,8 @@ def test_prefill_v3_bad_options():
         kda_prefill.kda_prefill_launch(*args, version="v3", u_in_state=True)
     with pytest.raises(ValueError, match="u_in_state needs bf16 v"):
         kda_prefill.kda_prefill_launch(q, q, q.bfloat16(), *args[3:], version="v3", u_in_state=True)
+    with pytest.raises(ValueError, match="w_in_state needs u_in_state"):
+        kda_prefill.kda_prefill_launch(*args, version="v3", w_in_state=True)
 
 
 def test_prefill_v3_long_odd():
@@ -373,11 +382,13 @@ def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, mon
     cases.tiny_model_greedy_same(tmp_path, monkeypatch, "cpu")
 
 
-@pytest.mark.parametrize("u_in_state", [False, True])
-def test_prefill_v3_next_sequence_cannot_leak(u_in_state):
+@pytest.mark.parametrize("options", [dict(u_in_state=False), dict(u_in_state=True, w_in_state=False),
+                                     dict(u_in_state=True)])
+def test_prefill_v3_next_sequence_cannot_leak(options):
     """Non-finite values in one sequence's v leave the sequences before and after it bitwise unchanged: the rows past
     a sequence's end that a chunk's tiles cover are zeroed (kernel B), or bounded by the state pass's own descriptor
-    of the sequence's rows (``u_in_state``), before any product, where 0 x inf would be NaN."""
+    of the sequence's rows (``u_in_state``, and ``w_in_state``, where the state pass's first product accumulates
+    onto them), before any product, where 0 x inf would be NaN."""
     gen = torch.Generator().manual_seed(0)
     lens, H, K, V = [70, 30, 64], 2, 32, 16
     T = sum(lens)
@@ -393,7 +404,7 @@ def test_prefill_v3_next_sequence_cannot_leak(u_in_state):
             vv[70:100] = float("inf")
         s = s0.clone()
         o = kda_prefill.kda_prefill_launch(q, k, vv, g, beta, s, cu, [0, 1, 2], [True] * 3, version="v3",
-                                           u_in_state=u_in_state)
+                                           **options)
         got.append((o, s))
     (o, s), (o_bad, s_bad) = got
     assert torch.equal(o[:70], o_bad[:70]) and torch.equal(o[100:], o_bad[100:])

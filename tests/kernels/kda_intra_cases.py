@@ -86,7 +86,8 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
     decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros; [2, 64] ``ref_rn``, the rows'
     norm factors that kernel D writes for A and B (``scale / |q_r|`` and ``1 / |k_r|``, eps inside the root); [64, K]
-    ``ref_qg`` (``q exp(gc) scale / |q|``) and ``ref_kd`` (``k exp(gl - gc) / |k|``), the state pass's tiles."""
+    ``ref_qg`` (``q exp(gc) scale / |q|``), ``ref_kd`` (``k exp(gl - gc) / |k|``) and ``ref_kg`` (``k exp(gc) / |k|``),
+    the state pass's tiles, and [K] ``ref_egl`` (``exp(gl)``) per chunk-head."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), offsets(lens)
 
@@ -105,13 +106,16 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     ref_rn = torch.full((nch, H, 2, 64), 1e3, dtype=torch.float64, device=device)  # 1 / sqrt(eps) on padding rows
     ref_rn[:, :, 0] *= K**-0.5
     ref_qg = torch.zeros(nch, H, 64, K, dtype=torch.float64, device=device)  # zeros past a sequence's end
-    ref_kd = torch.zeros_like(ref_qg)
+    ref_kd, ref_kg = torch.zeros_like(ref_qg), torch.zeros_like(ref_qg)
+    ref_egl = torch.zeros(nch, H, K, dtype=torch.float64, device=device)
     for i, (n, c) in enumerate(chunks):
         t0, t1 = cu[n] + 64 * c, min(cu[n] + 64 * c + 64, cu[n + 1])
         m = t1 - t0
         gc = g64[t0:t1].cumsum(0).transpose(0, 1)  # [H, m, K]
         ref_qg[i, :, :m] = qn[t0:t1].transpose(0, 1) * K**-0.5 * gc.exp()
         ref_kd[i, :, :m] = kn[t0:t1].transpose(0, 1) * (gc[:, -1:] - gc).exp()
+        ref_kg[i, :, :m] = kn[t0:t1].transpose(0, 1) * gc.exp()
+        ref_egl[i] = gc[:, -1].exp()
         e = torch.exp(gc[:, :, None, :] - gc[:, None, :, :])  # [H, r, c, K], used for r >= c only
         low = torch.ones(m, m, dtype=torch.bool, device=device).tril()
         qh, kh = qn[t0:t1].transpose(0, 1), kn[t0:t1].transpose(0, 1)
@@ -125,7 +129,7 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
     return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
                 ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l), ref_rn=ref_rn, ref_qg=ref_qg,
-                ref_kd=ref_kd)
+                ref_kd=ref_kd, ref_kg=ref_kg, ref_egl=ref_egl)
 
 
 def _blocks(device: str):
@@ -152,12 +156,14 @@ def _aqk_tolerances(precision: str, a_lo: bool) -> tuple[float, float, float]:
 
 
 def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
-            decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True):
+            decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True, kg=False):
     """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
     blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
     tolerance) and of ``Ai``, Aqk's zeros above its diagonal blocks, which the state pass multiplies by, and the
     rows' norm factors that kernels A and B read; the state pass's qg (bf16) and kd (a bf16 pair) in the bf16x3
-    chain's slots of kernel B's scratch, whose w slots must keep their poison. Every output starts as
+    chain's slots of kernel B's scratch, whose w slots must keep their poison, and ``exp(gl)`` too; with ``kg``
+    (``w_in_state``) those slots take ``-k exp(gc) / |k|`` (a bf16 pair) and ``exp(gl)`` its [K] row per
+    chunk-head instead. Every output starts as
     NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other element of Aqk and of the
     norm factors must be written, Ai's diagonal blocks too."""
     from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
@@ -169,12 +175,21 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     ai = torch.full((nch, H, 64, 64), NAN, dtype=torch.float32, device=device)
     rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
     wqk = torch.full((nch, H, 5, 64, K), NAN, dtype=torch.bfloat16, device=device)  # w, w lo, qg, kd, kd lo
+    egl = torch.full((nch, H, K), NAN, dtype=torch.float32, device=device)
     kda_intra64_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
-        K**-0.5, wqk, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
-        NS=5, SQ=2, SKD=3, Q_LO=False, KD_LO=True, num_warps=num_warps, num_stages=1)
+        K**-0.5, wqk, egl, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
+        NS=5, SQ=2, SKD=3, Q_LO=False, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
     assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
-    assert torch.isnan(wqk[:, :, :2].float()).all(), "kernel D wrote into w's slots"
+    if kg:
+        assert_close("kernel D: -kg pair", wqk[:, :, 0].float() + wqk[:, :, 1].float(), -x["ref_kg"],
+                     *_matrix_tolerances("bf16x3"))
+        # gl is the gate pass's float32 sum over up to 64 rows: exp(gl) relative to float64's within 1e-3 where gl
+        # is large (|gl| ~ 100)
+        assert_close("kernel D: exp(gl)", egl, x["ref_egl"], 1e-6, 1e-7, 1e-3)
+    else:
+        assert torch.isnan(wqk[:, :, :2].float()).all(), "kernel D wrote into w's slots"
+        assert torch.isnan(egl).all(), "kernel D wrote exp(gl)"
     assert_close("kernel D: qg", wqk[:, :, 2].float(), x["ref_qg"], 4e-3, 4e-3, 8e-3)
     assert_close("kernel D: kd pair", wqk[:, :, 3].float() + wqk[:, :, 4].float(), x["ref_kd"],
                  *_matrix_tolerances("bf16x3"))

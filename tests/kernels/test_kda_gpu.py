@@ -62,7 +62,9 @@ def test_prefill_v3_variants(launch):
                                     dict(u_in_state=True, chain_precision="bf16x2"),
                                     dict(u_in_state=True, state_l2_ahead=0), dict(d_maxnreg=128), dict(d_warps=4),
                                     dict(u_in_state=False, KS=16), dict(b_maxnreg=96),
-                                    dict(d_maxnreg=None)])
+                                    dict(d_maxnreg=None), dict(w_in_state=False),
+                                    dict(w_in_state=False, chain_precision="bf16x2"),
+                                    dict(w_in_state=False, d_maxnreg=None)])
 def test_prefill_v3_split_variants(launch):
     cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=torch.bfloat16, version="v3", decay=0.3,
                          **launch)
@@ -82,14 +84,15 @@ def test_prefill_v3_split_gated_real_size(lower_bound, decay):
                          lower_bound=lower_bound, version="v3", decay=decay)
 
 
-@pytest.mark.parametrize("gated,lower_bound,decay,a_lo", [(False, -5.0, 0.1, True), (True, -5.0, 0.5, True),
-                                                         (False, -5.0, 5.0, False), (True, -5.0, 5.0, False)])
-def test_intra_d_real_size(gated, lower_bound, decay, a_lo):
+@pytest.mark.parametrize("gated,lower_bound,decay,a_lo,kg", [
+    (False, -5.0, 0.1, True, False), (True, -5.0, 0.5, True, False), (False, -5.0, 5.0, False, False),
+    (True, -5.0, 5.0, False, False), (False, -5.0, 0.1, False, True), (True, -5.0, 5.0, False, True)])
+def test_intra_d_real_size(gated, lower_bound, decay, a_lo, kg):
     """Kernel D alone against float64 with its scratch poisoned (kda_intra_cases.intra_d): the diagonal blocks of Aqk
-    and Ai, Aqk's zeros above them and the state pass's qg and kd, at the launcher's two warps, K slices of 32 and
-    tf32 products."""
+    and Ai, Aqk's zeros above them and the state pass's qg and kd (with ``kg``, -kg and exp(gl) too), at the
+    launcher's two warps, K slices of 32 and tf32 products."""
     intra_cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
-                        lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo)
+                        lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo, kg=kg)
 
 
 @pytest.mark.parametrize("gated,lower_bound,decay,precision,solve", [
