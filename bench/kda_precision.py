@@ -65,12 +65,13 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
     configs = [("v2", "tf32x3", "tf32", {}), ("v2", "tf32", "tf32", {}), ("v2", "ieee", "ieee", {}),
                ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True, BV=32)), ("v3", "bf16x2", "tf32", {}),
                ("v3", "bf16", "tf32", {}), ("v3", "bf16x3", "tf32", dict(solve_precision="bf16x3")),
-               ("v3", "bf16x3", "tf32", dict(u_in_state=False))]
+               ("v3", "bf16x3", "tf32", dict(u_in_state=False)), ("v3", "bf16x3", "tf32", dict(w_in_state=False))]
     for version, chain, local, extra in configs:
         name = ("ours" if version == "v2" else "ours_v3") + f"_chain_{chain}_local_{local}"
         name += "_outx3" if extra.get("out_x3") else ""
         name += f"_solve_{extra['solve_precision']}" if "solve_precision" in extra else ""
         name += "_u_by_b" if extra.get("u_in_state") is False else ""  # u from kernel B, not formed in the state pass
+        name += "_w_by_b" if extra.get("w_in_state") is False else ""  # w from kernel B, not applied in the state pass
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
         o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=chain, local_precision=local,
                                version=version, **extra)

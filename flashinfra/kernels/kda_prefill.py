@@ -9,21 +9,21 @@ triangular system, and the state is carried from chunk to chunk. It reads each s
 from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
 
 Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks.
-The in-chunk work runs for all chunks in parallel, in three kernels of short dependent chains (the in-chunk
-matrices: the diagonal 16-token blocks and their inverses, kda_prefill_intra64_split.py, the off-diagonal
-blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; the per-chunk tiles,
-kda_prefill_intra64_b.py),
-then one sequential pass per (value block, sequence, head) carries the state in float32 registers through
-four warpgroup products per chunk. Two of them, ``w S`` and ``kd^T v'``, carry it from chunk to chunk, so
-rounding there compounds over the whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of them
-enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operand, as precise as tf32x3 here),
+The in-chunk work runs for all chunks in parallel, in kernels of short dependent chains (the in-chunk
+matrices: the diagonal 16-token blocks and their inverses with the per-chunk tiles, kda_prefill_intra64_split.py,
+the off-diagonal blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; for float32 v or output
+also the tile w, kda_prefill_intra64_b.py),
+then one sequential pass per (value block, sequence, head) carries the state in float32 registers through warpgroup
+products per chunk. Those of ``w S`` (by default ``Aib (kg S)``, below) and ``kd^T v'`` carry it from chunk to
+chunk, so rounding there compounds over the whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of
+them enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operand, as precise as tf32x3 here),
 never as a single bf16 or tf32 operand, whose rounding each step shows up in the state (see
-tests/kernels/test_kda_gpu.py). By default (bf16 v and output) the state pass also forms u from v and
-``Ai diag(beta)`` as a bf16 pair, so u's own rounding stays out of the state. Against a float64 recurrence at
-T=65536 and 131072 the default's final-state error is 6.7e-6 to 1.6e-4, 1/24 to 1/325 of
-flash-linear-attention's, its output's 2.5e-3, 0.53-0.67x flash-linear-attention's
-(bench/results/kda_precision_u_in_state.json). ``chain_precision="bf16x2"`` rounds the per-chunk factors
-w and kd to one bf16 each: the call 10% faster on an H200, its state error 1.5-1.8e-3 (still below
+tests/kernels/test_kda_gpu.py). By default (bf16 v and output) the state pass also forms u from v and ``Ai
+diag(beta)`` as a bf16 pair, so u's own rounding stays out of the state, and applies that pair to ``-k exp(gc) S``
+itself in w's place. Against a float64 recurrence at T=65536 and 131072 the default's final-state error is 6.7e-6
+to 1.6e-4, 1/24 to 1/325 of flash-linear-attention's, its output's 2.5e-3, 0.53-0.67x flash-linear-attention's
+(bench/results/kda_precision_w_in_state.json). ``chain_precision="bf16x2"`` rounds the per-chunk factors w (or kg)
+and kd to one bf16 each: the call 10% faster on an H200, its state error 1.5-1.8e-3 (still below
 flash-linear-attention's 2.2-3.9e-3, but that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
 
 ``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work

@@ -1,6 +1,8 @@
 """KDA prefill (v3), kernel B: the per-chunk tiles the state pass reads, from the WY inverse ``Ai = (I + L)^-1``
 (kda_prefill_intra64_split.py), written in a chunk-major layout that the state pass reads as whole tiles (rows
-past the end of a sequence are zeros):
+past the end of a sequence are zeros). Where the state pass forms u and applies w's product itself (``u_in_state``
+and ``w_in_state``, the default for bf16 v and output: kda_prefill_v3.py) B is not launched, and kernel D writes
+``-k exp(gc)`` and ``exp(gl)`` in its place; B serves float32 v or output and ``out_x3``:
 
 - ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))`` (``gc`` the cumulative log-decay from
   the chunk start), rounded to bf16 and, at the bf16x3 chain, followed by its lo half (hi + lo within 2^-17 of

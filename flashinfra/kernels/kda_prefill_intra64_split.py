@@ -21,7 +21,9 @@ registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H
   which kernels A and B read instead of summing q's and k's squares again (A 5% faster, B unchanged:
   bench/notes/kda_prefill.md, "The norms once, in kernel D"); and, from the same tiles, its rows of the state
   pass's ``qg`` and ``kd``, which kernel B wrote before (B, moving 40% fewer bytes, 0.42 -> 0.23 ms at T=8192 on
-  an H200, D 0.32 -> 0.39 at 128 registers: bench/notes/kda_prefill.md, "qg and kd from kernel D");
+  an H200, D 0.32 -> 0.39 at 128 registers: bench/notes/kda_prefill.md, "qg and kd from kernel D"), and by
+  default ``-kg = -k exp(gc)`` and ``exp(gl)``, with which the state pass applies w's product itself and kernel B
+  is not run (D 0.39 -> 0.47 ms: "w's product in the state pass");
 - ``kda_intra64_offdiag_rows_kernel`` (kda_prefill_intra64_rows.py; kernel A), one program per (chunk, head):
   the six off-diagonal block pairs as [16, 16] products, then the merge into ``Ai``'s off-diagonal blocks
   with kernel D's diagonal inverses.

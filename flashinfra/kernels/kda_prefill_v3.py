@@ -1,9 +1,9 @@
 """KDA prefill (v3): 64-token chunks; the gate pass first (kda_prefill_gate.py: the log-decay's chunk-relative
 cumulative sum and beta, once per chunk and head, which the in-chunk kernels read), the in-chunk pass in
-parallel (the in-chunk matrices: the diagonal blocks, with the per-chunk tiles qg and kd from the same loads,
-kda_prefill_intra64_split.py, and the off-diagonal ones per 16-row block with the merge into the inverse,
-kda_prefill_intra64_rows.py; the tile w, kda_prefill_intra64_b.py), then one sequential pass per (value block,
-sequence, head) that carries the state.
+parallel (the in-chunk matrices: the diagonal blocks, with the per-chunk tiles qg, kd and -kg from the same
+loads, kda_prefill_intra64_split.py, and the off-diagonal ones per 16-row block with the merge into the inverse,
+kda_prefill_intra64_rows.py; the tile w, kda_prefill_intra64_b.py, only where the state pass does not apply w's
+product itself), then one sequential pass per (value block, sequence, head) that carries the state.
 
 ``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
 ``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: four products shaped for the
@@ -26,7 +26,8 @@ accumulate in float32:
 The output's products use S's hi and lo parts with qg's hi part, and form ``Aqk v'`` in the chain's precision,
 Aqk in kd's place (its lo half written and read at bf16x3 without ``u_in_state``); ``out_x3`` adds qg's and Aqk's
 lo halves. By default (``u_in_state``, bf16 v and output) the state pass forms u itself from v's tiles and
-``Aib = Ai diag(beta)``, which kernel A writes as a bf16 pair; otherwise kernel B writes u in float32.
+``Aib = Ai diag(beta)``, which kernel A writes as a bf16 pair, and (``w_in_state``) w's product too, ``w S = Aib
+(kg S)`` with ``kg = k exp(gc)`` from kernel D: kernel B is not run. Otherwise kernel B writes w, and u in float32.
 
 Same semantics and arguments as ``kda_prefill_split`` (kda_prefill.py validates them). Scratch per chunk and
 head: ``64 (2 K slots + 384) + 4 K`` bytes, 3 slots (bf16x2, bf16), 5 (bf16x3), one more with ``out_x3``; then
@@ -234,7 +235,8 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
       chunk, one warp, over K in slices of ``a_ks`` whose tiles the copy engine brings ``a_stages`` deep (slices
       of 16 three deep: 22-26% faster than loads by pointers; slices of 32 two deep: 2-6% faster again); the
       merge's products in ``solve_precision``.
-    - ``intra_b`` (B, kda_prefill_intra64_b.py): w (and u without ``u_in_state``), in key column blocks of
+    - ``intra_b`` (B, kda_prefill_intra64_b.py; not launched with ``w_in_state``): w (and u without
+      ``u_in_state``), in key column blocks of
       ``b_block`` and value column blocks of ``b_value_block`` (64: 3% faster than 32 in a packed batch, level at
       T=8192), on ``b_warps`` warps with at most ``b_maxnreg`` registers per thread or None (168: three programs
       per SM instead of two without u_in_state, without spills; B without u takes 109, and 96 were no faster);
@@ -250,7 +252,13 @@ def v3_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t
     diag(beta)`` as a bf16 pair, kernel B forms w from it and leaves u out (its value loop, 48 of the 210 KB it
     moved per chunk-head), and the state pass forms u from v and Aib (two products a step more, off the chain).
     Aqk then keeps its hi half alone (shared memory): the output's error rises by about 30%, and u's own rounding
-    leaves the chain (the final state's error against float64 35 times smaller at T=8192)."""
+    leaves the chain (the final state's error against float64 35 times smaller at T=8192).
+
+    ``w_in_state`` (by default with ``u_in_state``): kernel D writes ``-kg = -k exp(gc)`` into w's slots (from the
+    tiles it holds for qg, no exponential more) and ``exp(gl)``, kernel B is not launched, and the state pass
+    forms ``v' = u + Aib ((-kg) S)``: three products more a step, one of them on the chain. On an H200 the state
+    pass +10%, D +20%, B's 0.23-0.24 ms at T=8192 gone: the call 7-10% faster, the errors against float64 equal to
+    three digits (bench/notes/kda_prefill.md, "w's product in the state pass")."""
     if chain_precision not in CHAIN_PRECISIONS:
         raise ValueError(f"kda_prefill v3: chain_precision must be one of {CHAIN_PRECISIONS}, got {chain_precision!r}")
     T, H, K = q.shape
