@@ -5,7 +5,7 @@ The in-chunk quantities (``w``, ``qg``, ``kd``, ``u``, ``exp(gl)``, kda_prefill_
 kernels D and A) are computed exactly in float64 and rounded as the kernels store them: float32 (their tf32x3
 products are about float32-accurate), then bf16 (round to nearest) for w, qg, kd and Aqk, with the lo half
 ``bf16(x - hi)`` where the chain reads it. The output is ``o = qg S + Aqk v'``: S's parts against qg's hi part,
-and ``Aqk v'`` in the chain's precision (as ``kd^T v'`` below, Aqk in kd's place). The state pass (kda_prefill_v3.py) keeps S in float32; every tensor-core product takes its
+and ``Aqk v'`` in the chain's precision (as ``kd^T v'`` below, Aqk in kd's place). The state pass (kda_prefill_state_pass.py) keeps S in float32; every tensor-core product takes its
 bf16 operands exactly and is rounded to float32 once (accumulation inside one product is taken as exact),
 added to its float32 accumulator in the order the kernel issues them:
 
@@ -103,7 +103,7 @@ def pair(x, truncate: bool = False, dtype: str = "bf16"):
 
 
 def state_pair(x, truncate: bool = False, dtype: str = "bf16", mode: str = "bf16x3"):
-    """The state pass's own split of S and v' (kda_prefill_v3.py, ``_parts``): for the bf16x3 and bf16x2 chains
+    """The state pass's own split of S and v' (kda_prefill_state_pass.py, ``_parts``): for the bf16x3 and bf16x2 chains
     bf16 hi by truncation and lo the rest to nearest; otherwise as the tiles' pairs (``pair``), both to nearest."""
     if dtype != "bf16" or mode == "bf16":
         return pair(x, truncate, dtype)

@@ -1,6 +1,6 @@
 """The prefill's state pass alone, timed back to back on v3's scratch: which limit is it at?
 
-``kda_state64_kernel`` (kda_prefill_v3.py), one sequence of T tokens, K = V = 128, value blocks of 64 (two
+``kda_state64_kernel`` (kda_prefill_state_pass.py), one sequence of T tokens, K = V = 128, value blocks of 64 (two
 programs per head, one warpgroup each), for each chain precision:
 
 - the whole grid, at H = 64, 32 and 16 heads (128, 64 and 32 programs, each on its own SM): a program bound by
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import header, time_stream, write_results  # noqa: E402
 
+import flashinfra.kernels.kda_prefill_state_pass as state_pass  # noqa: E402
 import flashinfra.kernels.kda_prefill_v3 as v3  # noqa: E402
 from flashinfra.kernels import kda_prefill as pre  # noqa: E402
 
@@ -79,14 +80,14 @@ def launcher(rec: _Recorded, value_blocks: int):
 
 def first_chunk_kernel():
     """A copy of ``kda_state64_kernel`` whose every step reads the first chunk's tiles (for ``--tiles`` only)."""
-    src = open(v3.__file__).read()
+    src = open(state_pass.__file__).read()
     step = "        base = (c0 + i_t) * H + i_h\n"
     if step not in src:
         raise RuntimeError("kda_state64_kernel's step no longer forms `base` as this probe expects")
-    path = os.path.join(tempfile.mkdtemp(), "kda_prefill_v3_first_chunk.py")
+    path = os.path.join(tempfile.mkdtemp(), "kda_prefill_state_pass_first_chunk.py")
     with open(path, "w") as f:
         f.write(src.replace(step, "        base = c0 * H + i_h\n"))
-    spec = importlib.util.spec_from_file_location("kda_prefill_v3_first_chunk", path)
+    spec = importlib.util.spec_from_file_location("kda_prefill_state_pass_first_chunk", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.kda_state64_kernel

@@ -67,7 +67,7 @@ PRESETS = {
                 "k_d:tensordesc<bf16[64,32]> v_d:tensordesc<bf16[64,64]> "
                 "gc_d:tensordesc<fp32[64,32]> ai_d:tensordesc<fp32[64,64]>",
                 dict(H=64, K=128, V=128, BK=32, BVB=64, PRECISION="tf32", W_LO=1, NS=5, DOT_F32=False, STAGES=3)),
-    "state": ("flashinfra.kernels.kda_prefill_v3:kda_state64_kernel",
+    "state": ("flashinfra.kernels.kda_prefill_state_pass:kda_state64_kernel",
               "wqk:tensordesc<bf16[64,128]> u:tensordesc<fp32[64,64]> aqk:tensordesc<bf16[64,64]> egl:*fp32 o:*bf16 "
               "state:tensordesc<fp32[128,64]> cu_seqlens:*i32 chunk_offsets:*i32 state_slots:*i32 "
               "has_initial_state:*i32 wqk_p:*bf16 u_p:*fp32 aqk_p:*bf16 v:*bf16 stride_v:i32",

@@ -49,7 +49,7 @@ from flashinfra.kernels.varlen import cached_int_lists
 # The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
 # (kda_prefill_split.py, 16-token chunks)
 DEFAULT_VERSION = "v3"
-# v3's state chain by default (kda_prefill_v3.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_precision.md)
+# v3's state chain by default (kda_prefill_state_pass.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_precision.md)
 V3_CHAIN = "bf16x3"
 
 
