@@ -127,7 +127,8 @@ def variants(part: str):
         return
     hints = (("none", {}), ("lev_first", dict(LEV="evict_first")), ("sev_first", dict(SEV="evict_first")),
              ("scs", dict(SCM=".cs")), ("lev_sev_first", dict(LEV="evict_first", SEV="evict_first")),
-             ("lev_last", dict(LEV="evict_last")), ("swt", dict(SCM=".wt")))
+             ("lev_last", dict(LEV="evict_last")), ("swt", dict(SCM=".wt")),
+             ("lev_last_swt", dict(LEV="evict_last", SCM=".wt")))
     for bv in (64, 32):
         for tag, hint in hints:
             for outp in ((False, True) if tag == "none" else (False,)):
