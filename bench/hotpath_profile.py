@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashinfra.model.api import load_model_from_state_dict
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.runner.cuda_graphs import DecodeGraphs
+from flashinfra.engine.cuda_graphs import DecodeGraphs
 
 
 def step_profile(lm, B: int, context: int) -> dict:

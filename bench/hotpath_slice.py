@@ -44,7 +44,7 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.layerwise import compare_layers, kernel_path
 from flashinfra.model.weights import weight_layout
-from flashinfra.runner.cuda_graphs import DecodeGraphs
+from flashinfra.engine.cuda_graphs import DecodeGraphs
 
 BS = 64
 DEV = "cuda"

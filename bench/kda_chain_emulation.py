@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import header, write_results  # noqa: E402
 
-from flashinfra.kernels.kda_prefill import kda_chunk_one_ref, l2norm_ref  # noqa: E402
+from flashinfra.kernels.kda.prefill import kda_chunk_one_ref, l2norm_ref  # noqa: E402
 
 CHAINS = ("exact", "fp32", "bf16x3", "bf16x2", "bf16", "fp16x2", "tf32")
 # log-decay -a sigmoid(b x + c): bench/kda_precision.py's two regimes, the GPU chain test's, and a longer memory

@@ -38,14 +38,14 @@ from kda_common import (  # noqa: E402
     write_results,
 )
 
-from flashinfra.kernels.kda_decode import kda_decode_launch  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import (  # noqa: E402
+from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.decode import (  # noqa: E402
     decode_config,
     kda_layer_decode_launch,
     kda_layer_decode_ref,
 )
-from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS  # noqa: E402
-from flashinfra.kernels.kda_layer_decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
+from flashinfra.kernels.kda.decode_prep import HEADS_OPTIONS  # noqa: E402
+from flashinfra.kernels.kda.decode_stream import PLAIN4, STREAM_VARIANTS  # noqa: E402
 
 H, K, V, W, LB, EPS = 64, 128, 128, 4, -5.0, 1e-5
 C = 3 * H * K

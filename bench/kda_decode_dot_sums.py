@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import part_main, relerr, time_graph  # noqa: E402
 
-from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch, kda_decode_ref  # noqa: E402
+from flashinfra.kernels.kda.decode import kda_layer_decode_launch  # noqa: E402
 
 H, K, V = 64, 128, 128
 # (BV, warps, register cap) of the bare variants timed; the default configuration is bf16 [K, 32] on 2 warps

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import capture_graph, copy_bandwidth_GBps, header, time_eager, write_results  # noqa: E402
 from kda_decode import H, V, layer_bytes, layer_inputs  # noqa: E402
 
-from flashinfra.kernels.kda_layer_decode import decode_config, kda_layer_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.decode import decode_config, kda_layer_decode_launch  # noqa: E402
 from flashinfra.kernels.microbatch import on_two_streams  # noqa: E402
 
 ROW_ARGS = ("qkv", "g_raw", "beta_logits", "gate", "state_slots")  # the per-sequence inputs; the rest are shared

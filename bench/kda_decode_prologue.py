@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import header, time_graph, write_results  # noqa: E402
 
-from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_layer_decode_parts import load_state, state_step, state_tile  # noqa: E402
+from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch, kda_decode_ref  # noqa: E402
+from flashinfra.kernels.kda.common import load_state, state_step, state_tile  # noqa: E402
 
 
 @triton.jit

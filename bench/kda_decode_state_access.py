@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import copy_bandwidth_GBps, header, time_graph, write_results  # noqa: E402
 from kda_decode_prologue import _add2  # noqa: E402  (the pairwise sum for a reduction over two values)
 
-from flashinfra.kernels.kda_layer_decode_parts import state_step  # noqa: E402
+from flashinfra.kernels.kda.common import state_step  # noqa: E402
 
 H, K, V = 64, 128, 128
 

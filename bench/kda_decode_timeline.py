@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import capture_graph, header, write_results  # noqa: E402
 from kda_decode import layer_inputs  # noqa: E402
 
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.decode import kda_layer_decode_launch  # noqa: E402
 
 
 def kernel_trace(fn, calls: int, replays: int = 3) -> list[dict]:

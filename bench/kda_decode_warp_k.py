@@ -47,9 +47,9 @@ from kda_common import part_main, relerr, time_graph  # noqa: E402
 
 from kda_decode import layer_inputs, layer_reference, time_layer_variant  # noqa: E402
 
-from flashinfra.kernels.kda_decode import kda_decode_launch, kda_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch  # noqa: E402
-from flashinfra.kernels.kda_layer_decode_prep import prep_heads_launch  # noqa: E402
+from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch, kda_decode_ref  # noqa: E402
+from flashinfra.kernels.kda.decode import kda_layer_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.decode_prep import prep_heads_launch  # noqa: E402
 
 H, K, V = 64, 128, 128
 # (BV, LANES_V, WARPS) per state dtype: value columns per program, lanes along V in a warp, warps along V

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from kda_common import fla_version, header, time_eager, write_results
 from kda_prefill import VARLEN, inputs
 
-from flashinfra.kernels.kda_prefill import kda_prefill_launch
+from flashinfra.kernels.kda.prefill import kda_prefill_launch
 
 K = V = 128
 CALLS = 5

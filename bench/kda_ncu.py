@@ -78,7 +78,7 @@ def run_profiled(fn) -> None:
 def prefill(args) -> None:
     from kda_prefill import inputs
 
-    from flashinfra.kernels.kda_prefill import kda_prefill_launch
+    from flashinfra.kernels.kda.prefill import kda_prefill_launch
 
     a = inputs([args.T], seed=1 + args.T)
     for cfg in json.loads(args.configs):
@@ -101,7 +101,7 @@ def decode(args) -> None:
     import torch
     from kda_decode import layer_inputs
 
-    from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch
+    from flashinfra.kernels.kda.decode import kda_layer_decode_launch
 
     for dtype in (torch.float32, torch.bfloat16):
         a = layer_inputs(args.B, dtype, seed=5)
@@ -112,7 +112,7 @@ def recurrence(args) -> None:
     import torch
     from kda_decode import H, K, V, layer_inputs
 
-    from flashinfra.kernels.kda_decode import kda_decode_launch
+    from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch
 
     B = args.B
     for dtype in (torch.float32, torch.bfloat16):

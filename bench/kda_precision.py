@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import fla_version, header, write_results  # noqa: E402
 
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
-from flashinfra.kernels.kda_prefill import kda_chunk_one_ref, kda_prefill_launch, l2norm_ref  # noqa: E402
+from flashinfra.kernels.kda.decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
+from flashinfra.kernels.kda.prefill import kda_chunk_one_ref, kda_prefill_launch, l2norm_ref  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

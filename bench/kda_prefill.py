@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import fla_version, header, time_eager, time_stream, write_results  # noqa: E402
 
-from flashinfra.kernels import kda_prefill as pre  # noqa: E402
-from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
-from flashinfra.kernels.kda_prefill_v3 import v3_launches  # noqa: E402
+from flashinfra.kernels.kda import prefill as pre  # noqa: E402
+from flashinfra.kernels.kda.prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
+from flashinfra.kernels.kda.prefill_launch import v3_launches  # noqa: E402
 
 H, K, V, LB = 64, 128, 128, -5.0
 VARLEN = [4096, 3000, 2500, 2048, 1500, 1200, 1000, 900, 700, 512, 400, 300, 200, 100, 64, 38]

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_common import header, write_results  # noqa: E402
 from kda_prefill import inputs  # noqa: E402
 
-from flashinfra.kernels import kda_prefill_v3 as v3  # noqa: E402
-from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
+from flashinfra.kernels.kda import prefill_launch as v3  # noqa: E402
+from flashinfra.kernels.kda.prefill import kda_prefill_gated_launch, kda_prefill_launch  # noqa: E402
 try:
     from flashinfra.kernels.launch import fast  # noqa: E402
 except ImportError:  # a tree from before launch.fast (A/B runs): its launches go through Triton's run

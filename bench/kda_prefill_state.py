@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_common import header, time_stream, write_results  # noqa: E402
 
-import flashinfra.kernels.kda_prefill_state_pass as state_pass  # noqa: E402
-import flashinfra.kernels.kda_prefill_v3 as v3  # noqa: E402
-from flashinfra.kernels import kda_prefill as pre  # noqa: E402
+import flashinfra.kernels.kda.prefill_state as state_pass  # noqa: E402
+import flashinfra.kernels.kda.prefill_launch as v3  # noqa: E402
+from flashinfra.kernels.kda import prefill as pre  # noqa: E402
 
 K = V = 128
 BV = 64

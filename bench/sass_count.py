@@ -36,38 +36,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPE = dict(H=64, K=128, V=128, BK=128)
 PRESETS = {
-    "decode": ("flashinfra.kernels.kda_decode:kda_decode_kernel",
+    "decode": ("flashinfra.kernels.kda.decode_recurrence:kda_decode_kernel",
                "q:*bf16 k:*bf16 v:*bf16 g:*fp32 beta:*fp32 o:*bf16 state:*bf16 state_slots:*i32 stride_q_b:i32 "
                "stride_q_h:i32 stride_k_b:i32 stride_k_h:i32 stride_v_b:i32 stride_v_h:i32 scale:fp32",
                dict(SHAPE, BV=64, DOT_SUMS=True, DOT_F32=False, EVEN=True)),
-    "tiles": ("flashinfra.kernels.kda_layer_decode_stream:kda_layer_decode_tile_kernel",
+    "tiles": ("flashinfra.kernels.kda.decode_stream:kda_layer_decode_tile_kernel",
               "state:*bf16 heads:*fp32 state_slots:*i32 out:*bf16 gate:*bf16 norm_w:*bf16 eps:fp32 stride_gate:i32",
               dict(SHAPE, BV=64, R=128, NORM=False, DOT_SUMS=True, DOT_F32=False, EVEN=True)),
-    "block": ("flashinfra.kernels.kda_layer_decode:kda_layer_decode_block_kernel",
+    "block": ("flashinfra.kernels.kda.decode:kda_layer_decode_block_kernel",
               "qkv:*bf16 conv_w:*fp32 conv_state:*bf16 g_raw:*bf16 beta_logits:*bf16 A_log:*fp32 dt_bias:*fp32 "
               "lower_bound:fp32 state:*fp32 state_slots:*i32 out:*bf16 heads:*fp32 stride_x:i32 stride_g:i32 "
               "stride_b:i32 scale:fp32",
               dict(SHAPE, BV=64, W=4, BW=4, HAS_LOWER_BOUND=True, PREPPED=True, EVEN=True)),
-    "prep": ("flashinfra.kernels.kda_layer_decode_prep:kda_layer_decode_prep_heads_kernel",
+    "prep": ("flashinfra.kernels.kda.decode_prep:kda_layer_decode_prep_heads_kernel",
              "qkv:*bf16 conv_w:*fp32 conv_state:*bf16 g_raw:*bf16 beta_logits:*bf16 A_log:*fp32 dt_bias:*fp32 "
              "lower_bound:fp32 state_slots:*i32 heads:*fp32 stride_x:i32 stride_g:i32 stride_b:i32 scale:fp32",
              dict(SHAPE, W=4, HAS_LOWER_BOUND=True, R=128, HB=1, PREP_V=False, BVF=128, EVICT="")),
-    "intra_a": ("flashinfra.kernels.kda_prefill_intra64_rows:kda_intra64_offdiag_rows_kernel",
+    "intra_a": ("flashinfra.kernels.kda.prefill_intra_offdiag:kda_intra64_offdiag_rows_kernel",
                 "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 q_d:tensordesc<bf16[16,32]> "
                 "k_d:tensordesc<bf16[16,32]> gc_d:tensordesc<fp32[16,32]> aib:*bf16",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", SOLVE_PRECISION="bf16x3", FAST_EXP=True, A_LO=1,
                      DOT_F32=False, STAGES=2)),
-    "intra_d": ("flashinfra.kernels.kda_prefill_intra64_split:kda_intra64_diag_kernel",
+    "intra_d": ("flashinfra.kernels.kda.prefill_intra_diag:kda_intra64_diag_kernel",
                 "q:*bf16 k:*bf16 gc:*fp32 bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 aqk:*bf16 ai:*fp32 rn:*fp32 "
                 "stride_q_t:i32 stride_k_t:i32 scale:fp32 wqk:*bf16 egl:*fp32",
                 dict(H=64, K=128, KS=32, LOCAL_PRECISION="tf32", A_LO=1, FAST_EXP=True, NS=5, SQ=2, SKD=3, Q_LO=False,
                      KD_LO=True)),
-    "intra_b": ("flashinfra.kernels.kda_prefill_intra64_b:kda_intra64_b_kernel",
+    "intra_b": ("flashinfra.kernels.kda.prefill_intra_w:kda_intra64_b_kernel",
                 "bc:*fp32 cu_seqlens:*i32 chunk_indices:*i32 rn:*fp32 gc:*fp32 wqk:*bf16 u:*fp32 egl:*fp32 "
                 "k_d:tensordesc<bf16[64,32]> v_d:tensordesc<bf16[64,64]> "
                 "gc_d:tensordesc<fp32[64,32]> ai_d:tensordesc<fp32[64,64]>",
                 dict(H=64, K=128, V=128, BK=32, BVB=64, PRECISION="tf32", W_LO=1, NS=5, DOT_F32=False, STAGES=3)),
-    "state": ("flashinfra.kernels.kda_prefill_state_pass:kda_state64_kernel",
+    "state": ("flashinfra.kernels.kda.prefill_state:kda_state64_kernel",
               "wqk:tensordesc<bf16[64,128]> u:tensordesc<fp32[64,64]> aqk:tensordesc<bf16[64,64]> egl:*fp32 o:*bf16 "
               "state:tensordesc<fp32[128,64]> cu_seqlens:*i32 chunk_offsets:*i32 state_slots:*i32 "
               "has_initial_state:*i32 wqk_p:*bf16 u_p:*fp32 aqk_p:*bf16 v:*bf16 stride_v:i32",

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_model": ("flashinfra.model.api", "load_model"),
     "LLM": ("flashinfra.llm", "LLM"),
-    "SamplingParams": ("flashinfra.core.messages", "SamplingParams"),
+    "SamplingParams": ("flashinfra.engine.sched.messages", "SamplingParams"),
 }
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flashinfra.core.engine_config import EngineConfig
-from flashinfra.core.engine_core import EngineCore
-from flashinfra.core.messages import EngineRequest, SamplingParams, TokenLogprob
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.core import EngineCore
+from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TokenLogprob
 
 
 @dataclass

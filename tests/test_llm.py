@@ -141,7 +141,7 @@ def test_bad_input_is_refused_before_anything_runs(llm):
 
 
 def test_a_sampling_fault_fails_only_that_request(llm, mixed, monkeypatch):
-    from flashinfra.runner import model_runner
+    from flashinfra.engine import runner as model_runner
 
     real = model_runner.sample
 

@@ -43,11 +43,11 @@ from typing import Any, Callable
 
 PROVIDERS: tuple[str, ...] = (
     "flashinfra.feedback.checks",
-    "flashinfra.kernels.checks",
+    "flashinfra.kernels.kda.checks",
     "flashinfra.kernels.hotpath_checks",
     "flashinfra.model.checks",
-    "flashinfra.runner.checks",
-    "flashinfra.core.checks",
+    "flashinfra.engine.checks",
+    "flashinfra.engine.sched.checks",
     "flashinfra.server.checks",
 )
 

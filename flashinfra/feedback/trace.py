@@ -190,9 +190,9 @@ def _engine_step(model: str | None, device: str, dtype: str | None, prompt_lens:
     """Engine steps over requests with random prompts; a finished batch is replaced by a new one."""
     import random
 
-    from flashinfra.core.engine_config import EngineConfig
-    from flashinfra.core.engine_core import EngineCore
-    from flashinfra.core.messages import EngineRequest, SamplingParams
+    from flashinfra.engine.config import EngineConfig
+    from flashinfra.engine.core import EngineCore
+    from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 
     engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype or "auto",
                                      max_num_seqs=max(4, len(prompt_lens))))

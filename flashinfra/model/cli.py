@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashinfra.core.messages import SamplingParams
+    from flashinfra.engine.sched.messages import SamplingParams
     from flashinfra.llm import LLM
 
     prompt = " ".join(args.prompt)

@@ -14,9 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.causal_conv1d import causal_conv1d_prefill
-from flashinfra.kernels.kda_layer_decode import kda_layer_decode
-from flashinfra.kernels.kda_prefill import kda_prefill_gated
+from flashinfra.kernels.kda import causal_conv1d_prefill, kda_layer_decode, kda_prefill_gated
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, model_path: str):
-    from flashinfra.core.engine_config import EngineConfig, parse_memory
+    from flashinfra.engine.config import EngineConfig, parse_memory
 
     return EngineConfig(
         model=model_path, dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -65,7 +65,7 @@ def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
     """
     import signal
 
-    from flashinfra.core.engine_process import run_engine
+    from flashinfra.engine.process import run_engine
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,7 +5,7 @@ the engine process with their addresses; the engine connects, loads the model an
 One asyncio task receives ``EngineOutputs`` and puts each ``RequestOutput`` on the queue its request was
 submitted with; another watches the process, so that if it dies every waiting request fails with an
 error instead of hanging. Owns: process lifetime, the request-id -> queue table, the in-flight limit
-(429), aborts, the latest ``EngineStats``. Messages are msgspec/msgpack (``flashinfra.core.messages``).
+(429), aborts, the latest ``EngineStats``. Messages are msgspec/msgpack (``flashinfra.engine.sched.messages``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from flashinfra.core import messages as m
+from flashinfra.engine.sched import messages as m
 
 logger = logging.getLogger("flashinfra.server")
 

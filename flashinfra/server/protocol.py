@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flashinfra.core.messages import SamplingParams
+from flashinfra.engine.sched.messages import SamplingParams
 
 MAX_N = 16  # choices per request; more is refused rather than queued
 MAX_STOP_STRINGS = 16

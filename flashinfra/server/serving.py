@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 from starlette.requests import Request
 
-from flashinfra.core.messages import RequestOutput, SamplingParams
+from flashinfra.engine.sched.messages import RequestOutput, SamplingParams
 from flashinfra.server.detokenizer import IncrementalDetokenizer
 from flashinfra.server.engine_client import EngineClient, EngineDeadError, QueueFullError
 from flashinfra.server.errors import APIError, bad_request

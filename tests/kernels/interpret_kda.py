@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfra.kernels import kda_decode, kda_prefill
-from flashinfra.kernels import kda_layer_decode as layer_decode
+from flashinfra.kernels.kda import decode_recurrence as kda_decode, prefill as kda_prefill
+from flashinfra.kernels.kda import decode as layer_decode
 from tests.kernels import kda_cases as cases
 from tests.kernels import kda_intra_cases as intra_cases
 
@@ -350,7 +350,7 @@ def test_decode_bad_options():
 def test_stream_programs_per_sm():
     """The persistent grid's size per SM from a compiled kernel's resources (sm_90: 64K registers, 228 KB of
     shared memory, 2048 threads): bound by shared memory, by registers, by threads, by the 32-program cap."""
-    from flashinfra.kernels.kda_layer_decode_stream import fit_per_sm
+    from flashinfra.kernels.kda.decode_stream import fit_per_sm
 
     assert fit_per_sm(126, 38092, 2) == 5  # 233472 // 39116
     assert fit_per_sm(178, 512, 2) == 5  # 23 units of 256 registers per warp: 65536 // 11776

@@ -11,10 +11,10 @@ import math
 import torch
 
 from flashinfra.feedback.registry import compare
-from flashinfra.kernels import causal_conv1d as conv
-from flashinfra.kernels import kda_decode as dec
-from flashinfra.kernels import kda_layer_decode as layer
-from flashinfra.kernels import kda_prefill as pre
+from flashinfra.kernels.kda import conv as conv
+from flashinfra.kernels.kda import decode_recurrence as dec
+from flashinfra.kernels.kda import decode as layer
+from flashinfra.kernels.kda import prefill as pre
 
 NAN = float("nan")
 

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flashinfra.kernels import kda_prefill as pre
+from flashinfra.kernels.kda import prefill as pre
 from tests.kernels.kda_cases import NAN, assert_close, f64, offsets
 
 
@@ -36,7 +36,7 @@ def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: in
     """v3's gate pass (kda_prefill_gate.py; by default in the launcher's shape, ``BK`` columns at most per
     program) into scratch poisoned with NaN, every element of which it must write; returns the cumulative
     log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
-    from flashinfra.kernels.kda_prefill_gate import kda_gate_pass_kernel
+    from flashinfra.kernels.kda.prefill_gate import kda_gate_pass_kernel
 
     dev = g_in.device
     BK = min(BK, K)
@@ -166,7 +166,7 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     chunk-head instead. Every output starts as
     NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other element of Aqk and of the
     norm factors must be written, Ai's diagonal blocks too."""
-    from flashinfra.kernels.kda_prefill_intra64_split import kda_intra64_diag_kernel
+    from flashinfra.kernels.kda.prefill_intra_diag import kda_intra64_diag_kernel
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -213,8 +213,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     values, every other element must be written; rows past a sequence's end hold zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashinfra.kernels.kda_prefill_intra64_rows import kda_intra64_offdiag_rows_kernel
-    from flashinfra.kernels.kda_prefill_v3 import rows_descriptor
+    from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra64_offdiag_rows_kernel
+    from flashinfra.kernels.kda.prefill_launch import rows_descriptor
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]

@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from flashinfra.kernels import kda_decode, kda_prefill
-from flashinfra.kernels import kda_layer_decode as layer
-from flashinfra.kernels.kda_layer_decode_prep import HEADS_OPTIONS
-from flashinfra.kernels.kda_layer_decode_stream import STREAM_VARIANTS
+from flashinfra.kernels.kda import decode_recurrence as kda_decode, prefill as kda_prefill
+from flashinfra.kernels.kda import decode as layer
+from flashinfra.kernels.kda.decode_prep import HEADS_OPTIONS
+from flashinfra.kernels.kda.decode_stream import STREAM_VARIANTS
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from tests.kernels import kda_cases as cases
 from tests.kernels import kda_intra_cases as intra_cases

@@ -46,8 +46,8 @@ def test_cached_int_lists_splits_one_copy():
 def test_prefill_ops_do_not_sync():
     """The conv and the KDA prefill of one layer, lists in, under CUDA's sync debug mode set to error: a
     pageable host-to-device copy (or any other stream sync) raises."""
-    from flashinfra.kernels.causal_conv1d import causal_conv1d_prefill_launch
-    from flashinfra.kernels.kda_prefill import kda_prefill_gated_launch
+    from flashinfra.kernels.kda.conv import causal_conv1d_prefill_launch
+    from flashinfra.kernels.kda.prefill import kda_prefill_gated_launch
 
     torch.manual_seed(0)
     H, K, lens = 4, 128, [200, 1, 77]

@@ -1,1 +1,0 @@
-"""Engine core: request state, scheduling, hybrid cache management, wire messages and the engine loop."""

@@ -1,0 +1,160 @@
+"""``EngineCore``: one model, one scheduler, one runner; ``step()`` advances every running request.
+
+This is the object both front ends share: the offline ``flashinfra.LLM`` calls it directly, and the
+engine process (``engine_process``) drives it from ZeroMQ messages. It validates requests before they
+reach the scheduler (a bad request is refused, never admitted), turns a failed forward pass into an
+``error`` finish for the requests of that step only, and reports stats and runtime events.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from flashinfra.engine.sched.cache_manager import HybridCacheManager
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.sched.messages import EngineReady, EngineRequest, EngineStats, RequestOutput
+from flashinfra.engine.sched.plan import StepResult
+from flashinfra.engine.sched.request import Request
+from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: Any = None, events: Any = None) -> None:
+        """Load ``config.model`` (or use the already loaded ``model``) and allocate its cache."""
+        import torch
+
+        import flashinfra
+        from flashinfra.model.factory import default_model_dir
+        from flashinfra.engine.runner import ModelRunner, size_cache
+
+        self.config = config
+        if model is None:
+            path = Path(config.model) if config.model else default_model_dir()
+            device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+            model = flashinfra.load_model(path, dtype=dtype, device=device)
+        self.model = model
+        text = model.config.text
+        self.vocab_size = text.vocab_size
+        self.eos_token_ids = frozenset(text.eos_token_id)
+        max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        num_blocks = size_cache(model, config, max_model_len)
+        self.events = events if events is not None else _make_events(config.events_path)
+        self.gil_probe = _start_gil_probe(config.gil_probe_ms, self.events)
+        prefix_slots = config.resolved_prefix_slots
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                max_prefill_chunk=config.max_prefill_chunk,
+            ),
+            HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
+                               config.prefix_checkpoint_interval),
+            events=self.events,
+        )
+        self._pending: list[RequestOutput] = []
+        self._last_step_s = 0.0
+        self._last_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) a request may reach."""
+        return self.scheduler.max_len
+
+    def ready_message(self) -> EngineReady:
+        return EngineReady(
+            model_name=self.model.path.name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            num_blocks=self.scheduler.cache.num_blocks,
+            block_size=self.config.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue ``request``; raises ``ValueError`` (and admits nothing) if it is invalid."""
+        request.sampling.validate(self.max_model_len)
+        ids = request.prompt_token_ids
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
+        self.scheduler.add_request(
+            Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
+        )
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Free these requests' cache now; their final ``abort`` outputs come with the next ``step``."""
+        self._pending.extend(self.scheduler.abort(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop what the engine runs beside its steps (the GIL probe)."""
+        if self.gil_probe is not None:
+            self.gil_probe.stop()
+
+    def has_work(self) -> bool:
+        return self.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample once; the outputs of this step (plus any pending abort outputs)."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        start = time.perf_counter()
+        with self.events.span("step") as ev:
+            plan = self.scheduler.schedule()
+            decode = [sr for sr in plan.scheduled
+                      if sr.num_new_tokens == 1 and sr.context_len >= len(sr.prompt_token_ids)]
+            ev.update(
+                step=plan.step_id,
+                num_reqs=len(plan.scheduled),
+                num_prefill_tokens=plan.num_tokens - len(decode),
+                num_decode_tokens=len(decode),
+                num_prefill_reqs=len(plan.scheduled) - len(decode),
+                num_preempted=len(plan.preempted_ids),
+                schedule_s=time.perf_counter() - start,
+            )
+            try:
+                result = self.runner.execute(plan)
+            except Exception as e:  # the step's requests fail; the engine and other requests go on
+                msg = f"model step failed: {type(e).__name__}: {e}"
+                result = StepResult(errors={sr.request_id: msg for sr in plan.scheduled})
+            outputs.extend(self.scheduler.update(plan, result))
+        self._last_step_s = time.perf_counter() - start
+        self._last_tokens = plan.num_tokens
+        cache = self.scheduler.cache
+        self.events.emit(
+            "cache",
+            used_blocks=cache.num_blocks - cache.num_reclaimable_blocks,
+            cached_prefix_blocks=cache.num_reclaimable_blocks - cache.num_free_blocks,
+            total_blocks=cache.num_blocks,
+            used_slots=cache.num_slots - cache.num_free_slots,
+            total_slots=cache.num_slots,
+        )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats(self._last_step_s, self._last_tokens)
+
+
+def _start_gil_probe(threshold_ms: float | None, events: Any) -> Any:
+    """A running GIL probe that reports stalls as ``gil_stall`` runtime events, or None when disabled."""
+    if not threshold_ms:
+        return None
+    from flashinfra.feedback.gil_probe import GilProbe
+
+    return GilProbe(threshold_s=threshold_ms / 1e3, events=events).start()
+
+
+def _make_events(path: str | None) -> Any:
+    from flashinfra.feedback.events import EventLog
+
+    return EventLog(path)

@@ -1,0 +1,132 @@
+"""``ModelRunner``: executes a scheduler ``Plan`` on the model and returns a ``StepResult``.
+
+It owns the cache tensors (``ModelCache``; state slots ``num_slots ..`` hold prefix checkpoints, copied
+in before and out after the forward pass as the plan says) and one ``torch.Generator`` per request that samples, kept
+until the scheduler reports the request finished (so a request preempted and recomputed continues its
+random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
+logits only at the positions where a next token is sampled, and samples them. ``size_cache`` turns a
+memory budget into a number of blocks and slots.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.model.api import LoadedModel
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
+from flashinfra.engine.sampler import SamplingRow, sample
+
+CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
+GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
+
+
+def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+    """Number of paged blocks: ``num_blocks`` if given, else what the memory budget holds after the
+    ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use."""
+    text = model.config.text
+    per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype)
+    per_slot = ModelCache.bytes_per_slot(text, model.dtype)
+    num_slots = config.max_num_seqs + config.resolved_prefix_slots
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * GPU_CACHE_FRACTION)
+        else:
+            budget = CPU_DEFAULT_CACHE_BYTES
+    left = budget - num_slots * per_slot
+    if left < per_block:
+        raise ValueError(
+            f"a cache budget of {budget} bytes does not hold {num_slots} KDA state slots ({per_slot} bytes "
+            f"each) and one block ({per_block} bytes); raise kv_cache_memory, lower max_num_seqs or prefix_cache_slots"
+        )
+    return max(1, min(left // max(per_block, 1), config.max_num_seqs * blocks_per_seq))
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
+                 num_prefix_slots: int = 0, cuda_graphs: bool = True) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        graphs = cuda_graphs and graphs_supported(model)
+        # with graphs, one more block and slot that the scheduler never hands out: the padding rows' scratch
+        self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
+        self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
+        self.generators: dict[str, torch.Generator] = {}
+        self._seeds = random.Random(seed)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        g = self.generators.get(request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
+            self.generators[request_id] = g
+        return g
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KDA conv and recurrent states from slot ``src`` to slot ``dst`` for every (src, dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for states in (self.cache.conv_state, self.cache.recurrent_state):
+            for t in states.values():
+                t[dst] = t[src]
+
+    @torch.inference_mode()
+    def execute(self, plan: Plan) -> StepResult:
+        for rid in plan.finished_ids:
+            self.generators.pop(rid, None)
+        result = StepResult()
+        if plan.is_empty:
+            return result
+        sched = plan.scheduled
+        batch = ForwardBatch.build(
+            [sr.num_new_tokens for sr in sched],
+            [sr.context_len for sr in sched],
+            [sr.state_slot for sr in sched],
+            [sr.block_table for sr in sched],
+            self.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
+        self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(input_ids, batch)
+        else:
+            hidden = self.model.forward(input_ids, batch, self.cache)
+        self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
+        last = batch.last_token_indices
+        picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
+        if not picks:
+            return result
+        idx = torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        rows = [
+            SamplingRow(
+                sr.sampling,
+                sr.prompt_token_ids,
+                sr.output_token_ids,
+                None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed),
+            )
+            for sr, _ in picks
+        ]
+        tokens, logprobs, errors = sample(logits, rows)
+        for (sr, _), tok, lp, err in zip(picks, tokens, logprobs, errors):
+            if err is not None:
+                result.errors[sr.request_id] = err
+                continue
+            result.sampled[sr.request_id] = tok
+            if lp is not None:
+                result.logprobs[sr.request_id] = lp
+        return result

@@ -1,0 +1,181 @@
+"""Sampling: from a batch of last-position logits to one next token per request, with logprobs.
+
+Order of operations for one row (the same whether the row is alone or in a batch):
+
+1. penalties on the raw logits: repetition (prompt + output tokens; positive logits divided, negative
+   multiplied), then frequency (x count in the output) and presence (once if in the output);
+2. greedy (``temperature == 0``): argmax of the penalized logits;
+3. otherwise divide by the temperature, keep the ``top_k`` largest, keep the smallest prefix of the
+   sorted distribution whose mass reaches ``top_p`` (computed after top-k), drop tokens whose probability
+   is below ``min_p`` x the largest, renormalize, and draw with the request's own ``torch.Generator``
+   (exponential race ``argmax(p / E)``, ``E ~ Exp(1)``), so a seeded request gives the same tokens in any
+   batch.
+
+Logprobs are those of the model's distribution (log-softmax of the raw logits, before penalties and
+truncation), as most OpenAI-compatible servers report them. A row whose sampling raises is reported as an
+error for that request only; the other rows still get their tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # None only for greedy rows
+
+
+def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalize ``logits`` [N, V] in place for the rows that ask for it (all such rows at once); returns
+    ``logits``."""
+    N, V = logits.shape
+    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+           or r.params.presence_penalty != 0.0]
+    if not idx:
+        return logits
+    dev, sel = logits.device, [rows[i] for i in idx]
+    for r in sel:
+        if any(not 0 <= t < V for t in r.prompt_token_ids) or any(not 0 <= t < V for t in r.output_token_ids):
+            raise ValueError(f"token ids must lie in [0, {V}) for penalties")
+    # column V is the padding sink, dropped after the scatter
+    out = _padded([r.output_token_ids for r in sel], V, dev)
+    counts = torch.zeros(len(sel), V + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=logits.dtype))
+    counts = counts[:, :V]
+    seen = torch.zeros(len(sel), V + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, _padded([r.prompt_token_ids for r in sel], V, dev), True)
+    seen = seen[:, :V] | (counts > 0)
+
+    def col(values):
+        return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
+
+    rep = col([r.params.repetition_penalty for r in sel])
+    freq = col([r.params.frequency_penalty for r in sel])
+    pres = col([r.params.presence_penalty for r in sel])
+    rows_t = torch.tensor(idx, dtype=torch.long, device=dev)
+    x = logits[rows_t]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits[rows_t] = x
+    return logits
+
+
+def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities [N, V] after temperature, top-k, top-p and min-p (per-row parameters [N])."""
+    N, V = logits.shape
+    x = logits / temperature[:, None]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    rank = torch.arange(V, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    keep = rank < k[:, None]  # top-k, in sorted order
+    sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    # top-p: keep a token if the mass strictly before it is below top_p (the first token always stays)
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep &= before < top_p[:, None]
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row by the exponential race; each row consumes only its own generator."""
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not want:
+        return out
+    idx = torch.tensor(want, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = lp.gather(1, tokens[idx][:, None])[:, 0].tolist()
+    k = max(rows[i].params.logprobs for i in want)
+    top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        n = rows[i].params.logprobs
+        out[i] = TokenLogprob(int(tokens[i]), chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+    return out
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    raw = logits
+    x = apply_penalties(logits.float().clone(), rows)
+    tokens = torch.argmax(x, dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=x.device)
+        ps = [rows[i].params for i in random_rows]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=x.device)
+
+        probs = truncated_probs(
+            x[idx],
+            col([p.temperature for p in ps], torch.float32),
+            col([p.top_k for p in ps], torch.long),
+            col([p.top_p for p in ps], torch.float32),
+            col([p.min_p for p in ps], torch.float32),
+        )
+        generators = [rows[i].generator for i in random_rows]
+        if any(g is None for g in generators):
+            raise ValueError("a non-greedy row needs a generator")
+        tokens[idx] = _draw(probs, generators)
+    return tokens.tolist(), _logprobs(raw, tokens, rows)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
+    """Next token, logprob record and error message for each row of ``logits`` [N, V].
+
+    The batch is sampled in one pass; if that raises, each row is retried alone so that only the rows that
+    fail by themselves are reported as errors (their token is None)."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(rows)} rows")
+    if not rows:
+        return [], [], []
+    saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+    try:
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        if not any(bad):
+            tokens, lps = _sample_rows(logits, rows)
+            return list(tokens), lps, [None] * len(rows)
+    except Exception:
+        pass
+    for g, state in saved:  # a failed batch may have consumed some generators: rewind them
+        g.set_state(state)
+    tokens_out: list[int | None] = []
+    lps_out: list[TokenLogprob | None] = []
+    errors: list[str | None] = []
+    for i, row in enumerate(rows):
+        try:
+            if torch.isnan(logits[i]).any():
+                raise FloatingPointError("the model produced NaN logits")
+            t, lp = _sample_rows(logits[i : i + 1], [row])
+            tokens_out.append(t[0])
+            lps_out.append(lp[0])
+            errors.append(None)
+        except Exception as e:  # confined to this request
+            tokens_out.append(None)
+            lps_out.append(None)
+            errors.append(f"sampling failed: {type(e).__name__}: {e}")
+    return tokens_out, lps_out, errors

@@ -1,0 +1,54 @@
+"""The two objects through which the scheduler and the model runner meet.
+
+``Plan``: what to compute in one step (which requests, how many new tokens each, where their cache lives).
+``StepResult``: what the runner produced (one sampled token per request that reached its end, with
+logprobs; or an error confined to that request). Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the new tokens fed this step: all_token_ids[context_len : context_len + n]
+    context_len: int  # tokens already in the cache (0: the request starts fresh in its KDA slot)
+    block_table: list[int]  # every block the request owns, in order
+    state_slot: int
+    sample: bool  # this step reaches the request's last token, so a next token is sampled
+    sampling: SamplingParams
+    prompt_token_ids: list[int]  # read-only views for penalties
+    output_token_ids: list[int]
+    load_state_from: int | None = None  # prefix hit: copy this checkpoint slot into state_slot first
+    save_state_to: int | None = None  # after the step, copy state_slot into this checkpoint slot
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last plan (runner drops state)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only for requests that asked
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> message; fails that request only

@@ -1,0 +1,287 @@
+"""Continuous-batching scheduler: decides, each step, which requests advance and by how many tokens.
+
+One loop, no phases. Every running request's ``num_computed_tokens`` catches up to its ``num_tokens``
+under a per-step token budget (``max_num_batched_tokens``) and a batch-size cap (``max_num_seqs``). A long
+prompt is split over several steps (chunked prefill); a decode step is a catch-up of one token.
+
+Priority is first come, first served. Running requests are served before waiting ones. When the cache
+runs out of blocks, the most recently admitted running request is preempted by recompute: its blocks and
+state slot are freed and it goes back to the front of the queue with ``num_computed_tokens = 0``, keeping
+the tokens it already generated. No new request is admitted in a step that preempted.
+
+With prefix caching on (the cache manager has checkpoint slots), a request admitted with nothing computed
+starts after the longest cached prefix of its tokens (its KDA state is loaded from the checkpoint), and a
+prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
+saved.
+
+Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
+without a model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flashinfra.engine.sched.cache_manager import HybridCacheManager
+from flashinfra.engine.sched.messages import EngineStats, RequestOutput
+from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
+from flashinfra.engine.sched.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    # cap on the tokens one request may take in a step, so a long prompt cannot starve decodes (0: none)
+    max_prefill_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: HybridCacheManager,
+        events: Any = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.events = events  # anything with .emit(kind, **fields), e.g. feedback.events.EventLog
+        self.clock = clock
+        # the longest a sequence may grow: the model's limit or the whole cache, whichever is smaller
+        self.max_len = min(config.max_model_len, cache.capacity_tokens)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._step_id = 0
+        self._freed_ids: list[str] = []
+        self.num_preemptions_total = 0
+        self.num_prefix_hit_tokens_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_requests_finished_total = 0
+
+    # ---- requests in and out ----
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("prompt is empty")
+        limit = self.max_len
+        if req.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens; the limit is {limit - 1} "
+                f"(max_model_len {self.config.max_model_len}, cache capacity {self.cache.capacity_tokens})"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish these requests now and free their cache; unknown or finished ids are ignored."""
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, "abort")
+            outputs.append(self._output(req, [], None))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def schedule(self) -> Plan:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunk = cfg.max_prefill_chunk or budget
+        scheduled: list[tuple[Request, int, int | None, int | None]] = []  # req, tokens, load, save
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, min(budget, chunk))
+            target = req.num_computed_tokens + n
+            while not self.cache.try_allocate(req, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: every later request is gone too
+            scheduled.append((req, n, None, self._save_slot(req, n)))
+            budget -= n
+            i += 1
+
+        now = self.clock()
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            hit = None
+            if self.cache.prefix_caching and req.num_computed_tokens == 0:
+                hit = self.cache.match_prefix(req)
+                if hit is not None:
+                    self.cache.use_prefix(req, hit)
+            n = self._chunk(req, min(budget, chunk))
+            if not self.cache.try_allocate(req, req.num_computed_tokens + n):
+                if hit is not None:  # undo: give the shared blocks back, start from 0 next time
+                    self.cache.free(req)
+                    req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if hit is not None:
+                self.num_prefix_hit_tokens_total += len(hit.tokens)
+            scheduled.append((req, n, None if hit is None else hit.slot, self._save_slot(req, n)))
+            budget -= n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self._emit("queue_wait", request_id=req.request_id, wait_s=max(0.0, now - req.arrival_time))
+
+        self._step_id += 1
+        freed, self._freed_ids = self._freed_ids, []
+        plan = Plan(
+            step_id=self._step_id,
+            scheduled=[self._scheduled(*entry) for entry in scheduled],
+            preempted_ids=preempted,
+            finished_ids=freed,
+        )
+        return plan
+
+    def update(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
+        """Advance every scheduled request by what it computed; return this step's outputs."""
+        outputs = []
+        for sr in plan.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
+                if sr.save_state_to is not None:
+                    self.cache.release_checkpoint_slot(sr.save_state_to)
+                continue
+            req.num_computed_tokens += sr.num_new_tokens
+            if sr.save_state_to is not None:
+                if sr.request_id in result.errors:
+                    self.cache.release_checkpoint_slot(sr.save_state_to)
+                else:
+                    self.cache.register_prefix(req, req.num_computed_tokens, sr.save_state_to)
+            if sr.request_id in result.errors:
+                self._finish(req, "error", result.errors[sr.request_id])
+                outputs.append(self._output(req, [], None))
+                continue
+            if not sr.sample:
+                continue
+            token = result.sampled[sr.request_id]
+            req.append_output(token)
+            self.num_generation_tokens_total += 1
+            if req.num_output_tokens == 1:
+                self.num_prompt_tokens_total += req.num_prompt_tokens
+            reason = req.check_stop(self.max_len)
+            if reason is not None:
+                self._finish(req, reason)
+            lp = result.logprobs.get(sr.request_id)
+            outputs.append(self._output(req, [token], None if req.sampling.logprobs is None else [lp]))
+        return outputs
+
+    def stats(self, step_duration_s: float = 0.0, num_batched_tokens: int = 0) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            cache_usage=self.cache.block_usage(),
+            num_preemptions_total=self.num_preemptions_total,
+            state_slot_usage=self.cache.slot_usage(),
+            num_blocks_total=self.cache.num_blocks,
+            num_blocks_free=self.cache.num_reclaimable_blocks,
+            num_prefix_hit_tokens_total=self.num_prefix_hit_tokens_total,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_requests_finished_total=self.num_requests_finished_total,
+            step_duration_s=step_duration_s,
+            num_batched_tokens=num_batched_tokens,
+        )
+
+    # ---- internals ----
+    def _chunk(self, req: Request, limit: int) -> int:
+        """Tokens ``req`` computes this step: up to ``limit``, stopping at its next prefix checkpoint
+        position so that the KDA state there can be saved."""
+        start = req.num_computed_tokens
+        n = min(req.num_pending_tokens, limit)
+        if self.cache.prefix_caching:
+            q = self.cache.next_checkpoint(req, start)
+            if q is not None and q < start + n:
+                n = q - start
+        return n
+
+    def _save_slot(self, req: Request, n: int) -> int | None:
+        """A checkpoint slot to save ``req``'s KDA state into if this step ends at a checkpoint position."""
+        if not self.cache.prefix_caching:
+            return None
+        if self.cache.next_checkpoint(req, req.num_computed_tokens) != req.num_computed_tokens + n:
+            return None
+        return self.cache.reserve_checkpoint_slot()
+
+    def _scheduled(self, req: Request, n: int, load: int | None, save: int | None) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            context_len=start,
+            block_table=list(req.block_ids),
+            state_slot=req.state_slot,
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            load_state_from=load,
+            save_state_to=save,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.num_preemptions_total += 1
+        self._emit("preempt", request_id=req.request_id, reason="no free cache blocks", num_tokens=req.num_tokens)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        del self.requests[req.request_id]
+        self._freed_ids.append(req.request_id)
+        self.num_requests_finished_total += 1
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            logprobs=logprobs,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **fields)

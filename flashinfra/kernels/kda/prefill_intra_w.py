@@ -1,0 +1,118 @@
+"""KDA prefill (v3), kernel B: the per-chunk tiles the state pass reads, from the WY inverse ``Ai = (I + L)^-1``
+(kda_prefill_intra64_split.py), written in a chunk-major layout that the state pass reads as whole tiles (rows
+past the end of a sequence are zeros). Where the state pass forms u and applies w's product itself (``u_in_state``
+and ``w_in_state``, the default for bf16 v and output: kda_prefill_v3.py) B is not launched, and kernel D writes
+``-k exp(gc)`` and ``exp(gl)`` in its place; B serves float32 v or output and ``out_x3``:
+
+- ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))`` (``gc`` the cumulative log-decay from
+  the chunk start), rounded to bf16 and, at the bf16x3 chain, followed by its lo half (hi + lo within 2^-17 of
+  the float32 value). The same scratch holds ``qg = q exp(gc)`` and ``kd = k exp(gl - gc)`` (``gl`` the chunk's
+  total) in the slots after w's, which kernel D writes from the tiles its K loop holds
+  (kda_prefill_intra64_split.py): 3 slots for the bf16x2 and bf16 chains, 5 for bf16x3 (w and kd pairs), one
+  more for qg's lo half with ``out_x3``;
+- ``u`` float32 [chunks, H, V, 64]: ``u = Ai (beta v)``, stored transposed (the state pass carries the state
+  transposed and reads it as [BV, 64] tiles);
+- ``egl`` float32 [chunks, H, K]: ``exp(gl)``.
+
+With them and ``Aqk`` (kernels D and A) the state pass needs, per chunk, ``v' = u - w S``,
+``o = qg S + Aqk v'``, ``S = exp(gl) S + kd^T v'``. (An earlier form folded the output's ``Aqk v'`` into B:
+``qw = qg - Aqk w`` and ``ou = Aqk u``, two more products per column block here and 32 KB more per chunk-head
+written here and read back, for one product fewer per chunk in the state pass; bench/notes/kda_prefill.md, "The
+output's Aqk v' in the state pass".)
+
+Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
+product with ``Ai`` mixes rows, not columns), except for k's L2 norm, whose row factors kernel D writes
+(``rn``). One program per (chunk, head): [64, BK] and [64, BVB] tiles one block at a time beside the chunk's
+[64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms; a grid
+of one program per column block, with the norms from kernel D, was no faster: bench/notes/kda_prefill.md, "B at
+its bytes floor"). Since qg and kd moved to kernel D, B reads and writes 96 of the 160 KB per chunk-head it
+moved (0.42 -> 0.23 ms at T=8192, D 0.32 -> 0.39: bench/notes/kda_prefill.md, "qg and kd from kernel D"). The
+tiles come by the copy engine (TMA): k and v through descriptors over their [T, H * D] rows, ``gc`` and Ai over
+the chunk-major scratch, with the key and value column loops software-pipelined ``STAGES`` deep, so a program
+has the next blocks' tiles in flight while it computes one. At three stages and 168 registers (three programs per
+SM), and q's tiles still among its loads, B took 0.55 ms at T=8192 on an H200 against 0.59-0.61 for the same loads by
+pointers a block ahead by hand, and 1.25 against 1.34-1.36 ms in a packed batch of 16 sequences
+(bench/notes/kda_prefill.md, "Kernel B's tiles by the copy engine"). The stores stay plain: by the copy engine
+too they were no faster.
+
+What B reads: k and v (rows past the sequence's end zeroed after the load: they belong to the next sequence
+or lie past the tensor, where the copy engine fills zeros), Ai (kernels D and A), the rows' norm factors (kernel
+D: ``1 / |k_r|`` of its [chunks, H, 2, 64] float32), and the gate pass's scratch
+(kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's cumulative
+sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per key block with ``gl`` its row
+63 (the padding rows past a sequence's end exist and repeat its last token's sum, so row 63 is always the
+chunk's total), and ``bc``, beta ([chunks, H, 64], zero past the end).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.kda.prefill_intra_diag import mm_f32, store_pair
+
+
+@triton.jit
+def _key_cols(b_gc, b_gl, b_k, b_b, o_k, b_ai, r_k, wqk, egl, K: tl.constexpr, LP: tl.constexpr,
+              W_LO: tl.constexpr, DOT_F32: tl.constexpr):
+    """exp(gl) and w for the key columns o_k from their tiles (``gc``, its last row ``gl`` and k as loaded;
+    ``wqk`` and ``egl`` at the chunk-head, ``b_b`` beta)."""
+    o_t = tl.arange(0, 64)
+    tl.store(egl + o_k, tl.exp(b_gl))
+    off_k = o_t[:, None] * K + o_k[None, :]
+    b_k = b_k.to(tl.float32) * r_k[:, None]
+    b_e = tl.exp(b_gc)
+    store_pair(wqk + off_k, mm_f32(b_ai, b_k * (b_b[:, None] * b_e), LP, DOT_F32), W_LO, 64 * K)
+
+
+@triton.jit
+def kda_intra64_b_kernel(
+    bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, k_d, v_d, gc_d, ai_d,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
+    PRECISION: tl.constexpr, W_LO: tl.constexpr, NS: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
+    AIB: tl.constexpr = False,
+):
+    """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time.
+    ``k_d`` and ``v_d`` are descriptors over k and v as [T, H * D] rows with [64, BK] (k) and [64, BVB] (v)
+    blocks; ``gc_d`` over ``gc`` as [chunks * H * 64, K] with [64, BK] blocks, ``ai_d`` over Ai as
+    [chunks * H * 64, 64]. PRECISION: the two products with Ai (``mm_f32``); DOT_F32: the interpreter's widened
+    bf16 products. With AIB, ``ai_d`` is over ``Aib = Ai diag(beta)`` as bf16 hi + lo pairs ([chunks * H * 2 *
+    64, 64], kernel A's): w is ``Aib (k exp(gc))``, and u is left to the state pass (``u`` and ``v_d`` unused).
+    NS: ``wqk``'s slots per chunk-head (w's first, W_LO: with its lo half; qg's and kd's after them, kernel D's)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c)
+    t0 = tl.load(chunk_indices + 2 * i_c + 1) * 64
+    bos = tl.load(cu_seqlens + i_n)
+    o_t = tl.arange(0, 64)
+    m_t = t0 + o_t < tl.load(cu_seqlens + i_n + 1) - bos
+    r0 = bos + t0
+    i_ch = i_c * H + i_h
+    # Ai's lower blocks (the blocks above them are scratch), or Aib's pair (zeros above)
+    if AIB:
+        b_ai = ai_d.load([i_ch * 128, 0]).to(tl.float32) + ai_d.load([i_ch * 128 + 64, 0]).to(tl.float32)
+    else:
+        b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
+    i_ch64 = i_ch.to(tl.int64)
+    wqk += i_ch64 * (NS * 64 * K)
+    u += i_ch64 * (64 * V)
+    egl += i_ch64 * K
+    gc += i_ch64 * (64 * K) + 63 * K
+    # the rows' norm factors (kernel D's: 1 / |k_r|) and beta
+    r_k = tl.load(rn + i_ch64 * 128 + 64 + o_t)
+    if AIB:  # beta is in Aib's columns already
+        b_b = tl.full([64], 1.0, tl.float32)
+    else:
+        b_b = tl.load(bc + i_ch64 * 64 + o_t)
+    o_b = tl.arange(0, BK)
+    for kk in tl.range(0, K, BK, num_stages=STAGES):
+        b_gc = gc_d.load([i_ch * 64, kk])
+        b_gl = tl.load(gc + kk + o_b)
+        b_k = tl.where(m_t[:, None], k_d.load([r0, i_h * K + kk]), 0.0)
+        _key_cols(b_gc, b_gl, b_k, b_b, kk + o_b, b_ai, r_k, wqk, egl, K, PRECISION, W_LO, DOT_F32)
+    if not AIB:
+        # u for BVB value columns at a time, stored transposed
+        o_f = tl.arange(0, BVB)
+        for vv in tl.range(0, V, BVB, num_stages=STAGES):
+            b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
+            tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
+                     mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))

@@ -1,0 +1,414 @@
+"""Scheduler + hybrid cache manager, driven by a simulated model that checks every cache address it is given.
+
+The simulated runner writes each fed token into the paged cache at the slots the plan names and keeps
+each KDA slot's consumed tokens; before a step it verifies that the blocks and the slot a request brings
+hold exactly that request's earlier tokens. The next token is a hash of the whole sequence, so any
+scheduling mistake (lost, repeated or misplaced tokens) changes the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashinfra.engine.sched.cache_manager import HybridCacheManager
+from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.engine.sched.request import Request
+from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+EOS = 7
+
+
+def next_token(tokens: list[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * 1000003 + t + 1) % 2**61
+    return h % VOCAB
+
+
+class SimRunner:
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0) -> None:
+        self.block_size = block_size
+        self.paged: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.slots: list[list[int] | None] = [None] * (num_slots + num_prefix_slots)
+
+    def execute(self, plan: Plan, limits: SchedulerConfig) -> StepResult:
+        assert plan.num_tokens <= limits.max_num_batched_tokens
+        assert len(plan.scheduled) <= limits.max_num_seqs
+        slots_used = [sr.state_slot for sr in plan.scheduled]
+        assert len(set(slots_used)) == len(slots_used), "two requests share a KDA slot"
+        bs = self.block_size
+        for sr in plan.scheduled:  # blocks written this step belong to the writer alone
+            written = {sr.block_table[p // bs] for p in range(sr.context_len, sr.context_len + sr.num_new_tokens)}
+            for other in plan.scheduled:
+                if other is not sr:
+                    assert not written & set(other.block_table), "a block written this step is shared"
+        result = StepResult()
+        for sr in plan.scheduled:  # prefix hits: load checkpoints before the step
+            if sr.load_state_from is not None:
+                self.slots[sr.state_slot] = list(self.slots[sr.load_state_from])
+        for sr in plan.scheduled:
+            bs = self.block_size
+            end = sr.context_len + sr.num_new_tokens
+            assert len(sr.block_table) * bs >= end
+            full = sr.prompt_token_ids + sr.output_token_ids
+            for p in range(sr.context_len):  # the cache holds the earlier tokens where the table says
+                assert self.paged[sr.block_table[p // bs]][p % bs] == full[p]
+            if sr.context_len == 0:
+                self.slots[sr.state_slot] = []
+            assert self.slots[sr.state_slot] == full[: sr.context_len]
+            assert sr.token_ids == full[sr.context_len : end]
+            for p, t in zip(range(sr.context_len, end), sr.token_ids):
+                self.paged[sr.block_table[p // bs]][p % bs] = t
+            self.slots[sr.state_slot] = self.slots[sr.state_slot] + sr.token_ids
+            if sr.sample:
+                assert end == len(full)
+                tok = next_token(full)
+                result.sampled[sr.request_id] = tok
+                result.logprobs[sr.request_id] = TokenLogprob(tok, -1.0, [])
+        for sr in plan.scheduled:  # checkpoints are saved after the step
+            if sr.save_state_to is not None:
+                end = sr.context_len + sr.num_new_tokens
+                assert end % bs == 0 and 0 < end < len(sr.prompt_token_ids)
+                self.slots[sr.save_state_to] = list(self.slots[sr.state_slot])
+        return result
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, rng: random.Random, **kw) -> Request:
+    prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), 0.0, eos_token_ids=frozenset())
+
+
+def run_all(requests, cfg: SchedulerConfig, num_blocks: int, block_size: int, num_slots: int, max_steps=10_000,
+            num_prefix_slots: int = 0, sched=None, runner=None, waves=None):
+    """Run ``requests`` to completion (``waves``: lists of requests added one wave after another)."""
+    sched = sched or Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, num_prefix_slots))
+    runner = runner or SimRunner(num_blocks, block_size, num_slots, num_prefix_slots)
+    waves = waves or [requests]
+    requests = [r for w in waves for r in w]
+    for r in waves[0]:
+        sched.add_request(r)
+    waves = waves[1:]
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    reasons: dict[str, str] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            if not waves:
+                break
+            for r in waves.pop(0):
+                sched.add_request(r)
+        plan = sched.schedule()
+        assert not plan.is_empty, "scheduler stalled with unfinished requests"
+        for out in sched.update(plan, runner.execute(plan, cfg)):
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        if not sched.cache.prefix_caching:
+            assert sched.cache.num_free_blocks + sum(len(r.block_ids) for r in sched.running) == num_blocks
+    assert not sched.has_unfinished()
+    assert sched.cache.num_reclaimable_blocks == num_blocks and sched.stats().cache_usage == 0.0
+    sched.cache.clear_prefixes()
+    assert sched.cache.num_free_blocks == num_blocks and sched.cache.num_free_slots == num_slots
+    return outputs, reasons, sched
+
+
+def expected_output(req: Request) -> list[int]:
+    tokens = list(req.prompt_token_ids)
+    out = []
+    while len(out) < req.sampling.max_tokens:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in req.sampling.stop_token_ids:
+            break
+    return out
+
+
+def test_mixed_batch_matches_sequential_truth():
+    rng = random.Random(0)
+    reqs = [make_request(f"r{i}", rng.randrange(1, 90), rng.randrange(1, 20), rng) for i in range(40)]
+    truth = {r.request_id: expected_output(r) for r in reqs}
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
+    outputs, reasons, sched = run_all(reqs, cfg, num_blocks=400, block_size=4, num_slots=8)
+    assert outputs == truth
+    assert all(reasons[r.request_id] == "length" for r in reqs)
+    assert sched.num_preemptions_total == 0
+
+
+def test_tiny_cache_forces_preemption_and_keeps_outputs():
+    rng = random.Random(1)
+    reqs = [make_request(f"r{i}", rng.randrange(5, 40), rng.randrange(10, 30), rng) for i in range(24)]
+    truth = {r.request_id: expected_output(r) for r in reqs}
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=48, max_model_len=128)
+    outputs, _, sched = run_all(reqs, cfg, num_blocks=24, block_size=4, num_slots=16)
+    assert outputs == truth
+    assert sched.num_preemptions_total > 0
+    assert sum(r.num_preemptions for r in reqs) == sched.num_preemptions_total
+
+
+@pytest.mark.parametrize("num_blocks", [400, 40])
+def test_prefix_cache_hits_are_token_exact(num_blocks):
+    """Shared system prompts, repeated prompts and multi-turn continuations hit the prefix cache; outputs
+    are those of a cold run, and the simulated KDA slot checks that the loaded state is the right one."""
+    rng = random.Random(9)
+    system = [rng.randrange(8, VOCAB) for _ in range(21)]
+    first = [make_request(f"a{i}", 0, rng.randrange(2, 8), rng) for i in range(6)]
+    for r in first:
+        r.prompt_token_ids = system + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 9))]
+        r.__post_init__()
+    truth = {r.request_id: expected_output(r) for r in first}
+    second = []
+    for i, r in enumerate(first):  # repeat each prompt, and continue each conversation
+        again = Request(f"b{i}", list(r.prompt_token_ids), r.sampling, 0.0)
+        turn = Request(f"c{i}", r.prompt_token_ids + truth[r.request_id] + [11, 12, 13], SamplingParams(max_tokens=4), 0.0)
+        second += [again, turn]
+    truth.update({r.request_id: expected_output(r) for r in second})
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
+    outputs, _, sched = run_all(None, cfg, num_blocks, 4, 6, num_prefix_slots=8, waves=[first, second])
+    assert outputs == truth
+    assert sched.num_prefix_hit_tokens_total >= 12 * 4
+    if num_blocks == 40:  # small enough that hits and preemptions mix
+        assert sched.num_preemptions_total > 0
+
+
+def test_checkpoint_interval_lets_a_shared_system_prompt_hit():
+    rng = random.Random(11)
+    system = [rng.randrange(8, VOCAB) for _ in range(19)]
+
+    def with_suffix(rid):
+        return Request(rid, system + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(3, 9))],
+                       SamplingParams(max_tokens=3), 0.0)
+
+    hits = {}
+    for interval in (1024, 8):
+        waves = [[with_suffix(f"{interval}-{w}")] for w in range(4)]
+        truth = {r.request_id: expected_output(r) for w in waves for r in w}
+        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+        outputs, _, sched = run_all(None, cfg, 64, 4, 2, num_prefix_slots=8, waves=waves,
+                                    sched=Scheduler(cfg, HybridCacheManager(64, 4, 2, 8, interval)))
+        assert outputs == truth
+        hits[interval] = sched.num_prefix_hit_tokens_total
+    assert hits[1024] == 0  # each prompt's own end is past the shared part
+    assert hits[8] == 3 * 16  # later requests start after the shared checkpoint at 16 tokens
+
+
+def test_prefix_cache_evicts_before_preempting():
+    rng = random.Random(10)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    cache = HybridCacheManager(12, 4, 2, num_prefix_slots=4)
+    sched = Scheduler(cfg, cache)
+    runner = SimRunner(12, 4, 2, 4)
+    waves = [[make_request(f"w{i}", 9, 2, rng)] for i in range(4)]  # each leaves a cached 8-token prefix
+    run_all(None, cfg, 12, 4, 2, sched=sched, runner=runner, waves=waves)
+    big = make_request("big", 30, 10, rng)
+    outputs, _, _ = run_all(None, cfg, 12, 4, 2, sched=sched, runner=runner, waves=[[big]])
+    assert outputs["big"] == expected_output(big) and sched.num_preemptions_total == 0
+
+
+def test_chunked_prefill_respects_budget_and_chunk_cap():
+    rng = random.Random(2)
+    long = make_request("long", 300, 3, rng)
+    short = make_request("short", 5, 3, rng)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, max_prefill_chunk=40)
+    sched = Scheduler(cfg, HybridCacheManager(200, 16, 4))
+    runner = SimRunner(200, 16, 4)
+    sched.add_request(long)
+    sched.add_request(short)
+    plan = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [("long", 40, False), ("short", 5, True)]
+    sched.update(plan, runner.execute(plan, cfg))
+    plan = sched.schedule()
+    assert [(s.request_id, s.context_len, s.num_new_tokens) for s in plan.scheduled] == [("long", 40, 40), ("short", 5, 1)]
+
+
+def test_stop_tokens_eos_and_ignore_eos():
+    rng = random.Random(3)
+    base = make_request("a", 10, 50, rng)
+    first = expected_output(base)
+    stop_at = first[3]
+    reqs = [
+        Request("stop", base.prompt_token_ids, SamplingParams(max_tokens=50, stop_token_ids=(stop_at,)), 0.0),
+        Request("eos", base.prompt_token_ids, SamplingParams(max_tokens=50), 0.0, eos_token_ids=frozenset({stop_at})),
+        Request("ign", base.prompt_token_ids, SamplingParams(max_tokens=50, ignore_eos=True), 0.0,
+                eos_token_ids=frozenset({stop_at})),
+    ]
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    outputs, reasons, _ = run_all(reqs, cfg, num_blocks=100, block_size=8, num_slots=4)
+    k = first.index(stop_at) + 1
+    assert outputs["stop"] == first[:k] and reasons["stop"] == "stop"
+    assert outputs["eos"] == first[:k] and reasons["eos"] == "stop"
+    assert outputs["ign"] == first and reasons["ign"] == "length"
+
+
+def test_max_model_len_and_cache_capacity_limit_generation():
+    rng = random.Random(4)
+    req = make_request("a", 20, 100, rng)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1000)
+    outputs, reasons, _ = run_all([req], cfg, num_blocks=8, block_size=4, num_slots=2)  # capacity 32 tokens
+    assert len(outputs["a"]) == 12 and reasons["a"] == "length"
+    sched = Scheduler(cfg, HybridCacheManager(8, 4, 2))
+    with pytest.raises(ValueError, match="limit is 31"):
+        sched.add_request(make_request("b", 32, 1, rng))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(Request("c", [], SamplingParams(), 0.0))
+    sched.add_request(make_request("d", 3, 1, rng))
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add_request(make_request("d", 3, 1, rng))
+
+
+def test_abort_frees_at_once_waiting_and_running():
+    rng = random.Random(5)
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
+    sched = Scheduler(cfg, HybridCacheManager(50, 4, 1))
+    runner = SimRunner(50, 4, 1)
+    a, b = make_request("a", 10, 20, rng), make_request("b", 10, 20, rng)
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.scheduled] == ["a"]  # batch-size cap 1
+    sched.update(plan, runner.execute(plan, cfg))
+    assert sched.cache.num_free_blocks < 50 and sched.cache.num_free_slots == 0
+    outs = sched.abort(["a", "b", "unknown"])
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort"), ("b", True, "abort")]
+    assert sched.cache.num_free_blocks == 50 and sched.cache.num_free_slots == 1
+    assert not sched.has_unfinished()
+    assert sched.schedule().finished_ids == ["a", "b"]
+    assert sched.abort(["a"]) == []
+
+
+def test_error_fails_only_that_request():
+    rng = random.Random(6)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    sched = Scheduler(cfg, HybridCacheManager(50, 4, 4))
+    runner = SimRunner(50, 4, 4)
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, 5, 3, rng))
+    plan = sched.schedule()
+    result = runner.execute(plan, cfg)
+    result.errors["a"] = "sampling failed"
+    outs = {o.request_id: o for o in sched.update(plan, result)}
+    assert outs["a"].finish_reason == "error" and outs["a"].error == "sampling failed"
+    assert not outs["b"].finished and len(outs["b"].new_token_ids) == 1
+    assert [r.request_id for r in sched.running] == ["b"]
+
+
+def test_stats_report_usage():
+    rng = random.Random(7)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    sched = Scheduler(cfg, HybridCacheManager(10, 4, 4))
+    sched.add_request(make_request("a", 9, 3, rng))
+    sched.add_request(make_request("b", 2, 3, rng))
+    sched.schedule()
+    st = sched.stats()
+    assert (st.num_running, st.num_waiting, st.num_blocks_total, st.num_blocks_free) == (2, 0, 10, 6)
+    assert st.cache_usage == pytest.approx(0.4) and st.state_slot_usage == pytest.approx(0.5)
+
+
+def test_events_hook_receives_queue_waits_and_preemptions():
+    class Sink:
+        def __init__(self):
+            self.events = []
+
+        def emit(self, kind, **fields):
+            self.events.append((kind, fields))
+
+    rng = random.Random(8)
+    sink = Sink()
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(cfg, HybridCacheManager(6, 4, 4), events=sink, clock=lambda: 10.0)
+    runner = SimRunner(6, 4, 4)
+    for i in range(3):
+        r = make_request(f"r{i}", 6, 10, rng)
+        r.arrival_time = 9.5
+        sched.add_request(r)
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sched.update(plan, runner.execute(plan, cfg))
+    kinds = [k for k, _ in sink.events]
+    assert "preempt" in kinds
+    waits = [f["wait_s"] for k, f in sink.events if k == "queue_wait"]
+    assert len(waits) == 3 and all(w == pytest.approx(0.5) for w in waits)
+
+
+def test_scheduler_imports_no_torch():
+    code = (
+        "import sys; import flashinfra.engine.sched.scheduler, flashinfra.engine.sched.cache_manager, flashinfra.engine.sched.plan, "
+        "flashinfra.engine.sched.request, flashinfra.engine.sched.messages, flashinfra.engine.config, flashinfra.engine.sched.checks; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(10, 60),
+    block_size=st.integers(1, 8),
+    num_slots=st.integers(1, 6),
+    prefix_slots=st.integers(0, 4),
+    interval=st.integers(1, 20),
+    budget=st.integers(8, 64),
+    chunk=st.integers(0, 24),
+    shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=12),
+    aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_size, num_slots, prefix_slots, interval,
+                                                           budget, chunk, shapes, aborts, seed):
+    """Any cache size, budget and chunk cap, with shared prefixes and aborts at random steps: every request
+    that is not aborted gets exactly its cold-run tokens, aborted ones a prefix of them, and everything is
+    freed at the end."""
+    rng = random.Random(seed)
+    capacity = num_blocks * block_size
+    shared = [rng.randrange(8, VOCAB) for _ in range(16)]
+    reqs = []
+    for i, (plen, max_tokens, share) in enumerate(shapes):
+        plen = min(plen, capacity - 1)
+        prompt = (shared + [rng.randrange(8, VOCAB) for _ in range(plen)])[:plen] if share else \
+            [rng.randrange(8, VOCAB) for _ in range(plen)]
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0))
+    cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget, max_model_len=capacity,
+                          max_prefill_chunk=chunk)
+    sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, prefix_slots, interval))
+    runner = SimRunner(num_blocks, block_size, num_slots, prefix_slots)
+    for r in reqs:
+        sched.add_request(r)
+    truth = {}
+    for r in reqs:
+        toks, out = list(r.prompt_token_ids), []
+        while len(out) < r.sampling.max_tokens and len(toks) < capacity:
+            out.append(next_token(toks))
+            toks.append(out[-1])
+        truth[r.request_id] = out
+    got = {r.request_id: [] for r in reqs}
+    reasons = {}
+    abort_at = {}
+    for step, idx in aborts:
+        abort_at.setdefault(step, []).append(f"r{idx}")
+    for step in range(5000):
+        for o in sched.abort(abort_at.get(step, [])):
+            reasons[o.request_id] = o.finish_reason
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        assert not plan.is_empty
+        for o in sched.update(plan, runner.execute(plan, cfg)):
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert not sched.has_unfinished() and set(reasons) == set(got)
+    for rid, toks in got.items():
+        if reasons[rid] == "abort":
+            assert toks == truth[rid][: len(toks)]
+        else:
+            assert toks == truth[rid] and reasons[rid] == "length"
+    assert sched.cache.num_reclaimable_blocks == num_blocks and sched.cache.num_free_slots == num_slots
+    sched.cache.clear_prefixes()
+    assert sched.cache.num_free_blocks == num_blocks
