@@ -23,6 +23,12 @@ flags outputs that stay identical across different inputs (a cached result)::
         return BenchSpec(fn=kda_decode, make_inputs=lambda seed: (...), bytes=..., flops=...,
                          check=lambda inputs, out: compare(...))
 
+Convention: each package registers its checks and benchmarks in its own ``checks.py`` (``kernels``,
+``kernels.kda``, ``model``, ``engine``, ``engine.sched``, ``server``; ``feedback.checks`` holds the feedback
+package's own), so the one name says "this package's feedback" wherever it appears. A check module keeps
+its cases as functions of (device, sizes, dtype, seed) returning ``list[CheckResult]``: the registered
+checks call them at fixed sizes and the tests call them at their own, through ``assert_passed(results)``.
+
 Discovery: ``load_providers()`` imports every module in ``PROVIDERS`` so that they register. A provider
 that does not exist (``ModuleNotFoundError`` naming exactly that module or a package above it) is skipped;
 any other import error is returned so the caller reports it.
@@ -44,7 +50,7 @@ from typing import Any, Callable
 PROVIDERS: tuple[str, ...] = (
     "flashinfra.feedback.checks",
     "flashinfra.kernels.kda.checks",
-    "flashinfra.kernels.hotpath_checks",
+    "flashinfra.kernels.checks",
     "flashinfra.model.checks",
     "flashinfra.engine.checks",
     "flashinfra.engine.sched.checks",
@@ -158,6 +164,16 @@ class CheckResult:
 def failed(name: str, message: str) -> CheckResult:
     """A result for a check that could not compare anything (exception, shape mismatch...)."""
     return CheckResult(name=name, passed=False, message=message)
+
+
+def assert_passed(results: list[CheckResult]) -> None:
+    """For tests: raise ``AssertionError`` listing every failing result's summary (or saying that
+    ``results`` is empty: a case that checked nothing proves nothing)."""
+    if not results:
+        raise AssertionError("no check results")
+    bad = [r.summary() for r in results if not r.passed]
+    if bad:
+        raise AssertionError(f"{len(bad)} of {len(results)} results failed:\n" + "\n".join(bad))
 
 
 def compare(name: str, out: Any, ref: Any, dtype: Any = None, atol: float | None = None,

@@ -6,61 +6,70 @@ exact, so bf16 runs live in the GPU tests.)"""
 import pytest
 import torch
 
-from tests.kernels import hotpath_cases as cases
+from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import checks as cases
+from tests.kernels import model_cases
 
 
 @pytest.mark.parametrize("T,D", [(1, 64), (37, 100), (5, 1000)])
 def test_norms(T, D):
-    cases.norms("cpu", T, D, seed=T)
+    assert_passed(cases.norms("cpu", T, D, seed=T))
 
 
 @pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300)])
 def test_mhc(T, D):
-    cases.mhc("cpu", T, D, seed=T)
+    assert_passed(cases.mhc("cpu", T, D, seed=T))
 
 
 def test_moe_align():
-    cases.moe_align("cpu", 7, 5, 2, 4)
-    cases.moe_align("cpu", 1, 288, 8, 16)
-    cases.moe_align("cpu", 33, 8, 3, 16, seed=1)
+    assert_passed(cases.moe_align("cpu", 7, 5, 2, 4))
+    assert_passed(cases.moe_align("cpu", 1, 288, 8, 16))
+    assert_passed(cases.moe_align("cpu", 33, 8, 3, 16, seed=1))
 
 
 @pytest.mark.parametrize("E,G,TG,k", [(24, 1, 1, 3), (16, 4, 2, 3), (40, 8, 4, 8)])
 def test_route(E, G, TG, k):
-    cases.route("cpu", 19, E, 16, k, G, TG, seed=E)
+    assert_passed(cases.route("cpu", 19, E, 16, k, G, TG, seed=E))
 
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(7, 5, 24, 20, 2, 1.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])
 def test_fused_moe(T, E, D, I, k, limit):
-    cases.fused_moe("cpu", T, E, D, I, k, limit=limit, seed=T)
+    assert_passed(cases.fused_moe("cpu", T, E, D, I, k, limit=limit, seed=T))
 
 
 def test_fused_moe_wider_shared_expert():
-    cases.fused_moe("cpu", 5, 4, 16, 16, 2, shared_mult=2)
+    assert_passed(cases.fused_moe("cpu", 5, 4, 16, 16, 2, shared_mult=2))
 
 
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1]), ([0], [41])])
 def test_dsa_select_varlen(ctx, qlens):
-    cases.dsa_select("cpu", ctx, qlens, seed=len(ctx))
+    assert_passed(cases.dsa_select("cpu", ctx, qlens, seed=len(ctx)))
 
 
 def test_dsa_select_ties_go_to_recent_pools():
-    cases.dsa_select("cpu", [0, 22], [33, 3], ties=True)
+    assert_passed(cases.dsa_select("cpu", [0, 22], [33, 3], ties=True))
 
 
 @pytest.mark.parametrize("kpool,topk,bs", [(1, 6, 4), (16, 32, 16)])
 def test_dsa_select_kpool(kpool, topk, bs):
-    cases.dsa_select("cpu", [60, 3], [5, 1], kpool=kpool, topk=topk, bs=bs)
+    assert_passed(cases.dsa_select("cpu", [60, 3], [5, 1], kpool=kpool, topk=topk, bs=bs))
 
 
 @pytest.mark.parametrize("split", [None, 1, 4])
 def test_sparse_mla(split):
-    cases.sparse_mla("cpu", [0, 5, 30, 40], [13, 1, 7, 1], split=split, S=37 if split == 4 else 11)
+    assert_passed(cases.sparse_mla("cpu", [0, 5, 30, 40], [13, 1, 7, 1], split=split, S=37 if split == 4 else 11))
 
 
 def test_tiny_model_batched_greedy_same_with_kernels_and_references(tmp_path, monkeypatch):
-    cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cpu")
+    model_cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cpu")
 
 
 def test_each_layer_as_accurate_as_the_references():
-    cases.layerwise("cpu", "float32", torch.float64, factor=2.0, floor=1e-6, lengths=(13, 2))
+    model_cases.layerwise("cpu", "float32", torch.float64, factor=2.0, floor=1e-6, lengths=(13, 2))
+
+
+def test_registered_checks_pass():
+    from flashinfra.feedback.registry import checks
+
+    for name in ("hotpath.norms", "hotpath.mhc", "hotpath.moe", "hotpath.dsa_select", "hotpath.sparse_mla"):
+        assert_passed(checks()[name].fn())

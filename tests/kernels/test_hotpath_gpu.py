@@ -5,7 +5,9 @@ a random model is as close to a higher-precision run with the kernels as with th
 import pytest
 import torch
 
-from tests.kernels import hotpath_cases as cases
+from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import checks as cases
+from tests.kernels import model_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16 = torch.bfloat16
@@ -13,55 +15,55 @@ BF16 = torch.bfloat16
 
 @pytest.mark.parametrize("T,dtype", [(1, BF16), (1000, BF16), (63, torch.float32)])
 def test_norms(T, dtype):
-    cases.norms("cuda", T, 4096, dtype=dtype, seed=T)
-    cases.norms("cuda", T, 128, dtype=dtype, seed=T + 1)
+    assert_passed(cases.norms("cuda", T, 4096, dtype=dtype, seed=T))
+    assert_passed(cases.norms("cuda", T, 128, dtype=dtype, seed=T + 1))
 
 
 @pytest.mark.parametrize("T,dtype", [(1, BF16), (1000, BF16), (33, torch.float32)])
 def test_mhc(T, dtype):
-    cases.mhc("cuda", T, 4096, dtype=dtype, seed=T)
+    assert_passed(cases.mhc("cuda", T, 4096, dtype=dtype, seed=T))
 
 
 @pytest.mark.parametrize("T", [1, 67, 1000])
 def test_route(T):
-    cases.route("cuda", T, 288, 4096, 8, 1, 1, seed=T)
-    cases.route("cuda", T, 256, 512, 8, 8, 4, seed=T)
+    assert_passed(cases.route("cuda", T, 288, 4096, 8, 1, 1, seed=T))
+    assert_passed(cases.route("cuda", T, 256, 512, 8, 8, 4, seed=T))
 
 
 def test_moe_align():
-    cases.moe_align("cuda", 1, 288, 8, 16)
-    cases.moe_align("cuda", 129, 288, 8, 16, seed=1)
-    cases.moe_align("cuda", 1000, 288, 8, 64, seed=2)
+    assert_passed(cases.moe_align("cuda", 1, 288, 8, 16))
+    assert_passed(cases.moe_align("cuda", 129, 288, 8, 16, seed=1))
+    assert_passed(cases.moe_align("cuda", 1000, 288, 8, 64, seed=2))
 
 
 @pytest.mark.parametrize("T,dtype", [(1, BF16), (300, BF16), (1000, BF16), (37, torch.float32), (1000, torch.float32)])
 def test_fused_moe(T, dtype):  # 1000 tokens: over 64 pairs per expert, the prefill block shapes
-    cases.fused_moe("cuda", T, 64, 1024, 512, 8, dtype=dtype, limit=10.0, seed=T)
+    assert_passed(cases.fused_moe("cuda", T, 64, 1024, 512, 8, dtype=dtype, limit=10.0, seed=T))
 
 
 @pytest.mark.parametrize("ctx,qlens", [([0, 500, 3000], [1000, 1, 7]), ([4095], [1]), ([2000] * 5, [1] * 5)])
 def test_dsa_select_real_heads(ctx, qlens):
-    cases.dsa_select("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, seed=len(ctx))
+    assert_passed(cases.dsa_select("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, seed=len(ctx)))
 
 
 def test_dsa_select_bf16_and_ties():
-    cases.dsa_select("cuda", [3000, 9], [1, 700], Hi=32, Di=128, kpool=4, topk=512, bs=64, ties=True)
-    cases.dsa_select("cuda", [0, 2100], [333, 1], Hi=32, Di=128, kpool=4, topk=512, bs=64, dtype=BF16)
+    assert_passed(cases.dsa_select("cuda", [3000, 9], [1, 700], Hi=32, Di=128, kpool=4, topk=512, bs=64, ties=True))
+    assert_passed(cases.dsa_select("cuda", [0, 2100], [333, 1], Hi=32, Di=128, kpool=4, topk=512, bs=64, dtype=BF16))
 
 
 @pytest.mark.parametrize("dtype,split", [(BF16, None), (BF16, 8), (torch.float32, 1)])
 def test_sparse_mla_real_size(dtype, split):
-    cases.sparse_mla("cuda", [0, 3000, 700], [65, 1, 1], H=64, R=512, bs=64, S=2051, split=split, dtype=dtype)
-
+    assert_passed(cases.sparse_mla("cuda", [0, 3000, 700], [65, 1, 1], H=64, R=512, bs=64, S=2051, split=split,
+                                   dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_trained_model_batched_greedy_same_with_kernels_and_references(tmp_path, monkeypatch, dtype):
-    cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cuda", dtype=dtype, steps=24, trained=True)
+    model_cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cuda", dtype=dtype, steps=24, trained=True)
 
 
 # float32: the KDA chunk kernels run their in-chunk products in tf32 (the cross-chunk chain in tf32x3), so
 # a KDA layer is tf32-accurate (~1e-4 of float64), where the float32 references are ~1e-7
 @pytest.mark.parametrize("dtype,hi,floor", [("float32", torch.float64, 2e-3), ("bfloat16", torch.float32, 1e-3)])
 def test_each_layer_as_accurate_as_the_references(dtype, hi, floor):
-    cases.layerwise("cuda", dtype, hi, factor=2.0, floor=floor)
+    model_cases.layerwise("cuda", dtype, hi, factor=2.0, floor=floor)

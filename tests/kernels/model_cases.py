@@ -1,0 +1,97 @@
+"""Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
+layer's accuracy with the kernels against the references. The kernel cases live in
+``flashinfra.kernels.checks``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batched_greedy(model, prompts: list[list[int]], steps: int, bs: int = 16, feed=None):
+    """Packed prefill of all prompts, then ``steps - 1`` decode steps of the whole batch; per step the tokens
+    and logits. ``feed`` (tokens per step) replaces the argmax as the next input (teacher forcing)."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
+    slots = list(range(len(prompts), 0, -1))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    ids = torch.tensor([t for p in prompts for t in p], device=dev)
+    hidden = model.forward(ids, batch, cache)
+    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
+    tokens = [logits[-1].argmax(-1).tolist()]
+    for i in range(steps - 1):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        nxt = tokens[-1] if feed is None else feed[i]
+        logits.append(model.compute_logits(model.forward(torch.tensor(nxt, device=dev), batch, cache)))
+        tokens.append(logits[-1].argmax(-1).tolist())
+    return tokens, logits
+
+
+TEXTS = ("In the beginning God created the heaven and the earth. And the earth was without form",
+         "def main():", "The Python tutorial: an informal introduction to Python. In the following examples, "
+         "input and output are distinguished by the presence or absence of prompts")
+
+
+def tiny_model_batched_greedy_same(tmp_path, monkeypatch, device: str, dtype="float32", steps: int = 6,
+                                   trained: bool = False):
+    """The small random checkpoint, or the trained default model (``trained``: its predictions are decided
+    by margins a rounding difference cannot flip, where a random model's often are not).
+    float32: the same greedy tokens with the kernels and the references. bf16 (where rounding differs):
+    with the reference's tokens fed to both, every step's logits agree to bf16 accuracy and the argmax
+    agrees wherever the reference's top-2 margin exceeds twice the logits' difference."""
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+
+    if trained:
+        from tokenizers import Tokenizer
+
+        from flashinfra.model.factory import default_model_dir
+
+        model = load_model(default_model_dir(), dtype=dtype, device=device)
+        tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+        prompts = [tok.encode(text).ids for text in TEXTS]
+    else:
+        model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2), dtype=dtype, device=device)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref, ref_logits = batched_greedy(model, prompts, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    if dtype == "float32":
+        fast, fast_logits = batched_greedy(model, prompts, steps)
+        assert fast == ref
+        for a, b in zip(fast_logits, ref_logits):  # the KDA chunk kernels' in-chunk products run in tf32
+            assert float((a - b).norm() / b.norm()) < 2e-3
+        return
+    fast, fast_logits = batched_greedy(model, prompts, steps, feed=ref[:-1])
+    for step, (a, b) in enumerate(zip(fast_logits, ref_logits)):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 3e-2, f"step {step}"
+        diff = float((a.float() - b.float()).abs().max())
+        top2 = b.float().topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert torch.equal(a.argmax(-1)[decided], b.argmax(-1)[decided]), f"step {step}"
+
+
+def layerwise(device: str, dtype: str, hi_dtype: torch.dtype, factor: float, floor: float, lengths=(37, 5, 20)):
+    """Every layer of the small random checkpoint, fed the reference's input, is no further from the
+    reference run in ``hi_dtype`` with the kernels than with the references (``model.layerwise``)."""
+    import tempfile
+
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.model.layerwise import compare_layers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(write_tiny_checkpoint(f"{tmp}/tiny", seed=2), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
+    errors = compare_layers(model, prompts, hi_dtype)
+    assert len(errors) == 2 * (len(model.model.layers) + 1)
+    bad = [e for e in errors if not e.within(factor, floor)]
+    assert not bad, "\n".join(map(str, bad))
+    return errors
