@@ -7,10 +7,12 @@ summaries and A/B experiments. Candidate code runs in limited, network-less subp
 pass wait for a person: ``flashinfra agent review | approve | reject``. ``flashinfra mcp`` exposes the
 same feedback tools to external coding agents over MCP.
 
-Modules: ``goals`` (the goals file), ``paths`` (repository confinement and guardrails), ``sandbox``
-(limited, network-less subprocesses), ``guard`` + ``worker`` (what runs inside them), ``worktree``
-(git), ``evaluate`` (sandboxed runs and the gate a candidate must pass), ``abstats`` (the A/B verdict),
-``campaign`` (state on disk), ``llm`` (chat-completions client), ``tools`` (the tool set), ``journal`` +
+Modules: ``campaign_goals`` (the campaign's goals file), ``paths`` (repository confinement and guardrails),
+``sandbox`` (limited, network-less subprocesses), ``guard`` + ``worker`` (what runs inside them), ``worktree``
+(git), ``evaluate`` (sandboxed runs and the gate a candidate must pass; its A/B verdict is
+``flashinfra.feedback.stats.compare_blocks``), ``campaign`` (state on disk), ``chat_client``
+(chat-completions client; ``flashinfra.llm`` is the offline engine), ``tools`` (the tool set), ``journal`` +
 ``report`` (JSONL journal, Markdown report), ``loop`` (the campaign), ``review`` (human approval),
-``mcp_server`` and ``cli``.
+``mcp_server`` and ``cli``. ``campaign_goals`` parses a campaign's file; the acceptance criteria in it are
+evaluated by ``flashinfra.feedback.goals``, the same evaluator as ``flashinfra goals check``.
 """

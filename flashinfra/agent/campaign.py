@@ -21,7 +21,7 @@ from pathlib import Path
 from flashinfra.agent import journal as journal_mod
 from flashinfra.agent import sandbox, worktree
 from flashinfra.agent.evaluate import Gate, Runner
-from flashinfra.agent.goals import Goals, load_goals
+from flashinfra.agent.campaign_goals import Goals, load_goals
 
 STATE_DIR = ".flashinfra-agent"
 

@@ -61,8 +61,8 @@ def _fail(message: str) -> int:
 
 def _run(args) -> int:
     from flashinfra import env
-    from flashinfra.agent.goals import GoalsError
-    from flashinfra.agent.llm import ChatClient, LLMError
+    from flashinfra.agent.campaign_goals import GoalsError
+    from flashinfra.agent.chat_client import ChatClient, LLMError
     from flashinfra.agent.loop import Loop
 
     base_url, model, key = env.agent_endpoint()

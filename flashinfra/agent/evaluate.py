@@ -9,7 +9,7 @@ candidate, in this order, stopping at the first failure:
 2. correctness: every check the goals select passes in the candidate (fresh seed), and no benchmark is
    flagged (cached output, wrong output);
 3. measurement: interleaved rounds (B A, A B, ...) of baseline and candidate subprocesses, each timing the
-   goals' benchmarks in blocks; per-block medians feed ``abstats``;
+   goals' benchmarks in blocks; per-block medians feed ``flashinfra.feedback.stats.compare_blocks``;
 4. acceptance criteria hold on the candidate's metrics;
 5. every target improves beyond the noise floor.
 
@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flashinfra
-from flashinfra.agent import abstats, worktree
-from flashinfra.agent.goals import Goals
+from flashinfra.agent import worktree
+from flashinfra.agent.campaign_goals import Goals
 from flashinfra.agent.paths import Guardrails
 from flashinfra.agent.sandbox import Outcome, candidate_env, run_limited
 from flashinfra.feedback import goals as fb_goals
+from flashinfra.feedback import stats
 
 BLOCKS = 3  # benchmark blocks per subprocess; each block's median is one sample of the A/B statistic
 
@@ -188,7 +189,7 @@ class Gate:
     def _target(self, t, blocks, metrics, reasons) -> dict:
         g = self.goals
         if t.metric in blocks["A"] and t.metric in blocks["B"]:
-            ab = abstats.compare(blocks["A"][t.metric], blocks["B"][t.metric], t.direction, g.min_effect)
+            ab = stats.compare_blocks(blocks["A"][t.metric], blocks["B"][t.metric], t.direction, g.min_effect)
             if ab.verdict != "better":
                 reasons.append(f"target {t.metric}: no improvement beyond the noise floor ({ab.summary()})")
             return {"metric": t.metric, **ab.to_dict(), "summary": ab.summary()}

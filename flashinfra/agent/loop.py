@@ -13,7 +13,7 @@ import time
 
 from flashinfra.agent import report
 from flashinfra.agent.campaign import Campaign
-from flashinfra.agent.llm import ChatClient, LLMError, parse_arguments
+from flashinfra.agent.chat_client import ChatClient, LLMError, parse_arguments
 from flashinfra.agent.paths import PathError
 from flashinfra.agent.tools import CampaignTools, ToolError, openai_tools
 from flashinfra.agent.worktree import GitError

@@ -17,7 +17,7 @@ from pathlib import Path
 from flashinfra.agent import worktree
 from flashinfra.agent.campaign import STATE_DIR, campaign_dir
 from flashinfra.agent.evaluate import Runner
-from flashinfra.agent.goals import Goals, load_goals
+from flashinfra.agent.campaign_goals import Goals, load_goals
 from flashinfra.agent.tools import FEEDBACK_SPECS, FeedbackTools, ToolError
 from flashinfra.agent.worktree import GitError
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashinfra import env as fi_env
-from flashinfra.agent.goals import SandboxLimits
+from flashinfra.agent.campaign_goals import SandboxLimits
 
 VIOLATION_EXIT = 86  # the guard's exit status after it stopped a forbidden action
 

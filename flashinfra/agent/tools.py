@@ -17,10 +17,11 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from flashinfra.agent import abstats, worktree
+from flashinfra.agent import worktree
 from flashinfra.agent.evaluate import BLOCKS, Runner, bench_metrics
 from flashinfra.agent.paths import PathError, confine
 from flashinfra.feedback import goals as fb_goals
+from flashinfra.feedback import stats
 
 MAX_READ_LINES = 400
 MAX_HITS = 100
@@ -207,7 +208,7 @@ class FeedbackTools:
                     blocks[side].setdefault(name, []).append(b["block_medians"])
         lines = []
         for name in blocks["A"]:
-            res = abstats.compare(blocks["A"][name], blocks["B"][name], "lower", self.goals.min_effect)
+            res = stats.compare_blocks(blocks["A"][name], blocks["B"][name], "lower", self.goals.min_effect)
             lines.append(f"{name}: {res.summary()}".replace("better", "faster").replace("worse", "slower"))
         return "\n".join(lines)
 

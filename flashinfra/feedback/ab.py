@@ -4,21 +4,12 @@ Each revision is checked out in its own detached git worktree. Every run is a fr
 ``python -m flashinfra.feedback.bench NAME --json`` started in that worktree (so it imports that revision's
 code, which is verified from the report), giving one median over its timed calls. Runs are interleaved
 in rounds of three, A, B and A' (a second run of A), in an order that rotates from round to round, so
-slow phases of the machine hit both sides alike.
-
-Statistic: per round the log-ratios d = log(B/A) and the A/A log-ratio a = log(A'/A). The noise floor is
-the largest |median| inside the 95% bootstrap interval of median(a): how far an experiment with no change
-wanders on this machine. The threshold is the larger of the noise floor and ``min_effect``. Verdict
-"slower" when the 95% bootstrap interval of median(d) lies wholly above +threshold and a Mann-Whitney test
-on the per-run medians of A and B gives p < alpha; "faster" symmetrically; else "no difference".
-Confidence is the bootstrap probability of the verdict's region.
+slow phases of the machine hit both sides alike. The verdict is ``flashinfra.feedback.stats.compare_rounds``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,35 +84,6 @@ def run_once(worktree: Path, bench: str, bench_args: list[str], timeout_s: float
     return results[0]
 
 
-def verdict(a: list[float], b: list[float], a2: list[float], min_effect: float = 0.02, alpha: float = 0.05,
-            seed: int = 0) -> dict[str, Any]:
-    """The verdict from per-round medians of A, B and A' (same round = same index)."""
-    if not (len(a) == len(b) == len(a2)) or len(a) < 3:
-        raise ValueError("need at least 3 complete rounds of A, B and A'")
-    d = [math.log(y / x) for x, y in zip(a, b)]
-    aa = [math.log(y / x) for x, y in zip(a, a2)]
-    lo, hi, boot = stats.median_ci(d, seed=seed)
-    aa_lo, aa_hi, _ = stats.median_ci(aa, seed=seed + 1)
-    noise = max(abs(aa_lo), abs(aa_hi))
-    threshold = max(noise, math.log1p(min_effect))
-    mw = stats.mann_whitney(b, a)
-    if lo > threshold and mw["p_value"] < alpha:
-        result = "slower"
-        confidence = sum(v > threshold for v in boot) / len(boot)
-    elif hi < -threshold and mw["p_value"] < alpha:
-        result = "faster"
-        confidence = sum(v < -threshold for v in boot) / len(boot)
-    else:
-        result = "no difference"
-        confidence = sum(-threshold <= v <= threshold for v in boot) / len(boot)
-    ratio = math.exp(statistics.median(d))
-    return {"verdict": result, "confidence": confidence, "ratio_b_over_a": ratio,
-            "ratio_ci95": [math.exp(lo), math.exp(hi)], "noise_floor": math.expm1(noise),
-            "aa_ratio": math.exp(statistics.median(aa)), "aa_ci95": [math.exp(aa_lo), math.exp(aa_hi)],
-            "threshold": math.expm1(threshold), "mann_whitney_p": mw["p_value"], "mann_whitney_auc": mw["auc"],
-            "median_a_s": statistics.median(a), "median_b_s": statistics.median(b), "rounds": len(a)}
-
-
 def run_ab(repo: str | Path, rev_a: str, rev_b: str, bench: str, rounds: int = 8, bench_args: list[str] = (),
            min_effect: float = 0.02, timeout_s: float = 600.0, log=None) -> dict[str, Any]:
     """Run the experiment and return the verdict with every run's figures."""
@@ -145,7 +107,7 @@ def run_ab(repo: str | Path, rev_a: str, rev_b: str, bench: str, rounds: int = 8
                 flags[label].update(result["flags"])
                 if log is not None:
                     log(f"round {r + 1}/{rounds} {label}: {result['median_s'] * 1e6:.1f} us")
-    out = verdict(times["A"], times["B"], times["A'"], min_effect=min_effect)
+    out = stats.compare_rounds(times["A"], times["B"], times["A'"], min_effect=min_effect)
     out.update(bench=bench, a=rev_a, b=rev_b, commit_a=commits["a"], commit_b=commits["b"],
                runs={k: v for k, v in times.items()}, flags={k: sorted(v) for k, v in flags.items()})
     return out

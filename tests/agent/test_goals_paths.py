@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from flashinfra.agent.goals import GoalsError, load_goals
+from flashinfra.agent.campaign_goals import GoalsError, load_goals
 from flashinfra.agent.paths import Guardrails, PathError, confine, glob_match
 
 GOOD = """

@@ -7,30 +7,31 @@ import textwrap
 
 import pytest
 
-from flashinfra.agent import abstats, tools
+from flashinfra.agent import tools
 from flashinfra.agent.campaign import Campaign
 from flashinfra.agent.journal import REDACTED, Journal, read
-from flashinfra.agent.llm import ChatClient, LLMError
+from flashinfra.agent.chat_client import ChatClient, LLMError
 from flashinfra.agent.loop import Loop
+from flashinfra.feedback import stats
 from tests.agent.scripted_llm import ScriptedLLM
 
 
-def test_abstats_verdicts():
+def test_compare_blocks_verdicts():
     base = [[1.00, 1.01, 0.99], [1.02, 1.00, 1.01]]
-    assert abstats.compare(base, [[0.70, 0.71, 0.69], [0.70, 0.72, 0.71]]).verdict == "better"
-    assert abstats.compare(base, [[1.30, 1.31, 1.29], [1.33, 1.30, 1.32]]).verdict == "worse"
-    same = abstats.compare(base, [[1.00, 1.02, 0.99], [1.01, 1.00, 1.01]])
+    assert stats.compare_blocks(base, [[0.70, 0.71, 0.69], [0.70, 0.72, 0.71]]).verdict == "better"
+    assert stats.compare_blocks(base, [[1.30, 1.31, 1.29], [1.33, 1.30, 1.32]]).verdict == "worse"
+    same = stats.compare_blocks(base, [[1.00, 1.02, 0.99], [1.01, 1.00, 1.01]])
     assert same.verdict == "no difference" and abs(same.change) < 0.02
     # A noisy baseline (A/A apart by 50%) hides a 30% gain.
-    noisy = abstats.compare([[1.0, 1.0, 1.0], [1.5, 1.5, 1.5]], [[0.85] * 3] * 2)
+    noisy = stats.compare_blocks([[1.0, 1.0, 1.0], [1.5, 1.5, 1.5]], [[0.85] * 3] * 2)
     assert noisy.verdict == "no difference" and noisy.noise_floor == pytest.approx(0.4, abs=0.01)
     # So does a noisy candidate: a 9.5% lower pooled median (p < 0.05) from subprocesses 10% apart is no gain.
-    split = abstats.compare(base, [[0.86, 0.87, 0.86], [0.95, 0.96, 0.95]])
+    split = stats.compare_blocks(base, [[0.86, 0.87, 0.86], [0.95, 0.96, 0.95]])
     assert split.p_value < 0.05 and split.change == pytest.approx(0.095, abs=0.001)
     assert split.verdict == "no difference" and split.noise_floor == pytest.approx(0.099, abs=0.001)
-    assert abstats.compare([[2.0] * 3, [2.0] * 3], [[3.0] * 3] * 2, direction="higher").verdict == "better"
+    assert stats.compare_blocks([[2.0] * 3, [2.0] * 3], [[3.0] * 3] * 2, direction="higher").verdict == "better"
     with pytest.raises(ValueError):
-        abstats.compare([[1.0]], [[1.0, 2.0]])
+        stats.compare_blocks([[1.0]], [[1.0, 2.0]])
 
 
 def test_journal_redacts_and_survives_a_torn_line(tmp_path):

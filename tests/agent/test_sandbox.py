@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flashinfra.agent.goals import SandboxLimits
+from flashinfra.agent.campaign_goals import SandboxLimits
 from flashinfra.agent.guard import VIOLATION_EXIT
 from flashinfra.agent.sandbox import candidate_env, network_isolation, run_limited
 

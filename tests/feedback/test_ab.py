@@ -12,6 +12,7 @@ import pytest
 import flashinfra
 from flashinfra import cli
 from flashinfra.feedback import ab
+from flashinfra.feedback import stats
 from flashinfra.feedback.stats import mann_whitney
 
 PACKAGE_FILES = ["__init__.py", "env.py", "feedback/__init__.py", "feedback/registry.py", "feedback/bench.py"]
@@ -90,12 +91,13 @@ def test_bad_revision_is_a_clear_error(toy_repo, capsys):
 def test_verdict_statistic_directions():
     a = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0]
     a2 = [1.01, 1.0, 1.0, 0.99, 1.0, 1.02]
-    assert ab.verdict(a, [x * 0.5 for x in a2], a2)["verdict"] == "faster"
-    assert ab.verdict(a, [x * 1.5 for x in a2], a2)["verdict"] == "slower"
-    assert ab.verdict(a, a2, a)["verdict"] == "no difference"
+    assert stats.compare_rounds(a, [x * 0.5 for x in a2], a2)["verdict"] == "faster"
+    assert stats.compare_rounds(a, [x * 1.5 for x in a2], a2)["verdict"] == "slower"
+    assert stats.compare_rounds(a, a2, a)["verdict"] == "no difference"
     # A noisy machine raises the bar: a 10% change inside a 30% A/A spread is no difference.
     noisy = [1.0, 1.3, 0.8, 1.25, 0.75, 1.2]
-    assert ab.verdict(a, [x * 1.1 for x in a], [x * y for x, y in zip(a, noisy)])["verdict"] == "no difference"
+    noisy_a2 = [x * y for x, y in zip(a, noisy)]
+    assert stats.compare_rounds(a, [x * 1.1 for x in a], noisy_a2)["verdict"] == "no difference"
 
 
 def test_mann_whitney_exact_p():
