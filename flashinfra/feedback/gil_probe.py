@@ -11,7 +11,7 @@ stall just over the threshold), the stacks come from ``sys._current_frames()`` r
 those are kept as ``stacks_after`` in any case.
 
 ``faulthandler`` has one such timer per process: while a probe runs it owns it (``native_stacks=False``
-leaves it alone). Each re-arm costs about 60 us, so the default 10 ms interval costs under 1% of a core.
+leaves it alone). A re-arm is cheap next to the default 10 ms interval, so the probe costs little CPU.
 Stalls go to ``stalls`` and, when an ``EventLog`` is given, out as ``gil_stall`` events.
 """
 

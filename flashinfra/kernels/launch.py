@@ -1,11 +1,8 @@
 """Triton launches with less host work per call, for the ops that run eagerly (prefill).
 
 ``kernel[grid](*args, **kw)`` binds the arguments in Python, builds the specialisation key as a string, checks
-the kernel's globals and reads Triton's settings on every call: 28-30 us of host time per launch on an H200's host
-in bench/kda_prefill_host.py's loop, more inside a prefill call, several times the GPU time of a short prefill's
-kernels. Through ``fast`` the same launch took 21-22.5 us in the same runs (bench/results/kda_prefill_host_ab.json;
-the compiled kernel's bare runner 14-15, the difference being this module's key). ``fast(kernel)``
-wraps a ``@triton.jit`` function with the same ``[grid](...)`` call. Its first launch per configuration goes
+the kernel's globals and reads Triton's settings on every call: host time that can exceed the GPU time of a short
+prefill's kernels. ``fast(kernel)`` wraps a ``@triton.jit`` function with the same ``[grid](...)`` call. Its first launch per configuration goes
 through Triton (which compiles or finds the kernel); later ones launch the compiled kernel directly, found by a key
 made of each runtime argument's specialisation as Triton itself computes it (``native_specialize_impl``: dtype,
 16-byte alignment, integer width and divisibility, ``== 1``), the constexpr values and the launch options.

@@ -87,7 +87,7 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     o_i = tl.arange(0, N)
     o_ij = o_i[:, None] * N + o_i[None, :]
     # the split partials of all tokens in one load each, summed over the split axis (a loop over the
-    # splits made their latency add up: ~10 us per call at batch 1)
+    # splits would add up their load latencies)
     o_s = tl.arange(0, SP)
     p = part + (o_s[:, None] * T + o_t[None, :]) * BN  # [SP, BT]
     m_2 = (o_s < SPLIT)[:, None] & m_t[None, :]

@@ -1,8 +1,7 @@
 """Micro-batches on two streams: a batch's rows cut into consecutive ranges, each range's launches issued in
 order on one stream, the ranges alternating between the caller's stream and a side stream. One range's short
 launches, bound by their latency (a KDA decode layer's prep and norm launches), then run beside another range's
-long one, bound by memory bandwidth (its state launch), instead of leaving the bandwidth idle before and after it
-(bench/notes/kda_decode.md, "Micro-batches on two streams").
+long one, bound by memory bandwidth (its state launch), instead of leaving the bandwidth idle before and after it.
 
 The side stream waits for the caller's stream before its first launch, and the caller's stream waits for the side
 stream after the last, so the caller sees one ordered operation; inside CUDA graph capture the fork and join are

@@ -100,8 +100,8 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     if T:
-        # one warp per token: the k arg-max rounds reduce with warp shuffles only (four warps per program
-        # spent ~28 us on them at batch 1, through shared memory, for 288 experts)
+        # one warp per token: the k arg-max rounds reduce with warp shuffles only (several warps per program
+        # would reduce through shared memory, a round trip per round)
         BE = triton.next_power_of_2(E)
         fast(route_kernel)[(T,)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling), TOPK=top_k,
                                  G=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BT=1, BE=BE,
