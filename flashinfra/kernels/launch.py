@@ -2,10 +2,11 @@
 
 ``kernel[grid](*args, **kw)`` binds the arguments in Python, builds the specialisation key as a string, checks
 the kernel's globals and reads Triton's settings on every call: host time that can exceed the GPU time of a short
-prefill's kernels. ``fast(kernel)`` wraps a ``@triton.jit`` function with the same ``[grid](...)`` call. Its first launch per configuration goes
-through Triton (which compiles or finds the kernel); later ones launch the compiled kernel directly, found by a key
-made of each runtime argument's specialisation as Triton itself computes it (``native_specialize_impl``: dtype,
-16-byte alignment, integer width and divisibility, ``== 1``), the constexpr values and the launch options.
+prefill's kernels. ``fast(kernel)`` wraps a ``@triton.jit`` function with the same ``[grid](...)`` call. Its
+first launch per configuration goes through Triton (which compiles or finds the kernel); later ones launch the
+compiled kernel directly, found by a key made of each runtime argument's specialisation as Triton itself computes
+it (``native_specialize_impl``: dtype, 16-byte alignment, integer width and divisibility, ``== 1``), the
+constexpr values and the launch options.
 
 Under the interpreter, for arguments off the GPU (the first runtime argument, a tensor or a host tensor descriptor,
 tells) or for a grid given as a function, the call is Triton's own.
