@@ -12,7 +12,7 @@ stream is only known to be ready on that stream); the tensors it returns are rea
 
 Not while a CUDA graph is being captured: a captured copy would read the pinned buffer at each replay, after the
 host allocator may have reused it, and a cached tensor made then would hold data only once that graph replays.
-The calls raise instead (as the pageable copies did), so that a capture falls back to eager execution.
+The calls raise instead, so that a capture falls back to eager execution.
 """
 
 from __future__ import annotations
