@@ -98,6 +98,39 @@ def time_graph(fn: Callable[[], Any], replays: int = 20, iters: int = 20) -> flo
     return time_eager(many, iters=iters, warmup=2, device="cuda") / replays
 
 
+def kernel_times_us(fn: Callable[[], Any], calls: int = 5, warmup: int = 2,
+                    device: str | None = None) -> dict[str, float]:
+    """Microseconds per call of each kernel ``fn`` runs, by name (torch.profiler's device time of each kernel,
+    summed over ``calls`` calls and divided by them), largest first: the launches of a multi-kernel op timed
+    without any option of its own. On the CPU, each operator's own CPU time instead."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _cuda(device)
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            out[e.key] = out.get(e.key, 0.0) + us / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def copy_bandwidth_GBps(device: str = "cuda") -> float:
     """This device's copy bandwidth (bytes read plus written, GB/s), measured now by ``ceilings.measure``: the
     ceiling for memory-bound kernels."""

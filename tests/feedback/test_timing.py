@@ -49,3 +49,15 @@ def test_write_results_refuses_a_result_without_its_origin(tmp_path, field):
 def test_results_dir_is_the_source_trees():
     assert timing.results_dir().parts[-2:] == ("bench", "results")
     assert (timing.results_dir().parent / "README.md").exists()
+
+
+def test_kernel_times_name_each_operator_per_call():
+    import torch
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    calls = []
+    times = timing.kernel_times_us(lambda: (calls.append(1), torch.mm(a, b), torch.relu(a)), calls=3, warmup=1,
+                                   device="cpu")
+    assert len(calls) == 4
+    assert "aten::mm" in times and times["aten::mm"] > 0
+    assert list(times.values()) == sorted(times.values(), reverse=True)
