@@ -1,7 +1,7 @@
 """Where a decode step of the 4-layer slice spends its GPU time: kernels of a CUDA-graph replay, per name.
 
 Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights through the loader), then
-for batch 1, 32 and 128 at context 4096: the step's time back to back (10 replays enqueued, no host
+for batch 1, 32 and 128 at context 4096: the step's time back to back (median of 3 timings of 10 replays enqueued, no host
 preparation between them), the synchronized wall time per step (host preparation of the graph's inputs
 included), and the torch profiler's per-kernel GPU time over 5 replays, largest first.
 
@@ -11,15 +11,14 @@ usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profil
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import hotpath_slice as hs
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashinfra.feedback.timing import header, time_stream, write_results
 from flashinfra.model.api import load_model_from_state_dict
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs
@@ -40,12 +39,7 @@ def step_profile(lm, B: int, context: int) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        step()
-    end.record()
-    end.synchronize()
+    back_to_back_us = time_stream(step, calls=10, iters=3)
     t0 = time.perf_counter()
     for _ in range(10):
         step()
@@ -61,7 +55,7 @@ def step_profile(lm, B: int, context: int) -> dict:
         if t > 0:
             rows.append((t / 5, a.count / 5, a.key[:90]))
     rows.sort(reverse=True)
-    return dict(batch=B, context=context, back_to_back_us=start.elapsed_time(end) / 10 * 1e3, wall_us=wall * 1e6,
+    return dict(batch=B, context=context, back_to_back_us=back_to_back_us, wall_us=wall * 1e6,
                 kernel_sum_us=sum(r[0] for r in rows),
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:40]])
 
@@ -76,8 +70,7 @@ def main() -> None:
     lm = load_model_from_state_dict(cfg, hs.random_release_state_dict(cfg, torch.bfloat16), torch.bfloat16, "cuda",
                                     path="random-slice")
     hs.free_memory()
-    report = dict(date=datetime.now(timezone.utc).isoformat(), device=torch.cuda.get_device_name(),
-                  command=f"python bench/hotpath_profile.py --context {args.context}", steps=[])
+    report = header() | {"context": args.context, "steps": []}
     for B in (1, 32, 128):
         r = step_profile(lm, B, args.context)
         hs.free_memory()  # the step's cache and graphs
@@ -86,8 +79,8 @@ def main() -> None:
               f"kernel sum {r['kernel_sum_us']:.0f} us/step")
         for k in r["kernels"][:20]:
             print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:4.1f}  {k['name']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+        out = Path(args.out)
+        write_results(out.stem, report, directory=out.parent)  # after each batch size
 
 
 if __name__ == "__main__":

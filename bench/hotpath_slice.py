@@ -27,16 +27,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from hotpath_transformers import HF_RUNS, SMOKE_HF_RUNS, build_hf, measure_hf, speedups
 
 from flashinfra.feedback import ceilings
+from flashinfra.feedback.timing import call_times_us, header, write_results
 from flashinfra.model import moe as moe_module
 from flashinfra.model.api import LoadedModel, load_model_from_state_dict, model_config_from
 from flashinfra.model.cache import ModelCache
@@ -106,21 +105,8 @@ def gpu_gb() -> dict:
 
 
 def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        if DEV != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return out
+    """Seconds of each of ``reps`` calls, each timed alone (CUDA events on the GPU, perf_counter on the CPU)."""
+    return [us / 1e6 for us in call_times_us(fn, calls=1, iters=reps, warmup=0, device=DEV)]
 
 
 def fill_cache(cache: ModelCache) -> None:
@@ -279,14 +265,14 @@ def main() -> None:
             setattr(args, name, smoke if args.smoke else full)
     global DEV
     DEV = "cpu" if args.smoke else "cuda"
-    report = dict(date=datetime.now(timezone.utc).isoformat(),
-                  device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)",
-                  command="python bench/hotpath_slice.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()))
+    report = header()
+    report["arguments"] = vars(args)  # the defaults the command left out included
+    if DEV != "cuda":
+        report["device"] += " (smoke)"
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        out.write_text(json.dumps(report, indent=2))
+        write_results(out.stem, report, directory=out.parent)
 
     report["ceilings"] = ceil = ceilings.measure(DEV, quick=args.smoke)
     if "matmul_flops_per_s_bfloat16" not in ceil:

@@ -7,17 +7,14 @@ occupancy, issue activity, registers, shared memory, and its three largest warp 
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \\
-        -f -o prefill python3 bench/kda_ncu.py prefill [--T 8192] [--configs JSON]
+        -f -o prefill python3 bench/kda_ncu.py prefill [--T 8192]
     ncu ... -o fla python3 bench/kda_ncu.py fla [--T 8192]
     ncu ... -o decode python3 bench/kda_ncu.py decode [--B 64]
-    ncu ... -o recurrence python3 bench/kda_ncu.py recurrence [--B 64]   (the bare kda_decode, fp32 then bf16)
     python3 bench/kda_ncu.py summarize prefill.ncu-rep fla.ncu-rep decode.ncu-rep --name kda_ncu [--out DIR]
 
 With ``--metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,
-lts__t_bytes.sum`` instead of the sections, ``summarize`` reports instructions and DRAM / L2 bytes
-(``results/kda_prefill_ncu.json``). With ``--section SourceCounters --import-source yes``, ``lines`` sums each
-kernel's warp stall samples per source line (a load's latency shows on the line that first uses its value;
-``results/kda_prefill_ncu_lines.json``):
+lts__t_bytes.sum`` instead of the sections, ``summarize`` reports instructions and DRAM / L2 bytes. With
+``--section SourceCounters --import-source yes``, ``lines`` sums each kernel's warp stall samples per source line (a load's latency shows on the line that first uses its value):
 
     python3 bench/kda_ncu.py lines prefill.ncu-rep --name kda_prefill_ncu_lines [--top 16] [--out DIR]
 
@@ -30,7 +27,6 @@ import argparse
 import csv
 import functools
 import io
-import json
 import os
 import subprocess
 import sys
@@ -81,9 +77,8 @@ def prefill(args) -> None:
     from flashinfra.kernels.kda.prefill import kda_prefill_launch
 
     a = inputs([args.T], seed=1 + args.T)
-    for cfg in json.loads(args.configs):
-        run_profiled(functools.partial(kda_prefill_launch, a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"],
-                                       a["cu"], [0], [True], **cfg))
+    run_profiled(functools.partial(kda_prefill_launch, a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"],
+                                   a["cu"], [0], [True]))
 
 
 def fla(args) -> None:
@@ -108,23 +103,8 @@ def decode(args) -> None:
         run_profiled(functools.partial(kda_layer_decode_launch, **a))
 
 
-def recurrence(args) -> None:
-    import torch
-    from kda_decode import H, K, V, layer_inputs
-
-    from flashinfra.kernels.kda.decode_recurrence import kda_decode_launch
-
-    B = args.B
-    for dtype in (torch.float32, torch.bfloat16):
-        a = layer_inputs(B, dtype, seed=5)
-        q, k, v = (t.view(B, H, -1) for t in a["qkv"].split([H * K, H * K, H * V], dim=1))
-        g = -torch.rand(B, H, K, device="cuda") * 0.1
-        beta = torch.rand(B, H, device="cuda")
-        run_profiled(functools.partial(kda_decode_launch, q, k, v, g, beta, a["state"], a["state_slots"]))
-
-
 def summarize(args) -> None:
-    from kda_common import header, write_results
+    from flashinfra.feedback.timing import header, write_results
 
     res = header() | {"reports": {}}
     for rep in args.reports:
@@ -170,7 +150,7 @@ def lines(args) -> None:
     the rows with a line number carry that line's totals), the ``--top`` largest as shares of the kernel's."""
     from collections import Counter, defaultdict
 
-    from kda_common import header, write_results
+    from flashinfra.feedback.timing import header, write_results
 
     res = header() | {"reports": {}}
     for rep in args.reports:
@@ -217,12 +197,9 @@ def main() -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("prefill")
     p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--configs", default="[{}]", help="JSON list of kda_prefill_launch options, one call each")
     p = sub.add_parser("fla")
     p.add_argument("--T", type=int, default=8192)
     p = sub.add_parser("decode")
-    p.add_argument("--B", type=int, default=64)
-    p = sub.add_parser("recurrence")
     p.add_argument("--B", type=int, default=64)
     p = sub.add_parser("summarize")
     p.add_argument("reports", nargs="+")
@@ -234,7 +211,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--out")
     args = ap.parse_args()
-    {"prefill": prefill, "fla": fla, "decode": decode, "recurrence": recurrence, "summarize": summarize,
+    {"prefill": prefill, "fla": fla, "decode": decode, "summarize": summarize,
      "lines": lines}[args.what](args)
     return 0
 

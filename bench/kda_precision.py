@@ -1,17 +1,19 @@
-"""KDA precision on the GPU against float64: chunked prefill at long T and the bf16 decode state.
+"""KDA precision on the GPU against float64: chunked prefill at long T and the layer decode's state over many steps.
 
-1. Prefill, H=2, K=V=128, bf16 inputs, T=65536 and 131072: ours, v2 (state chain in tf32x3 and in-chunk
-   products in tf32; everything in plain tf32; everything in ieee fp32) and v3 (chain in bf16x3, bf16x2 or
-   plain bf16, in-chunk products in tf32), and FLA chunk_kda, against the float64 reference
-   (``kda_chunk_one_ref`` in float64, the chunked form of the recurrence, exact up to float64 rounding; before
-   2026-11-30 05:00 UTC this bench called ``kda_prefill_ref``, which computes in float32), with slow-decay gates
-   (log-decay about -0.025 per token: long memory) and gates at the -5 lower bound (fast decay).
-   Reported: relative error of all outputs, of the last 4096, and of the final state.
-2. Decode, 4096 steps of the fused layer decode (B=8, H=64) with fp32 and with bf16 state (bf16 also with the
-   step's sums on the tensor cores, ``dot_sums``), against the same steps in float64, with typical gates and with
-   slow-decay gates.
+1. Prefill, H=2, K=V=128, T=65536 and 131072, against the float64 reference (``kda_chunk_one_ref`` in float64, the
+   chunked form of the recurrence, exact up to float64 rounding), with slow-decay gates (log-decay about -0.025 per
+   token: long memory) and gates at the -5 lower bound (fast decay): ``ours`` (bf16 q/k/v, the shipped path, bf16
+   output), ``ours_fp32q`` (float32 q: the float32-activation path, float32 output, which shows the kernels' own
+   error below bf16 rounding) and FLA's ``chunk_kda`` with the norm in its kernel. Reported: relative error of all
+   outputs, of the last 4096, and of the final state.
+2. Decode, ``--decode-steps`` steps of the fused layer decode (B=8, H=64) with fp32 and with bf16 state, against
+   the same steps in float64, with typical gates and with slow-decay gates: output error over the last 256 steps and
+   the final state's error.
 
-    python bench/kda_precision.py [--out DIR] [--lengths 65536,131072]  -> bench/results/kda_precision.json
+    python bench/kda_precision.py [--lengths 65536,131072] [--decode-steps 4096] [--no-fla] [--name kda_precision]
+                                  [--out DIR]   -> bench/results/<name>.json
+
+Needs ``fla-core`` for the FLA entries (without it the rows carry ``fla_error``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_common import fla_version, header, write_results  # noqa: E402
+from flashinfra.feedback.timing import header, write_results  # noqa: E402
+from flashinfra.kernels.kda.decode import kda_layer_decode_launch  # noqa: E402
+from flashinfra.kernels.kda.prefill import kda_prefill_launch  # noqa: E402
 
-from flashinfra.kernels.kda.decode import kda_layer_decode_launch, kda_layer_decode_ref  # noqa: E402
-from flashinfra.kernels.kda.prefill import kda_chunk_one_ref, kda_prefill_launch, l2norm_ref  # noqa: E402
+try:  # the pure-PyTorch references: flashinfra.kernels.kda.ref where it exists, else beside the launchers
+    from flashinfra.kernels.kda.ref import kda_chunk_one_ref, kda_layer_decode_ref, l2norm_ref
+except ImportError:
+    from flashinfra.kernels.kda.decode import kda_layer_decode_ref
+    from flashinfra.kernels.kda.prefill import kda_chunk_one_ref, l2norm_ref
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,25 +68,10 @@ def prefill_case(T: int, regime: str, with_fla: bool, H: int = 2, K: int = 128) 
         row[f"{name}_relerr_tail4096"] = rel(o[tail], ref[tail])
         row[f"{name}_state_relerr"] = rel(s, s64)
 
-    configs = [("v2", "tf32x3", "tf32", {}), ("v2", "tf32", "tf32", {}), ("v2", "ieee", "ieee", {}),
-               ("v3", "bf16x3", "tf32", {}), ("v3", "bf16x3", "tf32", dict(out_x3=True, BV=32)), ("v3", "bf16x2", "tf32", {}),
-               ("v3", "bf16", "tf32", {}), ("v3", "bf16x3", "tf32", dict(solve_precision="bf16x3")),
-               ("v3", "bf16x3", "tf32", dict(u_in_state=False)), ("v3", "bf16x3", "tf32", dict(w_in_state=False))]
-    for version, chain, local, extra in configs:
-        name = ("ours" if version == "v2" else "ours_v3") + f"_chain_{chain}_local_{local}"
-        name += "_outx3" if extra.get("out_x3") else ""
-        name += f"_solve_{extra['solve_precision']}" if "solve_precision" in extra else ""
-        name += "_u_by_b" if extra.get("u_in_state") is False else ""  # u from kernel B, not formed in the state pass
-        name += "_w_by_b" if extra.get("w_in_state") is False else ""  # w from kernel B, not applied in the state pass
-        s = torch.full((1, H, K, K), float("nan"), device="cuda")
-        o = kda_prefill_launch(q, k, v, g, beta, s, cu, slots, init, chain_precision=chain, local_precision=local,
-                               version=version, **extra)
+    for name, q_in in (("ours", q), ("ours_fp32q", q.float())):
+        s = torch.full((1, H, K, K), float("nan"), device="cuda")  # an unwritten element shows as a NaN error
+        o = kda_prefill_launch(q_in, k, v, g, beta, s, cu, slots, init)
         record(name, o, s)
-        if chain not in ("tf32", "bf16"):  # the output in fp32 shows the kernel's own error, below bf16 rounding
-            s = torch.full((1, H, K, K), float("nan"), device="cuda")
-            o = kda_prefill_launch(q.float(), k, v, g, beta, s, cu, slots, init, chain_precision=chain,
-                                   local_precision=local, version=version, **extra)
-            record(name + "_fp32out", o, s)
     try:
         if not with_fla:
             raise ImportError("FLA left out of this run (--no-fla)")
@@ -107,9 +98,7 @@ def decode_case(regime: str, steps: int = 4096, B: int = 8, H: int = 64, K: int 
     fixed = dict(conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, norm_weight=norm_weight,
                  eps=1e-5, state_slots=slots)
     fixed64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in fixed.items()}
-    # each state's launch options: the defaults for both dtypes, and bf16 in one program per [K, 64] tile with the
-    # step's sums over K on the tensor cores (``dot_sums``, the default above B=32)
-    launches = {"fp32": {}, "bf16": {}, "bf16_dot_sums": dict(grid="tiles", BV=64, num_warps=4, dot_sums=True)}
+    launches = ("fp32", "bf16")
     states = {n: torch.zeros(B, H, K, K, device="cuda", dtype=torch.float32 if n == "fp32" else torch.bfloat16)
               for n in launches}
     convs = {n: torch.zeros(B, C, W - 1, device="cuda", dtype=torch.bfloat16) for n in states}
@@ -124,7 +113,7 @@ def decode_case(regime: str, steps: int = 4096, B: int = 8, H: int = 64, K: int 
         ref = kda_layer_decode_ref(**{n: t.double() for n, t in step_in.items()}, **fixed64, conv_state=c64,
                                    state=s64)
         for n in states:
-            out = kda_layer_decode_launch(**step_in, **fixed, conv_state=convs[n], state=states[n], **launches[n])
+            out = kda_layer_decode_launch(**step_in, **fixed, conv_state=convs[n], state=states[n])
             if step >= steps - 256:
                 err[n][0] += float((out.double() - ref).pow(2).sum())
                 err[n][1] += float(ref.pow(2).sum())
@@ -144,9 +133,7 @@ def main() -> int:
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its autotuning takes minutes)")
     args = ap.parse_args()
-    res = header()
-    res["fla"] = fla_version()
-    res["prefill"], res["decode"] = [], []
+    res = header() | {"prefill": [], "decode": []}
     for T in [int(t) for t in args.lengths.split(",")]:
         for regime in ("slow_decay", "lower_bound"):
             try:
