@@ -1,6 +1,6 @@
 """Per-kernel timings of the hot-path kernels against their roofline floors, in one run with the ceilings.
 
-Runs the ``hotpath.*`` benchmarks registered by ``flashinfra.kernels.hotpath_checks`` (bytes and FLOPs per
+Runs the ``hotpath.*`` benchmarks registered by ``flashinfra.kernels.checks`` (bytes and FLOPs per
 call derived in ``bench/notes/<op>.md``) through ``flashinfra.feedback.bench`` (fresh inputs per call, L2
 flushed, CUDA events; each call captured in a CUDA graph and its replay timed, so small batches show the
 kernels' time, not the host's launch cost: a decode step runs them from a graph too), with the copy
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = run_benchmarks(args.patterns, BenchContext(device="cuda", dtype="bfloat16"), runs=args.runs,
-                            ceilings=ceil, providers=("flashinfra.kernels.hotpath_checks",), graph=True)
+                            ceilings=ceil, providers=("flashinfra.kernels.checks",), graph=True)
     report["command"] = "python bench/hotpath_kernels.py " + " ".join(args.patterns) + f" --runs {args.runs}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

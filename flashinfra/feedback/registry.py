@@ -30,8 +30,8 @@ its cases as functions of (device, sizes, dtype, seed) returning ``list[CheckRes
 checks call them at fixed sizes and the tests call them at their own, through ``assert_passed(results)``.
 
 Discovery: ``load_providers()`` imports every module in ``PROVIDERS`` so that they register. A provider
-that does not exist (``ModuleNotFoundError`` naming exactly that module or a package above it) is skipped;
-any other import error is returned so the caller reports it.
+that does not exist or fails to import is returned with its traceback, so the caller reports it: a renamed
+module never silently takes its checks away.
 
 This module owns the data types, ``compare``, the registries and discovery. Running checks lives in
 ``flashinfra.feedback.check``, timing in ``flashinfra.feedback.bench``. It imports torch only inside
@@ -343,17 +343,12 @@ def select(table: dict[str, Entry], patterns: list[str] | None) -> list[Entry]:
 
 
 def load_providers(providers: tuple[str, ...] = PROVIDERS) -> list[tuple[str, str]]:
-    """Import each provider so it registers. Returns ``(module, traceback)`` for every provider that
-    exists but failed to import; providers that do not exist are skipped."""
+    """Import each provider so it registers. Returns ``(module, traceback)`` for every provider that is
+    absent or failed to import."""
     errors = []
     for module in providers:
         try:
             importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            parts = module.split(".")
-            absent = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-            if exc.name not in absent:
-                errors.append((module, traceback.format_exc()))
         except Exception:
             errors.append((module, traceback.format_exc()))
     return errors

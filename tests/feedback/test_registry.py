@@ -71,13 +71,13 @@ def test_select_by_prefix_glob_and_tag():
         select(table, ["nope"])
 
 
-def test_load_providers_skips_absent_modules_but_reports_broken_ones(tmp_path, monkeypatch):
+def test_load_providers_reports_absent_and_broken_modules(tmp_path, monkeypatch):
     (tmp_path / "broken_provider_mod.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "raising_provider_mod.py").write_text("raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     errors = load_providers(("flashinfra.no_such_pkg.checks", "broken_provider_mod", "raising_provider_mod"))
-    assert [m for m, _ in errors] == ["broken_provider_mod", "raising_provider_mod"]
-    assert "no_such_dependency_xyz" in errors[0][1] and "boom" in errors[1][1]
+    assert [m for m, _ in errors] == ["flashinfra.no_such_pkg.checks", "broken_provider_mod", "raising_provider_mod"]
+    assert "no_such_pkg" in errors[0][1] and "no_such_dependency_xyz" in errors[1][1] and "boom" in errors[2][1]
 
 
 def test_builtin_providers_import_cleanly():
