@@ -59,10 +59,20 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
 
 
-def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
-         parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> Any:
-    """A config field: its default, its help text and, for the command line, its choices or parser."""
+def check_device(device: str) -> str:
+    """``device`` if it names a device the engine runs on (auto, cpu, cuda, cuda:N), else ``ValueError``."""
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N")
+    return device
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: int | float | None = None,
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> Any:
+    """A config field: its default, its help text, its smallest valid value and, for the command line, its
+    choices, its parser (``str`` -> value, raising ``ValueError``) and its metavar."""
     meta: dict[str, Any] = {"help": help}
+    if min is not None:
+        meta["min"] = min
     if choices is not None:
         meta["choices"] = choices
     if parse is not None:
@@ -76,16 +86,25 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 class LoadConfig:
     """Which model to load, in which dtype, on which device."""
 
-    model: str | None = _opt(None, "checkpoint directory (default: the built-in default model)", metavar="DIR")
-    dtype: str = _opt("auto", "parameter and cache dtype; auto: bfloat16 on CUDA, float32 on the CPU",
+    model: str | None = option(None, "checkpoint directory (default: the built-in default model)", metavar="DIR")
+    dtype: str = option("auto", "parameter and cache dtype; auto: bfloat16 on CUDA, float32 on the CPU",
                       choices=DTYPES)
-    device: str = _opt("auto", "cpu, cuda or cuda:N; auto: cuda when available", metavar="DEVICE")
+    device: str = option("auto", "cpu, cuda or cuda:N; auto: cuda when available", parse=check_device,
+                         metavar="DEVICE")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ValueError(f"unknown device {self.device!r}; choose auto, cpu, cuda or cuda:N")
+        check_device(self.device)
+        for f in dataclasses.fields(self):
+            if "min" in f.metadata:
+                value = getattr(self, f.name)
+                if value is None and f.default is None:
+                    continue
+                try:
+                    _check_min(value, f.metadata["min"], _scalar_type(type(self), f.name))
+                except ValueError as e:
+                    raise ValueError(f"{f.name} {e}") from None
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -110,51 +129,50 @@ _C = TypeVar("_C", bound=LoadConfig)
 class EngineConfig(LoadConfig):
     """Everything one engine is built from."""
 
-    block_size: int = _opt(16, "tokens per paged cache block")
-    num_blocks: int | None = _opt(None, "paged cache blocks (default: as many as --kv-cache-memory holds)")
-    kv_cache_memory: int | None = _opt(
+    block_size: int = option(16, "tokens per paged cache block", min=1)
+    num_blocks: int | None = option(None, "paged cache blocks (default: as many as --kv-cache-memory holds)",
+                                    min=1)
+    kv_cache_memory: int | None = option(
         None, "memory for the cache blocks and KDA state slots, e.g. 2GiB "
-              "(default: 85% of the free GPU memory, or 256MiB on the CPU)", parse=parse_memory, metavar="SIZE")
-    max_num_seqs: int = _opt(64, "most requests in one batch, and the number of KDA state slots")
-    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step")
-    max_model_len: int | None = _opt(
+              "(default: 85% of the free GPU memory, or 256MiB on the CPU)",
+        min=1, parse=parse_memory, metavar="SIZE")
+    max_num_seqs: int = option(64, "most requests in one batch, and the number of KDA state slots", min=1)
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step", min=1)
+    max_model_len: int | None = option(
         None, "longest sequence, prompt and output (default: the model's max_position_embeddings, "
-              "capped by the cache)")
-    max_prefill_chunk: int = _opt(0, "most prompt tokens one request takes in a step, so a long prompt "
-                                     "cannot starve decodes (0: the whole token budget)")
-    prefix_cache_slots: int | None = _opt(
-        None, "KDA state checkpoints kept for prefix caching (default: --max-num-seqs; 0: prefix caching off)")
-    prefix_checkpoint_interval: int = _opt(
-        1024, "prompt tokens between prefix-cache checkpoints (plus one at the prompt's end)")
-    seed: int = _opt(0, "seeds the sampling of requests that give no seed of their own")
-    events_path: str | None = _opt(None, "write the engine's runtime events here, as JSONL (default: not written)", metavar="FILE")
-    gil_probe_ms: float | None = _opt(
+              "capped by the cache)", min=2)
+    max_prefill_chunk: int = option(
+        0, "most prompt tokens one request takes in a step, so a long prompt cannot starve decodes "
+           "(0: the whole token budget)", min=0)
+    prefix_cache_slots: int | None = option(
+        None, "KDA state checkpoints kept for prefix caching (default: --max-num-seqs; 0: prefix caching off)",
+        min=0)
+    prefix_checkpoint_interval: int = option(
+        1024, "prompt tokens between prefix-cache checkpoints (plus one at the prompt's end)", min=1)
+    seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
+    events_path: str | None = option(
+        None, "write the engine's runtime events here, as JSONL (default: not written)", metavar="FILE")
+    gil_probe_ms: float | None = option(
         None, "report GIL stalls of the engine longer than this many milliseconds, as gil_stall events "
-              "(default: off)")
+              "(default: off)", min=0)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if isinstance(self.kv_cache_memory, str):  # "2GiB", from LLM(kv_cache_memory="2GiB")
             object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                          ("prefix_checkpoint_interval", 1), ("max_prefill_chunk", 0),
-                          ("num_blocks", 1), ("kv_cache_memory", 1), ("max_model_len", 2),
-                          ("prefix_cache_slots", 0)):
-            value = getattr(self, name)
-            if value is None and _field_default(type(self), name) is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.gil_probe_ms is not None and not self.gil_probe_ms > 0:
-            raise ValueError(f"gil_probe_ms must be > 0, got {self.gil_probe_ms!r}")
+        super().__post_init__()
 
     @property
     def resolved_prefix_slots(self) -> int:
         return self.max_num_seqs if self.prefix_cache_slots is None else self.prefix_cache_slots
 
 
-def _field_default(cls: type, name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+def _check_min(value: Any, low: int | float, kind: type) -> None:
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"must be an integer, got {value!r}")
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ValueError(f"must be a number, got {value!r}")
+    if value < low:
+        raise ValueError(f"must be >= {low}, got {value!r}")
 
 
 # ---- the command line, generated from the fields ----
@@ -172,9 +190,13 @@ def _scalar_type(cls: type, name: str) -> type:
     return hint
 
 
-def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type = EngineConfig) -> None:
-    """One flag per field of the config class ``cls``: name, type, default, choices and help from the field."""
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type = EngineConfig,
+                    only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the config class ``cls`` (or per field named in ``only``): name, type, default,
+    choices and help from the field."""
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         if "help" not in f.metadata:
             raise TypeError(f"{cls.__name__}.{f.name} has no metadata['help']: every setting is documented")
         kind = _scalar_type(cls, f.name)
@@ -182,12 +204,39 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if f.default is not None:  # a None default is explained by the help text itself
             text += " (default: %(default)s)"
         kwargs: dict[str, Any] = {"default": f.default, "help": text, "dest": f.name,
-                                  "type": f.metadata.get("parse", kind)}
+                                  "type": _cli_type(kind, f.metadata)}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         else:
             kwargs["metavar"] = f.metadata.get("metavar", {int: "N", float: "X"}.get(kind, "STR"))
         parser.add_argument(flag_name(f.name), **kwargs)
+
+
+def _cli_type(kind: type, meta: Any) -> Callable[[str], Any]:
+    """The flag's parser: the field's ``parse`` or type, then its ``min``; errors name the problem."""
+    parse = meta.get("parse")
+
+    def convert(text: str) -> Any:
+        if parse is not None:
+            try:
+                value = parse(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        else:
+            try:
+                value = kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                                 f"got {text!r}") from None
+        if "min" in meta:
+            try:
+                _check_min(value, meta["min"], kind)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def from_args(cls: type[_C], args: argparse.Namespace) -> _C:
