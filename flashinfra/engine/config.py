@@ -88,7 +88,7 @@ class LoadConfig:
 
     model: str | None = option(None, "checkpoint directory (default: the built-in default model)", metavar="DIR")
     dtype: str = option("auto", "parameter and cache dtype; auto: bfloat16 on CUDA, float32 on the CPU",
-                      choices=DTYPES)
+                        choices=DTYPES)
     device: str = option("auto", "cpu, cuda or cuda:N; auto: cuda when available", parse=check_device,
                          metavar="DEVICE")
 
@@ -96,15 +96,7 @@ class LoadConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_device(self.device)
-        for f in dataclasses.fields(self):
-            if "min" in f.metadata:
-                value = getattr(self, f.name)
-                if value is None and f.default is None:
-                    continue
-                try:
-                    _check_min(value, f.metadata["min"], _scalar_type(type(self), f.name))
-                except ValueError as e:
-                    raise ValueError(f"{f.name} {e}") from None
+        check_fields(self)
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -123,6 +115,7 @@ class LoadConfig:
 
 
 _C = TypeVar("_C", bound=LoadConfig)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -164,6 +157,20 @@ class EngineConfig(LoadConfig):
     @property
     def resolved_prefix_slots(self) -> int:
         return self.max_num_seqs if self.prefix_cache_slots is None else self.prefix_cache_slots
+
+
+def check_fields(config: Any) -> None:
+    """``ValueError`` naming the first field of the dataclass ``config`` below its ``min`` (or of the wrong
+    type); ``None`` passes where it is the field's default."""
+    for f in dataclasses.fields(config):
+        if "min" in f.metadata:
+            value = getattr(config, f.name)
+            if value is None and f.default is None:
+                continue
+            try:
+                _check_min(value, f.metadata["min"], _scalar_type(type(config), f.name))
+            except ValueError as e:
+                raise ValueError(f"{f.name} {e}") from None
 
 
 def _check_min(value: Any, low: int | float, kind: type) -> None:
@@ -239,14 +246,9 @@ def _cli_type(kind: type, meta: Any) -> Callable[[str], Any]:
     return convert
 
 
-def from_args(cls: type[_C], args: argparse.Namespace) -> _C:
+def from_args(cls: type[_T], args: argparse.Namespace) -> _T:
     """The ``cls`` config of parsed flags (added by ``add_config_args``); ``ValueError`` on invalid values."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The flags of every ``EngineConfig`` field."""
-    add_config_args(parser, EngineConfig)
 
 
 def config_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

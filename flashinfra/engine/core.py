@@ -1,7 +1,7 @@
 """``EngineCore``: one model, one scheduler, one runner; ``step()`` advances every running request.
 
 This is the object both front ends share: the offline ``flashinfra.LLM`` calls it directly, and the
-engine process (``engine_process``) drives it from ZeroMQ messages. It validates requests before they
+engine process (``process.run_engine``) drives it from ZeroMQ messages. It validates requests before they
 reach the scheduler (a bad request is refused, never admitted), turns a failed forward pass into an
 ``error`` finish for the requests of that step only, and reports stats and runtime events.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from flashinfra.engine.config import EngineConfig, add_config_args, option
+from flashinfra.engine.config import EngineConfig, add_config_args, check_fields, option
 
 
 @dataclass(frozen=True)
@@ -21,20 +21,17 @@ class ServeOptions:
     served_model_name: str | None = option(
         None, "the model name clients send (default: the --model argument, or 'default')", metavar="NAME")
     host: str = option("127.0.0.1", "address to listen on", metavar="HOST")
-    port: int = option(8000, "port to listen on")
+    port: int = option(8000, "port to listen on", min=1)
     api_key: str | None = option(
         None, "require 'Authorization: Bearer KEY' on /v1/ routes (default: $FLASHINFRA_API_KEY)", metavar="KEY")
-    max_pending: int = option(1024, "in-flight sub-requests the server accepts before answering 429")
-    shutdown_timeout: float = option(60.0, "seconds in-flight requests get to finish on shutdown")
+    max_pending: int = option(1024, "in-flight sub-requests the server accepts before answering 429", min=1)
+    shutdown_timeout: float = option(60.0, "seconds in-flight requests get to finish on shutdown", min=0)
     log_level: str = option("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must lie in 1..65535, got {self.port}")
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        check_fields(self)
+        if self.port > 65535:
+            raise ValueError(f"port must be <= 65535, got {self.port}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

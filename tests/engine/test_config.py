@@ -49,6 +49,19 @@ def test_every_field_is_a_flag_with_its_default_and_help(command):
         assert action.help.replace("%%", "%").startswith(f.metadata["help"]), f.name
 
 
+def test_serve_options_are_flags_and_only_on_serve():
+    from flashinfra.server.cli import ServeOptions
+
+    serve, generate = _actions(_subcommand("serve")), _actions(_subcommand("generate"))
+    for f in dataclasses.fields(ServeOptions):
+        action = serve[flag_name(f.name)]
+        assert (action.dest, action.default) == (f.name, f.default)
+        assert action.help.replace("%%", "%").startswith(f.metadata["help"])
+        assert flag_name(f.name) not in generate
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert not engine & {f.name for f in dataclasses.fields(ServeOptions)}
+
+
 @pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=" ".join)
 def test_flags_build_the_config(command):
     argv = [*command, "--max-num-seqs", "3", "--kv-cache-memory", "2GiB", "--max-prefill-chunk", "40",
