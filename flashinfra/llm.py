@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.config import EngineConfig, config_kwargs
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TokenLogprob
 
@@ -33,8 +33,9 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
-        """``model``: checkpoint directory (None: the built-in default model); ``engine_args``: any
-        ``EngineConfig`` field (``num_blocks``, ``max_num_seqs``, ``dtype``, ``device``...)."""
+        """``model``: checkpoint directory (None: the built-in default model); ``engine_args``: any other
+        ``EngineConfig`` field, by the name of its flag (``num_blocks``, ``max_num_seqs``, ``dtype``...)."""
+        config_kwargs(EngineConfig, engine_args)
         self.engine = EngineCore(EngineConfig(model=str(model) if model is not None else None, **engine_args))
         self.tokenizer = _load_tokenizer(self.engine.model.path)
         self._ids = itertools.count()

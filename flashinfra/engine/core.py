@@ -1,7 +1,7 @@
 """``EngineCore``: one model, one scheduler, one runner; ``step()`` advances every running request.
 
 This is the object both front ends share: the offline ``flashinfra.LLM`` calls it directly, and the
-engine process (``engine_process``) drives it from ZeroMQ messages. It validates requests before they
+engine process (``process.run_engine``) drives it from ZeroMQ messages. It validates requests before they
 reach the scheduler (a bad request is refused, never admitted), turns a failed forward pass into an
 ``error`` finish for the requests of that step only, and reports stats and runtime events.
 """
@@ -23,18 +23,15 @@ from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Any = None, events: Any = None) -> None:
         """Load ``config.model`` (or use the already loaded ``model``) and allocate its cache."""
-        import torch
-
         import flashinfra
         from flashinfra.model.factory import default_model_dir
         from flashinfra.engine.runner import ModelRunner, size_cache
 
-        self.config = config
+        config = config.resolved()
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-            model = flashinfra.load_model(path, dtype=dtype, device=device)
+            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device)
+        self.config = config
         self.model = model
         text = model.config.text
         self.vocab_size = text.vocab_size
@@ -46,12 +43,7 @@ class EngineCore:
         prefix_slots = config.resolved_prefix_slots
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                max_prefill_chunk=config.max_prefill_chunk,
-            ),
+            SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
                                config.prefix_checkpoint_interval),
             events=self.events,

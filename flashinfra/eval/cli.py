@@ -9,33 +9,36 @@ from __future__ import annotations
 import argparse
 import json
 
+from flashinfra.engine.config import LoadConfig
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="accuracy measurements (perplexity)")
     sub = p.add_subparsers(dest="eval_command", required=True)
     ppl = sub.add_parser("perplexity", help="perplexity of a model on a text file, through the engine")
     ppl.add_argument("file", help="UTF-8 text file")
-    ppl.add_argument("--model", default=None, help="checkpoint directory (default: the built-in default model)")
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (context + scored)")
     ppl.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window - 1)")
     ppl.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens per packed forward")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
-    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ppl.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    LoadConfig.add_args(ppl.add_argument_group("model"))
     ppl.set_defaults(func=run_perplexity)
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
     from tokenizers import Tokenizer
 
     import flashinfra
     from flashinfra.eval.perplexity import perplexity
     from flashinfra.model.factory import default_model_dir
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    try:
+        config = LoadConfig.from_args(args).resolved()
+    except ValueError as e:
+        raise SystemExit(f"eval perplexity: {e}") from None
+    model_dir = Path(config.model) if config.model else default_model_dir()
     tokenizer_file = model_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise SystemExit(f"eval perplexity: {tokenizer_file} not found (the checkpoint needs its tokenizer)")
@@ -51,12 +54,11 @@ def run_perplexity(args: argparse.Namespace) -> int:
         ids = ids[: args.max_tokens]
     if len(ids) < 2:
         raise SystemExit(f"eval perplexity: {text_file} holds {len(ids)} token(s); at least 2 are needed")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = flashinfra.load_model(model_dir, dtype=args.dtype, device=device)
+    model = flashinfra.load_model(model_dir, dtype=config.dtype, device=config.device)
     try:
         result = perplexity(model, ids, args.window, args.stride, args.max_batch_tokens)
     except ValueError as e:
         raise SystemExit(f"eval perplexity: {e}") from None
-    out = {"model": str(model_dir), "file": str(text_file), "dtype": args.dtype, "device": device}
+    out = {"model": str(model_dir), "file": str(text_file), "dtype": config.dtype, "device": config.device}
     print(json.dumps({**out, **result.as_dict()}, indent=2))
     return 0

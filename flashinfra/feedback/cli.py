@@ -1,6 +1,7 @@
 """The feedback sub-commands: ``check``, ``bench``, ``trace``, ``events``, ``ab`` and ``goals``.
 
-Registration imports nothing heavy; each command imports its module when it runs.
+Registration imports nothing heavy; each command imports its module when it runs. ``--dtype`` and
+``--device`` are ``LoadConfig``'s flags, with the meaning they have on every other command.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from flashinfra.engine.config import LoadConfig, add_config_args
 
 
 def _print_json(obj) -> None:
@@ -51,9 +54,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.cli_main(args.argv)
 
 
+def _resolve_device_dtype(args: argparse.Namespace) -> None:
+    """``--device`` and ``--dtype`` made concrete ("auto" resolved as the engine resolves it)."""
+    from flashinfra.engine.config import resolve_device, resolve_dtype
+
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from flashinfra.feedback import trace
 
+    _resolve_device_dtype(args)
     return trace.cli_main(args)
 
 
@@ -75,6 +87,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
 def _cmd_ab(args: argparse.Namespace) -> int:
     from flashinfra.feedback import ab
 
+    _resolve_device_dtype(args)
     return ab.cli_main(args)
 
 
@@ -108,8 +121,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="checkpoint to trace ('default' for the built-in model)")
     p.add_argument("--prompt-lens", default="32,17", help="model: comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    add_config_args(p, LoadConfig, only=("dtype", "device"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="trace", help="output prefix: PREFIX.json (Chrome trace), PREFIX.txt")
     p.add_argument("--top", type=int, default=15)
@@ -130,8 +142,7 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=8, help="interleaved A B A' rounds")
     p.add_argument("--runs", type=int, default=None, help="timed calls per subprocess run")
     p.add_argument("--repo", default=".", help="git repository")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    add_config_args(p, LoadConfig, only=("dtype", "device"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--provider", action="append", default=[], help="extra module registering benchmarks")
     p.add_argument("--no-default-providers", action="store_true",

@@ -1,12 +1,23 @@
-"""The one rule deciding whether an op runs its Triton kernel or its reference."""
+"""The one rule deciding whether an op runs its Triton kernel or its reference.
+
+Kernels run on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) unless
+``FLASHINFRA_REFERENCE=1`` forces the references. A caller that needs one path for a block of code (the
+layer-by-layer comparison of the two) says so with ``with kernel_path(enabled):``, which holds for that
+thread or task only and is undone on exit.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 
 from flashinfra import env
+
+_kernel_path: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashinfra_kernel_path", default=None)
 
 
 @functools.cache
@@ -19,9 +30,21 @@ def interpreting() -> bool:
     return env.triton_interpret()
 
 
+@contextlib.contextmanager
+def kernel_path(enabled: bool) -> Iterator[None]:
+    """Within the block, every op runs its kernel (where the tensors' device runs one) when ``enabled``, else
+    its reference, whatever ``FLASHINFRA_REFERENCE`` says."""
+    token = _kernel_path.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _kernel_path.reset(token)
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``."""
-    if _reference_forced():
+    chosen = _kernel_path.get()
+    if chosen is False or (chosen is None and _reference_forced()):
         return False
     return all(t.is_cuda for t in tensors) or interpreting()
 

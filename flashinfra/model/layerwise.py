@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashinfra.kernels import dispatch
+from flashinfra.kernels.dispatch import kernel_path
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -35,17 +35,6 @@ class LayerError:
 
     def within(self, factor: float, floor: float) -> bool:
         return self.kernel_err <= factor * self.reference_err + floor
-
-
-@contextlib.contextmanager
-def kernel_path(enabled: bool):
-    """All ops on their kernels (where the device runs them), or all on their references."""
-    saved = dispatch._reference_forced
-    dispatch._reference_forced = lambda: not enabled
-    try:
-        yield
-    finally:
-        dispatch._reference_forced = saved
 
 
 @contextlib.contextmanager

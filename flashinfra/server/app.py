@@ -34,11 +34,13 @@ from flashinfra.server.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """What the app is built from; the settings a user chooses come from ``serve``'s ``ServeOptions``."""
+
     model_path: Path
     launcher: EngineLauncher
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_pending: int = 1024
+    served_model_name: str | None
+    api_key: str | None
+    max_pending: int
     tokenizer_threads: int = 4
     engine_start_timeout_s: float = 900.0
 

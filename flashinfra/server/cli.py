@@ -1,59 +1,44 @@
 """``flashinfra serve``: the OpenAI-compatible HTTP server (with its engine process).
 
-Registration is torch-free; ``run`` resolves the model directory (the built-in default model when no
-``--model`` is given), builds the engine's ``EngineConfig`` and runs uvicorn, which drains in-flight
+The flags are generated from two configs: ``EngineConfig`` (the engine's, shared with ``generate``) and
+``ServeOptions`` (the HTTP server's own). Registration is torch-free; ``run`` resolves the model directory
+(the built-in default model when no ``--model`` is given) and runs uvicorn, which drains in-flight
 requests on SIGINT/SIGTERM before the engine is stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from flashinfra.engine.config import EngineConfig, add_config_args, check_fields, option
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The HTTP server's own settings (the engine's are ``EngineConfig``'s); flags generated like them."""
+
+    served_model_name: str | None = option(
+        None, "the model name clients send (default: the --model argument, or 'default')", metavar="NAME")
+    host: str = option("127.0.0.1", "address to listen on", metavar="HOST")
+    port: int = option(8000, "port to listen on", min=1)
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on /v1/ routes (default: $FLASHINFRA_API_KEY)", metavar="KEY")
+    max_pending: int = option(1024, "in-flight sub-requests the server accepts before answering 429", min=1)
+    shutdown_timeout: float = option(60.0, "seconds in-flight requests get to finish on shutdown", min=0)
+    log_level: str = option("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.port > 65535:
+            raise ValueError(f"port must be <= 65535, got {self.port}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in default model)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model argument, or 'default')")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $FLASHINFRA_API_KEY)")
-    p.add_argument("--max-pending", type=int, default=1024,
-                   help="in-flight sub-requests the server accepts before answering 429")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="paged cache blocks (default: from memory)")
-    p.add_argument("--kv-cache-memory", default=None, help="cache memory budget, e.g. 2GiB")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-prefill-chunk", type=int, default=0,
-                   help="most prompt tokens one request takes in a step (0: the whole token budget)")
-    p.add_argument("--prefix-cache-slots", type=int, default=None,
-                   help="KDA state checkpoints kept for prefix caching (default: max-num-seqs; 0: off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--events-path", default=None, help="write the engine's runtime events (JSONL) here")
-    p.add_argument("--gil-probe-ms", type=float, default=None,
-                   help="report GIL stalls of the engine process longer than this, as gil_stall events")
-    p.add_argument("--shutdown-timeout", type=float, default=60.0,
-                   help="seconds in-flight requests get to finish on shutdown")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_config_args(p.add_argument_group("engine"), EngineConfig)
+    add_config_args(p.add_argument_group("server"), ServeOptions)
     p.set_defaults(func=run)
-
-
-def engine_config_from_args(args: argparse.Namespace, model_path: str):
-    from flashinfra.engine.config import EngineConfig, parse_memory
-
-    return EngineConfig(
-        model=model_path, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-        prefix_cache_slots=args.prefix_cache_slots, seed=args.seed, events_path=args.events_path,
-        gil_probe_ms=args.gil_probe_ms)
 
 
 def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
@@ -75,29 +60,31 @@ def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
     import multiprocessing
+    from dataclasses import replace
     from pathlib import Path
 
     import msgspec
     import uvicorn
 
     from flashinfra import env
+    from flashinfra.engine.config import from_args
     from flashinfra.server.app import ServerConfig, create_app
 
-    if args.model is None:
+    try:
+        engine_config = EngineConfig.from_args(args)
+        opts = from_args(ServeOptions, args)
+    except ValueError as exc:
+        raise SystemExit(f"serve: {exc}") from None
+    if engine_config.model is None:
         from flashinfra.model.factory import default_model_dir
 
         model_path = default_model_dir()
-        name = args.served_model_name or "default"
-    else:
-        model_path = Path(args.model)
-        name = args.served_model_name or args.model
+        engine_config = replace(engine_config, model=str(model_path))
+    model_path = Path(engine_config.model)
+    name = opts.served_model_name or args.model or "default"
     if not (model_path / "config.json").is_file():
         raise SystemExit(f"serve: {model_path} is not a checkpoint directory (no config.json)")
-    try:
-        engine_config = engine_config_from_args(args, str(model_path))
-    except ValueError as exc:
-        raise SystemExit(f"serve: {exc}") from None
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def launch(input_addr: str, output_addr: str):
         ctx = multiprocessing.get_context("spawn")
@@ -107,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         return proc
 
     config = ServerConfig(model_path=model_path, launcher=launch, served_model_name=name,
-                          api_key=args.api_key or env.server_api_key(), max_pending=args.max_pending)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+                          api_key=opts.api_key or env.server_api_key(), max_pending=opts.max_pending)
+    uvicorn.run(create_app(config), host=opts.host, port=opts.port, log_level=opts.log_level,
+                timeout_graceful_shutdown=opts.shutdown_timeout, access_log=opts.log_level == "debug")
     return 0

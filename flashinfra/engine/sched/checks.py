@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import SamplingParams
 from flashinfra.engine.sched.plan import StepResult
@@ -18,7 +19,7 @@ from flashinfra.feedback.registry import BenchContext, BenchSpec, register_bench
 
 
 def _scheduler(num_requests: int, prompt_len: int, seed: int, prefix_slots: int) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=4096)
+    cfg = SchedulerConfig.from_engine(EngineConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192), 4096)
     blocks = num_requests * (prompt_len + 64) // 16 + 1
     sched = Scheduler(cfg, HybridCacheManager(blocks, 16, num_requests, prefix_slots))
     rng = random.Random(seed)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import EngineStats, RequestOutput
 from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
@@ -33,18 +34,20 @@ from flashinfra.engine.sched.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    # cap on the tokens one request may take in a step, so a long prompt cannot starve decodes (0: none)
-    max_prefill_chunk: int = 0
+    """The scheduler's limits, derived from an ``EngineConfig`` by ``from_engine`` (which validated them);
+    no defaults of its own."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prefill_chunk < 0:
-            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int  # resolved: the model's limit, or the config's if lower
+    max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "max_model_len"},
+                   max_model_len=max_model_len)
 
 
 class Scheduler:

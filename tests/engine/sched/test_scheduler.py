@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
 from flashinfra.engine.sched.plan import Plan, StepResult
@@ -24,6 +25,11 @@ from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 1000
 EOS = 7
+
+
+def sched_config(max_model_len: int, **engine: int) -> SchedulerConfig:
+    """The scheduler's limits as the engine derives them, from ``EngineConfig`` fields."""
+    return SchedulerConfig.from_engine(EngineConfig(**engine), max_model_len)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -135,7 +141,7 @@ def test_mixed_batch_matches_sequential_truth():
     rng = random.Random(0)
     reqs = [make_request(f"r{i}", rng.randrange(1, 90), rng.randrange(1, 20), rng) for i in range(40)]
     truth = {r.request_id: expected_output(r) for r in reqs}
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
+    cfg = sched_config(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
     outputs, reasons, sched = run_all(reqs, cfg, num_blocks=400, block_size=4, num_slots=8)
     assert outputs == truth
     assert all(reasons[r.request_id] == "length" for r in reqs)
@@ -146,7 +152,7 @@ def test_tiny_cache_forces_preemption_and_keeps_outputs():
     rng = random.Random(1)
     reqs = [make_request(f"r{i}", rng.randrange(5, 40), rng.randrange(10, 30), rng) for i in range(24)]
     truth = {r.request_id: expected_output(r) for r in reqs}
-    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=48, max_model_len=128)
+    cfg = sched_config(max_num_seqs=16, max_num_batched_tokens=48, max_model_len=128)
     outputs, _, sched = run_all(reqs, cfg, num_blocks=24, block_size=4, num_slots=16)
     assert outputs == truth
     assert sched.num_preemptions_total > 0
@@ -170,7 +176,7 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
         turn = Request(f"c{i}", r.prompt_token_ids + truth[r.request_id] + [11, 12, 13], SamplingParams(max_tokens=4), 0.0)
         second += [again, turn]
     truth.update({r.request_id: expected_output(r) for r in second})
-    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
+    cfg = sched_config(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
     outputs, _, sched = run_all(None, cfg, num_blocks, 4, 6, num_prefix_slots=8, waves=[first, second])
     assert outputs == truth
     assert sched.num_prefix_hit_tokens_total >= 12 * 4
@@ -190,7 +196,7 @@ def test_checkpoint_interval_lets_a_shared_system_prompt_hit():
     for interval in (1024, 8):
         waves = [[with_suffix(f"{interval}-{w}")] for w in range(4)]
         truth = {r.request_id: expected_output(r) for w in waves for r in w}
-        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+        cfg = sched_config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
         outputs, _, sched = run_all(None, cfg, 64, 4, 2, num_prefix_slots=8, waves=waves,
                                     sched=Scheduler(cfg, HybridCacheManager(64, 4, 2, 8, interval)))
         assert outputs == truth
@@ -201,7 +207,7 @@ def test_checkpoint_interval_lets_a_shared_system_prompt_hit():
 
 def test_prefix_cache_evicts_before_preempting():
     rng = random.Random(10)
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    cfg = sched_config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     cache = HybridCacheManager(12, 4, 2, num_prefix_slots=4)
     sched = Scheduler(cfg, cache)
     runner = SimRunner(12, 4, 2, 4)
@@ -216,7 +222,7 @@ def test_chunked_prefill_respects_budget_and_chunk_cap():
     rng = random.Random(2)
     long = make_request("long", 300, 3, rng)
     short = make_request("short", 5, 3, rng)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, max_prefill_chunk=40)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, max_prefill_chunk=40)
     sched = Scheduler(cfg, HybridCacheManager(200, 16, 4))
     runner = SimRunner(200, 16, 4)
     sched.add_request(long)
@@ -239,7 +245,7 @@ def test_stop_tokens_eos_and_ignore_eos():
         Request("ign", base.prompt_token_ids, SamplingParams(max_tokens=50, ignore_eos=True), 0.0,
                 eos_token_ids=frozenset({stop_at})),
     ]
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
     outputs, reasons, _ = run_all(reqs, cfg, num_blocks=100, block_size=8, num_slots=4)
     k = first.index(stop_at) + 1
     assert outputs["stop"] == first[:k] and reasons["stop"] == "stop"
@@ -250,7 +256,7 @@ def test_stop_tokens_eos_and_ignore_eos():
 def test_max_model_len_and_cache_capacity_limit_generation():
     rng = random.Random(4)
     req = make_request("a", 20, 100, rng)
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1000)
+    cfg = sched_config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1000)
     outputs, reasons, _ = run_all([req], cfg, num_blocks=8, block_size=4, num_slots=2)  # capacity 32 tokens
     assert len(outputs["a"]) == 12 and reasons["a"] == "length"
     sched = Scheduler(cfg, HybridCacheManager(8, 4, 2))
@@ -265,7 +271,7 @@ def test_max_model_len_and_cache_capacity_limit_generation():
 
 def test_abort_frees_at_once_waiting_and_running():
     rng = random.Random(5)
-    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
+    cfg = sched_config(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
     sched = Scheduler(cfg, HybridCacheManager(50, 4, 1))
     runner = SimRunner(50, 4, 1)
     a, b = make_request("a", 10, 20, rng), make_request("b", 10, 20, rng)
@@ -285,7 +291,7 @@ def test_abort_frees_at_once_waiting_and_running():
 
 def test_error_fails_only_that_request():
     rng = random.Random(6)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
     sched = Scheduler(cfg, HybridCacheManager(50, 4, 4))
     runner = SimRunner(50, 4, 4)
     for rid in ("a", "b"):
@@ -301,7 +307,7 @@ def test_error_fails_only_that_request():
 
 def test_stats_report_usage():
     rng = random.Random(7)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
     sched = Scheduler(cfg, HybridCacheManager(10, 4, 4))
     sched.add_request(make_request("a", 9, 3, rng))
     sched.add_request(make_request("b", 2, 3, rng))
@@ -321,7 +327,7 @@ def test_events_hook_receives_queue_waits_and_preemptions():
 
     rng = random.Random(8)
     sink = Sink()
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     sched = Scheduler(cfg, HybridCacheManager(6, 4, 4), events=sink, clock=lambda: 10.0)
     runner = SimRunner(6, 4, 4)
     for i in range(3):
@@ -374,7 +380,7 @@ def test_random_workloads_keep_outputs_and_free_everything(num_blocks, block_siz
         prompt = (shared + [rng.randrange(8, VOCAB) for _ in range(plen)])[:plen] if share else \
             [rng.randrange(8, VOCAB) for _ in range(plen)]
         reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0))
-    cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget, max_model_len=capacity,
+    cfg = sched_config(max_num_seqs=num_slots, max_num_batched_tokens=budget, max_model_len=capacity,
                           max_prefill_chunk=chunk)
     sched = Scheduler(cfg, HybridCacheManager(num_blocks, block_size, num_slots, prefix_slots, interval))
     runner = SimRunner(num_blocks, block_size, num_slots, prefix_slots)
