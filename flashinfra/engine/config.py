@@ -44,6 +44,8 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that give no seed
     events_path: str | None = None  # JSONL runtime events (flashinfra.feedback.events)
     gil_probe_ms: float | None = None  # report GIL stalls longer than this (flashinfra.feedback.gil_probe)
+    enable_vision: bool = False  # load the vision tower and accept images/video (off: text only, no encoder memory)
+    encoder_cache_memory: int = 256 * 2**20  # bytes of vision encoder outputs kept by content hash
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_checkpoint_interval"):

@@ -34,7 +34,7 @@ class EngineCore:
             path = Path(config.model) if config.model else default_model_dir()
             device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-            model = flashinfra.load_model(path, dtype=dtype, device=device)
+            model = flashinfra.load_model(path, dtype=dtype, device=device, vision=config.enable_vision)
         self.model = model
         text = model.config.text
         self.vocab_size = text.vocab_size
@@ -44,7 +44,8 @@ class EngineCore:
         self.events = events if events is not None else _make_events(config.events_path)
         self.gil_probe = _start_gil_probe(config.gil_probe_ms, self.events)
         prefix_slots = config.resolved_prefix_slots
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots,
+                                  encoder_cache_bytes=config.encoder_cache_memory)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -84,9 +85,13 @@ class EngineCore:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
-        self.scheduler.add_request(
-            Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
-        )
+        if request.mm_items or self.model.vision is not None:
+            from flashinfra.multimodal.encoder import validate_request
+
+            validate_request(self.model, ids, request.mm_items)
+        req = Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
+        req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
+        self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> None:
         """Free these requests' cache now; their final ``abort`` outputs come with the next ``step``."""

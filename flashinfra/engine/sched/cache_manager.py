@@ -100,6 +100,7 @@ class PrefixEntry:
     tokens: tuple[int, ...]  # the exact prefix (length c, a multiple of block_size)
     block_ids: list[int]  # its c / block_size full blocks
     slot: int  # checkpoint slot holding the KDA state after the prefix
+    mm_hashes: tuple[str, ...] = ()  # content of the images/videos within the prefix
 
 
 class HybridCacheManager:
@@ -239,7 +240,8 @@ class HybridCacheManager:
         k = min(len(hashes), (req.num_tokens - 1) // self.block_size)
         for i in range(k, 0, -1):
             entry = self._prefixes.get(hashes[i - 1])
-            if entry is not None and entry.tokens == tuple(req.all_token_ids[: len(entry.tokens)]):
+            if (entry is not None and entry.tokens == tuple(req.all_token_ids[: len(entry.tokens)])
+                    and entry.mm_hashes == req.mm_hashes(0, len(entry.tokens))):
                 self._prefixes.move_to_end(hashes[i - 1])
                 return entry
         return None
@@ -271,7 +273,7 @@ class HybridCacheManager:
         blocks = req.block_ids[: c // self.block_size]
         for b in blocks:
             self._blocks.share(b, by_prefix=True)
-        self._prefixes[key] = PrefixEntry(tuple(req.all_token_ids[:c]), blocks, slot)
+        self._prefixes[key] = PrefixEntry(tuple(req.all_token_ids[:c]), blocks, slot, req.mm_hashes(0, c))
 
     def clear_prefixes(self) -> None:
         while self._evict_one():
