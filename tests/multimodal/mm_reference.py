@@ -82,3 +82,32 @@ def hf_logits_mm(hf, prompt: list[int], items) -> torch.Tensor:
         kw["pixel_values_videos"] = torch.cat([item_patches(it, torch.device("cpu")) for it in videos])
         kw["video_grid_thw"] = torch.tensor([list(it.grid) for it in videos])
     return hf(input_ids=torch.tensor([prompt]), **kw).logits[0].float()
+
+
+# the built-in default model's tokenizer (GLM's special tokens at 4069..4095)
+DEFAULT_MM_IDS = dict(image_token_id=4083, video_token_id=4084, image_start_token_id=4079, image_end_token_id=4080,
+                      video_start_token_id=4081, video_end_token_id=4082)
+
+
+def write_mm_checkpoint(path, seed: int = 0):
+    """A random tiny multimodal checkpoint saved by transformers, with the default model's tokenizer."""
+    import shutil
+
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from flashinfra.model.factory import default_model_dir
+
+    torch.manual_seed(seed)
+    text = text_config(vocab_size=4096, eos_token_id=[4069])
+    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=TINY_VISION,
+                                                            **DEFAULT_MM_IDS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in _SPREAD):
+                p.add_(0.3 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.eval().save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / f, path / f)
+    return model.eval()

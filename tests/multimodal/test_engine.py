@@ -1,0 +1,113 @@
+"""Images through the engine: greedy output against transformers, the encoder cache and prefix caching
+give the cold outputs, different images of one size share no prefix, chunked prefill may split an image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashinfra import LLM, SamplingParams
+from tests.multimodal.mm_reference import random_image, write_mm_checkpoint
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mm")
+    hf = write_mm_checkpoint(path, seed=2)
+    return path, hf
+
+
+def _llm(path, **kw):
+    args = dict(enable_vision=True, num_blocks=256, block_size=16, max_num_seqs=4, prefix_checkpoint_interval=16)
+    args.update(kw)
+    return LLM(path, **args)
+
+
+@torch.no_grad()
+def _hf_greedy(hf, prompt_ids, items, steps):
+    from tests.multimodal.mm_reference import hf_logits_mm
+
+    ids, out = list(prompt_ids), []
+    for _ in range(steps):
+        tok = int(hf_logits_mm(hf, ids, items)[-1].argmax())
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def test_image_generation_matches_transformers(ckpt):
+    path, hf = ckpt
+    llm = _llm(path)
+    img = random_image(80, 110, seed=0)
+    out = llm.generate("Describe it.", GREEDY, images=[[img]])[0]
+    assert out.error is None
+    req_items = _items_of(llm, "Describe it.", img)
+    assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, req_items, len(out.token_ids))
+
+
+def _items_of(llm, prompt, img):
+    from flashinfra.multimodal.llm_inputs import multimodal_prompt
+
+    return multimodal_prompt(llm, prompt, [img], None)[1]
+
+
+def test_encoder_cache_and_prefix_cache_give_cold_outputs(ckpt):
+    path, _ = ckpt
+    img = random_image(120, 90, seed=1)
+    prompt = "Q: what is shown? A:"
+    cold = _llm(path, prefix_cache_slots=0).generate(prompt, GREEDY, images=[[img]])[0].token_ids
+
+    llm = _llm(path)
+    first = llm.generate(prompt, GREEDY, images=[[img]])[0].token_ids
+    encoded = llm.engine.runner.embedder.num_encoded
+    assert _prefix_hits(llm) == 0
+    second = llm.generate(prompt, GREEDY, images=[[img]])[0].token_ids
+    assert first == cold and second == cold
+    assert llm.engine.runner.embedder.num_encoded == encoded == 1  # the same image is encoded once
+    assert _prefix_hits(llm) > 0
+
+
+def _prefix_hits(llm) -> int:
+    return llm.engine.stats().num_prefix_hit_tokens_total
+
+
+def test_same_size_different_images_share_no_prefix(ckpt):
+    path, _ = ckpt
+    a, b = random_image(100, 100, seed=3), random_image(100, 100, seed=4)
+    prompt = "Compare:"
+    llm = _llm(path)
+    out_a = llm.generate(prompt, GREEDY, images=[[a]])[0]
+    out_b = llm.generate(prompt, GREEDY, images=[[b]])[0]
+    assert out_a.prompt_token_ids == out_b.prompt_token_ids  # same placeholders, different pixels
+    assert _prefix_hits(llm) == 0
+    cold_b = _llm(path, prefix_cache_slots=0).generate(prompt, GREEDY, images=[[b]])[0]
+    assert out_b.token_ids == cold_b.token_ids
+    assert llm.engine.runner.embedder.num_encoded == 2
+
+
+def test_chunked_prefill_splits_an_image(ckpt):
+    path, _ = ckpt
+    img = random_image(150, 150, seed=5)  # 25 placeholder tokens, chunks of 8 tokens
+    whole = _llm(path, prefix_cache_slots=0).generate("x", GREEDY, images=[[img]])[0]
+    chunked = _llm(path, prefix_cache_slots=0, max_num_batched_tokens=8).generate("x", GREEDY, images=[[img]])[0]
+    assert whole.token_ids == chunked.token_ids
+
+
+def test_batch_of_images_in_one_step(ckpt):
+    path, _ = ckpt
+    imgs = [random_image(60 + 20 * i, 90, seed=10 + i) for i in range(3)]
+    llm = _llm(path, prefix_cache_slots=0)
+    batched = llm.generate(["a", "b", "c"], GREEDY, images=[[im] for im in imgs])
+    alone = [_llm(path, prefix_cache_slots=0).generate(p, GREEDY, images=[[im]])[0]
+             for p, im in zip("abc", imgs)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+
+
+def test_text_only_engine_refuses_images_and_loads_no_tower(ckpt):
+    path, _ = ckpt
+    llm = LLM(path, num_blocks=64)
+    assert llm.engine.model.vision is None and llm.engine.runner.embedder is None
+    with pytest.raises(ValueError, match="enable_vision"):
+        llm.generate("hi", GREEDY, images=[[random_image(30, 30, seed=0)]])
