@@ -46,6 +46,11 @@ class EngineConfig:
     gil_probe_ms: float | None = None  # report GIL stalls longer than this (flashinfra.feedback.gil_probe)
     enable_vision: bool = False  # load the vision tower and accept images/video (off: text only, no encoder memory)
     encoder_cache_memory: int = 256 * 2**20  # bytes of vision encoder outputs kept by content hash
+    media_max_bytes: int = 20 * 2**20  # encoded size of one image or video in a request
+    media_max_pixels: int = 40_000_000  # decoded pixels of one image or video frame
+    media_max_frames: int = 256  # sampled frames of one video
+    media_max_items: int = 8  # images + videos in one request
+    allowed_media_hosts: str = ""  # comma-separated hosts whose http(s) media URLs the server may fetch ("": none)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_checkpoint_interval"):

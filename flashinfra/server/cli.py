@@ -39,6 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="report GIL stalls of the engine process longer than this, as gil_stall events")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--enable-vision", action="store_true",
+                   help="load the vision tower and accept image_url/video_url parts (off: text only)")
+    p.add_argument("--allowed-media-hosts", default="",
+                   help="comma-separated hosts whose http(s) image/video URLs may be fetched (default: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -53,7 +57,8 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
         prefix_cache_slots=args.prefix_cache_slots, seed=args.seed, events_path=args.events_path,
-        gil_probe_ms=args.gil_probe_ms)
+        gil_probe_ms=args.gil_probe_ms, enable_vision=args.enable_vision,
+        allowed_media_hosts=args.allowed_media_hosts)
 
 
 def engine_main(config: bytes, input_addr: str, output_addr: str) -> None:
@@ -106,8 +111,16 @@ def run(args: argparse.Namespace) -> int:
         proc.start()
         return proc
 
+    media = None
+    if engine_config.enable_vision:
+        from flashinfra.multimodal.inputs import MediaLimits
+        from flashinfra.server.media import MediaSettings
+
+        media = MediaSettings.for_model(model_path, MediaLimits(
+            engine_config.media_max_bytes, engine_config.media_max_pixels, engine_config.media_max_frames,
+            engine_config.media_max_items), engine_config.allowed_media_hosts)
     config = ServerConfig(model_path=model_path, launcher=launch, served_model_name=name,
-                          api_key=args.api_key or env.server_api_key(), max_pending=args.max_pending)
+                          api_key=args.api_key or env.server_api_key(), max_pending=args.max_pending, media=media)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
     return 0
