@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the prompt (repeatable; placed at <|image|> marks, else before the text)")
+    p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video file (repeatable; needs av)")
     p.set_defaults(func=run)
 
 
@@ -28,8 +31,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1)
-        out = llm.generate(prompt, params)[0]
+        media = bool(args.image or args.video)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1, enable_vision=media)
+        out = llm.generate(prompt, params, images=[args.image] if media else None,
+                           videos=[args.video] if media else None)[0]
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
     if out.finish_reason == "error":
