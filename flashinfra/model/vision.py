@@ -72,6 +72,11 @@ class _Attention(nn.Module):
         N = x.shape[0]
         q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, hd] each
         q, k = _rope(self.q_norm(q), cos, sin), _rope(self.k_norm(k), cos, sin)
+        if len(segments) == 1 and len(segments[0][1]) * segments[0][0] == N:  # frames of one size: views
+            S, L = len(segments[0][1]), segments[0][0]
+            qs, ks, vs = (t.view(S, L, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+            return self.proj(out.reshape(N, -1))
         out = torch.empty_like(q)
         for length, starts in segments:  # frames of one length: one batched call
             idx = _segment_index(starts, length, x.device)  # [S, L]

@@ -73,11 +73,17 @@ def pad_positions(prompt: list[int], item: MultiModalItem, pad_id: int) -> list[
     return [p for p in range(item.offset, item.end) if prompt[p] == pad_id]
 
 
-def validate_items(prompt: list[int], items: list[MultiModalItem], pad_id: int, merge_unit: int) -> None:
-    """Raise ``ValueError`` if the items' spans overlap, leave the prompt, or hold the wrong pad count."""
+def validate_items(prompt: list[int], items: list[MultiModalItem], pad_id: int, merge_unit: int,
+                   patch: int = 14, temporal: int = 2) -> None:
+    """Raise ``ValueError`` if the items' spans overlap, leave the prompt, or hold the wrong pad count, or a
+    canvas does not fit its grid (checked here so that a bad item fails its request, not the engine step)."""
     end = 0
     for i, it in enumerate(sorted(items, key=lambda it: it.offset)):
         t, h, w = it.grid
+        frames = 1 if it.kind == "image" else t * temporal
+        if (it.kind not in ("image", "video") or min(t, h, w) < 1 or (it.kind == "image" and t != 1)
+                or h % 2 or w % 2 or tuple(it.shape) != (frames, 3, h * patch, w * patch)):
+            raise ValueError(f"multimodal item {i}: a {it.kind} canvas of shape {it.shape} does not fit grid {it.grid}")
         if it.offset < end or it.end > len(prompt) or it.length < 1:
             raise ValueError(f"multimodal item {i}: span [{it.offset}, {it.end}) overlaps another or leaves the prompt")
         if it.num_embeds * merge_unit != t * h * w or len(pad_positions(prompt, it, pad_id)) != it.num_embeds:
@@ -151,4 +157,6 @@ def validate_request(model, prompt: list[int], items: list[MultiModalItem]) -> N
         raise ValueError("this engine was started without vision (enable_vision=False): images and video are refused")
     if model.vision is None:
         return
-    validate_items(prompt, items, model.config.image_token_id, model.vision.merge_unit)
+    cfg = model.vision.cfg
+    validate_items(prompt, items, model.config.image_token_id, model.vision.merge_unit, cfg.patch_size,
+                   cfg.temporal_patch_size)

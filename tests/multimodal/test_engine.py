@@ -138,3 +138,28 @@ def test_video_generation_matches_transformers(ckpt, tmp_path):
     ids, items = multimodal_prompt(llm, "What happens?", None, [video])
     assert ids == out.prompt_token_ids and items[0].kind == "video" and items[0].grid[0] >= 2
     assert out.token_ids == _hf_greedy(hf, ids, items, len(out.token_ids))
+
+
+def test_engine_refuses_malformed_items(ckpt):
+    """Items that do not fit their prompt or canvas are refused at admission (never reach a step)."""
+    import msgspec
+    import time
+
+    from flashinfra.engine.sched.messages import EngineRequest
+    from flashinfra.multimodal.llm_inputs import multimodal_prompt
+
+    path, _ = ckpt
+    llm = _llm(path)
+    ids, (item,) = multimodal_prompt(llm, "x", [random_image(60, 60, seed=0)], None)
+    bad = [
+        (ids, msgspec.structs.replace(item, offset=item.offset + 1)),  # span misses a pad token
+        (ids, msgspec.structs.replace(item, shape=(1, 3, 28, 28))),  # canvas does not fit the grid
+        (ids, msgspec.structs.replace(item, pixels=item.pixels[:-1])),  # truncated pixels
+        (ids[: item.offset + 3], item),  # span leaves the prompt
+    ]
+    for prompt, it in bad:
+        with pytest.raises(ValueError, match="multimodal item|placeholder"):
+            llm.engine.add_request(EngineRequest("bad", prompt, GREEDY, time.time(), [it]))
+    with pytest.raises(ValueError, match="placeholder"):  # pads without an image
+        llm.engine.add_request(EngineRequest("bad", ids, GREEDY, time.time(), []))
+    assert not llm.engine.has_work()

@@ -75,3 +75,13 @@ def test_wrong_image_changes_logits(models):
     assert a[0] == b[0]
     with pytest.raises(AssertionError):
         assert_close(our_logits(ours, *a), hf_logits_mm(hf, *b), TOL)
+
+
+def test_tower_matches_transformers_on_mixed_and_equal_sizes(models):
+    """The tower alone, frames of one size (the batched view path) and of several (the gathered path)."""
+    hf, ours = models
+    for grids in ([(1, 4, 6)] * 3, [(1, 4, 6), (2, 8, 4), (1, 2, 2)]):
+        patches = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+        with torch.no_grad():
+            ref = hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
+        assert_close(torch.cat(ours.vision(patches, grids)), ref, TOL)
