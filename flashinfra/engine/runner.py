@@ -21,7 +21,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.engine.sampler import SamplingRow, sample
-from flashinfra.multimodal.encoder import forward_embeds, make_embedder
+from flashinfra.multimodal.encoder import make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
@@ -105,7 +105,7 @@ class ModelRunner:
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
         if embeds is not None:
-            hidden = forward_embeds(self.model.model, embeds, batch, self.cache)
+            hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
         elif self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, batch)
         else:

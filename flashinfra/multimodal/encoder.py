@@ -7,7 +7,7 @@ then returns the step's input embeddings with the placeholder (image pad) rows r
 item's rows: transformers' ``masked_scatter``, sliced to the step's range so that a chunked prefill may
 split an item anywhere. Text-only steps return ``None`` and cost nothing.
 
-``forward_embeds`` runs the text model on embeddings instead of token ids.
+The text model then runs on those embeddings (``Glm5NextModel.forward(..., inputs_embeds=)``).
 """
 
 from __future__ import annotations
@@ -133,15 +133,6 @@ class MultiModalEmbedder:
         if dst:
             x[torch.tensor(dst, device=x.device)] = torch.cat(src).to(x.dtype)
         return x
-
-
-def forward_embeds(model, x: torch.Tensor, batch, cache) -> torch.Tensor:
-    """``Glm5NextModel.forward`` from input embeddings [T, D] (instead of token ids) to final hidden [T, D]."""
-    streams = x.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
-    masks: dict = {}
-    for layer in model.layers:
-        streams = layer(streams, batch, cache, masks)
-    return model.final_norm(streams)
 
 
 def make_embedder(model, cache_bytes: int) -> MultiModalEmbedder | None:

@@ -25,6 +25,7 @@ from flashinfra.multimodal.inputs import MediaError, MediaLimits, image_input, v
 from flashinfra.multimodal.processor import Canvas
 from flashinfra.multimodal.prompt import TokenIds, build_prompt
 from flashinfra.server.errors import bad_request
+from flashinfra.server.serving import _MAX_CHARS_PER_TOKEN
 
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp", "image/tiff")
 VIDEO_MIMES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo", "video/mpeg")
@@ -150,6 +151,10 @@ async def chat_prompt(state, messages, template_messages: list[dict], add_genera
         return None
     settings = getattr(state, "media", None)
     check_parts(parts, settings)
+    size = sum(len(m.get("content") or "") for m in template_messages)
+    if size > state.max_model_len * _MAX_CHARS_PER_TOKEN:
+        raise bad_request(f"the messages are {size} characters long, far beyond this model's maximum context "
+                          f"length of {state.max_model_len} tokens", "messages")
     tok = state.tokenizer
 
     def work():

@@ -8,7 +8,7 @@ import torch
 
 from flashinfra.model.api import load_model_from_state_dict
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.multimodal.encoder import MultiModalEmbedder, forward_embeds
+from flashinfra.multimodal.encoder import MultiModalEmbedder
 from flashinfra.multimodal.pixels import patchify
 from flashinfra.multimodal.prompt import TokenIds
 from tests.model.hf_reference import TINY_VISION, _SPREAD, text_config
@@ -65,7 +65,7 @@ def our_logits(loaded, prompt: list[int], items) -> torch.Tensor:
     batch = ForwardBatch.build([len(prompt)], [0], [0], [list(range(nb))], bs, loaded.device)
     ids = torch.tensor(prompt, dtype=torch.long)
     x = embedder.embed(ids, [_Sched(prompt, items)])
-    return loaded.compute_logits(forward_embeds(loaded.model, x, batch, cache))
+    return loaded.compute_logits(loaded.model(ids, batch, cache, inputs_embeds=x))
 
 
 @torch.no_grad()

@@ -85,3 +85,20 @@ def test_tower_matches_transformers_on_mixed_and_equal_sizes(models):
         with torch.no_grad():
             ref = hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
         assert_close(torch.cat(ours.vision(patches, grids)), ref, TOL)
+
+
+def test_vision_loading_is_strict(models):
+    from flashinfra.model.api import load_model_from_state_dict
+    from flashinfra.model.loader import CheckpointError
+
+    hf, _ = models
+    sd = dict(hf.state_dict())
+    sd.pop("model.visual.blocks.0.attn.q_norm.weight")
+    sd["model.visual.blocks.0.attn.rope_scale"] = torch.ones(1)
+    sd["model.visual.merger.proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(CheckpointError) as info:
+        load_model_from_state_dict(hf.config, sd, vision=True)
+    msg = str(info.value)
+    assert "missing: model.visual.blocks.0.attn.q_norm.weight" in msg
+    assert "unexpected: model.visual.blocks.0.attn.rope_scale" in msg and "mis-shaped: model.visual.merger.proj" in msg
+    assert load_model_from_state_dict(hf.config, sd).vision is None  # text only: the tower is not read
