@@ -21,6 +21,7 @@ from flashinfra.config import VisionConfig
 from flashinfra.model.loader import CheckpointError, TensorSource
 
 PREFIX = "model.visual."
+ROPE_CACHE_SIZE = 64  # frame shapes whose rotary tables are kept
 _ACTS = {"silu": F.silu, "gelu": F.gelu}
 
 
@@ -155,27 +156,31 @@ class VisionTower(nn.Module):
             "inv_freq", 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)),
             persistent=False,
         )
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # frame (h, w) -> cos, sin
 
     @property
     def merge_unit(self) -> int:
         return self.cfg.spatial_merge_size ** 2
 
-    def _positions(self, grids: list[tuple[int, int, int]], device) -> torch.Tensor:
-        """[N, 2] (row, column) of every patch, in merge-block order, repeated per frame."""
-        m = self.cfg.spatial_merge_size
-        out = []
-        for t, h, w in grids:
+    def _frame_rotary(self, h: int, w: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [h * w, hd] of one frame's patches in merge-block order (axial: rows | columns)."""
+        key = (h, w, str(device))
+        if key not in self._rope_cache:
+            m = self.cfg.spatial_merge_size
             hp, wp = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             shape = (h // m, m, w // m, m)
-            hp, wp = hp.reshape(shape).transpose(1, 2).flatten(), wp.reshape(shape).transpose(1, 2).flatten()
-            out.append(torch.stack([hp, wp], dim=-1).repeat(t, 1))
-        return torch.cat(out)
+            pos = torch.stack([hp.reshape(shape).transpose(1, 2).flatten(), wp.reshape(shape).transpose(1, 2).flatten()], -1)
+            freqs = pos[..., None].float() * self.inv_freq.to(device)  # [h*w, 2, hd/4]
+            freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+            freqs = torch.cat([freqs, freqs], dim=-1)  # [h*w, hd]
+            if len(self._rope_cache) >= ROPE_CACHE_SIZE:
+                self._rope_cache.clear()
+            self._rope_cache[key] = (freqs.cos(), freqs.sin())
+        return self._rope_cache[key]
 
     def _rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = self._positions(grids, device)[..., None].float() * self.inv_freq.to(device)  # [N, 2, hd/4]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        freqs = torch.cat([freqs, freqs], dim=-1)  # [N, hd]
-        return freqs.cos(), freqs.sin()
+        parts = [self._frame_rotary(h, w, device) for t, h, w in grids for _ in range(t)]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
     @staticmethod
     def _segments(grids) -> list[tuple[int, list[int]]]:

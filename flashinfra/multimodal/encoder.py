@@ -116,8 +116,8 @@ class MultiModalEmbedder:
         if missing:
             rows = encode_items(self.tower, missing, input_ids.device)
             self.num_encoded += len(missing)
-            for it, r in zip(missing, rows):
-                self.cache.put(it.content_hash, r, set(needed))
+            for it, r in zip(missing, rows):  # a copy each, so evicting one frees its memory
+                self.cache.put(it.content_hash, r.clone(), set(needed))
         x = F.embedding(input_ids, self.embed_tokens)
         dst, src = [], []
         base = 0
