@@ -21,7 +21,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.engine.sampler import SamplingRow, sample
-from flashinfra.multimodal.encoder import make_embedder
+from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
@@ -41,7 +41,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
     if budget is None:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(free * GPU_CACHE_FRACTION)
+            budget = int(free * GPU_CACHE_FRACTION) - encoder_reserve_bytes(model, config.encoder_cache_memory)
         else:
             budget = CPU_DEFAULT_CACHE_BYTES
     left = budget - num_slots * per_slot

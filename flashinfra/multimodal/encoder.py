@@ -24,6 +24,19 @@ from flashinfra.model.vision import VisionTower
 from flashinfra.multimodal.pixels import patchify
 
 
+ENCODER_BATCH_PATCHES = 1 << 16  # most patches one tower run takes (bounds its activation memory)
+
+
+def encoder_reserve_bytes(model, cache_bytes: int) -> int:
+    """Device memory to leave free for the encoder when the KV cache is sized from what is free: the encoder
+    cache and one run's activations (0 without the vision tower: text only reserves nothing)."""
+    if model.vision is None:
+        return 0
+    cfg = model.vision.cfg
+    per_patch = (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * model.dtype.itemsize
+    return cache_bytes + ENCODER_BATCH_PATCHES * per_patch
+
+
 class EncoderCache:
     """content hash -> encoder rows ``[num_embeds, D]``, least recently used evicted past ``capacity`` bytes
     (the items of the step being built are never evicted by it)."""
@@ -62,11 +75,21 @@ def item_patches(item: MultiModalItem, device: torch.device) -> torch.Tensor:
 
 
 def encode_items(tower: VisionTower, items: list[MultiModalItem], device: torch.device) -> list[torch.Tensor]:
-    """All ``items`` through the tower in one run; one ``[num_embeds, D]`` tensor each."""
-    patches = torch.cat([item_patches(it, device) for it in items])
-    # a video is t frames of one (h, w); the tower attends within each frame
-    grids = [(t, h, w) for it in items for t, h, w in [it.grid]]
-    return tower(patches, grids)
+    """``items`` through the tower, as few runs as ``ENCODER_BATCH_PATCHES`` allows; one ``[num_embeds, D]``
+    tensor each, in order."""
+    out: list[torch.Tensor] = []
+    group: list[MultiModalItem] = []
+    size = 0
+    for it in items + [None]:
+        n = 0 if it is None else it.grid[0] * it.grid[1] * it.grid[2]
+        if group and (it is None or size + n > ENCODER_BATCH_PATCHES):
+            patches = torch.cat([item_patches(g, device) for g in group])
+            out += tower(patches, [g.grid for g in group])  # a video's t frames each attend within themselves
+            group, size = [], 0
+        if it is not None:
+            group.append(it)
+            size += n
+    return out
 
 
 def pad_positions(prompt: list[int], item: MultiModalItem, pad_id: int) -> list[int]:

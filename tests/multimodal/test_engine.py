@@ -163,3 +163,24 @@ def test_engine_refuses_malformed_items(ckpt):
     with pytest.raises(ValueError, match="placeholder"):  # pads without an image
         llm.engine.add_request(EngineRequest("bad", ids, GREEDY, time.time(), []))
     assert not llm.engine.has_work()
+
+
+def test_encoder_runs_split_by_patch_budget(ckpt, monkeypatch):
+    """Images over the per-run patch budget go through the tower in several runs, with the same rows."""
+    import flashinfra.multimodal.encoder as enc
+    from flashinfra.multimodal.llm_inputs import multimodal_prompt
+
+    path, _ = ckpt
+    llm = _llm(path)
+    items = [multimodal_prompt(llm, "x", [random_image(60 + 30 * i, 80, seed=i)], None)[1][0] for i in range(3)]
+    tower = llm.engine.model.vision
+    whole = enc.encode_items(tower, items, torch.device("cpu"))
+    runs = []
+    monkeypatch.setattr(enc, "ENCODER_BATCH_PATCHES", max(it.grid[1] * it.grid[2] for it in items))
+    real = tower.forward
+    monkeypatch.setattr(tower, "forward", lambda p, g: runs.append(len(g)) or real(p, g))
+    split = enc.encode_items(tower, items, torch.device("cpu"))
+    assert len(runs) > 1 and sum(runs) == 3
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert enc.encoder_reserve_bytes(llm.engine.model, 100) > 100
