@@ -66,6 +66,9 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for name, media in (("images", images), ("videos", videos)):
+            if media is not None and len(media) != len(prompts):
+                raise ValueError(f"{len(media)} entries of {name} for {len(prompts)} prompts (one list per prompt)")
         requests, outputs = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             text = prompt if isinstance(prompt, str) else None
