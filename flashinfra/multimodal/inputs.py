@@ -88,19 +88,34 @@ def decode_video(src: Any, limits: MediaLimits = MediaLimits()) -> tuple[list, f
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
             fps = float(stream.average_rate) if stream.average_rate else 24.0
-            frames = [f.to_image() for f in container.decode(stream)]
+            if stream.codec_context.width * stream.codec_context.height > limits.max_pixels:
+                raise MediaError(f"{stream.codec_context.width}x{stream.codec_context.height} pixels per frame, "
+                                 f"over the limit of {limits.max_pixels}")
+            total = stream.frames  # the container's count, as transformers reads it; 0 when unknown
+        if total <= 0:
+            with av.open(io.BytesIO(data)) as container:
+                total = sum(1 for _ in container.decode(video=0))
+        if total <= 0:
+            raise MediaError("the video has no frames")
+        indices = sample_frame_indices(total, fps, duration=total / fps)
+        if len(indices) > limits.max_frames:
+            raise MediaError(f"{len(indices)} sampled frames, over the limit of {limits.max_frames}")
+        # only the sampled frames are converted and kept: memory is bounded by max_frames, not the video's length
+        wanted, frames = set(indices), {}
+        with av.open(io.BytesIO(data)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    frames[i] = frame.to_image()
+                if i >= indices[-1]:
+                    break
     except MediaError:
         raise
     except Exception as exc:
         raise MediaError(f"not a readable video ({type(exc).__name__}: {exc})") from None
     if not frames:
         raise MediaError("the video has no frames")
-    if frames[0].width * frames[0].height > limits.max_pixels:
-        raise MediaError(f"{frames[0].width}x{frames[0].height} pixels per frame, over the limit of {limits.max_pixels}")
-    indices = sample_frame_indices(len(frames), fps, duration=len(frames) / fps)
-    if len(indices) > limits.max_frames:
-        raise MediaError(f"{len(indices)} sampled frames, over the limit of {limits.max_frames}")
-    return [frames[i] for i in indices], fps, indices
+    last = frames[max(frames)]  # a container that over-counts its frames: the missing ones repeat the last decoded
+    return [frames.get(i, last) for i in indices], fps, indices
 
 
 def image_input(src: Any, limits: MediaLimits = MediaLimits()) -> Canvas:
