@@ -155,3 +155,13 @@ def test_chat_with_an_image_matches_offline_generation(mm_server):
     bad = dict(body, messages=[{"role": "user", "content": [_image("https://example.com/x.png")]}])
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=bad, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[0].content[0].image_url"
+
+
+def test_video_frame_limit():
+    settings = MediaSettings(SETTINGS.token_ids, MediaLimits(max_frames=2))
+    part = MediaPart("messages[0].content[0].video_url", "video", data_url(_mp4(frames=12), "video/mp4"))
+    with pytest.raises(APIError) as info:
+        load_parts([part], settings)
+    assert info.value.param == part.param and "sampled frames" in info.value.message
+    (canvas,) = load_parts([part], SETTINGS)  # 12 frames at 4 fps: 3 s, sampled at 2 fps
+    assert canvas.pixels.shape[0] == 6 and canvas.timestamps == (0.0, 1.0, 2.0)
