@@ -147,7 +147,11 @@ class EngineCore:
         return outputs
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self._last_step_s, self._last_tokens)
+        stats = self.scheduler.stats(self._last_step_s, self._last_tokens)
+        if (embedder := self.runner.embedder) is not None:
+            stats.num_encoded_items_total = embedder.num_encoded
+            stats.num_encoder_cache_hits_total = embedder.cache.hits
+        return stats
 
 
 def _start_gil_probe(threshold_ms: float | None, events: Any) -> Any:

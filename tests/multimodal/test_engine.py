@@ -67,6 +67,8 @@ def test_encoder_cache_and_prefix_cache_give_cold_outputs(ckpt):
     assert first == cold and second == cold
     assert llm.engine.runner.embedder.num_encoded == encoded == 1  # the same image is encoded once
     assert _prefix_hits(llm) > 0
+    stats = llm.engine.stats()
+    assert stats.num_encoded_items_total == 1 and stats.num_encoder_cache_hits_total >= 1
 
 
 def _prefix_hits(llm) -> int:

@@ -145,6 +145,8 @@ class EngineStats(msgspec.Struct):
     num_requests_finished_total: int = 0
     step_duration_s: float = 0.0
     num_batched_tokens: int = 0
+    num_encoded_items_total: int = 0  # images/videos run through the vision tower
+    num_encoder_cache_hits_total: int = 0  # images/videos a step needed and found in the encoder cache
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
