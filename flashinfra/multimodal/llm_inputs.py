@@ -17,6 +17,9 @@ def multimodal_prompt(llm, prompt: Any, images: Sequence[Any] | None, videos: Se
     if llm.engine.model.vision is None:
         raise ValueError("images and videos need LLM(..., enable_vision=True) (the vision tower is not loaded)")
     images, videos = list(images or []), list(videos or [])
+    # a bare <|image|> gets its begin/end tokens, as the chat template writes them
+    for mark, part in ((IMAGE_MARK, IMAGE_PART), (VIDEO_MARK, VIDEO_PART)):
+        prompt = prompt.replace(part, mark).replace(mark, part)
     marks = [p for p in split_marks(prompt) if p in (IMAGE_MARK, VIDEO_MARK)]
     if not marks:
         prompt = IMAGE_PART * len(images) + VIDEO_PART * len(videos) + prompt

@@ -186,3 +186,21 @@ def test_encoder_runs_split_by_patch_budget(ckpt, monkeypatch):
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert enc.encoder_reserve_bytes(llm.engine.model, 100) > 100
+
+
+def test_image_marks_in_the_prompt(ckpt):
+    """A bare <|image|> and the template's full form give one prompt; marks place the images in order."""
+    from flashinfra.multimodal.llm_inputs import multimodal_prompt
+
+    path, _ = ckpt
+    llm = _llm(path)
+    a, b = random_image(40, 40, seed=1), random_image(70, 40, seed=2)
+    bare = multimodal_prompt(llm, "A <|image|> B <|image|>", [a, b], None)
+    full = multimodal_prompt(llm, "A <|begin_of_image|><|image|><|end_of_image|> B "
+                                  "<|begin_of_image|><|image|><|end_of_image|>", [a, b], None)
+    assert bare[0] == full[0] and [it.content_hash for it in bare[1]] == [it.content_hash for it in full[1]]
+    ids, items = bare
+    assert [ids[it.offset - 1] for it in items] == [4079, 4079]  # <|begin_of_image|> before each span
+    assert items[0].num_embeds != items[1].num_embeds
+    with pytest.raises(ValueError, match="marks"):
+        multimodal_prompt(llm, "only <|image|>", [a, b], None)

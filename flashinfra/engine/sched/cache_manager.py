@@ -10,7 +10,8 @@ is a pair: the full blocks of its first ``c`` tokens (shared read-only, referenc
 checkpoint of the KDA state after exactly ``c`` tokens, kept in one of ``num_prefix_slots`` extra state
 slots (ids ``num_slots ..``). ``c`` is a block boundary before a prompt's last token, so a hit always
 leaves at least one token to compute. A hit is token-exact: the stored prefix is compared, not just
-its hash. Cached prefixes are evicted least-recently-used first, before any request is preempted.
+its hash, and so are the content hashes of the images/videos within it (same-size images have the same
+placeholder tokens). Cached prefixes are evicted least-recently-used first, before any request is preempted.
 Besides the last block boundary of each prompt, prefixes are also checkpointed every
 ``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too.
 
