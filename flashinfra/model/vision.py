@@ -169,7 +169,8 @@ class VisionTower(nn.Module):
             m = self.cfg.spatial_merge_size
             hp, wp = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             shape = (h // m, m, w // m, m)
-            pos = torch.stack([hp.reshape(shape).transpose(1, 2).flatten(), wp.reshape(shape).transpose(1, 2).flatten()], -1)
+            hp, wp = hp.reshape(shape).transpose(1, 2).flatten(), wp.reshape(shape).transpose(1, 2).flatten()
+            pos = torch.stack([hp, wp], dim=-1)
             freqs = pos[..., None].float() * self.inv_freq.to(device)  # [h*w, 2, hd/4]
             freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
             freqs = torch.cat([freqs, freqs], dim=-1)  # [h*w, hd]

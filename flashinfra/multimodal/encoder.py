@@ -2,7 +2,8 @@
 
 ``MultiModalEmbedder.embed`` takes one step's packed ``input_ids`` and its scheduled requests; for every
 image or video whose placeholder span overlaps the step's tokens it makes sure the item's encoder output
-is in the ``EncoderCache`` (all missing items of the step go through the vision tower in one batched run),
+is in the ``EncoderCache`` (all missing items of the step go through the vision tower together, in runs of at most
+``ENCODER_BATCH_PATCHES`` patches),
 then returns the step's input embeddings with the placeholder (image pad) rows replaced, in order, by the
 item's rows: transformers' ``masked_scatter``, sliced to the step's range so that a chunked prefill may
 split an item anywhere. Text-only steps return ``None`` and cost nothing.
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from flashinfra.engine.sched.messages import MultiModalItem
 from flashinfra.model.vision import VisionTower
 from flashinfra.multimodal.pixels import patchify
-
 
 ENCODER_BATCH_PATCHES = 1 << 16  # most patches one tower run takes (bounds its activation memory)
 

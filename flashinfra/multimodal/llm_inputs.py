@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from flashinfra.multimodal.inputs import MediaLimits, image_input, video_input
-from flashinfra.multimodal.prompt import IMAGE_MARK, IMAGE_PART, VIDEO_MARK, VIDEO_PART, TokenIds, build_prompt, split_marks
+from flashinfra.multimodal.prompt import (IMAGE_MARK, IMAGE_PART, VIDEO_MARK, VIDEO_PART, TokenIds, build_prompt,
+                                         split_marks)
 
 
 def multimodal_prompt(llm, prompt: Any, images: Sequence[Any] | None, videos: Sequence[Any] | None,

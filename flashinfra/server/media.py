@@ -101,7 +101,8 @@ def read_part(part: MediaPart, settings: MediaSettings) -> bytes:
             raise MediaError(f"mime type {mime!r} is not an accepted {part.kind} type ({', '.join(allowed)})")
         payload = m.group(3)
         if len(payload) // 4 * 3 > limits.max_bytes + 2:
-            raise MediaError(f"the {part.kind} is about {len(payload) // 4 * 3} bytes, over the limit of {limits.max_bytes}")
+            raise MediaError(f"the {part.kind} is about {len(payload) // 4 * 3} bytes, over the limit of "
+                             f"{limits.max_bytes}")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
