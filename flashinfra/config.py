@@ -106,6 +106,11 @@ class VisionConfig:
     out_hidden_size: int = 1536
     intermediate_size: int = 4096
     rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    attention_bias: bool = True
+    projection_intermediate_size: int = 10240
+    swiglu_limit: float = 10.0
+    rope_theta: float = 10000.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class ModelConfig:
     architecture: str = "Glm5NextForConditionalGeneration"
     image_token_id: int = 154854
     video_token_id: int = 154855
+    image_start_token_id: int = 154830
+    image_end_token_id: int = 154831
+    video_start_token_id: int = 154832
+    video_end_token_id: int = 154833
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -190,6 +199,9 @@ def resolve_config(raw: dict[str, Any]) -> ModelConfig:
         for k in ("patch_size", "temporal_patch_size"):
             if isinstance(vraw.get(k), (list, tuple)):
                 vraw[k] = vraw[k][0]
+        rope = (raw["vision_config"].get("rope_parameters") or {}).get("rope_theta")
+        if rope is not None:
+            vraw["rope_theta"] = float(rope)
         vision = VisionConfig(**vraw)
     return ModelConfig(
         text=resolve_text_config(text_raw),
@@ -197,6 +209,10 @@ def resolve_config(raw: dict[str, Any]) -> ModelConfig:
         architecture=architecture,
         image_token_id=raw.get("image_token_id", 154854),
         video_token_id=raw.get("video_token_id", 154855),
+        image_start_token_id=raw.get("image_start_token_id", 154830),
+        image_end_token_id=raw.get("image_end_token_id", 154831),
+        video_start_token_id=raw.get("video_start_token_id", 154832),
+        video_end_token_id=raw.get("video_end_token_id", 154833),
         raw=raw,
     )
 

@@ -52,9 +52,13 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
+        videos: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (batched); outputs in prompt order. Invalid input raises ValueError
-        before anything runs."""
+        before anything runs. ``images`` / ``videos``: per prompt, a list of images (PIL, path, bytes) /
+        videos (path, bytes, or a list of frames); a text prompt places them at its ``<|image|>`` /
+        ``<|video|>`` marks, or before its text when it has none (needs ``LLM(..., enable_vision=True)``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
@@ -63,12 +67,21 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for name, media in (("images", images), ("videos", videos)):
+            if media is not None and len(media) != len(prompts):
+                raise ValueError(f"{len(media)} entries of {name} for {len(prompts)} prompts (one list per prompt)")
         requests, outputs = [], {}
-        for prompt, p in zip(prompts, params):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             text = prompt if isinstance(prompt, str) else None
-            ids = self.encode(prompt) if text is not None else [int(t) for t in prompt]
+            media = (images[i] if images else None, videos[i] if videos else None)
+            if any(media):
+                from flashinfra.multimodal.llm_inputs import multimodal_prompt
+
+                ids, items = multimodal_prompt(self, prompt, *media)
+            else:
+                ids, items = (self.encode(prompt) if text is not None else [int(t) for t in prompt]), []
             rid = f"llm-{next(self._ids)}"
-            requests.append(EngineRequest(rid, ids, p, time.time()))
+            requests.append(EngineRequest(rid, ids, p, time.time(), items))
             outputs[rid] = GenerationOutput(rid, text, ids, [], None, None, [] if p.logprobs is not None else None)
         for req in requests:
             req.sampling.validate(self.engine.max_model_len)

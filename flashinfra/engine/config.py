@@ -148,10 +148,22 @@ class EngineConfig(LoadConfig):
     gil_probe_ms: float | None = option(
         None, "report GIL stalls of the engine longer than this many milliseconds, as gil_stall events "
               "(default: off)", min=0)
+    enable_vision: bool = option(False, "load the vision tower and accept images and video "
+                                        "(off: text only, no encoder memory reserved)")
+    encoder_cache_memory: int = option(256 * 2**20, "bytes of vision encoder outputs kept by content hash",
+                                       min=0, parse=parse_memory, metavar="SIZE")
+    media_max_bytes: int = option(20 * 2**20, "encoded size of one image or video in a request", min=1,
+                                  parse=parse_memory, metavar="SIZE")
+    media_max_pixels: int = option(40_000_000, "decoded pixels of one image or video frame", min=1)
+    media_max_frames: int = option(256, "sampled frames of one video", min=1)
+    media_max_items: int = option(8, "images and videos in one request", min=0)
+    allowed_media_hosts: str = option("", "comma-separated hosts whose http(s) media URLs the server may fetch "
+                                          "(empty: none)", metavar="HOSTS")
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_cache_memory, str):  # "2GiB", from LLM(kv_cache_memory="2GiB")
-            object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        for name in ("kv_cache_memory", "encoder_cache_memory", "media_max_bytes"):
+            if isinstance(getattr(self, name), str):  # "2GiB", from LLM(kv_cache_memory="2GiB")
+                object.__setattr__(self, name, parse_memory(getattr(self, name)))
         super().__post_init__()
 
     @property
@@ -208,6 +220,10 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             raise TypeError(f"{cls.__name__}.{f.name} has no metadata['help']: every setting is documented")
         kind = _scalar_type(cls, f.name)
         text = f.metadata["help"].replace("%", "%%")
+        if kind is bool:  # --flag / --no-flag
+            parser.add_argument(flag_name(f.name), default=f.default, dest=f.name,
+                                action=argparse.BooleanOptionalAction, help=text + " (default: %(default)s)")
+            continue
         if f.default is not None:  # a None default is explained by the help text itself
             text += " (default: %(default)s)"
         kwargs: dict[str, Any] = {"default": f.default, "help": text, "dest": f.name,

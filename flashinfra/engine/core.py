@@ -30,7 +30,7 @@ class EngineCore:
         config = config.resolved()
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device)
+            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision)
         self.config = config
         self.model = model
         text = model.config.text
@@ -41,7 +41,8 @@ class EngineCore:
         self.events = events if events is not None else _make_events(config.events_path)
         self.gil_probe = _start_gil_probe(config.gil_probe_ms, self.events)
         prefix_slots = config.resolved_prefix_slots
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots,
+                                  encoder_cache_bytes=config.encoder_cache_memory)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
@@ -76,9 +77,13 @@ class EngineCore:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
-        self.scheduler.add_request(
-            Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
-        )
+        if request.mm_items or self.model.vision is not None:
+            from flashinfra.multimodal.encoder import validate_request
+
+            validate_request(self.model, ids, request.mm_items)
+        req = Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
+        req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
+        self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> None:
         """Free these requests' cache now; their final ``abort`` outputs come with the next ``step``."""
@@ -134,7 +139,11 @@ class EngineCore:
         return outputs
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self._last_step_s, self._last_tokens)
+        stats = self.scheduler.stats(self._last_step_s, self._last_tokens)
+        if (embedder := self.runner.embedder) is not None:
+            stats.num_encoded_items_total = embedder.num_encoded
+            stats.num_encoder_cache_hits_total = embedder.cache.hits
+        return stats
 
 
 def _start_gil_probe(threshold_ms: float | None, events: Any) -> Any:

@@ -21,6 +21,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.engine.sampler import SamplingRow, sample
+from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
@@ -40,7 +41,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
     if budget is None:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(free * GPU_CACHE_FRACTION)
+            budget = int(free * GPU_CACHE_FRACTION) - encoder_reserve_bytes(model, config.encoder_cache_memory)
         else:
             budget = CPU_DEFAULT_CACHE_BYTES
     left = budget - num_slots * per_slot
@@ -54,7 +55,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
-                 num_prefix_slots: int = 0, cuda_graphs: bool = True) -> None:
+                 num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -64,6 +65,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
         self.generators: dict[str, torch.Generator] = {}
         self._seeds = random.Random(seed)
+        self.embedder = make_embedder(model, encoder_cache_bytes)  # None unless the vision tower is loaded
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)
@@ -101,7 +103,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
-        if self.graphs is not None and self.graphs.can_run(batch):
+        embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
+        if embeds is not None:
+            hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
+        elif self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, batch)
         else:
             hidden = self.model.forward(input_ids, batch, self.cache)

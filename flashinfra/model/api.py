@@ -42,6 +42,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     report: LoadReport
+    vision: Any = None  # the vision tower (``flashinfra.model.vision.VisionTower``) when loaded with vision=True
 
     def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
         return ModelCache.allocate(self.config.text, num_blocks, block_size, num_slots, self.dtype, self.device)
@@ -74,17 +75,31 @@ class LoadedModel:
 
 
 def _build(path: Path, config: ModelConfig, source: TensorSource, dtype: str | torch.dtype,
-           device: str | torch.device) -> LoadedModel:
+           device: str | torch.device, vision: bool = False) -> LoadedModel:
     torch_dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device(device):
         model = Glm5NextModel(config.text, torch_dtype, config.has_lm_head)
     report = load_weights(model, config, source)
-    return LoadedModel(path, config, model.eval(), torch_dtype, device, report)
+    tower = _load_vision(config, source, torch_dtype, device) if vision else None
+    return LoadedModel(path, config, model.eval(), torch_dtype, device, report, tower)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+def _load_vision(config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device):
+    from flashinfra.model.vision import VisionTower, load_vision_weights
+
+    if config.vision is None:
+        raise ValueError("this checkpoint has no vision tower (no vision_config); images and video need one")
+    with torch.device(device):
+        tower = VisionTower(config.vision).to(dtype)
+    load_vision_weights(tower, source)
+    return tower.eval()
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               vision: bool = False) -> LoadedModel:
+    """``vision=True`` also loads the vision tower (``model.visual.*``); text-only use leaves it on disk."""
     path = Path(path)
-    return _build(path, load_config(path), CheckpointReader(path), dtype, device)
+    return _build(path, load_config(path), CheckpointReader(path), dtype, device, vision)
 
 
 def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -108,7 +123,7 @@ def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelCon
 
 def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, state_dict: Mapping[str, torch.Tensor],
                                dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                               path: str | Path = "state_dict") -> LoadedModel:
+                               path: str | Path = "state_dict", vision: bool = False) -> LoadedModel:
     """Our model from in-memory tensors, e.g. ``load_model_from_state_dict(hf.config, hf.state_dict())``.
 
     Names may be the release names or transformers' in-memory module names (packed experts, fused conv,
@@ -116,4 +131,4 @@ def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, st
     each, as for a checkpoint on disk. The tensors are copied into the model, so the source can be freed
     afterwards. ``path`` names the model (and is where a tokenizer would be looked for).
     """
-    return _build(Path(path), model_config_from(config), StateDictReader(state_dict), dtype, device)
+    return _build(Path(path), model_config_from(config), StateDictReader(state_dict), dtype, device, vision)

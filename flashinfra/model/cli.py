@@ -20,23 +20,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
     sampling.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
+    media = p.add_argument_group("media")
+    media.add_argument("--image", action="append", default=[], metavar="FILE",
+                       help="an image for the prompt (repeatable; placed at <|image|> marks, else before the text)")
+    media.add_argument("--video", action="append", default=[], metavar="FILE", help="a video file (repeatable; needs av)")
     EngineConfig.add_args(p.add_argument_group("engine"))
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from flashinfra.engine.sched.messages import SamplingParams
     from flashinfra.llm import LLM
 
     prompt = " ".join(args.prompt)
     try:
+        media = bool(args.image or args.video)
         config = EngineConfig.from_args(args)
+        if media:
+            config = replace(config, enable_vision=True)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k)
         llm = LLM(**asdict(config))
-        out = llm.generate(prompt, params)[0]
+        out = llm.generate(prompt, params, images=[args.image] if media else None,
+                           videos=[args.video] if media else None)[0]
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
     if out.finish_reason == "error":

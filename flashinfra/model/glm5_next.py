@@ -60,9 +60,11 @@ class Glm5NextModel(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """input_ids [T] packed -> final hidden states [T, D] (after the final norm)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] packed -> final hidden states [T, D] (after the final norm). ``inputs_embeds`` [T, D]
+        replaces the embedding lookup (images and video: ``flashinfra.multimodal.encoder``)."""
+        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
         masks: dict[int, list[torch.Tensor]] = {}
         for layer in self.layers:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -25,6 +26,7 @@ from starlette.background import BackgroundTask
 from flashinfra.server.engine_client import EngineClient, EngineLauncher
 from flashinfra.server.errors import bad_request, error_body, error_response, install_error_handlers
 from flashinfra.server.formatting import ChatFormatter, CompletionFormatter, sse
+from flashinfra.server.media import chat_prompt
 from flashinfra.server.metrics import ServerMetrics
 from flashinfra.server.protocol import ChatCompletionRequest, CompletionRequest
 from flashinfra.server.serving import (Choice, ServerState, check_prompt, make_choices, new_request_id,
@@ -43,6 +45,7 @@ class ServerConfig:
     max_pending: int
     tokenizer_threads: int = 4
     engine_start_timeout_s: float = 900.0
+    media: Any = None  # server.media.MediaSettings when the engine runs with vision; None: text only
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -57,7 +60,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             app.state.server = ServerState(
                 client=client, tokenizer=tokenizer, model_name=config.served_model_name or info.model_name,
                 max_model_len=info.max_model_len, metrics=metrics, executor=executor,
-                vocab_size=info.vocab_size)
+                vocab_size=info.vocab_size, media=config.media)
             lag_watch = asyncio.create_task(metrics.watch_event_loop(), name="event-loop-lag")
             try:
                 yield
@@ -120,13 +123,20 @@ def create_app(config: ServerConfig) -> FastAPI:
         state: ServerState = request.app.state.server
         _check_model(state, body.model)
         messages = [msg.as_template_dict() for msg in body.messages]
-        prompt_ids = await tokenize(state, "", chat=messages, add_generation_prompt=body.add_generation_prompt,
-                                    template_kwargs=body.chat_template_kwargs)
+        multimodal = await chat_prompt(state, body.messages, messages, body.add_generation_prompt,
+                                       body.chat_template_kwargs)
+        if multimodal is None:
+            prompt_ids = await tokenize(state, "", chat=messages, add_generation_prompt=body.add_generation_prompt,
+                                        template_kwargs=body.chat_template_kwargs)
+        else:
+            prompt_ids = multimodal[0]
         max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, None, "messages")
         request_id = new_request_id("chatcmpl")
         choices = make_choices(state, request_id, [prompt_ids], [body.sampling_params(max_tokens, body.num_logprobs)],
                                body.n, body.stop_strings, body.include_stop_str_in_output,
                                body.skip_special_tokens)
+        for c in choices if multimodal is not None else ():
+            c.mm_items = multimodal[1]
         fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
                             body.return_token_ids)
         queue = await submit(state, choices)

@@ -93,8 +93,17 @@ def run(args: argparse.Namespace) -> int:
         proc.start()
         return proc
 
+    media = None
+    if engine_config.enable_vision:
+        from flashinfra.multimodal.inputs import MediaLimits
+        from flashinfra.server.media import MediaSettings
+
+        media = MediaSettings.for_model(model_path, MediaLimits(
+            engine_config.media_max_bytes, engine_config.media_max_pixels, engine_config.media_max_frames,
+            engine_config.media_max_items), engine_config.allowed_media_hosts)
     config = ServerConfig(model_path=model_path, launcher=launch, served_model_name=name,
-                          api_key=opts.api_key or env.server_api_key(), max_pending=opts.max_pending)
+                          api_key=opts.api_key or env.server_api_key(), max_pending=opts.max_pending,
+                          media=media)
     uvicorn.run(create_app(config), host=opts.host, port=opts.port, log_level=opts.log_level,
                 timeout_graceful_shutdown=opts.shutdown_timeout, access_log=opts.log_level == "debug")
     return 0

@@ -94,7 +94,7 @@ class EngineClient:
         return self.info
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: m.SamplingParams,
-                     queue: asyncio.Queue) -> None:
+                     queue: asyncio.Queue, mm_items: list | None = None) -> None:
         """Send one request to the engine; its ``RequestOutput``s will be put on ``queue``."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
@@ -102,7 +102,7 @@ class EngineClient:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._routes[request_id] = queue
         request = m.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                  sampling=sampling, arrival_time=time.time())
+                                  sampling=sampling, arrival_time=time.time(), mm_items=mm_items or [])
         await self._send.send(m.encode(request))
 
     def reserve(self, count: int) -> None:

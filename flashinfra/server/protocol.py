@@ -124,16 +124,43 @@ class TextPart(BaseModel):
     text: str
 
 
+class MediaURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    """An image: a ``data:image/...;base64,`` URL, or http(s) from an allowed host (``server/media.py``)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["image_url"]
+    image_url: MediaURL
+
+
+class VideoPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=256)] | None = None
     name: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            # images and videos become the marks GLM's template writes for them (server/media.py fills them)
+            from flashinfra.multimodal.prompt import IMAGE_PART, VIDEO_PART
+
+            content = "".join(part.text if isinstance(part, TextPart) else
+                              IMAGE_PART if isinstance(part, ImagePart) else VIDEO_PART for part in content)
         message = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             message["name"] = self.name

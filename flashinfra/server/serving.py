@@ -45,6 +45,7 @@ class ServerState:
     metrics: ServerMetrics
     executor: ThreadPoolExecutor
     vocab_size: int
+    media: object = None  # server.media.MediaSettings when images/video are accepted
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Choice:
     num_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    mm_items: list = field(default_factory=list)  # the prompt's images/videos (engine MultiModalItem)
 
 
 @dataclass
@@ -163,7 +165,7 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
     sent: list[str] = []
     try:
         for choice in choices:
-            await client.submit(choice.request_id, choice.prompt_ids, choice.sampling, queue)
+            await client.submit(choice.request_id, choice.prompt_ids, choice.sampling, queue, choice.mm_items)
             sent.append(choice.request_id)
     except EngineDeadError as exc:
         client.abort_soon(sent)

@@ -109,7 +109,7 @@ def test_chat_fields():
     with pytest.raises(ValidationError):
         chat(messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(ValidationError):
-        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}])
 
 
 def test_sub_request_seeds_are_deterministic_and_distinct():

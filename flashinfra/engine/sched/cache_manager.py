@@ -10,7 +10,8 @@ is a pair: the full blocks of its first ``c`` tokens (shared read-only, referenc
 checkpoint of the KDA state after exactly ``c`` tokens, kept in one of ``num_prefix_slots`` extra state
 slots (ids ``num_slots ..``). ``c`` is a block boundary before a prompt's last token, so a hit always
 leaves at least one token to compute. A hit is token-exact: the stored prefix is compared, not just
-its hash. Cached prefixes are evicted least-recently-used first, before any request is preempted.
+its hash, and so are the content hashes of the images/videos within it (same-size images have the same
+placeholder tokens). Cached prefixes are evicted least-recently-used first, before any request is preempted.
 Besides the last block boundary of each prompt, prefixes are also checkpointed every
 ``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too.
 
@@ -100,6 +101,7 @@ class PrefixEntry:
     tokens: tuple[int, ...]  # the exact prefix (length c, a multiple of block_size)
     block_ids: list[int]  # its c / block_size full blocks
     slot: int  # checkpoint slot holding the KDA state after the prefix
+    mm_hashes: tuple[str, ...] = ()  # content of the images/videos within the prefix
 
 
 class HybridCacheManager:
@@ -239,7 +241,8 @@ class HybridCacheManager:
         k = min(len(hashes), (req.num_tokens - 1) // self.block_size)
         for i in range(k, 0, -1):
             entry = self._prefixes.get(hashes[i - 1])
-            if entry is not None and entry.tokens == tuple(req.all_token_ids[: len(entry.tokens)]):
+            if (entry is not None and entry.tokens == tuple(req.all_token_ids[: len(entry.tokens)])
+                    and entry.mm_hashes == req.mm_hashes(0, len(entry.tokens))):
                 self._prefixes.move_to_end(hashes[i - 1])
                 return entry
         return None
@@ -271,7 +274,7 @@ class HybridCacheManager:
         blocks = req.block_ids[: c // self.block_size]
         for b in blocks:
             self._blocks.share(b, by_prefix=True)
-        self._prefixes[key] = PrefixEntry(tuple(req.all_token_ids[:c]), blocks, slot)
+        self._prefixes[key] = PrefixEntry(tuple(req.all_token_ids[:c]), blocks, slot, req.mm_hashes(0, c))
 
     def clear_prefixes(self) -> None:
         while self._evict_one():

@@ -72,6 +72,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("logprobs", self.logprobs, "must be an integer in [0, 20]")
 
 
+class MultiModalItem(msgspec.Struct, frozen=True):
+    """An image or video in a prompt: its resized uint8 canvas and where its placeholder tokens lie.
+
+    The span ``[offset, offset + length)`` of the prompt holds the item's placeholder (image pad) tokens,
+    and for a video the frame markers between them; the encoder's rows fill the pad tokens in order.
+    ``content_hash`` identifies the pixels (encoder cache and prefix cache key)."""
+
+    kind: str  # "image" | "video"
+    content_hash: str
+    offset: int
+    length: int
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    shape: tuple[int, int, int, int]  # canvas [frames, 3, H, W]
+    pixels: bytes  # uint8 canvas, C order
+    num_embeds: int  # encoder rows = pad tokens in the span (t * h * w / merge^2)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class EngineRequest(msgspec.Struct, tag=True):
     """A new generation request, already tokenized by the server."""
 
@@ -79,6 +100,7 @@ class EngineRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    mm_items: list[MultiModalItem] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -123,6 +145,8 @@ class EngineStats(msgspec.Struct):
     num_requests_finished_total: int = 0
     step_duration_s: float = 0.0
     num_batched_tokens: int = 0
+    num_encoded_items_total: int = 0  # images/videos run through the vision tower
+    num_encoder_cache_hits_total: int = 0  # images/videos a step needed and found in the encoder cache
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

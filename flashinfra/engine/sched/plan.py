@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     load_state_from: int | None = None  # prefix hit: copy this checkpoint slot into state_slot first
     save_state_to: int | None = None  # after the step, copy state_slot into this checkpoint slot
+    mm_items: tuple[MultiModalItem, ...] = ()  # images/videos whose span overlaps this step's tokens
 
     @property
     def num_new_tokens(self) -> int:

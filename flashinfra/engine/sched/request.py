@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from flashinfra.engine.sched.messages import SamplingParams
+from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -35,20 +35,28 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # ordered by offset
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: tuple[int, list[int]] | None = None
 
     def block_hashes(self, block_size: int) -> list[int]:
-        """Chained hashes of the prompt's full blocks: entry ``i`` identifies the first ``i + 1`` blocks."""
+        """Chained hashes of the prompt's full blocks: entry ``i`` identifies the first ``i + 1`` blocks.
+        A block that holds part of an image or video also hashes that item's content, so two prompts
+        with different images of one size (the same placeholder tokens) do not share it."""
         if self._block_hashes is None or self._block_hashes[0] != block_size:
             hashes, h = [], 0
             for start in range(0, self.num_prompt_tokens - block_size + 1, block_size):
-                h = hash((h, tuple(self.prompt_token_ids[start : start + block_size])))
+                h = hash((h, tuple(self.prompt_token_ids[start : start + block_size]),
+                          self.mm_hashes(start, start + block_size)))
                 hashes.append(h)
             self._block_hashes = (block_size, hashes)
         return self._block_hashes[1]
+
+    def mm_hashes(self, start: int, end: int) -> tuple[str, ...]:
+        """Content hashes of the images/videos whose span overlaps prompt positions ``[start, end)``."""
+        return tuple(it.content_hash for it in self.mm_items if it.offset < end and it.end > start)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -249,6 +249,7 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             load_state_from=load,
             save_state_to=save,
+            mm_items=tuple(it for it in req.mm_items if it.offset < start + n and it.end > start),
         )
 
     def _preempt(self, req: Request) -> None:
