@@ -16,7 +16,7 @@ from flashinfra.feedback import ceilings
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, register_benchmark, \
     register_check
 from flashinfra.kernels.kda.conv import causal_conv1d_decode, causal_conv1d_prefill
-from flashinfra.kernels.kda.decode_recurrence import kda_decode
+from flashinfra.kernels.kda.decode import kda_decode_ref as kda_decode
 from flashinfra.kernels.kda.gate import kda_gate_ref
 from flashinfra.kernels.kda.prefill import kda_prefill
 

@@ -179,7 +179,7 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     kda_intra64_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, wqk, egl, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
-        NS=5, SQ=2, SKD=3, Q_LO=False, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
+        NS=5, SQ=2, SKD=3, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
     assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
     if kg:
         assert_close("kernel D: -kg pair", wqk[:, :, 0].float() + wqk[:, :, 1].float(), -x["ref_kg"],

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.kda.gate import kda_log_decay
-from flashinfra.kernels.kda.prefill_intra_diag import mma_bf16
 
 
 @triton.jit
@@ -119,34 +118,6 @@ def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
     b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
     b_s = b_s + b_k[:, None] * b_delta[None, :]
     return b_s, tl.sum(b_s * b_q[:, None], 0)
-
-
-@triton.jit
-def _parts3(x):
-    """x (float32) as three bf16 parts whose sum carries about 24 bits of it."""
-    hi = x.to(tl.bfloat16)
-    r = x - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def state_step_dot(b_s, b_q, b_k, b_decay, b_beta, b_v, BV: tl.constexpr, DOT_F32: tl.constexpr):
-    """``state_step`` on a bf16 block as loaded (exact) with both sums over K from one tensor-core product:
-    ``k^T (d S) = (k d)^T S`` and ``q^T S' = (q d)^T S + (q . k) delta``, ``k d`` and ``q d`` as three bf16 parts
-    each (about 24 bits), the rows of a [16, K] operand whose other rows are zero, float32 accumulation. The new
-    block is formed in float32, as ``state_step``'s. DOT_F32: the interpreter's widened bf16 products."""
-    qk = tl.sum(b_q * b_k)
-    kh, km, kl = _parts3(b_k * b_decay)
-    qh, qm, ql = _parts3(b_q * b_decay)
-    r = tl.arange(0, 16)[:, None]
-    a = tl.where(r == 0, kh[None, :], tl.where(r == 1, km[None, :], tl.where(r == 2, kl[None, :],
-                                                                             tl.zeros_like(kh)[None, :])))
-    a = tl.where(r == 3, qh[None, :], tl.where(r == 4, qm[None, :], tl.where(r == 5, ql[None, :], a)))
-    p = mma_bf16(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)  # rows 0-2: k's parts, 3-5: q's
-    b_delta = (b_v - tl.sum(tl.where(r < 3, p, 0.0), 0)) * b_beta
-    b_o = tl.sum(tl.where((r >= 3) & (r < 6), p, 0.0), 0) + qk * b_delta
-    return b_s.to(tl.float32) * b_decay[:, None] + b_k[:, None] * b_delta[None, :], b_o
 
 
 @triton.jit

@@ -63,8 +63,7 @@ def kda_layer_decode_prep_heads_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
-    EVICT: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, HB: tl.constexpr,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
     ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
@@ -86,27 +85,18 @@ def kda_layer_decode_prep_heads_kernel(
     b_rate = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_decay = tl.exp(kda_log_decay(b_g, b_rate[:, None], lower_bound, HAS_LOWER_BOUND))
     b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_b + o_h, mask=m_h, other=0.0).to(tl.float32))
-    NR: tl.constexpr = 5 if PREP_V else 4
-    p_h = heads + ((i_b * H + o_h) * (NR * R))[:, None] + o_k[None, :]
-    m_hr = m_h[:, None] & (o_k < R)[None, :]
+    p_h = heads + ((i_b * H + o_h) * (4 * BK))[:, None] + o_k[None, :]
+    m_hr = m_h[:, None] & (o_k < BK)[None, :]
     b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W)
     b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None]  # one division per head
-    tl.store(p_h, b_q, mask=m_hr, eviction_policy=EVICT)
+    tl.store(p_h, b_q, mask=m_hr)
     b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W)
     b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None]
-    tl.store(p_h + R, b_k, mask=m_hr, eviction_policy=EVICT)
-    tl.store(p_h + 2 * R, b_decay, mask=m_hr, eviction_policy=EVICT)
+    tl.store(p_h + BK, b_k, mask=m_hr)
+    tl.store(p_h + 2 * BK, b_decay, mask=m_hr)
     b_beta_row = tl.where((o_k == 0)[None, :], b_beta[:, None], 0.0)
     m_beta = m_h[:, None] & (o_k == 0)[None, :]  # the state kernels read the beta row's first column only
-    if PREP_V:
-        o_f = tl.arange(0, BVF)
-        m_hf = m_h[:, None] & (o_f < V)[None, :]
-        b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W)
-        p_v = heads + ((i_b * H + o_h) * (NR * R))[:, None] + 3 * R + o_f[None, :]
-        tl.store(p_v, b_v, mask=m_h[:, None] & (o_f < R)[None, :], eviction_policy=EVICT)
-        tl.store(p_h + 4 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
-    else:
-        tl.store(p_h + 3 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
+    tl.store(p_h + 3 * BK, b_beta_row, mask=m_beta)
 
 
 @triton.jit
@@ -133,25 +123,15 @@ def kda_layer_decode_norm_heads_kernel(
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m)
 
 
-def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
-    if prep_heads > 1 and W > 4:
-        raise ValueError(f"kda_layer_decode: prep_heads > 1 handles conv widths up to 4, got {W}")
-    for name, n in (("prep_heads", prep_heads), ("norm_heads", norm_heads)):
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"kda_layer_decode: {name} must be a power of two >= 1, got {n}")
-
-
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
-                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
-                      evict: str, prep_heads: int, num_warps: int) -> None:
+                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, prep_heads: int, num_warps: int) -> None:
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
-        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
-        num_warps=num_warps)
+        HAS_LOWER_BOUND=has_lower_bound, HB=prep_heads, num_warps=num_warps)
 
 
 def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
@@ -160,12 +140,3 @@ def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_hea
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
         num_warps=num_warps)
-
-
-# Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per
-# size, whole layer and each launch alone; tests/kernels/test_kda_gpu.py runs each). The first is decode_config's
-# choice where it uses several heads. Dropped after the 06:44 UTC run (bench/notes/kda_decode.md, "prep launch"):
-# 4, 8 and 16 prep heads per program (with 8 or 16 norm heads): the layer with them was slower than the default at
-# every size and state dtype.
-HEADS_OPTIONS = [dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4),
-                 dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)]

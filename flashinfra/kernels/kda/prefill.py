@@ -46,20 +46,11 @@ from flashinfra.kernels.kda.prefill_launch import kda_prefill_v3
 from flashinfra.kernels.varlen import cached_int_lists
 
 
-# The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
-# (kda_prefill_split.py, 16-token chunks)
-DEFAULT_VERSION = "v3"
-# v3's state chain by default (kda_prefill_state_pass.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_precision.md)
-V3_CHAIN = "bf16x3"
-
-
-def default_version(dtype: torch.dtype, K: int, V: int) -> str:
-    """v3 for 16-bit activations; v2 for float32 ones (its tf32x3 chain keeps the state at float32 accuracy,
-    v3's bf16 pairs about 16 bits: far below a bf16 model's rounding, not below a float32 one's) and for head
-    sizes v3 does not tile (K and V must be powers of two, at least 16)."""
-    if dtype == torch.float32 or min(K, V) < 16 or K & (K - 1) or V & (V - 1):
-        return "v2"
-    return DEFAULT_VERSION
+def float32_path(dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether the 16-token-chunk kernels run: for float32 activations (their tf32x3 chain keeps the state at
+    float32 accuracy, the 64-token kernels' bf16 pairs about 16 bits: far below a 16-bit model's rounding, not
+    below a float32 one's) and for head sizes the 64-token kernels do not tile (powers of two, at least 16)."""
+    return dtype == torch.float32 or min(K, V) < 16 or bool(K & (K - 1)) or bool(V & (V - 1))
 
 
 def kda_chunk_one_ref(
@@ -170,8 +161,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
     return cu, *cached_int_lists((cu, slots, init), device)  # no stream sync; the batch's layers share them
 
 
-def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
-            num_stages, chain_precision, local_precision, out, version, v3_options):
+def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, out):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -179,6 +169,8 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
             f"kda_prefill: shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
             f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
         )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"kda_prefill: q, k and v must have one dtype, got {q.dtype} {k.dtype} {v.dtype}")
     if state.dim() != 4 or state.shape[1:] != (H, K, V) or not state.is_contiguous():
         raise ValueError(f"kda_prefill: state must be contiguous [slots, {H}, {K}, {V}], got {tuple(state.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
@@ -186,54 +178,30 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
             raise ValueError(f"kda_prefill: {name} must have contiguous heads ([T, H, D] rows, any row stride)")
     if beta.stride(1) != 1:
         raise ValueError("kda_prefill: beta must have contiguous heads")
-    if BT & (BT - 1) or BT < 16:
-        raise ValueError(f"kda_prefill: BT must be a power of two >= 16, got {BT}")
     cu, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
     B = len(cu) - 1
     o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
-    BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
-    if version is None:
-        version = default_version(q.dtype, K, V)
-    if version == "v3":
-        return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BV=BV,
-                              num_warps=num_warps or 4, num_stages=num_stages,
-                              chain_precision=chain_precision or V3_CHAIN, local_precision=local_precision,
-                              **v3_options)
-    if version != "v2":
-        raise ValueError(f"kda_prefill: version must be 'v2' or 'v3', got {version!r}")
-    return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
-                             num_warps=num_warps or 8, num_stages=num_stages or 2,
-                             chain_precision=chain_precision or "tf32x3", local_precision=local_precision)
+    if float32_path(q.dtype, K, V):
+        return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
+    return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
 
 
-def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
-                       BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                       chain_precision: str | None = None, local_precision: str = "tf32",
-                       out: torch.Tensor | None = None, version: str | None = None, **v3_options):
-    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/notes/kda_prefill.md).
-    ``version="v3"`` (the default for 16-bit inputs, ``default_version``) runs the 64-token-chunk kernels
-    (BT is then fixed at 64; ``v3_options`` are ``v3_launches``' tuning options, kda_prefill_v3.py);
-    ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: ``V3_CHAIN`` by default, "bf16x2" for
-    14-15% more speed at flash-linear-attention's precision class, "bf16"; v2: "tf32x3", "tf32", "ieee") is
-    exposed for callers who make that trade, for the tests that show the plain chains are worse and for
-    high-precision references."""
-    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
-                   num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)
+def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
+                       out: torch.Tensor | None = None):
+    """Triton ``kda_prefill``: 64-token chunks for 16-bit activations, 16-token chunks for float32 ones
+    (``float32_path``)."""
+    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, out)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                             state_slots, has_initial_state, *, BT: int = 16,
-                             BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                             chain_precision: str | None = None, local_precision: str = "tf32",
-                             out: torch.Tensor | None = None, version: str | None = None, **v3_options):
+                             state_slots, has_initial_state, out: torch.Tensor | None = None):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
-                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, num_stages,
-                   chain_precision, local_precision, out, version, v3_options)
+                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), out)
 
 
 def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):

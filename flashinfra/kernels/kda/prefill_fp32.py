@@ -123,12 +123,19 @@ def kda_chunk_state_kernel(
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
-def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BT: int,
-                      BV: int, num_warps: int, num_stages: int, chain_precision: str, local_precision: str):
+# 16-token chunks; the state's products (its chain from chunk to chunk) in tf32x3, the in-chunk ones in tf32
+BT = 16
+CHAIN_PRECISION, LOCAL_PRECISION = "tf32x3", "tf32"
+STATE_WARPS, STATE_STAGES = 8, 2
+
+
+def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
     """Launch both kernels on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on
     the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
     T, H, K = q.shape
     V = v.shape[-1]
+    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    chain_precision, local_precision = CHAIN_PRECISION, LOCAL_PRECISION
     idx, offsets_t, nch = chunk_tables(cu, BT, q.device)
     if not nch:
         return o
@@ -151,6 +158,6 @@ def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, 
     kda_chunk_state_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
         w, u, qg, kd, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, CHAIN_PRECISION=chain_precision, LOCAL_PRECISION=local_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )
     return o

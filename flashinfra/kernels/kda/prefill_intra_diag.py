@@ -154,7 +154,7 @@ def _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.const
 def kda_intra64_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale, wqk, egl,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, Q_LO: tl.constexpr,
+    FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     KD_LO: tl.constexpr, KG: tl.constexpr = False, W_LO: tl.constexpr = False,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
@@ -208,7 +208,7 @@ def kda_intra64_diag_kernel(
         # the state pass's qg and kd rows (the exponents at most 0: ``exp2`` flushes only factors below 2^-126)
         off = o_r[:, None] * K + ks * KS + o_s[None, :]
         b_eg = exp2(b_gc * LOG2E, FAST_EXP)
-        store_pair(wqk + SQ * (64 * K) + off, b_q * b_eg, Q_LO, 64 * K)
+        store_pair(wqk + SQ * (64 * K) + off, b_q * b_eg, False, 64 * K)
         if KG:
             store_pair(wqk + off, -(b_k * b_eg), W_LO, 64 * K)
             if i_b == 3:

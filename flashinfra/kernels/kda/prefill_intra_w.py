@@ -70,7 +70,6 @@ def kda_intra64_b_kernel(
     bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, k_d, v_d, gc_d, ai_d,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     PRECISION: tl.constexpr, W_LO: tl.constexpr, NS: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
-    AIB: tl.constexpr = False,
 ):
     """Grid (chunks, H): the tiles above for one chunk and head, BK key and BVB value columns at a time.
     ``k_d`` and ``v_d`` are descriptors over k and v as [T, H * D] rows with [64, BK] (k) and [64, BVB] (v)
@@ -87,11 +86,8 @@ def kda_intra64_b_kernel(
     m_t = t0 + o_t < tl.load(cu_seqlens + i_n + 1) - bos
     r0 = bos + t0
     i_ch = i_c * H + i_h
-    # Ai's lower blocks (the blocks above them are scratch), or Aib's pair (zeros above)
-    if AIB:
-        b_ai = ai_d.load([i_ch * 128, 0]).to(tl.float32) + ai_d.load([i_ch * 128 + 64, 0]).to(tl.float32)
-    else:
-        b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
+    # Ai's lower blocks (the blocks above them are scratch)
+    b_ai = tl.where((o_t[None, :] // 16) <= (o_t[:, None] // 16), ai_d.load([i_ch * 64, 0]), 0.0)
     i_ch64 = i_ch.to(tl.int64)
     wqk += i_ch64 * (NS * 64 * K)
     u += i_ch64 * (64 * V)
@@ -99,20 +95,16 @@ def kda_intra64_b_kernel(
     gc += i_ch64 * (64 * K) + 63 * K
     # the rows' norm factors (kernel D's: 1 / |k_r|) and beta
     r_k = tl.load(rn + i_ch64 * 128 + 64 + o_t)
-    if AIB:  # beta is in Aib's columns already
-        b_b = tl.full([64], 1.0, tl.float32)
-    else:
-        b_b = tl.load(bc + i_ch64 * 64 + o_t)
+    b_b = tl.load(bc + i_ch64 * 64 + o_t)
     o_b = tl.arange(0, BK)
     for kk in tl.range(0, K, BK, num_stages=STAGES):
         b_gc = gc_d.load([i_ch * 64, kk])
         b_gl = tl.load(gc + kk + o_b)
         b_k = tl.where(m_t[:, None], k_d.load([r0, i_h * K + kk]), 0.0)
         _key_cols(b_gc, b_gl, b_k, b_b, kk + o_b, b_ai, r_k, wqk, egl, K, PRECISION, W_LO, DOT_F32)
-    if not AIB:
-        # u for BVB value columns at a time, stored transposed
-        o_f = tl.arange(0, BVB)
-        for vv in tl.range(0, V, BVB, num_stages=STAGES):
-            b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
-            tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
-                     mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))
+    # u for BVB value columns at a time, stored transposed
+    o_f = tl.arange(0, BVB)
+    for vv in tl.range(0, V, BVB, num_stages=STAGES):
+        b_v = tl.where(m_t[:, None], v_d.load([r0, i_h * V + vv]), 0.0)
+        tl.store(u + o_t[:, None] + (vv + o_f)[None, :] * 64,
+                 mm_f32(b_ai, b_v.to(tl.float32) * b_b[:, None], PRECISION, DOT_F32))

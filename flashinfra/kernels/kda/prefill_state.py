@@ -55,9 +55,8 @@ def kda_state64_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
     v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, U_IN_STATE: tl.constexpr = False,
-    W_IN_STATE: tl.constexpr = False,
+    CHAIN: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
+    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, AIB: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -99,7 +98,7 @@ def kda_state64_kernel(
     r_s = (slot * H + i_h) * K
     b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
     nt = tl.cdiv(L, 64).to(tl.int32)
-    if U_IN_STATE:
+    if AIB:
         v_d = tl.make_tensor_descriptor(v + bos * stride_v + i_h * V + i_v * BV, [L.to(tl.int32), BV], [stride_v, 1],
                                         [64, BV])
     # exp(gl) is loaded a step ahead: a plain load waits at its first use and the pipeliner leaves it in place, so
@@ -111,7 +110,7 @@ def kda_state64_kernel(
         if L2_AHEAD:
             ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
             prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2)
-            if U_IN_STATE:
+            if AIB:
                 prefetch_l2(u_p + ahead * (2 * 4096), 2 * 4096 * 2)  # Aib's pair in u's place
             else:
                 prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
@@ -129,29 +128,23 @@ def kda_state64_kernel(
         # the output's state part first, so that Z's parts are free before v' is formed
         b_o = mma_bf16(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         b_o = mma_bf16(b_zl, b_qh, b_o, DOT_F32)
-        if OUT_X3:
-            b_o = mma_bf16(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
         b_ws = mma_bf16(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         if CHAIN == 3:
             b_ws = mma_bf16(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
             b_ws = mma_bf16(b_zl, b_wh, b_ws, DOT_F32)
-        if U_IN_STATE:
+        if AIB:
             b_vt = tl.trans(v_d.load([i_t * 64, 0]))
             r_u = base * (2 * 64)  # Aib's hi and lo [64, 64] halves
             b_ah = tl.trans(u.load([r_u, 0]))
             b_al = tl.trans(u.load([r_u + 64, 0]))
             b_u = mma_bf16(b_vt, b_al, mma_bf16(b_vt, b_ah, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32), DOT_F32)
-            if W_IN_STATE:
-                # v'^T = u^T + (Z (-kg)^T) Aib^T: b_ws holds Z (-kg)^T (w's slots hold -kg); v stays the first
-                # operand of u's products (as the accumulator its tile's copy left the pipeline: each step waited for
-                # it)
-                b_th, b_tl = _parts(b_ws, CHAIN)
-                b_vn = mma_bf16(b_th, b_ah, b_u, DOT_F32)
-                if CHAIN >= 2:
-                    b_vn = mma_bf16(b_tl, b_ah, mma_bf16(b_th, b_al, b_vn, DOT_F32), DOT_F32)
-            else:
-                b_vn = b_u - b_ws
+            # v'^T = u^T + (Z (-kg)^T) Aib^T: b_ws holds Z (-kg)^T (w's slots hold -kg); v stays the first operand
+            # of u's products (as the accumulator its tile's copy left the pipeline: each step waited for it)
+            b_th, b_tl = _parts(b_ws, CHAIN)
+            b_vn = mma_bf16(b_th, b_ah, b_u, DOT_F32)
+            if CHAIN >= 2:
+                b_vn = mma_bf16(b_tl, b_ah, mma_bf16(b_th, b_al, b_vn, DOT_F32), DOT_F32)
         else:
             b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)
