@@ -16,8 +16,8 @@ from flashinfra.feedback import ceilings
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, register_benchmark, \
     register_check
 from flashinfra.kernels.kda.conv import causal_conv1d_decode, causal_conv1d_prefill
-from flashinfra.kernels.kda.decode import kda_decode_ref as kda_decode
-from flashinfra.kernels.kda.gate import kda_gate_ref
+from flashinfra.kernels.kda.ref import kda_decode_ref as kda_decode
+from flashinfra.kernels.kda.ref import kda_gate_ref
 from flashinfra.kernels.kda.prefill import kda_prefill
 
 

@@ -14,6 +14,7 @@ from flashinfra.feedback.registry import compare
 from flashinfra.kernels.kda import conv as conv
 from flashinfra.kernels.kda import decode as layer
 from flashinfra.kernels.kda import prefill as pre
+from flashinfra.kernels.kda import ref as kda_ref
 
 NAN = float("nan")
 
@@ -81,9 +82,9 @@ def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=t
         s64 = before[s : s + 1].double().clone()
         args = [f64(x[sl]) for x in (q, k, v, g_in, b_in)]
         if gated:
-            ref = pre.kda_prefill_gated_ref(*args, f64(A_log), f64(dt_bias), lower_bound, s64, [0, lens[n]], [0], [i])
+            ref = kda_ref.kda_prefill_gated_ref(*args, f64(A_log), f64(dt_bias), lower_bound, s64, [0, lens[n]], [0], [i])
         else:
-            ref = pre.kda_prefill_ref(*args, s64, [0, lens[n]], [0], [i])
+            ref = kda_ref.kda_prefill_ref(*args, s64, [0, lens[n]], [0], [i])
         assert_close(f"o[seq {n}]", out[sl], ref, rel, atol, rtol)
         assert_close(f"state[seq {n}]", state[s], s64[0], *state_tol)
     untouched = [s for s in range(num_slots) if s not in slots]
@@ -110,7 +111,7 @@ def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32,
                  lower_bound=-5.0, seed=0, W=4):
     a = layer_decode_inputs(device, B, H, K, state_dtype, dtype, lower_bound, seed, W)
     r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
-    ref = layer.kda_layer_decode_ref(**r)
+    ref = kda_ref.kda_layer_decode_ref(**r)
     conv_before, state_before = a["conv_state"].clone(), a["state"].clone()
     out = torch.full((B, H, K), NAN, dtype=dtype, device=device)
     layer.kda_layer_decode_launch(**a, out=out)

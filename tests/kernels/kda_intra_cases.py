@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flashinfra.kernels.kda import prefill as pre
+from flashinfra.kernels.kda import ref as kda_ref
 from tests.kernels.kda_cases import NAN, assert_close, f64, offsets
 
 
@@ -100,7 +100,7 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
-    qn, kn = pre.l2norm_ref(f64(q)), pre.l2norm_ref(f64(k))
+    qn, kn = kda_ref.l2norm_ref(f64(q)), kda_ref.l2norm_ref(f64(k))
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
     ref_rn = torch.full((nch, H, 2, 64), 1e3, dtype=torch.float64, device=device)  # 1 / sqrt(eps) on padding rows
@@ -166,7 +166,7 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     chunk-head instead. Every output starts as
     NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other element of Aqk and of the
     norm factors must be written, Ai's diagonal blocks too."""
-    from flashinfra.kernels.kda.prefill_intra_diag import kda_intra64_diag_kernel
+    from flashinfra.kernels.kda.prefill_intra_diag import kda_intra_diag_kernel
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -176,7 +176,7 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
     wqk = torch.full((nch, H, 5, 64, K), NAN, dtype=torch.bfloat16, device=device)  # w, w lo, qg, kd, kd lo
     egl = torch.full((nch, H, K), NAN, dtype=torch.float32, device=device)
-    kda_intra64_diag_kernel[(nch * 4, H)](
+    kda_intra_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, wqk, egl, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
         NS=5, SQ=2, SKD=3, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
@@ -213,8 +213,8 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     values, every other element must be written; rows past a sequence's end hold zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra64_offdiag_rows_kernel
-    from flashinfra.kernels.kda.prefill_launch import rows_descriptor
+    from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra_offdiag_kernel
+    from flashinfra.kernels.kda.prefill import rows_descriptor
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -225,7 +225,7 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     solve = solve or ("ieee" if precision == "ieee" else "bf16x3")  # the launcher's merge precision by default
     tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
              TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
-    kda_intra64_offdiag_rows_kernel[(nch, H)](
+    kda_intra_offdiag_kernel[(nch, H)](
         x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, ai, H=H, K=K, KS=KS,
         LOCAL_PRECISION=precision,
         SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from flashinfra.kernels.kda import decode as layer, prefill as kda_prefill, prefill_fp32, prefill_launch
+from flashinfra.kernels.kda import decode as layer, prefill as kda_prefill, prefill_fp32
+from flashinfra.kernels.kda import ref as kda_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from tests.kernels import kda_cases as cases
 from tests.kernels import kda_intra_cases as intra_cases
@@ -115,7 +116,7 @@ def test_layer_decode_graph_steps(B, state_dtype, monkeypatch):
     for _ in range(steps):
         out.fill_(float("nan"))
         graph.replay()
-        ref = layer.kda_layer_decode_ref(**r)
+        ref = kda_ref.kda_layer_decode_ref(**r)
         torch.cuda.synchronize()
         cases.assert_close("o", out, ref, rel, atol, rtol)
     cases.assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
@@ -171,7 +172,7 @@ def test_float32_plain_tf32_state_chain_is_worse_than_tf32x3(monkeypatch):
     g = -0.02 * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))
     beta = torch.rand(T, H, device="cuda", generator=gen)
     s64 = torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda")
-    ref = kda_prefill.kda_prefill_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, [0, T],
+    ref = kda_ref.kda_prefill_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), s64, [0, T],
                                       [0], [False])
     monkeypatch.setattr(prefill_fp32, "LOCAL_PRECISION", "tf32x3")
     errs = {}
@@ -190,7 +191,7 @@ def _final_state_f64(q, k, v, g, beta):
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     s0 = torch.zeros(H, K, V, dtype=torch.float64, device=q.device)
-    _, s = kda_prefill.kda_chunk_one_ref(kda_prefill.l2norm_ref(q), kda_prefill.l2norm_ref(k), v, g, beta, s0)
+    _, s = kda_ref.kda_chunk_one_ref(kda_ref.l2norm_ref(q), kda_ref.l2norm_ref(k), v, g, beta, s0)
     return s[None]
 
 
@@ -200,17 +201,17 @@ def test_chunk64_state_chain_precisions(monkeypatch):
     (every chain operand a bf16 hi + lo pair) stays near fp32 rounding; bf16x2 (w and kd one bf16 each) sits at
     one bf16 rounding of kd (and w), which enters every chunk's update of S but does not compound (the state keeps
     16 bits), so it is bounded below plain bf16, and it is not close to bf16x3. The chain is the module constant
-    ``prefill_launch.CHAIN``."""
+    ``prefill.CHAIN``."""
     T, H, K = 16384, 2, 128
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(T, H, K, device="cuda", generator=gen).bfloat16() for _ in range(3))
     g = -0.02 * torch.sigmoid(torch.randn(T, H, K, device="cuda", generator=gen))
     beta = torch.rand(T, H, device="cuda", generator=gen)
     s64 = _final_state_f64(q, k, v, g, beta)
-    monkeypatch.setattr(prefill_launch, "LOCAL_PRECISION", "tf32x3")
+    monkeypatch.setattr(kda_prefill, "LOCAL_PRECISION", "tf32x3")
     errs = {}
     for prec in ("bf16", "bf16x2", "bf16x3"):
-        monkeypatch.setattr(prefill_launch, "CHAIN", prec)
+        monkeypatch.setattr(kda_prefill, "CHAIN", prec)
         s = torch.full((1, H, K, K), float("nan"), device="cuda")
         kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, [0, T], [0], [False])
         errs[prec] = float((s.double() - s64).norm() / s64.norm())
@@ -235,7 +236,7 @@ def test_chunk64_state_l2_prefetch_changes_nothing(dtype, monkeypatch):
     cu = [0] + list(itertools.accumulate(lens))
     got = []
     for ahead in (0, 1, 2):
-        monkeypatch.setattr(prefill_launch, "STATE_L2_AHEAD", ahead)
+        monkeypatch.setattr(kda_prefill, "STATE_L2_AHEAD", ahead)
         s = s0.clone()
         o = kda_prefill.kda_prefill_launch(q, k, v, g, beta, s, cu, list(range(len(lens))), [True] * len(lens))
         got.append((o, s))

@@ -20,6 +20,7 @@ from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, c
 from flashinfra.kernels.kda import conv as conv
 from flashinfra.kernels.kda import decode as layer
 from flashinfra.kernels.kda import prefill as pre
+from flashinfra.kernels.kda import ref as kda_ref
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 
 NAN = float("nan")
@@ -58,7 +59,7 @@ def check_prefill() -> list[CheckResult]:
         state[2] = NAN  # slot of the fresh sequence: must be ignored
         s64 = state.double().clone()
         s64[2] = 0
-        ref = pre.kda_prefill_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, cu, slots, init)
+        ref = kda_ref.kda_prefill_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, cu, slots, init)
         out = torch.full((T, H, K), NAN, device=dev, dtype=act)
         pre.kda_prefill_launch(q, k, v, g, beta, state, cu, slots, init, out=out)
         if act == torch.float32:
@@ -75,7 +76,7 @@ def check_prefill() -> list[CheckResult]:
     state[2] = NAN
     s64 = state.double().clone()
     s64[2] = 0
-    ref = pre.kda_prefill_gated_ref(*(_f64(t) for t in (q, k, v, g_raw, b_logits, A_log, dt_bias)), -5.0, s64, cu,
+    ref = kda_ref.kda_prefill_gated_ref(*(_f64(t) for t in (q, k, v, g_raw, b_logits, A_log, dt_bias)), -5.0, s64, cu,
                                     slots, init)
     out = torch.full((T, H, K), NAN, device=dev, dtype=act)
     pre.kda_prefill_gated_launch(q, k, v, g_raw, b_logits, A_log, dt_bias, -5.0, state, cu, slots, init, out=out)
@@ -103,7 +104,7 @@ def _check_layer(name: str, state_dtype: torch.dtype) -> list[CheckResult]:
     act = torch.bfloat16 if dev == "cuda" else torch.float32
     a = _layer_inputs(dev, 9, _sizes(dev)["H"], _sizes(dev)["K"], state_dtype, act)
     r = {n: _f64(t) for n, t in a.items()}
-    ref = layer.kda_layer_decode_ref(**r)
+    ref = kda_ref.kda_layer_decode_ref(**r)
     split = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
     out = torch.full(ref.shape, NAN, dtype=act, device=dev)
     layer.kda_layer_decode_launch(**a, out=out)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import kda_log_decay
+from flashinfra.kernels.kda.common import kda_log_decay
 from flashinfra.kernels.kda.common import conv_slot
 
 

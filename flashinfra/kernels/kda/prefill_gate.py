@@ -29,8 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import load_gate_beta
-from flashinfra.kernels.kda.prefill_intra_diag import chunk_rows
+from flashinfra.kernels.kda.common import load_gate_beta
+from flashinfra.kernels.kda.common import chunk_rows
 
 
 @triton.jit

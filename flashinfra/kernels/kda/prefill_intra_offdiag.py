@@ -1,6 +1,6 @@
 """KDA prefill (v3), kernel A: per 64-token chunk and head, the off-diagonal blocks of ``Aqk = q k^T`` and
 ``L = beta k k^T`` and the merge into the off-diagonal blocks of ``(I + L)^-1``, after kernel D
-(``kda_intra64_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
+(``kda_intra_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
 Aqk's lower blocks go out (bf16, for the state pass's output product); L's blocks stay in registers with D's
 four diagonal inverses (loaded while Aqk is stored), and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``
 runs on them column block by column block, so only its results go to memory (no barrier, no L round trip).
@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.prefill_intra_diag import LOG2E, chunk_rows, exp2, mm_f32, store_pair
+from flashinfra.kernels.kda.common import LOG2E, chunk_rows, exp2, mm_f32, store_pair
 
 
 @triton.jit
@@ -176,13 +176,13 @@ def _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.con
 
 
 @triton.jit
-def kda_intra64_offdiag_rows_kernel(
+def kda_intra_offdiag_kernel(
     bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d, aib,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
     STAGES: tl.constexpr = 3, AIB: tl.constexpr = False,
 ):
-    """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
+    """Grid (chunks, H), after kda_intra_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
     ``k_d``: descriptors over q's and k's [T, H * K] rows, ``gc_d`` over the gate pass's ``gc`` as [chunks * H *
     64, K] (kda_prefill_gate.py), all in [16, KS] tiles (KS: the K slice); ``bc``: the pass's beta; FAST_EXP:

@@ -2,7 +2,7 @@
 state through the sequence's 64-token chunks, from the per-chunk tiles the in-chunk kernels wrote
 (kda_prefill_v3.py launches it last).
 
-``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
+``kda_state_pass_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
 ``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: four products shaped for the tensor cores'
 warpgroup instructions, each with its state-side operand in registers and its tile in shared memory. The products
 that carry S from chunk to chunk (``chain_precision``) split S and v' into bf16 hi + lo parts each step and
@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.prefill_intra_diag import bf16_pair, mma_bf16, prefetch_l2
+from flashinfra.kernels.kda.common import bf16_pair, mma_bf16, prefetch_l2
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _parts(x, CHAIN: tl.constexpr):
 
 
 @triton.jit
-def kda_state64_kernel(
+def kda_state_pass_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
     v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,

@@ -49,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.prefill_intra_diag import mm_f32, store_pair
+from flashinfra.kernels.kda.common import mm_f32, store_pair
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _key_cols(b_gc, b_gl, b_k, b_b, o_k, b_ai, r_k, wqk, egl, K: tl.constexpr, L
 
 
 @triton.jit
-def kda_intra64_b_kernel(
+def kda_intra_wu_kernel(
     bc, cu_seqlens, chunk_indices, rn, gc, wqk, u, egl, k_d, v_d, gc_d, ai_d,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
     PRECISION: tl.constexpr, W_LO: tl.constexpr, NS: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
