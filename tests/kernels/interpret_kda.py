@@ -67,16 +67,16 @@ def test_prefill_chunk64_cases(lens, kw, dtype):
 @pytest.mark.parametrize("lens,kw", [
     ([70, 1, 0, 64, 129], dict(decay=0.1, KS=16)),  # slow decay; an empty sequence, one-token chunks; two K slices
     ([70, 33], dict(gated=True, lower_bound=-5.0, decay=0.5)),
-    ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone (the bf16x2 launch's)
+    ([70, 33], dict(decay=0.5, a_lo=False, num_warps=1)),  # Aqk's hi half alone
     ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=-5.0, decay=0.5, a_lo=False)),
-    # -kg and exp(gl) in kernel B's place (w_in_state)
+    # -kg and exp(gl) in the w/u kernel's place (bf16 v)
     ([70, 1, 0, 64, 129], dict(gated=True, lower_bound=-5.0, decay=0.5, a_lo=False, kg=True)),
     ([70, 33], dict(decay=0.1, KS=16, a_lo=False, kg=True)),
 ])
 def test_prefill_chunk64_intra_diag(lens, kw):
-    """Kernel D alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
-    and Aqk's zeros above them (kda_intra_cases.intra_d)."""
-    intra_cases.intra_d("cpu", lens, H=2, K=32, **kw)
+    """The diagonal kernel alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
+    and Aqk's zeros above them (kda_intra_cases.intra_diag)."""
+    intra_cases.intra_diag("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -90,9 +90,9 @@ def test_prefill_chunk64_intra_diag(lens, kw):
     ([70, 1, 0, 64, 129], dict(decay=0.1, stages=1)),  # the slices unpipelined
 ])
 def test_prefill_chunk64_intra_offdiag(lens, kw):
-    """Kernel A alone against float64, reading the gate pass's scratch, its own poisoned
-    (kda_intra_cases.intra_a)."""
-    intra_cases.intra_a("cpu", lens, H=2, K=32, **kw)
+    """The off-diagonal kernel alone against float64, reading the gate pass's scratch, its own poisoned
+    (kda_intra_cases.intra_offdiag)."""
+    intra_cases.intra_offdiag("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [

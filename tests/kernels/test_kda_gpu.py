@@ -52,10 +52,10 @@ def test_prefill_chunk64_padded_rows(dtype):
     (False, -5.0, 0.1, True, False), (True, -5.0, 0.5, True, False), (False, -5.0, 5.0, False, False),
     (True, -5.0, 5.0, False, False), (False, -5.0, 0.1, False, True), (True, -5.0, 5.0, False, True)])
 def test_intra_d_real_size(gated, lower_bound, decay, a_lo, kg):
-    """Kernel D alone against float64 with its scratch poisoned (kda_intra_cases.intra_d): the diagonal blocks of Aqk
+    """The diagonal kernel alone against float64 with its scratch poisoned (kda_intra_cases.intra_diag): the diagonal blocks of Aqk
     and Ai, Aqk's zeros above them and the state pass's qg and kd (with ``kg``, -kg and exp(gl) too), at the
     launcher's two warps, K slices of 32 and tf32 products."""
-    intra_cases.intra_d("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    intra_cases.intra_diag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                         lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo, kg=kg)
 
 
@@ -63,10 +63,10 @@ def test_intra_d_real_size(gated, lower_bound, decay, a_lo, kg):
     (False, -5.0, 0.1, "tf32", None), (False, -5.0, 5.0, "ieee", None), (True, -5.0, 0.5, "tf32", None),
     (True, None, 0.2, "tf32", None), (False, -5.0, 5.0, "ieee", "bf16x3"), (True, -5.0, 0.1, "ieee", "bf16x3")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
-    """Kernel A alone against float64 with its scratch poisoned (kda_intra_cases.intra_a), reading the gate pass's
+    """The off-diagonal kernel alone against float64 with its scratch poisoned (kda_intra_cases.intra_offdiag), reading the gate pass's
     scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
     slices of 16."""
-    intra_cases.intra_a("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    intra_cases.intra_offdiag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision, solve=solve)
 
 

@@ -78,8 +78,8 @@ def mma_bf16(a, b, acc, DOT_F32: tl.constexpr):
 def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
     """``a b`` for float32 operands as three bf16 products (each operand a ``bf16_pair``, the lo x lo term left
     out): about 16 bits of each operand, against tf32x3's 21. A float32 accumulator becomes a bf16 operand without
-    the shuffles a tf32 operand needs: kernel A compiles to 2976 instructions against 4048 with tf32x3 and runs 5%
-    faster on an H200, with the final state's error unchanged (bench/notes/kda_prefill.md)."""
+    the shuffles a tf32 operand needs (the off-diagonal kernel's merge compiles to far fewer instructions than
+    with tf32x3), with the final state's error unchanged."""
     ah, al = bf16_pair(a)
     bh, bl = bf16_pair(b)
     acc = mma_bf16(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_F32)
@@ -100,8 +100,8 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
 @triton.jit
 def exp2(x, FAST_EXP: tl.constexpr, PURE: tl.constexpr = True):
     """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
-    check and two multiplies to keep them: 15% of kernel A's K loop's instructions). PURE=False keeps the
-    instruction where it is written (kernel A's ``_exp2_rows``). The interpreter runs ``tl.math.exp2``: it has
+    check and two multiplies to keep them). PURE=False keeps the instruction where it is written (the off-diagonal
+    kernel's ``_exp2_rows``). The interpreter runs ``tl.math.exp2``: it has
     no PTX."""
     if FAST_EXP:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=PURE,

@@ -1,41 +1,28 @@
 """The whole decode step of one KDA layer between its input and output projections, fused.
 
-Per sequence (one new token) and head: the causal conv update with SiLU over the head's q, k and v
-channels (the conv slot read and shifted in place), the forget gate with its lower bound, beta, the q/k
-L2 norm, the delta-rule step on the recurrent state (read from and written back to its slot in place)
-and the gated RMSNorm of the output. The unfused path runs ``causal_conv1d_decode``, ``kda_gate``,
-``sigmoid``, ``kda_decode`` and the gated norm as separate ops, each reading and writing memory; here
-the only traffic is the inputs, the output (written, read back for the norm, written again) and the two
-slots.
+Per sequence (one new token) and head: the causal conv update with SiLU over the head's q, k and v channels (the
+conv slot read and shifted in place), the forget gate with its lower bound, beta, the q/k L2 norm, the delta-rule
+step on the recurrent state (read from and written back to its slot in place) and the gated RMSNorm of the
+output. The unfused path (``kda_layer_decode_ref``) runs the conv, the gate, the recurrence and the norm as
+separate ops, each reading and writing memory; here the only traffic is the inputs, the output (written, read
+back for the norm, written again) and the two slots.
 
-Kernel layouts, chosen per batch size and state dtype by ``decode_config`` (measured on an H200 in
-bench/notes/kda_decode.md):
-- ``"block"``: one program per (sequence, head, block of ``BV`` value columns), so many state loads are in
-  flight at once, then a second small launch per (sequence, head) for the gated RMSNorm (it needs the
-  head's whole output) and the q/k conv shift (every V block of the head reads those channels first).
-  Stream order between the launches replaces any synchronisation between programs.
-- ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
-  (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
-  the state programs do only the recurrence and the v conv; three launches.
-- ``"stream"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep launch also computes
-  the v conv and shifts the whole conv slot, so the state kernel reads only the scratch and its state tiles:
-  persistent programs with the state through a tensor descriptor in a pipelined loop, or one program per
-  tile. The norm launch follows (both apply the norm themselves when a tile is a whole head row: two
-  launches).
+Launches, chosen per batch size by ``decode_config``:
 
-Layouts measured slower at every size and removed (bench/notes/kda_decode.md): one program per head walking
-its state, persistent programs prefetching the next tile into registers, the head work inside the state
-launch, two tiles per program, one program per head holding its state as two column halves with the norm.
+- block layout (B=1): one program per (sequence, head, block of ``BV`` value columns), so many state loads are
+  in flight at once, each recomputing the head's q/k conv and gate (a few KB from L2); then a small launch per
+  (sequence, head) for the gated RMSNorm (it needs the head's whole output) and the q/k conv shift (every value
+  block reads those channels first), as a programmatic dependent of the state launch so that its start-up
+  overlaps the state launch's end. Stream order between launches replaces synchronisation between programs.
+- prep layout (B > 1): the head's q/k conv, L2 norms, gate and beta computed once per (sequence, head) by a prep
+  launch (which also shifts the q/k conv slot) into a float32 scratch (decode_prep.py), so the state programs do
+  only the recurrence and the v conv; then the norm launch. From 8 sequences, inside a CUDA graph, the batch
+  runs as two micro-batches on two streams (microbatch.py), so that one half's prep and norm launches run
+  beside the other half's state launch.
 
-Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
-``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
-programmatic dependent of its state launch (``pdl``), so that its start-up overlaps the state launch's end;
-and the batch in micro-batches on two streams (``micro_batches``, microbatch.py), so that one half's prep and norm
-launches run beside the other half's state launch.
-
-The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
-(conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
-The recurrent state may be float32 or bfloat16 (half the bytes; rounded once per step).
+The kernels round where the reference rounds (conv output and recurrence output to the activation dtype), so
+both agree to that dtype's precision. The recurrent state may be float32 or bfloat16 (half the bytes; the
+arithmetic is float32, the new state rounded once per step). Conv widths 2 to 4.
 """
 
 from __future__ import annotations
@@ -113,9 +100,7 @@ def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_b
 def load_state(p, m, MASKED: tl.constexpr = True):
     """A state block, read to be written back in place by the same program (``store_state``; MASKED False: the
     block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines
-    there. On an H200 (bench/notes/kda_decode.md, "The state read as evict_last") the bare fp32 recurrence at
-    B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5 without the hint (as fast as writing to
-    another buffer; evict_first on the load 141.9 / 549.7)."""
+    there (as fast as writing to another buffer)."""
     if MASKED:
         b = tl.load(p, mask=m, other=0.0, eviction_policy="evict_last")
     else:
@@ -125,10 +110,8 @@ def load_state(p, m, MASKED: tl.constexpr = True):
 
 @triton.jit
 def store_state(p, b_s, m, MASKED: tl.constexpr = True):
-    """Write back, rounded to the state's dtype, the block that ``load_state`` read with the same mask. Without
-    the masks (a block inside the state) the bare bf16 ``dot_sums`` program, [K, 64] on 4 warps, compiles to 760
-    instructions and 83 registers against 808 and 96 (Triton 3.6, sm_90): 75.0 against 77.3 us at B=64 on an
-    H200 (bench/notes/kda_decode.md, "The two sums on the tensor cores, timed")."""
+    """Write back, rounded to the state's dtype, the block that ``load_state`` read with the same mask (none
+    where the block lies inside the state: fewer instructions and registers)."""
     if MASKED:
         tl.store(p, b_s.to(p.dtype.element_ty), mask=m)
     else:
@@ -232,7 +215,7 @@ PREP_WARPS = NORM_WARPS = 4
 
 
 def decode_config(B: int) -> dict:
-    """The launches per batch size, the fastest timed in a CUDA graph on an H200 (H=64, K=V=128).
+    """The launches per batch size, the fastest timed in a CUDA graph (H=64, K=V=128), for either state dtype.
     B=1: the block layout ([K, 32] on 2 warps, q/k conv and gate recomputed by each block) with its norm launch a
     programmatic dependent of the state launch (``pdl``): a prep launch costs more than it saves for one sequence.
     Above: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM), the prep launch 2 heads

@@ -1,22 +1,12 @@
-"""The prep and norm launches of the KDA layer decode with several heads of one sequence per program
-(``prep_heads`` / ``norm_heads`` > 1 in ``kda_layer_decode_launch``); the prep kernel here also runs the
-one-head prep launch (``prep_heads=1``) for conv widths up to 4, in 280 instructions per warp against the
-per-head kernel's 392 (21 global loads per thread against 31, 6 barriers against 10): 11.4 -> 9.9 us at B=64 on
-an H200 (bench/notes/kda_decode.md, "The one-head prep launch"). ``kda_layer_decode_prep_kernel`` remains for
-wider convs.
-
-Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_kernel`` (one program per
-(sequence, head), 128-wide vectors): the scratch rows q, k, decay (v) and beta, the conv slot shifted, the
-gated RMSNorm in place. What changes is the shape of the work: a program takes ``HB`` heads as [HB, K]
-tiles, so the channels it reads (q|k|v row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K
-elements (vector loads and stores), each thread has HB times the independent loads in flight, and there are
-HB times fewer programs, so the per-program setup (slot index, addresses, the per-head reductions' barriers) is
-paid once per HB heads. Measured (bench/notes/kda_decode.md, "prep launch"): the norm launch gains (4 heads per
-program), the prep launch does not (2 heads per program are as fast as one, 4 or more slower). The
-conv reads each slot tap once and shifts the slot from those registers (one load and one store per slot
-element; the per-head kernel reads the slot again for its shift), and the q/k L2 norm and the RMSNorm divide
-once per head and multiply per element. Every tile of a program is [HB, K] in one register layout, except the
-contiguous x row, which the compiler converts once per conv (the strided slot and weight loads pick another).
+"""The prep and norm launches of the KDA layer decode's prep layout, with ``HB`` heads of one sequence per program
+(``decode_config``: 1 or 2 heads per prep program, 4 per norm program): the scratch rows q, k, decay and beta,
+the q/k conv slot shifted, and the gated RMSNorm in place. A program takes ``HB`` heads as [HB, K] tiles, so the
+channels it reads (q|k row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K elements (vector loads
+and stores), each thread has HB times the independent loads in flight, and the per-program setup (slot index,
+addresses, the per-head reductions' barriers) is paid once per HB heads. The conv reads each slot tap once and
+shifts the slot from those registers (one load and one store per slot element; conv widths up to 4, whose taps
+are named), and the q/k L2 norm and the RMSNorm divide once per head and multiply per element. Every tile of a
+program is [HB, K] in one register layout, except the contiguous x row, which the compiler converts once per conv.
 """
 
 from __future__ import annotations
@@ -65,9 +55,9 @@ def kda_layer_decode_prep_heads_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr, HB: tl.constexpr,
 ):
-    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
-    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
-    beta row is left unwritten, 2 MB fewer at B=64, H=64)."""
+    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i into ``heads`` [B * H, 4, BK]
+    float32 (rows q (normalised, times ``scale``), k (normalised), decay, and beta in the first column; the rest of
+    the beta row is left unwritten), which the block kernel reads with ``PREPPED``."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB

@@ -1,18 +1,18 @@
-"""KDA chunked prefill in two launches: the in-chunk work in parallel, then only the state recurrence in
-sequence.
+"""KDA chunked prefill for float32 activations (and head sizes the 64-token kernels do not tile), 16-token chunks in
+two launches: the in-chunk work in parallel, then only the state recurrence in sequence.
 
-``kda_fp32_intra_kernel`` (grid: chunks x heads, every chunk of every sequence at once) does all that does
-not depend on the state: gate, beta, q/k L2 norm, the chunk-local cumulative decay, the in-chunk products
-against the chunk's middle row, the WY inverse, and writes per token ``w = (I - A)^-1 (beta k exp(gc))``,
-``u = (I - A)^-1 (beta v)``, ``qg = q exp(gc)``, ``kd = k exp(gl - gc)``, the masked ``q.k`` decay matrix and
-per chunk ``exp(gl)`` (float32, ``gc`` the decay from the chunk start, ``gl`` the chunk's total).
+``kda_fp32_intra_kernel`` (grid: chunks x heads, every chunk of every sequence at once) does all that does not
+depend on the state: gate, beta, q/k L2 norm, the chunk-local cumulative decay, the in-chunk products against the
+chunk's middle row, the WY inverse (the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), and writes per
+token ``w = (I - A)^-1 (beta k exp(gc))``, ``u = (I - A)^-1 (beta v)``, ``qg = q exp(gc)``, ``kd = k exp(gl -
+gc)``, the masked ``q.k`` decay matrix and per chunk ``exp(gl)`` (float32, ``gc`` the decay from the chunk start,
+``gl`` the chunk's total).
 
-``kda_fp32_state_kernel`` (grid: value blocks x sequences x heads) walks each sequence's chunks with the
-state in registers: ``v' = u - w S``, ``o = qg S + A v'``, ``S = exp(gl) S + kd^T v'``. The three products
-with S carry it across chunks and run in ``chain_precision`` (tf32x3 by default, see kda_prefill.py).
-
-Same semantics, arguments and limits as the fused kernel in kda_prefill.py (which validates them); the
-intermediates cost ``T * H * (3K + V + BT) * 4`` bytes of scratch.
+``kda_fp32_state_kernel`` (grid: value blocks x sequences x heads) walks each sequence's chunks with the state in
+registers: ``v' = u - w S``, ``o = qg S + A v'``, ``S = exp(gl) S + kd^T v'``. The three products with S carry it
+across chunks and run in tf32x3 (``CHAIN_PRECISION``), which keeps the state at float32 accuracy; a plain tf32
+chain's rounding compounds (a GPU test shows it). Arguments are validated by prefill.py; the intermediates cost
+``T * H * (3K + V + BT) * 4`` bytes of scratch.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ STATE_WARPS, STATE_STAGES = 8, 2
 
 
 def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
-    """Launch both kernels on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on
+    """Launch both kernels on arguments that prefill.py has validated (``cu`` on the host, the rest on
     the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
     T, H, K = q.shape
     V = v.shape[-1]

@@ -1,47 +1,20 @@
-"""KDA prefill (v3), kernel B: the per-chunk tiles the state pass reads, from the WY inverse ``Ai = (I + L)^-1``
-(kda_prefill_intra64_split.py), written in a chunk-major layout that the state pass reads as whole tiles (rows
-past the end of a sequence are zeros). Where the state pass forms u and applies w's product itself (``u_in_state``
-and ``w_in_state``, the default for bf16 v and output: kda_prefill_v3.py) B is not launched, and kernel D writes
-``-k exp(gc)`` and ``exp(gl)`` in its place; B serves float32 v or output and ``out_x3``:
+"""KDA prefill in 64-token chunks, the tiles w and u for fp16 activations: from the WY inverse ``Ai = (I + L)^-1``,
+written in a chunk-major layout that the state pass reads as whole tiles (rows past the end of a sequence are
+zeros). For bf16 v the state pass forms u and applies w's product itself and this kernel is not launched (fp16 v
+is not exact in bf16, the state pass's operand type).
 
 - ``wqk`` bf16 [chunks, H, slots, 64, K]: ``w = Ai (beta k exp(gc))`` (``gc`` the cumulative log-decay from
   the chunk start), rounded to bf16 and, at the bf16x3 chain, followed by its lo half (hi + lo within 2^-17 of
-  the float32 value). The same scratch holds ``qg = q exp(gc)`` and ``kd = k exp(gl - gc)`` (``gl`` the chunk's
-  total) in the slots after w's, which kernel D writes from the tiles its K loop holds
-  (kda_prefill_intra64_split.py): 3 slots for the bf16x2 and bf16 chains, 5 for bf16x3 (w and kd pairs), one
-  more for qg's lo half with ``out_x3``;
+  the float32 value). The slots after w's hold ``qg`` and ``kd``, which the diagonal kernel writes;
 - ``u`` float32 [chunks, H, V, 64]: ``u = Ai (beta v)``, stored transposed (the state pass carries the state
   transposed and reads it as [BV, 64] tiles);
-- ``egl`` float32 [chunks, H, K]: ``exp(gl)``.
+- ``egl`` float32 [chunks, H, K]: ``exp(gl)`` (``gl`` the chunk's total).
 
-With them and ``Aqk`` (kernels D and A) the state pass needs, per chunk, ``v' = u - w S``,
-``o = qg S + Aqk v'``, ``S = exp(gl) S + kd^T v'``. (An earlier form folded the output's ``Aqk v'`` into B:
-``qw = qg - Aqk w`` and ``ou = Aqk u``, two more products per column block here and 32 KB more per chunk-head
-written here and read back, for one product fewer per chunk in the state pass; bench/notes/kda_prefill.md, "The
-output's Aqk v' in the state pass".)
-
-Every output column depends only on the same column of the inputs (``gc`` and ``gl`` are per column, the
-product with ``Ai`` mixes rows, not columns), except for k's L2 norm, whose row factors kernel D writes
-(``rn``). One program per (chunk, head): [64, BK] and [64, BVB] tiles one block at a time beside the chunk's
-[64, 64] inverse (on an H200 at T=8192, H=64 that took B from 1.25 ms for whole [64, K] tiles to 1.01 ms; a grid
-of one program per column block, with the norms from kernel D, was no faster: bench/notes/kda_prefill.md, "B at
-its bytes floor"). Since qg and kd moved to kernel D, B reads and writes 96 of the 160 KB per chunk-head it
-moved (0.42 -> 0.23 ms at T=8192, D 0.32 -> 0.39: bench/notes/kda_prefill.md, "qg and kd from kernel D"). The
-tiles come by the copy engine (TMA): k and v through descriptors over their [T, H * D] rows, ``gc`` and Ai over
-the chunk-major scratch, with the key and value column loops software-pipelined ``STAGES`` deep, so a program
-has the next blocks' tiles in flight while it computes one. At three stages and 168 registers (three programs per
-SM), and q's tiles still among its loads, B took 0.55 ms at T=8192 on an H200 against 0.59-0.61 for the same loads by
-pointers a block ahead by hand, and 1.25 against 1.34-1.36 ms in a packed batch of 16 sequences
-(bench/notes/kda_prefill.md, "Kernel B's tiles by the copy engine"). The stores stay plain: by the copy engine
-too they were no faster.
-
-What B reads: k and v (rows past the sequence's end zeroed after the load: they belong to the next sequence
-or lie past the tensor, where the copy engine fills zeros), Ai (kernels D and A), the rows' norm factors (kernel
-D: ``1 / |k_r|`` of its [chunks, H, 2, 64] float32), and the gate pass's scratch
-(kda_prefill_gate.py, launched first), for the plain and the gated op alike: ``gc``, the log-decay's cumulative
-sum from the chunk's first row ([chunks, H, 64, K] float32), one [64, BK] tile per key block with ``gl`` its row
-63 (the padding rows past a sequence's end exist and repeat its last token's sum, so row 63 is always the
-chunk's total), and ``bc``, beta ([chunks, H, 64], zero past the end).
+With them and ``Aqk`` the state pass needs, per chunk, ``v' = u - w S``, ``o = qg S + Aqk v'``,
+``S = exp(gl) S + kd^T v'``. Every output column depends only on the same column of the inputs, except for k's
+L2 norm, whose row factors the diagonal kernel writes (``rn``). One program per (chunk, head): [64, BK] and
+[64, BVB] tiles by the copy engine one block at a time beside the chunk's [64, 64] inverse, the key and value
+column loops software-pipelined ``STAGES`` deep.
 """
 
 from __future__ import annotations
@@ -75,9 +48,8 @@ def kda_intra_wu_kernel(
     ``k_d`` and ``v_d`` are descriptors over k and v as [T, H * D] rows with [64, BK] (k) and [64, BVB] (v)
     blocks; ``gc_d`` over ``gc`` as [chunks * H * 64, K] with [64, BK] blocks, ``ai_d`` over Ai as
     [chunks * H * 64, 64]. PRECISION: the two products with Ai (``mm_f32``); DOT_F32: the interpreter's widened
-    bf16 products. With AIB, ``ai_d`` is over ``Aib = Ai diag(beta)`` as bf16 hi + lo pairs ([chunks * H * 2 *
-    64, 64], kernel A's): w is ``Aib (k exp(gc))``, and u is left to the state pass (``u`` and ``v_d`` unused).
-    NS: ``wqk``'s slots per chunk-head (w's first, W_LO: with its lo half; qg's and kd's after them, kernel D's)."""
+    bf16 products. NS: ``wqk``'s slots per chunk-head (w's first, W_LO: with its lo half; qg's and kd's after
+    them, the diagonal kernel's)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
     t0 = tl.load(chunk_indices + 2 * i_c + 1) * 64
@@ -93,7 +65,7 @@ def kda_intra_wu_kernel(
     u += i_ch64 * (64 * V)
     egl += i_ch64 * K
     gc += i_ch64 * (64 * K) + 63 * K
-    # the rows' norm factors (kernel D's: 1 / |k_r|) and beta
+    # the rows' norm factors (the diagonal kernel's: 1 / |k_r|) and beta
     r_k = tl.load(rn + i_ch64 * 128 + 64 + o_t)
     b_b = tl.load(bc + i_ch64 * 64 + o_t)
     o_b = tl.arange(0, BK)
