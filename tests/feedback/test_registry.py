@@ -82,4 +82,4 @@ def test_load_providers_skips_absent_modules_but_reports_broken_ones(tmp_path, m
 
 def test_builtin_providers_import_cleanly():
     assert load_providers() == []
-    assert "op.kda_decode" in registry.checks() and "op.kda_decode" in registry.benchmarks()
+    assert "kda.prefill" in registry.checks() and "kda.decode" in registry.benchmarks()
