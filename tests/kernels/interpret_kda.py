@@ -8,7 +8,6 @@ import torch
 from flashinfra.kernels.kda import prefill as kda_prefill
 from flashinfra.kernels.kda import decode as layer_decode
 from tests.kernels import kda_cases as cases
-from tests.kernels import kda_intra_cases as intra_cases
 
 
 @pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16], [5, 0, 3]])
@@ -75,8 +74,8 @@ def test_prefill_chunk64_cases(lens, kw, dtype):
 ])
 def test_prefill_chunk64_intra_diag(lens, kw):
     """The diagonal kernel alone against float64, reading the gate pass's scratch, its own poisoned: the diagonal blocks
-    and Aqk's zeros above them (kda_intra_cases.intra_diag)."""
-    intra_cases.intra_diag("cpu", lens, H=2, K=32, **kw)
+    and Aqk's zeros above them (check_intra_cases.intra_diag)."""
+    cases.intra_diag("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -91,8 +90,8 @@ def test_prefill_chunk64_intra_diag(lens, kw):
 ])
 def test_prefill_chunk64_intra_offdiag(lens, kw):
     """The off-diagonal kernel alone against float64, reading the gate pass's scratch, its own poisoned
-    (kda_intra_cases.intra_offdiag)."""
-    intra_cases.intra_offdiag("cpu", lens, H=2, K=32, **kw)
+    (check_intra_cases.intra_offdiag)."""
+    cases.intra_offdiag("cpu", lens, H=2, K=32, **kw)
 
 
 @pytest.mark.parametrize("lens,kw", [
@@ -102,8 +101,8 @@ def test_prefill_chunk64_intra_offdiag(lens, kw):
     ([77, 3], dict(K=32, gated=True, lower_bound=None, decay=50.0, g_dtype=torch.bfloat16)),  # the -10 clamp
 ])
 def test_gate_pass_scratch(lens, kw):
-    """The gate pass alone against float64, scratch poisoned (kda_intra_cases.gate_scratch)."""
-    intra_cases.gate_scratch("cpu", lens, H=2, **kw)
+    """The gate pass alone against float64, scratch poisoned (check_intra_cases.gate_scratch)."""
+    cases.gate_scratch("cpu", lens, H=2, **kw)
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -8,6 +8,7 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult
 from flashinfra.kernels.kda import check_cases as lib
+from flashinfra.kernels.kda import check_intra_cases as intra_lib
 from flashinfra.kernels.kda import conv, decode as layer, prefill as pre
 
 NAN = lib.NAN
@@ -41,6 +42,18 @@ def conv_prefill(*args, **kwargs):
 
 def conv_decode(*args, **kwargs):
     assert_passed(lib.conv_decode(*args, **kwargs))
+
+
+def gate_scratch(*args, **kwargs):
+    assert_passed(intra_lib.gate_scratch(*args, **kwargs))
+
+
+def intra_diag(*args, **kwargs):
+    assert_passed(intra_lib.intra_diag(*args, **kwargs))
+
+
+def intra_offdiag(*args, **kwargs):
+    assert_passed(intra_lib.intra_offdiag(*args, **kwargs))
 
 
 def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -11,7 +11,6 @@ from flashinfra.kernels.kda import decode as layer, prefill as kda_prefill, pref
 from flashinfra.kernels.kda import ref as kda_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
 from tests.kernels import kda_cases as cases
-from tests.kernels import kda_intra_cases as intra_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,10 +51,10 @@ def test_prefill_chunk64_padded_rows(dtype):
     (False, -5.0, 0.1, True, False), (True, -5.0, 0.5, True, False), (False, -5.0, 5.0, False, False),
     (True, -5.0, 5.0, False, False), (False, -5.0, 0.1, False, True), (True, -5.0, 5.0, False, True)])
 def test_intra_d_real_size(gated, lower_bound, decay, a_lo, kg):
-    """The diagonal kernel alone against float64 with its scratch poisoned (kda_intra_cases.intra_diag): the diagonal blocks of Aqk
-    and Ai, Aqk's zeros above them and the state pass's qg and kd (with ``kg``, -kg and exp(gl) too), at the
-    launcher's two warps, K slices of 32 and tf32 products."""
-    intra_cases.intra_diag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    """The diagonal kernel alone against float64 with its scratch poisoned (check_intra_cases.intra_diag): the diagonal
+    blocks of Aqk and Ai, Aqk's zeros above them and the state pass's qg and kd (with ``kg``, -kg and exp(gl) too),
+    at the launcher's two warps, K slices of 32 and tf32 products."""
+    cases.intra_diag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                         lower_bound=lower_bound, decay=decay, KS=32, num_warps=2, precision="tf32", a_lo=a_lo, kg=kg)
 
 
@@ -63,10 +62,10 @@ def test_intra_d_real_size(gated, lower_bound, decay, a_lo, kg):
     (False, -5.0, 0.1, "tf32", None), (False, -5.0, 5.0, "ieee", None), (True, -5.0, 0.5, "tf32", None),
     (True, None, 0.2, "tf32", None), (False, -5.0, 5.0, "ieee", "bf16x3"), (True, -5.0, 0.1, "ieee", "bf16x3")])
 def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
-    """The off-diagonal kernel alone against float64 with its scratch poisoned (kda_intra_cases.intra_offdiag), reading the gate pass's
-    scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's one warp and K
-    slices of 16."""
-    intra_cases.intra_offdiag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
+    """The off-diagonal kernel alone against float64 with its scratch poisoned (check_intra_cases.intra_offdiag),
+    reading the gate pass's scratch: the off-diagonal blocks of Aqk and L and the merged inverse, at the launcher's
+    one warp and K slices of 16."""
+    cases.intra_offdiag("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, dtype=torch.bfloat16, gated=gated,
                   lower_bound=lower_bound, decay=decay, KS=16, num_warps=1, precision=precision, solve=solve)
 
 
@@ -74,9 +73,9 @@ def test_intra_a_real_size(gated, lower_bound, decay, precision, solve):
                                                              (True, -5.0, 5.0, torch.bfloat16),
                                                              (True, None, 50.0, torch.bfloat16)])
 def test_gate_pass_scratch_real_size(gated, lower_bound, decay, g_dtype):
-    """The gate pass alone against float64, scratch poisoned (kda_intra_cases.gate_scratch); the last case at the
+    """The gate pass alone against float64, scratch poisoned (check_intra_cases.gate_scratch); the last case at the
     -10 clamp."""
-    intra_cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
+    cases.gate_scratch("cuda", [1000, 63, 1, 300, 64, 129], H=8, K=128, gated=gated, lower_bound=lower_bound,
                        decay=decay, g_dtype=g_dtype)
 
 

@@ -15,6 +15,7 @@ from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, c
     register_check
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.kda import check_cases as cases
+from flashinfra.kernels.kda import check_intra_cases as intra_cases
 from flashinfra.kernels.kda import conv
 from flashinfra.kernels.kda import decode as layer
 from flashinfra.kernels.kda import prefill as pre
@@ -57,6 +58,24 @@ def check_prefill() -> list[CheckResult]:
         return out
 
     return _run("kda.prefill", run)
+
+
+@register_check("kda.prefill_intra", tags=TAGS)
+def check_prefill_intra() -> list[CheckResult]:
+    """The 64-token prefill's gate pass, diagonal and off-diagonal kernels alone against float64, their scratch
+    poisoned, in the launcher's shapes on CUDA (bf16, tf32 products)."""
+    def run(dev):
+        if dev == "cuda":
+            lens, sz, kw = [1000, 63, 1, 300, 64, 129], dict(H=8, K=128), dict(dtype=torch.bfloat16, precision="tf32")
+            diag = dict(kw, KS=32, num_warps=2, kg=True, a_lo=False)
+        else:
+            lens, sz, kw = [70, 1, 0, 64, 129], dict(H=2, K=32), {}
+            diag = dict(kg=True, a_lo=False)
+        return (named("gate", intra_cases.gate_scratch(dev, lens, gated=True, **sz))
+                + named("diag", intra_cases.intra_diag(dev, lens, decay=0.1, **sz, **diag))
+                + named("offdiag", intra_cases.intra_offdiag(dev, lens, decay=0.1, **sz, **kw)))
+
+    return _run("kda.prefill_intra", run)
 
 
 @register_check("kda.prefill_recurrence", tags=TAGS)
