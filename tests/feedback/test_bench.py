@@ -81,16 +81,16 @@ def bench_cached_matmul(ctx: BenchContext) -> BenchSpec:
 def test_cli_bench_json_flags_cached_and_runs_builtin(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHINFRA_CACHE", str(tmp_path))
     out = tmp_path / "r.json"
-    rc = cli.main(["bench", "planted.cached_matmul", "op.kda_decode", "--quick", "--device", "cpu", "--dtype",
+    rc = cli.main(["bench", "planted.cached_matmul", "kda.decode", "--quick", "--device", "cpu", "--dtype",
                    "float32", "--runs", "4", "--json", "--output", str(out)])
     report = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text())["benchmarks"] == report["benchmarks"]
     by_name = {r["name"]: r for r in report["benchmarks"]}
     assert rc == 1
     assert by_name["planted.cached_matmul"]["flags"] == ["cached"]
-    assert by_name["op.kda_decode"]["passed"], by_name["op.kda_decode"]
-    assert by_name["op.kda_decode"]["check"][0]["passed"]
-    assert "frac_copy_bandwidth" in by_name["op.kda_decode"]
+    assert by_name["kda.decode"]["passed"], by_name["kda.decode"]
+    assert by_name["kda.decode"]["check"][0]["passed"]
+    assert "frac_copy_bandwidth" in by_name["kda.decode"]
 
 
 def test_bench_serve_forwards_arguments(monkeypatch):

@@ -53,26 +53,26 @@ def test_off_by_one_is_reported_with_its_location():
 
 
 def test_exception_in_check_is_a_failure_not_a_crash():
-    runs, _, _ = check.run_checks(["planted.raises", "op.kda_gate"], seed=1)
+    runs, _, _ = check.run_checks(["planted.raises", "kda.gate"], seed=1)
     by_name = {r.name: r for r in runs}
     assert not by_name["planted.raises"].passed
     assert "kernel launch failed" in by_name["planted.raises"].error
-    assert by_name["op.kda_gate"].passed
+    assert by_name["kda.gate"].passed
 
 
-def test_builtin_op_and_ceiling_checks_pass():
-    runs, errors, _ = check.run_checks(["op", "ceilings"])
+def test_builtin_gate_and_ceiling_checks_pass():
+    runs, errors, _ = check.run_checks(["kda.gate", "ceilings"])
     assert errors == []
     assert runs and all(r.passed for r in runs), check.format_text(runs, errors, 0)
 
 
 def test_cli_check_json(capsys):
-    rc = cli.main(["check", "planted.offbyone", "op.kda_gate", "--json", "--seed", "5"])
+    rc = cli.main(["check", "planted.offbyone", "kda.gate", "--json", "--seed", "5"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and report["seed"] == 5 and not report["passed"]
     planted = next(c for c in report["checks"] if c["name"] == "planted.offbyone")
     assert planted["results"][0]["bad_extent"] == [[0, 12], [6, 6]]
-    assert cli.main(["check", "op.kda_gate"]) == 0
+    assert cli.main(["check", "kda.gate"]) == 0
     assert cli.main(["check", "no.such.check"]) == 2
 
 
@@ -88,7 +88,7 @@ def test_cli_lists_checks_and_loads_extra_providers(tmp_path, monkeypatch, capsy
     assert "PASS extra.zero" in capsys.readouterr().out
     assert cli.main(["check", "--list"]) == 0
     listing = capsys.readouterr().out
-    assert "op.kda_decode\tkernel,kda\tflashinfra.feedback.checks" in listing and "extra.zero" in listing
+    assert "kda.gate\tkernel,kda\tflashinfra.kernels.kda.checks" in listing and "extra.zero" in listing
 
 
 def test_op_checks_hold_the_triton_kernels_under_the_interpreter(tmp_path):
@@ -103,12 +103,11 @@ def test_op_checks_hold_the_triton_kernels_under_the_interpreter(tmp_path):
             "from flashinfra.kernels.dispatch import use_triton\n"
             "from flashinfra.feedback import check\n"
             "assert use_triton(torch.zeros(1)), 'ops would run their references'\n"
-            "runs, errors, seed = check.run_checks(['op'])\n"
+            "runs, errors, seed = check.run_checks(['kda.gate', 'kda.prefill_recurrence', 'kda.conv1d_window'])\n"
             "print(json.dumps(check.to_json(runs, errors, seed)))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**env.triton_interpreter_environ(), "FLASHINFRA_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["passed"], proc.stdout[-3000:]
-    assert {c["name"] for c in report["checks"]} == {"op.causal_conv1d", "op.kda_decode", "op.kda_gate",
-                                                     "op.kda_prefill"}
+    assert {c["name"] for c in report["checks"]} == {"kda.conv1d_window", "kda.gate", "kda.prefill_recurrence"}

@@ -82,4 +82,4 @@ def test_load_providers_reports_absent_and_broken_modules(tmp_path, monkeypatch)
 
 def test_builtin_providers_import_cleanly():
     assert load_providers() == []
-    assert "op.kda_decode" in registry.checks() and "op.kda_decode" in registry.benchmarks()
+    assert "kda.prefill" in registry.checks() and "kda.decode" in registry.benchmarks()

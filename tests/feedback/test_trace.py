@@ -38,7 +38,7 @@ def test_summary_of_a_launch_bound_gpu_trace():
 
 def test_trace_a_benchmark_on_cpu(tmp_path, capsys):
     prefix = tmp_path / "t"
-    assert cli.main(["trace", "--bench", "op.kda_decode", "--quick", "--dtype", "float32", "--device", "cpu",
+    assert cli.main(["trace", "--bench", "kda.decode", "--quick", "--dtype", "float32", "--device", "cpu",
                      "--steps", "3", "--out", str(prefix)]) == 0
     summary = json.loads((tmp_path / "t.summary.json").read_text())
     assert [r["step"] for r in summary["steps"]] == ["0", "1", "2"]

@@ -1,196 +1,59 @@
-"""Correctness cases for the KDA and conv kernels, shared by the interpreter run (CPU, small sizes) and
-the GPU run (real sizes): each compares a Triton launcher with its reference computed in float64 on fresh
-random inputs, with the outputs poisoned (NaN) before the run, state slots outside the batch checked
-untouched, and variable-length batches checked against a per-sequence loop."""
+"""The KDA and conv correctness cases (flashinfra/kernels/kda/check_cases.py, which the registered checks run
+too) as assertions for the interpreter's tests (CPU, small sizes) and the GPU's (real sizes), and the tiny
+model's greedy tokens with the kernels and with their references."""
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch
 
-from flashinfra.feedback.registry import compare
-from flashinfra.kernels.kda import conv as conv
-from flashinfra.kernels.kda import decode_recurrence as dec
-from flashinfra.kernels.kda import decode as layer
-from flashinfra.kernels.kda import prefill as pre
+from flashinfra.feedback.registry import CheckResult
+from flashinfra.kernels.kda import check_cases as lib
+from flashinfra.kernels.kda import check_intra_cases as intra_lib
+from flashinfra.kernels.kda import conv, decode as layer, prefill as pre
 
-NAN = float("nan")
+NAN = lib.NAN
+f64, offsets, tolerances, layer_decode_inputs = lib.f64, lib.offsets, lib.tolerances, lib.layer_decode_inputs
+
+
+def assert_passed(results: list[CheckResult]) -> None:
+    bad = [r.summary() for r in results if not r.passed]
+    assert results and not bad, "\n".join(bad) or "no results"
 
 
 def assert_close(name, out, ref, rel: float, atol: float, rtol: float):
-    r = compare(name, out, ref, atol=atol, rtol=rtol)
-    assert r.passed and r.rel_norm <= rel, f"{r.summary()} (rel_norm limit {rel:g})"
+    assert_passed([lib.close(name, out, ref, rel, atol, rtol)])
 
 
-def tolerances(dtype: torch.dtype, device: str) -> tuple[float, float, float]:
-    """(rel_norm, atol, rtol) for an output in ``dtype``: interpreter dots are fp32, GPU in-chunk dots tf32."""
-    if dtype == torch.bfloat16:
-        return 8e-3, 2e-2, 2e-2
-    return (2e-5, 1e-5, 1e-4) if device == "cpu" else (2e-3, 5e-3, 5e-3)
+def prefill_varlen(*args, **kwargs):
+    assert_passed(lib.prefill_varlen(*args, **kwargs))
 
 
-def offsets(lens):
-    return [0] + list(itertools.accumulate(lens))
+def layer_decode(*args, **kwargs):
+    assert_passed(lib.layer_decode(*args, **kwargs))
 
 
-def f64(t):
-    return t.double() if t.is_floating_point() else t
+def layer_decode_micro_batches(*args, **kwargs):
+    assert_passed(lib.layer_decode_micro_batches(*args, **kwargs))
 
 
-def prefill_varlen(device: str, lens: list[int], H: int, K: int, V: int, dtype=torch.float32, gated=False,
-                   lower_bound=-5.0, seed=0, decay=5.0, row_pad=0, **launch):
-    """``decay`` scales the log-decay (the gate's rate when gated): small values keep a long memory, so that
-    products between distant tokens of a chunk matter to the result. ``row_pad``: q, k and v as views of rows
-    that many elements longer (a row stride other than H * D)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    T, N = sum(lens), len(lens)
-
-    def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, device=device, generator=gen).to(dt)
-
-    q, k, v = (rnd(T, H * D + row_pad)[:, :H * D].unflatten(1, (H, D)) for D in (K, K, V))
-    num_slots = N + 2
-    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:N].tolist()
-    init = [bool(i % 2) for i in range(N)]
-    state = rnd(num_slots, H, K, V, dt=torch.float32)
-    for s, i in zip(slots, init):
-        if not i:
-            state[s] = NAN  # a fresh sequence must ignore its slot's content
-    before = state.clone()
-    if gated:
-        g_in, b_in = rnd(T, H, K), rnd(T, H)
-        A_log, dt_bias = rnd(H, dt=torch.float32) * 0.3 + math.log(decay / 5.0), rnd(H * K, dt=torch.float32)
-    else:
-        g_in = (-decay * torch.sigmoid(rnd(T, H, K, dt=torch.float32))).float()
-        b_in = torch.rand(T, H, device=device, generator=gen)
-    out = torch.full((T, H, V), NAN, dtype=dtype, device=device)
-    if gated:
-        pre.kda_prefill_gated_launch(q, k, v, g_in, b_in, A_log, dt_bias, lower_bound, state, offsets(lens), slots,
-                                     init, out=out, **launch)
-    else:
-        pre.kda_prefill_launch(q, k, v, g_in, b_in, state, offsets(lens), slots, init, out=out, **launch)
-    rel, atol, rtol = tolerances(dtype, device)
-    state_tol = (2e-5, 1e-4, 1e-3) if device == "cpu" else (2e-3, 2e-3, 2e-3)
-    v3 = launch.get("version", pre.default_version(q.dtype, K, V)) == "v3"
-    if v3 and device == "cpu":
-        # bf16 hi + lo pairs keep about 16 bits (the interpreter rounds to bf16 by truncation)
-        rel, atol, rtol = max(rel, 1e-4), max(atol, 1e-4), max(rtol, 1e-3)
-        state_tol = (1e-4, 2e-4, 2e-3)
-    if v3 and launch.get("chain_precision", pre.V3_CHAIN) == "bf16x2":
-        # w and kd rounded once to bf16 (8 bits; truncated by the interpreter): an input rounding
-        rel, atol, rtol = max(rel, 4e-3), max(atol, 1e-2), max(rtol, 1e-2)
-        state_tol = (5e-3, 1e-2, 1e-2)
-    cu = offsets(lens)
-    for n, (s, i) in enumerate(zip(slots, init)):  # the per-sequence loop, in float64
-        sl = slice(cu[n], cu[n + 1])
-        s64 = before[s : s + 1].double().clone()
-        args = [f64(x[sl]) for x in (q, k, v, g_in, b_in)]
-        if gated:
-            ref = pre.kda_prefill_gated_ref(*args, f64(A_log), f64(dt_bias), lower_bound, s64, [0, lens[n]], [0], [i])
-        else:
-            ref = pre.kda_prefill_ref(*args, s64, [0, lens[n]], [0], [i])
-        assert_close(f"o[seq {n}]", out[sl], ref, rel, atol, rtol)
-        assert_close(f"state[seq {n}]", state[s], s64[0], *state_tol)
-    untouched = [s for s in range(num_slots) if s not in slots]
-    assert torch.equal(state[untouched], before[untouched]), "a state slot outside the batch changed"
+def conv_prefill(*args, **kwargs):
+    assert_passed(lib.conv_prefill(*args, **kwargs))
 
 
-def decode(device: str, B: int, H: int, K: int, V: int, dtype=torch.float32, seed=0, state_dtype=torch.float32,
-           **launch):
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, device=device, generator=gen).to(dt)
-
-    q, k, v = rnd(B, H, K), rnd(B, H, K), rnd(B, H, V)
-    g = (-5 * torch.sigmoid(rnd(B, H, K, dt=torch.float32))).float()
-    beta = torch.rand(B, H, device=device, generator=gen)
-    state = rnd(B + 3, H, K, V, dt=state_dtype)
-    slots = torch.randperm(B + 3, device=device, generator=gen)[:B]
-    s64 = state.double().clone()
-    before = state.clone()
-    ref = dec.kda_decode_ref(f64(q), f64(k), f64(v), f64(g), f64(beta), s64, slots)
-    out = torch.full((B, H, V), NAN, dtype=dtype, device=device)
-    dec.kda_decode_launch(q, k, v, g, beta, state, slots, out=out, **launch)
-    rel, atol, rtol = tolerances(dtype, device)
-    assert_close("o", out, ref, rel, atol, rtol)
-    if state_dtype == torch.float32:
-        assert_close("state", state, s64, 1e-6, 1e-5, 1e-4)
-    else:  # the new state rounded once to bf16
-        assert_close("state", state, s64, 4e-3, 1e-2, 1e-2)
-    others = [s for s in range(B + 3) if s not in slots.tolist()]
-    assert torch.equal(state[others], before[others]), "slots outside the batch changed"
+def conv_decode(*args, **kwargs):
+    assert_passed(lib.conv_decode(*args, **kwargs))
 
 
-def layer_decode_inputs(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
-                        lower_bound=-5.0, seed=0, W=4) -> dict:
-    """Arguments of ``kda_layer_decode_launch`` (K = V), two slots more than the batch uses."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    C = 3 * H * K
-
-    def rnd(*shape, dt=dtype, scale=1.0):
-        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dt)
-
-    return dict(qkv=rnd(B, C + 7)[:, :C], conv_weight=rnd(C, W, dt=torch.float32, scale=0.5),
-                conv_state=rnd(B + 2, C, W - 1), g_raw=rnd(B, H * K), beta_logits=rnd(B, H), gate=rnd(B, H * K),
-                A_log=rnd(H, dt=torch.float32, scale=0.3), dt_bias=rnd(H * K, dt=torch.float32),
-                lower_bound=lower_bound, norm_weight=rnd(K), eps=1e-5, state=rnd(B + 2, H, K, K, dt=state_dtype),
-                state_slots=torch.randperm(B + 2, device=device, generator=gen)[:B])
+def gate_scratch(*args, **kwargs):
+    assert_passed(intra_lib.gate_scratch(*args, **kwargs))
 
 
-def layer_decode(device: str, B: int, H: int, K: int, state_dtype=torch.float32, dtype=torch.float32,
-                 lower_bound=-5.0, seed=0, W=4, **launch):
-    a = layer_decode_inputs(device, B, H, K, state_dtype, dtype, lower_bound, seed, W)
-    r = {n: (t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in a.items()}
-    ref = layer.kda_layer_decode_ref(**r)
-    conv_before, state_before = a["conv_state"].clone(), a["state"].clone()
-    out = torch.full((B, H, K), NAN, dtype=dtype, device=device)
-    layer.kda_layer_decode_launch(**a, out=out, **launch)
-    rel, atol, rtol = tolerances(dtype, device)
-    assert_close("o", out, ref, rel, atol, rtol)
-    if state_dtype == torch.float32 and dtype == torch.float32:
-        assert_close("state", a["state"], r["state"], 1e-6, 1e-5, 1e-4)
-    else:  # one bf16 rounding of the new state, or of the conv output that feeds it
-        assert_close("state", a["state"], r["state"], 4e-3, 1e-2, 1e-2)
-    assert torch.equal(a["conv_state"].double(), r["conv_state"]), "conv state differs from the reference shift"
-    others = [s for s in range(B + 2) if s not in a["state_slots"].tolist()]
-    assert torch.equal(a["state"][others], state_before[others]) and torch.equal(a["conv_state"][others],
-                                                                                  conv_before[others])
+def intra_diag(*args, **kwargs):
+    assert_passed(intra_lib.intra_diag(*args, **kwargs))
 
 
-def conv_prefill(device: str, lens: list[int], C: int, W: int = 4, dtype=torch.float32, seed=0, **launch):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    T, N = sum(lens), len(lens)
-    x = torch.randn(T, C + 5, device=device, generator=gen).to(dtype)[:, :C]  # a column slice, as in the model
-    w = torch.randn(C, W, device=device, generator=gen)
-    cs = torch.randn(N + 2, C, W - 1, device=device, generator=gen).to(dtype)
-    slots = torch.randperm(N + 2, generator=torch.Generator().manual_seed(seed))[:N].tolist()
-    init = [bool((i + 1) % 2) for i in range(N)]
-    before = cs.clone()
-    out = torch.full((T, C), NAN, dtype=dtype, device=device)
-    conv.causal_conv1d_prefill_launch(x, w, cs, offsets(lens), slots, init, out=out, **launch)
-    cs64 = before.double().clone()
-    ref = conv.causal_conv1d_prefill_ref(f64(x), f64(w), cs64, offsets(lens), slots, init)
-    rel, atol, rtol = tolerances(dtype, "cpu")
-    assert_close("y", out, ref, rel, atol, rtol)
-    assert torch.equal(cs.double(), cs64), "conv state must match the reference bit for bit"
-
-
-def conv_decode(device: str, B: int, C: int, W: int = 4, dtype=torch.float32, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(B, C, device=device, generator=gen).to(dtype)
-    w = torch.randn(C, W, device=device, generator=gen)
-    cs = torch.randn(B + 2, C, W - 1, device=device, generator=gen).to(dtype)
-    slots = torch.randperm(B + 2, device=device, generator=gen)[:B]
-    cs64 = cs.double().clone()
-    ref = conv.causal_conv1d_decode_ref(f64(x), f64(w), cs64, slots)
-    out = torch.full((B, C), NAN, dtype=dtype, device=device)
-    conv.causal_conv1d_decode_launch(x, w, cs, slots, out=out)
-    rel, atol, rtol = tolerances(dtype, "cpu")
-    assert_close("y", out, ref, rel, atol, rtol)
-    assert torch.equal(cs.double(), cs64), "conv state must match the reference bit for bit"
+def intra_offdiag(*args, **kwargs):
+    assert_passed(intra_lib.intra_offdiag(*args, **kwargs))
 
 
 def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

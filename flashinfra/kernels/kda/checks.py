@@ -1,177 +1,131 @@
-"""Checks and benchmarks of the KDA and conv Triton kernels, registered with ``flashinfra.feedback``.
+"""Checks and benchmarks of the KDA and conv kernels, registered with ``flashinfra.feedback``.
 
-Checks (``flashinfra check kda``) run each Triton launcher on fresh random inputs at odd sizes, outputs
-poisoned with NaN, against its reference computed in float64: on CUDA when there is one, else on the CPU
-under Triton's interpreter (in a child process started with ``TRITON_INTERPRET=1``, since the variable
-must be set before Triton compiles anything; ``python -m flashinfra.kernels.kda.checks NAME`` is that child,
-printing its results as JSON). Benchmarks
-(``flashinfra bench kda``) time the launchers at GLM-5.3-Flash sizes (H=64, K=V=128; ``quick``: small).
-The comparisons with flash-linear-attention live in ``bench/kda_*.py``, which need it installed.
+Checks (``flashinfra check kda``) run the cases of check_cases.py at fixed sizes: on CUDA when there is one, else
+on the CPU under Triton's interpreter (in a child process started with ``TRITON_INTERPRET=1``, since the variable
+must be set before Triton compiles anything; ``python -m flashinfra.kernels.interpreted MODULE NAME`` is that
+child, printing its results as JSON). Benchmarks (``flashinfra bench kda``) time the ops at GLM-5.3-Flash sizes
+(H=64, K=V=128; ``quick``: small).
 """
 
 from __future__ import annotations
-
 
 import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, register_benchmark, \
     register_check
-from flashinfra.kernels.kda import conv as conv
-from flashinfra.kernels.kda import decode_recurrence as dec
+from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels.kda import check_cases as cases
+from flashinfra.kernels.kda import check_intra_cases as intra_cases
+from flashinfra.kernels.kda import conv
 from flashinfra.kernels.kda import decode as layer
 from flashinfra.kernels.kda import prefill as pre
-from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels.kda import ref as kda_ref
 
-NAN = float("nan")
-
-
+TAGS = ("kernel", "kda", "triton")
 
 
-def _f64(t):
-    return t.double().clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+def named(prefix: str, results: list[CheckResult]) -> list[CheckResult]:
+    """The cases' results under the check's name."""
+    for r in results:
+        r.name = f"{prefix}.{r.name}"
+    return results
 
 
-
-
-def _sizes(device: str) -> dict:
-    return dict(H=64, K=128) if device == "cuda" else dict(H=2, K=16)
-
-
-@register_check("kda.prefill", tags=("kernel", "kda", "triton"))
-def check_prefill() -> list[CheckResult]:
-    """float32 inputs (the v2 kernels), then bf16 inputs (v3, the default path of a bf16 model), plain and
-    with the gate fused (the model's op), against float64 on the same (rounded) inputs."""
-    dev = kernel_device()
-    if dev is None:
-        return run_in_interpreter("flashinfra.kernels.kda.checks", "kda.prefill")
-    H, K = _sizes(dev)["H"] // 8 or 1, _sizes(dev)["K"]
-    lens = [63, 1, 200] if dev == "cuda" else [63, 1, 20]
-    T, cu = sum(lens), [0, lens[0], lens[0] + lens[1], sum(lens)]
-    slots, init = [4, 2, 0], [True, False, True]
-    results = []
-    for act in (torch.float32, torch.bfloat16):
-        tag = "kda.prefill" if act == torch.float32 else "kda.prefill.bf16"
-        q, k, v = (torch.randn(T, H, K, device=dev).to(act) for _ in range(3))
-        g = -5 * torch.sigmoid(torch.randn(T, H, K, device=dev))
-        beta = torch.rand(T, H, device=dev)
-        state = torch.randn(5, H, K, K, device=dev)
-        state[2] = NAN  # slot of the fresh sequence: must be ignored
-        s64 = state.double().clone()
-        s64[2] = 0
-        ref = pre.kda_prefill_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, cu, slots, init)
-        out = torch.full((T, H, K), NAN, device=dev, dtype=act)
-        pre.kda_prefill_launch(q, k, v, g, beta, state, cu, slots, init, out=out)
-        if act == torch.float32:
-            tol = dict(atol=1e-5, rtol=1e-4) if dev == "cpu" else dict(atol=5e-3, rtol=5e-3)
-            s_tol = tol
-        else:  # the bf16 output's rounding; the state as the GPU tests bound it (bf16x3 chain)
-            tol, s_tol = dict(atol=2e-2, rtol=2e-2), dict(atol=2e-3, rtol=2e-3)
-        results += [compare(f"{tag}.o", out, ref, **tol), compare(f"{tag}.state", state[slots], s64[slots], **s_tol)]
-    # the model's op: the gate from its raw projection with the lower bound, beta from its logits; q, k, v, act
-    # and the tolerances are the loop's last (bf16) case
-    g_raw, b_logits = torch.randn(T, H, K, device=dev).to(act), torch.randn(T, H, device=dev)
-    A_log, dt_bias = torch.randn(H, device=dev) * 0.3, torch.randn(H * K, device=dev)
-    state = torch.randn(5, H, K, K, device=dev)
-    state[2] = NAN
-    s64 = state.double().clone()
-    s64[2] = 0
-    ref = pre.kda_prefill_gated_ref(*(_f64(t) for t in (q, k, v, g_raw, b_logits, A_log, dt_bias)), -5.0, s64, cu,
-                                    slots, init)
-    out = torch.full((T, H, K), NAN, device=dev, dtype=act)
-    pre.kda_prefill_gated_launch(q, k, v, g_raw, b_logits, A_log, dt_bias, -5.0, state, cu, slots, init, out=out)
-    return results + [compare("kda.prefill.bf16_gated.o", out, ref, **tol),
-                      compare("kda.prefill.bf16_gated.state", state[slots], s64[slots], **s_tol)]
-
-
-@register_check("kda.decode", tags=("kernel", "kda", "triton"))
-def check_decode() -> list[CheckResult]:
-    dev = kernel_device()
-    if dev is None:
-        return run_in_interpreter("flashinfra.kernels.kda.checks", "kda.decode")
-    H, K, B = _sizes(dev)["H"], _sizes(dev)["K"], 7
-    q, k, v = (torch.randn(B, H, K, device=dev) for _ in range(3))
-    g = -5 * torch.sigmoid(torch.randn(B, H, K, device=dev))
-    beta = torch.rand(B, H, device=dev)
-    state = torch.randn(B + 2, H, K, K, device=dev)
-    slots = torch.randperm(B + 2, device=dev)[:B]
-    s64 = state.double().clone()
-    ref = dec.kda_decode_ref(*(_f64(t) for t in (q, k, v, g, beta)), s64, slots)
-    out = torch.full((B, H, K), NAN, device=dev)
-    dec.kda_decode_launch(q, k, v, g, beta, state, slots, out=out)
-    return [compare("kda.decode.o", out, ref, atol=1e-5, rtol=1e-4),
-            compare("kda.decode.state", state, s64, atol=1e-5, rtol=1e-4)]
-
-
-def _layer_inputs(dev: str, B: int, H: int, K: int, state_dtype: torch.dtype, act_dtype: torch.dtype, W: int = 4):
-    C = 3 * H * K
-
-    def rnd(*shape, dtype=act_dtype, scale=1.0):
-        return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-    return dict(qkv=rnd(B, C), conv_weight=rnd(C, W, dtype=torch.float32, scale=0.5), conv_state=rnd(B, C, W - 1),
-                g_raw=rnd(B, H * K), beta_logits=rnd(B, H), gate=rnd(B, H * K),
-                A_log=rnd(H, dtype=torch.float32, scale=0.3), dt_bias=rnd(H * K, dtype=torch.float32),
-                lower_bound=-5.0, norm_weight=rnd(K), eps=1e-5, state=rnd(B, H, K, K, dtype=state_dtype, scale=0.1),
-                state_slots=torch.randperm(B, device=dev))
-
-
-def _check_layer(name: str, state_dtype: torch.dtype) -> list[CheckResult]:
+def _run(name: str, fn) -> list[CheckResult]:
+    """``fn(device)`` on the kernels' device, or the check re-run under the interpreter."""
     dev = kernel_device()
     if dev is None:
         return run_in_interpreter("flashinfra.kernels.kda.checks", name)
-    act = torch.bfloat16 if dev == "cuda" else torch.float32
-    a = _layer_inputs(dev, 5, _sizes(dev)["H"], _sizes(dev)["K"], state_dtype, act)
-    r = {n: _f64(t) for n, t in a.items()}
-    ref = layer.kda_layer_decode_ref(**r)
-    split = {**a, "conv_state": a["conv_state"].clone(), "state": a["state"].clone()}
-    out = torch.full(ref.shape, NAN, dtype=act, device=dev)
-    layer.kda_layer_decode_launch(**a, out=out)
-    # the same step in two micro-batches (rows 0-3 and 4; on two streams on CUDA): the same results, bit for bit
-    out_split = torch.full(ref.shape, NAN, dtype=act, device=dev)
-    layer.kda_layer_decode_launch(**split, out=out_split, micro_batches=2)
-    # bf16 activations (CUDA): the kernels round the conv outputs to bf16 as the unfused conv does and the float64
-    # reference does not, so the output and the new state carry that rounding (the GPU tests' bounds)
-    exact = state_dtype == torch.float32 and act == torch.float32
-    o_tol = {} if act == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    state_tol = dict(atol=1e-5, rtol=1e-4) if exact else dict(atol=1e-2, rtol=1e-2)
-    return [compare(f"{name}.o", out, ref, **o_tol), compare(f"{name}.state", a["state"], r["state"], **state_tol),
-            compare(f"{name}.conv_state", a["conv_state"], r["conv_state"], atol=0, rtol=0),
-            *(compare(f"{name}.micro_batches.{n}", x, y, atol=0, rtol=0) for n, x, y in (
-                ("o", out_split, out), ("state", split["state"], a["state"]),
-                ("conv_state", split["conv_state"], a["conv_state"])))]
+    return named(name, fn(dev))
 
 
-@register_check("kda.layer_decode", tags=("kernel", "kda", "triton"))
+def _sizes(device: str) -> dict:
+    return dict(H=8, K=128) if device == "cuda" else dict(H=2, K=16)
+
+
+@register_check("kda.prefill", tags=TAGS)
+def check_prefill() -> list[CheckResult]:
+    """float32 inputs (the 16-token kernels), then bf16 and fp16 inputs (the 64-token kernels), plain and with the
+    gate fused (the model's op), against float64 on the same (rounded) inputs."""
+    def run(dev):
+        sz = _sizes(dev)
+        lens = [63, 3, 200] if dev == "cuda" else [63, 3, 20]
+        out = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            tag = str(dtype)[6:]
+            out += named(tag, cases.prefill_varlen(dev, lens, V=sz["K"], dtype=dtype, **sz))
+            out += named(f"{tag}.gated", cases.prefill_varlen(dev, lens, V=sz["K"], dtype=dtype, gated=True, **sz))
+        return out
+
+    return _run("kda.prefill", run)
+
+
+@register_check("kda.prefill_intra", tags=TAGS)
+def check_prefill_intra() -> list[CheckResult]:
+    """The 64-token prefill's gate pass, diagonal and off-diagonal kernels alone against float64, their scratch
+    poisoned, in the launcher's shapes on CUDA (bf16, tf32 products)."""
+    def run(dev):
+        if dev == "cuda":
+            lens, sz, kw = [1000, 63, 1, 300, 64, 129], dict(H=8, K=128), dict(dtype=torch.bfloat16, precision="tf32")
+            diag = dict(kw, KS=32, num_warps=2, kg=True, a_lo=False)
+        else:
+            lens, sz, kw = [70, 1, 0, 64, 129], dict(H=2, K=32), {}
+            diag = dict(kg=True, a_lo=False)
+        return (named("gate", intra_cases.gate_scratch(dev, lens, gated=True, **sz))
+                + named("diag", intra_cases.intra_diag(dev, lens, decay=0.1, **sz, **diag))
+                + named("offdiag", intra_cases.intra_offdiag(dev, lens, decay=0.1, **sz, **kw)))
+
+    return _run("kda.prefill_intra", run)
+
+
+@register_check("kda.prefill_recurrence", tags=TAGS)
+def check_prefill_recurrence() -> list[CheckResult]:
+    """The public prefill op against the token-by-token float64 recurrence (independent of ref.py)."""
+    return _run("kda.prefill_recurrence", lambda dev: cases.prefill_recurrence(dev))
+
+
+@register_check("kda.gate", tags=("kernel", "kda"))
+def check_gate() -> list[CheckResult]:
+    """The gate's formula, which the kernels fuse, against it written out in float64."""
+    return named("kda.gate", cases.gate("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@register_check("kda.layer_decode", tags=TAGS)
 def check_layer_decode() -> list[CheckResult]:
-    return _check_layer("kda.layer_decode", torch.float32)
+    """Both layouts (B=1, B=9), float32 and bf16 states, and the micro-batches of a CUDA graph bit for bit."""
+    def run(dev):
+        sz = _sizes(dev)
+        act = torch.bfloat16 if dev == "cuda" else torch.float32
+        out = []
+        for state_dtype in (torch.float32, torch.bfloat16):
+            tag = f"{str(state_dtype)[6:]}_state"
+            for B in (1, 9):
+                out += named(f"{tag}.b{B}", cases.layer_decode(dev, B, sz["H"], sz["K"], state_dtype, act))
+            out += named(tag, cases.layer_decode_micro_batches(dev, 9, sz["H"], sz["K"], state_dtype, act))
+        return out
 
-
-@register_check("kda.layer_decode_bf16_state", tags=("kernel", "kda", "triton"))
-def check_layer_decode_bf16() -> list[CheckResult]:
-    return _check_layer("kda.layer_decode_bf16_state", torch.bfloat16)
+    return _run("kda.layer_decode", run)
 
 
 @register_check("kda.conv1d", tags=("kernel", "conv", "triton"))
 def check_conv() -> list[CheckResult]:
-    dev = kernel_device()
-    if dev is None:
-        return run_in_interpreter("flashinfra.kernels.kda.checks", "kda.conv1d")
-    C, W, lens = 3 * _sizes(dev)["H"] * _sizes(dev)["K"] + 5, 4, [2, 37, 1]
-    T, cu = sum(lens), [0, 2, 39, 40]
-    x, w = torch.randn(T, C, device=dev), torch.randn(C, W, device=dev)
-    cs = torch.randn(4, C, W - 1, device=dev)
-    slots, init = [3, 0, 1], [False, True, True]
-    cs64 = cs.double().clone()
-    ref = conv.causal_conv1d_prefill_ref(_f64(x), _f64(w), cs64, cu, slots, init)
-    out = torch.full_like(x, NAN)
-    conv.causal_conv1d_prefill_launch(x, w, cs, cu, slots, init, out=out)
-    xd = torch.randn(3, C, device=dev)
-    dslots = torch.tensor([1, 2, 0], device=dev)
-    ref_d = conv.causal_conv1d_decode_ref(_f64(xd), _f64(w), cs64, dslots)
-    out_d = torch.full_like(xd, NAN)
-    conv.causal_conv1d_decode_launch(xd, w, cs, dslots, out=out_d)
-    return [compare("kda.conv1d.prefill", out, ref), compare("kda.conv1d.decode", out_d, ref_d),
-            compare("kda.conv1d.state", cs, cs64, atol=0, rtol=0)]
+    def run(dev):
+        C = 3 * _sizes(dev)["H"] * _sizes(dev)["K"] + 5
+        return named("prefill", cases.conv_prefill(dev, [2, 37, 1], C)) + named("decode", cases.conv_decode(dev, 3, C))
+
+    return _run("kda.conv1d", run)
+
+
+@register_check("kda.conv1d_window", tags=("kernel", "conv", "triton"))
+def check_conv_window() -> list[CheckResult]:
+    """The public conv ops against explicit float64 window sums (independent of conv.py's references)."""
+    return _run("kda.conv1d_window", lambda dev: cases.conv_window(dev))
+
+
+def _layer_inputs(dev: str, B: int, H: int, K: int, state_dtype: torch.dtype, act_dtype: torch.dtype):
+    a = cases.layer_decode_inputs(dev, B, H, K, state_dtype, act_dtype)
+    a["state"] = a["state"] * 0.1
+    return a
 
 
 def _bench_device(ctx: BenchContext) -> str:
@@ -188,8 +142,7 @@ def _register_layer_bench(B: int, state_dtype: torch.dtype, tag: str):
         names = list(_layer_inputs(dev, 1, H, K, state_dtype, act))
 
         def make_inputs(seed: int):
-            torch.manual_seed(seed)
-            a = _layer_inputs(dev, Bq, H, K, state_dtype, act)
+            a = cases.layer_decode_inputs(dev, Bq, H, K, state_dtype, act, seed=seed)
             return tuple(a[n] for n in names)
 
         esize = torch.empty((), dtype=state_dtype).element_size()
@@ -224,3 +177,47 @@ def bench_prefill(ctx: BenchContext) -> BenchSpec:
         bytes=T * H * K * (4 * act.itemsize + 4) + T * H * 4 + 2 * H * K * K * 4, flops=T * H * K * K * 2 * 3,
         description="KDA chunked prefill, one sequence", params=dict(T=T, H=H, K=K),
     )
+
+
+@register_benchmark("kda.decode", tags=("kernel", "kda"))
+def bench_decode(ctx: BenchContext) -> BenchSpec:
+    """The layer decode step at the context's device and dtype (the public op: kernels on CUDA, the reference on
+    the CPU), checked against the float64 reference from a known state."""
+    B, H, K = (4, 4, 32) if ctx.quick else (64, 64, 128)
+    dtype = ctx.torch_dtype()
+    names = list(cases.layer_decode_inputs(ctx.device, 1, 1, 16))
+
+    def make_inputs(seed: int):
+        a = cases.layer_decode_inputs(ctx.device, B, H, K, torch.float32, dtype, seed=seed)
+        return tuple(a[n] for n in names)
+
+    def check(inputs, out):
+        # the timed calls updated the slots in place; re-run from a copy of the inputs to check the output
+        a = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in zip(names, inputs)}
+        r = {n: cases.f64(t.clone()) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
+        o = layer.kda_layer_decode(**a)
+        return compare("kda.decode.o", o, kda_ref.kda_layer_decode_ref(**r), dtype=dtype)
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return BenchSpec(
+        fn=layer.kda_layer_decode, make_inputs=make_inputs, check=check,
+        bytes=B * H * K * K * 4 * 2 + B * H * K * itemsize * 6, flops=B * H * K * K * 7,
+        params={"B": B, "H": H, "K": K}, description="KDA layer decode step, state read and written in place")
+
+
+@register_benchmark("kda.conv1d.decode", tags=("kernel", "conv"))
+def bench_conv_decode(ctx: BenchContext) -> BenchSpec:
+    B, C, W = (8, 256, 4) if ctx.quick else (64, 3 * 64 * 128, 4)
+    dtype = ctx.torch_dtype()
+    weight = torch.randn(C, W, device=ctx.device)
+    conv_state = torch.randn(B, C, W - 1, device=ctx.device)
+    slots = torch.arange(B, device=ctx.device)
+
+    def make_inputs(seed: int):
+        gen = torch.Generator(device=ctx.device).manual_seed(seed)
+        return torch.randn(B, C, device=ctx.device, generator=gen).to(dtype), weight, conv_state, slots
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return BenchSpec(fn=conv.causal_conv1d_decode, make_inputs=make_inputs,
+                     bytes=B * C * (2 * itemsize + 2 * (W - 1) * 4) + C * W * 4, flops=B * C * (2 * W + 4),
+                     params={"B": B, "C": C, "W": W}, description="short conv decode step over q|k|v channels")

@@ -1,17 +1,36 @@
-"""Triton pieces shared by the KDA decode kernels (``kda_layer_decode``, ``kda_layer_decode_prep``,
-``kda_layer_decode_stream``; the state's addressing and read also by the bare recurrence, ``kda_decode``, and the
-v2 prefill, ``kda_prefill_split``): where a sequence's slot keeps its state and conv taps, the conv update of a
-token on a set of channels, a head's normalised q/k with its decay and beta, the read of a state block to be
-updated in place, one delta-rule step on a [K, BV] state block (for a bf16 block, optionally with its two sums
-over K as one tensor-core product), and the gated RMSNorm of a head's output row."""
+"""Triton helpers shared by the KDA kernels: the gate's formula and the prefill's gate/beta tile load, where a
+sequence's slot keeps its state and conv taps, a chunk's rows, and the bf16 product pieces of the 64-token prefill
+(hi + lo pairs, products with bf16 operands, the fast ``exp2``, the L2 prefetch)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import kda_log_decay
-from flashinfra.kernels.kda.prefill_intra_diag import mma_bf16
+
+@triton.jit
+def kda_log_decay(x, rate, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
+    """``kda_gate_ref`` on ``x = g_raw + dt_bias`` (float32) with ``rate = exp(A_log)``."""
+    if HAS_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(rate * x)
+    return -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
+                   K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                   BETA_LOGITS: tl.constexpr, G_MIN: tl.constexpr):
+    """A head's log-decay (clamped below at ``G_MIN``, the chunk kernels' exactness bound) and beta for the
+    token ``rows``, zero past the sequence's end; the gate and beta's sigmoid computed here from the raw
+    projections (``GATE_IN_KERNEL``, ``BETA_LOGITS``) or read as given."""
+    b_g = tl.load(g + rows[:, None] * stride_g_t + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if GATE_IN_KERNEL:
+        b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
+    if BETA_LOGITS:
+        b_b = tl.sigmoid(b_b)
+    return tl.where(m_tk, tl.maximum(b_g, G_MIN), 0.0), tl.where(m_t, b_b, 0.0)
 
 
 @triton.jit
@@ -30,139 +49,88 @@ def conv_slot(conv_state, slot, H: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
-    """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
-    dtype as the unfused conv output is. One 1-D load per tap, so the result comes in the vector layout the
-    state block's rows take, not that of a [channels, taps] tile (which made the compiler move the whole
-    state block between layouts through shared memory)."""
-    b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    acc = b_x.to(tl.float32) * tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
-    for j in tl.static_range(W - 1):
-        b_h = tl.load(cs_slot + ch * (W - 1) + j, mask=m, other=0.0).to(b_x.dtype).to(tl.float32)
-        acc += b_h * tl.load(w + ch * W + j, mask=m, other=0.0).to(tl.float32)
-    acc = acc * tl.sigmoid(acc)
-    return acc.to(b_x.dtype).to(tl.float32)
+def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
+    """First row (absolute) of sub-block t_sub of chunk i_c, and the number of its sequence's rows left
+    from there."""
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64 + t_sub * 16
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    return bos + t0, (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos - t0).to(tl.int32)
 
 
 @triton.jit
-def conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
-    """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
-    b_next = conv_shift_load(x_row, cs_slot, ch, m, W, BW)
-    tl.debug_barrier()
-    conv_shift_store(cs_slot, ch, m, b_next, W, BW)
-
-
-@triton.jit
-def conv_shift_load(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
-    """The shifted slot of channels ``ch`` as ``conv_shift_store`` writes it ([channels, BW]), read early: a
-    program that loads it beside its other inputs and stores it at its end (after a barrier, as every thread's
-    reads of the slot must come first) saves the round trip that a load just before the store would wait."""
-    o_j = tl.arange(0, BW)
-    mm = m[:, None] & (o_j < W - 2)[None, :]
-    b_next = tl.load(cs_slot + ch[:, None] * (W - 1) + o_j[None, :] + 1, mask=mm, other=0.0)
-    b_x = tl.load(x_row + ch, mask=m, other=0.0)
-    return tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
-
-
-@triton.jit
-def conv_shift_store(cs_slot, ch, m, b_next, W: tl.constexpr, BW: tl.constexpr):
-    """Store the shifted slot that ``conv_shift_load`` read (after a barrier)."""
-    o_j = tl.arange(0, BW)
-    tl.store(cs_slot + ch[:, None] * (W - 1) + o_j[None, :], b_next, mask=m[:, None] & (o_j < W - 1)[None, :])
-
-
-@triton.jit
-def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
-                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
-    """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
-    b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
-    b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
-    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    return b_q, b_k, tl.exp(b_g), b_beta
-
-
-@triton.jit
-def load_state(p, m, MASKED: tl.constexpr = True):
-    """A state block, read to be written back in place by the same program (``store_state``; MASKED False: the
-    block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines
-    there. On an H200 (bench/notes/kda_decode.md, "The state read as evict_last") the bare fp32 recurrence at
-    B=64 / 256 took 135.0 / 515.1 us this way against 137.9 / 533.5 without the hint (as fast as writing to
-    another buffer; evict_first on the load 141.9 / 549.7)."""
-    if MASKED:
-        b = tl.load(p, mask=m, other=0.0, eviction_policy="evict_last")
-    else:
-        b = tl.load(p, eviction_policy="evict_last")
-    return b
-
-
-@triton.jit
-def store_state(p, b_s, m, MASKED: tl.constexpr = True):
-    """Write back, rounded to the state's dtype, the block that ``load_state`` read with the same mask. Without
-    the masks (a block inside the state) the bare bf16 ``dot_sums`` program, [K, 64] on 4 warps, compiles to 760
-    instructions and 83 registers against 808 and 96 (Triton 3.6, sm_90): 75.0 against 77.3 us at B=64 on an
-    H200 (bench/notes/kda_decode.md, "The two sums on the tensor cores, timed")."""
-    if MASKED:
-        tl.store(p, b_s.to(p.dtype.element_ty), mask=m)
-    else:
-        tl.store(p, b_s.to(p.dtype.element_ty))
-
-
-@triton.jit
-def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
-    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
-    b_s = b_s * b_decay[:, None]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    return b_s, tl.sum(b_s * b_q[:, None], 0)
-
-
-@triton.jit
-def _parts3(x):
-    """x (float32) as three bf16 parts whose sum carries about 24 bits of it."""
+def bf16_pair(x):
+    """x as bf16 hi + lo parts, each rounded to nearest: hi + lo within 2^-17 of x."""
     hi = x.to(tl.bfloat16)
-    r = x - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def state_step_dot(b_s, b_q, b_k, b_decay, b_beta, b_v, BV: tl.constexpr, DOT_F32: tl.constexpr):
-    """``state_step`` on a bf16 block as loaded (exact) with both sums over K from one tensor-core product:
-    ``k^T (d S) = (k d)^T S`` and ``q^T S' = (q d)^T S + (q . k) delta``, ``k d`` and ``q d`` as three bf16 parts
-    each (about 24 bits), the rows of a [16, K] operand whose other rows are zero, float32 accumulation. The new
-    block is formed in float32, as ``state_step``'s. DOT_F32: the interpreter's widened bf16 products."""
-    qk = tl.sum(b_q * b_k)
-    kh, km, kl = _parts3(b_k * b_decay)
-    qh, qm, ql = _parts3(b_q * b_decay)
-    r = tl.arange(0, 16)[:, None]
-    a = tl.where(r == 0, kh[None, :], tl.where(r == 1, km[None, :], tl.where(r == 2, kl[None, :],
-                                                                             tl.zeros_like(kh)[None, :])))
-    a = tl.where(r == 3, qh[None, :], tl.where(r == 4, qm[None, :], tl.where(r == 5, ql[None, :], a)))
-    p = mma_bf16(a, b_s, tl.zeros([16, BV], dtype=tl.float32), DOT_F32)  # rows 0-2: k's parts, 3-5: q's
-    b_delta = (b_v - tl.sum(tl.where(r < 3, p, 0.0), 0)) * b_beta
-    b_o = tl.sum(tl.where((r >= 3) & (r < 6), p, 0.0), 0) + qk * b_delta
-    return b_s.to(tl.float32) * b_decay[:, None] + b_k[:, None] * b_delta[None, :], b_o
+def mma_bf16(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a b`` with bf16 operands; DOT_F32 (Triton's CPU interpreter, whose bf16 dot is wrong) widens
+    them to float32 first."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
-def gate_apply(b_y, gate_row, norm_w, o_v, m_v):
-    """The gated RMSNorm's last step on a normalised output block at columns ``o_v``: times the norm weight and
-    sigmoid(gate)."""
-    b_gate = tl.load(gate_row + o_v, mask=m_v, other=0.0).to(tl.float32)
-    return b_y * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
+    """``a b`` for float32 operands as three bf16 products (each operand a ``bf16_pair``, the lo x lo term left
+    out): about 16 bits of each operand, against tf32x3's 21. A float32 accumulator becomes a bf16 operand without
+    the shuffles a tf32 operand needs (the off-diagonal kernel's merge compiles to far fewer instructions than
+    with tf32x3), with the final state's error unchanged."""
+    ah, al = bf16_pair(a)
+    bh, bl = bf16_pair(b)
+    acc = mma_bf16(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_F32)
+    return mma_bf16(ah, bh, mma_bf16(ah, bl, acc, DOT_F32), DOT_F32)
 
 
 @triton.jit
-def gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
-    """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
-    o_f = tl.arange(0, BVF)
-    m_f = o_f < V
-    b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
-    b_o = gate_apply(b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps), gate_row, norm_w, o_f, m_f)
-    tl.debug_barrier()
-    tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)
+def mm_f32(a, b, P: tl.constexpr, DOT_F32: tl.constexpr):
+    """``a b`` for float32 operands: Triton's ``input_precision`` P, or "bf16x3" (``mm_bf16x3``)."""
+    if P == "bf16x3":
+        return mm_bf16x3(a, b, DOT_F32)
+    return tl.dot(a, b, input_precision=P)
+
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
+
+
+@triton.jit
+def exp2(x, FAST_EXP: tl.constexpr, PURE: tl.constexpr = True):
+    """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
+    check and two multiplies to keep them). PURE=False keeps the instruction where it is written (the off-diagonal
+    kernel's ``_exp2_rows``). The interpreter runs ``tl.math.exp2``: it has
+    no PTX."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=PURE,
+                                         pack=1)
+    return tl.math.exp2(x)
+
+
+@triton.jit
+def prefetch_l2(p, nbytes: tl.constexpr):
+    """Ask the L2 for ``nbytes`` bytes (a multiple of 16) at ``p`` (a scalar pointer, 16-byte aligned): one bulk
+    prefetch (``cp.async.bulk.prefetch.L2``), from the program's first thread alone. It moves nothing into the
+    program and waits for nothing. No PTX under the interpreter: the callers leave it out there."""
+    tl.inline_asm_elementwise("{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
+                              [p, tl.full([], nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
+    """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
+    so that hi + lo is within 2^-17 of x (``bf16_pair``)."""
+    hi, lo = bf16_pair(x)
+    tl.store(p, hi)
+    if LO:
+        tl.store(p + SLOT, lo)
+
+
+@triton.jit
+def load_rows(x, rows, m_tk, stride_t, o_k):
+    """A [rows, K slice] tile in float32; x is the scalar base of the first row's head: the offsets stay
+    int32 (tensors of 64-bit offsets would hold twice the registers)."""
+    return tl.load(x + rows[:, None] * stride_t + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)

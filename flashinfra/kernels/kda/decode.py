@@ -1,41 +1,28 @@
 """The whole decode step of one KDA layer between its input and output projections, fused.
 
-Per sequence (one new token) and head: the causal conv update with SiLU over the head's q, k and v
-channels (the conv slot read and shifted in place), the forget gate with its lower bound, beta, the q/k
-L2 norm, the delta-rule step on the recurrent state (read from and written back to its slot in place)
-and the gated RMSNorm of the output. The unfused path runs ``causal_conv1d_decode``, ``kda_gate``,
-``sigmoid``, ``kda_decode`` and the gated norm as separate ops, each reading and writing memory; here
-the only traffic is the inputs, the output (written, read back for the norm, written again) and the two
-slots.
+Per sequence (one new token) and head: the causal conv update with SiLU over the head's q, k and v channels (the
+conv slot read and shifted in place), the forget gate with its lower bound, beta, the q/k L2 norm, the delta-rule
+step on the recurrent state (read from and written back to its slot in place) and the gated RMSNorm of the
+output. The unfused path (``kda_layer_decode_ref``) runs the conv, the gate, the recurrence and the norm as
+separate ops, each reading and writing memory; here the only traffic is the inputs, the output (written, read
+back for the norm, written again) and the two slots.
 
-Kernel layouts, chosen per batch size and state dtype by ``decode_config`` (measured on an H200 in
-bench/notes/kda_decode.md):
-- ``"block"``: one program per (sequence, head, block of ``BV`` value columns), so many state loads are in
-  flight at once, then a second small launch per (sequence, head) for the gated RMSNorm (it needs the
-  head's whole output) and the q/k conv shift (every V block of the head reads those channels first).
-  Stream order between the launches replaces any synchronisation between programs.
-- ``"prep"``: the block layout with the head's q/k conv, L2 norms, gate and beta computed once per
-  (sequence, head) by a first small launch (which also shifts the q/k conv slot) into a float32 scratch, so
-  the state programs do only the recurrence and the v conv; three launches.
-- ``"stream"``, ``"tiles"`` (state kernels in ``kda_layer_decode_stream.py``): the prep launch also computes
-  the v conv and shifts the whole conv slot, so the state kernel reads only the scratch and its state tiles:
-  persistent programs with the state through a tensor descriptor in a pipelined loop, or one program per
-  tile. The norm launch follows (both apply the norm themselves when a tile is a whole head row: two
-  launches).
+Launches, chosen per batch size by ``decode_config``:
 
-Layouts measured slower at every size and removed (bench/notes/kda_decode.md): one program per head walking
-its state, persistent programs prefetching the next tile into registers, the head work inside the state
-launch, two tiles per program, one program per head holding its state as two column halves with the norm.
+- block layout (B=1): one program per (sequence, head, block of ``BV`` value columns), so many state loads are
+  in flight at once, each recomputing the head's q/k conv and gate (a few KB from L2); then a small launch per
+  (sequence, head) for the gated RMSNorm (it needs the head's whole output) and the q/k conv shift (every value
+  block reads those channels first), as a programmatic dependent of the state launch so that its start-up
+  overlaps the state launch's end. Stream order between launches replaces synchronisation between programs.
+- prep layout (B > 1): the head's q/k conv, L2 norms, gate and beta computed once per (sequence, head) by a prep
+  launch (which also shifts the q/k conv slot) into a float32 scratch (decode_prep.py), so the state programs do
+  only the recurrence and the v conv; then the norm launch. From 8 sequences, inside a CUDA graph, the batch
+  runs as two micro-batches on two streams (microbatch.py), so that one half's prep and norm launches run
+  beside the other half's state launch.
 
-Options: the prep and norm launches with several heads of a sequence per program (``prep_heads`` /
-``norm_heads``, ``kda_layer_decode_prep.py``; layouts with a prep launch), and the block layout's norm launch as a
-programmatic dependent of its state launch (``pdl``), so that its start-up overlaps the state launch's end;
-and the batch in micro-batches on two streams (``micro_batches``, microbatch.py), so that one half's prep and norm
-launches run beside the other half's state launch.
-
-The reference ``kda_layer_decode_ref`` is that unfused composition; the kernels round where it rounds
-(conv output and recurrence output to the activation dtype) so both agree to that dtype's precision.
-The recurrent state may be float32 or bfloat16 (half the bytes; rounded once per step).
+The kernels round where the reference rounds (conv output and recurrence output to the activation dtype), so
+both agree to that dtype's precision. The recurrent state may be float32 or bfloat16 (half the bytes; the
+arithmetic is float32, the new state rounded once per step). Conv widths 2 to 4.
 """
 
 from __future__ import annotations
@@ -45,42 +32,118 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from flashinfra.kernels.kda.conv import causal_conv1d_decode_ref
 from flashinfra.kernels.dispatch import register_cap, use_triton
-from flashinfra.kernels.kda.decode_recurrence import (blocks_inside, check_block_options, check_dot_sums, dot_sums_fit,
-                                           kda_decode_ref)
-from flashinfra.kernels.kda.gate import kda_gate_ref
-from flashinfra.kernels.kda.common import (conv_shift, conv_shift_load, conv_shift_store, conv_silu,
-                                                       conv_slot, gated_norm, head_inputs, load_state, state_step,
-                                                       state_tile, store_state)
-from flashinfra.kernels.kda.decode_prep import check_heads, norm_heads_launch, prep_heads_launch
-from flashinfra.kernels.kda.decode_stream import check_stream_layout, stream_state_launch
+from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_tile
+from flashinfra.kernels.kda.decode_prep import norm_heads_launch, prep_heads_launch
+from flashinfra.kernels.kda.ref import kda_layer_decode_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
-from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
-def kda_layer_decode_ref(
-    qkv: torch.Tensor,  # [B, H*K + H*K + H*V] q|k|v before the conv, one token per sequence
-    conv_weight: torch.Tensor,  # [C, W]
-    conv_state: torch.Tensor,  # [num_slots, C, W - 1], updated in place
-    g_raw: torch.Tensor,  # [B, H*K] f_b(f_a(x)) before the bias
-    beta_logits: torch.Tensor,  # [B, H]
-    gate: torch.Tensor,  # [B, H*V] output gate, before its sigmoid
-    A_log: torch.Tensor,  # [H]
-    dt_bias: torch.Tensor,  # [H*K]
-    lower_bound: float | None,
-    norm_weight: torch.Tensor,  # [V]
-    eps: float,
-    state: torch.Tensor,  # [num_slots, H, K, V], updated in place
-    state_slots: torch.Tensor,  # [B] int
-) -> torch.Tensor:  # [B, H, V] in qkv's dtype
-    B = qkv.shape[0]
-    H, K, V = state.shape[1:]
-    y = causal_conv1d_decode_ref(qkv, conv_weight, conv_state, state_slots)
-    q, k, v = y[:, : H * K].view(B, H, K), y[:, H * K : 2 * H * K].view(B, H, K), y[:, 2 * H * K :].view(B, H, V)
-    g = kda_gate_ref(g_raw.view(B, H, K), A_log, dt_bias, lower_bound)
-    o = kda_decode_ref(q, k, v, g, torch.sigmoid(beta_logits.float()), state, state_slots)
-    return gated_rms_norm_ref(o, gate.view(B, H, V), norm_weight, eps)
+@triton.jit
+def conv_silu(x_row, w, cs_slot, ch, m, W: tl.constexpr):
+    """Conv + SiLU of one token on channels ``ch`` (the slot is only read), float32, rounded through x's
+    dtype as the unfused conv output is. One 1-D load per tap, so the result comes in the vector layout the
+    state block's rows take, not that of a [channels, taps] tile (which made the compiler move the whole
+    state block between layouts through shared memory)."""
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(w + ch * W + W - 1, mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        b_h = tl.load(cs_slot + ch * (W - 1) + j, mask=m, other=0.0).to(b_x.dtype).to(tl.float32)
+        acc += b_h * tl.load(w + ch * W + j, mask=m, other=0.0).to(tl.float32)
+    acc = acc * tl.sigmoid(acc)
+    return acc.to(b_x.dtype).to(tl.float32)
+
+
+@triton.jit
+def conv_shift(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """Shift the token into the slot of channels ``ch``: new column j is old column j + 1, the last is x."""
+    b_next = conv_shift_load(x_row, cs_slot, ch, m, W, BW)
+    tl.debug_barrier()
+    conv_shift_store(cs_slot, ch, m, b_next, W, BW)
+
+
+@triton.jit
+def conv_shift_load(x_row, cs_slot, ch, m, W: tl.constexpr, BW: tl.constexpr):
+    """The shifted slot of channels ``ch`` as ``conv_shift_store`` writes it ([channels, BW]), read early: a
+    program that loads it beside its other inputs and stores it at its end (after a barrier, as every thread's
+    reads of the slot must come first) saves the round trip that a load just before the store would wait."""
+    o_j = tl.arange(0, BW)
+    mm = m[:, None] & (o_j < W - 2)[None, :]
+    b_next = tl.load(cs_slot + ch[:, None] * (W - 1) + o_j[None, :] + 1, mask=mm, other=0.0)
+    b_x = tl.load(x_row + ch, mask=m, other=0.0)
+    return tl.where((o_j == W - 2)[None, :], b_x[:, None].to(b_next.dtype), b_next)
+
+
+@triton.jit
+def conv_shift_store(cs_slot, ch, m, b_next, W: tl.constexpr, BW: tl.constexpr):
+    """Store the shifted slot that ``conv_shift_load`` read (after a barrier)."""
+    o_j = tl.arange(0, BW)
+    tl.store(cs_slot + ch[:, None] * (W - 1) + o_j[None, :], b_next, mask=m[:, None] & (o_j < W - 1)[None, :])
+
+
+@triton.jit
+def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, scale,
+                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
+    b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
+    b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
+    b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
+    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q, b_k, tl.exp(b_g), b_beta
+
+
+@triton.jit
+def load_state(p, m, MASKED: tl.constexpr = True):
+    """A state block, read to be written back in place by the same program (``store_state``; MASKED False: the
+    block lies inside the state, no mask): kept in L2 as evict_last, so that the write-back finds its lines
+    there (as fast as writing to another buffer)."""
+    if MASKED:
+        b = tl.load(p, mask=m, other=0.0, eviction_policy="evict_last")
+    else:
+        b = tl.load(p, eviction_policy="evict_last")
+    return b
+
+
+@triton.jit
+def store_state(p, b_s, m, MASKED: tl.constexpr = True):
+    """Write back, rounded to the state's dtype, the block that ``load_state`` read with the same mask (none
+    where the block lies inside the state: fewer instructions and registers)."""
+    if MASKED:
+        tl.store(p, b_s.to(p.dtype.element_ty), mask=m)
+    else:
+        tl.store(p, b_s.to(p.dtype.element_ty))
+
+
+@triton.jit
+def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
+    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
+    b_s = b_s * b_decay[:, None]
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], 0)
+
+
+@triton.jit
+def gate_apply(b_y, gate_row, norm_w, o_v, m_v):
+    """The gated RMSNorm's last step on a normalised output block at columns ``o_v``: times the norm weight and
+    sigmoid(gate)."""
+    b_gate = tl.load(gate_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return b_y * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32) * tl.sigmoid(b_gate)
+
+
+@triton.jit
+def gated_norm(o_row, gate_row, norm_w, eps, V: tl.constexpr, BVF: tl.constexpr):
+    """Gated RMSNorm of one head's output row in place (the row holds the recurrence output, rounded)."""
+    o_f = tl.arange(0, BVF)
+    m_f = o_f < V
+    b_o = tl.load(o_row + o_f, mask=m_f, other=0.0).to(tl.float32)
+    b_o = gate_apply(b_o / tl.sqrt(tl.sum(b_o * b_o) / V + eps), gate_row, norm_w, o_f, m_f)
+    tl.debug_barrier()
+    tl.store(o_row + o_f, b_o.to(o_row.dtype.element_ty), mask=m_f)
 
 
 @triton.jit
@@ -147,80 +210,21 @@ def kda_layer_decode_norm_kernel(
         conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
 
 
-@triton.jit
-def kda_layer_decode_prep_kernel(
-    qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
-    stride_x, stride_g, stride_b, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, PREP_V: tl.constexpr = False, BVF: tl.constexpr = 1,
-    EVICT: tl.constexpr = "",
-):
-    """Grid (B * H,), before the state kernel, for conv widths above 4 (narrower ones take the several-heads
-    prep kernel with one head per program, kda_layer_decode_prep.py): the head's q, k (conv, L2 norm, scale),
-    decay and beta, once, into ``heads`` float32, and the q/k conv shift (the only reader of those channels).
-    ``heads`` is [B * H, 4, R] (rows q, k, decay, then beta in the first column; R = BK) or, with
-    ``PREP_V``, [B * H, 5, R] (rows q, k, decay, the v conv output, beta; R = max(BK, BVF)), this program
-    then also shifting the v channels' conv slot, so that the state kernel reads only ``heads`` and the
-    state."""
-    i_bh = tl.program_id(0)
-    i_b, i_h = i_bh // H, i_bh % H
-    slot = tl.load(state_slots + i_b).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    x_row = qkv + i_b * stride_x
-    cs_slot = conv_slot(conv_state, slot, H, K, V, W)
-    b_q, b_k, b_decay, b_beta = head_inputs(x_row, conv_w, cs_slot, g_raw + i_b * stride_g, dt_bias, A_log,
-                                            beta_logits + i_b * stride_b + i_h, lower_bound, i_h, o_k, m_k, scale,
-                                            H, K, W, BW, HAS_LOWER_BOUND)
-    p_h = heads + i_bh * (5 if PREP_V else 4) * R + o_k
-    tl.store(p_h, tl.where(m_k, b_q, 0.0), eviction_policy=EVICT)
-    tl.store(p_h + R, tl.where(m_k, b_k, 0.0), eviction_policy=EVICT)
-    tl.store(p_h + 2 * R, b_decay, eviction_policy=EVICT)
-    if PREP_V:
-        o_f = tl.arange(0, BVF)
-        m_f = o_f < V
-        b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W)
-        tl.store(heads + i_bh * 5 * R + 3 * R + o_f, tl.where(m_f, b_v, 0.0), eviction_policy=EVICT)
-        tl.store(p_h + 4 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
-        conv_shift(x_row, cs_slot, 2 * H * K + i_h * V + o_f, m_f, W, BW)
-    else:
-        tl.store(p_h + 3 * R, tl.where(o_k == 0, b_beta, 0.0), eviction_policy=EVICT)
-    conv_shift(x_row, cs_slot, i_h * K + o_k, m_k, W, BW)
-    conv_shift(x_row, cs_slot, H * K + i_h * K + o_k, m_k, W, BW)
+# the prep and norm launches' warps per program
+PREP_WARPS = NORM_WARPS = 4
 
 
-GRIDS = ("block", "prep", "stream", "tiles")
-
-
-def decode_config(B: int, state_dtype: torch.dtype) -> dict:
-    """Launch options per batch size and state dtype: at each size timed in a CUDA graph on an H200 (H=64,
-    K=V=128; bench/results/kda_decode.json, kda_decode_microbatch*.json) the fastest variant where it beat the
-    previous choice by more than 0.5%, else the previous choice; between timed sizes the nearer one.
-    B=1: the block layout ([K, 32] on 2 warps) with its norm launch dependent (``pdl``, 4-8% faster): the other
-    layouts' extra launches cost more than they save for one sequence.
-    fp32 state: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM; the state kernel is
-    near the copy bandwidth), the prep launch 2 heads per program up to B=32 (1-2% faster at B=16;
-    bench/results/kda_decode_refresh_16_64.json), above it one head on 4 warps (1.1-1.3% faster at B=64 and 256 in
-    seven runs; bench/results/kda_decode_prep_one_head_4heads_norm.json).
-    bf16 state: one program per [K, 64] tile on 4 warps capped at 96 registers with the step's sums over K on the
-    tensor cores (``dot_sums``), the prep launch one head per program (at B=2 / 4 / 8 / 12 / 16 / 24 / 32 9.4 /
-    11.4 / 15.4 / 19.6 / 24.2 / 40.1 / 51.6 us against the streaming layout's 10.6 / 12.4 / 15.9 / 20.5 / 26.3 /
-    44.0 / 55.9, bench/results/kda_decode_microbatch_bf16_tiny.json and _bf16_small.json; at B=64 / 256 91.5 /
-    333.4 against 92.0 / 336.8 without ``dot_sums``, kda_decode_dot_sums_layer.json).
-    The norm launch 4 heads per program above B=1.
-    Two micro-batches on two streams (``micro_batches``, inside CUDA graphs; bench/results/kda_decode_microbatch.json,
-    _small.json, _bf16_small.json): fp32 from B=8 (at B=8 / 16 / 64 / 256 20.9 / 43.5 / 148.3 / 565.0 us against
-    21.6 / 46.8 / 151.4 / 569.6; at B=32 within 1%), bf16 from B=24 (37.5 / 47.8 at B=24 / 32 against 40.1 / 51.6,
-    89.1 / 333.5 at B=64 / 256 against 91.9 / 337.4; equal at B=16, slower at B=8 and 12: 21.1 / 25.2 against
-    15.4 / 19.6)."""
+def decode_config(B: int) -> dict:
+    """The launches per batch size, the fastest timed in a CUDA graph (H=64, K=V=128), for either state dtype.
+    B=1: the block layout ([K, 32] on 2 warps, q/k conv and gate recomputed by each block) with its norm launch a
+    programmatic dependent of the state launch (``pdl``): a prep launch costs more than it saves for one sequence.
+    Above: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM), the prep launch 2 heads
+    per program up to B=32, one above, the norm launch 4 heads per program; from B=8 two micro-batches on two
+    streams inside a CUDA graph (one range's prep and norm launches run beside the other's state launch)."""
     if B <= 1:
-        return dict(grid="block", BV=32, num_warps=2, pdl=True)
-    norm = dict(prep_warps=4, norm_heads=4, norm_warps=4)
-    if state_dtype == torch.float32:
-        return dict(grid="prep", BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, **norm,
-                    **(dict(micro_batches=2) if B >= 8 else {}))
-    return dict(grid="tiles", BV=64, num_warps=4, maxnreg=96, dot_sums=True, prep_heads=1, **norm,
-                **(dict(micro_batches=2) if B > 20 else {}))
+        return dict(prep=False, BV=32, num_warps=2, maxnreg=None, pdl=True, micro_batches=1)
+    return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, norm_heads=4,
+                pdl=False, micro_batches=2 if B >= 8 else 1)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -233,7 +237,7 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
     problems = []
     if qkv.dim() != 2 or qkv.shape[1] != 2 * H * K + H * V or qkv.stride(1) != 1:
         problems.append(f"qkv {tuple(qkv.shape)} (want [B, {2 * H * K + H * V}], contiguous channels)")
-    if C != 2 * H * K + H * V or W < 2:
+    if C != 2 * H * K + H * V or not 2 <= W <= 4:
         problems.append(f"conv_weight {tuple(conv_weight.shape)}")
     if conv_state.shape[1:] != (C, W - 1) or not conv_state.is_contiguous():
         problems.append(f"conv_state {tuple(conv_state.shape)}")
@@ -252,140 +256,74 @@ def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, d
         raise ValueError(f"kda_layer_decode: H={H} K={K} V={V}, bad shapes: " + "; ".join(problems))
 
 
+def in_graph_capture(qkv: torch.Tensor) -> bool:
+    """Whether this call is being captured into a CUDA graph: only there do micro-batches pay. Eager, the host's
+    time per launch, which they double, is longer than the layer's GPU time, so there is no idle time to fill."""
+    return qkv.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def kda_layer_decode_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
-                            norm_weight, eps, state, state_slots, grid: str | None = None, BV: int | None = None,
-                            num_warps: int | None = None, out: torch.Tensor | None = None, num_stages: int = 4,
-                            per_sm: int | None = None, programs: int | None = None, scratch_l2: bool = False,
-                            tma_store: bool = True, launches: str = "all", maxnreg: int | None = None,
-                            prep_warps: int | None = None, norm_warps: int | None = None,
-                            prep_heads: int | None = None, norm_heads: int | None = None, pdl: bool | None = None,
-                            dot_sums: bool | None = None, micro_batches: int | None = None):
-    """``grid``, ``BV`` and ``num_warps`` left out come from ``decode_config``; with ``grid`` left out, so do the
-    options it sets and the caller does not (``maxnreg``, the prep/norm heads and warps, ``pdl``, ``dot_sums``
-    where the state fits it).
-    The streaming layout (``"stream"``) also takes ``num_stages`` (the descriptor loop's
-    pipeline depth: 4 keeps two tiles in flight behind the one being computed), ``per_sm`` (at most that many persistent
-    programs per SM; by default as many as fit), ``programs`` (the grid size itself, for tests) and
-    ``scratch_l2`` (the prep launch writes its scratch with the L2 policy evict_last, so that it is still in
-    L2 when the state kernel reads it behind the state stream; off by default: at B=256 the scratch is 42 MB,
-    most of the L2, which the kernels between the KDA layers would then lose);
-    and ``tma_store`` (the new state written back by the copy engine, or by plain stores);
-    with ``BV >= V``, ``"stream"`` and ``"tiles"`` apply the gated RMSNorm themselves (two launches). ``launches``
-    ("prep", "state" or "norm" instead of "all") runs one launch of a multi-launch layout alone, for the
-    benchmark's time split; the result is then incomplete. ``maxnreg`` caps the registers per thread of the
-    state kernel (more programs per SM, at the price of spills below what it needs);
-    ``prep_warps`` and ``norm_warps`` set the prep and norm launches' warps per program (4 unless the
-    configuration says otherwise), ``prep_heads`` and ``norm_heads`` (powers of two; the norm's only with a
-    prep launch) their heads of one sequence per program (``kda_layer_decode_prep.py``; 1: one program per
-    (sequence, head)). ``pdl`` (the block layout; CUDA; the interpreter runs the launches in order without it):
-    the norm launch as a programmatic dependent of the state launch, so that its start-up overlaps the state
-    launch's end. ``dot_sums`` (the tiles layout, a bf16 state): the state step's sums over K as one tensor-core
-    product (``state_step_dot``). ``micro_batches``: the batch cut into that many row ranges, each launched
-    with the options resolved for the whole batch, alternately on the caller's stream and a side stream
-    (microbatch.py; one range's prep and norm launches run beside another's state launch); by default the
-    configuration's inside a CUDA graph capture, one outside."""
+                            norm_weight, eps, state, state_slots, out: torch.Tensor | None = None):
+    """Triton ``kda_layer_decode`` in ``decode_config``'s launches; inside a CUDA graph capture, from 8 sequences,
+    the batch in two row ranges on two streams (microbatch.py)."""
     _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
                 state_slots)
     B = qkv.shape[0]
     H, K, V = state.shape[1:]
-    W = conv_weight.shape[1]
     if out is None:
         out = torch.empty((B, H, V), dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (B, H, V) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"kda_layer_decode: out must be contiguous [{B}, {H}, {V}] {qkv.dtype}")
-    cfg = decode_config(B, state.dtype)
-    base = dict(maxnreg=None, prep_warps=4, norm_warps=4, prep_heads=1, norm_heads=1, pdl=False, dot_sums=False,
-                micro_batches=1)
-    if grid is None:  # the whole configuration; a caller's own layout takes none of its other options
-        base.update((n, v) for n, v in cfg.items() if n in base)
-    if not (qkv.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # the configuration's micro-batches only inside a CUDA graph: eager, the host's time per launch, which they
-        # double, is longer than the layer's GPU time (B=64 fp32 on an H200: 234 us a call eager, 146 in a graph,
-        # bench/results/kda_decode_micro_graph_only.json; 694 eager with two micro-batches,
-        # kda_decode_micro_eager.json), so there is no GPU idle time for them to fill
-        base["micro_batches"] = 1
-    maxnreg = base["maxnreg"] if maxnreg is None else maxnreg
-    prep_warps = base["prep_warps"] if prep_warps is None else prep_warps
-    norm_warps = base["norm_warps"] if norm_warps is None else norm_warps
-    prep_heads = base["prep_heads"] if prep_heads is None else prep_heads
-    norm_heads = base["norm_heads"] if norm_heads is None else norm_heads
-    pdl = base["pdl"] if pdl is None else pdl
-    micro_batches = base["micro_batches"] if micro_batches is None else micro_batches
-    grid, num_warps = grid or cfg["grid"], num_warps or cfg["num_warps"]
-    if grid not in GRIDS:
-        raise ValueError(f"kda_layer_decode: grid must be one of {GRIDS}, got {grid!r}")
-    if launches not in ("all", "prep", "state", "norm"):
-        raise ValueError(f"kda_layer_decode: launches must be 'all', 'prep', 'state' or 'norm', got {launches!r}")
-    check_heads(prep_heads, norm_heads, W)
-    check_block_options("kda_layer_decode", BV, maxnreg, num_warps, prep_warps, norm_warps)
-    if norm_heads > 1 and grid == "block":
-        raise ValueError(f"kda_layer_decode: norm_heads > 1 needs a layout with a prep launch, not {grid!r}")
-    if pdl and grid != "block":
-        raise ValueError(f"kda_layer_decode: pdl is an option of the block layout, not {grid!r}")
-    if dot_sums and grid != "tiles":
-        raise ValueError(f"kda_layer_decode: dot_sums is an option of the tiles layout, not {grid!r}")
-    check_dot_sums("kda_layer_decode", dot_sums, state.dtype, K, BV)
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"kda_layer_decode: micro_batches must be a positive integer, got {micro_batches!r}")
-    pdl = pdl and qkv.is_cuda
     if B == 0:
         return out
-    BVF = triton.next_power_of_2(V)
-    BV = min(BV or cfg["BV"], BVF)
-    if dot_sums is None:  # the configuration's, where the state fits it (a caller's own value is checked above)
-        dot_sums = base["dot_sums"] and dot_sums_fit(state.dtype, K, BV)
-    if micro_batches > 1 and B > 1:
-        whole = dict(grid=grid, BV=BV, num_warps=num_warps, num_stages=num_stages, per_sm=per_sm, programs=programs,
-                     scratch_l2=scratch_l2, tma_store=tma_store, launches=launches, maxnreg=maxnreg,
-                     prep_warps=prep_warps, norm_warps=norm_warps, prep_heads=prep_heads, norm_heads=norm_heads,
-                     pdl=pdl, dot_sums=dot_sums, micro_batches=1)
-
+    cfg = decode_config(B)
+    args = (conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, state)
+    if cfg["micro_batches"] > 1 and in_graph_capture(qkv):
         def rows(lo: int, hi: int) -> None:
-            kda_layer_decode_launch(qkv[lo:hi], conv_weight, conv_state, g_raw[lo:hi], beta_logits[lo:hi], gate[lo:hi],
-                                    A_log, dt_bias, lower_bound, norm_weight, eps, state, state_slots[lo:hi],
-                                    out=out[lo:hi], **whole)
+            _launch(qkv[lo:hi], conv_state, g_raw[lo:hi], beta_logits[lo:hi], gate[lo:hi], state_slots[lo:hi],
+                    out[lo:hi], *args, cfg)
 
-        on_two_streams(micro_ranges(B, micro_batches), rows, qkv.device)
+        on_two_streams(micro_ranges(B, cfg["micro_batches"]), rows, qkv.device)
         return out
+    _launch(qkv, conv_state, g_raw, beta_logits, gate, state_slots, out, *args, cfg)
+    return out
+
+
+def _launch(qkv, conv_state, g_raw, beta_logits, gate, state_slots, out, conv_weight, A_log, dt_bias, lower_bound,
+            norm_weight, eps, state, cfg: dict) -> None:
+    """The launches of one row range, in the configuration chosen for the whole batch."""
+    B = qkv.shape[0]
+    H, K, V = state.shape[1:]
+    W = conv_weight.shape[1]
+    BVF = triton.next_power_of_2(V)
+    BV = min(cfg["BV"], BVF)
+    pdl = cfg["pdl"] and qkv.is_cuda
+    prepped = cfg["prep"]
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
     sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
-    streamed = grid in ("stream", "tiles")  # the state kernel reads only the scratch and the state
-    prepped = grid == "prep" or streamed
-    if grid == "stream":
-        check_stream_layout(state, BV, sizes["BK"])
-    R = max(sizes["BK"], BVF) if streamed else sizes["BK"]
-    heads = torch.empty((B * H, 5 if streamed else 4, R) if prepped else (1,), dtype=torch.float32, device=qkv.device)
-    run = ("prep", "state", "norm") if launches == "all" else (launches,)
-    evict = "evict_last" if streamed and scratch_l2 else ""
-    # the several-heads prep kernel for any number of heads per program (one included: fewer instructions than
-    # the per-head kernel, which is left for conv widths above 4)
-    if prepped and "prep" in run and (prep_heads > 1 or W <= 4):
-        prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, R, streamed, BVF, evict,
-                          prep_heads, prep_warps)
-    elif prepped and "prep" in run:
-        kda_layer_decode_prep_kernel[(B * H,)](*head_args, state_slots, heads, *strides, **sizes,
-                                               HAS_LOWER_BOUND=lower_bound is not None, R=R, PREP_V=streamed,
-                                               BVF=BVF, EVICT=evict, num_warps=prep_warps)
-    normed = False
-    if "state" in run and streamed:
-        normed = stream_state_launch(state, heads, state_slots, out, gate, norm_weight, eps, grid, BV, R, num_warps,
-                                     num_stages, per_sm, programs, tma_store, maxnreg, dot_sums)
-    elif "state" in run:
-        kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
-            *head_args, state, state_slots, out, heads, *strides,
-            **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
-            EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=num_warps, **register_cap(maxnreg))
-    if "norm" in run and not normed and norm_heads > 1:
-        norm_heads_launch(gate, norm_weight, eps, out, norm_heads, norm_warps)
-    elif "norm" in run and not normed:
+    heads = torch.empty((B * H, 4, sizes["BK"]) if prepped else (1,), dtype=torch.float32, device=qkv.device)
+    if prepped:
+        prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, cfg["prep_heads"],
+                          PREP_WARPS)
+    kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
+        *head_args, state, state_slots, out, heads, *strides,
+        **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
+        EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=cfg["num_warps"], **register_cap(cfg["maxnreg"]))
+    if prepped:
+        norm_heads_launch(gate, norm_weight, eps, out, cfg["norm_heads"], NORM_WARPS)
+    else:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-            **sizes, BVF=BVF, SHIFT_QK=not prepped, PDL=pdl, num_warps=norm_warps,
+            **sizes, BVF=BVF, SHIFT_QK=True, PDL=pdl, num_warps=NORM_WARPS,
             **({"launch_pdl": True} if pdl else {}))
-    return out
+
+
+def blocks_inside(K: int, V: int, BK: int, BV: int) -> bool:
+    """Whether every [BK, BV] block of a [K, V] state lies inside it (the block kernel's ``EVEN``: no masks)."""
+    return BK == K and V % BV == 0
 
 
 def kda_layer_decode(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,

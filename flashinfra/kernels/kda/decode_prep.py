@@ -1,22 +1,12 @@
-"""The prep and norm launches of the KDA layer decode with several heads of one sequence per program
-(``prep_heads`` / ``norm_heads`` > 1 in ``kda_layer_decode_launch``); the prep kernel here also runs the
-one-head prep launch (``prep_heads=1``) for conv widths up to 4, in 280 instructions per warp against the
-per-head kernel's 392 (21 global loads per thread against 31, 6 barriers against 10): 11.4 -> 9.9 us at B=64 on
-an H200 (bench/notes/kda_decode.md, "The one-head prep launch"). ``kda_layer_decode_prep_kernel`` remains for
-wider convs.
-
-Same outputs as ``kda_layer_decode_prep_kernel`` and ``kda_layer_decode_norm_kernel`` (one program per
-(sequence, head), 128-wide vectors): the scratch rows q, k, decay (v) and beta, the conv slot shifted, the
-gated RMSNorm in place. What changes is the shape of the work: a program takes ``HB`` heads as [HB, K]
-tiles, so the channels it reads (q|k|v row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K
-elements (vector loads and stores), each thread has HB times the independent loads in flight, and there are
-HB times fewer programs, so the per-program setup (slot index, addresses, the per-head reductions' barriers) is
-paid once per HB heads. Measured (bench/notes/kda_decode.md, "prep launch"): the norm launch gains (4 heads per
-program), the prep launch does not (2 heads per program are as fast as one, 4 or more slower). The
-conv reads each slot tap once and shifts the slot from those registers (one load and one store per slot
-element; the per-head kernel reads the slot again for its shift), and the q/k L2 norm and the RMSNorm divide
-once per head and multiply per element. Every tile of a program is [HB, K] in one register layout, except the
-contiguous x row, which the compiler converts once per conv (the strided slot and weight loads pick another).
+"""The prep and norm launches of the KDA layer decode's prep layout, with ``HB`` heads of one sequence per program
+(``decode_config``: 1 or 2 heads per prep program, 4 per norm program): the scratch rows q, k, decay and beta,
+the q/k conv slot shifted, and the gated RMSNorm in place. A program takes ``HB`` heads as [HB, K] tiles, so the
+channels it reads (q|k row, g_raw, dt_bias, the scratch rows) are contiguous runs of HB * K elements (vector loads
+and stores), each thread has HB times the independent loads in flight, and the per-program setup (slot index,
+addresses, the per-head reductions' barriers) is paid once per HB heads. The conv reads each slot tap once and
+shifts the slot from those registers (one load and one store per slot element; conv widths up to 4, whose taps
+are named), and the q/k L2 norm and the RMSNorm divide once per head and multiply per element. Every tile of a
+program is [HB, K] in one register layout, except the contiguous x row, which the compiler converts once per conv.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import kda_log_decay
+from flashinfra.kernels.kda.common import kda_log_decay
 from flashinfra.kernels.kda.common import conv_slot
 
 
@@ -63,12 +53,11 @@ def kda_layer_decode_prep_heads_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, PREP_V: tl.constexpr, BVF: tl.constexpr,
-    EVICT: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, HB: tl.constexpr,
 ):
-    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i; ``heads`` [B * H, 4 or 5, R] as
-    ``kda_layer_decode_prep_kernel`` writes it (rows q, k, decay, (v,) beta in the first column; the rest of the
-    beta row is left unwritten, 2 MB fewer at B=64, H=64)."""
+    """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i into ``heads`` [B * H, 4, BK]
+    float32 (rows q (normalised, times ``scale``), k (normalised), decay, and beta in the first column; the rest of
+    the beta row is left unwritten), which the block kernel reads with ``PREPPED``."""
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -86,27 +75,18 @@ def kda_layer_decode_prep_heads_kernel(
     b_rate = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_decay = tl.exp(kda_log_decay(b_g, b_rate[:, None], lower_bound, HAS_LOWER_BOUND))
     b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_b + o_h, mask=m_h, other=0.0).to(tl.float32))
-    NR: tl.constexpr = 5 if PREP_V else 4
-    p_h = heads + ((i_b * H + o_h) * (NR * R))[:, None] + o_k[None, :]
-    m_hr = m_h[:, None] & (o_k < R)[None, :]
+    p_h = heads + ((i_b * H + o_h) * (4 * BK))[:, None] + o_k[None, :]
+    m_hr = m_h[:, None] & (o_k < BK)[None, :]
     b_q = _conv_heads(x_row, conv_w, cs_slot, ch_q, m_hk, W)
     b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None]  # one division per head
-    tl.store(p_h, b_q, mask=m_hr, eviction_policy=EVICT)
+    tl.store(p_h, b_q, mask=m_hr)
     b_k = _conv_heads(x_row, conv_w, cs_slot, H * K + ch_q, m_hk, W)
     b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None]
-    tl.store(p_h + R, b_k, mask=m_hr, eviction_policy=EVICT)
-    tl.store(p_h + 2 * R, b_decay, mask=m_hr, eviction_policy=EVICT)
+    tl.store(p_h + BK, b_k, mask=m_hr)
+    tl.store(p_h + 2 * BK, b_decay, mask=m_hr)
     b_beta_row = tl.where((o_k == 0)[None, :], b_beta[:, None], 0.0)
     m_beta = m_h[:, None] & (o_k == 0)[None, :]  # the state kernels read the beta row's first column only
-    if PREP_V:
-        o_f = tl.arange(0, BVF)
-        m_hf = m_h[:, None] & (o_f < V)[None, :]
-        b_v = _conv_heads(x_row, conv_w, cs_slot, 2 * H * K + o_h[:, None] * V + o_f[None, :], m_hf, W)
-        p_v = heads + ((i_b * H + o_h) * (NR * R))[:, None] + 3 * R + o_f[None, :]
-        tl.store(p_v, b_v, mask=m_h[:, None] & (o_f < R)[None, :], eviction_policy=EVICT)
-        tl.store(p_h + 4 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
-    else:
-        tl.store(p_h + 3 * R, b_beta_row, mask=m_beta, eviction_policy=EVICT)
+    tl.store(p_h + 3 * BK, b_beta_row, mask=m_beta)
 
 
 @triton.jit
@@ -133,25 +113,15 @@ def kda_layer_decode_norm_heads_kernel(
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m)
 
 
-def check_heads(prep_heads: int, norm_heads: int, W: int) -> None:
-    if prep_heads > 1 and W > 4:
-        raise ValueError(f"kda_layer_decode: prep_heads > 1 handles conv widths up to 4, got {W}")
-    for name, n in (("prep_heads", prep_heads), ("norm_heads", norm_heads)):
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"kda_layer_decode: {name} must be a power of two >= 1, got {n}")
-
-
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
-                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, R: int, prep_v: bool, BVF: int,
-                      evict: str, prep_heads: int, num_warps: int) -> None:
+                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, prep_heads: int, num_warps: int) -> None:
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
-        HAS_LOWER_BOUND=has_lower_bound, R=R, HB=prep_heads, PREP_V=prep_v, BVF=BVF, EVICT=evict,
-        num_warps=num_warps)
+        HAS_LOWER_BOUND=has_lower_bound, HB=prep_heads, num_warps=num_warps)
 
 
 def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
@@ -160,12 +130,3 @@ def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_hea
     kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
         num_warps=num_warps)
-
-
-# Options of the prep and norm launches worth comparing (bench/kda_decode.py times each with the default layout per
-# size, whole layer and each launch alone; tests/kernels/test_kda_gpu.py runs each). The first is decode_config's
-# choice where it uses several heads. Dropped after the 06:44 UTC run (bench/notes/kda_decode.md, "prep launch"):
-# 4, 8 and 16 prep heads per program (with 8 or 16 norm heads): the layer with them was slower than the default at
-# every size and state dtype.
-HEADS_OPTIONS = [dict(prep_heads=2, prep_warps=4, norm_heads=4, norm_warps=4),
-                 dict(prep_heads=2, prep_warps=2, norm_heads=4, norm_warps=1)]

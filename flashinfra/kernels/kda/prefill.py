@@ -1,148 +1,66 @@
-"""KDA chunked prefill over packed variable-length sequences, with state slots.
+"""KDA chunked prefill over packed variable-length sequences, with state slots: the public ops, their argument
+checks, the choice of kernels and the launch sequence of the 64-token chunks (references in ref.py).
 
-Kimi Delta Attention per head, with a per-channel decay ``g`` (log space) and a scalar ``beta``:
-``S_t = diag(exp(g_t)) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T (q_t / sqrt(K))``
-with ``q`` and ``k`` L2-normalised. States are ``[K, V]`` float32 per head.
+16-bit activations take 64-token chunks: a gate pass (prefill_gate.py: the log-decay's chunk-relative cumulative
+sum and beta, once per chunk and head), the in-chunk matrices for all chunks in parallel (prefill_intra_diag.py:
+the diagonal 16-token blocks, their inverses and the state pass's per-chunk tiles; prefill_intra_offdiag.py: the
+off-diagonal blocks and the merge into the WY inverse; for fp16, prefill_intra_wu.py: the tiles w and u), then
+one sequential pass per (value block, sequence, head) that carries the state in float32 registers
+(prefill_state.py). The products that carry the state from chunk to chunk compound their rounding over the whole
+sequence, so every operand of them enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each
+operand, as precise as tf32x3 here), never as a single bf16 or tf32 operand, whose rounding each step shows up in
+the state (tests/kernels/test_kda_gpu.py). For bf16 v the state pass also forms u from v and ``Aib = Ai
+diag(beta)`` (a bf16 pair) and applies Aib to ``-k exp(gc) S`` in w's place, so u's own rounding stays out of the
+state.
 
-The reference is the chunked (WY) form: within a chunk of ``BT`` tokens the delta rule is solved as a
-triangular system, and the state is carried from chunk to chunk. It reads each sequence's initial state
-from its slot (or zeros for a sequence that starts here) and writes the final state back to the slot.
-
-Triton path (``version="v3"``, the default for bf16 and fp16 inputs; kda_prefill_v3.py): 64-token chunks.
-The in-chunk work runs for all chunks in parallel, in kernels of short dependent chains (the in-chunk
-matrices: the diagonal 16-token blocks and their inverses with the per-chunk tiles, kda_prefill_intra64_split.py,
-the off-diagonal blocks per 16-row block and the WY merge, kda_prefill_intra64_rows.py; for float32 v or output
-also the tile w, kda_prefill_intra64_b.py),
-then one sequential pass per (value block, sequence, head) carries the state in float32 registers through warpgroup
-products per chunk. Those of ``w S`` (by default ``Aib (kg S)``, below) and ``kd^T v'`` carry it from chunk to
-chunk, so rounding there compounds over the whole sequence: by default (``V3_CHAIN = "bf16x3"``) every operand of
-them enters as a bf16 hi + lo pair (three bf16 products, about 16 bits of each operand, as precise as tf32x3 here),
-never as a single bf16 or tf32 operand, whose rounding each step shows up in the state (see
-tests/kernels/test_kda_gpu.py). By default (bf16 v and output) the state pass also forms u from v and ``Ai
-diag(beta)`` as a bf16 pair, so u's own rounding stays out of the state, and applies that pair to ``-k exp(gc) S``
-itself in w's place. Against a float64 recurrence at T=65536 and 131072 the default's final-state error is 6.7e-6
-to 1.6e-4, 1/24 to 1/325 of flash-linear-attention's, its output's 2.5e-3, 0.53-0.67x flash-linear-attention's
-(bench/results/kda_precision_w_in_state.json). ``chain_precision="bf16x2"`` rounds the per-chunk factors w (or kg)
-and kd to one bf16 each: the call 10% faster on an H200, its state error 1.5-1.8e-3 (still below
-flash-linear-attention's 2.2-3.9e-3, but that of a single-bf16 operand in the chain; bench/notes/kda_precision.md).
-
-``version="v2"`` (kda_prefill_split.py) is the earlier 16-token-chunk form: one launch for the in-chunk work
-(the WY inverse as the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), a second for the state with
-its products in ``chain_precision`` "tf32x3" (or "ieee", which the benchmarks use as the high-precision
-reference on the GPU; "tf32" shows the plain product's error in a test). On an H200 v3 is 1.9-2.1x faster
-(bench/notes/kda_prefill.md).
+Float32 activations take 16-token chunks (prefill_fp32.py), whose tf32x3 chain keeps the state at float32
+accuracy; the 64-token kernels' bf16 pairs keep about 16 bits, far below a 16-bit model's rounding but not below
+a float32 one's.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.kda.gate import kda_gate_ref, l2norm_ref
-from flashinfra.kernels.kda.prefill_fp32 import kda_prefill_split
-from flashinfra.kernels.kda.prefill_launch import kda_prefill_v3
-from flashinfra.kernels.varlen import cached_int_lists
+from flashinfra import env
+from flashinfra.kernels.dispatch import register_cap, use_triton
+from flashinfra.kernels.kda.prefill_fp32 import kda_prefill_fp32
+from flashinfra.kernels.kda.prefill_gate import kda_gate_pass_kernel
+from flashinfra.kernels.kda.prefill_intra_diag import kda_intra_diag_kernel
+from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra_offdiag_kernel
+from flashinfra.kernels.kda.prefill_intra_wu import kda_intra_wu_kernel
+from flashinfra.kernels.kda.prefill_state import kda_state_pass_kernel
+from flashinfra.kernels.kda.ref import kda_prefill_gated_ref, kda_prefill_ref
+from flashinfra.kernels.launch import device_descriptors, fast
+from flashinfra.kernels.varlen import cached_int_lists, chunk_tables
 
-
-# The Triton path the public ops take: "v3" (kda_prefill_v3.py, 64-token chunks) or "v2"
-# (kda_prefill_split.py, 16-token chunks)
-DEFAULT_VERSION = "v3"
-# v3's state chain by default (kda_prefill_state_pass.py: "bf16x3", "bf16x2", "bf16"; bench/notes/kda_precision.md)
-V3_CHAIN = "bf16x3"
-
-
-def default_version(dtype: torch.dtype, K: int, V: int) -> str:
-    """v3 for 16-bit activations; v2 for float32 ones (its tf32x3 chain keeps the state at float32 accuracy,
-    v3's bf16 pairs about 16 bits: far below a bf16 model's rounding, not below a float32 one's) and for head
-    sizes v3 does not tile (K and V must be powers of two, at least 16)."""
-    if dtype == torch.float32 or min(K, V) < 16 or K & (K - 1) or V & (V - 1):
-        return "v2"
-    return DEFAULT_VERSION
-
-
-def kda_chunk_one_ref(
-    q: torch.Tensor,  # [L, H, K] float32, L2-normalised
-    k: torch.Tensor,  # [L, H, K] float32, L2-normalised
-    v: torch.Tensor,  # [L, H, V] float32
-    g: torch.Tensor,  # [L, H, K] float32 log-decay
-    beta: torch.Tensor,  # [L, H] float32
-    state: torch.Tensor,  # [H, K, V] float32 initial state
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:  # o [L, H, V], final state [H, K, V]
-    L, H, K = k.shape
-    BT = chunk_size
-    pad = (BT - L % BT) % BT
-    # [H, N, BT, *]
-    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(H, -1, BT, x.shape[-1]) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, 0, 0, pad)).transpose(0, 1).reshape(H, -1, BT)
-    q = q * K**-0.5
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    g = g.cumsum(-2)
-    strict_upper = torch.triu(torch.ones(BT, BT, dtype=torch.bool, device=q.device), diagonal=1)
-    upper = torch.triu(torch.ones(BT, BT, dtype=torch.bool, device=q.device), diagonal=0)
-    # decay[i, j] = exp(g_i - g_j) for j <= i, per channel
-    decay = (g[..., :, None, :] - g[..., None, :, :]).masked_fill(strict_upper[..., None], float("-inf")).exp()
-    A = -(k_beta[..., :, None, :] * k[..., None, :, :] * decay).sum(-1).masked_fill(upper, 0)
-    for i in range(1, BT):  # forward substitution: (I - A)^-1, row by row
-        A[..., i, :i] = A[..., i, :i].clone() + (A[..., i, :i, None].clone() * A[..., :i, :i].clone()).sum(-2)
-    A = A + torch.eye(BT, dtype=A.dtype, device=A.device)
-    u = A @ v_beta  # [H, N, BT, V]
-    w = A @ (k_beta * g.exp())  # [H, N, BT, K]
-    o = torch.empty_like(u)
-    S = state.clone()
-    for n in range(u.shape[1]):
-        q_n, k_n, g_n = q[:, n], k[:, n], g[:, n]
-        qk = (q_n[..., :, None, :] * k_n[..., None, :, :] * decay[:, n]).sum(-1).masked_fill(strict_upper, 0)
-        v_new = u[:, n] - w[:, n] @ S
-        o[:, n] = (q_n * g_n.exp()) @ S + qk @ v_new
-        S = S * g_n[:, -1, :, None].exp() + (k_n * (g_n[:, -1:] - g_n).exp()).transpose(-1, -2) @ v_new
-    o = o.reshape(H, -1, o.shape[-1])[:, :L].transpose(0, 1)
-    return o, S
+# The state chain's products: every operand a bf16 hi + lo pair (bf16x3: three bf16 products, about 16 bits of each
+# operand, as precise as tf32x3 here), so that no single-bf16 rounding compounds in the state from chunk to chunk.
+# bf16x2 (w and kd one bf16 each) and bf16 are kept for the test that shows them worse.
+CHAIN_PRODUCTS = {"bf16x3": 3, "bf16x2": 2, "bf16": 1}
+CHAIN = "bf16x3"
+# the in-chunk products (Triton's tf32), and the merge into the inverse in three bf16 products
+LOCAL_PRECISION, SOLVE_PRECISION = "tf32", "bf16x3"
+# the state pass: [K, 64] value blocks on 4 warps, its tiles two steps deep (the bf16x3 chain's tile slots fill the
+# shared memory at two), each step asking the L2 for the next step's tiles
+STATE_BV, STATE_WARPS, STATE_STAGES, STATE_L2_AHEAD = 64, 4, 2, 1
+# the diagonal blocks: K slices of 32 on 2 warps, at most 128 registers (eight programs per SM)
+DIAG_KS, DIAG_WARPS, DIAG_MAXNREG = 32, 2, 128
+# the off-diagonal blocks: K slices of 32 by the copy engine, two deep
+OFFDIAG_KS, OFFDIAG_STAGES = 32, 2
+# w and u (fp16): key blocks of 32, value blocks of 64, three deep, on 4 warps capped at 168 registers
+WU_BLOCK, WU_VALUE_BLOCK, WU_WARPS, WU_MAXNREG, WU_STAGES = 32, 64, 4, 168, 3
+# the gate pass: 64 key columns per program on 2 warps
+GATE_BLOCK, GATE_WARPS = 64, 2
 
 
-def kda_prefill_ref(
-    q: torch.Tensor,  # [T, H, K] any float dtype, not yet normalised
-    k: torch.Tensor,  # [T, H, K]
-    v: torch.Tensor,  # [T, H, V]
-    g: torch.Tensor,  # [T, H, K] float32 log-decay (see kda_gate)
-    beta: torch.Tensor,  # [T, H] float32 in (0, 1)
-    state: torch.Tensor,  # [num_slots, H, K, V] float32, final states written in place
-    cu_seqlens: list[int],  # B + 1
-    state_slots: list[int],  # [B]
-    has_initial_state: list[bool],  # [B]
-) -> torch.Tensor:  # [T, H, V] in q's dtype
-    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    for b, slot in enumerate(state_slots):
-        bos, eos = cu_seqlens[b], cu_seqlens[b + 1]
-        s0 = state[slot].float() if has_initial_state[b] else state.new_zeros(state.shape[1:], dtype=torch.float32)
-        o, s1 = kda_chunk_one_ref(
-            l2norm_ref(q[bos:eos].float()),
-            l2norm_ref(k[bos:eos].float()),
-            v[bos:eos].float(),
-            g[bos:eos].float(),
-            beta[bos:eos].float(),
-            s0,
-        )
-        out[bos:eos] = o.to(q.dtype)
-        state[slot] = s1.to(state.dtype)
-    return out
-
-
-def kda_prefill_gated_ref(
-    q, k, v,
-    g_raw: torch.Tensor,  # [T, H, K] f_b(f_a(x)) before the bias
-    beta_logits: torch.Tensor,  # [T, H] b_proj(x)
-    A_log: torch.Tensor,  # [H]
-    dt_bias: torch.Tensor,  # [H * K]
-    lower_bound: float | None,
-    state, cu_seqlens, state_slots, has_initial_state,
-) -> torch.Tensor:
-    """``kda_prefill`` with the gate and beta computed from their raw projections."""
-    g = kda_gate_ref(g_raw, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(beta_logits.float())
-    return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state)
+def float32_path(dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether the 16-token-chunk kernels run: for float32 activations (their tf32x3 chain keeps the state at
+    float32 accuracy, the 64-token kernels' bf16 pairs about 16 bits: far below a 16-bit model's rounding, not
+    below a float32 one's) and for head sizes the 64-token kernels do not tile (powers of two, at least 16)."""
+    return dtype == torch.float32 or min(K, V) < 16 or bool(K & (K - 1)) or bool(V & (V - 1))
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -170,8 +88,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
     return cu, *cached_int_lists((cu, slots, init), device)  # no stream sync; the batch's layers share them
 
 
-def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, BT, BV, num_warps,
-            num_stages, chain_precision, local_precision, out, version, v3_options):
+def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, out):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -179,6 +96,8 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
             f"kda_prefill: shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
             f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
         )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"kda_prefill: q, k and v must have one dtype, got {q.dtype} {k.dtype} {v.dtype}")
     if state.dim() != 4 or state.shape[1:] != (H, K, V) or not state.is_contiguous():
         raise ValueError(f"kda_prefill: state must be contiguous [slots, {H}, {K}, {V}], got {tuple(state.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
@@ -186,54 +105,30 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
             raise ValueError(f"kda_prefill: {name} must have contiguous heads ([T, H, D] rows, any row stride)")
     if beta.stride(1) != 1:
         raise ValueError("kda_prefill: beta must have contiguous heads")
-    if BT & (BT - 1) or BT < 16:
-        raise ValueError(f"kda_prefill: BT must be a power of two >= 16, got {BT}")
     cu, cu_t, slots_t, init_t = _seq_args(cu_seqlens, state_slots, has_initial_state, T, state.shape[0], q.device)
     B = len(cu) - 1
     o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
-    BV = BV or min(max(triton.next_power_of_2(V), 16), 64)
-    if version is None:
-        version = default_version(q.dtype, K, V)
-    if version == "v3":
-        return kda_prefill_v3(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BV=BV,
-                              num_warps=num_warps or 4, num_stages=num_stages,
-                              chain_precision=chain_precision or V3_CHAIN, local_precision=local_precision,
-                              **v3_options)
-    if version != "v2":
-        raise ValueError(f"kda_prefill: version must be 'v2' or 'v3', got {version!r}")
-    return kda_prefill_split(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, BT=BT, BV=BV,
-                             num_warps=num_warps or 8, num_stages=num_stages or 2,
-                             chain_precision=chain_precision or "tf32x3", local_precision=local_precision)
+    if float32_path(q.dtype, K, V):
+        return kda_prefill_fp32(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
+    return kda_prefill_chunk64(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
 
 
-def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, *, BT: int = 16,
-                       BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                       chain_precision: str | None = None, local_precision: str = "tf32",
-                       out: torch.Tensor | None = None, version: str | None = None, **v3_options):
-    """Triton ``kda_prefill`` (defaults: the fastest measured on an H200, bench/notes/kda_prefill.md).
-    ``version="v3"`` (the default for 16-bit inputs, ``default_version``) runs the 64-token-chunk kernels
-    (BT is then fixed at 64; ``v3_options`` are ``v3_launches``' tuning options, kda_prefill_v3.py);
-    ``version="v2"`` the 16-token ones. ``chain_precision`` (v3: ``V3_CHAIN`` by default, "bf16x2" for
-    14-15% more speed at flash-linear-attention's precision class, "bf16"; v2: "tf32x3", "tf32", "ieee") is
-    exposed for callers who make that trade, for the tests that show the plain chains are worse and for
-    high-precision references."""
-    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, BT, BV,
-                   num_warps, num_stages, chain_precision, local_precision, out, version, v3_options)
+def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
+                       out: torch.Tensor | None = None):
+    """Triton ``kda_prefill``: 64-token chunks for 16-bit activations, 16-token chunks for float32 ones
+    (``float32_path``)."""
+    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, out)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                             state_slots, has_initial_state, *, BT: int = 16,
-                             BV: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                             chain_precision: str | None = None, local_precision: str = "tf32",
-                             out: torch.Tensor | None = None, version: str | None = None, **v3_options):
+                             state_slots, has_initial_state, out: torch.Tensor | None = None):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
-                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), BT, BV, num_warps, num_stages,
-                   chain_precision, local_precision, out, version, v3_options)
+                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), out)
 
 
 def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):
@@ -250,3 +145,132 @@ def kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, 
                                         cu_seqlens, state_slots, has_initial_state)
     return kda_prefill_gated_ref(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
                                  state_slots, has_initial_state)
+
+
+def copy_engine_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, H, D] (heads contiguous, any row stride) itself where its base and row stride are 16-byte
+    aligned, as the copy engine needs, else a contiguous copy."""
+    if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+    return x
+
+
+def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A descriptor over ``x`` [T, H, D] (``copy_engine_rows``) as [T, H * D] rows in ``block`` tiles."""
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], block)
+
+
+def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+    """The launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
+    exists, so that a caller launching them as they come has the GPU running the first while the host prepares
+    the next. Each goes through ``launch.fast`` (the compiled kernel kept per configuration)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if K & (K - 1) or V & (V - 1) or min(K, V) < 16:
+        raise ValueError(f"kda_prefill: K and V must be powers of two >= 16, got K={K} V={V}")
+    BV = min(STATE_BV, V)
+    # bf16 v: u and w's product formed in the state pass from v, Aib and -kg (v exact in bf16 there, u's own
+    # rounding out of the chain), no launch for w; fp16 v is not exact in bf16: w and u from their own launch
+    aib_in_state = v.dtype == torch.bfloat16
+    dev = q.device
+    idx, offsets_t, nch = chunk_tables(cu, 64, dev)  # cached per batch, no stream sync (varlen.py)
+    if not nch:
+        return
+    # w, qg, kd and Aqk in bf16, w and kd each followed by its lo half where the chain reads it
+    chain = CHAIN_PRODUCTS[CHAIN]
+    lo = {"W_LO": int(chain == 3), "KD_LO": int(chain == 3)}
+    slots = dict(NS=3 + sum(lo.values()), SQ=1 + lo["W_LO"], SKD=2 + lo["W_LO"])
+    A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
+    gate_args = dict(GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
+                     BETA_LOGITS=gate is not None)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    interpret = env.triton_interpret()
+    gc = torch.empty(nch, H, 64, K, dtype=torch.float32, device=dev)
+    bc = torch.empty(nch, H, 64, dtype=torch.float32, device=dev)
+    GBK = min(GATE_BLOCK, K)
+
+    def gate_pass():
+        fast(kda_gate_pass_kernel)[(nch * (K // GBK), H)](
+            g, beta, A_log, dt_bias, lb, cu_t, idx, gc, bc, g.stride(0), beta.stride(0),
+            H=H, K=K, BK=GBK, num_warps=GATE_WARPS, **gate_args,
+        )
+
+    yield "gate", gate_pass
+    # Aqk's lo half for the bf16x3 chain's precision; with Aib in the state pass its ring has no room for it
+    # (231,552 of the 232,448 bytes of shared memory without it, 247,952 with it, compiled for sm_90)
+    a_lo = int(chain == 3 and not aib_in_state)
+    aqk = torch.empty(nch, H, 1 + a_lo, 64, 64, dtype=torch.bfloat16, device=dev)
+    ai = torch.empty(nch, H, 64, 64, dtype=torch.float32, device=dev)
+    rn = torch.empty(nch, H, 2, 64, dtype=torch.float32, device=dev)  # the rows' norm factors
+    # Aib = Ai diag(beta) as bf16 hi + lo pairs, for the state pass
+    aib = torch.empty(nch, H, 2, 64, 64, dtype=torch.bfloat16, device=dev) if aib_in_state else ai
+    # the in-chunk kernels read the gate pass's scratch: one compiled reader for the plain and the gated op
+    in_args = (q, k, gc, bc, cu_t, idx, aqk, ai, rn, q.stride(0), k.stride(0))
+    # the state pass's tiles: qg and kd (and -kg in w's place) from the diagonal kernel, else w from its own
+    wqk = torch.empty(nch, H, slots["NS"], 64, K, dtype=torch.bfloat16, device=dev)
+    egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)  # exp(gl)
+
+    def intra_diag():
+        fast(kda_intra_diag_kernel)[(nch * 4, H)](
+            *in_args, K**-0.5, wqk, egl, H=H, K=K, KS=min(DIAG_KS, K), LOCAL_PRECISION=LOCAL_PRECISION, A_LO=a_lo,
+            FAST_EXP=not interpret, **slots, KD_LO=lo["KD_LO"], KG=aib_in_state, W_LO=lo["W_LO"],
+            num_warps=DIAG_WARPS, num_stages=1, **register_cap(DIAG_MAXNREG),
+        )
+
+    yield "intra_diag", intra_diag
+
+    AKS = min(OFFDIAG_KS, K)
+    tq, tk, tv = (copy_engine_rows(x) for x in (q, k, v))  # tiles by the copy engine
+    a_d = [rows_descriptor(tq, [16, AKS]), rows_descriptor(tk, [16, AKS]),
+           TensorDescriptor.from_tensor(gc.view(-1, K), [16, AKS])]
+
+    def intra_offdiag():
+        # each [16, 16] product on mma.sync runs in every warp of the program: one warp executes the fewest
+        # instructions
+        fast(kda_intra_offdiag_kernel)[(nch, H)](
+            bc, cu_t, idx, aqk, ai, rn, *a_d, aib, H=H, K=K, KS=AKS, LOCAL_PRECISION=LOCAL_PRECISION,
+            SOLVE_PRECISION=SOLVE_PRECISION, FAST_EXP=not interpret, A_LO=a_lo, DOT_F32=interpret,
+            STAGES=OFFDIAG_STAGES, AIB=aib_in_state, num_warps=1, num_stages=1,
+        )
+
+    yield "intra_offdiag", intra_offdiag
+    # u in float32 from the w/u kernel, or Aib's pair in its place
+    u = aib if aib_in_state else torch.empty(nch, H, V, 64, dtype=torch.float32, device=dev)
+
+    if not aib_in_state:
+        BK, BVB = min(WU_BLOCK, K), min(WU_VALUE_BLOCK, V)
+        rows_d = [rows_descriptor(x, [64, block]) for x, block in ((tk, BK), (tv, BVB))]
+        gc_d = TensorDescriptor.from_tensor(gc.view(-1, K), [64, BK])
+        ai_d = TensorDescriptor.from_tensor(ai.view(-1, 64), [64, 64])
+
+        def intra_wu():
+            fast(kda_intra_wu_kernel)[(nch, H)](
+                bc, cu_t, idx, rn, gc, wqk, u, egl, *rows_d, gc_d, ai_d, H=H, K=K, V=V, BK=BK, BVB=BVB,
+                PRECISION=LOCAL_PRECISION, STAGES=WU_STAGES, DOT_F32=interpret,
+                W_LO=lo["W_LO"], NS=slots["NS"], num_warps=WU_WARPS, **register_cap(WU_MAXNREG),
+            )
+
+        yield "intra_wu", intra_wu
+    wqk_d = TensorDescriptor.from_tensor(wqk.view(-1, K), [64, K])
+    u_d = TensorDescriptor.from_tensor(u.view(-1, 64), [64 if aib_in_state else BV, 64])
+    aqk_d = TensorDescriptor.from_tensor(aqk.view(-1, 64), [64, 64])
+    state_d = TensorDescriptor.from_tensor(state.view(-1, V), [K, BV])
+    if aib_in_state:
+        device_descriptors()
+
+    def state_pass():
+        fast(kda_state_pass_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+            wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
+            H=H, K=K, V=V, BV=BV, CHAIN=chain, **slots, A_LO=a_lo, L2_AHEAD=0 if interpret else STATE_L2_AHEAD,
+            AIB=aib_in_state, DOT_F32=interpret, num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+        )
+
+    yield "state", state_pass
+
+
+def kda_prefill_chunk64(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+    """Launch on arguments that prefill.py has validated (``cu`` on the host, the rest on the device);
+    ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
+    for _, launch in chunk64_launches(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate):
+        launch()
+    return o

@@ -1,18 +1,18 @@
-"""KDA chunked prefill in two launches: the in-chunk work in parallel, then only the state recurrence in
-sequence.
+"""KDA chunked prefill for float32 activations (and head sizes the 64-token kernels do not tile), 16-token chunks in
+two launches: the in-chunk work in parallel, then only the state recurrence in sequence.
 
-``kda_chunk_prep_kernel`` (grid: chunks x heads, every chunk of every sequence at once) does all that does
-not depend on the state: gate, beta, q/k L2 norm, the chunk-local cumulative decay, the in-chunk products
-against the chunk's middle row, the WY inverse, and writes per token ``w = (I - A)^-1 (beta k exp(gc))``,
-``u = (I - A)^-1 (beta v)``, ``qg = q exp(gc)``, ``kd = k exp(gl - gc)``, the masked ``q.k`` decay matrix and
-per chunk ``exp(gl)`` (float32, ``gc`` the decay from the chunk start, ``gl`` the chunk's total).
+``kda_fp32_intra_kernel`` (grid: chunks x heads, every chunk of every sequence at once) does all that does not
+depend on the state: gate, beta, q/k L2 norm, the chunk-local cumulative decay, the in-chunk products against the
+chunk's middle row, the WY inverse (the product ``(I + A)(I + A^2)(I + A^4)...``, A nilpotent), and writes per
+token ``w = (I - A)^-1 (beta k exp(gc))``, ``u = (I - A)^-1 (beta v)``, ``qg = q exp(gc)``, ``kd = k exp(gl -
+gc)``, the masked ``q.k`` decay matrix and per chunk ``exp(gl)`` (float32, ``gc`` the decay from the chunk start,
+``gl`` the chunk's total).
 
-``kda_chunk_state_kernel`` (grid: value blocks x sequences x heads) walks each sequence's chunks with the
-state in registers: ``v' = u - w S``, ``o = qg S + A v'``, ``S = exp(gl) S + kd^T v'``. The three products
-with S carry it across chunks and run in ``chain_precision`` (tf32x3 by default, see kda_prefill.py).
-
-Same semantics, arguments and limits as the fused kernel in kda_prefill.py (which validates them); the
-intermediates cost ``T * H * (3K + V + BT) * 4`` bytes of scratch.
+``kda_fp32_state_kernel`` (grid: value blocks x sequences x heads) walks each sequence's chunks with the state in
+registers: ``v' = u - w S``, ``o = qg S + A v'``, ``S = exp(gl) S + kd^T v'``. The three products with S carry it
+across chunks and run in tf32x3 (``CHAIN_PRECISION``), which keeps the state at float32 accuracy; a plain tf32
+chain's rounding compounds (a GPU test shows it). Arguments are validated by prefill.py; the intermediates cost
+``T * H * (3K + V + BT) * 4`` bytes of scratch.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import load_gate_beta
+from flashinfra.kernels.kda.common import load_gate_beta
 from flashinfra.kernels.kda.common import state_tile
 from flashinfra.kernels.varlen import chunk_tables
 
 
 @triton.jit
-def kda_chunk_prep_kernel(
+def kda_fp32_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
     w, u, qg, kd, aqk, egl,
     stride_q_t, stride_k_t, stride_v_t, stride_g_t, stride_b_t, scale,
@@ -84,7 +84,7 @@ def kda_chunk_prep_kernel(
 
 
 @triton.jit
-def kda_chunk_state_kernel(
+def kda_fp32_state_kernel(
     w, u, qg, kd, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     CHAIN_PRECISION: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
@@ -123,12 +123,19 @@ def kda_chunk_state_kernel(
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
-def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, *, BT: int,
-                      BV: int, num_warps: int, num_stages: int, chain_precision: str, local_precision: str):
-    """Launch both kernels on arguments that kda_prefill.py has validated (``cu`` on the host, the rest on
+# 16-token chunks; the state's products (its chain from chunk to chunk) in tf32x3, the in-chunk ones in tf32
+BT = 16
+CHAIN_PRECISION, LOCAL_PRECISION = "tf32x3", "tf32"
+STATE_WARPS, STATE_STAGES = 8, 2
+
+
+def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+    """Launch both kernels on arguments that prefill.py has validated (``cu`` on the host, the rest on
     the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
     T, H, K = q.shape
     V = v.shape[-1]
+    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    chain_precision, local_precision = CHAIN_PRECISION, LOCAL_PRECISION
     idx, offsets_t, nch = chunk_tables(cu, BT, q.device)
     if not nch:
         return o
@@ -139,7 +146,7 @@ def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, 
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
     BK = max(triton.next_power_of_2(K), 16)
-    kda_chunk_prep_kernel[(nch, H)](
+    kda_fp32_intra_kernel[(nch, H)](
         q, k, v, g, beta, A_log, dt_bias, float(lower_bound) if lower_bound is not None else 0.0, cu_t, idx,
         w, u, qg, kd, aqk, egl,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
@@ -148,9 +155,9 @@ def kda_prefill_split(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, 
         BETA_LOGITS=gate is not None, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=chain_precision,
         num_warps=4,
     )
-    kda_chunk_state_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+    kda_fp32_state_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
         w, u, qg, kd, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, CHAIN_PRECISION=chain_precision, LOCAL_PRECISION=local_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )
     return o

@@ -1,11 +1,9 @@
-"""KDA prefill (v3), the gate pass, v3's first launch: per 64-token chunk and head, the per-token log-decay
-(the given gate, or the gate from its raw projection with the lower bound; clamped below at -10 per token by
-``load_gate_v3``; zero past the sequence's end) and its cumulative sum from the chunk's first row, written
-once; kernels D, A and B (kda_prefill_intra64_split.py, kda_prefill_intra64_rows.py,
-kda_prefill_intra64_b.py) read it and never see the gate itself, so the plain and the gated op share their
-compiled readers. What the pass reads: ``g`` (the log-decay, or the raw gate with ``A_log``, ``dt_bias`` and
-the bound) and ``beta`` (or its logits), [T, H, K] and [T, H] rows at any row stride, masked past the
-sequence's end.
+"""KDA prefill in 64-token chunks, the gate pass, launched first: per chunk and head, the per-token log-decay (the
+given gate, or the gate from its raw projection with the lower bound; clamped below at -10 per token; zero past
+the sequence's end) and its cumulative sum from the chunk's first row, written once. The in-chunk kernels read
+it and never see the gate itself, so the plain and the gated op share their compiled readers. The pass reads
+``g`` (the log-decay, or the raw gate with ``A_log``, ``dt_bias`` and the bound) and ``beta`` (or its logits),
+[T, H, K] and [T, H] rows at any row stride, masked past the sequence's end.
 
 Scratch, in the chunk-major layout of the in-chunk matrices (a chunk's rows past its sequence's end exist and
 are padding):
@@ -15,13 +13,9 @@ are padding):
   always row 63 and a reader needs no mask;
 - ``bc`` float32 [chunks, H, 64]: beta (after its sigmoid for the gated op), zero past the end.
 
-A reader forms every exponent as a difference of two entries of ``gc`` (a row's entry minus a reference row's:
-D's middle row, A's block boundaries, B's chunk start and last row): a prefix sum of non-positive terms does
-not increase from row to row, so the factors keep their bounds (at most 1, or within ``exp(+-80)`` against
-D's middle row). Against readers that scanned the gate themselves (the form before this pass, in the
-history) only the rounding differs: D and A take differences of sums up to 640 in magnitude instead of 160
-(B's sums were chunk-relative already), so an exponent may be off by about 6e-5 where the sums are that
-large.
+A reader forms every exponent as a difference of two entries of ``gc`` (a row's entry minus a reference row's):
+a prefix sum of non-positive terms does not increase from row to row, so the factors keep their bounds (at most
+1, or within ``exp(+-80)`` against a sub-block's middle row).
 """
 
 from __future__ import annotations
@@ -29,15 +23,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.gate import load_gate_beta
-from flashinfra.kernels.kda.prefill_intra_diag import chunk_rows
+from flashinfra.kernels.kda.common import load_gate_beta
+from flashinfra.kernels.kda.common import chunk_rows
 
 
 @triton.jit
-def load_gate_v3(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
+def load_gate_chunk64(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t, stride_b_t,
                  K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
                  BETA_LOGITS: tl.constexpr):
-    """``load_gate_beta`` with v3's bound: per-token log-decay at least -10 (exact 16-token sub-blocks)."""
+    """``load_gate_beta`` with the 64-token kernels' bound: per-token log-decay at least -10 (exact 16-token
+    sub-blocks)."""
     return load_gate_beta(g, beta, A_log, dt_bias, lower_bound, rows, m_t, m_tk, i_h, o_k, m_k, stride_g_t,
                           stride_b_t, K, GATE_IN_KERNEL, HAS_LOWER_BOUND, BETA_LOGITS, -10.0)
 
@@ -56,7 +51,7 @@ def kda_gate_pass_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_t = o_t < left
     m_k = o_k < K
-    b_g, b_b = load_gate_v3(g + r0 * stride_g_t, beta + r0 * stride_b_t, A_log, dt_bias, lower_bound, o_t, m_t,
+    b_g, b_b = load_gate_chunk64(g + r0 * stride_g_t, beta + r0 * stride_b_t, A_log, dt_bias, lower_bound, o_t, m_t,
                             m_t[:, None] & m_k[None, :], i_h, o_k, m_k, stride_g_t, stride_b_t, K, GATE_IN_KERNEL,
                             HAS_LOWER_BOUND, BETA_LOGITS)
     i_ch = (i_c * H + i_h).to(tl.int64)

@@ -1,43 +1,19 @@
-"""KDA prefill (v3), the in-chunk matrices: per 64-token chunk and head, from the cumulative log-decay, beta
-and the L2-normalised q and k, the decay-weighted products ``L = beta k k^T`` (strictly lower)
-and ``Aqk = q k^T`` (lower, diagonal included) and the WY inverse ``Ai = (I + L)^-1``. ``Ai`` is written as
-[chunks, H, 64, 64] float32 (the blocks above the diagonal are scratch: kernel B, kda_prefill_intra64_b.py,
-masks them); ``Aqk``, which only the state pass reads (for the output's ``Aqk v'``), as [chunks, H, slots, 64,
-64] bf16, its lo half in a second slot where asked (``store_pair``), zeros above the diagonal included (the
-state pass reads it as whole tiles).
-The chunk is split into four 16-token sub-blocks, each product formed against a reference row that keeps
-every exponential factor at most 1 or within ``exp(+-80)``.
+"""KDA prefill in 64-token chunks, the diagonal blocks of the in-chunk matrices: one program per (chunk, 16-token
+sub-block, head) forms, from the gate pass's cumulative log-decay ``gc`` and beta ``bc`` and the L2-normalised q
+and k, the diagonal block of ``L = beta k k^T`` (strictly lower) and of ``Aqk = q k^T`` (lower, diagonal
+included) against the sub-block's middle row, and ``(I + L_ii)^-1`` by forward substitution (15 row steps of
+float32 vector work). The per-token log-decay is clamped at -10 by the gate pass, so every factor stays within
+``exp(+-80)``; q and k are normalised first, over K in slices, so nothing overflows.
 
-One kernel for all of it runs about 100 dependent small products per chunk in one program of 255
-registers (an SM holds 2-4 and their latency is not hidden: 2.85 ms at T=8192, H=64 on an H200, against
-0.31 + 0.38 ms for the two kernels now). The work goes to two kernels of short chains:
+It also writes the rows' norm factors ``rn`` ([chunks, H, 2, 64] float32: ``scale / |q_r|`` then ``1 / |k_r|``,
+eps inside the root), which the off-diagonal and w/u kernels read instead of summing squares again, and, from
+the tiles its K loop holds, its rows of the state pass's ``qg = q exp(gc)`` and ``kd = k exp(gl - gc)`` (``gl``
+the chunk's last row of ``gc``), and with ``KG`` (bf16 v) ``-kg = -k exp(gc)`` and ``exp(gl)``, with which the
+state pass applies w's product itself and the w/u kernel is not launched.
 
-- ``kda_intra64_diag_kernel`` (this module; kernel D), one program per (chunk, 16-token sub-block, head): the
-  diagonal block's ``L`` and ``Aqk`` against its middle row (a per-token log-decay is clamped at -10 by the
-  gate pass, so the factors stay within ``exp(+-80)``; q and k are normalised first, over K in slices,
-  so nothing overflows), and ``(I + L_ii)^-1`` by forward substitution, 15 row steps of float32 vector work
-  (the rows of ``L_ii`` go through the inverse's own scratch block and come back one at a time); and the rows'
-  norm factors ``rn`` ([chunks, H, 2, 64] float32: ``scale / |q_r|`` then ``1 / |k_r|``, eps inside the root),
-  which kernels A and B read instead of summing q's and k's squares again (A 5% faster, B unchanged:
-  bench/notes/kda_prefill.md, "The norms once, in kernel D"); and, from the same tiles, its rows of the state
-  pass's ``qg`` and ``kd``, which kernel B wrote before (B, moving 40% fewer bytes, 0.42 -> 0.23 ms at T=8192 on
-  an H200, D 0.32 -> 0.39 at 128 registers: bench/notes/kda_prefill.md, "qg and kd from kernel D"), and by
-  default ``-kg = -k exp(gc)`` and ``exp(gl)``, with which the state pass applies w's product itself and kernel B
-  is not run (D 0.39 -> 0.47 ms: "w's product in the state pass");
-- ``kda_intra64_offdiag_rows_kernel`` (kda_prefill_intra64_rows.py; kernel A), one program per (chunk, head):
-  the six off-diagonal block pairs as [16, 16] products, then the merge into ``Ai``'s off-diagonal blocks
-  with kernel D's diagonal inverses.
-
-What D reads: q and k ([T, H, K] rows, masked past the sequence's end) and the gate pass's scratch
-(kda_prefill_gate.py, launched first): ``gc``, the log-decay's cumulative sum from the chunk's first row, and
-``bc``, beta, both chunk-major [chunks, H, 64, (K)] float32, for the plain and the gated op alike (the gate is
-evaluated, clamped and scanned once, in the pass; scanned in D instead, over rows that span D's warps, it made D
-slower than the pass it replaced: bench/notes/kda_prefill.md, "The gate pass inside kernel D"). Per K slice D
-loads its sub-block's 16 rows of ``gc``, the middle row (row 8) and the chunk's last (row 63, for kd), unmasked
-(the padding rows past a sequence's end exist), and forms each exponent as a difference of two; beta is one [16]
-load. ``chunk_rows`` (a chunk's first row and the rows it holds) and
-``load_rows`` (a masked [rows, K slice] tile) are shared with kernel A and the gate pass; ``bf16_pair`` and
-``store_pair`` (bf16 hi + lo parts) with kernel B and the state pass, ``exp2`` with kernel A.
+``Ai`` is written as [chunks, H, 64, 64] float32 (the blocks above the diagonal are scratch, masked by its
+readers); ``Aqk``, which only the state pass reads, as [chunks, H, slots, 64, 64] bf16, its lo half in a second
+slot where asked, zeros above the diagonal included (the state pass reads whole tiles).
 """
 
 from __future__ import annotations
@@ -45,93 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
-    """First row (absolute) of sub-block t_sub of chunk i_c, and the number of its sequence's rows left
-    from there."""
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    t0 = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64) * 64 + t_sub * 16
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    return bos + t0, (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos - t0).to(tl.int32)
-
-
-@triton.jit
-def bf16_pair(x):
-    """x as bf16 hi + lo parts, each rounded to nearest: hi + lo within 2^-17 of x."""
-    hi = x.to(tl.bfloat16)
-    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def mma_bf16(a, b, acc, DOT_F32: tl.constexpr):
-    """``acc + a b`` with bf16 operands; DOT_F32 (Triton's CPU interpreter, whose bf16 dot is wrong) widens
-    them to float32 first."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def mm_bf16x3(a, b, DOT_F32: tl.constexpr):
-    """``a b`` for float32 operands as three bf16 products (each operand a ``bf16_pair``, the lo x lo term left
-    out): about 16 bits of each operand, against tf32x3's 21. A float32 accumulator becomes a bf16 operand without
-    the shuffles a tf32 operand needs: kernel A compiles to 2976 instructions against 4048 with tf32x3 and runs 5%
-    faster on an H200, with the final state's error unchanged (bench/notes/kda_prefill.md)."""
-    ah, al = bf16_pair(a)
-    bh, bl = bf16_pair(b)
-    acc = mma_bf16(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_F32)
-    return mma_bf16(ah, bh, mma_bf16(ah, bl, acc, DOT_F32), DOT_F32)
-
-
-@triton.jit
-def mm_f32(a, b, P: tl.constexpr, DOT_F32: tl.constexpr):
-    """``a b`` for float32 operands: Triton's ``input_precision`` P, or "bf16x3" (``mm_bf16x3``)."""
-    if P == "bf16x3":
-        return mm_bf16x3(a, b, DOT_F32)
-    return tl.dot(a, b, input_precision=P)
-
-
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e))
-
-
-@triton.jit
-def exp2(x, FAST_EXP: tl.constexpr, PURE: tl.constexpr = True):
-    """``2^x``; FAST_EXP: one MUFU.EX2 with results below 2^-126 flushed to zero (``tl.exp`` adds a range
-    check and two multiplies to keep them: 15% of kernel A's K loop's instructions). PURE=False keeps the
-    instruction where it is written (kernel A's ``_exp2_rows``). The interpreter runs ``tl.math.exp2``: it has
-    no PTX."""
-    if FAST_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=PURE,
-                                         pack=1)
-    return tl.math.exp2(x)
-
-
-@triton.jit
-def prefetch_l2(p, nbytes: tl.constexpr):
-    """Ask the L2 for ``nbytes`` bytes (a multiple of 16) at ``p`` (a scalar pointer, 16-byte aligned): one bulk
-    prefetch (``cp.async.bulk.prefetch.L2``), from the program's first thread alone. It moves nothing into the
-    program and waits for nothing. No PTX under the interpreter: the callers leave it out there."""
-    tl.inline_asm_elementwise("{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-                              [p, tl.full([], nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def store_pair(p, x, LO: tl.constexpr, SLOT: tl.constexpr):
-    """x rounded to bf16 at p; with LO also the remainder at p + SLOT (the next slot of a chunk-major scratch),
-    so that hi + lo is within 2^-17 of x (``bf16_pair``)."""
-    hi, lo = bf16_pair(x)
-    tl.store(p, hi)
-    if LO:
-        tl.store(p + SLOT, lo)
-
-
-@triton.jit
-def load_rows(x, rows, m_tk, stride_t, o_k):
-    """A [rows, K slice] tile in float32; x is the scalar base of the first row's head: the offsets stay
-    int32 (tensors of 64-bit offsets would hold twice the registers)."""
-    return tl.load(x + rows[:, None] * stride_t + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+from flashinfra.kernels.kda.common import LOG2E, chunk_rows, exp2, load_rows, store_pair
 
 
 @triton.jit
@@ -151,21 +41,21 @@ def _diag_slice(q, k, gc, gl, rows, m_t, stride_q_t, stride_k_t, k0, K: tl.const
 
 
 @triton.jit
-def kda_intra64_diag_kernel(
+def kda_intra_diag_kernel(
     q, k, gc, bc, cu_seqlens, chunk_indices, aqk, ai, rn, stride_q_t, stride_k_t, scale, wqk, egl,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr, A_LO: tl.constexpr,
-    FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr, Q_LO: tl.constexpr,
+    FAST_EXP: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     KD_LO: tl.constexpr, KG: tl.constexpr = False, W_LO: tl.constexpr = False,
 ):
     """Grid (chunks * 4, H): the diagonal blocks of Aqk and (I + L)^-1 (zeros above their diagonals), Aqk's
     zeros right of its diagonal block (A_LO: Aqk's lo halves too) and the sub-block's rows' norm factors ``rn``;
-    ``gc`` and ``bc`` are the gate pass's scratch (kda_prefill_gate.py); FAST_EXP: ``exp2`` (the exponents are
+    ``gc`` and ``bc`` are the gate pass's scratch (prefill_gate.py); FAST_EXP: ``exp2`` (the exponents are
     within +-80 / ln 2, so none is flushed); and the sub-block's rows of the state pass's ``qg = q exp(gc)`` and
-    ``kd = k exp(gl - gc)`` (``gl`` the chunk's last row of ``gc``) from the tiles its K loop holds, into kernel B's
-    scratch ``wqk`` ([chunks, H, NS, 64, K] bf16: qg at slot SQ and kd at SKD, each followed by its lo half with
-    Q_LO / KD_LO; kda_prefill_intra64_b.py), whose w slots B fills. With KG the w slots take ``-kg = -k exp(gc)``
-    instead (with W_LO its lo half too), and ``egl`` [chunks, H, K] float32 ``exp(gl)`` (the last sub-block's
-    programs): the state pass then applies w's product itself (``v' = Aib (v - kg S)``) and kernel B is not run."""
+    ``kd = k exp(gl - gc)`` (``gl`` the chunk's last row of ``gc``) from the tiles its K loop holds, into the
+    scratch ``wqk`` ([chunks, H, NS, 64, K] bf16: qg at slot SQ and kd at SKD, kd followed by its lo half with
+    KD_LO), whose w slots the w/u kernel fills. With KG the w slots take ``-kg = -k exp(gc)`` instead (with W_LO
+    its lo half too), and ``egl`` [chunks, H, K] float32 ``exp(gl)`` (the last sub-block's programs): the state
+    pass then applies w's product itself (``v' = Aib (v - kg S)``) and the w/u kernel is not launched."""
     i_cb, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_b = i_cb // 4, i_cb % 4
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_b)
@@ -173,7 +63,7 @@ def kda_intra64_diag_kernel(
     k += r0 * stride_k_t + i_h * K
     # sub-block i_b of the chunk-head's [64, K] rows (padding rows past the end exist: no mask)
     gc += (i_c * H + i_h).to(tl.int64) * (64 * K) + i_b * (16 * K)
-    gl = gc + (63 - 16 * i_b) * K  # the chunk's row 63 (its total: kda_prefill_gate.py)
+    gl = gc + (63 - 16 * i_b) * K  # the chunk's row 63 (its total: prefill_gate.py)
     wqk += (i_c * H + i_h).to(tl.int64) * (NS * 64 * K) + i_b * (16 * K)
     bc += (i_c * H + i_h).to(tl.int64) * 64 + i_b * 16
     o_r = tl.arange(0, 16)
@@ -208,7 +98,7 @@ def kda_intra64_diag_kernel(
         # the state pass's qg and kd rows (the exponents at most 0: ``exp2`` flushes only factors below 2^-126)
         off = o_r[:, None] * K + ks * KS + o_s[None, :]
         b_eg = exp2(b_gc * LOG2E, FAST_EXP)
-        store_pair(wqk + SQ * (64 * K) + off, b_q * b_eg, Q_LO, 64 * K)
+        store_pair(wqk + SQ * (64 * K) + off, b_q * b_eg, False, 64 * K)
         if KG:
             store_pair(wqk + off, -(b_k * b_eg), W_LO, 64 * K)
             if i_b == 3:

@@ -1,41 +1,26 @@
-"""KDA prefill (v3), kernel A: per 64-token chunk and head, the off-diagonal blocks of ``Aqk = q k^T`` and
-``L = beta k k^T`` and the merge into the off-diagonal blocks of ``(I + L)^-1``, after kernel D
-(``kda_intra64_diag_kernel``, kda_prefill_intra64_split.py) has written the diagonal blocks and their inverses.
-Aqk's lower blocks go out (bf16, for the state pass's output product); L's blocks stay in registers with D's
-four diagonal inverses (loaded while Aqk is stored), and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``
-runs on them column block by column block, so only its results go to memory (no barrier, no L round trip).
+"""KDA prefill in 64-token chunks, the off-diagonal blocks of the in-chunk matrices: per chunk and head, the
+off-diagonal blocks of ``Aqk = q k^T`` and ``L = beta k k^T`` and the merge into the off-diagonal blocks of
+``(I + L)^-1``, after the diagonal kernel (prefill_intra_diag.py) has written the diagonal blocks and their
+inverses. Aqk's lower blocks go out (bf16, for the state pass's output product); L's blocks stay in registers
+with the four diagonal inverses, and the merge ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj`` runs on them column
+block by column block, so only its results go to memory. With ``AIB`` (bf16 v) the inverse goes out as ``Aib =
+Ai diag(beta)`` in bf16 hi + lo pairs, for the state pass.
 
-Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products over K in slices (of 16 by
-default, ``a_ks``), against the boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of
-block i - 1):
+Only the six pairs (i, j), i > j, of 16-row blocks are formed, as [16, 16] products over K in slices, against the
+boundary ``b_i`` between blocks i - 1 and i (the decay summed up to the end of block i - 1):
 
 - rows of block i: ``x_r exp(gc_r - b_i)``, the cumulative decay inside block i alone (shared by its q and k);
 - columns of block j: ``k_c exp(ge_j - gc_c)`` against block j's last row ``ge_j``, times ``exp(s_m)`` for
-  each block m strictly between j and i (``s_m`` its decay summed over its rows, its last row minus the
-  previous block's), applied to the column operand as the loop reaches block m.
+  each block m strictly between j and i (``s_m`` its decay summed over its rows), applied to the column operand
+  as the loop reaches block m.
 
 Every factor is at most 1 (the per-token log-decay is at most 0), exact for any gate: the product
-``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. Each block's q, k
-and cumulative decay are loaded once per slice; the q/k L2 norms (kernel D's factors ``rn``), the scale and
-beta are row and column factors applied at the store. A [16, 16] product on mma.sync runs in every warp of a
-program, so one program is one warp. On an H200 at T=8192, H=64 this took 0.38 ms with its tiles loaded by
-pointers (0.47 with L parked in memory for the merge, 0.40 with the norms' sums of squares formed here) against
-0.89 ms for the column form it replaced (each column block's products on all 64 rows, masked), which ran twice
-the instructions. That form (one pass or one per column block) and this one's options that lost (a register cap
-and two warps with slices of 32, measured slower; two pipeline stages of pointer loads, 11% more instructions)
-are in bench/notes/kda_prefill.md ("A per row block") and in the history before the commit that removed them
-(last present at f00b9d7). Eight one-warp programs per SM (registers) left each slice's loads exposed: the tiles
-now come by the copy engine (TMA) into shared memory, ``STAGES`` slices in flight (``tl.range``), which took A
-from 0.36 to 0.28 ms at T=8192 at three stages (bench/notes/kda_prefill.md, "Kernel A's tiles by the copy
-engine"; one stage 0.51).
-
-What A reads: q and k ([T, H, K] rows through descriptors of [16, KS] tiles, rows past the sequence's end zeroed
-after the load) and the gate pass's scratch (kda_prefill_gate.py, launched first), for the plain and the gated op
-alike: ``gc``, the log-decay's cumulative sum from the chunk's first row ([chunks, H, 64, K] float32, through a
-descriptor; the padding rows past a sequence's end exist and repeat its last token's sum), one [16, KS] tile per
-block and slice, whose last row is gathered from the tile; each block's sums are taken relative to the previous
-block's last row (``b_i`` above), so every exponent is a difference of two entries of ``gc``. Beta is ``bc``
-([chunks, H, 64]), loaded per row block at the store.
+``exp(gc_r - gc_c)`` is their product, so a factor underflows only where the product does. The q/k L2 norms (the
+diagonal kernel's factors ``rn``), the scale and beta are row and column factors applied at the store. A [16, 16]
+product on mma.sync runs in every warp of a program, so one program is one warp; its q, k and ``gc`` tiles come
+by the copy engine into shared memory, ``STAGES`` K slices in flight (rows past the sequence's end zeroed after
+the load). Every exponent is a difference of two entries of ``gc`` (whose padding rows past a sequence's end
+repeat its last token's sum).
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.prefill_intra_diag import LOG2E, chunk_rows, exp2, mm_f32, store_pair
+from flashinfra.kernels.kda.common import LOG2E, chunk_rows, exp2, mm_f32, store_pair
 
 
 @triton.jit
@@ -125,7 +110,7 @@ def _row_blocks(q_d, k_d, gc_d, r0, g_row, h_col, left, K: tl.constexpr, KS: tl.
 
 @triton.jit
 def _row_factors(bc, rn, m: tl.constexpr):
-    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (kernel D's norm factors
+    """Row block m's factors: ``scale / |q_r|`` for Aqk, ``beta_r / |k_r|`` for L (the diagonal kernel's norm factors
     ``rn`` and the gate pass's beta at the chunk-head)."""
     o_r = 16 * m + tl.arange(0, 16)
     return tl.load(rn + o_r)[:, None], (tl.load(bc + o_r) * tl.load(rn + 64 + o_r))[:, None]
@@ -156,7 +141,7 @@ def _store_ai(ai, x, bc, i: tl.constexpr, j: tl.constexpr, o_r, AIB: tl.constexp
 @triton.jit
 def _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.constexpr, DOT_F32: tl.constexpr,
            AIB: tl.constexpr):
-    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from kernel D's diagonal inverses
+    """The off-diagonal blocks of ``(I + L)^-1`` (block lower triangular) from the diagonal kernel's diagonal inverses
     ``d0..d3`` and L's blocks ``l_ij``, all in registers: ``Ai_ij = -Ai_ii sum_{j <= m < i} L_im Ai_mj``, column
     block by column block; only the results go to memory (``_store_ai``). SP: the products' precision
     (``mm_f32``)."""
@@ -176,19 +161,19 @@ def _merge(ai, bc, l10, l20, l21, l30, l31, l32, d0, d1, d2, d3, o_r, SP: tl.con
 
 
 @triton.jit
-def kda_intra64_offdiag_rows_kernel(
+def kda_intra_offdiag_kernel(
     bc, cu_seqlens, chunk_indices, aqk, ai, rn, q_d, k_d, gc_d, aib,
     H: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr, FAST_EXP: tl.constexpr, A_LO: tl.constexpr, DOT_F32: tl.constexpr = False,
     STAGES: tl.constexpr = 3, AIB: tl.constexpr = False,
 ):
-    """Grid (chunks, H), after kda_intra64_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
+    """Grid (chunks, H), after kda_intra_diag_kernel has written the diagonal inverses: Aqk's off-diagonal
     blocks (bf16; A_LO: with their lo halves), then Ai's off-diagonal blocks (L kept in registers). ``q_d`` and
     ``k_d``: descriptors over q's and k's [T, H * K] rows, ``gc_d`` over the gate pass's ``gc`` as [chunks * H *
-    64, K] (kda_prefill_gate.py), all in [16, KS] tiles (KS: the K slice); ``bc``: the pass's beta; FAST_EXP:
+    64, K] (prefill_gate.py), all in [16, KS] tiles (KS: the K slice); ``bc``: the pass's beta; FAST_EXP:
     ``exp2``; STAGES: the slices in flight. With AIB the whole inverse goes to ``aib`` instead, as ``Aib = Ai
-    diag(beta)`` in bf16 hi + lo pairs ([chunks, H, 2, 64, 64], zeros above the diagonal blocks): kernel B and the
-    state pass read it, the state pass to form ``u = Aib v`` itself."""
+    diag(beta)`` in bf16 hi + lo pairs ([chunks, H, 2, 64, 64], zeros above the diagonal blocks): the state pass
+    reads it to form ``u = Aib v`` itself."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     r0, left = chunk_rows(cu_seqlens, chunk_indices, i_c, 0)
     bc += (i_c * H + i_h).to(tl.int64) * 64
@@ -197,11 +182,11 @@ def kda_intra64_offdiag_rows_kernel(
     a10, l10, a20, l20, a21, l21, a30, l30, a31, l31, a32, l32 = _row_blocks(
         q_d, k_d, gc_d, r0.to(tl.int32), (i_c * H + i_h) * 64, i_h * K, left, K, KS, LOCAL_PRECISION, FAST_EXP,
         STAGES)
-    # kernel D's diagonal inverses, loaded before the stores so that their round trip overlaps them
+    # the diagonal kernel's inverses, loaded before the stores so that their round trip overlaps them
     o_r = tl.arange(0, 16)
     d0, d1 = tl.load(_blk(ai, 0, 0, o_r)), tl.load(_blk(ai, 1, 1, o_r))
     d2, d3 = tl.load(_blk(ai, 2, 2, o_r)), tl.load(_blk(ai, 3, 3, o_r))
-    # the column blocks' 1 / |k_c| (kernel D's)
+    # the column blocks' 1 / |k_c| (the diagonal kernel's)
     rn += (i_c * H + i_h).to(tl.int64) * 128
     n0 = tl.load(rn + 64 + o_r)[None, :]
     n1 = tl.load(rn + 80 + o_r)[None, :]

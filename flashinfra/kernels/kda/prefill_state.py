@@ -1,29 +1,20 @@
-"""KDA prefill (v3), the state pass: one sequential program per (value block, sequence, head) that carries the
-state through the sequence's 64-token chunks, from the per-chunk tiles the in-chunk kernels wrote
-(kda_prefill_v3.py launches it last).
+"""KDA prefill in 64-token chunks, the state pass: one sequential program per (value block, sequence, head) that
+carries the state through the sequence's chunks, from the per-chunk tiles the in-chunk kernels wrote (launched
+last, prefill.py).
 
-``kda_state64_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
-``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: four products shaped for the tensor cores'
+``kda_state_pass_kernel`` keeps the state ``S`` [K, BV] in float32 registers (transposed) and per chunk computes
+``v' = u - w S``, ``o = qg S + Aqk v'`` and ``S = exp(gl) S + kd^T v'``: products shaped for the tensor cores'
 warpgroup instructions, each with its state-side operand in registers and its tile in shared memory. The products
-that carry S from chunk to chunk (``chain_precision``) split S and v' into bf16 hi + lo parts each step and
-accumulate in float32:
+that carry S from chunk to chunk (``CHAIN``) split S and v' into bf16 hi + lo parts each step and accumulate in
+float32; at the shipped ``CHAIN=3`` (bf16x3) w and kd arrive as bf16 pairs too, ``a b ~ a_hi b_hi + a_lo b_hi +
+a_hi b_lo``: about 16 bits of every operand, so no single-bf16 rounding compounds in the state. ``CHAIN=2`` (w and
+kd one bf16 each: an input rounding, which does not compound through S) and ``CHAIN=1`` (S rounded to bf16 every
+step: its rounding compounds) exist for the test that shows them worse.
 
-- ``"bf16x3"``: w and kd arrive as bf16 pairs too, ``a b ~ a_hi b_hi + a_lo b_hi + a_hi b_lo``: about 16 bits
-  of every operand;
-- ``"bf16x2"``: w and kd arrive as one bf16 each, ``w S ~ w S_hi + w S_lo``, ``kd^T v' ~ kd^T v'_hi +
-  kd^T v'_lo``: the state keeps its 16 bits from step to step, and only w and kd are rounded, once per
-  chunk (an input rounding, which does not compound through S), for two thirds of the products and no lo
-  halves in the scratch (14-15% faster than bf16x3 on an H200; the state's error against float64 at
-  65536-131072 tokens 4-7x bf16x3's, 0.5-0.7x flash-linear-attention's); bf16x3 is the public ops' default
-  (``V3_CHAIN`` in kda_prefill.py);
-- ``"bf16"`` (one product each, S rounded to bf16 every step: its rounding compounds over a long sequence)
-  exists to show that in a test.
-
-The output's products use S's hi and lo parts with qg's hi part, and form ``Aqk v'`` in the chain's precision,
-Aqk in kd's place (its lo half written and read at bf16x3 without ``u_in_state``); ``out_x3`` adds qg's and Aqk's
-lo halves. By default (``u_in_state``, bf16 v and output) the state pass forms u itself from v's tiles and
-``Aib = Ai diag(beta)``, which kernel A writes as a bf16 pair, and (``w_in_state``) w's product too, ``w S = Aib
-(kg S)`` with ``kg = k exp(gc)`` from kernel D: kernel B is not run. Otherwise kernel B writes w, and u in float32.
+The output's products use S's hi and lo parts with qg's hi part, and form ``Aqk v'`` in the chain's precision
+(Aqk's lo half where written). With ``AIB`` (bf16 v) the pass forms u itself from v's tiles and ``Aib = Ai
+diag(beta)``, which the off-diagonal kernel writes as a bf16 pair, and w's product too, ``w S = Aib (kg S)`` with
+``kg = k exp(gc)`` from the diagonal kernel; otherwise (fp16) the w/u kernel writes w, and u in float32.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.prefill_intra_diag import bf16_pair, mma_bf16, prefetch_l2
+from flashinfra.kernels.kda.common import bf16_pair, mma_bf16, prefetch_l2
 
 
 @triton.jit
@@ -39,10 +30,8 @@ def _parts(x, CHAIN: tl.constexpr):
     """x's bf16 hi and lo parts. Where the chain takes both (CHAIN >= 2), hi + lo is within 2^-16 of x: hi is x
     truncated to bf16 by a mask on its bits, lo the rest rounded to bf16. Truncating costs one bit against
     rounding hi to nearest (2^-17), and saves a conversion (F2F, a quarter-rate instruction) per element on the
-    chain between two products: the state pass 12-13% faster at bf16x2, 3-4% at bf16x3 on an H200, with the
-    same errors against float64 to three digits (bench/notes/kda_prefill.md, "The state's bf16 parts by a
-    mask"). The single-bf16 chain (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would
-    bias S."""
+    chain between two products, with the same errors against float64 to three digits. The single-bf16 chain
+    (CHAIN 1) rounds hi to nearest: truncated, its one rounding a step would bias S."""
     if CHAIN == 1:
         return bf16_pair(x)
     bits = x.to(tl.uint32, bitcast=True)
@@ -51,13 +40,12 @@ def _parts(x, CHAIN: tl.constexpr):
 
 
 @triton.jit
-def kda_state64_kernel(
+def kda_state_pass_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
     v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, OUT_X3: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
-    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, U_IN_STATE: tl.constexpr = False,
-    W_IN_STATE: tl.constexpr = False,
+    CHAIN: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
+    A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, AIB: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -76,15 +64,14 @@ def kda_state64_kernel(
     a two-deep ring's copies for a step at the end of the step before, so without it each step begins by waiting
     on DRAM.
 
-    With U_IN_STATE the pass forms u itself, ``u^T = v^T Aib^T`` (two products: v exact in bf16, ``Aib = Ai
-    diag(beta)`` as kernel A's bf16 hi + lo pair, which ``u`` and ``u_p`` then hold, [rows, 64] per half), from v's
-    [64, BV] tiles through a descriptor made here over the sequence's own rows (``v``, ``stride_v``: the copy engine
-    fills the rows past its end with zeros, so another sequence's values never enter the products).
-
-    With W_IN_STATE (and U_IN_STATE) w's slots hold ``-kg = -k exp(gc)`` (kernel D's) instead of ``w = Aib kg``,
-    and the pass applies Aib after the state: ``v'^T = u^T + (Z (-kg)^T) Aib^T``, the second product in the chain's
-    precision (``Z (-kg)^T``'s bf16 parts against Aib's pair). That is a product more on the chain a step, and no
-    kernel B."""
+    With AIB (bf16 v) the pass forms u itself, ``u^T = v^T Aib^T`` (two products: v exact in bf16, ``Aib = Ai
+    diag(beta)`` as the off-diagonal kernel's bf16 hi + lo pair, which ``u`` and ``u_p`` then hold, [rows, 64] per
+    half), from v's [64, BV] tiles through a descriptor made here over the sequence's own rows (``v``,
+    ``stride_v``: the copy engine fills the rows past its end with zeros, so another sequence's values never enter
+    the products), and w's slots hold ``-kg = -k exp(gc)`` (the diagonal kernel's) instead of ``w = Aib kg``: the
+    pass applies Aib after the state, ``v'^T = u^T + (Z (-kg)^T) Aib^T``, the second product in the chain's
+    precision (``Z (-kg)^T``'s bf16 parts against Aib's pair). Without AIB (fp16) the w/u kernel writes w, and u
+    in float32."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -99,19 +86,19 @@ def kda_state64_kernel(
     r_s = (slot * H + i_h) * K
     b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
     nt = tl.cdiv(L, 64).to(tl.int32)
-    if U_IN_STATE:
+    if AIB:
         v_d = tl.make_tensor_descriptor(v + bos * stride_v + i_h * V + i_v * BV, [L.to(tl.int32), BV], [stride_v, 1],
                                         [64, BV])
     # exp(gl) is loaded a step ahead: a plain load waits at its first use and the pipeliner leaves it in place, so
-    # loaded where it is used it costs a global round trip in every step (10% of the bf16x2 chain's state pass on
-    # an H200). A sequence without chunks loads nothing (its first chunk may lie past the end of the scratch).
+    # loaded where it is used it costs a global round trip in every step. A sequence without chunks loads nothing
+    # (its first chunk may lie past the end of the scratch).
     b_e_next = tl.load(egl + (c0 * H + i_h).to(tl.int64) * K + o_k, mask=o_k < tl.where(nt > 0, K, 0))
     for i_t in range(0, nt):
         base = (c0 + i_t) * H + i_h
         if L2_AHEAD:
             ahead = ((c0 + tl.minimum(i_t + L2_AHEAD, nt - 1)) * H + i_h).to(tl.int64)
             prefetch_l2(wqk_p + ahead * (NS * 64 * K), NS * 64 * K * 2)
-            if U_IN_STATE:
+            if AIB:
                 prefetch_l2(u_p + ahead * (2 * 4096), 2 * 4096 * 2)  # Aib's pair in u's place
             else:
                 prefetch_l2(u_p + (ahead * V + i_v * BV) * 64, BV * 64 * 4)
@@ -129,29 +116,23 @@ def kda_state64_kernel(
         # the output's state part first, so that Z's parts are free before v' is formed
         b_o = mma_bf16(b_zh, b_qh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         b_o = mma_bf16(b_zl, b_qh, b_o, DOT_F32)
-        if OUT_X3:
-            b_o = mma_bf16(b_zh, tl.trans(wqk.load([r_w + SQ * 64 + 64, 0])), b_o, DOT_F32)
         b_ws = mma_bf16(b_zh, b_wh, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32)
         if CHAIN == 3:
             b_ws = mma_bf16(b_zh, tl.trans(wqk.load([r_w + 64, 0])), b_ws, DOT_F32)
         if CHAIN >= 2:
             b_ws = mma_bf16(b_zl, b_wh, b_ws, DOT_F32)
-        if U_IN_STATE:
+        if AIB:
             b_vt = tl.trans(v_d.load([i_t * 64, 0]))
             r_u = base * (2 * 64)  # Aib's hi and lo [64, 64] halves
             b_ah = tl.trans(u.load([r_u, 0]))
             b_al = tl.trans(u.load([r_u + 64, 0]))
             b_u = mma_bf16(b_vt, b_al, mma_bf16(b_vt, b_ah, tl.zeros([BV, 64], dtype=tl.float32), DOT_F32), DOT_F32)
-            if W_IN_STATE:
-                # v'^T = u^T + (Z (-kg)^T) Aib^T: b_ws holds Z (-kg)^T (w's slots hold -kg); v stays the first
-                # operand of u's products (as the accumulator its tile's copy left the pipeline: each step waited for
-                # it)
-                b_th, b_tl = _parts(b_ws, CHAIN)
-                b_vn = mma_bf16(b_th, b_ah, b_u, DOT_F32)
-                if CHAIN >= 2:
-                    b_vn = mma_bf16(b_tl, b_ah, mma_bf16(b_th, b_al, b_vn, DOT_F32), DOT_F32)
-            else:
-                b_vn = b_u - b_ws
+            # v'^T = u^T + (Z (-kg)^T) Aib^T: b_ws holds Z (-kg)^T (w's slots hold -kg); v stays the first operand
+            # of u's products (as the accumulator its tile's copy left the pipeline: each step waited for it)
+            b_th, b_tl = _parts(b_ws, CHAIN)
+            b_vn = mma_bf16(b_th, b_ah, b_u, DOT_F32)
+            if CHAIN >= 2:
+                b_vn = mma_bf16(b_tl, b_ah, mma_bf16(b_th, b_al, b_vn, DOT_F32), DOT_F32)
         else:
             b_vn = u.load([base * V + i_v * BV, 0]) - b_ws
         b_vh, b_vl = _parts(b_vn, CHAIN)

@@ -1,7 +1,8 @@
-"""v3's in-chunk kernels alone against float64, each with its scratch poisoned: the gate pass
-(kda_prefill_gate.py), kernel D (the diagonal blocks and their inverses, kda_prefill_intra64_split.py) and kernel A
-(the blocks below the diagonal and the merge, kda_prefill_intra64_rows.py). Shared by the interpreter's tests
-(interpret_kda.py) and the GPU's (test_kda_gpu.py); the whole prefill's checks are in kda_cases.py."""
+"""Correctness cases of the 64-token prefill's in-chunk kernels alone against float64, each with its scratch
+poisoned: the gate pass (prefill_gate.py), the diagonal kernel (the diagonal blocks and their inverses,
+prefill_intra_diag.py) and the off-diagonal kernel (the blocks below the diagonal and the merge,
+prefill_intra_offdiag.py). Each returns its ``CheckResult``s; the registered checks (checks.py) and the tests
+(tests/kernels) run them; the whole prefill's cases are in check_cases.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flashinfra.kernels.kda import prefill as pre
-from tests.kernels.kda_cases import NAN, assert_close, f64, offsets
+from flashinfra.feedback.registry import CheckResult
+from flashinfra.kernels.kda import ref as kda_ref
+from flashinfra.kernels.kda.check_cases import NAN, close, f64, offsets
 
 
 def _gate_inputs(gen, device: str, T: int, H: int, K: int, gated: bool, lower_bound, decay: float, g_raw=None):
@@ -33,7 +35,7 @@ def _gate_inputs(gen, device: str, T: int, H: int, K: int, gated: bool, lower_bo
 
 def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: int, K: int, gated: bool, BK=64,
                num_warps=2):
-    """v3's gate pass (kda_prefill_gate.py; by default in the launcher's shape, ``BK`` columns at most per
+    """The gate pass (prefill_gate.py; by default in the launcher's shape, ``BK`` columns at most per
     program) into scratch poisoned with NaN, every element of which it must write; returns the cumulative
     log-decay [chunks, H, 64, K] and beta [chunks, H, 64]."""
     from flashinfra.kernels.kda.prefill_gate import kda_gate_pass_kernel
@@ -46,13 +48,17 @@ def _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch: int, H: in
         g_in, b_in, A_log, dt_bias, float(lower_bound or 0.0), torch.tensor(cu, dtype=torch.int32, device=dev), idx,
         gc, bc, g_in.stride(0), b_in.stride(0), H=H, K=K, BK=BK, num_warps=num_warps, GATE_IN_KERNEL=gated,
         HAS_LOWER_BOUND=gated and lower_bound is not None, BETA_LOGITS=gated)
-    assert not torch.isnan(gc).any() and not torch.isnan(bc).any(), "the gate pass left scratch unwritten"
     return gc, bc
+
+
+def holds(name: str, ok) -> CheckResult:
+    """A condition as a result (``name`` says what must hold)."""
+    return CheckResult(name=name, passed=bool(ok), message="" if ok else "does not hold")
 
 
 def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lower_bound=-5.0, decay=5.0, seed=0,
                  g_dtype=torch.float32, **launch):
-    """v3's gate pass alone against float64: per chunk and head the log-decay (the gated op's from a raw
+    """The gate pass alone against float64: per chunk and head the log-decay (the gated op's from a raw
     projection given as a column slice, with or without its bound), clamped at -10 per token and summed from
     the chunk's first row, rows past the sequence's end repeating its last token's sum, and beta (its sigmoid
     when gated; zero past the end)."""
@@ -75,19 +81,21 @@ def gate_scratch(device: str, lens: list[int], H: int, K: int, gated=False, lowe
         ref_g[i] = torch.cat([gc, gc[:, -1:].expand(H, 64 - (t1 - t0), K)], 1)
         ref_b[i, :, : t1 - t0] = b64[t0:t1].transpose(0, 1)
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated, **launch)
-    assert_close("gate pass: cumulative log-decay", gc, ref_g, 1e-5, 1e-4, 1e-5)
-    assert_close("gate pass: beta", bc, ref_b, 1e-6, 1e-6, 1e-5)
+    return [holds("gate pass: every scratch element written", not gc.isnan().any() and not bc.isnan().any()),
+            close("gate pass: cumulative log-decay", gc, ref_g, 1e-5, 1e-4, 1e-5),
+            close("gate pass: beta", bc, ref_b, 1e-6, 1e-6, 1e-5)]
 
 
 def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bool, lower_bound, decay: float,
                   seed: int) -> dict:
-    """The in-chunk kernels' inputs, the gate pass's scratch (``_gate_pass``, itself checked to write every
-    element, as the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk =
-    scale q k^T, lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
+    """The in-chunk kernels' inputs, the gate pass's scratch (``_gate_pass``, itself checked to write every element, as
+    the launcher runs it first) and the float64 references per chunk-head: [64, 64] ``ref_a`` (Aqk = scale q k^T,
+    lower, diagonal included), ``ref_l`` (L = beta k k^T, strictly lower) and ``ref_ai`` ((I + L)^-1),
     decay-weighted with the gate's -10 clamp; rows past a sequence's end hold zeros; [2, 64] ``ref_rn``, the rows'
-    norm factors that kernel D writes for A and B (``scale / |q_r|`` and ``1 / |k_r|``, eps inside the root); [64, K]
-    ``ref_qg`` (``q exp(gc) scale / |q|``), ``ref_kd`` (``k exp(gl - gc) / |k|``) and ``ref_kg`` (``k exp(gc) / |k|``),
-    the state pass's tiles, and [K] ``ref_egl`` (``exp(gl)``) per chunk-head."""
+    norm factors that the diagonal kernel writes for the off-diagonal and w/u kernels (``scale / |q_r|`` and ``1 /
+    |k_r|``, eps inside the root); [64, K] ``ref_qg`` (``q exp(gc) scale / |q|``), ``ref_kd`` (``k exp(gl - gc) /
+    |k|``) and ``ref_kg`` (``k exp(gc) / |k|``), the state pass's tiles, and [K] ``ref_egl`` (``exp(gl)``) per
+    chunk-head."""
     gen = torch.Generator(device=device).manual_seed(seed)
     T, cu = sum(lens), offsets(lens)
 
@@ -100,7 +108,7 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
     chunks = [(n, c) for n in range(len(lens)) for c in range(-(-lens[n] // 64))]
     idx = torch.tensor(chunks, dtype=torch.int32, device=device).view(-1)
     nch = len(chunks)
-    qn, kn = pre.l2norm_ref(f64(q)), pre.l2norm_ref(f64(k))
+    qn, kn = kda_ref.l2norm_ref(f64(q)), kda_ref.l2norm_ref(f64(k))
     ref_a = torch.zeros(nch, H, 64, 64, dtype=torch.float64, device=device)
     ref_l = torch.zeros_like(ref_a)
     ref_rn = torch.full((nch, H, 2, 64), 1e3, dtype=torch.float64, device=device)  # 1 / sqrt(eps) on padding rows
@@ -127,7 +135,9 @@ def _intra_inputs(device: str, lens: list[int], H: int, K: int, dtype, gated: bo
             ref_rn[i, :, j, :m] = f / torch.sqrt((f64(x[t0:t1]) ** 2).sum(-1) + 1e-6).transpose(0, 1)
     eye = torch.eye(64, dtype=torch.float64, device=device)
     gc, bc = _gate_pass(g_in, b_in, A_log, dt_bias, lower_bound, cu, idx, nch, H, K, gated)
-    return dict(q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device), idx=idx, nch=nch,
+    written = holds("gate pass: every scratch element written", not gc.isnan().any() and not bc.isnan().any())
+    return dict(gate_written=written, q=q, k=k, gc=gc, bc=bc, cu_t=torch.tensor(cu, dtype=torch.int32, device=device),
+                idx=idx, nch=nch,
                 ref_a=ref_a, ref_l=ref_l, ref_ai=torch.linalg.inv(eye + ref_l), ref_rn=ref_rn, ref_qg=ref_qg,
                 ref_kd=ref_kd, ref_kg=ref_kg, ref_egl=ref_egl)
 
@@ -139,8 +149,8 @@ def _blocks(device: str):
 
 
 def _matrix_tolerances(precision: str) -> tuple[float, float, float]:
-    """(rel, atol, rtol) of an in-chunk matrix whose products run in ``precision`` (bf16x3: kernel A's merge in
-    three bf16 products, about 16 bits of each operand; 0.9-1.8e-5 relative on the interpreter's cases)."""
+    """(rel, atol, rtol) of an in-chunk matrix whose products run in ``precision`` (bf16x3: the off-diagonal kernel's
+    merge in three bf16 products, about 16 bits of each operand; 0.9-1.8e-5 relative on the interpreter's cases)."""
     return {"ieee": (2e-5, 1e-5, 1e-4), "bf16x3": (1e-4, 5e-5, 5e-4)}.get(precision, (2e-3, 2e-3, 5e-3))
 
 
@@ -155,18 +165,18 @@ def _aqk_tolerances(precision: str, a_lo: bool) -> tuple[float, float, float]:
     return _matrix_tolerances(precision) if a_lo else (4e-3, 4e-3, 8e-3)
 
 
-def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
+def intra_diag(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
             decay=5.0, seed=0, KS=32, num_warps=2, precision="ieee", a_lo=True, kg=False):
-    """v3's kernel D alone (per 16-token sub-block, kda_prefill_intra64_split.py) against float64: the diagonal
-    blocks of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's
-    tolerance) and of ``Ai``, Aqk's zeros above its diagonal blocks, which the state pass multiplies by, and the
-    rows' norm factors that kernels A and B read; the state pass's qg (bf16) and kd (a bf16 pair) in the bf16x3
-    chain's slots of kernel B's scratch, whose w slots must keep their poison, and ``exp(gl)`` too; with ``kg``
-    (``w_in_state``) those slots take ``-k exp(gc) / |k|`` (a bf16 pair) and ``exp(gl)`` its [K] row per
-    chunk-head instead. Every output starts as
-    NaN: Aqk's and Ai's blocks below the diagonal (kernel A's) must keep it, every other element of Aqk and of the
-    norm factors must be written, Ai's diagonal blocks too."""
-    from flashinfra.kernels.kda.prefill_intra_diag import kda_intra64_diag_kernel
+    """The diagonal kernel alone (per 16-token sub-block, prefill_intra_diag.py) against float64: the diagonal blocks
+    of ``Aqk`` (bf16; with ``a_lo`` its lo half too: hi + lo is compared, else hi at a bf16 rounding's tolerance)
+    and of ``Ai``, Aqk's zeros above its diagonal blocks, which the state pass multiplies by, and the rows' norm
+    factors that the off-diagonal and w/u kernels read; the state pass's qg (bf16) and kd (a bf16 pair) in the
+    bf16x3 chain's slots of the w/u kernel's scratch, whose w slots must keep their poison, and ``exp(gl)`` too;
+    with ``kg`` (bf16 v) those slots take ``-k exp(gc) / |k|`` (a bf16 pair) and ``exp(gl)`` its [K] row per
+    chunk-head instead. Every output starts as NaN: Aqk's and Ai's blocks below the diagonal (the off-diagonal
+    kernel's) must keep it, every other element of Aqk and of the norm factors must be written, Ai's diagonal blocks
+    too."""
+    from flashinfra.kernels.kda.prefill_intra_diag import kda_intra_diag_kernel
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -176,45 +186,46 @@ def intra_d(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     rn = torch.full((nch, H, 2, 64), NAN, dtype=torch.float32, device=device)
     wqk = torch.full((nch, H, 5, 64, K), NAN, dtype=torch.bfloat16, device=device)  # w, w lo, qg, kd, kd lo
     egl = torch.full((nch, H, K), NAN, dtype=torch.float32, device=device)
-    kda_intra64_diag_kernel[(nch * 4, H)](
+    kda_intra_diag_kernel[(nch * 4, H)](
         x["q"], x["k"], x["gc"], x["bc"], x["cu_t"], x["idx"], aqk, ai, rn, x["q"].stride(0), x["k"].stride(0),
         K**-0.5, wqk, egl, H=H, K=K, KS=KS, LOCAL_PRECISION=precision, A_LO=a_lo, FAST_EXP=device != "cpu",
-        NS=5, SQ=2, SKD=3, Q_LO=False, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
-    assert_close("kernel D: row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)
+        NS=5, SQ=2, SKD=3, KD_LO=True, KG=kg, W_LO=True, num_warps=num_warps, num_stages=1)
+    results = [x["gate_written"], close("row norm factors", rn, x["ref_rn"], 1e-6, 1e-6, 1e-5)]
     if kg:
-        assert_close("kernel D: -kg pair", wqk[:, :, 0].float() + wqk[:, :, 1].float(), -x["ref_kg"],
-                     *_matrix_tolerances("bf16x3"))
+        results.append(close("-kg pair", wqk[:, :, 0].float() + wqk[:, :, 1].float(), -x["ref_kg"],
+                             *_matrix_tolerances("bf16x3")))
         # gl is the gate pass's float32 sum over up to 64 rows: exp(gl) relative to float64's within 1e-3 where gl
         # is large (|gl| ~ 100)
-        assert_close("kernel D: exp(gl)", egl, x["ref_egl"], 1e-6, 1e-7, 1e-3)
+        results.append(close("exp(gl)", egl, x["ref_egl"], 1e-6, 1e-7, 1e-3))
     else:
-        assert torch.isnan(wqk[:, :, :2].float()).all(), "kernel D wrote into w's slots"
-        assert torch.isnan(egl).all(), "kernel D wrote exp(gl)"
-    assert_close("kernel D: qg", wqk[:, :, 2].float(), x["ref_qg"], 4e-3, 4e-3, 8e-3)
-    assert_close("kernel D: kd pair", wqk[:, :, 3].float() + wqk[:, :, 4].float(), x["ref_kd"],
-                 *_matrix_tolerances("bf16x3"))
+        results += [holds("w's slots left unwritten", torch.isnan(wqk[:, :, :2].float()).all()),
+                    holds("exp(gl) left unwritten", torch.isnan(egl).all())]
+    results += [close("qg", wqk[:, :, 2].float(), x["ref_qg"], 4e-3, 4e-3, 8e-3),
+                close("kd pair", wqk[:, :, 3].float() + wqk[:, :, 4].float(), x["ref_kd"],
+                      *_matrix_tolerances("bf16x3"))]
     rel, atol, rtol = _matrix_tolerances(precision)
-    assert torch.isnan(aqk.float()[..., below]).all(), "kernel D wrote into Aqk's blocks below the diagonal"
-    assert torch.isnan(ai[..., ~diag]).all(), "kernel D wrote into Ai outside its diagonal blocks"
-    assert torch.equal(aqk.float()[..., above], torch.zeros_like(aqk.float()[..., above])), (
-        "kernel D left Aqk's blocks above the diagonal other than zero")
     got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
-    assert_close("Aqk diagonal blocks", got_a[..., diag], x["ref_a"][..., diag], *_aqk_tolerances(precision, a_lo))
-    assert_close("Ai diagonal blocks", ai[..., diag], x["ref_ai"][..., diag], rel, atol, rtol)
+    return results + [
+        holds("Aqk's blocks below the diagonal left unwritten", torch.isnan(aqk.float()[..., below]).all()),
+        holds("Ai outside its diagonal blocks left unwritten", torch.isnan(ai[..., ~diag]).all()),
+        holds("Aqk's blocks above the diagonal zero",
+              torch.equal(aqk.float()[..., above], torch.zeros_like(aqk.float()[..., above]))),
+        close("Aqk diagonal blocks", got_a[..., diag], x["ref_a"][..., diag], *_aqk_tolerances(precision, a_lo)),
+        close("Ai diagonal blocks", ai[..., diag], x["ref_ai"][..., diag], rel, atol, rtol)]
 
 
-def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
+def intra_offdiag(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, gated=False, lower_bound=-5.0,
             decay=5.0, seed=0, KS=16, num_warps=1, precision="ieee", a_lo=True, solve=None, stages=3):
-    """v3's kernel A alone (per 16-row block, kda_prefill_intra64_rows.py) against float64: the off-diagonal
-    blocks of ``Aqk`` (bf16, compared as in ``intra_d``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
-    from diagonal inverses planted as kernel D would write them (products in ``precision``, the merge's in
+    """The off-diagonal kernel alone (per 16-row block, prefill_intra_offdiag.py) against float64: the off-diagonal
+    blocks of ``Aqk`` (bf16, compared as in ``intra_diag``) and ``Ai = (I + L)^-1``'s off-diagonal blocks merged
+    from diagonal inverses planted as the diagonal kernel would write them (products in ``precision``, the merge's in
     ``solve``: by default bf16x3 unless ieee, as the launcher does). Both scratch matrices start as NaN: the blocks
     A must not write (Aqk's and Ai's diagonal blocks, Ai's upper blocks) must keep the poison or the planted
     values, every other element must be written; rows past a sequence's end hold zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra64_offdiag_rows_kernel
-    from flashinfra.kernels.kda.prefill_launch import rows_descriptor
+    from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra_offdiag_kernel
+    from flashinfra.kernels.kda.prefill import rows_descriptor
 
     x = _intra_inputs(device, lens, H, K, dtype, gated, lower_bound, decay, seed)
     nch = x["nch"]
@@ -225,15 +236,16 @@ def intra_a(device: str, lens: list[int], H: int, K: int, dtype=torch.float32, g
     solve = solve or ("ieee" if precision == "ieee" else "bf16x3")  # the launcher's merge precision by default
     tiles = [rows_descriptor(x["q"], [16, KS]), rows_descriptor(x["k"], [16, KS]),
              TensorDescriptor.from_tensor(x["gc"].view(-1, K), [16, KS])]
-    kda_intra64_offdiag_rows_kernel[(nch, H)](
+    kda_intra_offdiag_kernel[(nch, H)](
         x["bc"], x["cu_t"], x["idx"], aqk, ai, x["ref_rn"].float(), *tiles, ai, H=H, K=K, KS=KS,
         LOCAL_PRECISION=precision,
         SOLVE_PRECISION=solve, FAST_EXP=device != "cpu", A_LO=a_lo, DOT_F32=device == "cpu", STAGES=stages,
         num_warps=num_warps)
     rel, atol, rtol = _ai_tolerances(precision, solve == "bf16x3")
-    assert torch.isnan(aqk.float()[..., ~below]).all(), "kernel A wrote into Aqk's diagonal or upper blocks"
     untouched = torch.nan_to_num(ai[..., ~below], 7.0), torch.nan_to_num(planted[..., ~below], 7.0)
-    assert torch.equal(*untouched), "kernel A wrote into Ai's diagonal or upper blocks"
     got_a = aqk.float().sum(2) if a_lo else aqk[:, :, 0].float()
-    assert_close("Aqk lower blocks", got_a[..., below], x["ref_a"][..., below], *_aqk_tolerances(precision, a_lo))
-    assert_close("Ai lower blocks", ai[..., below], x["ref_ai"][..., below], rel, atol, rtol)
+    return [x["gate_written"],
+            holds("Aqk's diagonal and upper blocks left unwritten", torch.isnan(aqk.float()[..., ~below]).all()),
+            holds("Ai's diagonal (planted) and upper blocks left as they were", torch.equal(*untouched)),
+            close("Aqk lower blocks", got_a[..., below], x["ref_a"][..., below], *_aqk_tolerances(precision, a_lo)),
+            close("Ai lower blocks", ai[..., below], x["ref_ai"][..., below], rel, atol, rtol)]
