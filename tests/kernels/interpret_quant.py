@@ -27,3 +27,8 @@ def test_fp8_block_linear(T, K, N, bias):
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(9, 5, 40, 24, 2, 10.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])
 def test_w8a8_moe(T, E, D, I, k, limit):
     cases.w8a8_moe("cpu", T, E, D, I, k, limit=limit, seed=T)
+
+
+@pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2)])
+def test_fp8_moe(T, E, D, I, k):
+    cases.fp8_moe("cpu", T, E, D, I, k, seed=T)
