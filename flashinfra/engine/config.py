@@ -44,6 +44,10 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that give no seed
     events_path: str | None = None  # JSONL runtime events (flashinfra.feedback.events)
     gil_probe_ms: float | None = None  # report GIL stalls longer than this (flashinfra.feedback.gil_probe)
+    quantization: str = "auto"  # weights: auto (the checkpoint's), none, w8a8, fp8 (flashinfra.quant.model)
+    kv_cache_dtype: str = "auto"  # MLA latent cache: auto (the model dtype), bfloat16, fp8, int8 (+ per-token scale)
+    kv_cache_dtype_layers: str | None = None  # per-layer latent dtype overrides, e.g. "first:bfloat16,last:bfloat16"
+    kda_state_dtype: str = "float32"  # KDA recurrent state: float32 or bfloat16
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_checkpoint_interval"):
@@ -59,6 +63,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        for name, choices in (("quantization", ("auto", "none", "w8a8", "fp8")),
+                              ("kv_cache_dtype", ("auto", "bfloat16", "fp8", "int8")),
+                              ("kda_state_dtype", ("float32", "bfloat16"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(choices)}")
 
     @property
     def resolved_prefix_slots(self) -> int:

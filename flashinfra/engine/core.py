@@ -34,7 +34,11 @@ class EngineCore:
             path = Path(config.model) if config.model else default_model_dir()
             device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-            model = flashinfra.load_model(path, dtype=dtype, device=device)
+            from flashinfra.quant.cache import CacheSpec
+
+            spec = CacheSpec.from_flags(config.kv_cache_dtype, config.kda_state_dtype, config.kv_cache_dtype_layers)
+            model = flashinfra.load_model(path, dtype=dtype, device=device, quantization=config.quantization,
+                                          cache_spec=spec)
         self.model = model
         text = model.config.text
         self.vocab_size = text.vocab_size
