@@ -56,7 +56,7 @@ def sparse_mla_quant_kernel(q, latent, latent_scale, sel, token_seq, block_table
         valid = idx >= 0
         blk = tl.load(block_tables + b * W + idx // BS, mask=valid, other=0).to(tl.int64)
         row = blk * BS + idx % BS
-        c_q = tl.load(latent + row[:, None] * R + o_r[None, :], mask=valid[:, None] & m_r[None, :], other=0)
+        c_q = tl.load(latent + row[:, None] * R + o_r[None, :], mask=valid[:, None] & m_r[None, :], other=0.0)
         c_s = tl.load(latent_scale + row, mask=valid, other=0.0)
         c = (c_q.to(tl.float32) * c_s[:, None]).to(b_q.dtype)
         if IEEE:

@@ -32,3 +32,9 @@ def test_w8a8_moe(T, E, D, I, k, limit):
 @pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2)])
 def test_fp8_moe(T, E, D, I, k):
     cases.fp8_moe("cpu", T, E, D, I, k, seed=T)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("split", [None, 4])
+def test_sparse_mla_quant(cache_dtype, split):
+    cases.sparse_mla_quant("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache_dtype, split=split, S=37 if split else 11)

@@ -39,3 +39,11 @@ def test_w8a8_moe(T):
 @pytest.mark.parametrize("T", [1, 32, 1024])
 def test_fp8_moe(T):
     cases.fp8_moe("cuda", T, 288, 4096, 2048, 8, dtype=BF16, seed=T)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("ctx,qlens", [([0, 100, 3000], [300, 1, 1]), ([4000] * 32, [1] * 32)])
+def test_sparse_mla_quant(cache_dtype, ctx, qlens):
+    if cache_dtype == "fp8" and not _fp8_ok():
+        pytest.skip("fp8 needs sm_89+")
+    cases.sparse_mla_quant("cuda", ctx, qlens, cache_dtype, H=64, R=512, bs=64, S=2048 + 3, dtype=BF16)
