@@ -38,3 +38,8 @@ def test_fp8_moe(T, E, D, I, k):
 @pytest.mark.parametrize("split", [None, 4])
 def test_sparse_mla_quant(cache_dtype, split):
     cases.sparse_mla_quant("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache_dtype, split=split, S=37 if split else 11)
+
+
+def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
+    # W8A8 weights and an int8 latent cache together (fp8 on the GPU only: the interpreter's e4m3 conversion)
+    cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8")

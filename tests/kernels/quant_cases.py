@@ -204,3 +204,43 @@ def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype:
     full = sm.sparse_mla_ref(q.double(), latent.double(), sel, token_seq, tables, R**-0.5)
     bound = 0.02 if cache_dtype == "int8" else 0.08
     assert rel_err(out, full) < bound, f"sparse_mla over {cache_dtype}: {rel_err(out, full):.4f} from bf16/fp32"
+
+
+def _prefill_decode(model, prompts: list[list[int]], steps: int, bs: int = 16):
+    """Packed prefill, then ``steps`` decode steps fed the argmax; -> every step's logits."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
+    slots = list(range(len(prompts), 0, -1))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    hidden = model.forward(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache)
+    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
+    for i in range(steps):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        logits.append(model.compute_logits(model.forward(logits[-1].argmax(-1), batch, cache)))
+    return logits
+
+
+def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
+                                         dtype="float32", steps: int = 3, atol=2e-3):
+    """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
+    quantized arithmetic, so the logits agree to float32 rounding (a flipped int8 code at a rounding tie aside)."""
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.quant.cache import CacheSpec
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype=dtype, device=device,
+                       quantization=quantization, cache_spec=CacheSpec.from_flags(kv_cache_dtype))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref = _prefill_decode(model, prompts, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    out = _prefill_decode(model, prompts, steps)
+    for a, b in zip(out, ref):
+        check(f"quantized model ({quantization}, {kv_cache_dtype} cache)", a, b, atol=atol, rtol=atol)

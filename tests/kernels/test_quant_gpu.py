@@ -47,3 +47,10 @@ def test_sparse_mla_quant(cache_dtype, ctx, qlens):
     if cache_dtype == "fp8" and not _fp8_ok():
         pytest.skip("fp8 needs sm_89+")
     cases.sparse_mla_quant("cuda", ctx, qlens, cache_dtype, H=64, R=512, bs=64, S=2048 + 3, dtype=BF16)
+
+
+@pytest.mark.parametrize("quantization,kv", [("w8a8", "int8"), ("fp8", "fp8"), ("none", "int8"), ("w8a8", "auto")])
+def test_quantized_model_kernels_match_references(tmp_path, monkeypatch, quantization, kv):
+    if "fp8" in (quantization, kv) and not _fp8_ok():
+        pytest.skip("fp8 needs sm_89+")
+    cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cuda", quantization, kv)
