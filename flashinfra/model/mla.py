@@ -24,8 +24,9 @@ from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
+from flashinfra.kernels.dsa_indexer_quant import dsa_select_quant
 from flashinfra.kernels.sparse_mla_quant import sparse_mla_quant_launch
-from flashinfra.quant.cache import read_latent, write_latent
+from flashinfra.quant.cache import read_index_entries, read_latent, write_index_entries, write_latent
 from flashinfra.quant.linear import linear
 
 
@@ -86,8 +87,14 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             ix = self.indexer
             keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
-            masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
-                                           batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
+            key_scale = cache.indexer_scale.get(self.layer)
+            if key_scale is None:
+                masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
+                                               batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
+            else:
+                masks[self.layer] = dsa_select_quant(keys, key_scale, qi, w, ix.pool_ape, batch.block_tables_t,
+                                                     batch.seq_lens_t, batch.token_seq, batch.positions, ix.kpool,
+                                                     ix.topk, ix.keep_tail)
         w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
         q_lat = torch.einsum("lhd,hdr->lhr", q, w[:, : self.Dq])  # [T, H, R]
         latent_scale = cache.mla_latent_scale.get(self.layer)
@@ -103,15 +110,14 @@ class MLAttention(nn.Module):
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
         """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""
         entries, q, w = self.indexer.project(x, q_resid)
-        keys = cache.indexer_keys[self.layer]
-        keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
-        return keys, q, w
+        write_index_entries(cache, self.layer, batch.slot_mapping, entries)
+        return cache.indexer_keys[self.layer], q, w
 
     def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
-        keys, q, w = self._index_new_tokens(x, q_resid, batch, cache)
+        _, q, w = self._index_new_tokens(x, q_resid, batch, cache)
         out = []
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
-            seq_entries = gather_seq(keys, batch.block_tables[b], batch.seq_lens[b])
+            seq_entries = read_index_entries(cache, self.layer, batch.block_tables[b], batch.seq_lens[b], x.dtype)
             out.append(self.indexer.select(seq_entries, q[bos:eos], w[bos:eos]))
         return out
 

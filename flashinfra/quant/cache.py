@@ -7,7 +7,9 @@ into the cache (scale ``amax / 127`` or ``amax / 448`` per token), ``read_latent
 rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.sparse_mla_quant``).
 ``tokens_per_gib`` is the cache capacity that the choice buys.
 
-Not covered yet: the DSA indexer keys stay in the model dtype whatever the latent dtype.
+The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
+in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``; the Triton path reads
+them with ``kernels.dsa_indexer_quant``), else in the model dtype.
 """
 
 from __future__ import annotations
@@ -85,15 +87,47 @@ class CacheSpec:
             raise CacheDtypeError(f"--kda-state-dtype bfloat16 on device {device}: the KDA decode kernels take a "
                                   "bf16 state, but the chunked-prefill kernels (flashinfra/kernels/kda) keep float32 "
                                   "states; use --kda-state-dtype float32 there (bfloat16 runs on the CPU references)")
-        uses_fp8 = self.kv_cache_dtype == "fp8" or any(d == "fp8" for _, d in self.layer_overrides)
+        uses_fp8 = self.kv_cache_dtype in ("fp8", "int8") or any(d in ("fp8", "int8") for _, d in self.layer_overrides)
         if uses_fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise CacheDtypeError(f"--kv-cache-dtype fp8 needs e4m3 conversions (sm_89 or newer); device {device} "
-                                  "is older: use int8 or bfloat16")
+            raise CacheDtypeError(f"an 8-bit cache (--kv-cache-dtype fp8 or int8: the indexer keys go to fp8 with "
+                                  f"either) needs e4m3 conversions (sm_89 or newer); device {device} is older: use "
+                                  "bfloat16")
 
 
 def latent_bytes_per_token(width: int, dtype: torch.dtype) -> int:
     """One token's latent bytes: the row, plus its float32 scale when the row is 8-bit."""
     return width * torch.empty((), dtype=dtype).element_size() + (4 if dtype in QUANTIZED_LATENT else 0)
+
+
+def index_bytes_per_token(head_dim: int, latent_dtype: torch.dtype, model_dtype: torch.dtype) -> int:
+    """One token's indexer entry (key | gate score): e4m3 plus two float32 scales beside an 8-bit latent."""
+    if latent_dtype in QUANTIZED_LATENT:
+        return 2 * head_dim + 8
+    return 2 * head_dim * torch.empty((), dtype=model_dtype).element_size()
+
+
+def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+    """Store new indexer entries [T, 2 Di] (key | gate score), in e4m3 with a scale per half where the layer's
+    indexer cache is fp8."""
+    keys = cache.indexer_keys[layer]
+    flat = keys.view(-1, keys.shape[-1])
+    if layer not in cache.indexer_scale:
+        flat[slot_mapping] = entries.to(keys.dtype)
+        return
+    q, s = quant_fp8_per_group(entries, keys.shape[-1] // 2)
+    flat[slot_mapping] = q
+    cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
+
+
+def read_index_entries(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` indexer entries of one sequence in ``dtype`` -> [n, 2 Di]."""
+    keys = cache.indexer_keys[layer]
+    rows = keys[list(blocks)].flatten(0, 1)[:n]
+    if layer not in cache.indexer_scale:
+        return rows.to(dtype)
+    s = cache.indexer_scale[layer][list(blocks)].flatten(0, 1)[:n]  # [n, 2]
+    ct = torch.promote_types(dtype, torch.float32)
+    return (rows.to(ct).view(n, 2, -1) * s.to(ct)[:, :, None]).view(n, -1).to(dtype)
 
 
 def write_latent(cache, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
@@ -130,7 +164,7 @@ def tokens_per_gib(cfg, spec: CacheSpec, model_dtype: torch.dtype) -> dict:
     token, and the KDA state bytes per sequence that come on top."""
     lat = spec.latent_dtypes(cfg.mla_layers, model_dtype)
     latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, d) for d in lat.values())
-    index = len(cfg.indexer_layers) * 2 * cfg.index_head_dim * torch.empty((), dtype=model_dtype).element_size()
+    index = sum(index_bytes_per_token(cfg.index_head_dim, lat[i], model_dtype) for i in cfg.indexer_layers)
     H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
     state = len(cfg.kda_layers) * (H * K * K * torch.empty((), dtype=spec.state_dtype).element_size()
                                    + 3 * cfg.linear_dim * (W - 1) * torch.empty((), dtype=model_dtype).element_size())

@@ -43,3 +43,8 @@ def test_sparse_mla_quant(cache_dtype, split):
 def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
     # W8A8 weights and an int8 latent cache together (fp8 on the GPU only: the interpreter's e4m3 conversion)
     cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8")
+
+
+@pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])
+def test_dsa_select_quant(ctx, qlens):
+    cases.dsa_select_quant("cpu", ctx, qlens, seed=len(ctx))

@@ -54,3 +54,9 @@ def test_quantized_model_kernels_match_references(tmp_path, monkeypatch, quantiz
     if "fp8" in (quantization, kv) and not _fp8_ok():
         pytest.skip("fp8 needs sm_89+")
     cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cuda", quantization, kv)
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="fp8 needs sm_89+")
+@pytest.mark.parametrize("ctx,qlens", [([0, 100, 3000], [300, 1, 1]), ([4000] * 8, [1] * 8)])
+def test_dsa_select_quant(ctx, qlens):
+    cases.dsa_select_quant("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, dtype=BF16)

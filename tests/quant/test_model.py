@@ -63,6 +63,8 @@ def test_cache_dtypes_close_to_the_unquantized_model(base_logits, kv, layers, ma
     assert cache.mla_latent[last].dtype == want
     assert cache.mla_latent[first].dtype == (torch.bfloat16 if layers else want)
     assert (last in cache.mla_latent_scale) == (kv != "bfloat16")
+    if last in m.config.text.indexer_layers:  # indexer keys follow the latent: fp8 where it is 8-bit
+        assert cache.indexer_keys[last].dtype == (torch.float8_e4m3fn if kv != "bfloat16" else torch.float32)
     assert rel(m.logits(PROMPTS), base_logits) < max_rel
 
 
@@ -84,8 +86,10 @@ def test_tokens_per_gib_at_the_released_sizes():
         assert q["latent_tokens_per_gib"] >= 1.9 * bf16["latent_tokens_per_gib"]
     lat = CacheSpec("int8").latent_dtypes(cfg.mla_layers, torch.bfloat16)
     per_block = ModelCache.bytes_per_block(cfg, 16, torch.bfloat16, lat)
-    assert per_block == 16 * (tokens_per_gib(cfg, CacheSpec("int8"), torch.bfloat16)["latent_bytes_per_token"]
-                              + len(cfg.indexer_layers) * 2 * cfg.index_head_dim * 2)
+    r = tokens_per_gib(cfg, CacheSpec("int8"), torch.bfloat16)
+    # int8 latent + one scale, fp8 indexer entries + two scales, per MLA layer
+    assert r["latent_bytes_per_token"] == 2 * (512 + 4) and r["indexer_bytes_per_token"] == 2 * (256 + 8)
+    assert per_block == 16 * (r["latent_bytes_per_token"] + r["indexer_bytes_per_token"])
 
 
 def test_w8a8_checkpoint_round_trip(tmp_path):
