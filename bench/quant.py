@@ -183,9 +183,8 @@ def memory() -> dict:
 
 def peaks(dev: str, n: int, reps: int) -> dict:
     a = torch.randn(n, n, device=dev)
-    out = {"bf16": 2 * n**3 / median_s(lambda: a.bfloat16() @ a.bfloat16(), dev, reps) / 1e12}
     ab = a.bfloat16()
-    out["bf16"] = 2 * n**3 / median_s(lambda: ab @ ab, dev, reps) / 1e12
+    out = {"bf16": 2 * n**3 / median_s(lambda: ab @ ab, dev, reps) / 1e12}
     if dev == "cuda":
         i8 = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8)
         out["int8"] = 2 * n**3 / median_s(lambda: torch._int_mm(i8, i8.t()), dev, reps) / 1e12
@@ -277,16 +276,19 @@ def slice_state_dict(cfg: dict, dev: str) -> dict[str, torch.Tensor]:
 def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, prefill: int, reps: int) -> dict:
     from flashinfra.engine.cuda_graphs import DecodeGraphs
 
-    tensors = slice_state_dict(cfg, dev)
     dtype = "bfloat16" if dev == "cuda" else "float32"
     out = {}
     for mode in SLICE_MODES:
         q, spec = spec_of(mode)
+        tensors = slice_state_dict(cfg, dev)  # the same seeded weights each time; freed once loaded (memory)
         try:
             model = load_model_from_state_dict(cfg, tensors, dtype=dtype, device=dev, quantization=q, cache_spec=spec)
         except (QuantizationError, CacheDtypeError) as e:
             out[mode] = {"refused": str(e)}
             continue
+        finally:
+            del tensors
+            free()
         bs = 64 if dev == "cuda" else 16
         row = {}
         per_seq = -(-(context + 1) // bs)
