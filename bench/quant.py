@@ -222,28 +222,43 @@ def gemms(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list
     return rows
 
 
+def _expert_weights(E: int, N: int, K: int, dev: str):
+    """Random [E, N, K] experts as bf16, int8 per channel and fp8 per block, made 32 experts at a time (the
+    float32 temporaries of all 288 at once would take tens of GB)."""
+    parts = []
+    for e0 in range(0, E, 32):
+        w = torch.randn(min(32, E - e0), N, K, device=dev) * K**-0.5
+        parts.append((w.bfloat16(), quantize_int8_per_channel(w), quantize_fp8_blocks(w)))
+        del w
+    b = torch.cat([p[0] for p in parts])
+    qi = type(parts[0][1])(torch.cat([p[1].data for p in parts]), torch.cat([p[1].scale for p in parts]), "w8a8")
+    qf = type(parts[0][2])(torch.cat([p[2].data for p in parts]), torch.cat([p[2].scale for p in parts]), "fp8")
+    return b, qi, qf
+
+
 def moes(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[dict]:
+    """Routed experts plus a shared expert as one more pair per token (``fused_moe``'s form; the quantized ops get
+    the pair explicitly, expert 0 with weight 1), so every format does the same ``k + 1`` pairs of work."""
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    w13, w2 = torch.randn(E, 2 * I, D, device=dev) * D**-0.5, torch.randn(E, D, I, device=dev) * I**-0.5
-    b13, b2 = w13.bfloat16(), w2.bfloat16()
-    i13, i2 = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
-    f13, f2 = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-    del w13, w2
-    zs13, zs2 = torch.zeros_like(b13[0]), torch.zeros_like(b2[0])
+    b13, i13, f13 = _expert_weights(E, 2 * I, D, dev)
+    b2, i2, f2 = _expert_weights(E, D, I, dev)
+    s13, s2 = b13[0].clone(), b2[0].clone()
     rows = []
     for T in tokens:
         x = torch.randn(T, D, device=dev).bfloat16()
         ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).int()
         tw = torch.rand(T, k, device=dev)
-        flops = 2 * T * k * 3 * D * I
-        runs = {"bf16": lambda: fused_moe(x, b13, b2, tw, ids, 10.0, zs13, zs2),
-                "w8a8": lambda: w8a8_moe(x, i13.data, i13.scale, i2.data, i2.scale, tw, ids, 10.0)}
+        ids1 = torch.cat([ids, torch.zeros(T, 1, dtype=torch.int32, device=dev)], 1)
+        tw1 = torch.cat([tw, torch.ones(T, 1, device=dev)], 1)
+        flops = 2 * T * (k + 1) * 3 * D * I
+        runs = {"bf16": lambda: fused_moe(x, b13, b2, tw, ids, 10.0, s13, s2),
+                "w8a8": lambda: w8a8_moe(x, i13.data, i13.scale, i2.data, i2.scale, tw1, ids1, 10.0)}
         if "fp8" in peak:
-            runs["fp8"] = lambda: fp8_moe(x, f13.data, f13.scale, f2.data, f2.scale, tw, ids, 10.0)
+            runs["fp8"] = lambda: fp8_moe(x, f13.data, f13.scale, f2.data, f2.scale, tw1, ids1, 10.0)
         for fmt, fn in runs.items():
             s = median_s(fn, dev, reps)
             key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]
-            rows.append(dict(op="moe (+ a zero shared expert in bf16)", tokens=T, format=fmt, us=s * 1e6,
+            rows.append(dict(op=f"moe ({E} experts, top-{k}, + shared)", tokens=T, format=fmt, us=s * 1e6,
                              tflops=flops / s / 1e12, of_peak=flops / s / 1e12 / peak[key] if key in peak else None))
     return rows
 
