@@ -146,9 +146,11 @@ def quantize_model(model: nn.Module, scheme: str, raw: dict[str, list[RawQuantiz
     expert of the routed experts' width is stacked after them, so that one grouped launch serves both."""
     raw = raw or {}
     count = 0
+    # a MoE's shared expert goes with its experts (stacked with them, or left in float with them)
+    shared = {id(m.shared) for m in model.modules() if type(m).__name__ == "MoE"}
     for mname, module in list(model.named_modules()):
         names = QUANTIZED.get(type(module).__name__)
-        if not names:
+        if not names or id(module) in shared:
             continue
         prefix = f"{mname}." if mname else ""
         if type(module).__name__ == "MoE":
