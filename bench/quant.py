@@ -17,7 +17,8 @@ cache; a bf16 KDA state (refused where the chunked-prefill kernels need float32 
    and 8192 tokens for each weight format (TFLOP/s and the fraction of that format's peak), and on the 4-layer
    full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, random weights) decode steps at batch 1 / 32 / 128 with
    ``--context`` cached tokens (CUDA-graph replay, eager where capture fails) and a ``--prefill``-token prefill per
-   mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed).
+   mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
+   layer the slice's output streams on a 256-token prompt against bf16's (``layerwise_rel``).
 
 usage: python bench/quant.py --out bench/results/quant.json [--smoke]
        (--smoke: python bench/quant.py --smoke --out bench/results/quant_smoke.json, a few minutes on a CPU)
@@ -292,7 +293,9 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
     from flashinfra.engine.cuda_graphs import DecodeGraphs
 
     dtype = "bfloat16" if dev == "cuda" else "float32"
-    out = {}
+    out, base_layers = {}, None
+    vocab = model_config_from(cfg).text.vocab_size
+    prompt = torch.randint(0, vocab, (256 if dev == "cuda" else 16,), generator=torch.Generator().manual_seed(0)).tolist()
     for mode in SLICE_MODES:
         q, spec = spec_of(mode)
         tensors = slice_state_dict(cfg, dev)  # the same seeded weights each time; freed once loaded (memory)
@@ -306,6 +309,10 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
             free()
         bs = 64 if dev == "cuda" else 16
         row = {}
+        layers = layer_outputs(model, prompt)  # layerwise: each layer's output streams against bf16's
+        base_layers = base_layers or layers
+        row["layerwise_rel"] = [float((a - b).norm() / b.norm()) for a, b in zip(layers, base_layers)]
+        del layers
         per_seq = -(-(context + 1) // bs)
         B = max(batches)
         cache = model.allocate_cache(B * per_seq + 1, bs, B + 1)
