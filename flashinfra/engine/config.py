@@ -92,6 +92,15 @@ class LoadConfig:
     device: str = option("auto", "cpu, cuda or cuda:N; auto: cuda when available", parse=check_device,
                          metavar="DEVICE")
 
+    quantization: str = option("auto", "weights: auto (as the checkpoint stores them), none, w8a8 (int8 per "
+                                       "channel x int8 per token) or fp8 (e4m3 per 128x128 block)",
+                               choices=("auto", "none", "w8a8", "fp8"))
+    kv_cache_dtype: str = option("auto", "MLA latent cache: auto (the model dtype), bfloat16, fp8 or int8 "
+                                         "(8-bit with a per-token scale)", choices=("auto", "bfloat16", "fp8", "int8"))
+    kv_cache_dtype_layers: str | None = option(
+        None, "per-layer latent cache dtypes over --kv-cache-dtype, e.g. first:bfloat16,last:bfloat16,7:fp8",
+        metavar="SPEC")
+    kda_state_dtype: str = option("float32", "KDA recurrent state dtype", choices=("float32", "bfloat16"))
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -175,6 +184,9 @@ def check_fields(config: Any) -> None:
     """``ValueError`` naming the first field of the dataclass ``config`` below its ``min`` (or of the wrong
     type); ``None`` passes where it is the field's default."""
     for f in dataclasses.fields(config):
+        if "choices" in f.metadata and getattr(config, f.name) not in f.metadata["choices"]:
+            raise ValueError(f"unknown {f.name} {getattr(config, f.name)!r}; choose one of "
+                             f"{', '.join(f.metadata['choices'])}")
         if "min" in f.metadata:
             value = getattr(config, f.name)
             if value is None and f.default is None:

@@ -30,7 +30,11 @@ class EngineCore:
         config = config.resolved()
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision)
+            from flashinfra.quant.cache import CacheSpec
+
+            spec = CacheSpec.from_flags(config.kv_cache_dtype, config.kda_state_dtype, config.kv_cache_dtype_layers)
+            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision,
+                                          quantization=config.quantization, cache_spec=spec)
         self.config = config
         self.model = model
         text = model.config.text

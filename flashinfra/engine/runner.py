@@ -31,8 +31,8 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
     """Number of paged blocks: ``num_blocks`` if given, else what the memory budget holds after the
     ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use."""
     text = model.config.text
-    per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype)
-    per_slot = ModelCache.bytes_per_slot(text, model.dtype)
+    per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype, model.latent_dtypes())
+    per_slot = ModelCache.bytes_per_slot(text, model.dtype, model.cache_spec.state_dtype)
     num_slots = config.max_num_seqs + config.resolved_prefix_slots
     blocks_per_seq = -(-max_model_len // config.block_size)
     if config.num_blocks is not None:

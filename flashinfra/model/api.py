@@ -22,6 +22,8 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.loader import CheckpointReader, LoadReport, StateDictReader, TensorSource, load_weights
+from flashinfra.quant.cache import CacheSpec
+from flashinfra.quant.model import checkpoint_format, quantize_model, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +45,15 @@ class LoadedModel:
     device: torch.device
     report: LoadReport
     vision: Any = None  # the vision tower (``flashinfra.model.vision.VisionTower``) when loaded with vision=True
+    quantization: str = "none"  # the weights' mode: none, w8a8 or fp8 (flashinfra.quant)
+    cache_spec: CacheSpec = CacheSpec()  # cache dtypes (flashinfra.quant.cache)
+
+    def latent_dtypes(self) -> dict[int, torch.dtype]:
+        return self.cache_spec.latent_dtypes(self.config.text.mla_layers, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
-        return ModelCache.allocate(self.config.text, num_blocks, block_size, num_slots, self.dtype, self.device)
+        return ModelCache.allocate(self.config.text, num_blocks, block_size, num_slots, self.dtype, self.device,
+                                   self.cache_spec.state_dtype, self.latent_dtypes())
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         return self.model(input_ids, batch, cache)
@@ -75,13 +83,24 @@ class LoadedModel:
 
 
 def _build(path: Path, config: ModelConfig, source: TensorSource, dtype: str | torch.dtype,
-           device: str | torch.device, vision: bool = False) -> LoadedModel:
+           device: str | torch.device, vision: bool = False, quantization: str = "auto",
+           cache_spec: CacheSpec | None = None) -> LoadedModel:
+    from flashinfra.kernels.dispatch import use_triton
+
     torch_dtype, device = resolve_dtype(dtype), torch.device(device)
+    qcfg = config.raw.get("quantization_config") or config.raw.get("text_config", {}).get("quantization_config") or {}
+    mode = resolve_mode(quantization, checkpoint_format(source.names(), qcfg), device)  # refused before any load
+    cache_spec = cache_spec or CacheSpec()
+    cache_spec.check_device(device, device.type == "cuda" and use_triton(torch.empty(0, device=device)))
+    cache_spec.latent_dtypes(config.text.mla_layers, torch_dtype)  # an override naming no MLA layer fails here
     with torch.device(device):
         model = Glm5NextModel(config.text, torch_dtype, config.has_lm_head)
-    report = load_weights(model, config, source)
+    raw: dict | None = {} if mode != "none" else None
+    report = load_weights(model, config, source, raw)
+    if mode != "none":
+        quantize_model(model, mode, raw)
     tower = _load_vision(config, source, torch_dtype, device) if vision else None
-    return LoadedModel(path, config, model.eval(), torch_dtype, device, report, tower)
+    return LoadedModel(path, config, model.eval(), torch_dtype, device, report, tower, mode, cache_spec)
 
 
 def _load_vision(config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device):
@@ -96,10 +115,12 @@ def _load_vision(config: ModelConfig, source: TensorSource, dtype: torch.dtype, 
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               vision: bool = False) -> LoadedModel:
-    """``vision=True`` also loads the vision tower (``model.visual.*``); text-only use leaves it on disk."""
+               vision: bool = False, quantization: str = "auto", cache_spec: CacheSpec | None = None) -> LoadedModel:
+    """``vision=True`` also loads the vision tower (``model.visual.*``); text-only use leaves it on disk.
+    ``quantization``: auto / none / w8a8 / fp8 (``flashinfra.quant.model.resolve_mode``); ``cache_spec``: the
+    cache dtypes (``flashinfra.quant.cache.CacheSpec``, default: the model dtype and float32 KDA states)."""
     path = Path(path)
-    return _build(path, load_config(path), CheckpointReader(path), dtype, device, vision)
+    return _build(path, load_config(path), CheckpointReader(path), dtype, device, vision, quantization, cache_spec)
 
 
 def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -123,7 +144,8 @@ def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelCon
 
 def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, state_dict: Mapping[str, torch.Tensor],
                                dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                               path: str | Path = "state_dict", vision: bool = False) -> LoadedModel:
+                               path: str | Path = "state_dict", vision: bool = False, quantization: str = "auto",
+                               cache_spec: CacheSpec | None = None) -> LoadedModel:
     """Our model from in-memory tensors, e.g. ``load_model_from_state_dict(hf.config, hf.state_dict())``.
 
     Names may be the release names or transformers' in-memory module names (packed experts, fused conv,
@@ -131,4 +153,5 @@ def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, st
     each, as for a checkpoint on disk. The tensors are copied into the model, so the source can be freed
     afterwards. ``path`` names the model (and is where a tokenizer would be looked for).
     """
-    return _build(Path(path), model_config_from(config), StateDictReader(state_dict), dtype, device, vision)
+    return _build(Path(path), model_config_from(config), StateDictReader(state_dict), dtype, device, vision,
+                  quantization, cache_spec)

@@ -1,8 +1,10 @@
 """``ModelCache``: the engine-owned cache tensors of one model, for every layer.
 
-- MLA layers: the compressed latent (``kv_lora_rank`` values per token), paged.
+- MLA layers: the compressed latent (``kv_lora_rank`` values per token), paged; in the model dtype, or per layer
+  in int8 / fp8 with one float32 scale per token in ``mla_latent_scale`` (``flashinfra.quant.cache``).
 - Full-indexer MLA layers: per token the indexer key and its k-pool gate score (``2 * index_head_dim``),
-  paged with the same block tables (shared-indexer layers keep nothing).
+  paged with the same block tables (shared-indexer layers keep nothing); in fp8 where the layer's latent is
+  8-bit, with a float32 scale for each half in ``indexer_scale``.
 - KDA layers: per state slot the conv state (last ``W - 1`` inputs of q|k|v) and the recurrent state
   ``[H, K, V]`` (float32 by default).
 
@@ -12,7 +14,8 @@ a ``ForwardBatch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +31,8 @@ class ModelCache:
     indexer_keys: dict[int, torch.Tensor]  # layer -> [num_blocks, block_size, 2 * index_head_dim]
     conv_state: dict[int, torch.Tensor]  # layer -> [num_slots, 3 * linear_dim, W - 1]
     recurrent_state: dict[int, torch.Tensor]  # layer -> [num_slots, H, K, V]
+    mla_latent_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # 8-bit latent layer -> [blocks, bs]
+    indexer_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # fp8 indexer layer -> [blocks, bs, 2]
 
     @staticmethod
     def allocate(
@@ -38,17 +43,25 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str,
         state_dtype: torch.dtype = torch.float32,
+        latent_dtypes: Mapping[int, torch.dtype] | None = None,
     ) -> "ModelCache":
-        def paged(width: int) -> torch.Tensor:
-            return torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+        """``latent_dtypes``: an MLA layer's latent dtype where it is not ``dtype`` (int8 / fp8 get scales)."""
+        latent_dtypes = latent_dtypes or {}
+
+        def paged(width: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(num_blocks, block_size, width, dtype=dt, device=device)
+
+        eight_bit = [i for i in cfg.mla_layers if latent_dtypes.get(i, dtype) in (torch.int8, torch.float8_e4m3fn)]
+        fp8_index = [i for i in cfg.indexer_layers if i in eight_bit]  # indexer keys follow their layer's latent
 
         H, K = cfg.linear_num_heads, cfg.linear_head_dim
         return ModelCache(
             block_size=block_size,
             num_blocks=num_blocks,
             num_slots=num_slots,
-            mla_latent={i: paged(cfg.kv_lora_rank) for i in cfg.mla_layers},
-            indexer_keys={i: paged(2 * cfg.index_head_dim) for i in cfg.indexer_layers},
+            mla_latent={i: paged(cfg.kv_lora_rank, latent_dtypes.get(i, dtype)) for i in cfg.mla_layers},
+            indexer_keys={i: paged(2 * cfg.index_head_dim, torch.float8_e4m3fn if i in fp8_index else dtype)
+                          for i in cfg.indexer_layers},
             conv_state={
                 i: torch.zeros(num_slots, 3 * cfg.linear_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for i in cfg.kda_layers
@@ -56,10 +69,24 @@ class ModelCache:
             recurrent_state={
                 i: torch.zeros(num_slots, H, K, K, dtype=state_dtype, device=device) for i in cfg.kda_layers
             },
+            mla_latent_scale={
+                i: torch.ones(num_blocks, block_size, dtype=torch.float32, device=device) for i in eight_bit
+            },
+            indexer_scale={
+                i: torch.ones(num_blocks, block_size, 2, dtype=torch.float32, device=device) for i in fp8_index
+            },
         )
 
     @staticmethod
-    def bytes_per_block(cfg: TextConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cfg: TextConfig, block_size: int, dtype: torch.dtype,
+                        latent_dtypes: Mapping[int, torch.dtype] | None = None) -> int:
+        if latent_dtypes:
+            from flashinfra.quant.cache import index_bytes_per_token, latent_bytes_per_token
+
+            latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, latent_dtypes.get(i, dtype)) for i in cfg.mla_layers)
+            index = sum(index_bytes_per_token(cfg.index_head_dim, latent_dtypes.get(i, dtype), dtype)
+                        for i in cfg.indexer_layers)
+            return (latent + index) * block_size
         width = len(cfg.mla_layers) * cfg.kv_lora_rank + len(cfg.indexer_layers) * 2 * cfg.index_head_dim
         return width * block_size * torch.empty((), dtype=dtype).element_size()
 

@@ -18,6 +18,7 @@ from flashinfra.kernels.kda import causal_conv1d_prefill, kda_layer_decode, kda_
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.quant.linear import linear
 
 
 class KDAttention(nn.Module):
@@ -42,18 +43,18 @@ class KDAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        qkv, f_a, g_a, b = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
         g_raw = F.linear(f_a, self.f_b_proj)
         gate = F.linear(g_a, self.g_b_proj)
         if batch.is_decode:
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
-            return F.linear(o.reshape(T, H * K), self.o_proj)
+            return linear(o.reshape(T, H * K), self.o_proj)
         slots, has_init = list(batch.state_slots), batch.has_initial_state
         qkv = causal_conv1d_prefill(qkv, self.conv_weight, conv_state, batch.cu_seqlens_list, slots, has_init)
         q, k, v = qkv.view(T, 3, H, K).unbind(1)
         o = kda_prefill_gated(q, k, v, g_raw.view(T, H, K), b, self.A_log, self.dt_bias, self.lower_bound, state,
                               batch.cu_seqlens_list, slots, has_init)
         o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
-        return F.linear(o.reshape(T, H * K), self.o_proj)
+        return linear(o.reshape(T, H * K), self.o_proj)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from flashinfra.config import ModelConfig
 from flashinfra.model.weights import Copy, Form, weight_layout
+from flashinfra.quant.model import RawQuantized
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 # torch dtype -> the safetensors dtype string ``meta`` reports, so both sources describe tensors alike
@@ -116,6 +117,11 @@ def scale_name(name: str) -> str:
     return name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
 
 
+def w8a8_scale_name(name: str) -> str:
+    """The per-output-channel float32 scale of an int8 (W8A8) tensor: ``<name>.weight`` -> ``<name>.weight_scale``."""
+    return name + "_scale"
+
+
 def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``w`` [..., R, C] in FP8, ``scale_inv`` [..., ceil(R/br), ceil(C/bc)] -> float32 ``w * scale``."""
     br, bc = block
@@ -154,7 +160,11 @@ def _is_extra(name: str, cfg: ModelConfig) -> bool:
     return name.startswith(mtp) or name.startswith("model.visual.")
 
 
-def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource) -> LoadReport:
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
+                 raw_quantized: dict[str, list[RawQuantized]] | None = None) -> LoadReport:
+    """Fill ``model``'s parameters from ``reader``. 8-bit checkpoint tensors (block-FP8, W8A8 int8) are
+    dequantized into them; given ``raw_quantized``, each is also kept there as it was read, by parameter name,
+    for ``flashinfra.quant.model.quantize_model`` to keep instead of re-quantizing."""
     params = dict(model.named_parameters())
     head = "lm_head.weight" if cfg.has_lm_head else None
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, head)
@@ -181,6 +191,11 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource)
                 if sname not in names:
                     missing.append(f"{sname} (scale of FP8 tensor {copy.name})")
                 consumed.add(sname)
+            elif dtype == "I8":
+                sname = w8a8_scale_name(copy.name)
+                if sname not in names:
+                    missing.append(f"{sname} (scale of int8 tensor {copy.name})")
+                consumed.add(sname)
             consumed.add(copy.name)
             plan.append((pname, copy))
     extra = {n: reader.files[n] for n in names - consumed if _is_extra(n, cfg)}
@@ -195,7 +210,12 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource)
     for pname, copy in plan:
         dest = params[pname].data[copy.index] if copy.index else params[pname].data
         t = reader.get(copy.name)
-        if reader.meta(copy.name)[1] in FP8_DTYPES:
-            t = dequantize_block_fp8(t, reader.get(scale_name(copy.name)), block)
+        kind = reader.meta(copy.name)[1]
+        if kind in FP8_DTYPES or kind == "I8":
+            scheme = "w8a8" if kind == "I8" else "fp8"
+            s = reader.get(w8a8_scale_name(copy.name) if kind == "I8" else scale_name(copy.name))
+            if raw_quantized is not None:
+                raw_quantized.setdefault(pname, []).append(RawQuantized(copy.index, t, s, scheme))
+            t = t.float() * s.float()[..., None] if kind == "I8" else dequantize_block_fp8(t, s, block)
         dest.copy_(t.reshape(dest.shape))
     return LoadReport(loaded=len(plan), extra=extra)

@@ -19,11 +19,15 @@ import torch.nn.functional as F
 from flashinfra.config import TextConfig
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
+from flashinfra.kernels.dsa_indexer_quant import dsa_select_quant
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
+from flashinfra.kernels.sparse_mla_quant import sparse_mla_quant_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
+from flashinfra.quant.cache import read_index_entries, read_latent, write_index_entries, write_latent
+from flashinfra.quant.linear import linear
 
 
 def gather_seq(paged: torch.Tensor, blocks: tuple[int, ...], n: int) -> torch.Tensor:
@@ -60,11 +64,11 @@ class MLAttention(nn.Module):
         """``masks`` maps a full-indexer layer to its selection; this layer adds its own. Reference path: a
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
         T = x.shape[0]
-        q_a, kv_a = F.linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
+        q_a, kv_a = linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
         q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
-        q = F.linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
+        q = linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
         latent = cache.mla_latent[self.layer]
-        latent.view(-1, self.R)[batch.slot_mapping] = rms_norm(kv_a, self.kv_a_norm, self.eps).to(latent.dtype)
+        write_latent(cache, self.layer, batch.slot_mapping, rms_norm(kv_a, self.kv_a_norm, self.eps))
         if use_triton(x, latent):
             return self._forward_kernels(x, q, q_resid, batch, cache, masks)
         if self.indexer is not None:
@@ -73,9 +77,9 @@ class MLAttention(nn.Module):
         attend = self._decode if batch.is_decode else self._prefill
         out = torch.empty(T, self.H, self.Dv, dtype=x.dtype, device=x.device)
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
-            c = gather_seq(latent, batch.block_tables[b], batch.seq_lens[b])
+            c = read_latent(cache, self.layer, batch.block_tables[b], batch.seq_lens[b], x.dtype)
             out[bos:eos] = attend(q[bos:eos], c, selection[b])
-        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+        return linear(out.flatten(1), self.o_proj, self.o_bias)
 
     def _forward_kernels(self, x, q, q_resid, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
         """Tensors only (no per-sequence loop, no host sync): the indexer's selection as position lists,
@@ -83,27 +87,37 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             ix = self.indexer
             keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
-            masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
-                                           batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
+            key_scale = cache.indexer_scale.get(self.layer)
+            if key_scale is None:
+                masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
+                                               batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
+            else:
+                masks[self.layer] = dsa_select_quant(keys, key_scale, qi, w, ix.pool_ape, batch.block_tables_t,
+                                                     batch.seq_lens_t, batch.token_seq, batch.positions, ix.kpool,
+                                                     ix.topk, ix.keep_tail)
         w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
         q_lat = torch.einsum("lhd,hdr->lhr", q, w[:, : self.Dq])  # [T, H, R]
-        o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
-                                  batch.block_tables_t, self.scaling)
+        latent_scale = cache.mla_latent_scale.get(self.layer)
+        if latent_scale is None:
+            o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
+                                      batch.block_tables_t, self.scaling)
+        else:
+            o_lat = sparse_mla_quant_launch(q_lat, cache.mla_latent[self.layer], latent_scale, masks[self.source],
+                                            batch.token_seq, batch.block_tables_t, self.scaling)
         out = torch.einsum("lhr,hvr->lhv", o_lat, w[:, self.Dq :])
-        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+        return linear(out.flatten(1), self.o_proj, self.o_bias)
 
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
         """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""
         entries, q, w = self.indexer.project(x, q_resid)
-        keys = cache.indexer_keys[self.layer]
-        keys.view(-1, keys.shape[-1])[batch.slot_mapping] = entries.to(keys.dtype)
-        return keys, q, w
+        write_index_entries(cache, self.layer, batch.slot_mapping, entries)
+        return cache.indexer_keys[self.layer], q, w
 
     def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
-        keys, q, w = self._index_new_tokens(x, q_resid, batch, cache)
+        _, q, w = self._index_new_tokens(x, q_resid, batch, cache)
         out = []
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
-            seq_entries = gather_seq(keys, batch.block_tables[b], batch.seq_lens[b])
+            seq_entries = read_index_entries(cache, self.layer, batch.block_tables[b], batch.seq_lens[b], x.dtype)
             out.append(self.indexer.select(seq_entries, q[bos:eos], w[bos:eos]))
         return out
 

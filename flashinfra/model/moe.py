@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.fused_moe import clamped_swiglu, experts_ref, fused_moe
+from flashinfra.kernels.fused_moe import clamped_swiglu, experts_ref
 from flashinfra.kernels.moe_route import route, route_ref
+from flashinfra.quant.linear import linear, moe_experts
 
 __all__ = ["DenseMLP", "MoE", "clamped_swiglu", "experts_ref", "route_ref"]
 
@@ -27,7 +27,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(clamped_swiglu(F.linear(x, self.gate_up_proj), self.limit), self.down_proj)
+        return linear(clamped_swiglu(linear(x, self.gate_up_proj), self.limit), self.down_proj)
 
 
 class MoE(nn.Module):
@@ -47,4 +47,4 @@ class MoE(nn.Module):
             x, self.router_weight, self.router_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )
-        return fused_moe(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj, self.shared.down_proj)
+        return moe_experts(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj, self.shared.down_proj)

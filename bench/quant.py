@@ -1,0 +1,408 @@
+"""8-bit weights and caches against bf16, in one run: accuracy, cache capacity, and speed.
+
+Modes (``MODES``): bf16; W8A8 INT8 weights; block-FP8 weights; an fp8 / int8 MLA latent cache; W8A8 with an int8
+cache; a bf16 KDA state (refused where the chunked-prefill kernels need float32 states: the refusal is recorded).
+
+1. accuracy, on the built-in default model (bf16 on the GPU; float32 on the CPU for ``--smoke``): perplexity on
+   held-out text (``--text``, default ``tests/eval/data/heldout-slice.txt``; the README's 30,747-token
+   ``heldout-sample.txt`` is made by ``train/data.py`` and is the better choice where it exists), the greedy tokens
+   of ``--greedy`` steps from held-out prompts compared position by position with bf16's, and per layer the
+   relative difference of each decoder layer's output streams from bf16's (``layerwise``; differences accumulate
+   through the layers, they are not isolated per layer). Goals: perplexity within 1 % of bf16 (W8A8), 0.5 % (fp8
+   cache), 1 % (int8 cache).
+2. memory: cache tokens per GiB at the released model's sizes for each ``--kv-cache-dtype`` x KDA state dtype
+   (goal: >= 1.9x bf16 for the latent).
+3. speed (GPU; toy sizes on the CPU references for ``--smoke``): the int8 / fp8 / bf16 tensor-core peaks measured
+   here (square 8192 products through torch), the slice's dense projections and its 288-expert MoE at 1, 32, 128
+   and 8192 tokens for each weight format (TFLOP/s and the fraction of that format's peak), and on the 4-layer
+   full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, random weights) decode steps at batch 1 / 32 / 128 with
+   ``--context`` cached tokens (CUDA-graph replay, eager where capture fails) and a ``--prefill``-token prefill per
+   mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
+   layer the slice's output streams on a 256-token prompt against bf16's (``layerwise_rel``).
+
+usage: python bench/quant.py --out bench/results/quant.json [--smoke]
+       (--smoke: python bench/quant.py --smoke --out bench/results/quant_smoke.json, a few minutes on a CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flashinfra.config import resolve_config
+from flashinfra.eval.perplexity import perplexity
+from flashinfra.kernels.fp8_block_linear import fp8_block_linear
+from flashinfra.kernels.fp8_moe import fp8_moe
+from flashinfra.kernels.fused_moe import fused_moe
+from flashinfra.kernels.w8a8_linear import w8a8_linear
+from flashinfra.kernels.w8a8_moe import w8a8_moe
+from flashinfra.model.api import load_model, load_model_from_state_dict, model_config_from
+from flashinfra.model.factory import default_model_dir
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.glm5_next import Glm5NextModel
+from flashinfra.model.weights import weight_layout
+from flashinfra.quant.cache import KV_CACHE_DTYPES, STATE_DTYPES, CacheDtypeError, CacheSpec, tokens_per_gib
+from flashinfra.quant.model import QuantizationError
+from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {  # name -> (--quantization, --kv-cache-dtype, --kda-state-dtype)
+    "bf16": ("none", "auto", "float32"),
+    "w8a8": ("w8a8", "auto", "float32"),
+    "fp8": ("fp8", "auto", "float32"),
+    "kv_fp8": ("none", "fp8", "float32"),
+    "kv_int8": ("none", "int8", "float32"),
+    "w8a8_kv_int8": ("w8a8", "int8", "float32"),
+    "kda_state_bf16": ("none", "auto", "bfloat16"),
+}
+PPL_GOALS = {"w8a8": 0.01, "kv_fp8": 0.005, "kv_int8": 0.01}
+SLICE_MODES = ("bf16", "w8a8", "fp8", "w8a8_kv_int8")
+SMOKE_SLICE = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                   vocab_size=1000, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                   qk_nope_head_dim=16, v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16,
+                   linear_head_dim=16, linear_num_heads=4, pad_token_id=0)
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def median_s(fn, dev: str, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def spec_of(mode: str) -> tuple[str, CacheSpec]:
+    q, kv, state = MODES[mode]
+    return q, CacheSpec.from_flags(kv, state)
+
+
+# ---- 1. accuracy --------------------------------------------------------------------------------------------------
+
+def greedy(model, prompts: list[list[int]], steps: int, bs: int = 16) -> list[list[int]]:
+    """Greedy continuation of every prompt (one packed prefill, then batched decode steps)."""
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts))
+    slots = list(range(len(prompts)))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    hidden = model.forward(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache)
+    tok = model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)]).argmax(-1)
+    out = [tok]
+    for i in range(steps - 1):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        tok = model.compute_logits(model.forward(tok, batch, cache)).argmax(-1)
+        out.append(tok)
+    return torch.stack(out, 1).tolist()
+
+
+def layer_outputs(model, prompt: list[int]) -> list[torch.Tensor]:
+    """Every decoder layer's output streams for one prefill of ``prompt``."""
+    seen: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append(out.float().cpu()))
+             for layer in model.model.layers]
+    try:
+        model.logits([prompt])
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def accuracy(dev: str, dtype: str, ids: list[int], greedy_steps: int, window: int) -> dict:
+    step = len(ids) // 4
+    prompts = [ids[i * step: i * step + min(32, step)] for i in range(4)]  # four held-out prompts
+    out, base = {}, None
+    for mode in MODES:
+        q, spec = spec_of(mode)
+        try:
+            model = load_model(default_model_dir(), dtype=dtype, device=dev, quantization=q, cache_spec=spec)
+        except (QuantizationError, CacheDtypeError) as e:
+            out[mode] = {"refused": str(e)}
+            continue
+        row = {"perplexity": perplexity(model, ids, window=window).perplexity,
+               "greedy": greedy(model, prompts, greedy_steps), "layers": layer_outputs(model, ids[:window])}
+        del model
+        free()
+        if base is None:
+            base = row
+        res = {"perplexity": row["perplexity"], "perplexity_vs_bf16": row["perplexity"] / base["perplexity"] - 1}
+        same = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(row["greedy"], base["greedy"])]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                 for x, y in zip(row["greedy"], base["greedy"])]
+        res.update(greedy_agreement=sum(same) / len(same), greedy_first_divergence=first,
+                   layerwise_rel=[float((a - b).norm() / b.norm()) for a, b in zip(row["layers"], base["layers"])])
+        if mode in PPL_GOALS:
+            res["goal_perplexity_within"] = PPL_GOALS[mode]
+            res["goal_met"] = abs(res["perplexity_vs_bf16"]) <= PPL_GOALS[mode]
+        out[mode] = res
+    return out
+
+
+# ---- 2. memory ----------------------------------------------------------------------------------------------------
+
+def memory() -> dict:
+    cfg = resolve_config({"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+                          "text_config": {"model_type": "glm5_next_text", "index_kpool": 4}}).text
+    out = {}
+    base = tokens_per_gib(cfg, CacheSpec("bfloat16"), torch.bfloat16)["latent_tokens_per_gib"]
+    for kv in KV_CACHE_DTYPES[1:]:
+        for state in STATE_DTYPES:
+            r = tokens_per_gib(cfg, CacheSpec(kv, state), torch.bfloat16)
+            r["latent_vs_bf16"] = r["latent_tokens_per_gib"] / base
+            r["goal_met"] = kv == "bfloat16" or r["latent_vs_bf16"] >= 1.9
+            out[f"{kv}/{state}"] = r
+    return out
+
+
+# ---- 3. speed -----------------------------------------------------------------------------------------------------
+
+def peaks(dev: str, n: int, reps: int) -> dict:
+    a = torch.randn(n, n, device=dev)
+    ab = a.bfloat16()
+    out = {"bf16": 2 * n**3 / median_s(lambda: ab @ ab, dev, reps) / 1e12}
+    if dev == "cuda":
+        i8 = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8)
+        out["int8"] = 2 * n**3 / median_s(lambda: torch._int_mm(i8, i8.t()), dev, reps) / 1e12
+        try:
+            f8 = a.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=dev)
+            out["fp8"] = 2 * n**3 / median_s(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16),
+                                             dev, reps) / 1e12
+        except Exception as e:  # noqa: BLE001 - an fp8-less device: recorded
+            out["fp8_error"] = repr(e)
+    return out
+
+
+def gemms(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[dict]:
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    D = cfg.hidden_size
+    shapes = {"kda.in_proj": (3 * H * K + 2 * K + H, D), "kda.o_proj": (D, H * K),
+              "mla.q_b_proj": (cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank),
+              "mla.o_proj": (D, cfg.num_attention_heads * cfg.v_head_dim)}
+    rows = []
+    for name, (N, Kd) in shapes.items():
+        w = torch.randn(N, Kd, device=dev) * Kd**-0.5
+        wb, qi, qf = w.bfloat16(), quantize_int8_per_channel(w), quantize_fp8_blocks(w)
+        for M in tokens:
+            x = torch.randn(M, Kd, device=dev).bfloat16()
+            flops = 2 * M * N * Kd
+            runs = {"bf16": lambda: F.linear(x, wb), "w8a8": lambda: w8a8_linear(x, qi.data, qi.scale)}
+            if "fp8" in peak:
+                runs["fp8"] = lambda: fp8_block_linear(x, qf.data, qf.scale)
+            for fmt, fn in runs.items():
+                s = median_s(fn, dev, reps)
+                key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]
+                rows.append(dict(op=name, tokens=M, format=fmt, us=s * 1e6, tflops=flops / s / 1e12,
+                                 of_peak=flops / s / 1e12 / peak[key] if key in peak else None))
+    return rows
+
+
+def _expert_weights(E: int, N: int, K: int, dev: str):
+    """Random [E, N, K] experts as bf16, int8 per channel and fp8 per block, made 32 experts at a time (the
+    float32 temporaries of all 288 at once would take tens of GB)."""
+    parts = []
+    for e0 in range(0, E, 32):
+        w = torch.randn(min(32, E - e0), N, K, device=dev) * K**-0.5
+        parts.append((w.bfloat16(), quantize_int8_per_channel(w), quantize_fp8_blocks(w)))
+        del w
+    b = torch.cat([p[0] for p in parts])
+    qi = type(parts[0][1])(torch.cat([p[1].data for p in parts]), torch.cat([p[1].scale for p in parts]), "w8a8")
+    qf = type(parts[0][2])(torch.cat([p[2].data for p in parts]), torch.cat([p[2].scale for p in parts]), "fp8")
+    return b, qi, qf
+
+
+def moes(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[dict]:
+    """Routed experts plus a shared expert as one more pair per token (``fused_moe``'s form; the quantized ops get
+    the pair explicitly, expert 0 with weight 1), so every format does the same ``k + 1`` pairs of work."""
+    E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    b13, i13, f13 = _expert_weights(E, 2 * I, D, dev)
+    b2, i2, f2 = _expert_weights(E, D, I, dev)
+    s13, s2 = b13[0].clone(), b2[0].clone()
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, D, device=dev).bfloat16()
+        ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).int()
+        tw = torch.rand(T, k, device=dev)
+        ids1 = torch.cat([ids, torch.zeros(T, 1, dtype=torch.int32, device=dev)], 1)
+        tw1 = torch.cat([tw, torch.ones(T, 1, device=dev)], 1)
+        flops = 2 * T * (k + 1) * 3 * D * I
+        runs = {"bf16": lambda: fused_moe(x, b13, b2, tw, ids, 10.0, s13, s2),
+                "w8a8": lambda: w8a8_moe(x, i13.data, i13.scale, i2.data, i2.scale, tw1, ids1, 10.0)}
+        if "fp8" in peak:
+            runs["fp8"] = lambda: fp8_moe(x, f13.data, f13.scale, f2.data, f2.scale, tw1, ids1, 10.0)
+        for fmt, fn in runs.items():
+            s = median_s(fn, dev, reps)
+            key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]
+            rows.append(dict(op=f"moe ({E} experts, top-{k}, + shared)", tokens=T, format=fmt, us=s * 1e6,
+                             tflops=flops / s / 1e12, of_peak=flops / s / 1e12 / peak[key] if key in peak else None))
+    return rows
+
+
+def slice_state_dict(cfg: dict, dev: str) -> dict[str, torch.Tensor]:
+    """Random bf16 tensors under the release names for the 4-layer slice."""
+    mcfg = model_config_from(cfg)
+    with torch.device("meta"):
+        meta = Glm5NextModel(mcfg.text, torch.bfloat16, mcfg.has_lm_head)
+    layout = weight_layout(mcfg.text, dict(meta.named_parameters()), mcfg.weight_prefix, None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+    for c in (c for forms in layout.values() for c in forms[0]):
+        leaf = c.name.removesuffix(".weight").rsplit(".", 1)[-1]
+        t = torch.randn(c.shape, device=dev, generator=g)
+        if "norm" in leaf or leaf.endswith("_scale"):
+            t = 1 + 0.1 * t
+        elif leaf == "A_log":
+            t = torch.rand(c.shape, device=dev, generator=g) * 2.77
+        elif t.dim() == 1 or leaf.endswith("_base") or leaf == "index_kpool_compress_ape":
+            t = 0.1 * t
+        elif "conv1d" in leaf:
+            t = 0.5 * t
+        else:
+            t = t * c.shape[-1] ** -0.5
+        out[c.name] = t.bfloat16()
+    return out
+
+
+def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, prefill: int, reps: int) -> dict:
+    from flashinfra.engine.cuda_graphs import DecodeGraphs
+
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    out, base_layers = {}, None
+    vocab = model_config_from(cfg).text.vocab_size
+    prompt = torch.randint(0, vocab, (256 if dev == "cuda" else 16,), generator=torch.Generator().manual_seed(0)).tolist()
+    for mode in SLICE_MODES:
+        q, spec = spec_of(mode)
+        tensors = slice_state_dict(cfg, dev)  # the same seeded weights each time; freed once loaded (memory)
+        try:
+            model = load_model_from_state_dict(cfg, tensors, dtype=dtype, device=dev, quantization=q, cache_spec=spec)
+        except (QuantizationError, CacheDtypeError) as e:
+            out[mode] = {"refused": str(e)}
+            continue
+        finally:
+            del tensors
+            free()
+        bs = 64 if dev == "cuda" else 16
+        row = {}
+        layers = layer_outputs(model, prompt)  # layerwise: each layer's output streams against bf16's
+        base_layers = base_layers or layers
+        row["layerwise_rel"] = [float((a - b).norm() / b.norm()) for a, b in zip(layers, base_layers)]
+        del layers
+        per_seq = -(-(context + 1) // bs)
+        B = max(batches)
+        cache = model.allocate_cache(B * per_seq + 1, bs, B + 1)
+        for b in batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+            batch = ForwardBatch.build([1] * b, [context] * b, list(range(b)), tables, bs, model.device)
+            ids = torch.randint(0, model.config.text.vocab_size, (b,), device=dev)
+            how = "eager"
+            fn = lambda: model.forward(ids, batch, cache)  # noqa: E731
+            if dev == "cuda":
+                try:
+                    graphs = DecodeGraphs(model, cache, B * per_seq, B)
+                    graphs.run(ids, batch)
+                    fn, how = (lambda: graphs.run(ids, batch)), "cuda_graph"
+                except Exception as e:  # noqa: BLE001 - recorded, eager timing instead
+                    row[f"decode_b{b}_graph_error"] = repr(e)[:300]
+            row[f"decode_b{b}_ms"] = median_s(fn, dev, reps) * 1e3
+            row[f"decode_b{b}_how"] = how
+        del cache
+        free()
+        pcache = model.allocate_cache(-(-prefill // bs), bs, 1)
+        batch = ForwardBatch.build([prefill], [0], [0], [list(range(-(-prefill // bs)))], bs, model.device)
+        ids = torch.randint(0, model.config.text.vocab_size, (prefill,), device=dev)
+        row["prefill_ms"] = median_s(lambda: model.forward(ids, batch, pcache), dev, max(1, reps // 4), warmup=1) * 1e3
+        if dev == "cuda":
+            row["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        del model, pcache
+        free()
+        out[mode] = row
+    base = out.get("bf16", {})
+    for mode, row in out.items():
+        if mode == "bf16" or "refused" in row:
+            continue
+        for b in batches:
+            row[f"decode_b{b}_vs_bf16"] = row[f"decode_b{b}_ms"] / base[f"decode_b{b}_ms"]
+        row["prefill_speedup_vs_bf16"] = base["prefill_ms"] / row["prefill_ms"]
+        row["goals"] = {"decode_b1_at_most_0.6x_bf16": row[f"decode_b{batches[0]}_vs_bf16"] <= 0.6,
+                        "prefill_at_least_1.5x_bf16": row["prefill_speedup_vs_bf16"] >= 1.5}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "bench/results/quant.json"))
+    p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU references (checks the script)")
+    p.add_argument("--text", default=str(ROOT / "tests/eval/data/heldout-slice.txt"))
+    p.add_argument("--greedy", type=int, default=256)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--prefill", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    dev = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    smoke = args.smoke or dev == "cpu"
+    ids = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")).encode(
+        Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False).ids
+    result = {"command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (references)", "smoke": smoke,
+              "dtype": "bfloat16" if dev == "cuda" else "float32 (the 'bf16' mode is the float32 baseline)",
+              "text": {"file": args.text, "tokens": len(ids)}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(result, indent=1))
+
+    result["memory"] = memory()
+    save()
+    result["accuracy"] = accuracy(dev, "bfloat16" if dev == "cuda" else "float32", ids,
+                                  16 if smoke else args.greedy, 128 if smoke else 256)
+    save()
+    slice_cfg = dict(num_hidden_layers=4, mlp_layer_types=["sparse"] * 4, index_kpool=4,
+                     **(SMOKE_SLICE if smoke else {}))
+    text_cfg = model_config_from(slice_cfg).text
+    reps = 2 if smoke else args.reps
+    tokens = (1, 32) if smoke else (1, 32, 128, 8192)
+    result["peak_tflops"] = peak = peaks(dev, 256 if smoke else 8192, reps)
+    result["gemm"] = gemms(dev, text_cfg, tokens, peak, reps)
+    save()
+    result["moe"] = moes(dev, text_cfg, tokens, peak, reps)
+    save()
+    free()
+    result["slice"] = slice_speed(dev, slice_cfg, (1, 4) if smoke else (1, 32, 128), 32 if smoke else args.context,
+                                  64 if smoke else args.prefill, reps)
+    save()
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Dynamic activation quantization: per token to int8 (W8A8), per token and 128 channels to e4m3 (block FP8).
+
+- ``quant_int8_per_token``: ``x`` [T, K] -> (int8 [T, K], float32 scale [T]) with ``scale = amax / 127`` and
+  ``q = round(x / scale)`` (ties away from zero; an all-zero row gets scale 1).
+- ``quant_fp8_per_group``: ``x`` [T, K] -> (e4m3 [T, K], float32 scale [T, ceil(K / G)]) with
+  ``scale = amax / 448`` per group of ``G`` channels.
+
+One program per row (int8) or per (row, group) (fp8); the row is read twice (amax, then quantize), which for
+the widths here stays in L2. The ``*_ref`` functions compute the same arithmetic in float32 with the same
+operation order, so that the kernel matches them bit for bit except at exact rounding ties.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def quant_int8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    v = xf * (1.0 / scale)[:, None]
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quant_fp8_per_group_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    G = triton.cdiv(K, group)
+    xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).view(T, G, group)
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf * (1.0 / scale)[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(T, G * group)[:, :K].contiguous(), scale
+
+
+@triton.jit
+def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr):
+    i_t = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(b_x))
+    m = tl.max(amax, 0)
+    scale = tl.where(m > 0, m / 127.0, 1.0)
+    inv = 1.0 / scale
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        v = b_x * inv
+        r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        tl.store(q + i_t * K + o_k, r.to(tl.int8), mask=o_k < K)
+    tl.store(s + i_t, scale)
+
+
+@triton.jit
+def quant_fp8_kernel(x, q, s, K, G, stride_x, GROUP: tl.constexpr):
+    i_t, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_k = i_g * GROUP + tl.arange(0, GROUP)
+    b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+    m = tl.max(tl.abs(b_x), 0)
+    scale = tl.where(m > 0, m / 448.0, 1.0)
+    v = tl.minimum(tl.maximum(b_x * (1.0 / scale), -448.0), 448.0)
+    tl.store(q + i_t * K + o_k, v.to(q.dtype.element_ty), mask=o_k < K)
+    tl.store(s + i_t * G + i_g, scale)
+
+
+def quant_int8_per_token_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty(T, K, dtype=torch.int8, device=x.device)
+    s = torch.empty(T, dtype=torch.float32, device=x.device)
+    if T:
+        BK = min(4096, triton.next_power_of_2(K))
+        fast(quant_int8_kernel)[(T,)](x, q, s, K, x.stride(0), BK=BK, num_warps=4 if BK <= 2048 else 8)
+    return q, s
+
+
+def quant_fp8_per_group_launch(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    G = triton.cdiv(K, group)
+    q = torch.empty(T, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(T, G, dtype=torch.float32, device=x.device)
+    if T:
+        fast(quant_fp8_kernel)[(T, G)](x, q, s, K, G, x.stride(0), GROUP=group, num_warps=4)
+    return q, s
+
+
+def quant_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return quant_int8_per_token_launch(x)
+    return quant_int8_per_token_ref(x)
+
+
+def quant_fp8_per_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return quant_fp8_per_group_launch(x, group)
+    return quant_fp8_per_group_ref(x, group)

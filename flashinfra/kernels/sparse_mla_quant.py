@@ -1,0 +1,130 @@
+"""Sparse MLA attention over a quantized paged latent: int8 or e4m3 rows with one float32 scale per token.
+
+``sparse_mla``'s kernel with the latent dequantized on load: each gathered row is read as 8 bits plus its
+scale (``c = q_c * s``), so a step reads about half the latent bytes of a bf16 cache. Everything after the load
+(scores, online softmax, splits and their merge) is ``sparse_mla``'s. ``sparse_mla_quant_ref`` dequantizes the
+gathered rows and runs ``sparse_mla_ref``'s arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.launch import fast
+from flashinfra.kernels.sparse_mla import _config, sparse_mla_combine_kernel
+
+
+def sparse_mla_quant_ref(q_lat, latent, latent_scale, sel, token_seq, block_tables, scale):
+    """q_lat [T, H, R], latent int8/e4m3 [blocks, bs, R], latent_scale float32 [blocks, bs], sel [T, S]
+    -> o_lat [T, H, R] in q's dtype."""
+    T, H, R = q_lat.shape
+    bs = latent.shape[1]
+    out = torch.empty_like(q_lat)
+    ct = torch.promote_types(q_lat.dtype, torch.float32)
+    flat, flat_s = latent.reshape(-1, R), latent_scale.reshape(-1)
+    for t in range(T):
+        idx = sel[t][sel[t] >= 0].long()
+        rows = block_tables[int(token_seq[t])].long()[idx // bs] * bs + idx % bs
+        c = flat[rows].to(ct) * flat_s[rows].to(ct)[:, None]
+        p = torch.softmax(q_lat[t].to(ct) @ c.t() * scale, dim=-1)
+        out[t] = (p @ c).to(q_lat.dtype)
+    return out
+
+
+@triton.jit
+def sparse_mla_quant_kernel(q, latent, latent_scale, sel, token_seq, block_tables, o, part_acc, part_ml, stride_qt,
+                            stride_qh, S, W, H, CH, scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+                            BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    i_t, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = i_t.to(tl.int64)
+    b = tl.load(token_seq + i_t).to(tl.int64)
+    o_h = i_h * BH + tl.arange(0, BH)
+    o_r = tl.arange(0, BR)
+    m_h, m_r = o_h < H, o_r < R
+    b_q = tl.load(q + t * stride_qt + o_h[:, None] * stride_qh + o_r[None, :], mask=m_h[:, None] & m_r[None, :],
+                  other=0.0)
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    end = tl.minimum(i_s * CH + CH, S)
+    for n0 in range(i_s * CH, end, BN):
+        o_n = n0 + tl.arange(0, BN)
+        idx = tl.load(sel + t * S + o_n, mask=o_n < end, other=-1)
+        valid = idx >= 0
+        blk = tl.load(block_tables + b * W + idx // BS, mask=valid, other=0).to(tl.int64)
+        row = blk * BS + idx % BS
+        c_q = tl.load(latent + row[:, None] * R + o_r[None, :], mask=valid[:, None] & m_r[None, :], other=0.0)
+        c_s = tl.load(latent_scale + row, mask=valid, other=0.0)
+        c = (c_q.to(tl.float32) * c_s[:, None]).to(b_q.dtype)
+        if IEEE:
+            s = tl.dot(b_q.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(b_q, tl.trans(c))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, c.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    m_out = m_h[:, None] & m_r[None, :]
+    if SPLIT == 1:
+        tl.store(o + (t * H + o_h[:, None]) * R + o_r[None, :], (acc / l_i[:, None]).to(o.dtype.element_ty),
+                 mask=m_out)
+    else:
+        base = (t * SPLIT + i_s) * H + o_h
+        tl.store(part_acc + base[:, None] * BR + o_r[None, :], acc, mask=m_out)
+        tl.store(part_ml + base * 2, m_i, mask=m_h)
+        tl.store(part_ml + base * 2 + 1, l_i, mask=m_h)
+
+
+def sparse_mla_quant_launch(q_lat, latent, latent_scale, sel, token_seq, block_tables, scale: float,
+                            split: int | None = None):
+    T, H, R = q_lat.shape
+    if latent.dim() != 3 or latent.shape[2] != R or not latent.is_contiguous():
+        raise ValueError(f"sparse_mla_quant: latent must be contiguous [blocks, block_size, {R}], "
+                         f"got {tuple(latent.shape)}")
+    if latent_scale.shape != latent.shape[:2] or latent_scale.dtype != torch.float32:
+        raise ValueError(f"sparse_mla_quant: latent scale {tuple(latent_scale.shape)} {latent_scale.dtype} does not "
+                         f"fit latent {tuple(latent.shape)} (float32 [blocks, block_size])")
+    if sel.dim() != 2 or sel.shape[0] != T or token_seq.shape != (T,) or block_tables.dim() != 2:
+        raise ValueError(f"sparse_mla_quant: sel {tuple(sel.shape)}, token_seq {tuple(token_seq.shape)}, block "
+                         f"tables {tuple(block_tables.shape)} do not fit {T} tokens")
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    sel, block_tables = sel.contiguous(), block_tables.contiguous()
+    o = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
+    if T == 0:
+        return o
+    S, BR = sel.shape[1], triton.next_power_of_2(R)
+    cfg = _config(T, H, BR, q_lat.element_size())
+    BH, BN = cfg["BH"], cfg["BN"]
+    programs = T * triton.cdiv(H, BH)
+    if split is None:
+        split = 1 if programs >= 132 else min(16, triton.next_power_of_2(triton.cdiv(264, programs)),
+                                              triton.next_power_of_2(triton.cdiv(S, BN)))
+    CH = triton.cdiv(triton.cdiv(S, split), BN) * BN
+    dev = q_lat.device
+    part_acc = torch.empty(T * split * H, BR, dtype=torch.float32, device=dev) if split > 1 else o
+    part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
+    fast(sparse_mla_quant_kernel)[(T, triton.cdiv(H, BH), split)](
+        q_lat, latent, latent_scale.contiguous(), sel, token_seq, block_tables, o, part_acc, part_ml,
+        q_lat.stride(0), q_lat.stride(1), S, block_tables.shape[1], H, CH, scale, R=R, BR=BR, BS=latent.shape[1],
+        BH=BH, BN=BN, SPLIT=split, IEEE=q_lat.dtype == torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        fast(sparse_mla_combine_kernel)[(T, H)](part_acc, part_ml, o, H, R=R, BR=BR, SPLIT=split, num_warps=4)
+    return o
+
+
+def sparse_mla_quant(q_lat, latent, latent_scale, sel, token_seq, block_tables, scale: float):
+    if use_triton(q_lat, latent, sel):
+        return sparse_mla_quant_launch(q_lat, latent, latent_scale, sel, token_seq, block_tables, scale)
+    return sparse_mla_quant_ref(q_lat, latent, latent_scale, sel, token_seq, block_tables, scale)

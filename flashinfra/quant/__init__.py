@@ -1,0 +1,16 @@
+"""Quantization: how a weight or cache tensor is stored (dtype + scales + layout), declared once and read by the
+kernels.
+
+- ``weights.py``: ``QuantizedWeight`` (int8 per output channel for W8A8, e4m3 per 128x128 block for FP8) and the
+  quantizers that make one from a float tensor, with their exact dequantization.
+- ``linear.py``: ``linear`` and ``moe_experts``, the calls the model's projections make; they dispatch on the
+  weight (a float tensor or a ``QuantizedWeight``) to the matching kernel op.
+- ``model.py``: quantizing a loaded model in place (which parameters, which stay bf16) and the refusals of bad
+  combinations (a checkpoint's format against ``--quantization``).
+- ``cache.py``: the cache dtypes (MLA latent in bf16 / fp8 / int8 with per-token scales, KDA state in fp32 or
+  bf16, per-layer overrides), quantize-on-write and dequantize-on-read, and tokens per GiB.
+- ``checkpoint.py``: ``flashinfra quantize --w8a8 SRC DST``.
+
+The arithmetic lives in ``flashinfra.kernels`` (``quant_act``, ``w8a8_linear``, ``fp8_block_linear``,
+``w8a8_moe``, ``sparse_mla_quant``), each kernel with its reference beside it.
+"""

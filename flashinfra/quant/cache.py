@@ -1,0 +1,173 @@
+"""Cache dtypes: the MLA latent per layer in the model dtype, bf16, fp8 (e4m3) or int8 with one float32 scale per
+token; the KDA recurrent state in float32 or bf16 (the conv state stays in the model dtype).
+
+``CacheSpec`` is the resolved choice (``--kv-cache-dtype``, ``--kda-state-dtype`` and per-layer overrides such as
+``first:bfloat16,last:bfloat16`` or ``3:bfloat16``). ``write_latent`` quantizes a layer's new latent rows on the way
+into the cache (scale ``amax / 127`` or ``amax / 448`` per token), ``read_latent`` dequantizes one sequence's
+rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.sparse_mla_quant``).
+``tokens_per_gib`` is the cache capacity that the choice buys.
+
+The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
+in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``; the Triton path reads
+them with ``kernels.dsa_indexer_quant``), else in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashinfra.kernels.quant_act import quant_fp8_per_group, quant_int8_per_token
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
+STATE_DTYPES = ("float32", "bfloat16")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8,
+                "float32": torch.float32}
+QUANTIZED_LATENT = (torch.int8, torch.float8_e4m3fn)
+
+
+class CacheDtypeError(ValueError):
+    """A cache dtype that does not exist or does not fit the device; the message names both."""
+
+
+def parse_layer_overrides(text: str | None) -> tuple[tuple[str, str], ...]:
+    """``"first:bfloat16,last:bfloat16,7:fp8"`` -> ``(("first", "bfloat16"), ("last", "bfloat16"), ("7", "fp8"))``."""
+    if not text:
+        return ()
+    out = []
+    for part in text.split(","):
+        layer, _, dtype = part.strip().partition(":")
+        if not dtype or dtype not in KV_CACHE_DTYPES or not (layer in ("first", "last") or layer.isdigit()):
+            raise CacheDtypeError(f"cannot read the cache dtype override {part!r}: expected LAYER:DTYPE with LAYER "
+                                  f"an MLA layer index, first or last, and DTYPE one of {', '.join(KV_CACHE_DTYPES)}")
+        out.append((layer, dtype))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    kv_cache_dtype: str = "auto"  # every MLA layer's latent: auto (the model dtype), bfloat16, fp8, int8
+    kda_state_dtype: str = "float32"
+    layer_overrides: tuple[tuple[str, str], ...] = ()  # (MLA layer index | "first" | "last", dtype)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CacheDtypeError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of "
+                                  f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kda_state_dtype not in STATE_DTYPES:
+            raise CacheDtypeError(f"unknown --kda-state-dtype {self.kda_state_dtype!r}; choose one of "
+                                  f"{', '.join(STATE_DTYPES)}")
+
+    @staticmethod
+    def from_flags(kv_cache_dtype: str = "auto", kda_state_dtype: str = "float32",
+                   layers: str | None = None) -> "CacheSpec":
+        return CacheSpec(kv_cache_dtype, kda_state_dtype, parse_layer_overrides(layers))
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.kda_state_dtype]
+
+    def latent_dtypes(self, mla_layers: tuple[int, ...], model_dtype: torch.dtype) -> dict[int, torch.dtype]:
+        """Every MLA layer's latent dtype. An override naming a layer that is not an MLA layer is an error."""
+        names = {i: self.kv_cache_dtype for i in mla_layers}
+        for layer, dtype in self.layer_overrides:
+            i = mla_layers[0] if layer == "first" else mla_layers[-1] if layer == "last" else int(layer)
+            if i not in names:
+                raise CacheDtypeError(f"cache dtype override {layer}:{dtype}: layer {i} is not an MLA layer "
+                                      f"(MLA layers: {list(mla_layers)})")
+            names[i] = dtype
+        return {i: model_dtype if d == "auto" else TORCH_DTYPES[d] for i, d in names.items()}
+
+    def check_device(self, device: torch.device | str, kernels: bool) -> None:
+        """Refuse what the device's kernels cannot run. ``kernels``: the Triton path runs (CUDA, not forced onto the
+        references)."""
+        device = torch.device(device)
+        if kernels and self.kda_state_dtype == "bfloat16":
+            raise CacheDtypeError(f"--kda-state-dtype bfloat16 on device {device}: the KDA decode kernels take a "
+                                  "bf16 state, but the chunked-prefill kernels (flashinfra/kernels/kda) keep float32 "
+                                  "states; use --kda-state-dtype float32 there (bfloat16 runs on the CPU references)")
+        uses_fp8 = self.kv_cache_dtype in ("fp8", "int8") or any(d in ("fp8", "int8") for _, d in self.layer_overrides)
+        if uses_fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise CacheDtypeError(f"an 8-bit cache (--kv-cache-dtype fp8 or int8: the indexer keys go to fp8 with "
+                                  f"either) needs e4m3 conversions (sm_89 or newer); device {device} is older: use "
+                                  "bfloat16")
+
+
+def latent_bytes_per_token(width: int, dtype: torch.dtype) -> int:
+    """One token's latent bytes: the row, plus its float32 scale when the row is 8-bit."""
+    return width * torch.empty((), dtype=dtype).element_size() + (4 if dtype in QUANTIZED_LATENT else 0)
+
+
+def index_bytes_per_token(head_dim: int, latent_dtype: torch.dtype, model_dtype: torch.dtype) -> int:
+    """One token's indexer entry (key | gate score): e4m3 plus two float32 scales beside an 8-bit latent."""
+    if latent_dtype in QUANTIZED_LATENT:
+        return 2 * head_dim + 8
+    return 2 * head_dim * torch.empty((), dtype=model_dtype).element_size()
+
+
+def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+    """Store new indexer entries [T, 2 Di] (key | gate score), in e4m3 with a scale per half where the layer's
+    indexer cache is fp8."""
+    keys = cache.indexer_keys[layer]
+    flat = keys.view(-1, keys.shape[-1])
+    if layer not in cache.indexer_scale:
+        flat[slot_mapping] = entries.to(keys.dtype)
+        return
+    q, s = quant_fp8_per_group(entries, keys.shape[-1] // 2)
+    flat[slot_mapping] = q
+    cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
+
+
+def read_index_entries(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` indexer entries of one sequence in ``dtype`` -> [n, 2 Di]."""
+    keys = cache.indexer_keys[layer]
+    rows = keys[list(blocks)].flatten(0, 1)[:n]
+    if layer not in cache.indexer_scale:
+        return rows.to(dtype)
+    s = cache.indexer_scale[layer][list(blocks)].flatten(0, 1)[:n]  # [n, 2]
+    ct = torch.promote_types(dtype, torch.float32)
+    return (rows.to(ct).view(n, 2, -1) * s.to(ct)[:, :, None]).view(n, -1).to(dtype)
+
+
+def write_latent(cache, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store new latent ``rows`` [T, R] at ``slot_mapping`` [T], quantized per token where the layer's cache is
+    8-bit."""
+    latent = cache.mla_latent[layer]
+    flat = latent.view(-1, latent.shape[-1])
+    if latent.dtype not in QUANTIZED_LATENT:
+        flat[slot_mapping] = rows.to(latent.dtype)
+        return
+    if latent.dtype == torch.int8:
+        q, s = quant_int8_per_token(rows)
+    else:
+        R = rows.shape[-1]
+        q, s = quant_fp8_per_group(rows, 1 << (R - 1).bit_length())  # one group spanning the row
+        s = s[:, 0]
+    flat[slot_mapping] = q
+    cache.mla_latent_scale[layer].view(-1)[slot_mapping] = s
+
+
+def read_latent(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` latent rows of one sequence, dequantized to ``dtype`` -> [n, R]."""
+    latent = cache.mla_latent[layer]
+    rows = latent[list(blocks)].flatten(0, 1)[:n]
+    if latent.dtype not in QUANTIZED_LATENT:
+        return rows.to(dtype)
+    s = cache.mla_latent_scale[layer][list(blocks)].flatten()[:n]
+    ct = torch.promote_types(dtype, torch.float32)
+    return (rows.to(ct) * s.to(ct)[:, None]).to(dtype)
+
+
+def tokens_per_gib(cfg, spec: CacheSpec, model_dtype: torch.dtype) -> dict:
+    """Cache tokens one GiB holds for ``cfg`` (a ``TextConfig``): the paged part (MLA latents + indexer keys) per
+    token, and the KDA state bytes per sequence that come on top."""
+    lat = spec.latent_dtypes(cfg.mla_layers, model_dtype)
+    latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, d) for d in lat.values())
+    index = sum(index_bytes_per_token(cfg.index_head_dim, lat[i], model_dtype) for i in cfg.indexer_layers)
+    H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    state = len(cfg.kda_layers) * (H * K * K * torch.empty((), dtype=spec.state_dtype).element_size()
+                                   + 3 * cfg.linear_dim * (W - 1) * torch.empty((), dtype=model_dtype).element_size())
+    return dict(latent_bytes_per_token=latent, indexer_bytes_per_token=index,
+                latent_tokens_per_gib=2**30 // latent, paged_tokens_per_gib=2**30 // (latent + index),
+                kda_state_bytes_per_seq=state)

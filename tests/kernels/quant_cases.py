@@ -1,0 +1,289 @@
+"""Test cases of the quantized kernels (activation quantization, W8A8 and block-FP8 linear, W8A8 MoE, sparse MLA
+over a quantized latent), shared by the interpreter tests (CPU, small odd sizes) and the GPU tests (real sizes).
+
+Each case draws fresh inputs, and checks the kernel twice: against the float64 computation of the same quantized
+arithmetic (tight: only float32 epilogue rounding and the output dtype separate them), and against the
+unquantized float64 product (loose: the stated quantization tolerance)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfra.feedback.registry import compare
+
+
+def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+
+def check(name, out, ref, **kw):
+    r = compare(name, out, ref, **kw)
+    assert r.passed, r.summary()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Frobenius-norm relative error."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+# quantization error budgets against the unquantized product (relative Frobenius error, Gaussian data)
+INT8_REL = 0.03  # per-token x per-channel int8: ~1 % measured
+FP8_REL = 0.08  # e4m3 (3 mantissa bits) on both operands: ~4 % measured
+
+
+def exact_tol(dtype) -> dict:
+    """Kernel against the float64 computation of the same quantized arithmetic."""
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def quant_act(device: str, T: int, K: int, dtype=torch.float32, seed=0):
+    from flashinfra.kernels import quant_act as qa
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
+    x[0] = 0  # an all-zero row: scale 1, zeros out
+    q, s = qa.quant_int8_per_token_launch(x)
+    rq, rs = qa.quant_int8_per_token_ref(x)
+    check("quant_int8.scales", s, rs, atol=0, rtol=1e-6)  # amax / 127 (a GPU division may round differently)
+    steps = (q.int() - rq.int()).abs()
+    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 1e-3, "int8 codes differ beyond ties"
+    check("quant_int8.dequant", q.double() * s.double()[:, None], x.double(), atol=float(s.max()) * 0.5 + 1e-6,
+          rtol=0)
+    q8, s8 = qa.quant_fp8_per_group_launch(x)
+    rq8, rs8 = qa.quant_fp8_per_group_ref(x)
+    check("quant_fp8.scales", s8, rs8, atol=0, rtol=1e-6)
+    same = q8.view(torch.uint8) == rq8.view(torch.uint8)
+    if device == "cpu":
+        # Triton 3.x's interpreter converts to e4m3 wrongly where rounding carries into the exponent (124.3 ->
+        # 64 instead of 128) and truncates subnormals (by one step of 2^-9); the GPU's conversion is exact, so
+        # only there must every code match
+        carry = q8.float() * 2 == rq8.float()
+        subnormal = (rq8.float().abs() <= 2**-6) & ((q8.float() - rq8.float()).abs() <= 2**-9)
+        assert bool((same | carry | subnormal).all()), "fp8 codes differ"
+    else:  # round to nearest even on both sides: only a scale rounded differently can move a code
+        assert float(same.float().mean()) > 0.999, "fp8 codes differ"
+
+
+def w8a8_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0):
+    from flashinfra.kernels import w8a8_linear as wl
+    from flashinfra.kernels.quant_act import quant_int8_per_token_ref
+    from flashinfra.quant.weights import quantize_int8_per_channel
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
+    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
+    b = rnd(N, device=device, gen=gen) if bias else None
+    qw = quantize_int8_per_channel(w)
+    xq, sx = quant_int8_per_token_ref(x)
+    out = wl.w8a8_matmul_launch(xq, sx, qw.data, qw.scale, b, dtype)
+    check("w8a8_matmul", out, wl.w8a8_matmul_ref(xq, sx, qw.data, qw.scale, b, torch.float64), **exact_tol(dtype))
+    out = wl.w8a8_linear_launch(x, qw.data, qw.scale, b)
+    full = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert rel_err(out, full) < INT8_REL, f"w8a8_linear: {rel_err(out, full):.4f} from the unquantized product"
+    return out
+
+
+def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0):
+    from flashinfra.kernels import fp8_block_linear as fl
+    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+    from flashinfra.quant.weights import quantize_fp8_blocks
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
+    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
+    b = rnd(N, device=device, gen=gen) if bias else None
+    qw = quantize_fp8_blocks(w)
+    xq, sx = quant_fp8_per_group_ref(x)
+    out = fl.fp8_matmul_launch(xq, sx, qw.data, qw.scale, qw.block, b, dtype)
+    ref = fl.fp8_matmul_ref(xq, sx, qw.data, qw.scale, qw.block, b, torch.float64)
+    check("fp8_matmul", out, ref, **exact_tol(dtype))
+    quantize = fl.quant_fp8_per_group
+    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see quant_act): quantize as torch does
+        fl.quant_fp8_per_group = quant_fp8_per_group_ref
+    try:
+        out = fl.fp8_block_linear_launch(x, qw.data, qw.scale, qw.block, b)
+    finally:
+        fl.quant_fp8_per_group = quantize
+    full = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert rel_err(out, full) < FP8_REL, f"fp8_block_linear: {rel_err(out, full):.4f} from the unquantized product"
+    return out
+
+
+def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0, seed=0):
+    from flashinfra.kernels import w8a8_moe as wm
+    from flashinfra.kernels.fused_moe import experts_ref
+    from flashinfra.quant.weights import quantize_int8_per_channel
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
+    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
+    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
+    q13, q2 = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
+    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, top_k, device=device, generator=gen)
+    out = wm.w8a8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
+    ref = wm.w8a8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
+    # the intermediate's int8 codes may differ by one step at a tie (float32 vs float64 gate values), so the
+    # tolerance is one such step of the down projection, not float32 rounding
+    check("w8a8_moe", out, ref, **(dict(atol=5e-3, rtol=5e-3) if dtype == torch.float32 else exact_tol(dtype)))
+    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
+    assert rel_err(out, full) < 2 * INT8_REL, f"w8a8_moe: {rel_err(out, full):.4f} from the unquantized experts"
+    return out
+
+
+def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0, seed=0):
+    from flashinfra.kernels import fp8_moe as fm
+    from flashinfra.kernels.fused_moe import experts_ref
+    from flashinfra.quant.weights import quantize_fp8_blocks
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
+    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
+    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
+    q13, q2 = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, top_k, device=device, generator=gen)
+    quantize = fm.quant_fp8_per_group
+    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds at carries (see quant_act): quantize as torch
+        fm.quant_fp8_per_group = fm.quant_fp8_per_group_ref
+    try:
+        out = fm.fp8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
+    finally:
+        fm.quant_fp8_per_group = quantize
+    ref = fm.fp8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
+    check("fp8_moe", out, ref, **(dict(atol=5e-3, rtol=5e-3) if dtype == torch.float32 else exact_tol(dtype)))
+    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
+    assert rel_err(out, full) < 1.5 * FP8_REL, f"fp8_moe: {rel_err(out, full):.4f} from the unquantized experts"
+    assert rel_err(ref, full) < 1.5 * FP8_REL, f"fp8_moe_ref: {rel_err(ref, full):.4f} from the unquantized experts"
+    return out
+
+
+def _paged(device, gen, lens: list[int], bs: int, width: int, dtype):
+    """A paged cache holding ``lens[b]`` random entries per sequence in shuffled blocks, and its block tables."""
+    need = [-(-n // bs) for n in lens]
+    W = max(need)
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(len(lens))).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n] + [0] * (W - n))
+        at += n
+    cache = rnd(sum(need) + 3, bs, width, device=device, gen=gen, dtype=dtype)
+    return cache, torch.tensor(tables, dtype=torch.int32, device=device)
+
+
+def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype: str, H=4, R=32, bs=4, S=11,
+                     split=None, dtype=torch.float32, seed=0):
+    """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
+    reference on the dequantized latent (tight) and on the unquantized latent (the cache's quantization error)."""
+    from flashinfra.kernels import sparse_mla as sm
+    from flashinfra.kernels import sparse_mla_quant as smq
+    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref, quant_int8_per_token_ref
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [c + q for c, q in zip(ctx, qlens)]
+    latent, tables = _paged(device, gen, lens, bs, R, dtype)
+    flat = latent.reshape(-1, R)
+    if cache_dtype == "int8":
+        q8, s = quant_int8_per_token_ref(flat)
+    else:
+        q8, s = quant_fp8_per_group_ref(flat, 1 << (R - 1).bit_length())
+        s = s[:, 0]
+    q8, s = q8.view(latent.shape), s.view(latent.shape[:2]).contiguous()
+    T = sum(qlens)
+    q = rnd(T, H, R, device=device, gen=gen, dtype=dtype)
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    rows = []
+    for c, n in zip(ctx, qlens):
+        for p in range(c, c + n):
+            pick = torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:S].tolist()
+            rows.append(pick + [-1] * (S - len(pick)))
+    sel = torch.tensor(rows, dtype=torch.int32, device=device)
+    out = smq.sparse_mla_quant_launch(q, q8, s, sel, token_seq, tables, R**-0.5, split=split)
+    ref = smq.sparse_mla_quant_ref(q.double(), q8, s, sel, token_seq, tables, R**-0.5)
+    check("sparse_mla_quant", out, ref, **exact_tol(dtype))
+    full = sm.sparse_mla_ref(q.double(), latent.double(), sel, token_seq, tables, R**-0.5)
+    bound = 0.02 if cache_dtype == "int8" else 0.08
+    assert rel_err(out, full) < bound, f"sparse_mla over {cache_dtype}: {rel_err(out, full):.4f} from bf16/fp32"
+
+
+def _prefill_decode(model, prompts: list[list[int]], steps: int, bs: int = 16):
+    """Packed prefill, then ``steps`` decode steps fed the argmax; -> every step's logits."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
+    slots = list(range(len(prompts), 0, -1))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    hidden = model.forward(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache)
+    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
+    for i in range(steps):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        logits.append(model.compute_logits(model.forward(logits[-1].argmax(-1), batch, cache)))
+    return logits
+
+
+def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
+                                         dtype="float32", steps: int = 3, atol=2e-3):
+    """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
+    quantized arithmetic, so the logits agree to float32 rounding (a flipped int8 code at a rounding tie aside)."""
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.quant.cache import CacheSpec
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype=dtype, device=device,
+                       quantization=quantization, cache_spec=CacheSpec.from_flags(kv_cache_dtype))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see quant_act): fp8 cache writes as torch
+        from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+        from flashinfra.quant import cache as quant_cache
+
+        monkeypatch.setattr(quant_cache, "quant_fp8_per_group", quant_fp8_per_group_ref)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref = _prefill_decode(model, prompts, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    out = _prefill_decode(model, prompts, steps)
+    for a, b in zip(out, ref):
+        check(f"quantized model ({quantization}, {kv_cache_dtype} cache)", a, b, atol=atol, rtol=atol)
+
+
+def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=4,
+                     dtype=torch.float32, seed=0):
+    """The selection over an fp8 indexer cache equals the model's ``Indexer.select`` on the dequantized entries,
+    query by query (a pool at a near-tie of float rounding aside: at most one query in 50)."""
+    from flashinfra.config import TextConfig
+    from flashinfra.kernels.dsa_indexer_quant import dsa_select_quant as select
+    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+    from flashinfra.model.indexer import Indexer
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [c + q for c, q in zip(ctx, qlens)]
+    entries, tables = _paged(device, gen, lens, bs, 2 * Di, dtype)
+    q8, s = quant_fp8_per_group_ref(entries.view(-1, 2 * Di), Di)
+    q8, s = q8.view(entries.shape), s.view(*entries.shape[:2], 2).contiguous()
+    deq = (q8.double().view(*entries.shape[:2], 2, Di) * s.double()[..., None]).view(entries.shape).to(dtype)
+    T = sum(qlens)
+    q = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype)
+    w = rnd(T, Hi, device=device, gen=gen)
+    cfg = TextConfig(index_n_heads=Hi, index_head_dim=Di, index_kpool=kpool, index_topk=topk, hidden_size=32,
+                     q_lora_rank=16)
+    ix = Indexer(cfg, dtype).to(device)
+    ix.pool_ape.copy_(rnd(kpool, Di, device=device, gen=gen, dtype=dtype))
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
+                             device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    sel = select(q8, s, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True)
+    at, differ = 0, 0
+    for b, (c, n) in enumerate(zip(ctx, qlens)):
+        seq = deq[tables[b].long()].flatten(0, 1)[: lens[b]]
+        mask = ix.select(seq, q[at:at + n], w[at:at + n])
+        for i in range(n):
+            got = sorted(p for p in sel[at + i].tolist() if p >= 0)
+            differ += got != torch.nonzero(mask[i]).flatten().tolist()
+        at += n
+    assert differ <= max(1, T // 50), f"{differ} of {T} queries select differently"

@@ -1,0 +1,101 @@
+"""Quantized kernels on a CUDA device at GLM-5.3-Flash sizes (bf16 activations) against float64 references of the
+same quantized arithmetic and against the unquantized product. The fp8 kernels need sm_89 or newer."""
+
+import pytest
+import torch
+
+from tests.kernels import quant_cases as cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+BF16 = torch.bfloat16
+
+
+def _fp8_ok() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("T", [1, 33, 1000])
+def test_quant_act(T):
+    cases.quant_act("cuda", T, 4096, dtype=BF16, seed=T)
+
+
+@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
+def test_w8a8_linear(T, K, N):
+    cases.w8a8_linear("cuda", T, K, N, dtype=BF16, seed=T)
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
+@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096)])
+def test_fp8_block_linear(T, K, N):
+    cases.fp8_block_linear("cuda", T, K, N, dtype=BF16, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 32, 1024])
+def test_w8a8_moe(T):
+    cases.w8a8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T)  # 64 experts: the float64 reference fits
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
+@pytest.mark.parametrize("T", [1, 32, 1024])
+def test_fp8_moe(T):
+    cases.fp8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("ctx,qlens", [([0, 100, 3000], [300, 1, 1]), ([4000] * 32, [1] * 32)])
+def test_sparse_mla_quant(cache_dtype, ctx, qlens):
+    if cache_dtype == "fp8" and not _fp8_ok():
+        pytest.skip("fp8 needs sm_89+")
+    cases.sparse_mla_quant("cuda", ctx, qlens, cache_dtype, H=64, R=512, bs=64, S=2048 + 3, dtype=BF16)
+
+
+@pytest.mark.parametrize("quantization,kv", [("w8a8", "int8"), ("fp8", "fp8"), ("none", "int8"), ("w8a8", "auto")])
+def test_quantized_model_kernels_match_references(tmp_path, monkeypatch, quantization, kv):
+    if "fp8" in (quantization, kv) and not _fp8_ok():
+        pytest.skip("fp8 needs sm_89+")
+    cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cuda", quantization, kv)
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="fp8 needs sm_89+")
+@pytest.mark.parametrize("ctx,qlens", [([0, 100, 3000], [300, 1, 1]), ([4000] * 8, [1] * 8)])
+def test_dsa_select_quant(ctx, qlens):
+    cases.dsa_select_quant("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, dtype=BF16)
+
+
+@pytest.mark.parametrize("quantization,kv", [("w8a8", "int8"), ("fp8", "fp8")])
+def test_quantized_decode_graph_replay_equals_eager(tmp_path, quantization, kv):
+    """CUDA-graph decode steps of a quantized model over an 8-bit cache equal the eager steps (the quantize-on-write
+    and the activation quantization are captured with the rest)."""
+    if "fp8" in (quantization, kv) and not _fp8_ok():
+        pytest.skip("fp8 needs sm_89+")
+    from flashinfra.engine.cuda_graphs import DecodeGraphs
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.model.forward_batch import ForwardBatch
+    from flashinfra.quant.cache import CacheSpec
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=3, tokenizer=False), dtype="bfloat16",
+                       device="cuda", quantization=quantization, cache_spec=CacheSpec.from_flags(kv))
+    bs, steps = 16, 6
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (5, 37, 1, 20)]
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(len(prompts))]
+    nblocks, nseq = sum(need), len(prompts)
+    caches = [model.allocate_cache(nblocks + 1, bs, nseq + 1) for _ in range(2)]
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * nseq, list(range(nseq)), tables, bs, "cuda")
+    ids = torch.tensor([t for p in prompts for t in p], device="cuda")
+    for cache in caches:
+        hidden = model.forward(ids, batch, cache)
+    last = model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device="cuda")]).argmax(-1)
+    lens = [len(p) for p in prompts]
+    graphs = DecodeGraphs(model, caches[1], scratch_block=nblocks, scratch_slot=nseq)
+    for step in range(steps):
+        batch = ForwardBatch.build([1] * nseq, [n + step for n in lens], list(range(nseq)), tables, bs, "cuda")
+        eager = model.forward(last, batch, caches[0])
+        replay = graphs.run(last, batch)
+        err = float((replay.float() - eager.float()).norm() / eager.float().norm())
+        assert err < 1e-2, f"step {step}: graph vs eager {err}"
+        last = model.compute_logits(eager).argmax(-1)
+    for layer, scale in caches[0].mla_latent_scale.items():  # the real blocks' scales were written alike
+        assert torch.allclose(scale[:nblocks], caches[1].mla_latent_scale[layer][:nblocks], rtol=2e-2, atol=1e-6)
