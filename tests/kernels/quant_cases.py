@@ -16,9 +16,21 @@ def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
 
 
-def check(name, out, ref, **kw):
+def check(name, out, ref, max_rel_norm=None, **kw):
     r = compare(name, out, ref, **kw)
     assert r.passed, r.summary()
+    assert max_rel_norm is None or r.rel_norm <= max_rel_norm, f"{r.summary()} (rel_norm limit {max_rel_norm:g})"
+
+
+def moe_tol(dtype) -> dict:
+    """A grouped 8-bit MoE against the float64 computation of its quantized arithmetic: the intermediate is
+    quantized again before the down projection, and where its value sits at a rounding tie of that
+    quantization (float32 or bf16 against float64) its code moves one step, which the down projection
+    spreads over a whole output row. So elements may differ by about one such step while the output as a
+    whole stays at the output dtype's rounding (``rel_norm``)."""
+    if dtype == torch.float32:
+        return dict(atol=5e-3, rtol=5e-3, max_rel_norm=1e-3)
+    return dict(atol=6e-2, rtol=6e-2, max_rel_norm=1e-2)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -123,9 +135,7 @@ def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torc
     w = torch.rand(T, top_k, device=device, generator=gen)
     out = wm.w8a8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
     ref = wm.w8a8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    # the intermediate's int8 codes may differ by one step at a tie (float32 vs float64 gate values), so the
-    # tolerance is one such step of the down projection, not float32 rounding
-    check("w8a8_moe", out, ref, **(dict(atol=5e-3, rtol=5e-3) if dtype == torch.float32 else exact_tol(dtype)))
+    check("w8a8_moe", out, ref, **moe_tol(dtype))
     full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
     assert rel_err(out, full) < 2 * INT8_REL, f"w8a8_moe: {rel_err(out, full):.4f} from the unquantized experts"
     return out
@@ -151,7 +161,7 @@ def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch
     finally:
         fm.quant_fp8_per_group = quantize
     ref = fm.fp8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    check("fp8_moe", out, ref, **(dict(atol=5e-3, rtol=5e-3) if dtype == torch.float32 else exact_tol(dtype)))
+    check("fp8_moe", out, ref, **moe_tol(dtype))
     full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
     assert rel_err(out, full) < 1.5 * FP8_REL, f"fp8_moe: {rel_err(out, full):.4f} from the unquantized experts"
     assert rel_err(ref, full) < 1.5 * FP8_REL, f"fp8_moe_ref: {rel_err(ref, full):.4f} from the unquantized experts"
