@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def validate_spec(spec: GrammarSpec) -> None:
     except ValueError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError (and its own types) for bad input
-        raise ValueError(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__) from exc
+        lines = str(exc).strip().splitlines()
+        # xgrammar prefixes its messages with "[time] /source/file.cc:line: "
+        raise ValueError(re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", lines[0]) if lines else type(exc).__name__) from exc
 
 
 def choice_regex(choices: list[str]) -> str:
