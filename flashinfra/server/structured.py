@@ -65,13 +65,18 @@ def _tool_grammar(tools: list[dict], tool_choice: Any, think_open: bool, paralle
     clean = [{"type": "function", "function": {k: v for k, v in t["function"].items()
                                                 if k in ("name", "description", "parameters", "strict")}}
              for t in tools]
-    try:
-        tag = get_model_structural_tag("glm_4_7", tools=clean, tool_choice=choice,
-                                       reasoning="enabled" if think_open else "disabled", token_markers=True,
-                                       max_whitespace_cnt=1, parallel_tool_calls=parallel)
-    except Exception as exc:
-        raise bad_request(f"the tools cannot be turned into a grammar: {exc}", "tools") from exc
-    return GrammarSpec("structural_tag", tag.model_dump_json())
+    def tag(token_markers: bool) -> str:
+        try:
+            return get_model_structural_tag(
+                "glm_4_7", tools=clean, tool_choice=choice, reasoning="enabled" if think_open else "disabled",
+                token_markers=token_markers, max_whitespace_cnt=1, parallel_tool_calls=parallel).model_dump_json()
+        except Exception as exc:
+            raise bad_request(f"the tools cannot be turned into a grammar: {exc}", "tools") from exc
+
+    # The markers are matched as their dedicated tokens, which only the engine (with the tokenizer) can
+    # resolve; the same tag with text markers checks the tools' schemas here.
+    _checked(GrammarSpec("structural_tag", tag(False)), "tools")
+    return GrammarSpec("structural_tag", tag(True))
 
 
 def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
@@ -130,5 +135,5 @@ def chat_grammar(*, tools: list[dict] | None, tool_choice: Any, parallel_tool_ca
         raise bad_request("tool_choice required or a named function cannot be combined with response_format "
                           "or guided decoding", "tool_choice")
     if forced:
-        return _checked(_tool_grammar(tools, tool_choice, think_open, parallel_tool_calls), "tools")
+        return _tool_grammar(tools, tool_choice, think_open, parallel_tool_calls)
     return shaped
