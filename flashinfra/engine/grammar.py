@@ -88,6 +88,15 @@ def choice_regex(choices: list[str]) -> str:
     return "|".join("(" + "".join("\\" + c if c in specials else c for c in choice) + ")" for choice in choices)
 
 
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool -> [ceil(V / 32)] int32 in xgrammar's bitmask layout (token i is bit i % 32 of word i // 32)."""
+    V = allowed.shape[0]
+    padded = torch.zeros(-(-V // 32) * 32, dtype=torch.int64)
+    padded[:V] = allowed.to(torch.int64)
+    words = (padded.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 @dataclass
 class _Tracked:
     matcher: object
@@ -126,8 +135,14 @@ class GrammarRuntime:
         xgr = _xgr()
         max_threads = max(1, min(max_threads, os.cpu_count() or 1))
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer_file, vocab_size, stop_token_ids),
-                                            max_threads=max_threads, cache_enabled=False)
+        info = tokenizer_info(tokenizer_file, vocab_size, stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        # JSON grammars here use no whitespace but single spaces, so a JSON output never holds a byte below
+        # 0x20; xgrammar's length-bounded string rule lets such tokens through (found by the schema tests),
+        # so they are masked for JSON kinds on top of the grammar's own mask.
+        no_control = torch.tensor([not any(b < 0x20 for b in piece) for piece in info.decoded_vocab[:vocab_size]]
+                                  + [False] * max(0, vocab_size - len(info.decoded_vocab)), dtype=torch.bool)
+        self._json_allowed = pack_bits(no_control)
         self._compiled: dict[tuple[str, str], object] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
@@ -147,7 +162,8 @@ class GrammarRuntime:
             if spec.kind == "json_schema":
                 compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
             elif spec.kind == "json_object":
-                compiled = c.compile_builtin_json_grammar()
+                # an object, not any JSON value; properties not limited (strict mode would allow only {})
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif spec.kind == "regex":
                 compiled = c.compile_regex(spec.spec)
             elif spec.kind == "choice":
@@ -197,6 +213,9 @@ class GrammarRuntime:
             fill_rows.append(k)
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, fill_rows)
+            json_rows = [k for k in fill_rows if constrained[k][2].kind in ("json_schema", "json_object")]
+            if json_rows:
+                bitmask[json_rows] &= self._json_allowed
         return mask
 
     def release(self, request_ids) -> None:
