@@ -4,7 +4,8 @@ It owns the cache tensors (``ModelCache``; state slots ``num_slots ..`` hold pre
 in before and out after the forward pass as the plan says) and one ``torch.Generator`` per request that samples, kept
 until the scheduler reports the request finished (so a request preempted and recomputed continues its
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
-logits only at the positions where a next token is sampled, and samples them. ``size_cache`` turns a
+logits only at the positions where a next token is sampled, and samples them; requests with a grammar get
+their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``). ``size_cache`` turns a
 memory budget into a number of blocks and slots.
 """
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
         self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
         self.embedder = make_embedder(model, encoder_cache_bytes)  # None unless the vision tower is loaded
 
@@ -89,6 +91,8 @@ class ModelRunner:
     def execute(self, plan: Plan) -> StepResult:
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
+        if self.grammars is not None:
+            self.grammars.release(plan.finished_ids)
         result = StepResult()
         if plan.is_empty:
             return result
@@ -115,6 +119,7 @@ class ModelRunner:
         picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
         if not picks:
             return result
+        grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs
         idx = torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[idx])
         rows = [
@@ -126,7 +131,7 @@ class ModelRunner:
             )
             for sr, _ in picks
         ]
-        tokens, logprobs, errors = sample(logits, rows)
+        tokens, logprobs, errors = sample(logits, rows, grammar)
         for (sr, _), tok, lp, err in zip(picks, tokens, logprobs, errors):
             if err is not None:
                 result.errors[sr.request_id] = err
@@ -135,3 +140,13 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[sr.request_id] = lp
         return result
+
+    def _grammar_mask(self, scheduled: list):
+        if self.grammars is None:
+            if all(sr.sampling.grammar is None for sr in scheduled):
+                return None
+            from flashinfra.engine.grammar import GrammarRuntime
+
+            text = self.model.config.text
+            self.grammars = GrammarRuntime.for_model(self.model.path, text.vocab_size, text.eos_token_id)
+        return self.grammars.prepare([(sr.request_id, sr.sampling.grammar, sr.output_token_ids) for sr in scheduled])

@@ -11,6 +11,9 @@ Order of operations for one row (the same whether the row is alone or in a batch
    (exponential race ``argmax(p / E)``, ``E ~ Exp(1)``), so a seeded request gives the same tokens in any
    batch.
 
+A request with a grammar has its disallowed tokens set to -inf after the penalties (``grammar``: the
+step's ``flashinfra.engine.grammar.GrammarMask``, filled on the CPU by the runner).
+
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before penalties and
 truncation), as most OpenAI-compatible servers report them. A row whose sampling raises is reported as an
 error for that request only; the other rows still get their tokens.
@@ -118,9 +121,12 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow
     return out
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow], grammar=None,
+                 batch_rows: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     raw = logits
     x = apply_penalties(logits.float().clone(), rows)
+    if grammar is not None:
+        grammar.apply(x, batch_rows)
     tokens = torch.argmax(x, dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -144,7 +150,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[in
     return tokens.tolist(), _logprobs(raw, tokens, rows)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
     """Next token, logprob record and error message for each row of ``logits`` [N, V].
 
     The batch is sampled in one pass; if that raises, each row is retried alone so that only the rows that
@@ -156,8 +162,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | No
     saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
     try:
         bad = torch.isnan(logits).any(dim=-1).tolist()
-        if not any(bad):
-            tokens, lps = _sample_rows(logits, rows)
+        if not any(bad) and not (grammar is not None and grammar.errors):
+            tokens, lps = _sample_rows(logits, rows, grammar)
             return list(tokens), lps, [None] * len(rows)
     except Exception:
         pass
@@ -170,7 +176,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | No
         try:
             if torch.isnan(logits[i]).any():
                 raise FloatingPointError("the model produced NaN logits")
-            t, lp = _sample_rows(logits[i : i + 1], [row])
+            if grammar is not None and i in grammar.errors:
+                raise ValueError(grammar.errors[i])
+            t, lp = _sample_rows(logits[i : i + 1], [row], grammar, [i])
             tokens_out.append(t[0])
             lps_out.append(lp[0])
             errors.append(None)

@@ -23,10 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from flashinfra.server.chat_output import MarkerDecoder, ParsedChatFormatter
+from flashinfra.server.chat_request import prepare_chat
 from flashinfra.server.engine_client import EngineClient, EngineLauncher
 from flashinfra.server.errors import bad_request, error_body, error_response, install_error_handlers
-from flashinfra.server.formatting import ChatFormatter, CompletionFormatter, sse
-from flashinfra.server.media import chat_prompt
+from flashinfra.server.formatting import CompletionFormatter, sse
 from flashinfra.server.metrics import ServerMetrics
 from flashinfra.server.protocol import ChatCompletionRequest, CompletionRequest
 from flashinfra.server.serving import (Choice, ServerState, check_prompt, make_choices, new_request_id,
@@ -122,23 +123,16 @@ def create_app(config: ServerConfig) -> FastAPI:
         arrival = time.monotonic()
         state: ServerState = request.app.state.server
         _check_model(state, body.model)
-        messages = [msg.as_template_dict() for msg in body.messages]
-        multimodal = await chat_prompt(state, body.messages, messages, body.add_generation_prompt,
-                                       body.chat_template_kwargs)
-        if multimodal is None:
-            prompt_ids = await tokenize(state, "", chat=messages, add_generation_prompt=body.add_generation_prompt,
-                                        template_kwargs=body.chat_template_kwargs)
-        else:
-            prompt_ids = multimodal[0]
-        max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, None, "messages")
+        chat = await prepare_chat(state, body)
         request_id = new_request_id("chatcmpl")
-        choices = make_choices(state, request_id, [prompt_ids], [body.sampling_params(max_tokens, body.num_logprobs)],
-                               body.n, body.stop_strings, body.include_stop_str_in_output,
-                               body.skip_special_tokens)
-        for c in choices if multimodal is not None else ():
-            c.mm_items = multimodal[1]
-        fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
-                            body.return_token_ids)
+        choices = make_choices(state, request_id, [chat.prompt_ids], [chat.sampling], body.n, body.stop_strings,
+                               body.include_stop_str_in_output, body.skip_special_tokens,
+                               decoder=MarkerDecoder(state.tokenizer))
+        for c in choices:
+            c.mm_items = chat.mm_items
+        fmt = ParsedChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
+                                  body.return_token_ids, think_open=chat.think_open, tools=chat.tools,
+                                  tools_enabled=chat.tools_enabled)
         queue = await submit(state, choices)
         return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
 

@@ -8,6 +8,7 @@ built in ``serving.py``; HTTP error formatting lives in ``errors.py``.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -147,13 +148,33 @@ class VideoPart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str = "{}"  # a JSON object, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn (history sent back by the client)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=256)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=256)] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool-call arguments as a mapping (GLM's template walks
+        ``arguments.items()``), earlier reasoning as ``reasoning_content``."""
         content = self.content
         if isinstance(content, list):
             # images and videos become the marks GLM's template writes for them (server/media.py fills them)
@@ -161,10 +182,43 @@ class ChatMessage(BaseModel):
 
             content = "".join(part.text if isinstance(part, TextPart) else
                               IMAGE_PART if isinstance(part, ImagePart) else VIDEO_PART for part in content)
-        message = {"role": self.role, "content": content if content is not None else ""}
+        message: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments or "{}")
+                except ValueError as exc:
+                    raise ValueError(f"tool call {call.function.name!r}: arguments are not JSON ({exc})") from None
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"tool call {call.function.name!r}: arguments must be a JSON object")
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments},
+                              "name": call.function.name, "arguments": arguments})
+            message["tool_calls"] = calls
         return message
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -174,18 +228,30 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    guided_regex: str | None = None  # extension: the output matches this regular expression
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None  # extension
 
     @model_validator(mode="after")
     def _chat_rules(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as plain dicts (what templates and grammars read)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def effective_tool_choice(self) -> Any:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -125,8 +125,10 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
 
 
 def make_choices(state: ServerState, request_id: str, prompts: list[list[int]], sampling: list[SamplingParams],
-                 n: int, stop: list[str], include_stop: bool, skip_special_tokens: bool) -> list[Choice]:
-    """Fan prompts out into ``n`` sub-requests each; choice index = prompt index * n + sample index."""
+                 n: int, stop: list[str], include_stop: bool, skip_special_tokens: bool,
+                 decoder=None) -> list[Choice]:
+    """Fan prompts out into ``n`` sub-requests each; choice index = prompt index * n + sample index.
+    ``decoder``: what the detokenizers decode with (default: the tokenizer)."""
     choices = []
     for p, (prompt_ids, params) in enumerate(zip(prompts, sampling)):
         try:
@@ -139,7 +141,8 @@ def make_choices(state: ServerState, request_id: str, prompts: list[list[int]], 
                               "stop_token_ids")
         for i in range(n):
             sp = params if i == 0 else msgspec.structs.replace(params, seed=sub_request_seed(params.seed, i))
-            detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, stop, include_stop, skip_special_tokens)
+            detok = IncrementalDetokenizer(decoder or state.tokenizer, prompt_ids, stop, include_stop,
+                                           skip_special_tokens)
             choices.append(Choice(index=p * n + i, request_id=f"{request_id}-{p}-{i}", prompt_ids=prompt_ids,
                                   sampling=sp, detok=detok))
     return choices

@@ -105,8 +105,10 @@ def _compile(source: str):
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson

@@ -14,6 +14,19 @@ import msgspec
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """Constrained decoding for one request, compiled in the engine (``flashinfra.engine.grammar``):
+    ``json_schema`` (spec: the schema as JSON text), ``json_object`` (any JSON object; spec unused),
+    ``regex`` (spec: the pattern), ``choice`` (spec: a JSON list of the allowed strings),
+    ``structural_tag`` (spec: an xgrammar structural tag as JSON; tool calls)."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling and stopping parameters (tokens only; stop strings live in the server)."""
 
@@ -29,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+    grammar: GrammarSpec | None = None  # constrained decoding (token masks); None: unconstrained
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +84,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "must be an integer in [0, 20]")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise bad("grammar", self.grammar.kind, f"must be one of {', '.join(GRAMMAR_KINDS)}")
 
 
 class MultiModalItem(msgspec.Struct, frozen=True):
