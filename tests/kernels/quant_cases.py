@@ -49,7 +49,7 @@ def exact_tol(dtype) -> dict:
 
 
 def quant_act(device: str, T: int, K: int, dtype=torch.float32, seed=0):
-    from flashinfra.kernels import quant_act as qa
+    from flashinfra.kernels.quant import act as qa
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = rnd(T, K, device=device, gen=gen, dtype=dtype)
@@ -77,8 +77,8 @@ def quant_act(device: str, T: int, K: int, dtype=torch.float32, seed=0):
 
 
 def w8a8_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0):
-    from flashinfra.kernels import w8a8_linear as wl
-    from flashinfra.kernels.quant_act import quant_int8_per_token_ref
+    from flashinfra.kernels.quant import w8a8_gemm as wl
+    from flashinfra.kernels.quant.act import quant_int8_per_token_ref
     from flashinfra.quant.weights import quantize_int8_per_channel
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -96,8 +96,8 @@ def w8a8_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=F
 
 
 def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0):
-    from flashinfra.kernels import fp8_block_linear as fl
-    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+    from flashinfra.kernels.quant import fp8_gemm as fl
+    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
     from flashinfra.quant.weights import quantize_fp8_blocks
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -122,7 +122,7 @@ def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, b
 
 
 def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0, seed=0):
-    from flashinfra.kernels import w8a8_moe as wm
+    from flashinfra.kernels.quant import w8a8_experts as wm
     from flashinfra.kernels.fused_moe import experts_ref
     from flashinfra.quant.weights import quantize_int8_per_channel
 
@@ -142,7 +142,7 @@ def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torc
 
 
 def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0, seed=0):
-    from flashinfra.kernels import fp8_moe as fm
+    from flashinfra.kernels.quant import fp8_experts as fm
     from flashinfra.kernels.fused_moe import experts_ref
     from flashinfra.quant.weights import quantize_fp8_blocks
 
@@ -186,8 +186,8 @@ def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype:
     """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
     reference on the dequantized latent (tight) and on the unquantized latent (the cache's quantization error)."""
     from flashinfra.kernels import sparse_mla as sm
-    from flashinfra.kernels import sparse_mla_quant as smq
-    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref, quant_int8_per_token_ref
+    from flashinfra.kernels.quant import sparse_mla as smq
+    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref, quant_int8_per_token_ref
 
     gen = torch.Generator(device=device).manual_seed(seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
@@ -249,7 +249,7 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
     if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see quant_act): fp8 cache writes as torch
-        from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+        from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
         from flashinfra.quant import cache as quant_cache
 
         monkeypatch.setattr(quant_cache, "quant_fp8_per_group", quant_fp8_per_group_ref)
@@ -266,8 +266,8 @@ def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16
     """The selection over an fp8 indexer cache equals the model's ``Indexer.select`` on the dequantized entries,
     query by query (a pool at a near-tie of float rounding aside: at most one query in 50)."""
     from flashinfra.config import TextConfig
-    from flashinfra.kernels.dsa_indexer_quant import dsa_select_quant as select
-    from flashinfra.kernels.quant_act import quant_fp8_per_group_ref
+    from flashinfra.kernels.quant.dsa_indexer import dsa_select_quant as select
+    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
     from flashinfra.model.indexer import Indexer
 
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -4,7 +4,7 @@ the DSA selection over an fp8 indexer cache), registered with ``flashinfra.feedb
 Each check quantizes fresh random inputs with the torch quantizers, runs the launcher on them, and compares with
 the float64 computation of the same quantized arithmetic: on CUDA when there is one (the fp8 checks need sm_89+),
 else under Triton's CPU interpreter in a child process (``python -m flashinfra.kernels.interpreted
-flashinfra.kernels.quant_checks NAME``). Activations are quantized before the launch (not inside it) so that the
+flashinfra.kernels.quant.checks NAME``). Activations are quantized before the launch (not inside it) so that the
 interpreter's e4m3 conversion, which mis-rounds at exponent carries, does not enter.
 """
 
@@ -13,7 +13,12 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, register_check
-from flashinfra.kernels import fp8_block_linear, fp8_moe, quant_act, sparse_mla_quant, w8a8_linear, w8a8_moe
+from flashinfra.kernels.quant import act as quant_act
+from flashinfra.kernels.quant import fp8_experts as fp8_moe
+from flashinfra.kernels.quant import fp8_gemm as fp8_block_linear
+from flashinfra.kernels.quant import sparse_mla as sparse_mla_quant
+from flashinfra.kernels.quant import w8a8_experts as w8a8_moe
+from flashinfra.kernels.quant import w8a8_gemm as w8a8_linear
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
 
@@ -25,7 +30,7 @@ def _checked(name: str, fp8: bool = False):
         def run() -> list[CheckResult]:
             dev = kernel_device()
             if dev is None:
-                return run_in_interpreter("flashinfra.kernels.quant_checks", name)
+                return run_in_interpreter("flashinfra.kernels.quant.checks", name)
             if fp8 and dev == "cuda" and torch.cuda.get_device_capability() < (8, 9):
                 return [CheckResult(name=name, passed=True, message="skipped: fp8 needs sm_89+")]
             return fn(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
