@@ -15,7 +15,7 @@ from flashinfra.kernels.quant import w8a8_gemm as wl
 from flashinfra.model.loader import dequantize_block_fp8
 from flashinfra.quant.weights import (QuantizedWeight, dequantize_blocks, quantize_fp8_blocks,
                                       quantize_int8_per_channel)
-from tests.kernels.quant_cases import FP8_REL, INT8_REL, rel_err
+from flashinfra.kernels.quant.check_cases import FP8_REL, INT8_REL, rel_err
 
 
 def _g(seed):
