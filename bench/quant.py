@@ -40,11 +40,8 @@ import torch.nn.functional as F
 
 from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
-from flashinfra.kernels.fp8_block_linear import fp8_block_linear
-from flashinfra.kernels.fp8_moe import fp8_moe
 from flashinfra.kernels.fused_moe import fused_moe
-from flashinfra.kernels.w8a8_linear import w8a8_linear
-from flashinfra.kernels.w8a8_moe import w8a8_moe
+from flashinfra.kernels.quant import fp8_block_linear, fp8_moe, w8a8_linear, w8a8_moe
 from flashinfra.model.api import load_model, load_model_from_state_dict, model_config_from
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch

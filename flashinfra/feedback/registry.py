@@ -51,7 +51,7 @@ PROVIDERS: tuple[str, ...] = (
     "flashinfra.feedback.checks",
     "flashinfra.kernels.kda.checks",
     "flashinfra.kernels.checks",
-    "flashinfra.kernels.quant_checks",
+    "flashinfra.kernels.quant.checks",
     "flashinfra.model.checks",
     "flashinfra.engine.checks",
     "flashinfra.engine.sched.checks",

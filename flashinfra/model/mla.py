@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from flashinfra.config import TextConfig
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
-from flashinfra.kernels.dsa_indexer_quant import dsa_select_quant
 from flashinfra.kernels.norms import rms_norm
+from flashinfra.kernels.quant import dsa_select_quant, sparse_mla_quant_launch
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
-from flashinfra.kernels.sparse_mla_quant import sparse_mla_quant_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer

@@ -11,6 +11,6 @@ kernels.
   bf16, per-layer overrides), quantize-on-write and dequantize-on-read, and tokens per GiB.
 - ``checkpoint.py``: ``flashinfra quantize --w8a8 SRC DST``.
 
-The arithmetic lives in ``flashinfra.kernels`` (``quant_act``, ``w8a8_linear``, ``fp8_block_linear``,
-``w8a8_moe``, ``sparse_mla_quant``), each kernel with its reference beside it.
+The arithmetic lives in ``flashinfra.kernels.quant`` (``act``, ``w8a8_gemm``, ``fp8_gemm``, ``w8a8_experts``,
+``fp8_experts``, ``sparse_mla``, ``dsa_indexer``), each kernel with its reference beside it.
 """

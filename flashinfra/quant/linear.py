@@ -14,11 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashinfra.kernels.fp8_block_linear import fp8_block_linear
-from flashinfra.kernels.fp8_moe import fp8_moe
 from flashinfra.kernels.fused_moe import clamped_swiglu, fused_moe
-from flashinfra.kernels.w8a8_linear import w8a8_linear
-from flashinfra.kernels.w8a8_moe import w8a8_moe
+from flashinfra.kernels.quant import fp8_block_linear, fp8_moe, w8a8_linear, w8a8_moe
 from flashinfra.quant.weights import QuantizedWeight
 
 

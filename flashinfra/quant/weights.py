@@ -3,7 +3,7 @@
 Two schemes, both symmetric:
 
 - ``"w8a8"``: int8 data ``[..., N, K]`` and one float32 scale per output channel ``[..., N]``;
-  ``w = data * scale[..., None]``. Activations are quantized per token at run time (``kernels.quant_act``).
+  ``w = data * scale[..., None]``. Activations are quantized per token at run time (``kernels.quant.act``).
 - ``"fp8"``: float8 e4m3 data ``[..., N, K]`` and one float32 scale per ``block`` (128 x 128) tile
   ``[..., ceil(N/128), ceil(K/128)]`` (the released checkpoints' ``weight_scale_inv``); activations are
   quantized per token per 128 channels at run time.

@@ -1,6 +1,7 @@
 """Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
-layer's accuracy with the kernels against the references. The kernel cases live in
-``flashinfra.kernels.checks``."""
+layer's accuracy with the kernels against the references, and a quantized model's logits with the 8-bit kernels
+against the references. The kernel cases live in ``flashinfra.kernels.checks`` and
+``flashinfra.kernels.quant.check_cases``."""
 
 from __future__ import annotations
 
@@ -95,3 +96,53 @@ def layerwise(device: str, dtype: str, hi_dtype: torch.dtype, factor: float, flo
     bad = [e for e in errors if not e.within(factor, floor)]
     assert not bad, "\n".join(map(str, bad))
     return errors
+
+
+def _prefill_decode(model, prompts: list[list[int]], steps: int, bs: int = 16):
+    """Packed prefill, then ``steps`` decode steps fed the argmax; -> every step's logits."""
+    from flashinfra.model.forward_batch import ForwardBatch
+
+    dev = model.device
+    need = [-(-(len(p) + steps) // bs) for p in prompts]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
+    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
+    slots = list(range(len(prompts), 0, -1))
+    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
+    hidden = model.forward(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache)
+    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
+    for i in range(steps):
+        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
+        logits.append(model.compute_logits(model.forward(logits[-1].argmax(-1), batch, cache)))
+    return logits
+
+
+def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
+                                         dtype="float32", steps: int = 3, atol=None):
+    """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
+    quantized arithmetic, so the logits agree to float32 rounding (a flipped int8 code at a rounding tie aside).
+    ``atol`` (also the rtol) defaults to 2e-3 under the CPU interpreter, whose dots are float32, and to 2e-2 on
+    CUDA, where the float32 KDA path forms its in-chunk products in tf32 (10 mantissa bits)."""
+    from flashinfra.feedback.registry import assert_passed, compare
+    from flashinfra.kernels import dispatch
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.quant.cache import CacheSpec
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype=dtype, device=device,
+                       quantization=quantization, cache_spec=CacheSpec.from_flags(kv_cache_dtype))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
+    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see check_cases): fp8 cache writes as torch
+        from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
+        from flashinfra.quant import cache as quant_cache
+
+        monkeypatch.setattr(quant_cache, "quant_fp8_per_group", quant_fp8_per_group_ref)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
+    ref = _prefill_decode(model, prompts, steps)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    out = _prefill_decode(model, prompts, steps)
+    if atol is None:
+        atol = 2e-3 if device == "cpu" else 2e-2
+    assert_passed([compare(f"quantized model ({quantization}, {kv_cache_dtype} cache) step {i}", a, b, atol=atol,
+                           rtol=atol) for i, (a, b) in enumerate(zip(out, ref))])

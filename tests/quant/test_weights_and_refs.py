@@ -4,18 +4,18 @@ arithmetic (exact up to float64 rounding) and against the unquantized float64 co
 import pytest
 import torch
 
-from flashinfra.kernels import fp8_block_linear as fl
-from flashinfra.kernels import fp8_moe as f8m
-from flashinfra.kernels import quant_act as qa
 from flashinfra.kernels import sparse_mla as sm
-from flashinfra.kernels import sparse_mla_quant as smq
-from flashinfra.kernels import w8a8_linear as wl
-from flashinfra.kernels import w8a8_moe as wm
 from flashinfra.kernels.fused_moe import experts_ref
+from flashinfra.kernels.quant import act as qa
+from flashinfra.kernels.quant import fp8_experts as f8m
+from flashinfra.kernels.quant import fp8_gemm as fl
+from flashinfra.kernels.quant import sparse_mla as smq
+from flashinfra.kernels.quant import w8a8_experts as wm
+from flashinfra.kernels.quant import w8a8_gemm as wl
 from flashinfra.model.loader import dequantize_block_fp8
 from flashinfra.quant.weights import (QuantizedWeight, dequantize_blocks, quantize_fp8_blocks,
                                       quantize_int8_per_channel)
-from tests.kernels.quant_cases import FP8_REL, INT8_REL, rel_err
+from flashinfra.kernels.quant.check_cases import FP8_REL, INT8_REL, rel_err
 
 
 def _g(seed):

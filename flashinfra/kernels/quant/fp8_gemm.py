@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
-from flashinfra.kernels.quant_act import quant_fp8_per_group, quant_fp8_per_group_ref
+from flashinfra.kernels.quant.act import quant_fp8_per_group, quant_fp8_per_group_ref
 
 GROUP = 128
 

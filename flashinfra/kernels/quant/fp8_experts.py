@@ -1,6 +1,6 @@
 """Block-FP8 fused MoE experts: ``w8a8_moe``'s structure with e4m3 operands and 128 x 128 weight block scales.
 
-Activations are quantized per token per 128 channels (``quant_act.quant_fp8_per_group``), the intermediate per
+Activations are quantized per token per 128 channels (``act.quant_fp8_per_group``), the intermediate per
 pair per 128 channels; every ``BK = 128`` step's float32 product is scaled by its activation block scale and the
 weight tile's scale before it is accumulated (as ``fp8_block_linear``). Weights: e4m3 ``w13`` [E, 2I, D] with
 scales [E, ceil(2I/128), ceil(D/128)], ``w2`` [E, D, I] with scales [E, ceil(D/128), ceil(I/128)]; the gate and
@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.fp8_block_linear import fp8_matmul_ref
+from flashinfra.kernels.quant.fp8_gemm import fp8_matmul_ref
 from flashinfra.kernels.fused_moe import moe_align, moe_sum_kernel
 from flashinfra.kernels.launch import fast
-from flashinfra.kernels.quant_act import quant_fp8_per_group, quant_fp8_per_group_ref
+from flashinfra.kernels.quant.act import quant_fp8_per_group, quant_fp8_per_group_ref
 
 GROUP = 128
 

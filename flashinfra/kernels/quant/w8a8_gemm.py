@@ -1,7 +1,7 @@
 """W8A8 INT8 linear: ``y = (q_x @ q_w^T) * s_x[:, None] * s_w[None, :] (+ bias)`` on int8 tensor cores.
 
 Weights are int8 ``[N, K]`` with one float32 scale per output channel; activations are quantized per token at
-run time by ``quant_act.quant_int8_per_token`` (a small kernel before the GEMM: a token's scale needs its whole
+run time by ``act.quant_int8_per_token`` (a small kernel before the GEMM: a token's scale needs its whole
 row, which a GEMM program that sees ``BK`` columns at a time does not have). The product accumulates in int32
 (exact) and the scales are applied once, in the epilogue, in float32.
 
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
-from flashinfra.kernels.quant_act import quant_int8_per_token, quant_int8_per_token_ref
+from flashinfra.kernels.quant.act import quant_int8_per_token, quant_int8_per_token_ref
 
 
 def w8a8_matmul_ref(xq, sx, wq, sw, bias=None, out_dtype=torch.float32):

@@ -25,7 +25,7 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.fused_moe import moe_align, moe_sum_kernel
 from flashinfra.kernels.launch import fast
-from flashinfra.kernels.quant_act import quant_int8_per_token, quant_int8_per_token_ref
+from flashinfra.kernels.quant.act import quant_int8_per_token, quant_int8_per_token_ref
 
 
 def w8a8_moe_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float):
