@@ -4,7 +4,10 @@
   embedding). In place, so it can sit inside a captured CUDA graph with NCCL.
 - ``all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
 - ``broadcast_bytes``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a
-  uint8 tensor, so the scheduler stays torch-free and runs once.
+  uint8 tensor, so the scheduler stays torch-free and runs once. It goes over ``control_group``, a CPU
+  (gloo) group without a practical timeout: a worker may wait for the next plan as long as the engine
+  stays idle, while the compute collectives keep the short timeout that catches a hung rank. A peer
+  that dies closes its connections, which fails a pending broadcast at once.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import torch.distributed as dist
 
 
 class Comm:
-    def __init__(self, world: int, group=None, device: str | torch.device = "cpu"):
+    def __init__(self, world: int, group=None, device: str | torch.device = "cpu", control_group=None):
         self.world, self.group, self.device = world, group, torch.device(device)
+        self.control_group = control_group
         self.calls = 0  # collectives issued, for counting per step in tests and benchmarks
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +41,11 @@ class Comm:
         """Rank ``src`` passes ``data``; every rank gets it back."""
         if self.world == 1:
             return data
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long, device=self.device)
-        dist.broadcast(n, src, group=self.group)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data is not None
-               else torch.empty(int(n.item()), dtype=torch.uint8, device=self.device))
-        dist.broadcast(buf, src, group=self.group)
-        return bytes(buf.cpu().numpy())
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
+        dist.broadcast(n, src, group=self.control_group)
+        if n.item() == 0:
+            return b""
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+               else torch.empty(int(n.item()), dtype=torch.uint8))
+        dist.broadcast(buf, src, group=self.control_group)
+        return buf.numpy().tobytes()

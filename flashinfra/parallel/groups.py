@@ -43,6 +43,14 @@ def init_distributed(rank: int, world_size: int, device: str = "cpu", init_metho
     return DistInfo(rank, world_size, backend)
 
 
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def control_group():
+    """A gloo group over every rank for plans (see ``collectives.Comm.broadcast_bytes``); collective."""
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

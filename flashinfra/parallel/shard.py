@@ -164,6 +164,8 @@ class ShardedModel:
     def __init__(self, loaded: LoadedModel, layout: ParallelLayout, comm: Comm):
         self.loaded, self.layout, self.comm = loaded, layout, comm
         self.config, self.dtype, self.device = loaded.config, loaded.dtype, loaded.device
+        self.path, self.report = loaded.path, loaded.report
+        self.vision = None  # the vision tower's embeddings feed a vocab-split table: not sharded yet
         self.model = loaded.model
         self.vocab = layout.rows(loaded.config.text.vocab_size)
         shard_parameters(self.model, layout, comm)
