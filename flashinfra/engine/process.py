@@ -67,10 +67,10 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(output_address)
     try:
-        from flashinfra.engine.core import EngineCore
+        from flashinfra.parallel.engine import make_engine
 
         try:
-            core = EngineCore(config)
+            core = make_engine(config)
         except Exception as e:
             out.send(encode(EngineError(f"engine failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
             return

@@ -17,7 +17,10 @@ a lost shard, so the owner of the engine should shut it down.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -116,16 +119,17 @@ def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
         destroy_distributed()
 
 
-def _start_workers(config: EngineConfig, ranks: range, init_method: str) -> list:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+def _start_workers(config: EngineConfig, ranks: range, init_method: str) -> list[subprocess.Popen]:
+    """Fresh interpreters (``python -m flashinfra.parallel.engine RANK INIT``, config on stdin): the
+    engine process that starts them is itself a daemon process, which multiprocessing forbids to have
+    children, and a fresh interpreter shares no CUDA state with its parent."""
     payload = msgspec.msgpack.encode(config)
     procs = []
     for rank in ranks:
-        p = ctx.Process(target=worker_main, args=(rank, payload, init_method), name=f"flashinfra-rank{rank}",
-                        daemon=True)
-        p.start()
+        p = subprocess.Popen([sys.executable, "-m", "flashinfra.parallel.engine", str(rank), init_method],
+                             stdin=subprocess.PIPE)
+        p.stdin.write(payload)
+        p.stdin.close()
         procs.append(p)
     return procs
 
@@ -139,7 +143,7 @@ def run_worker_node(config: EngineConfig) -> None:
     init = f"tcp://{config.master_addr}:{config.master_port}"
     procs = _start_workers(config, range(config.node_rank * per, (config.node_rank + 1) * per), init)
     for p in procs:
-        p.join()
+        p.wait()
 
 
 class PlanBroadcaster:
@@ -154,8 +158,8 @@ class PlanBroadcaster:
 
     def execute(self, plan: Plan) -> StepResult:
         if self.lost is None:
-            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
-                    for i, p in enumerate(self.workers) if not p.is_alive()]
+            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.returncode}"
+                    for i, p in enumerate(self.workers) if p.poll() is not None]
             if dead:
                 self.lost = "tensor-parallel worker lost: " + "; ".join(dead)
         if self.lost is not None:
@@ -202,9 +206,11 @@ class ParallelEngineCore(EngineCore):
 
     def _stop_workers(self) -> None:
         for p in self.workers:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     def close(self) -> None:
         from flashinfra.parallel.groups import destroy_distributed
@@ -213,3 +219,10 @@ class ParallelEngineCore(EngineCore):
         self.runner.stop()
         self._stop_workers()
         destroy_distributed()
+
+
+if __name__ == "__main__":
+    # a worker rank: lives as long as rank 0 (its stop message or its lost connection ends it), not a
+    # terminal's Ctrl-C, which rank 0's owner handles by shutting the engine down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker_main(int(sys.argv[1]), sys.stdin.buffer.read(), sys.argv[2])

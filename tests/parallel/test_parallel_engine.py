@@ -59,7 +59,7 @@ def test_killed_rank_fails_requests_with_a_clear_error(ckpt):
     try:
         worker = llm.engine.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
+        worker.wait(timeout=10)
         start = time.monotonic()
         outs = llm.generate(prompts, params)
         assert time.monotonic() - start < 30
