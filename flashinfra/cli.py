@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "flashinfra.server.cli",
     "flashinfra.agent.cli",
     "flashinfra.eval.cli",
+    "flashinfra.parallel.plan",
 )
 
 
