@@ -3,7 +3,7 @@ rank runs ``worker_main``, and each step's ``Plan`` goes from rank 0 to all of t
 
 Process model: one process per GPU (rank). Rank 0 lives where the engine lives (the ``LLM`` object's
 process or the server's engine process) and starts the other ranks of its host; hosts other than 0 start
-theirs with ``run_worker_node``. Every rank loads only its shard's model; rank 0 sizes the cache and
+theirs with ``run_worker_node``. Every rank reads only its shard of the checkpoint (``load.load_shard``); rank 0 sizes the cache and
 sends the block count, so every rank allocates the same blocks and slots. Per step rank 0 encodes the
 plan (msgspec), broadcasts it over the control group, and all ranks run ``ModelRunner.execute`` on it in
 lockstep; the workers' sampled tokens are discarded (their logits equal rank 0's after the all-gather).
@@ -79,19 +79,19 @@ def check_layout(config: EngineConfig) -> None:
 
 def _join_world(config: EngineConfig, rank: int, init_method: str):
     """Join the process groups and load this rank's shard -> (sharded model, comm)."""
-    from flashinfra.model.api import load_model
+    from flashinfra.config import load_config
     from flashinfra.parallel.collectives import Comm
     from flashinfra.parallel.groups import control_group, init_distributed
     from flashinfra.parallel.layout import make_layout
-    from flashinfra.parallel.shard import shard_loaded
+    from flashinfra.parallel.load import load_shard
 
     device = _rank_device(config, rank)
     world = config.tensor_parallel_size
     init_distributed(rank, world, device, init_method, timeout_s=config.dist_timeout_s)
     comm = Comm(world, device=device, control_group=control_group())
-    loaded = load_model(_model_dir(config), dtype=config.dtype, device=device)
-    layout = make_layout(loaded.config.text, world, config.expert_parallel_size, rank)
-    return shard_loaded(loaded, layout, comm), comm
+    path = _model_dir(config)
+    layout = make_layout(load_config(path).text, world, config.expert_parallel_size, rank)
+    return load_shard(path, layout, comm, config.dtype, device), comm
 
 
 def _max_model_len(config: EngineConfig, model) -> int:

@@ -29,8 +29,9 @@ Per layer kind (``layout.py`` says who owns what; ``Comm`` does the collectives)
 Collectives per decoder layer: 2 all-reduces of ``[T, D]`` (attention, then MLP/MoE); per step 1 more
 for the embedding and 1 all-gather of the logits.
 
-The checkpoint is read whole by ``load_model`` and sliced here (``shard_loaded``); ``shard_parameters``
-is the one place that knows each slice, so a loader that reads only the slices can use it too.
+``shard_parameters`` / ``shard_layer`` are the one place that knows each slice: ``shard_loaded`` applies
+them to a model loaded whole (tests, one host with room), ``load.load_shard`` to one layer at a time
+as it reads the checkpoint, so no rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -143,23 +144,28 @@ def shard_parameters(model: nn.Module, layout: ParallelLayout, comm: Comm) -> No
     """Slice every sharded parameter of ``model`` (a full ``Glm5NextModel``) in place for ``layout.rank``
     and register the all-reduces on the partial outputs."""
     vocab = layout.rows(model.cfg.vocab_size)
-    head_tied = model.lm_head is None
     _set(model, "embed_tokens", model.embed_tokens[vocab])
-    if not head_tied:
+    if model.lm_head is not None:
         _set(model, "lm_head", model.lm_head[vocab])
     for layer in model.layers:
-        (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
-        layer.attn.register_forward_hook(_reduce_output(comm))
-        if isinstance(layer.mlp, MoE):
-            layer.mlp = ShardedMoE(layer.mlp, layout)
-        else:
-            _shard_dense(layer.mlp, layout)
-        layer.mlp.register_forward_hook(_reduce_output(comm))
+        shard_layer(layer, layout, comm)
+
+
+def shard_layer(layer: nn.Module, layout: ParallelLayout, comm: Comm) -> None:
+    """Slice one ``DecoderLayer`` in place and register its two all-reduces."""
+    (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
+    layer.attn.register_forward_hook(_reduce_output(comm))
+    if isinstance(layer.mlp, MoE):
+        layer.mlp = ShardedMoE(layer.mlp, layout)
+    else:
+        _shard_dense(layer.mlp, layout)
+    layer.mlp.register_forward_hook(_reduce_output(comm))
 
 
 class ShardedModel:
     """One rank's model: the ``LoadedModel`` calls (``forward``, ``compute_logits``, ``allocate_cache``,
-    ``logits``) over sharded weights; every rank must make the same calls in the same order."""
+    ``logits``) over weights already sharded (``shard_parameters``, or ``load.load_shard``); every rank
+    must make the same calls in the same order."""
 
     def __init__(self, loaded: LoadedModel, layout: ParallelLayout, comm: Comm):
         self.loaded, self.layout, self.comm = loaded, layout, comm
@@ -168,7 +174,6 @@ class ShardedModel:
         self.vision = None  # the vision tower's embeddings feed a vocab-split table: not sharded yet
         self.model = loaded.model
         self.vocab = layout.rows(loaded.config.text.vocab_size)
-        shard_parameters(self.model, layout, comm)
         # the cache of one rank: its KDA heads only; MLA latent and indexer keys whole (see module doc)
         self.local_text: TextConfig = dataclasses.replace(
             loaded.config.text, linear_num_heads=loaded.config.text.linear_num_heads // layout.tp)
@@ -203,4 +208,7 @@ def weight_bytes(model: nn.Module) -> int:
 def shard_loaded(loaded: LoadedModel, layout: ParallelLayout, comm: Comm) -> ShardedModel | LoadedModel:
     """``loaded`` itself on a world of one, else its shard for ``layout.rank``."""
     layout.check(loaded.config.text)
-    return loaded if layout.world == 1 else ShardedModel(loaded, layout, comm)
+    if layout.world == 1:
+        return loaded
+    shard_parameters(loaded.model, layout, comm)
+    return ShardedModel(loaded, layout, comm)

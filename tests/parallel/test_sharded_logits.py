@@ -14,6 +14,7 @@ from flashinfra.model.factory import write_tiny_checkpoint
 from flashinfra.parallel.collectives import Comm
 from flashinfra.parallel.groups import destroy_distributed, init_distributed
 from flashinfra.parallel.layout import LayoutError, ParallelLayout, make_layout
+from flashinfra.parallel.load import load_shard
 from flashinfra.parallel.shard import shard_loaded, weight_bytes
 
 PROMPTS = [[5, 17, 3, 99, 200, 7, 8, 9, 10, 11, 300, 1, 2], [40, 41, 42, 43, 44, 45, 46]]
@@ -30,9 +31,13 @@ def _rank(rank: int, world: int, ep: int, port: int, path: str, out: dict) -> No
     torch.set_num_threads(1)
     init_distributed(rank, world, "cpu", f"tcp://127.0.0.1:{port}", timeout_s=60)
     try:
-        loaded = load_model(path)
-        layout = make_layout(loaded.config.text, world, ep, rank)
-        model = shard_loaded(loaded, layout, Comm(world))
+        comm = Comm(world)
+        whole = load_model(path)
+        layout = make_layout(whole.config.text, world, ep, rank)
+        sliced = shard_loaded(whole, layout, comm)  # loaded whole, then sliced
+        model = load_shard(path, layout, comm)  # read slice by slice
+        for a, b in zip(sliced.model.state_dict().values(), model.model.state_dict().values()):
+            assert torch.equal(a, b)
         logits = model.logits(PROMPTS)
         out[rank] = ([t.clone() for t in logits], weight_bytes(model.model))
     finally:
