@@ -103,9 +103,12 @@ def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
     """A rank other than 0: load the shard, then run every plan rank 0 sends until an empty one."""
     from flashinfra.engine.runner import ModelRunner
     from flashinfra.parallel.groups import destroy_distributed
+    from flashinfra.parallel.shard import weight_bytes
 
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     model, comm = _join_world(config, rank, init_method)
+    print(f"flashinfra rank {rank}: {weight_bytes(model.model) / 2**30:.2f} GiB of weights, peak host memory "
+          f"{model.peak_host_bytes / 2**30:.2f} GiB while loading", file=sys.stderr, flush=True)
     try:
         num_blocks = int(comm.broadcast_bytes(None).decode())
         runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed,

@@ -113,4 +113,6 @@ def load_shard(path: str | Path, layout: ParallelLayout, comm: Comm, dtype: str 
         shard_layer(layer, layout, comm)
         layer.to(device)
     loaded = LoadedModel(path, cfg, model.eval(), torch_dtype, device, report)
-    return ShardedModel(loaded, layout, comm)
+    sharded = ShardedModel(loaded, layout, comm)
+    sharded.peak_host_bytes = peak_host_bytes()
+    return sharded
