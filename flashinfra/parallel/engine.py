@@ -99,16 +99,21 @@ def _max_model_len(config: EngineConfig, model) -> int:
     return min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
 
 
+def _report_rank(rank: int, model) -> None:
+    from flashinfra.parallel.shard import weight_bytes
+
+    print(f"flashinfra rank {rank}: {weight_bytes(model.model) / 2**30:.3f} GiB of weights, peak host memory "
+          f"{model.peak_host_bytes / 2**30:.3f} GiB while loading", file=sys.stderr, flush=True)
+
+
 def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
     """A rank other than 0: load the shard, then run every plan rank 0 sends until an empty one."""
     from flashinfra.engine.runner import ModelRunner
     from flashinfra.parallel.groups import destroy_distributed
-    from flashinfra.parallel.shard import weight_bytes
 
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     model, comm = _join_world(config, rank, init_method)
-    print(f"flashinfra rank {rank}: {weight_bytes(model.model) / 2**30:.2f} GiB of weights, peak host memory "
-          f"{model.peak_host_bytes / 2**30:.2f} GiB while loading", file=sys.stderr, flush=True)
+    _report_rank(rank, model)
     try:
         num_blocks = int(comm.broadcast_bytes(None).decode())
         runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed,
@@ -199,6 +204,7 @@ class ParallelEngineCore(EngineCore):
         self.workers = _start_workers(config, range(1, ranks_per_node(config)), init)
         try:
             model, comm = _join_world(config, 0, init)
+            _report_rank(0, model)
             num_blocks = size_cache(model, config, _max_model_len(config, model))
             comm.broadcast_bytes(str(num_blocks).encode())
             super().__init__(dataclasses.replace(config, num_blocks=num_blocks), model=model, events=events)
