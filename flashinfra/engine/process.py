@@ -117,5 +117,8 @@ def _serve(core, inp, out, parent: int) -> None:
         if stepped or outputs or now - last_sent >= IDLE_STATS_S:
             out.send(encode(EngineOutputs(outputs, core.stats())))
             last_sent = now
+        if getattr(core, "fatal_error", None):  # a lost tensor-parallel rank: every later step would fail too
+            out.send(encode(EngineError(core.fatal_error)))
+            return
         if not core.has_work() and os.getppid() != parent:
             return

@@ -213,6 +213,11 @@ class ParallelEngineCore(EngineCore):
             raise
         self.runner = PlanBroadcaster(self.runner, comm, self.workers)
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Set once a rank is lost: the engine cannot go on (its owner should report this and exit)."""
+        return self.runner.lost
+
     def _stop_workers(self) -> None:
         for p in self.workers:
             try:

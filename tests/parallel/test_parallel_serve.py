@@ -3,8 +3,11 @@ completions exactly as the one-rank server does, and a bad world size stops ``se
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -46,3 +49,36 @@ def test_serve_refuses_a_world_size_that_does_not_divide_heads(model_dir):
                         "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "is not divisible by 3" in r.stderr, r.stderr
+
+
+def _ranks_of(server_pid: int) -> list[int]:
+    """Worker ranks started by the server's engine process (children of its children)."""
+    def ppid(pid: int) -> int:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+            if entry.isdigit() and b"flashinfra.parallel.engine" in cmd and ppid(ppid(int(entry))) == server_pid:
+                out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+@pytest.mark.slow  # the failure itself takes seconds; the server's shutdown after its engine died, a minute
+def test_killed_rank_fails_requests_with_a_clear_error(tmp_path, model_dir):
+    server = start_server(tmp_path, model_dir, "--num-blocks", "64", "--tensor-parallel-size", "2",
+                          "--dist-timeout-s", "20")
+    try:
+        (rank,) = _ranks_of(server.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert time.monotonic() - start < 30
+        assert r.status_code >= 500, r.text
+        assert "tensor-parallel worker lost" in r.text and "rank 1" in r.text, r.text
+    finally:
+        server.stop()
