@@ -38,7 +38,10 @@ def _rank(rank: int, world: int, ep: int, port: int, path: str, out: dict) -> No
         model = load_shard(path, layout, comm)  # read slice by slice
         for a, b in zip(sliced.model.state_dict().values(), model.model.state_dict().values()):
             assert torch.equal(a, b)
+        before = comm.calls
         logits = model.logits(PROMPTS)
+        # per step: 2 all-reduces per layer (attention, MLP/MoE), 1 for the embedding, 1 all-gather of logits
+        assert comm.calls - before == 2 * whole.config.text.num_hidden_layers + 2
         out[rank] = ([t.clone() for t in logits], weight_bytes(model.model))
     finally:
         destroy_distributed()
