@@ -3,8 +3,8 @@ rank runs ``worker_main``, and each step's ``Plan`` goes from rank 0 to all of t
 
 Process model: one process per GPU (rank). Rank 0 lives where the engine lives (the ``LLM`` object's
 process or the server's engine process) and starts the other ranks of its host; hosts other than 0 start
-theirs with ``run_worker_node``. Every rank reads only its shard of the checkpoint (``load.load_shard``); rank 0 sizes the cache and
-sends the block count, so every rank allocates the same blocks and slots. Per step rank 0 encodes the
+theirs with ``run_worker_node``. Every rank reads only its shard of the checkpoint (``load.load_shard``);
+rank 0 sizes the cache and sends the block count, so every rank allocates the same blocks and slots. Per step rank 0 encodes the
 plan (msgspec), broadcasts it over the control group, and all ranks run ``ModelRunner.execute`` on it in
 lockstep; the workers' sampled tokens are discarded (their logits equal rank 0's after the all-gather).
 
