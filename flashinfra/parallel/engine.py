@@ -16,6 +16,7 @@ a lost shard, so the owner of the engine should shut it down.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import signal
 import socket
@@ -106,6 +107,16 @@ def _report_rank(rank: int, model) -> None:
           f"{model.peak_host_bytes / 2**30:.3f} GiB while loading", file=sys.stderr, flush=True)
 
 
+def _next_plan(comm, rank: int) -> bytes:
+    """The next plan's bytes; empty when rank 0 stops the engine or is gone (its connection closed)."""
+    try:
+        return comm.broadcast_bytes(None)
+    except RuntimeError as e:
+        print(f"flashinfra rank {rank}: rank 0 is gone ({str(e).splitlines()[0][:200]}); exiting",
+              file=sys.stderr, flush=True)
+        return b""
+
+
 def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
     """A rank other than 0: load the shard, then run every plan rank 0 sends until an empty one."""
     from flashinfra.engine.runner import ModelRunner
@@ -118,7 +129,7 @@ def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
         num_blocks = int(comm.broadcast_bytes(None).decode())
         runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed,
                              config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory)
-        while data := comm.broadcast_bytes(None):
+        while data := _next_plan(comm, rank):
             try:
                 runner.execute(msgspec.msgpack.decode(data, type=Plan))
             except Exception:  # rank 0 fails the step's requests; this rank stays in step with it
@@ -199,6 +210,8 @@ class ParallelEngineCore(EngineCore):
         if config.node_rank != 0:
             raise ValueError(f"node_rank {config.node_rank}: only host 0 runs the engine; other hosts run "
                              "their ranks with run_worker_node")
+        if config.nnodes > 1 and config.master_port == 0:
+            raise ValueError("several hosts (--nnodes > 1) need an explicit --master-port that every host uses")
         port = config.master_port or _free_port()
         init = f"tcp://{config.master_addr}:{port}"
         self.workers = _start_workers(config, range(1, ranks_per_node(config)), init)
@@ -212,6 +225,8 @@ class ParallelEngineCore(EngineCore):
             self._stop_workers()
             raise
         self.runner = PlanBroadcaster(self.runner, comm, self.workers)
+        self._closed = False
+        atexit.register(self.close)  # an ``LLM`` dropped at exit still stops its ranks cleanly
 
     @property
     def fatal_error(self) -> str | None:
@@ -229,6 +244,9 @@ class ParallelEngineCore(EngineCore):
     def close(self) -> None:
         from flashinfra.parallel.groups import destroy_distributed
 
+        if self._closed:
+            return
+        self._closed = True
         super().close()
         self.runner.stop()
         self._stop_workers()
