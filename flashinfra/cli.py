@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "flashinfra.agent.cli",
     "flashinfra.eval.cli",
     "flashinfra.quant.cli",
+    "flashinfra.parallel.plan",
 )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flashinfra.engine.config import EngineConfig, config_kwargs
-from flashinfra.engine.core import EngineCore
+from flashinfra.parallel.engine import make_engine
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TokenLogprob
 
 
@@ -36,7 +36,7 @@ class LLM:
         """``model``: checkpoint directory (None: the built-in default model); ``engine_args``: any other
         ``EngineConfig`` field, by the name of its flag (``num_blocks``, ``max_num_seqs``, ``dtype``...)."""
         config_kwargs(EngineConfig, engine_args)
-        self.engine = EngineCore(EngineConfig(model=str(model) if model is not None else None, **engine_args))
+        self.engine = make_engine(EngineConfig(model=str(model) if model is not None else None, **engine_args))
         self.tokenizer = _load_tokenizer(self.engine.model.path)
         self._ids = itertools.count()
 

@@ -168,6 +168,17 @@ class EngineConfig(LoadConfig):
     media_max_items: int = option(8, "images and videos in one request", min=0)
     allowed_media_hosts: str = option("", "comma-separated hosts whose http(s) media URLs the server may fetch "
                                           "(empty: none)", metavar="HOSTS")
+    tensor_parallel_size: int = option(
+        1, "ranks (one process per GPU) that split attention heads, MLP widths and the vocabulary", min=1)
+    expert_parallel_size: int = option(
+        1, "ranks that split the routed experts: 1 (every rank holds a slice of every expert) or "
+           "--tensor-parallel-size (every rank holds whole experts)", min=1)
+    nnodes: int = option(1, "hosts the --tensor-parallel-size ranks are spread over (evenly)", min=1)
+    node_rank: int = option(0, "this host's index among --nnodes; host 0 runs the scheduler", min=0)
+    master_addr: str = option("127.0.0.1", "address of host 0, where the ranks meet", metavar="HOST")
+    master_port: int = option(0, "port on host 0 where the ranks meet (0: a free port; one host only)", min=0)
+    dist_timeout_s: float = option(
+        120.0, "seconds a collective may wait for a peer before failing the step (a dead or hung rank)", min=1)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "encoder_cache_memory", "media_max_bytes"):

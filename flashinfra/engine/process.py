@@ -67,10 +67,10 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(output_address)
     try:
-        from flashinfra.engine.core import EngineCore
+        from flashinfra.parallel.engine import make_engine
 
         try:
-            core = EngineCore(config)
+            core = make_engine(config)
         except Exception as e:
             out.send(encode(EngineError(f"engine failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
             return
@@ -117,5 +117,8 @@ def _serve(core, inp, out, parent: int) -> None:
         if stepped or outputs or now - last_sent >= IDLE_STATS_S:
             out.send(encode(EngineOutputs(outputs, core.stats())))
             last_sent = now
+        if getattr(core, "fatal_error", None):  # a lost tensor-parallel rank: every later step would fail too
+            out.send(encode(EngineError(core.fatal_error)))
+            return
         if not core.has_work() and os.getppid() != parent:
             return

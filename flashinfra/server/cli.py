@@ -84,6 +84,16 @@ def run(args: argparse.Namespace) -> int:
     name = opts.served_model_name or args.model or "default"
     if not (model_path / "config.json").is_file():
         raise SystemExit(f"serve: {model_path} is not a checkpoint directory (no config.json)")
+    if engine_config.tensor_parallel_size > 1 or engine_config.expert_parallel_size > 1:
+        from flashinfra.parallel.engine import check_layout, run_worker_node
+
+        try:
+            check_layout(engine_config)
+        except ValueError as exc:
+            raise SystemExit(f"serve: {exc}") from None
+        if engine_config.node_rank > 0:  # this host only runs its ranks; host 0 serves
+            run_worker_node(engine_config)
+            return 0
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def launch(input_addr: str, output_addr: str):

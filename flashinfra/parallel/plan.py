@@ -1,0 +1,170 @@
+"""``flashinfra plan``: will this model fit on N GPUs with this TP/EP and weight dtype, and how much cache?
+
+The answer comes from the model itself: the full model is built on the ``meta`` device (no memory),
+sharded for rank 0 by the same ``shard_parameters`` the engine uses, and its parameters counted, so the
+per-rank bytes follow every sharding rule without a second copy of them. Weight dtypes:
+
+- ``bf16``: every weight as the model declares it (bf16, float32 where the model keeps float32:
+  router, conv, gates' biases, mHC scalars).
+- ``fp8``: every linear weight matrix (attention projections, indexer, dense MLPs, shared and routed
+  experts) in 1 byte plus one float32 scale per ``[128, 128]`` block (the released checkpoint's format);
+  the embedding, lm_head, router and mHC projections stay as in ``bf16``.
+- ``int8``: the same matrices in 1 byte plus one float32 scale per output row (W8A8, per channel).
+
+Cache per rank: the MLA latent and indexer keys are replicated on every rank (see ``shard.py``), so the
+tokens that fit do not grow with TP; the KDA state slots hold ``H / tp`` heads. The MTP block and the
+vision tower are not counted (neither is loaded by the text engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GLM_5_3_FLASH = {  # the released config.json's text values (DESIGN.md), for sizing without the checkpoint
+    "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 45, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 256,
+        "qk_rope_head_dim": 0, "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+        "index_kpool": 4, "linear_head_dim": 128, "linear_num_heads": 64, "linear_conv_kernel_dim": 4,
+        "linear_lower_bound": -5.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "swiglu_limit": 10.0,
+        "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+        "layer_types": ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
+        "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 42,
+    },
+}
+PRESETS = {"glm-5.3-flash": GLM_5_3_FLASH}
+WEIGHT_DTYPES = ("bf16", "fp8", "int8")
+GPU_MEMORY_BYTES = 141 * 10**9  # H200
+FP8_BLOCK = 128 * 128
+# parameters that stay unquantized in fp8/int8 (lookup tables, routing, mHC mixing)
+UNQUANTIZED = ("embed_tokens", "lm_head", "router_weight", "_hc.fn", "conv_weight")
+
+
+@dataclass
+class RankPlan:
+    gpus: int
+    tp: int
+    ep: int
+    weight_dtype: str
+    weight_bytes_per_rank: int
+    sharded_bytes_per_rank: int
+    replicated_bytes_per_rank: int
+    weight_bytes_total: int  # the unsharded model in this dtype
+    kda_state_bytes_per_seq: int  # per rank
+    cache_bytes_per_token: int  # per rank (MLA latent + indexer keys, replicated)
+    max_num_seqs: int
+    usable_bytes_per_rank: int
+    cache_tokens: int  # tokens of paged cache that fit beside the weights and the max_num_seqs state slots
+    fits: bool
+    reason: str
+
+
+def _param_bytes(name: str, p, weight_dtype: str) -> int:
+    if weight_dtype == "bf16" or p.dim() < 2 or any(u in name for u in UNQUANTIZED):
+        return p.numel() * p.element_size()
+    if weight_dtype == "fp8":
+        rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
+        return p.numel() + math.ceil(rows / 128) * math.ceil(cols / 128) * 4
+    return p.numel() + math.prod(p.shape[:-1]) * 4  # int8: one float32 scale per output row
+
+
+def _model_bytes(model, weight_dtype: str) -> int:
+    return sum(_param_bytes(n, p, weight_dtype) for n, p in model.named_parameters())
+
+
+def plan(raw_config: dict, gpus: int, tp: int | None = None, ep: int | None = None, weight_dtype: str = "bf16",
+         gpu_memory: int = GPU_MEMORY_BYTES, memory_fraction: float = 0.9, reserve: int = 8 * 2**30,
+         max_num_seqs: int = 64, min_cache_tokens: int = 65536) -> RankPlan:
+    """Size one rank (all ranks hold the same bytes) of ``gpus`` GPUs; ``tp`` defaults to ``gpus``, ``ep``
+    to ``tp``. ``usable`` = ``gpu_memory * memory_fraction - reserve`` (activations, graphs, workspace);
+    the configuration fits when weights, ``max_num_seqs`` KDA slots and ``min_cache_tokens`` of paged
+    cache fit in it."""
+    import torch
+
+    from flashinfra.config import resolve_config
+    from flashinfra.model.cache import ModelCache
+    from flashinfra.model.glm5_next import Glm5NextModel
+    from flashinfra.parallel.collectives import Comm
+    from flashinfra.parallel.layout import make_layout
+    from flashinfra.parallel.shard import shard_parameters
+
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
+    tp = gpus if tp is None else tp
+    ep = tp if ep is None else ep
+    if tp != gpus:
+        raise ValueError(f"--tp {tp} must equal --gpus {gpus}: every GPU is one tensor-parallel rank")
+    cfg = resolve_config(raw_config)
+    layout = make_layout(cfg.text, tp, ep, 0)
+    with torch.device("meta"):
+        model = Glm5NextModel(cfg.text, torch.bfloat16, cfg.has_lm_head)
+        total = _model_bytes(model, weight_dtype)
+        full = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
+        shard_parameters(model, layout, Comm(1))
+        local = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
+    # a parameter is replicated when this rank holds all of it (same name, same bytes)
+    replicated = sum(b for n, b in local.items() if full.get(n) == b)
+    per_rank = sum(local.values())
+    text = cfg.text
+    local_text = dataclasses.replace(text, linear_num_heads=text.linear_num_heads // tp)
+    per_slot = ModelCache.bytes_per_slot(local_text, torch.bfloat16)
+    per_token = ModelCache.bytes_per_block(text, 1, torch.bfloat16)
+    usable = int(gpu_memory * memory_fraction) - reserve
+    left = usable - per_rank - max_num_seqs * per_slot
+    tokens = max(0, left // per_token)
+    fits = tokens >= min_cache_tokens
+    gib = 2**30
+    reason = (f"{per_rank / gib:.1f} GiB weights + {max_num_seqs} KDA slots x {per_slot / 2**20:.1f} MiB leave "
+              f"{max(left, 0) / gib:.1f} GiB of {usable / gib:.1f} GiB usable: {tokens} cache tokens"
+              + ("" if fits else f", fewer than the {min_cache_tokens} needed"))
+    return RankPlan(gpus, tp, ep, weight_dtype, per_rank, per_rank - replicated, replicated, total, per_slot,
+                    per_token, max_num_seqs, usable, int(tokens), fits, reason)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="per-GPU weight bytes and cache tokens for a TP/EP configuration")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (its config.json is read)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in full-model config")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs, one rank each")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: --gpus)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size: 1 or --tp (default: --tp)")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bf16", help="weight dtype (default: bf16)")
+    p.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_BYTES / 1e9,
+                   help="memory of one GPU in GB (default: 141, an H200)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="KDA state slots to hold (default: 64)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashinfra.parallel.layout import LayoutError
+
+    raw = PRESETS[args.preset] if args.preset else json.loads((Path(args.model) / "config.json").read_text())
+    try:
+        r = plan(raw, args.gpus, args.tp, args.ep, args.dtype, int(args.gpu_memory_gb * 1e9),
+                 max_num_seqs=args.max_num_seqs)
+    except (LayoutError, ValueError) as e:
+        raise SystemExit(f"plan: {e}") from None
+    if args.json:
+        print(json.dumps(asdict(r), indent=2))
+        return 0 if r.fits else 1
+    gib = 2**30
+    print(f"{r.gpus} GPUs, tp={r.tp} ep={r.ep}, weights {r.weight_dtype}: "
+          f"{'FITS' if r.fits else 'DOES NOT FIT'}")
+    print(f"  weights per rank   {r.weight_bytes_per_rank / gib:8.2f} GiB "
+          f"(sharded {r.sharded_bytes_per_rank / gib:.2f}, replicated {r.replicated_bytes_per_rank / gib:.2f}; "
+          f"whole model {r.weight_bytes_total / gib:.1f} GiB)")
+    print(f"  cache per token    {r.cache_bytes_per_token} B; KDA state per sequence "
+          f"{r.kda_state_bytes_per_seq / 2**20:.1f} MiB per rank")
+    print(f"  cache tokens       {r.cache_tokens}")
+    print(f"  {r.reason}")
+    return 0 if r.fits else 1

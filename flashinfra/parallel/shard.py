@@ -1,0 +1,214 @@
+"""Shard a loaded ``Glm5NextModel`` for one rank and add the reductions its forward needs.
+
+Per layer kind (``layout.py`` says who owns what; ``Comm`` does the collectives):
+
+- KDA: heads split over TP ranks. The fused in-projection's q|k|v and beta rows, the conv channels,
+  ``f_b``/``g_b``/``dt_bias``/``A_log`` are taken per head; the forget/output-gate low-rank inputs
+  (``f_a``, ``g_a``, K wide) are shared by all heads and stay whole. Each rank's state slots hold only
+  its heads (``[slots, H / tp, K, V]``): the recurrence is independent per head. ``o_proj`` is split by
+  input columns, so each rank's output is a partial sum: one all-reduce.
+- MLA: heads split (``q_b_proj`` and ``kv_b_proj`` rows per head, ``o_proj`` columns): one all-reduce.
+  The 512-d latent (``kv_a_proj``) is shared by every head, so every rank computes and caches all of
+  it; splitting it would need a gather before every attention.
+- DSA indexer: replicated. Its heads' ReLU scores are summed before the top-k, so splitting them would
+  add an all-reduce of ``[T, pools]`` scores per full-indexer layer on the decode path for a few MB of
+  weights; replicated, every rank computes the same selection and no collective is needed.
+- Dense MLP and the shared expert: gate|up rows and down columns split (column-then-row parallel).
+- MoE: the router is replicated (every rank routes every token alike). ``ep == tp``: each rank holds
+  ``E / ep`` whole experts and runs only the (token, expert) pairs it owns (weights of other pairs set
+  to zero). ``ep == 1``: each rank holds a slice of every expert's intermediate dimension. Hidden states
+  are replicated after every all-reduce, so dispatch is free (each rank already has every token) and
+  combine is a sum over ranks: the routed partials and the shared expert's partial are added locally and
+  reduced by one all-reduce. That is the all-gather + reduce-scatter scheme with the all-gather already
+  done by the previous all-reduce; an all-to-all would only pay off once hidden states are split by
+  token (sequence parallel), which this layout does not do.
+- Embedding: vocab rows split; each rank looks up the ids it owns (zero elsewhere): one all-reduce.
+  lm_head: vocab rows split; logits all-gathered along the vocabulary.
+- mHC hyper-connections and the norms: replicated (they act on the replicated hidden states).
+
+Collectives per decoder layer: 2 all-reduces of ``[T, D]`` (attention, then MLP/MoE); per step 1 more
+for the embedding and 1 all-gather of the logits.
+
+``shard_parameters`` / ``shard_layer`` are the one place that knows each slice: ``shard_loaded`` applies
+them to a model loaded whole (tests, one host with room), ``load.load_shard`` to one layer at a time
+as it reads the checkpoint, so no rank holds the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashinfra.config import TextConfig
+from flashinfra.kernels.fused_moe import fused_moe
+from flashinfra.kernels.moe_route import route
+from flashinfra.model.api import LoadedModel
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.kda import KDAttention
+from flashinfra.model.mla import MLAttention
+from flashinfra.model.moe import DenseMLP, MoE
+from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.layout import ParallelLayout
+
+
+def _set(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    if value is not None:
+        setattr(module, name, nn.Parameter(value.contiguous().clone(), requires_grad=False))
+
+
+def _head_rows(w: torch.Tensor, heads: slice, width: int) -> torch.Tensor:
+    """Rows of heads ``heads`` from ``w`` whose rows are ``H`` blocks of ``width``."""
+    return w[heads.start * width : heads.stop * width]
+
+
+def _shard_kda(m: KDAttention, layout: ParallelLayout) -> None:
+    H, K = m.H, m.K
+    heads = layout.rows(H)
+    HK = H * K
+    q, k, v, f_a, g_a, b = m.in_proj.split([HK, HK, HK, K, K, H])
+    _set(m, "in_proj", torch.cat([_head_rows(q, heads, K), _head_rows(k, heads, K), _head_rows(v, heads, K),
+                                  f_a, g_a, b[heads]]))
+    _set(m, "conv_weight", torch.cat([_head_rows(c, heads, K) for c in m.conv_weight.split(HK)]))
+    for name in ("f_b_proj", "g_b_proj", "dt_bias"):
+        _set(m, name, _head_rows(getattr(m, name), heads, K))
+    _set(m, "A_log", m.A_log[heads])
+    _set(m, "o_proj", m.o_proj[:, heads.start * K : heads.stop * K])
+    m.H = H // layout.tp
+    m.splits = [3 * m.H * K, K, K, m.H]
+
+
+def _shard_mla(m: MLAttention, layout: ParallelLayout) -> None:
+    heads = layout.rows(m.H)
+    _set(m, "q_b_proj", _head_rows(m.q_b_proj, heads, m.Dq))
+    _set(m, "kv_b_proj", _head_rows(m.kv_b_proj, heads, m.Dq + m.Dv))
+    _set(m, "o_proj", m.o_proj[:, heads.start * m.Dv : heads.stop * m.Dv])
+    if m.o_bias is not None and layout.rank != 0:  # the bias is added once, by rank 0, before the sum
+        _set(m, "o_bias", torch.zeros_like(m.o_bias))
+    m.H = m.H // layout.tp
+
+
+def _split_swiglu(gate_up: torch.Tensor, down: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate|up ``[..., 2I, D]`` and down ``[..., D, I]`` -> the intermediate slice ``cols`` of both."""
+    gate, up = gate_up.chunk(2, dim=-2)
+    return torch.cat([gate[..., cols, :], up[..., cols, :]], dim=-2), down[..., cols]
+
+
+def _shard_dense(m: DenseMLP, layout: ParallelLayout) -> None:
+    gu, d = _split_swiglu(m.gate_up_proj, m.down_proj, layout.rows(m.down_proj.shape[-1]))
+    _set(m, "gate_up_proj", gu)
+    _set(m, "down_proj", d)
+
+
+class ShardedMoE(nn.Module):
+    """One rank's part of a ``MoE``; its output is a partial sum (the caller all-reduces it)."""
+
+    def __init__(self, moe: MoE, layout: ParallelLayout):
+        super().__init__()
+        self.cfg = moe.cfg
+        E = moe.w13.shape[0]
+        self.router_weight, self.router_bias = moe.router_weight, moe.router_bias
+        experts = layout.experts(E)
+        self.first_expert, self.num_local = experts.start, experts.stop - experts.start
+        w13, w2 = moe.w13[experts], moe.w2[experts]
+        if layout.ep == 1:
+            w13, w2 = _split_swiglu(w13, w2, layout.rows(w2.shape[-1]))
+        _set(self, "w13", w13)
+        _set(self, "w2", w2)
+        self.shared = moe.shared
+        _shard_dense(self.shared, layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        w, ids = route(x, self.router_weight, self.router_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
+                       c.norm_topk_prob, c.routed_scaling_factor)
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        # pairs owned by another rank: weight 0 on a valid local expert, so shapes stay static (graphs)
+        w = torch.where(mine, w, torch.zeros_like(w))
+        local = torch.where(mine, local, torch.zeros_like(local))
+        return fused_moe(x, self.w13, self.w2, w, local, c.swiglu_limit, self.shared.gate_up_proj,
+                         self.shared.down_proj)
+
+
+def _reduce_output(comm: Comm):
+    def hook(module, args, out):
+        return comm.all_reduce(out)
+    return hook
+
+
+def shard_parameters(model: nn.Module, layout: ParallelLayout, comm: Comm) -> None:
+    """Slice every sharded parameter of ``model`` (a full ``Glm5NextModel``) in place for ``layout.rank``
+    and register the all-reduces on the partial outputs."""
+    vocab = layout.rows(model.cfg.vocab_size)
+    _set(model, "embed_tokens", model.embed_tokens[vocab])
+    if model.lm_head is not None:
+        _set(model, "lm_head", model.lm_head[vocab])
+    for layer in model.layers:
+        shard_layer(layer, layout, comm)
+
+
+def shard_layer(layer: nn.Module, layout: ParallelLayout, comm: Comm) -> None:
+    """Slice one ``DecoderLayer`` in place and register its two all-reduces."""
+    (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
+    layer.attn.register_forward_hook(_reduce_output(comm))
+    if isinstance(layer.mlp, MoE):
+        layer.mlp = ShardedMoE(layer.mlp, layout)
+    else:
+        _shard_dense(layer.mlp, layout)
+    layer.mlp.register_forward_hook(_reduce_output(comm))
+
+
+class ShardedModel:
+    """One rank's model: the ``LoadedModel`` calls (``forward``, ``compute_logits``, ``allocate_cache``,
+    ``logits``) over weights already sharded (``shard_parameters``, or ``load.load_shard``); every rank
+    must make the same calls in the same order."""
+
+    def __init__(self, loaded: LoadedModel, layout: ParallelLayout, comm: Comm):
+        self.loaded, self.layout, self.comm = loaded, layout, comm
+        self.config, self.dtype, self.device = loaded.config, loaded.dtype, loaded.device
+        self.path, self.report = loaded.path, loaded.report
+        self.vision = None  # the vision tower's embeddings feed a vocab-split table: not sharded yet
+        self.model = loaded.model
+        self.vocab = layout.rows(loaded.config.text.vocab_size)
+        # the cache of one rank: its KDA heads only; MLA latent and indexer keys whole (see module doc)
+        self.local_text: TextConfig = dataclasses.replace(
+            loaded.config.text, linear_num_heads=loaded.config.text.linear_num_heads // layout.tp)
+
+    def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
+        return ModelCache.allocate(self.local_text, num_blocks, block_size, num_slots, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab.start
+        mine = (local >= 0) & (local < self.vocab.stop - self.vocab.start)
+        x = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.model.embed_tokens)
+        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.model(input_ids, batch, cache, inputs_embeds=x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather_last(self.model.compute_logits(hidden))
+
+    def logits(self, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+        return LoadedModel.logits(self, prompts, block_size)  # same packing; our forward and cache
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def shard_loaded(loaded: LoadedModel, layout: ParallelLayout, comm: Comm) -> ShardedModel | LoadedModel:
+    """``loaded`` itself on a world of one, else its shard for ``layout.rank``."""
+    layout.check(loaded.config.text)
+    if layout.world == 1:
+        return loaded
+    shard_parameters(loaded.model, layout, comm)
+    return ShardedModel(loaded, layout, comm)

@@ -1,0 +1,37 @@
+"""``flashinfra plan`` on the full GLM-5.3-Flash preset: 4 and 8 H200s in bf16, FP8 and INT8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashinfra.cli import main
+from flashinfra.parallel.plan import GLM_5_3_FLASH, plan
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("gpus,dtype,fits", [(4, "bf16", False), (4, "fp8", True), (4, "int8", True),
+                                             (8, "bf16", True), (8, "fp8", True), (8, "int8", True)])
+def test_full_model_on_h200s(gpus, dtype, fits):
+    r = plan(GLM_5_3_FLASH, gpus, weight_dtype=dtype)
+    assert r.fits is fits, r.reason
+    # about 313B trunk parameters (321B with the MTP block and vision tower, not counted here)
+    params = 300e9 < r.weight_bytes_total / (2 if dtype == "bf16" else 1) < 330e9
+    assert params, r.weight_bytes_total
+    # the sharded part is 1/N of the model's sharded part; the replicated part is under 1 GiB
+    assert r.replicated_bytes_per_rank < GIB
+    assert r.sharded_bytes_per_rank == pytest.approx((r.weight_bytes_total - r.replicated_bytes_per_rank) / gpus,
+                                                     rel=1e-3)
+    assert (r.cache_tokens > 10**6) is fits
+
+
+def test_plan_cli_json_and_refusal(capsys):
+    assert main(["plan", "--preset", "glm-5.3-flash", "--gpus", "8", "--dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["tp"] == 8 and out["ep"] == 8
+    assert main(["plan", "--preset", "glm-5.3-flash", "--gpus", "4"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="is not divisible by 5"):
+        main(["plan", "--preset", "glm-5.3-flash", "--gpus", "5"])
