@@ -145,12 +145,12 @@ def test_a_sampling_fault_fails_only_that_request(llm, mixed, monkeypatch):
 
     real = model_runner.sample
 
-    def poisoned(logits, rows):  # NaN logits for the rows of requests seeded 666
+    def poisoned(logits, rows, *args, **kwargs):  # NaN logits for the rows of requests seeded 666
         logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params.seed == 666:
                 logits[i, 0] = float("nan")
-        return real(logits, rows)
+        return real(logits, rows, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
     prompts, params, solo = (x[:3] for x in mixed)

@@ -84,14 +84,14 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, m
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """Which model to load, in which dtype, on which device."""
+    """Which model to load: from where, in which dtype and weight format, on which device, with which cache
+    dtypes."""
 
     model: str | None = option(None, "checkpoint directory (default: the built-in default model)", metavar="DIR")
     dtype: str = option("auto", "parameter and cache dtype; auto: bfloat16 on CUDA, float32 on the CPU",
                         choices=DTYPES)
     device: str = option("auto", "cpu, cuda or cuda:N; auto: cuda when available", parse=check_device,
                          metavar="DEVICE")
-
     quantization: str = option("auto", "weights: auto (as the checkpoint stores them), none, w8a8 (int8 per "
                                        "channel x int8 per token) or fp8 (e4m3 per 128x128 block)",
                                choices=("auto", "none", "w8a8", "fp8"))
@@ -101,6 +101,7 @@ class LoadConfig:
         None, "per-layer latent cache dtypes over --kv-cache-dtype, e.g. first:bfloat16,last:bfloat16,7:fp8",
         metavar="SPEC")
     kda_state_dtype: str = option("float32", "KDA recurrent state dtype", choices=("float32", "bfloat16"))
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")

@@ -26,15 +26,13 @@ class EngineCore:
         import flashinfra
         from flashinfra.model.factory import default_model_dir
         from flashinfra.engine.runner import ModelRunner, size_cache
+        from flashinfra.quant.cache import CacheSpec
 
         config = config.resolved()
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            from flashinfra.quant.cache import CacheSpec
-
-            spec = CacheSpec.from_flags(config.kv_cache_dtype, config.kda_state_dtype, config.kv_cache_dtype_layers)
             model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision,
-                                          quantization=config.quantization, cache_spec=spec)
+                                          quantization=config.quantization, cache_spec=CacheSpec.of(config))
         self.config = config
         self.model = model
         text = model.config.text

@@ -54,7 +54,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
         ids = ids[: args.max_tokens]
     if len(ids) < 2:
         raise SystemExit(f"eval perplexity: {text_file} holds {len(ids)} token(s); at least 2 are needed")
-    model = flashinfra.load_model(model_dir, dtype=config.dtype, device=config.device)
+    from flashinfra.quant.cache import CacheSpec
+
+    model = flashinfra.load_model(model_dir, dtype=config.dtype, device=config.device,
+                                  quantization=config.quantization, cache_spec=CacheSpec.of(config))
     try:
         result = perplexity(model, ids, args.window, args.stride, args.max_batch_tokens)
     except ValueError as e:

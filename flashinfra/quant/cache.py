@@ -64,6 +64,11 @@ class CacheSpec:
                    layers: str | None = None) -> "CacheSpec":
         return CacheSpec(kv_cache_dtype, kda_state_dtype, parse_layer_overrides(layers))
 
+    @staticmethod
+    def of(config) -> "CacheSpec":
+        """The cache dtypes a ``LoadConfig`` (or ``EngineConfig``) asks for."""
+        return CacheSpec.from_flags(config.kv_cache_dtype, config.kda_state_dtype, config.kv_cache_dtype_layers)
+
     @property
     def state_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.kda_state_dtype]
