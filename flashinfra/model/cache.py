@@ -12,7 +12,7 @@ a ``ForwardBatch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class ModelCache:
     indexer_keys: dict[int, torch.Tensor]  # layer -> [num_blocks, block_size, 2 * index_head_dim]
     conv_state: dict[int, torch.Tensor]  # layer -> [num_slots, 3 * linear_dim, W - 1]
     recurrent_state: dict[int, torch.Tensor]  # layer -> [num_slots, H, K, V]
+    # speculative decoding: per KDA layer the ReplaySSM ring (``flashinfra.model.replay.ReplayRing``)
+    replay: dict[int, object] = field(default_factory=dict)
 
     @staticmethod
     def allocate(
