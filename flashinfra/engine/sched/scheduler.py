@@ -41,7 +41,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # resolved: the model's limit, or the config's if lower
     max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
-    speculative_tokens: int = 0  # draft tokens per decode step (0: no speculation)
+    speculative_tokens: int  # draft tokens per decode step (0: no speculation)
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
