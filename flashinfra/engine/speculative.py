@@ -59,6 +59,7 @@ class Speculator:
         self.hidden: dict[str, torch.Tensor] = {}  # request -> target hidden [D] at its last committed position
         self.drafts: dict[str, list[int]] = {}
         self.num_drafted = 0
+        self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
 
     def drop(self, request_id: str) -> None:
@@ -92,6 +93,8 @@ class Speculator:
                                     col(s.top_p, torch.float32), col(s.min_p, torch.float32))
             out = rejection_accept(probs, drafts, None, generator)
         self.num_drafted += len(drafts)
+        for j in range(len(drafts)):
+            self.num_drafted_at[j] += 1
         for j in range(len(out) - 1):
             self.num_accepted_at[j] += 1
         return out
