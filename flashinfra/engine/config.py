@@ -153,6 +153,9 @@ class EngineConfig(LoadConfig):
     prefix_checkpoint_interval: int = option(
         1024, "prompt tokens between prefix-cache checkpoints (plus one at the prompt's end)", min=1)
     seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
+    speculative_tokens: int = option(
+        0, "draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (0: off)",
+        min=0)
     events_path: str | None = option(
         None, "write the engine's runtime events here, as JSONL (default: not written)", metavar="FILE")
     gil_probe_ms: float | None = option(

@@ -44,7 +44,8 @@ class EngineCore:
         self.gil_probe = _start_gil_probe(config.gil_probe_ms, self.events)
         prefix_slots = config.resolved_prefix_slots
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots,
-                                  encoder_cache_bytes=config.encoder_cache_memory)
+                                  encoder_cache_bytes=config.encoder_cache_memory,
+                                  speculative_tokens=config.speculative_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,

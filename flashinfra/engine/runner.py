@@ -11,6 +11,7 @@ memory budget into a number of blocks and slots.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -56,7 +57,8 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
-                 num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20) -> None:
+                 num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
+                 speculative_tokens: int = 0) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -68,6 +70,11 @@ class ModelRunner:
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
         self.embedder = make_embedder(model, encoder_cache_bytes)  # None unless the vision tower is loaded
+        self.speculator = None
+        if speculative_tokens:
+            from flashinfra.engine.speculative import Speculator
+
+            self.speculator = Speculator(model, self.cache, speculative_tokens, block_size)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)
@@ -89,23 +96,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepResult:
+        spec = self.speculator
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
         if self.grammars is not None:
             self.grammars.release(plan.finished_ids)
+        if spec is not None:
+            for rid in (*plan.finished_ids, *plan.preempted_ids):
+                spec.drop(rid)
         result = StepResult()
         if plan.is_empty:
             return result
         sched = plan.scheduled
+        feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
         batch = ForwardBatch.build(
-            [sr.num_new_tokens for sr in sched],
+            [len(f) for f in feeds],
             [sr.context_len for sr in sched],
             [sr.state_slot for sr in sched],
             [sr.block_table for sr in sched],
             self.block_size,
             self.device,
         )
-        input_ids = torch.tensor([t for sr in sched for t in sr.token_ids], dtype=torch.long, device=self.device)
+        if replay:
+            batch = dataclasses.replace(batch, replay=replay)
+        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
         if embeds is not None:
@@ -114,9 +128,37 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, batch)
         else:
             hidden = self.model.forward(input_ids, batch, self.cache)
+        if spec is not None:
+            return self._finish_speculative(sched, feeds, replay, batch, hidden, result)
         self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
-        last = batch.last_token_indices
-        picks = [(sr, last[b]) for b, sr in enumerate(sched) if sr.sample]
+        return self._sample(sched, [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample],
+                            hidden, result)
+
+    def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult) -> StepResult:
+        """Accept the draft rows, sample the others, fold the committed tokens into the KDA checkpoints
+        (before any checkpoint is copied out for the prefix cache), and draft for the next step."""
+        spec, cu = self.speculator, batch.cu_seqlens_list
+        committed = [len(f) for f in feeds]
+        nexts: list[int | None] = [None] * len(sched)
+        for b, sr in enumerate(sched):
+            if len(feeds[b]) > sr.num_new_tokens:
+                gen = None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed)
+                out = spec.accept(sr, feeds[b], hidden[cu[b] : cu[b + 1]], gen)
+                result.emitted[sr.request_id] = out
+                committed[b], nexts[b] = len(out), out[-1]
+        plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
+        self._sample(sched, plain, hidden, result)
+        for b, sr in enumerate(sched):
+            if sr.request_id in result.sampled:
+                nexts[b] = result.sampled[sr.request_id]
+                if sr.num_draft:  # the scheduler reads a drafting row's tokens from ``emitted``
+                    result.emitted[sr.request_id] = [result.sampled[sr.request_id]]
+        spec.fold(sched, replay, committed)
+        self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
+        spec.draft(sched, feeds, cu, hidden, committed, nexts)
+        return result
+
+    def _sample(self, sched, picks, hidden, result: StepResult) -> StepResult:
         if not picks:
             return result
         grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs

@@ -33,6 +33,8 @@ class ModelCache:
     recurrent_state: dict[int, torch.Tensor]  # layer -> [num_slots, H, K, V]
     mla_latent_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # 8-bit latent layer -> [blocks, bs]
     indexer_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # fp8 indexer layer -> [blocks, bs, 2]
+    # speculative decoding: per KDA layer the ReplaySSM ring (``flashinfra.model.replay.ReplayRing``)
+    replay: dict[int, object] = field(default_factory=dict)
 
     @staticmethod
     def allocate(

@@ -4,7 +4,8 @@
 with per-expert tensors and the release names (``q_conv1d``, ``hc_attn_fn``...), exactly what a
 transformers ``save_pretrained`` writes, plus a byte-level BPE tokenizer with GLM's special tokens and
 chat template. Every layer kind is present by default: KDA and MLA layers, a full and a shared
-indexer, a dense MLP layer and MoE layers, mHC.
+indexer, a dense MLP layer and MoE layers, mHC. ``num_nextn_predict_layers=1`` adds the MTP layer
+(``flashinfra.model.mtp``), which transformers does not write.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def write_tiny_checkpoint(path: str | Path, seed: int = 0, tokenizer: bool = Tru
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, "lm_head.weight" if cfg.has_lm_head else None)
     g = torch.Generator().manual_seed(seed)
     tensors = {c.name: _init_tensor(c.name, c.shape, g) for forms in layout.values() for c in forms[0]}
+    if text.get("num_nextn_predict_layers"):  # transformers writes no MTP layer: ours, in the release names
+        from flashinfra.model.mtp import MTPBlock, mtp_weight_layout
+
+        with torch.device("meta"):
+            mtp = MTPBlock(cfg.text, torch.float32)
+        mtp_layout = mtp_weight_layout(cfg.text, dict(mtp.named_parameters()), cfg.weight_prefix)
+        tensors.update({c.name: _init_tensor(c.name, c.shape, g) for forms in mtp_layout.values() for c in forms[0]})
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     if tokenizer:

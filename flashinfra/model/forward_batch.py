@@ -32,6 +32,9 @@ class ForwardBatch:
     seq_lens_t: torch.Tensor  # [B] int32, device: cached + new tokens per sequence
     token_seq: torch.Tensor  # [T] int32, device: the sequence of each new token
     positions: torch.Tensor  # [T] int32, device: each new token's position in its sequence
+    # per sequence: its KDA layers verify from the checkpoint into the ReplaySSM ring (``model/replay.py``)
+    # instead of writing the state; empty: none does
+    replay: tuple[bool, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -47,6 +47,8 @@ class KDAttention(nn.Module):
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
         g_raw = F.linear(f_a, self.f_b_proj)
         gate = F.linear(g_a, self.g_b_proj)
+        if any(batch.replay):
+            return linear(self._forward_replay(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
@@ -58,3 +60,35 @@ class KDAttention(nn.Module):
                               batch.cu_seqlens_list, slots, has_init)
         o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
         return linear(o.reshape(T, H * K), self.o_proj)
+
+    def _forward_replay(self, qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Speculative verify: the ``batch.replay`` sequences run from their checkpoints into the ReplaySSM
+        ring (the state is written later, by the fold of the accepted tokens); the others as a prefill."""
+        from flashinfra.model.replay import kda_layer_verify
+
+        T, H, K = qkv.shape[0], self.H, self.K
+        conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        cu = batch.cu_seqlens_list
+        out = torch.empty(T, H, K, dtype=qkv.dtype, device=qkv.device)
+
+        def part(seqs):
+            idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(qkv.device)
+            sub = [0]
+            for i in seqs:
+                sub.append(sub[-1] + cu[i + 1] - cu[i])
+            return idx, sub, [batch.state_slots[i] for i in seqs]
+
+        idx, sub, slots = part([i for i, r in enumerate(batch.replay) if r])
+        out[idx] = kda_layer_verify(qkv[idx], self.conv_weight, conv_state, g_raw[idx], b[idx], gate[idx], self.A_log,
+                                    self.dt_bias, self.lower_bound, self.o_norm, self.eps, state,
+                                    cache.replay[self.layer], slots, sub)
+        rest = [i for i, r in enumerate(batch.replay) if not r]
+        if rest:
+            idx, sub, slots = part(rest)
+            has_init = [batch.has_initial_state[i] for i in rest]
+            x = causal_conv1d_prefill(qkv[idx], self.conv_weight, conv_state, sub, slots, has_init)
+            q, k, v = x.view(-1, 3, H, K).unbind(1)
+            o = kda_prefill_gated(q, k, v, g_raw[idx].view(-1, H, K), b[idx], self.A_log, self.dt_bias,
+                                  self.lower_bound, state, sub, slots, has_init)
+            out[idx] = gated_rms_norm(o, gate[idx].view(-1, H, K), self.o_norm, self.eps)
+        return out

@@ -26,6 +26,9 @@ class ScheduledRequest:
     load_state_from: int | None = None  # prefix hit: copy this checkpoint slot into state_slot first
     save_state_to: int | None = None  # after the step, copy state_slot into this checkpoint slot
     mm_items: tuple[MultiModalItem, ...] = ()  # images/videos whose span overlaps this step's tokens
+    # speculative decoding: up to this many draft tokens may follow token_ids (the runner drafts them;
+    # their cache space is allocated); the step's result then lists the emitted tokens in ``emitted``
+    num_draft: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -53,3 +56,6 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only for requests that asked
     errors: dict[str, str] = field(default_factory=dict)  # request id -> message; fails that request only
+    # rows scheduled with ``num_draft > 0``: every token emitted (the accepted drafts' targets and the one
+    # after them, 1 .. num_draft + 1); all but the last were fed this step and are now in the cache
+    emitted: dict[str, list[int]] = field(default_factory=dict)

@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # resolved: the model's limit, or the config's if lower
     max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
+    speculative_tokens: int  # draft tokens per decode step (0: no speculation)
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -110,14 +111,16 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_prefill_chunk or budget
-        scheduled: list[tuple[Request, int, int | None, int | None]] = []  # req, tokens, load, save
+        scheduled: list[tuple] = []  # req, tokens, load, save[, drafts]
         preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
-            target = req.num_computed_tokens + n
+            drafts = self._num_drafts(req, n, budget)
+            # cache room for the drafts, and as many positions again for the draft model's chained steps
+            target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
             while not self.cache.try_allocate(req, target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -126,8 +129,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: every later request is gone too
-            scheduled.append((req, n, None, self._save_slot(req, n)))
-            budget -= n
+            scheduled.append((req, n, None, self._save_slot(req, n), drafts))
+            budget -= n + drafts
             i += 1
 
         now = self.clock()
@@ -174,6 +177,9 @@ class Scheduler:
                 if sr.save_state_to is not None:
                     self.cache.release_checkpoint_slot(sr.save_state_to)
                 continue
+            if sr.num_draft and sr.request_id in result.emitted and sr.request_id not in result.errors:
+                outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id]))
+                continue
             req.num_computed_tokens += sr.num_new_tokens
             if sr.save_state_to is not None:
                 if sr.request_id in result.errors:
@@ -216,6 +222,34 @@ class Scheduler:
         )
 
     # ---- internals ----
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens for a decoding request (one pending token after at least one output): the
+        configured count, within the token budget, the length limits, and only for requests whose sampling
+        needs no per-token state (penalties, logprobs)."""
+        k, s = self.config.speculative_tokens, req.sampling
+        if not k or n != 1 or req.num_pending_tokens != 1 or not req.output_token_ids or not req.num_computed_tokens:
+            return 0
+        if s.logprobs is not None or s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+            return 0
+        left = min(self.max_len - req.num_tokens, s.max_tokens - req.num_output_tokens) - 1
+        return max(0, min(k, budget - n, left))
+
+    def _update_speculative(self, req: Request, sr: ScheduledRequest, tokens: list[int]) -> list[RequestOutput]:
+        """Commit a verified step: the fed token and the accepted drafts enter the cache (a rejected draft
+        is simply not counted: its cache entries are overwritten later), the emitted tokens are appended
+        until one stops the request."""
+        req.num_computed_tokens += len(tokens)
+        out: list[int] = []
+        for token in tokens:
+            req.append_output(token)
+            out.append(token)
+            self.num_generation_tokens_total += 1
+            reason = req.check_stop(self.max_len)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        return [self._output(req, out, None)]
+
     def _chunk(self, req: Request, limit: int) -> int:
         """Tokens ``req`` computes this step: up to ``limit``, stopping at its next prefix checkpoint
         position so that the KDA state there can be saved."""
@@ -235,7 +269,7 @@ class Scheduler:
             return None
         return self.cache.reserve_checkpoint_slot()
 
-    def _scheduled(self, req: Request, n: int, load: int | None, save: int | None) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, load: int | None, save: int | None, drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
@@ -250,6 +284,7 @@ class Scheduler:
             load_state_from=load,
             save_state_to=save,
             mm_items=tuple(it for it in req.mm_items if it.offset < start + n and it.end > start),
+            num_draft=drafts,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -1,0 +1,167 @@
+"""Speculative decoding with the checkpoint's MTP layer: drafting, acceptance, the ReplaySSM fold.
+
+Per step (``ModelRunner.execute`` calls these around the target's forward pass):
+
+1. ``feeds``: each row scheduled with ``num_draft > 0`` gets up to that many drafts from the previous step
+   appended to its fed token; when any row carries drafts, the batch's ``replay`` flags send those rows
+   (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
+   layers' verify path: the checkpoint is read, the ring written.
+2. ``accept``: logits at every fed position of a draft row; greedy rows keep the drafts equal to the
+   target's argmax, sampled rows run rejection sampling with the request's generator
+   (``spec_accept``). ``fold`` then replays the committed tokens into each KDA checkpoint and shifts the
+   conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed length:
+   nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next
+   step overwrites them, so a rejection is a cursor move.
+3. ``draft``: the MTP layer catches up over the committed positions (its entry at position ``i`` reads the
+   target hidden at ``i`` and the token at ``i + 1``; the hidden of the previous step's last position is
+   kept per request), the last entry (with the token just emitted) gives the first draft, and ``k - 1``
+   single-token MTP steps chain the rest (their cache entries beyond the committed length are
+   overwritten later too).
+
+Drafts are greedy (the MTP's argmax), so the draft distribution in rejection sampling is one-hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfra.engine.sampler import truncated_probs
+from flashinfra.engine.sched.plan import ScheduledRequest
+from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
+from flashinfra.model.api import LoadedModel
+from flashinfra.model.cache import ModelCache
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.loader import CheckpointReader
+from flashinfra.model.mtp import MTPBlock, allocate_mtp_cache, has_mtp, load_mtp
+from flashinfra.model.replay import ReplayRing, kda_fold
+
+
+class Speculator:
+    def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int):
+        text = model.config.text
+        reader = CheckpointReader(model.path)
+        if not has_mtp(model.config, reader.names()):
+            raise ValueError(f"speculative decoding needs the checkpoint's MTP layer "
+                             f"(layers.{text.num_hidden_layers}.*); {model.path} has none")
+        with torch.device(model.device):
+            self.mtp = MTPBlock(text, model.dtype)
+        load_mtp(self.mtp, model.config, reader)
+        self.mtp.eval()
+        self.model, self.num_tokens, self.block_size = model, num_tokens, block_size
+        self.device = model.device
+        self.mtp_cache = allocate_mtp_cache(text, cache.num_blocks, block_size, cache.num_slots, model.dtype,
+                                            model.device)
+        self.cache = cache
+        self.capacity = num_tokens + 1  # ring entries: the fed token and the drafts
+        H, K = text.linear_num_heads, text.linear_head_dim
+        cache.replay.update({i: ReplayRing.allocate(cache.num_slots, self.capacity, H, K, K, model.dtype, model.device)
+                             for i in text.kda_layers})
+        self.hidden: dict[str, torch.Tensor] = {}  # request -> target hidden [D] at its last committed position
+        self.drafts: dict[str, list[int]] = {}
+        self.num_drafted = 0
+        self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
+        self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
+
+    def drop(self, request_id: str) -> None:
+        self.hidden.pop(request_id, None)
+        self.drafts.pop(request_id, None)
+
+    def feeds(self, sched: list[ScheduledRequest]) -> tuple[list[list[int]], tuple[bool, ...]]:
+        """Tokens fed per row (drafts appended) and the batch's replay flags (empty: no row has drafts)."""
+        feeds = [list(sr.token_ids) + (self.drafts.get(sr.request_id, [])[: sr.num_draft] if sr.num_draft else [])
+                 for sr in sched]
+        if all(len(f) == sr.num_new_tokens for f, sr in zip(feeds, sched)):
+            return feeds, ()
+        return feeds, tuple(len(f) > sr.num_new_tokens or (len(f) == 1 and sr.context_len > 0)
+                            for f, sr in zip(feeds, sched))
+
+    def accept(self, sr: ScheduledRequest, fed: list[int], hidden: torch.Tensor,
+               generator: torch.Generator | None) -> list[int]:
+        """hidden [len(fed), D] of a draft row -> the emitted tokens."""
+        drafts = fed[sr.num_new_tokens:]
+        logits = self.model.compute_logits(hidden)
+        s = sr.sampling
+        if s.greedy:
+            out = greedy_accept(torch.argmax(logits, -1).tolist(), drafts)
+        else:
+            n = logits.shape[0]
+
+            def col(v, dt):
+                return torch.full((n,), v, dtype=dt, device=logits.device)
+
+            probs = truncated_probs(logits.float(), col(s.temperature, torch.float32), col(s.top_k, torch.long),
+                                    col(s.top_p, torch.float32), col(s.min_p, torch.float32))
+            out = rejection_accept(probs, drafts, None, generator)
+        self.num_drafted += len(drafts)
+        for j in range(len(drafts)):
+            self.num_drafted_at[j] += 1
+        for j in range(len(out) - 1):
+            self.num_accepted_at[j] += 1
+        return out
+
+    def fold(self, sched: list[ScheduledRequest], replay: tuple[bool, ...], committed: list[int]) -> None:
+        """Fold each replay row's committed tokens into its KDA checkpoints."""
+        rows = [b for b, r in enumerate(replay) if r]
+        if not rows:
+            return
+        slots, ns = [sched[b].state_slot for b in rows], [committed[b] for b in rows]
+        for layer, ring in self.cache.replay.items():
+            kda_fold(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, ns)
+
+    @torch.inference_mode()
+    def draft(self, sched: list[ScheduledRequest], feeds: list[list[int]], cu: list[int], hidden: torch.Tensor,
+              committed: list[int], nexts: list[int | None]) -> None:
+        """Catch the MTP layer up over each row's committed positions and draft for the rows that go on."""
+        embed = self.model.model.embed_tokens
+        rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
+        for b, sr in enumerate(sched):
+            rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
+            if m == 0:
+                continue
+            h_rows = hidden[cu[b] : cu[b] + m]
+            tokens = feeds[b][:m] + ([nxt] if nxt is not None else [])
+            prev = self.hidden.get(rid) if c > 0 else None
+            hs = ([prev[None]] if prev is not None else []) + [h_rows[: len(tokens) - 1]]
+            tk = tokens if prev is not None else tokens[1:]
+            self.hidden[rid] = h_rows[m - 1].clone()
+            self.drafts.pop(rid, None)
+            if not tk:
+                continue
+            rows.append((b, nxt is not None))
+            hid.append(torch.cat(hs))
+            toks.extend(tk)
+            qlens.append(len(tk))
+            ctxs.append(c - 1 if prev is not None else c)
+            slots.append(sr.state_slot)
+            tables.append(list(sr.block_table))
+        if not rows:
+            return
+        ids = torch.tensor(toks, dtype=torch.long, device=self.device)
+        batch = ForwardBatch.build(qlens, ctxs, slots, tables, self.block_size, self.device)
+        out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
+        last = [batch.cu_seqlens_list[i + 1] - 1 for i in range(len(rows))]
+        live = [i for i, (_, go) in enumerate(rows) if go]
+        if not live:
+            return
+        h = out[[last[i] for i in live]]
+        pos = [ctxs[i] + qlens[i] for i in live]  # the next chained entry's position
+        drafts: list[list[int]] = [[] for _ in live]
+        cur = live
+        for j in range(self.num_tokens):
+            tok = self.model.compute_logits(self.mtp.logits_hidden(h)).argmax(-1)
+            for r, t in zip(cur, tok.tolist()):
+                drafts[live.index(r)].append(t)
+            if j + 1 == self.num_tokens:
+                break
+            keep = [x for x, r in enumerate(cur) if pos[live.index(r)] < len(tables[r]) * self.block_size]
+            if not keep:
+                break
+            cur, h, tok = [cur[x] for x in keep], h[keep], tok[keep]
+            ps = [pos[live.index(r)] for r in cur]
+            batch = ForwardBatch.build([1] * len(cur), ps, [slots[r] for r in cur], [tables[r] for r in cur],
+                                       self.block_size, self.device)
+            h = self.mtp(embed[tok], h, batch, self.mtp_cache)
+            for r in cur:
+                pos[live.index(r)] += 1
+        for i, d in zip(live, drafts):
+            self.drafts[sched[rows[i][0]].request_id] = d

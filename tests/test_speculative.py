@@ -1,0 +1,105 @@
+"""Speculative decoding with the MTP layer through ``LLM``: greedy output equals decoding without drafts,
+over mixed batches, under preemption, with prefix hits and chunked prefill; seeded sampling reproduces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import flashinfra
+from flashinfra import SamplingParams
+from flashinfra.model.factory import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("mtp"), seed=0, num_nextn_predict_layers=1)
+
+
+def _prompts(seed, n, max_len=24):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 512) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 12), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    prompts, params = _prompts(0, 6)
+    base = flashinfra.LLM(ckpt, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    return prompts, params, [o.token_ids for o in base.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_drafts_equals_without(ckpt, reference, k):
+    prompts, params, want = reference
+    llm = flashinfra.LLM(ckpt, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                         speculative_tokens=k)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    spec = llm.engine.runner.speculator
+    assert spec.num_drafted > 0
+
+
+def test_greedy_with_drafts_under_preemption_and_chunked_prefill(ckpt, reference):
+    prompts, params, want = reference
+    small = flashinfra.LLM(ckpt, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                           max_prefill_chunk=5, speculative_tokens=2)
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
+    assert small.engine.stats().num_preemptions_total > 0
+
+
+def test_greedy_with_drafts_and_prefix_hits(ckpt):
+    rng = random.Random(5)
+    system = [rng.randrange(10, 512) for _ in range(14)]
+    prompts = [system + [rng.randrange(10, 512) for _ in range(rng.randrange(1, 6))] for _ in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, prefix_cache_slots=0)
+    warm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, prefix_checkpoint_interval=8,
+                          speculative_tokens=3)
+    first = [o.token_ids for o in warm.generate(prompts, params)]
+    assert first == [o.token_ids for o in cold.generate(prompts, params)]
+    follow = [prompts[1], prompts[0] + first[0] + [33, 44]]
+    assert [o.token_ids for o in warm.generate(follow, params)] == [o.token_ids for o in cold.generate(follow, params)]
+    assert warm.engine.stats().num_prefix_hit_tokens_total > 0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(ckpt):
+    prompts, _ = _prompts(3, 3, max_len=10)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, speculative_tokens=2)
+        runs.append([o.token_ids for o in llm.generate(prompts, seeded)])
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])
+
+
+def test_no_mtp_layer_is_refused(tmp_path):
+    plain = write_tiny_checkpoint(tmp_path / "plain", seed=0)
+    with pytest.raises(ValueError, match="MTP layer"):
+        flashinfra.LLM(plain, num_blocks=16, speculative_tokens=1)
+
+
+def test_oracle_drafts_fold_accepted_prefixes(ckpt, reference, monkeypatch):
+    """Drafts from the known greedy continuation, one in five corrupted: long accepted prefixes and partial
+    rejections both go through the fold, and the output is still the reference."""
+    prompts, params, want = reference
+    by_prompt = {tuple(p): w for p, w in zip(prompts, want)}
+    llm = flashinfra.LLM(ckpt, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                         speculative_tokens=4)
+    spec = llm.engine.runner.speculator
+    real = spec.draft
+
+    def oracle(sched, feeds, cu, hidden, committed, nexts):
+        real(sched, feeds, cu, hidden, committed, nexts)
+        for b, sr in enumerate(sched):
+            if nexts[b] is None:
+                continue
+            out = list(sr.output_token_ids) + feeds[b][sr.num_new_tokens : committed[b]] + [nexts[b]]
+            full = by_prompt[tuple(sr.prompt_token_ids)]
+            d = full[len(out) : len(out) + 4]
+            spec.drafts[sr.request_id] = [t if (len(out) + j) % 5 != 4 else (t + 1) % 512 for j, t in enumerate(d)]
+
+    monkeypatch.setattr(spec, "draft", oracle)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert spec.num_accepted_at[2] > 0 and spec.num_drafted > sum(spec.num_accepted_at)
