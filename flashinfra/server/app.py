@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from flashinfra.generation_defaults import apply_defaults, load_generation_defaults
 from flashinfra.server.engine_client import ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, EngineLauncher
 from flashinfra.server.errors import APIError, error_body, error_response, install_error_handlers
 from flashinfra.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -86,6 +87,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 client=client, tokenizer=tokenizer, model_name=config.served_model_name or info.model_name,
                 max_model_len=info.max_model_len, metrics=metrics, executor=executor,
                 vocab_size=info.vocab_size, media=config.media)
+            app.state.generation_defaults = load_generation_defaults(config.model_path)
             lag_watch = asyncio.create_task(metrics.watch_event_loop(), name="event-loop-lag")
             try:
                 yield
@@ -133,7 +135,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             ids = await tokenize(state, prompt) if isinstance(prompt, str) else list(prompt)
             prompts.append(ids)
         max_tokens = [check_prompt(state, ids, body.max_tokens, 16) for ids in prompts]
-        sampling = [body.sampling_params(mt, body.num_logprobs) for mt in max_tokens]
+        defaults = request.app.state.generation_defaults
+        sampling = [apply_defaults(body.sampling_params(mt, body.num_logprobs), defaults, body.model_fields_set)
+                    for mt in max_tokens]
         request_id = new_request_id("cmpl")
         choices = make_choices(state, request_id, prompts, sampling, body.n, body.stop_strings,
                                body.include_stop_str_in_output, body.skip_special_tokens)
@@ -159,9 +163,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                                         template_kwargs=body.chat_template_kwargs)
         else:
             prompt_ids = multimodal[0]
-        max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, None, "messages")
+        defaults = request.app.state.generation_defaults
+        max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, defaults.get("max_tokens"),
+                                  "messages")
+        params = apply_defaults(body.sampling_params(max_tokens, body.num_logprobs), defaults, body.model_fields_set)
         request_id = new_request_id("chatcmpl")
-        choices = make_choices(state, request_id, [prompt_ids], [body.sampling_params(max_tokens, body.num_logprobs)],
+        choices = make_choices(state, request_id, [prompt_ids], [params],
                                body.n, body.stop_strings, body.include_stop_str_in_output,
                                body.skip_special_tokens)
         for c in choices if multimodal is not None else ():
