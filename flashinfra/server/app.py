@@ -78,7 +78,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                 info = await client.start(config.engine_start_timeout_s)
             except EngineDeadError as exc:
                 # One clear line (serve prints it) instead of the lifespan's tracebacks.
-                outcome.error = str(exc)
+                logger.debug("engine start failed: %s", exc)
+                outcome.error = str(exc).splitlines()[0].replace("failed to start: engine failed to start:",
+                                                                 "failed to start:")
                 outcome.exit_code = 2 if "failed to start" in str(exc) else 1
                 raise
             if config.startup_info is not None:

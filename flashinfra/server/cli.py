@@ -176,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
     outcome.request_exit = lambda: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits when the lifespan start-up failed
+        if outcome.error is None:
+            raise
+        del exc
     finally:
         sock.close()
     if outcome.error is not None:
