@@ -285,3 +285,29 @@ def test_soak_of_mixed_requests(tmp_path, count):
         assert httpx.get(f"{server.url}/metrics", timeout=10).text.count("flashinfra_engine_up 1.0") == 1
     finally:
         server.stop(30)
+
+
+def test_startup_errors_are_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        base = [sys.executable, "-m", "flashinfra", "serve", "--device", "cpu", "--log-level", "warning"]
+        start = time.monotonic()
+        r = subprocess.run([*base, "--port", str(port)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "cannot listen on" in r.stderr, r.stderr
+        assert time.monotonic() - start < 30  # refused before the model loads
+        r = subprocess.run([*base, "--port", str(port), "--kv-cache-memory", "1KB"], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and "cannot listen on" in r.stderr  # the port is checked first
+        busy.close()
+        r = subprocess.run([*base, "--port", str(port), "--kv-cache-memory", "1KB"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and "kv_cache_memory" in r.stderr, r.stderr
+    finally:
+        busy.close()
