@@ -203,9 +203,9 @@ class EngineClient:
         self._closing = True
         await self._stop_tasks()
         if self.process is not None and self._process_alive():
-            try:
-                self._send.send(m.encode(m.Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+            try:  # bounded: an engine that reads nothing any more is killed below
+                await asyncio.wait_for(self._send.send(m.encode(m.Shutdown())), timeout=2.0)
+            except (zmq.ZMQError, asyncio.TimeoutError):
                 pass
             deadline = time.monotonic() + timeout_s
             while self._process_alive() and time.monotonic() < deadline:
