@@ -3,7 +3,8 @@
 Owns the mapping from every failure the server can see to a status code: bad input of any kind (body
 that is not JSON or not UTF-8, wrong types, out-of-range values, unknown model, prompt too long) is a 400,
 a missing or wrong API key a 401, an unknown route or model a 404, a body over the size limit a 413, a
-full queue a 429 (with ``Retry-After``), an engine that is gone a 503 ``engine_unavailable``. A 500 means a bug in the server and is still answered in the same format.
+full queue a 429 (with ``Retry-After``), an engine that is gone a 503 ``engine_unavailable``. A 500 means
+a bug in the server and is still answered in the same format.
 """
 
 from __future__ import annotations
