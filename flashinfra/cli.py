@@ -27,7 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every sub-command's help shows each option's default."""
+    from flashinfra.cli_help import DefaultsHelpFormatter
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if sub.formatter_class is argparse.HelpFormatter:
+                    sub.formatter_class = DefaultsHelpFormatter
+                _show_defaults(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

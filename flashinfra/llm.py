@@ -2,8 +2,9 @@
 
 Runs an ``EngineCore`` in this process (no server, no ZeroMQ) and steps it until every prompt is done;
 all prompts are batched together by the scheduler. Prompts are text (tokenized with the checkpoint's
-``tokenizer.json``) or lists of token ids. Stop strings are a server feature; here generation stops on
-EOS, ``stop_token_ids`` or ``max_tokens``.
+``tokenizer.json``) or lists of token ids. Generation stops on EOS, ``stop_token_ids``, ``max_tokens`` or
+one of the ``stop`` strings (the text ends before it, as in the server). Without sampling params the
+checkpoint's ``generation_config.json`` defaults apply.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 from flashinfra.engine.config import EngineConfig, config_kwargs
 from flashinfra.parallel.engine import make_engine
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TokenLogprob
+from flashinfra.generation_defaults import apply_defaults, load_generation_defaults
 
 
 @dataclass
@@ -38,6 +40,7 @@ class LLM:
         config_kwargs(EngineConfig, engine_args)
         self.engine = make_engine(EngineConfig(model=str(model) if model is not None else None, **engine_args))
         self.tokenizer = _load_tokenizer(self.engine.model.path)
+        self.generation_defaults = load_generation_defaults(self.engine.model.path)
         self._ids = itertools.count()
 
     def encode(self, text: str) -> list[int]:
@@ -54,6 +57,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         images: Sequence[Sequence[Any] | None] | None = None,
         videos: Sequence[Sequence[Any] | None] | None = None,
+        stop: str | Sequence[str] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (batched); outputs in prompt order. Invalid input raises ValueError
         before anything runs. ``images`` / ``videos``: per prompt, a list of images (PIL, path, bytes) /
@@ -62,8 +66,11 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or ()) if s]
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this checkpoint has no tokenizer.json)")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = apply_defaults(SamplingParams(), self.generation_defaults, include_max_tokens=True)
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
@@ -99,15 +106,32 @@ class LLM:
                 g = outputs.get(out.request_id)
                 if g is None:
                     continue
+                if g.finish_reason is not None:
+                    continue  # ended by a stop string; the engine's late outputs do not count
                 g.token_ids.extend(out.new_token_ids)
                 if out.logprobs is not None and g.logprobs is not None:
                     g.logprobs.extend(out.logprobs)
                 if out.finished:
                     g.finish_reason, g.error = out.finish_reason, out.error
+                elif stops and g.finish_reason is None and self._cut_at_stop(g, stops):
+                    self.engine.abort([g.request_id])
         result = [outputs[r.request_id] for r in requests]
         for g in result:
+            if g.finish_reason == "stop" and g.text is not None and stops:
+                continue  # cut at its stop string already
             g.text = self.decode(g.token_ids)
+            if stops and g.text is not None:
+                self._cut_at_stop(g, stops)
         return result
+
+    def _cut_at_stop(self, g: GenerationOutput, stops: list[str]) -> bool:
+        """If ``g``'s text contains a stop string: cut the text before it, finish with "stop"."""
+        text = self.decode(g.token_ids) or ""
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        g.text, g.finish_reason = text[:min(hits)], "stop"
+        return True
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -75,7 +75,8 @@ class Runner:
         env = candidate_env([tree, self.trusted_root], workdir, self.secrets)
         outcome = run_limited([sys.executable, "-m", "flashinfra.agent.worker", str(workdir / "spec.json")],
                               cwd=tree, limits=self.goals.sandbox, env=env,
-                              violations_file=workdir / "violations.jsonl", timeout_s=timeout_s)
+                              violations_file=workdir / "violations.jsonl", timeout_s=timeout_s,
+                              writable=[tree, workdir])
         result = None
         if (workdir / "result.json").exists():
             result = json.loads((workdir / "result.json").read_text(encoding="utf-8"))

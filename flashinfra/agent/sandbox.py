@@ -7,6 +7,11 @@ clock timeout. It never raises for what the child does; the ``Outcome`` says how
 inside (the audit-hook tripwire that stops file reads outside the repository and connection attempts)
 lives in ``flashinfra.agent.guard``; this module is the OS-level boundary around it.
 
+Where bubblewrap (``bwrap``) can make namespaces, the child runs inside it: the whole filesystem
+read-only (the repository included) except the candidate's worktree and the evaluation directory, an
+empty ``/tmp``, its own ``/dev`` and ``/proc``, and no network (``--unshare-net``). Where it cannot
+(``filesystem_sandbox()`` says why), the ``unshare -n`` network namespace and the audit hook remain.
+
 ``candidate_env`` builds a child environment from scratch (an allowlist, never a copy of ours), so an
 API key in the agent's environment cannot reach candidate code.
 """
@@ -83,6 +88,30 @@ def network_isolation() -> tuple[tuple[str, ...], str]:
     return (), "unavailable: " + (reason[-1] if reason else "unshare failed")
 
 
+@functools.lru_cache(maxsize=1)
+def filesystem_sandbox() -> tuple[str | None, str]:
+    """(path of a working bwrap, description); (None, why not) where none works here."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None, "unavailable: no bwrap on this machine (apt-get install bubblewrap)"
+    try:
+        probe = subprocess.run([bwrap, *_bwrap_args([]), "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"unavailable: {exc}"
+    if probe.returncode != 0:
+        reason = probe.stderr.decode(errors="replace").strip().splitlines()
+        return None, "unavailable: " + (reason[-1] if reason else f"bwrap exited with {probe.returncode}")
+    return bwrap, "bubblewrap (read-only filesystem but the worktree and evaluation dir, network namespace)"
+
+
+def _bwrap_args(writable: list[Path]) -> list[str]:
+    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+    for path in sorted({os.path.realpath(p) for p in writable}, key=len):
+        args += ["--bind", path, path]
+    return args
+
+
 def _limit(limits: SandboxLimits):
     cpu = int(limits.cpu_s)
     memory = int(limits.memory_mb) * 2**20
@@ -108,9 +137,20 @@ def candidate_env(pythonpath: list[Path], home: Path, secrets: tuple[str, ...] =
 
 
 def run_limited(argv: list[str], cwd: Path, limits: SandboxLimits, env: dict[str, str],
-                violations_file: Path | None = None, timeout_s: float | None = None) -> Outcome:
-    """Run ``argv`` under the limits; see the module docstring."""
-    prefix, isolation = network_isolation()
+                violations_file: Path | None = None, timeout_s: float | None = None,
+                writable: list[Path] | None = None) -> Outcome:
+    """Run ``argv`` under the limits; see the module docstring. ``writable``: what the child may write
+    (default: ``cwd``); the violations file's directory and the env's HOME/TMPDIR are added."""
+    bwrap, fs_isolation = filesystem_sandbox()
+    if bwrap is not None:
+        paths = [Path(cwd), *(writable or [])]
+        paths += [violations_file.parent] if violations_file is not None else []
+        paths += [Path(env[k]) for k in ("HOME", "TMPDIR") if env.get(k)]
+        for path in paths:
+            path.mkdir(parents=True, exist_ok=True)
+        prefix, isolation = (bwrap, *_bwrap_args(paths)), fs_isolation
+    else:
+        prefix, isolation = network_isolation()
     timeout = limits.timeout_s if timeout_s is None else timeout_s
     start = time.monotonic()
     proc = subprocess.Popen([*prefix, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
@@ -129,7 +169,10 @@ def run_limited(argv: list[str], cwd: Path, limits: SandboxLimits, env: dict[str
             proc.wait()
     # Whatever the child left running in its session goes too (a fork that outlived it).
     _kill_group(proc)
-    outcome = Outcome(proc.returncode, timed_out, time.monotonic() - start,
+    returncode = proc.returncode
+    if bwrap is not None and returncode is not None and 128 < returncode < 128 + 65:
+        returncode = 128 - returncode  # bwrap reports a child killed by signal N as 128 + N, like a shell
+    outcome = Outcome(returncode, timed_out, time.monotonic() - start,
                       stdout.decode(errors="replace"), stderr.decode(errors="replace"),
                       network_isolation=isolation, timeout_s=timeout)
     if violations_file is not None and violations_file.exists():

@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window - 1)")
     ppl.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens per packed forward")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
+    ppl.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     LoadConfig.add_args(ppl.add_argument_group("model"))
     ppl.set_defaults(func=run_perplexity)
 
@@ -59,7 +60,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
     model = flashinfra.load_model(model_dir, dtype=config.dtype, device=config.device,
                                   quantization=config.quantization, cache_spec=CacheSpec.of(config))
     try:
-        result = perplexity(model, ids, args.window, args.stride, args.max_batch_tokens)
+        result = perplexity(model, ids, args.window, args.stride, args.max_batch_tokens,
+                            progress=not args.no_progress)
     except ValueError as e:
         raise SystemExit(f"eval perplexity: {e}") from None
     out = {"model": str(model_dir), "file": str(text_file), "dtype": config.dtype, "device": config.device}

@@ -137,8 +137,10 @@ def perplexity(
     max_batch_tokens: int = 4096,
     block_size: int = 16,
     logits_rows: int = 1024,
+    progress: bool = False,
 ) -> PerplexityResult:
-    """Perplexity of ``model`` (a ``flashinfra.load_model`` result) on ``token_ids``."""
+    """Perplexity of ``model`` (a ``flashinfra.load_model`` result) on ``token_ids``; ``progress``: a tqdm bar
+    (on stderr) over the scored tokens."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     vocab = model.config.text.vocab_size
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -146,8 +148,17 @@ def perplexity(
     windows = make_windows(ids.numel(), window, stride)
     start = time.perf_counter()
     nll = 0.0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(w.num_scored for w in windows), unit="tok", desc="perplexity", leave=False)
     for group in pack_windows(windows, max_batch_tokens):
         nll += batch_nll(model, ids, group, block_size, logits_rows)
+        if bar is not None:
+            bar.update(sum(w.num_scored for w in group))
+    if bar is not None:
+        bar.close()
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     scored = sum(w.num_scored for w in windows)

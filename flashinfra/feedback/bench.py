@@ -265,10 +265,13 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flashinfra.cli_help import DefaultsHelpFormatter
+
     p = argparse.ArgumentParser(prog="flashinfra bench", description=(
         "Run microbenchmarks (names, prefixes, globs or tags), or 'ceilings' to measure this machine, or "
-        "'serve ARGS...' to run the serving benchmark."))
-    p.add_argument("names", nargs="+")
+        "'serve ARGS...' to run the serving benchmark."), formatter_class=DefaultsHelpFormatter)
+    p.add_argument("names", nargs="*", help="benchmarks to run: names, prefixes, globs or tags")
+    p.add_argument("--list", action="store_true", help="list the registered benchmarks with their tags and exit")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16")
@@ -302,7 +305,19 @@ def _serve(argv: list[str]) -> int:
 def cli_main(argv: list[str]) -> int:
     if argv and argv[0] == "serve":
         return _serve(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        errors = registry.load_providers((() if args.no_default_providers else registry.PROVIDERS)
+                                         + tuple(args.provider))
+        for entry in sorted(registry.benchmarks().values(), key=lambda e: e.name):
+            print(f"{entry.name:40s} {', '.join(entry.tags)}")
+        print("serve                                    (the serving benchmark: 'bench serve --help')")
+        for module, error in errors:
+            print(f"error: provider {module}: {error}", file=sys.stderr)
+        return 0
+    if not args.names:
+        parser.error("name at least one benchmark (or --list to see them)")
     device = args.device or default_device()
     if args.names == ["ceilings"]:
         from flashinfra.feedback import ceilings

@@ -1,5 +1,6 @@
 """``flashinfra generate``: generate text from a prompt with the offline ``LLM`` (built-in default model
-unless ``--model`` is given); greedy unless ``--temperature`` is above 0.
+unless ``--model`` is given). Sampling flags left out take the checkpoint's ``generation_config.json``
+defaults (the built-in model's: greedy with a repetition penalty of 1.3, 64 tokens).
 
 The engine's flags (``--model``, ``--dtype``, ``--max-num-seqs``, ``--seed``...) are ``EngineConfig``'s, the
 same as ``serve``'s; the sampling flags are this command's own.
@@ -16,10 +17,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt")
     p.add_argument("prompt", nargs="+", help="prompt text (several words are joined with spaces)")
     sampling = p.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
-    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
+    from_ckpt = "(default: the checkpoint's generation_config.json, else %s)"
+    sampling.add_argument("--max-tokens", type=int, help="tokens to generate at most " + from_ckpt % 32)
+    sampling.add_argument("--temperature", type=float, help="0 is greedy " + from_ckpt % 0)
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling mass " + from_ckpt % "1.0, off")
+    sampling.add_argument("--top-k", type=int, help="sample among the k likeliest tokens " + from_ckpt % "0, off")
+    sampling.add_argument("--repetition-penalty", type=float, help="above 1 discourages repeats " + from_ckpt % 1.0)
+    sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop when the output contains TEXT (repeatable; default: none)")
     media = p.add_argument_group("media")
     media.add_argument("--image", action="append", default=[], metavar="FILE",
                        help="an image for the prompt (repeatable; placed at <|image|> marks, else before the text)")
@@ -32,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
     from flashinfra.engine.sched.messages import SamplingParams
+    from flashinfra.generation_defaults import apply_defaults
     from flashinfra.llm import LLM
 
     prompt = " ".join(args.prompt)
@@ -40,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig.from_args(args)
         if media:
             config = replace(config, enable_vision=True)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k)
         llm = LLM(**asdict(config))
+        given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty")
+                 if getattr(args, k) is not None}
+        params = apply_defaults(SamplingParams(**{"max_tokens": 32, "temperature": 0.0, **given}),
+                                llm.generation_defaults, set(given), include_max_tokens=True)
         out = llm.generate(prompt, params, images=[args.image] if media else None,
-                           videos=[args.video] if media else None)[0]
+                           videos=[args.video] if media else None, stop=args.stop or None)[0]
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
     if out.finish_reason == "error":

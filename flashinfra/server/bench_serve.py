@@ -46,7 +46,10 @@ class RequestResult:
 
 
 def build_parser(prog: str = "flashinfra bench serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from flashinfra.cli_help import DefaultsHelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]),
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 
 from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams
+from flashinfra.generation_defaults import apply_defaults
 from flashinfra.server.errors import bad_request
 from flashinfra.server.media import chat_prompt
 from flashinfra.server.protocol import ChatCompletionRequest
@@ -56,7 +57,8 @@ def template_variables(body: ChatCompletionRequest) -> dict:
     return variables
 
 
-async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedChat:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, defaults: dict) -> PreparedChat:
+    """``defaults``: the checkpoint's generation defaults (``generation_defaults``) for the fields the body leaves out."""
     messages, variables = template_messages(body), template_variables(body)
     multimodal = await chat_prompt(state, body.messages, messages, body.add_generation_prompt, variables)
     if multimodal is None:
@@ -65,14 +67,14 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         mm_items: list[MultiModalItem] = []
     else:
         prompt_ids, mm_items = multimodal
-    max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, None, "messages")
+    max_tokens = check_prompt(state, prompt_ids, body.requested_max_tokens, defaults.get("max_tokens"), "messages")
     tail = state.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     think_open = prompt_opens_think(tail)
     tools, choice = body.tool_dicts, body.effective_tool_choice
     grammar = chat_grammar(tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
                            think_open=think_open, response_format=body.response_format,
                            guided_regex=body.guided_regex, guided_choice=body.guided_choice)
-    sampling = body.sampling_params(max_tokens, body.num_logprobs)
+    sampling = apply_defaults(body.sampling_params(max_tokens, body.num_logprobs), defaults, body.model_fields_set)
     if grammar is not None:
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     return PreparedChat(prompt_ids, sampling, think_open, tools, tools_enabled(tools, choice), mm_items)

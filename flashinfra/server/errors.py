@@ -2,8 +2,9 @@
 
 Owns the mapping from every failure the server can see to a status code: bad input of any kind (body
 that is not JSON or not UTF-8, wrong types, out-of-range values, unknown model, prompt too long) is a 400,
-a missing or wrong API key a 401, an unknown route a 404, a full queue a 429, an engine that is gone a
-503. A 500 means a bug in the server and is still answered in the same format.
+a missing or wrong API key a 401, an unknown route or model a 404, a body over the size limit a 413, a
+full queue a 429 (with ``Retry-After``), an engine that is gone a 503 ``engine_unavailable``. A 500 means
+a bug in the server and is still answered in the same format.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 class APIError(Exception):
     """An error answered to the client as-is (status, message, offending parameter)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -68,7 +71,7 @@ def _describe_validation(errors: list[dict]) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -24,9 +24,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 class _EngineCollector:
     """Reads the engine's figures at scrape time, so they are never stale by more than one step."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int]):
+    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int],
+                 get_health: Callable[[], tuple[bool, int]] | None = None):
         self._get_stats = get_stats
         self._get_pending = get_pending
+        self._get_health = get_health
 
     def collect(self):
         stats = self._get_stats()
@@ -34,6 +36,16 @@ class _EngineCollector:
                                     "Sub-requests the server has sent to the engine and not seen finish")
         pending.add_metric([], self._get_pending())
         yield pending
+        if self._get_health is not None:
+            up, restarts = self._get_health()
+            gauge = GaugeMetricFamily("flashinfra_engine_up", "1 while the engine process serves, else 0")
+            gauge.add_metric([], 1.0 if up else 0.0)
+            yield gauge
+            counter = CounterMetricFamily("flashinfra_engine_restarts", "Engine processes restarted after a failure")
+            counter.add_metric([], float(restarts))
+            yield counter
+            if not up:
+                return  # the dead engine's last figures would only mislead
         if stats is None:
             return
         gauges = (
@@ -66,7 +78,8 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's metrics; ``render()`` gives the Prometheus text format."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int]):
+    def __init__(self, get_stats: Callable[[], EngineStats | None], get_pending: Callable[[], int],
+                 get_health: Callable[[], tuple[bool, int]] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("flashinfra_time_to_first_token_seconds",
@@ -89,7 +102,7 @@ class ServerMetrics:
                                   "How late the server's event loop wakes a 100 ms timer (time the loop was "
                                   "blocked: tokenizing inline, detokenizing, JSON, GIL contention)",
                                   buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(get_stats, get_pending))
+        r.register(_EngineCollector(get_stats, get_pending, get_health))
 
     async def watch_event_loop(self, period_s: float = 0.1) -> None:
         """Runs for the server's lifetime: every streamed token passes through this one loop, so any

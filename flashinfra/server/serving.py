@@ -21,7 +21,8 @@ from starlette.requests import Request
 
 from flashinfra.engine.sched.messages import RequestOutput, SamplingParams
 from flashinfra.server.detokenizer import IncrementalDetokenizer
-from flashinfra.server.engine_client import EngineClient, EngineDeadError, QueueFullError
+from flashinfra.server.engine_client import (ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, NeverFitsError,
+                                             QueueFullError)
 from flashinfra.server.errors import APIError, bad_request
 from flashinfra.server.metrics import ServerMetrics
 from flashinfra.server.protocol import sub_request_seed
@@ -161,9 +162,11 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
     client = state.client
     try:
         client.reserve(len(choices))
+    except NeverFitsError as exc:
+        raise bad_request(str(exc), "n") from exc
     except QueueFullError as exc:
         state.metrics.rejected.labels("429").inc()
-        raise APIError(429, str(exc), code="queue_full") from exc
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
     queue: asyncio.Queue = asyncio.Queue()
     sent: list[str] = []
     try:
@@ -172,7 +175,9 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
             sent.append(choice.request_id)
     except EngineDeadError as exc:
         client.abort_soon(sent)
-        raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
+        state.metrics.rejected.labels("503").inc()
+        raise APIError(503, f"{ENGINE_UNAVAILABLE}{exc}", code="engine_unavailable",
+                       headers={"Retry-After": "5"}) from exc
     except BaseException:
         client.abort_soon(sent)
         raise

@@ -59,7 +59,6 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 
 BAD_COMPLETIONS = [
-    ({"model": "nope", "prompt": "x"}, "model"),
     ({"prompt": "x"}, "model"),
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
@@ -88,6 +87,15 @@ BAD_COMPLETIONS = [
 ]
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"model": "nope", "prompt": "x"}),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+])
+def test_unknown_model_is_404(http, reference, route, body):
+    error = assert_openai_error(http.post(route, json=body), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
 def test_bad_completion_requests_are_400(http, reference, body, param):
     assert_openai_error(http.post("/v1/completions", json=body), 400, param)
@@ -99,7 +107,6 @@ def test_bad_completion_requests_are_400(http, reference, body, param):
     ({"model": "tiny", "messages": [{"role": "user"}], "max_tokens": 300}, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "pirate", "content": "arr"}]}, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 4}, "messages"),
-    ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, None),
 ])
 def test_bad_chat_requests_are_400(http, reference, body, param):
@@ -172,8 +179,13 @@ def test_full_queue_is_429_and_disconnect_frees_the_engine_at_once(server, http,
             assert sock.recv(64).startswith(b"HTTP/1.1 200")  # each one is streaming
         assert _wait_for(lambda: server.metric("flashinfra_num_requests_running") == MAX_PENDING)
         assert server.metric("flashinfra_cache_usage_ratio") > 0
-        error = assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x"}), 429)
+        response = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        error = assert_openai_error(response, 429)
         assert error["type"] == "rate_limit_error"
+        assert int(response.headers["retry-after"]) >= 1
+        # More sub-requests than the server ever holds can never fit: 400, not 429.
+        assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": ["x"] * MAX_PENDING,
+                                                               "n": 2}), 400, "n")
     finally:
         for sock in socks:
             sock.close()
