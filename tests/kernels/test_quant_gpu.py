@@ -53,11 +53,12 @@ def test_sparse_mla_quant(cache_dtype, ctx, qlens):
                                          dtype=BF16))
 
 
-@pytest.mark.parametrize("quantization,kv", [("w8a8", "int8"), ("fp8", "fp8"), ("none", "int8"), ("w8a8", "auto")])
-def test_quantized_model_kernels_match_references(tmp_path, monkeypatch, quantization, kv):
-    if "fp8" in (quantization, kv) and not _fp8_ok():
-        pytest.skip("fp8 needs sm_89+")
-    model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cuda", quantization, kv)
+# The whole quantized model's kernel path against its reference path is compared under the CPU interpreter
+# (tests/kernels/interpret_quant.py), where both round alike. On the GPU the two paths round differently even
+# unquantized (tf32 in-chunk products of the float32 KDA path), and a random MoE model amplifies that through
+# routing flips: on an H200 the unquantized tiny model's prefill logits differ by 2.5% between the paths, and the
+# argmax-fed decode steps diverge. So on the GPU each 8-bit kernel is checked alone (above), and the model through
+# CUDA-graph replay against eager (below).
 
 
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 needs sm_89+")
