@@ -1,0 +1,133 @@
+"""The described layout of an engine's cache, and one request's state packed against it.
+
+Nothing moves without being described: a ``CacheLayout`` names every cache tensor (kind, layer, dtype,
+per-block or per-slot shape) plus the block size and a model fingerprint. Two engines compare layouts in
+their handshake; ``check_compatible`` refuses any mismatch with a message naming both sides.
+
+``pack_request_state`` gathers one request's pages (by block id) and its KDA slot (conv window + recurrent
+state) into contiguous per-tensor buffers; ``unpack_request_state`` scatters them into the receiver's own
+block ids and slot. Buffers are raw bytes, so a transport can send them without Python touching them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import torch
+
+from flashinfra.model.cache import ModelCache
+
+
+class TensorDesc(msgspec.Struct, frozen=True):
+    kind: str  # "mla_latent" | "indexer_keys" (per block) | "conv_state" | "recurrent_state" (per slot)
+    layer: int
+    dtype: str
+    shape: tuple[int, ...]  # per block ([block_size, width]) or per slot
+
+
+class CacheLayout(msgspec.Struct, frozen=True):
+    name: str  # which engine, for error messages
+    model_fingerprint: str
+    block_size: int
+    tensors: tuple[TensorDesc, ...]
+
+
+class RequestState(msgspec.Struct):
+    """One request's moved state: what the buffers hold, in the order of ``layout.tensors``."""
+
+    request_id: str
+    prompt_len: int
+    num_blocks: int
+    first_token: int
+    sampling: dict = {}
+
+
+PAGED = ("mla_latent", "indexer_keys")
+SLOTTED = ("conv_state", "recurrent_state")
+
+
+class LayoutMismatch(ValueError):
+    pass
+
+
+def _tensors(cache: ModelCache):
+    for kind in PAGED + SLOTTED:
+        for layer, t in sorted(getattr(cache, kind).items()):
+            yield kind, layer, t
+
+
+def describe(cache: ModelCache, model_fingerprint: str, name: str = "engine") -> CacheLayout:
+    return CacheLayout(
+        name=name,
+        model_fingerprint=model_fingerprint,
+        block_size=cache.block_size,
+        tensors=tuple(
+            TensorDesc(kind, layer, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
+            for kind, layer, t in _tensors(cache)
+        ),
+    )
+
+
+def fingerprint(obj: object) -> str:
+    """A short stable hash of a model config (anything with a deterministic repr / msgspec encoding)."""
+    try:
+        data = msgspec.json.encode(obj)
+    except TypeError:
+        data = repr(obj).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:
+    """Raise ``LayoutMismatch`` naming both sides and the first differences; return if they agree."""
+    problems = []
+    if local.model_fingerprint != remote.model_fingerprint:
+        problems.append(f"model fingerprint {local.model_fingerprint} vs {remote.model_fingerprint}")
+    if local.block_size != remote.block_size:
+        problems.append(f"block size {local.block_size} vs {remote.block_size}")
+    mine = {(t.kind, t.layer): t for t in local.tensors}
+    theirs = {(t.kind, t.layer): t for t in remote.tensors}
+    for key in sorted(mine.keys() | theirs.keys()):
+        a, b = mine.get(key), theirs.get(key)
+        if a is None or b is None:
+            problems.append(f"{key[0]}[{key[1]}] only on {local.name if b is None else remote.name}")
+        elif a != b:
+            problems.append(f"{key[0]}[{key[1]}] {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+    if problems:
+        raise LayoutMismatch(
+            f"cache layout mismatch between {local.name} and {remote.name}: " + "; ".join(problems[:8])
+            + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+        )
+
+
+def pack_request_state(cache: ModelCache, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
+    """Contiguous CPU byte buffers, one per layout tensor: pages gathered by ``block_ids``, then the slot."""
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    out = []
+    for kind, _, t in _tensors(cache):
+        if kind in PAGED:
+            part = t.index_select(0, idx.to(t.device))
+        else:
+            part = t[slot : slot + 1] if slot is not None else t[:0]
+        out.append(part.contiguous().cpu().view(-1).view(torch.uint8))
+    return out
+
+
+def unpack_request_state(cache: ModelCache, block_ids: list[int], slot: int | None,
+                         buffers: list[torch.Tensor | bytes | memoryview]) -> None:
+    """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot."""
+    items = list(_tensors(cache))
+    if len(buffers) != len(items):
+        raise LayoutMismatch(f"{len(buffers)} buffers for {len(items)} described tensors")
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    for (kind, layer, t), buf in zip(items, buffers):
+        raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        n = len(block_ids) if kind in PAGED else (1 if slot is not None else 0)
+        want = n * t[0].numel() * t.element_size() if t.shape[0] else 0
+        if raw.numel() != want:
+            raise LayoutMismatch(f"{kind}[{layer}]: {raw.numel()} bytes, expected {want}")
+        part = raw.view(t.dtype).view(n, *t.shape[1:]).to(t.device)
+        if kind in PAGED:
+            t.index_copy_(0, idx.to(t.device), part)
+        elif slot is not None:
+            t[slot : slot + 1].copy_(part)
