@@ -6,7 +6,7 @@ import torch
 
 from flashinfra.disagg.layout import LayoutMismatch, RequestState, describe, pack_request_state, unpack_request_state
 from flashinfra.disagg.transport import StateReceiver, StateSender
-from tests.test_disagg_layout import _cache
+from tests.disagg.test_layout import _cache
 
 
 def test_loopback_transfer_and_ack():
