@@ -74,6 +74,12 @@ def check_layout(config: EngineConfig) -> None:
 
     if config.enable_vision:
         raise ValueError("enable_vision is not supported with tensor/expert parallelism yet")
+    # a rank's shard is sliced from the checkpoint as stored: 8-bit weights and caches are not sliced yet
+    if config.quantization in ("w8a8", "fp8") or config.kv_cache_dtype in ("fp8", "int8") \
+            or config.kv_cache_dtype_layers or config.kda_state_dtype != "float32":
+        raise ValueError(f"quantization={config.quantization}, kv_cache_dtype={config.kv_cache_dtype}, "
+                         f"kda_state_dtype={config.kda_state_dtype} are not supported with tensor/expert "
+                         f"parallelism yet (use the defaults)")
     make_layout(load_config(_model_dir(config)).text, config.tensor_parallel_size, config.expert_parallel_size, 0)
     ranks_per_node(config)
 

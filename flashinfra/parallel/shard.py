@@ -171,6 +171,7 @@ class ShardedModel:
         self.loaded, self.layout, self.comm = loaded, layout, comm
         self.config, self.dtype, self.device = loaded.config, loaded.dtype, loaded.device
         self.path, self.report = loaded.path, loaded.report
+        self.quantization, self.cache_spec = loaded.quantization, loaded.cache_spec  # bf16 weights and caches
         self.vision = None  # the vision tower's embeddings feed a vocab-split table: not sharded yet
         self.model = loaded.model
         self.vocab = layout.rows(loaded.config.text.vocab_size)
@@ -178,8 +179,12 @@ class ShardedModel:
         self.local_text: TextConfig = dataclasses.replace(
             loaded.config.text, linear_num_heads=loaded.config.text.linear_num_heads // layout.tp)
 
+    def latent_dtypes(self) -> dict[int, torch.dtype]:
+        return self.cache_spec.latent_dtypes(self.config.text.mla_layers, self.dtype)
+
     def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
-        return ModelCache.allocate(self.local_text, num_blocks, block_size, num_slots, self.dtype, self.device)
+        return ModelCache.allocate(self.local_text, num_blocks, block_size, num_slots, self.dtype, self.device,
+                                   self.cache_spec.state_dtype, self.latent_dtypes())
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
