@@ -141,7 +141,7 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[
                      f"{n} entries used of {sorted_ids.numel()}, blocks of {BM}")]
 
 
-def _paged(device, gen, lens: list[int], bs: int, width: int, dtype):
+def paged_cache(device, gen, lens: list[int], bs: int, width: int, dtype):
     """A paged cache holding ``lens[b]`` random entries per sequence in shuffled blocks."""
     need = [-(-n // bs) for n in lens]
     W = max(need)
@@ -163,7 +163,7 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
 
     gen = _gen(device, seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
-    cache, tables = _paged(device, gen, lens, bs, 2 * Di, dtype)
+    cache, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
     T = sum(qlens)
     q = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype)
     w = rnd(T, Hi, device=device, gen=gen)
@@ -225,7 +225,7 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
                dtype=torch.float32, seed=0) -> list[CheckResult]:
     gen = _gen(device, seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
-    latent, tables = _paged(device, gen, lens, bs, R, dtype)
+    latent, tables = paged_cache(device, gen, lens, bs, R, dtype)
     T = sum(qlens)
     q = rnd(T, H, R, device=device, gen=gen, dtype=dtype)
     token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare
+from flashinfra.kernels.checks import paged_cache
 
 
 def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
@@ -197,19 +198,6 @@ def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch
                   within("fp8_moe_ref.quant_error", ref, full, 1.5 * FP8_REL, "the unquantized experts")]
 
 
-def _paged(device, gen, lens: list[int], bs: int, width: int, dtype):
-    """A paged cache holding ``lens[b]`` random entries per sequence in shuffled blocks, and its block tables."""
-    need = [-(-n // bs) for n in lens]
-    W = max(need)
-    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(len(lens))).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at:at + n] + [0] * (W - n))
-        at += n
-    cache = rnd(sum(need) + 3, bs, width, device=device, gen=gen, dtype=dtype)
-    return cache, torch.tensor(tables, dtype=torch.int32, device=device)
-
-
 def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype: str, H=4, R=32, bs=4, S=11,
                      split=None, dtype=torch.float32, seed=0) -> list[CheckResult]:
     """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
@@ -220,7 +208,7 @@ def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype:
 
     gen = torch.Generator(device=device).manual_seed(seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
-    latent, tables = _paged(device, gen, lens, bs, R, dtype)
+    latent, tables = paged_cache(device, gen, lens, bs, R, dtype)
     flat = latent.reshape(-1, R)
     if cache_dtype == "int8":
         q8, s = quant_int8_per_token_ref(flat)
@@ -257,7 +245,7 @@ def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16
 
     gen = torch.Generator(device=device).manual_seed(seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
-    entries, tables = _paged(device, gen, lens, bs, 2 * Di, dtype)
+    entries, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
     q8, s = quant_fp8_per_group_ref(entries.view(-1, 2 * Di), Di)
     q8, s = q8.view(entries.shape), s.view(*entries.shape[:2], 2).contiguous()
     deq = (q8.double().view(*entries.shape[:2], 2, Di) * s.double()[..., None]).view(entries.shape).to(dtype)
