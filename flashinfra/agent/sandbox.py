@@ -25,6 +25,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,10 @@ def filesystem_sandbox() -> tuple[str | None, str]:
 def _bwrap_args(writable: list[Path]) -> list[str]:
     args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+    # the empty /tmp must not hide the interpreter and its packages when they live there (a venv under /tmp)
+    for path in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}):
+        if path == "/tmp" or path.startswith("/tmp/"):
+            args += ["--ro-bind", path, path]
     for path in sorted({os.path.realpath(p) for p in writable}, key=len):
         args += ["--bind", path, path]
     return args
