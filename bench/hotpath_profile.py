@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashinfra.feedback.timing import header, time_stream, write_results
-from flashinfra.model.api import load_model_from_state_dict
+from flashinfra.model.api import random_model
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 
@@ -67,8 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     hs.DEV = "cuda"
     cfg = hs.slice_config(False)
-    lm = load_model_from_state_dict(cfg, hs.random_release_state_dict(cfg, torch.bfloat16), torch.bfloat16, "cuda",
-                                    path="random-slice")
+    lm = random_model(cfg, torch.bfloat16, "cuda")
     hs.free_memory()
     report = header() | {"context": args.context, "steps": []}
     for B in (1, 32, 128):

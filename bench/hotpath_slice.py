@@ -37,12 +37,10 @@ from hotpath_transformers import HF_RUNS, SMOKE_HF_RUNS, build_hf, measure_hf, s
 from flashinfra.feedback import ceilings
 from flashinfra.feedback.timing import call_times_us, header, write_results
 from flashinfra.model import moe as moe_module
-from flashinfra.model.api import LoadedModel, load_model_from_state_dict, model_config_from
+from flashinfra.model.api import LoadedModel, load_model_from_state_dict, model_config_from, random_model
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.layerwise import compare_layers, kernel_path
-from flashinfra.model.weights import weight_layout
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 
 BS = 64
@@ -65,31 +63,6 @@ def slice_config(smoke: bool) -> dict:
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def random_release_state_dict(cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Random tensors under the release names (``--no-transformers``), made on the device."""
-    mcfg = model_config_from(cfg)
-    with torch.device("meta"):
-        meta = Glm5NextModel(mcfg.text, dtype, mcfg.has_lm_head)
-    layout = weight_layout(mcfg.text, dict(meta.named_parameters()), mcfg.weight_prefix, None)
-    torch.manual_seed(0)
-    out = {}
-    for c in (c for forms in layout.values() for c in forms[0]):
-        t = torch.empty(c.shape, dtype=dtype, device=DEV)
-        leaf = c.name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if "norm" in leaf or leaf.endswith("_scale"):
-            t.normal_(1.0, 0.1)
-        elif leaf == "A_log":
-            t.uniform_(0.0, 2.77)
-        elif t.dim() == 1 or leaf.endswith("_base") or leaf == "index_kpool_compress_ape":
-            t.normal_(0.0, 0.1)
-        elif "conv1d" in leaf:
-            t.normal_(0.0, 0.5)
-        else:
-            t.normal_(0.0, c.shape[-1] ** -0.5)
-        out[c.name] = t
-    return out
 
 
 def free_memory() -> None:
@@ -282,19 +255,22 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter's bf16 matrix product is not exact
     hf_runs = SMOKE_HF_RUNS if args.smoke else HF_RUNS
     free_memory()
-    if args.no_transformers:
-        source, state_dict = "random release-format tensors", random_release_state_dict(cfg, dtype)
-    else:
+    state_dict = None
+    if not args.no_transformers:
         hf = build_hf(cfg, dtype, DEV)
         report["transformers"] = measure_hf(hf, hf_runs, args.hf_steps, DEV)
         report["transformers"]["memory"] = gpu_gb()
         save()
-        source, state_dict = "transformers Glm5NextTextModel random init", hf.state_dict()
+        state_dict = hf.state_dict()
     free_memory()
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()  # from here the peak is both models at once
     t = time.perf_counter()
-    lm = load_model_from_state_dict(cfg, state_dict, dtype, DEV, path="random-slice")
+    if state_dict is None:
+        source, lm = "random release-format tensors", random_model(cfg, dtype, DEV)
+    else:
+        source = "transformers Glm5NextTextModel random init"
+        lm = load_model_from_state_dict(cfg, state_dict, dtype, DEV, path="random-slice")
     sync()
     report["load"] = dict(source=source, tensors=lm.report.loaded, seconds=time.perf_counter() - t, **gpu_gb())
     del state_dict

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hotpath_slice import fill_cache, random_release_state_dict, slice_config  # noqa: E402
+from hotpath_slice import fill_cache, slice_config  # noqa: E402
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from flashinfra.feedback.timing import call_times_us, header, write_results  # noqa: E402
-from flashinfra.model.api import load_model_from_state_dict  # noqa: E402
+from flashinfra.model.api import random_model  # noqa: E402
 from flashinfra.model.forward_batch import ForwardBatch  # noqa: E402
 from flashinfra.parallel.collectives import Comm  # noqa: E402
 from flashinfra.parallel.groups import init_distributed  # noqa: E402
@@ -50,7 +50,7 @@ class EveryCollective(Comm):
 
 
 def build(cfg: dict, kind: str, tp: int, ep: int, rank: int):
-    model = load_model_from_state_dict(cfg, random_release_state_dict(cfg, torch.bfloat16), "bfloat16", "cuda")
+    model = random_model(cfg, "bfloat16", "cuda")
     if kind == "single":
         return model, None
     comm = (EveryCollective if tp == 1 else Comm)(tp, device="cuda")

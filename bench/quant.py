@@ -42,11 +42,9 @@ from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
 from flashinfra.kernels.fused_moe import fused_moe
 from flashinfra.kernels.quant import fp8_block_linear, fp8_moe, w8a8_linear, w8a8_moe
-from flashinfra.model.api import load_model, load_model_from_state_dict, model_config_from
+from flashinfra.model.api import load_model, model_config_from, random_model
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.model.glm5_next import Glm5NextModel
-from flashinfra.model.weights import weight_layout
 from flashinfra.quant.cache import KV_CACHE_DTYPES, STATE_DTYPES, CacheDtypeError, CacheSpec, tokens_per_gib
 from flashinfra.quant.model import QuantizationError
 from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
@@ -261,31 +259,6 @@ def moes(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[
     return rows
 
 
-def slice_state_dict(cfg: dict, dev: str) -> dict[str, torch.Tensor]:
-    """Random bf16 tensors under the release names for the 4-layer slice."""
-    mcfg = model_config_from(cfg)
-    with torch.device("meta"):
-        meta = Glm5NextModel(mcfg.text, torch.bfloat16, mcfg.has_lm_head)
-    layout = weight_layout(mcfg.text, dict(meta.named_parameters()), mcfg.weight_prefix, None)
-    g = torch.Generator(device=dev).manual_seed(0)
-    out = {}
-    for c in (c for forms in layout.values() for c in forms[0]):
-        leaf = c.name.removesuffix(".weight").rsplit(".", 1)[-1]
-        t = torch.randn(c.shape, device=dev, generator=g)
-        if "norm" in leaf or leaf.endswith("_scale"):
-            t = 1 + 0.1 * t
-        elif leaf == "A_log":
-            t = torch.rand(c.shape, device=dev, generator=g) * 2.77
-        elif t.dim() == 1 or leaf.endswith("_base") or leaf == "index_kpool_compress_ape":
-            t = 0.1 * t
-        elif "conv1d" in leaf:
-            t = 0.5 * t
-        else:
-            t = t * c.shape[-1] ** -0.5
-        out[c.name] = t.bfloat16()
-    return out
-
-
 def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, prefill: int, reps: int) -> dict:
     from flashinfra.engine.cuda_graphs import DecodeGraphs
 
@@ -295,14 +268,12 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
     prompt = torch.randint(0, vocab, (256 if dev == "cuda" else 16,), generator=torch.Generator().manual_seed(0)).tolist()
     for mode in SLICE_MODES:
         q, spec = spec_of(mode)
-        tensors = slice_state_dict(cfg, dev)  # the same seeded weights each time; freed once loaded (memory)
-        try:
-            model = load_model_from_state_dict(cfg, tensors, dtype=dtype, device=dev, quantization=q, cache_spec=spec)
+        try:  # the same seeded weights each time, made tensor by tensor (peak memory: the model's)
+            model = random_model(cfg, dtype, dev, quantization=q, cache_spec=spec)
         except (QuantizationError, CacheDtypeError) as e:
             out[mode] = {"refused": str(e)}
             continue
         finally:
-            del tensors
             free()
         bs = 64 if dev == "cuda" else 16
         row = {}
@@ -360,7 +331,10 @@ def main() -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--prefill", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--parts", default="accuracy,kernels,slice",
+                   help="comma-separated subset of accuracy,kernels,slice; a subset updates those parts of --out")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     from tokenizers import Tokenizer
 
     dev = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
@@ -374,29 +348,34 @@ def main() -> int:
               "text": {"file": args.text, "tokens": len(ids)}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if parts != {"accuracy", "kernels", "slice"} and out.is_file():  # keep the other parts' last figures
+        result = {**json.loads(out.read_text()), **result, "parts_run": sorted(parts)}
 
     def save():
         out.write_text(json.dumps(result, indent=1))
 
     result["memory"] = memory()
     save()
-    result["accuracy"] = accuracy(dev, "bfloat16" if dev == "cuda" else "float32", ids,
-                                  16 if smoke else args.greedy, 128 if smoke else 256)
-    save()
+    if "accuracy" in parts:
+        result["accuracy"] = accuracy(dev, "bfloat16" if dev == "cuda" else "float32", ids,
+                                      16 if smoke else args.greedy, 128 if smoke else 256)
+        save()
     slice_cfg = dict(num_hidden_layers=4, mlp_layer_types=["sparse"] * 4, index_kpool=4,
                      **(SMOKE_SLICE if smoke else {}))
     text_cfg = model_config_from(slice_cfg).text
     reps = 2 if smoke else args.reps
     tokens = (1, 32) if smoke else (1, 32, 128, 8192)
-    result["peak_tflops"] = peak = peaks(dev, 256 if smoke else 8192, reps)
-    result["gemm"] = gemms(dev, text_cfg, tokens, peak, reps)
-    save()
-    result["moe"] = moes(dev, text_cfg, tokens, peak, reps)
-    save()
-    free()
-    result["slice"] = slice_speed(dev, slice_cfg, (1, 4) if smoke else (1, 32, 128), 32 if smoke else args.context,
-                                  64 if smoke else args.prefill, reps)
-    save()
+    if "kernels" in parts:
+        result["peak_tflops"] = peak = peaks(dev, 256 if smoke else 8192, reps)
+        result["gemm"] = gemms(dev, text_cfg, tokens, peak, reps)
+        save()
+        result["moe"] = moes(dev, text_cfg, tokens, peak, reps)
+        save()
+        free()
+    if "slice" in parts:
+        result["slice"] = slice_speed(dev, slice_cfg, (1, 4) if smoke else (1, 32, 128),
+                                      32 if smoke else args.context, 64 if smoke else args.prefill, reps)
+        save()
     print(out)
     return 0
 

@@ -142,6 +142,18 @@ def model_config_from(config: ModelConfig | Mapping[str, Any] | Any) -> ModelCon
     return resolve_config(raw)
 
 
+def random_model(config: ModelConfig | Mapping[str, Any] | Any, dtype: str | torch.dtype = "bfloat16",
+                 device: str | torch.device = "cuda", seed: int = 0, quantization: str = "auto",
+                 cache_spec: CacheSpec | None = None) -> LoadedModel:
+    """A model of ``config`` with random weights of plausible scales, made tensor by tensor on ``device``
+    (``flashinfra.model.factory.RandomSource``): peak memory is the model's own, whatever its size."""
+    from flashinfra.model.factory import RandomSource
+
+    cfg = model_config_from(config)
+    return _build(Path("random"), cfg, RandomSource(cfg, resolve_dtype(dtype), device, seed), dtype, device,
+                  quantization=quantization, cache_spec=cache_spec)
+
+
 def load_model_from_state_dict(config: ModelConfig | Mapping[str, Any] | Any, state_dict: Mapping[str, torch.Tensor],
                                dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                                path: str | Path = "state_dict", vision: bool = False, quantization: str = "auto",

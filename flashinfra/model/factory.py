@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from flashinfra.config import resolve_config
+from flashinfra.config import ModelConfig, resolve_config
 from flashinfra.model.glm5_next import Glm5NextModel
+from flashinfra.model.loader import SAFETENSORS_DTYPES
 from flashinfra.model.weights import weight_layout
 
 SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
@@ -49,18 +51,44 @@ _CORPUS = (
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Random values of a plausible scale for each kind of tensor."""
+    """Random float32 values of a plausible scale for each kind of tensor, on ``g``'s device."""
+    dev = g.device
     base = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
     if "norm" in base or "layernorm" in base:
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+        return 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
     if base == "A_log":
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+        return torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=g).log()
     if base in ("dt_bias", "e_score_correction_bias") or name.endswith("_base") or name.endswith(".bias"):
-        return 0.1 * torch.randn(shape, generator=g)
+        return 0.1 * torch.randn(shape, generator=g, device=dev)
     if name.endswith("_scale"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+        return 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
     fan_in = shape[-1] if len(shape) > 1 else 1
-    return torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    return torch.randn(shape, generator=g, device=dev) / math.sqrt(fan_in)
+
+
+class RandomSource:
+    """A ``TensorSource`` of random tensors under the release names, each made on ``device`` only when the
+    loader asks for it (seeded by its name), so a model of any size loads at the memory of the model
+    alone: the full-width slices and whole random models the benchmarks build on the GPU."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
+        with torch.device("meta"):
+            meta = Glm5NextModel(config.text, torch.float32, config.has_lm_head)
+        head = "lm_head.weight" if config.has_lm_head else None
+        layout = weight_layout(config.text, dict(meta.named_parameters()), config.weight_prefix, head)
+        self._shapes = {c.name: tuple(c.shape) for forms in layout.values() for c in forms[0]}
+        self.files: dict[str, Path | None] = dict.fromkeys(self._shapes)
+        self.dtype, self.device, self.seed = dtype, torch.device(device), seed
+
+    def names(self) -> set[str]:
+        return set(self._shapes)
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        return self._shapes[name], SAFETENSORS_DTYPES[self.dtype]
+
+    def get(self, name: str) -> torch.Tensor:
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return _init_tensor(name, self._shapes[name], g).to(self.dtype)
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
