@@ -117,7 +117,9 @@ def test_context_parallel_prefill_matches_one_rank(checkpoint, single, world):
     hidden, logits, states = single
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(world, CASES[world], _free_port(), str(checkpoint), out), nprocs=world, join=True)
+        # fork: the ranks start without importing torch again (CPU only, no CUDA state to inherit)
+        mp.start_processes(_rank, args=(world, CASES[world], _free_port(), str(checkpoint), out), nprocs=world,
+                           start_method="fork")
         out = dict(out)
     for rank in range(world):
         for case, (index, got_hidden, got_logits, got_states, owned) in zip(CASES[world], out[rank]):

@@ -60,10 +60,11 @@ def kda_chain_kernel(
     tl.store(p_m, b_m, mask=m_k[:, None] & m_m[None, :])
 
 
-def kda_transition_launch(k, g, beta, cu_seqlens: list[int], gate=None, precision: str = "tf32x3") -> torch.Tensor:
-    """M [B, H, K, K] float32 of each sequence of the packed ``k`` [T, H, K]; ``g`` [T, H, K] the log-decay and
-    ``beta`` [T, H] in (0, 1), or with ``gate = (A_log, dt_bias, lower_bound)`` the raw gate input and beta's
-    logits."""
+def kda_transition_launch(k, g, beta, cu_seqlens: list[int], gate=None, precision: str = "tf32x3",
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """M [B, H, K, K] float32 of each sequence of the packed ``k`` [T, H, K] (into ``out`` where given); ``g``
+    [T, H, K] the log-decay and ``beta`` [T, H] in (0, 1), or with ``gate = (A_log, dt_bias, lower_bound)`` the
+    raw gate input and beta's logits."""
     if precision not in PRECISIONS:
         raise ValueError(f"kda_transition: precision must be one of {PRECISIONS}, got {precision!r}")
     T, H, K = k.shape
@@ -73,7 +74,9 @@ def kda_transition_launch(k, g, beta, cu_seqlens: list[int], gate=None, precisio
     if cu[0] != 0 or cu[-1] != T or any(b > e for b, e in zip(cu, cu[1:])):
         raise ValueError(f"kda_transition: cu_seqlens must rise from 0 to {T}, got {cu}")
     B, dev = len(cu) - 1, k.device
-    m = torch.empty(B, H, K, K, dtype=torch.float32, device=dev)
+    m = torch.empty(B, H, K, K, dtype=torch.float32, device=dev) if out is None else out
+    if m.shape != (B, H, K, K) or m.dtype != torch.float32 or not m.is_contiguous():
+        raise ValueError(f"kda_transition: out must be contiguous [{B}, {H}, {K}, {K}] float32")
     idx, offsets_t, nch = chunk_tables(cu, BT, dev)
     cu_t = device_ints(cu, dev)
     BK = max(triton.next_power_of_2(K), 16)
