@@ -1,6 +1,7 @@
-"""Context-parallel prefill over CPU gloo (spawned ranks, 2 and 4, contiguous and zig-zag): each rank's hidden
-states, every KDA layer's final recurrent and conv state, the MLA caches and the next decode step's logits equal
-one rank's within float32 rounding; with Layer Split each rank keeps only its MLA layers' cache."""
+"""Context-parallel prefill over CPU gloo (forked ranks, 2 and 4, contiguous and zig-zag) through
+``ContextParallelModel``: the hidden states, every KDA layer's final recurrent and conv state, the MLA caches and
+the next decode step's logits equal one rank's within float32 rounding, for a prefill that resumes a cached
+prefix; with Layer Split each rank keeps only its MLA layers' cache."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from flashinfra.model.api import load_model
 from flashinfra.model.factory import write_tiny_checkpoint
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
-from flashinfra.parallel.context import context_batch, enable_context_parallel, split_prompt
+from flashinfra.parallel.context_model import ContextParallelModel
 from flashinfra.parallel.groups import destroy_distributed, init_distributed
-from flashinfra.parallel.layer_split import enable_layer_split, layer_split_cache, owned_layers
+from flashinfra.parallel.layer_split import owned_layers
 
 BS, SLOT = 8, 1
 PREFIX = [5, 17, 3, 99, 200, 7, 8, 9, 10, 11]  # cached before the long prefill: its state and cache resume
@@ -35,12 +36,11 @@ def _scenario(model, cache, batch_for_long, long_ids):
     """Prefix prefill, the long prefill (``batch_for_long``), one decode step -> (hidden of the long part's
     tokens, decode logits)."""
     dev = model.device
-    m = model.model
-    m(torch.tensor(PREFIX), ForwardBatch.build([len(PREFIX)], [0], [SLOT], [TABLE], BS, dev), cache)
-    hidden = m(long_ids, batch_for_long, cache)
+    model.forward(torch.tensor(PREFIX), ForwardBatch.build([len(PREFIX)], [0], [SLOT], [TABLE], BS, dev), cache)
+    hidden = model.forward(long_ids, batch_for_long, cache)
     n = len(PREFIX) + len(LONG)
-    h = m(torch.tensor([NEXT]), ForwardBatch.build([1], [n], [SLOT], [TABLE], BS, dev), cache)
-    return hidden, m.compute_logits(h)[0]
+    h = model.forward(torch.tensor([NEXT]), ForwardBatch.build([1], [n], [SLOT], [TABLE], BS, dev), cache)
+    return hidden, model.compute_logits(h)[0]
 
 
 def _states(model, cache) -> dict:
@@ -60,19 +60,16 @@ def _one_rank(path):
 
 
 def _case(rank: int, world: int, zigzag: bool, split_layers: bool, comm: Comm, path: str):
-    model = load_model(path)
+    """The scenario through ``ContextParallelModel``: the long prefill split, the prefix and decode replicated."""
+    model = ContextParallelModel(load_model(path), comm, rank, min_tokens=len(LONG), zigzag=zigzag,
+                                 layer_split=split_layers)
     text = model.config.text
-    if split_layers:
-        cache = layer_split_cache(text, world, rank, len(TABLE), BS, 2, model.dtype, model.device)
-        enable_layer_split(model.model, comm, rank)
-    else:
-        cache = model.allocate_cache(len(TABLE), BS, 2)
-    enable_context_parallel(model.model, comm)
-    split = split_prompt(len(LONG), world, zigzag, min_segment=text.linear_conv_kernel_dim - 1)
-    batch = context_batch(split, rank, len(PREFIX), SLOT, TABLE, BS, model.device)
-    hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG)[split.token_index(rank)])
+    cache = model.allocate_cache(len(TABLE), BS, 2)
+    batch = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, model.device)
+    assert model.splits(batch)
+    hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG))
     owned = owned_layers(text.mla_layers, world, rank) if split_layers else text.mla_layers
-    return split.token_index(rank), hidden.clone(), logits.clone(), _states(model, cache), owned
+    return hidden.clone(), logits.clone(), _states(model, cache), owned
 
 
 def _rank(rank: int, world: int, cases: list, port: int, path: str, out: dict) -> None:
@@ -122,9 +119,9 @@ def test_context_parallel_prefill_matches_one_rank(checkpoint, single, world):
                            start_method="fork")
         out = dict(out)
     for rank in range(world):
-        for case, (index, got_hidden, got_logits, got_states, owned) in zip(CASES[world], out[rank]):
+        for case, (got_hidden, got_logits, got_states, owned) in zip(CASES[world], out[rank]):
             where = f"world {world} (zig-zag, layer split) {case} rank {rank}"
-            _close(got_hidden, hidden[index], f"{where} hidden")
+            _close(got_hidden, hidden, f"{where} hidden")
             _close(got_logits, logits, f"{where} decode logits")
             for kind in ("state", "conv"):
                 for layer, want in states[kind].items():
