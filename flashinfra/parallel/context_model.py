@@ -22,7 +22,7 @@ from flashinfra.parallel.layer_split import enable_layer_split, layer_split_cach
 
 # the shortest prefill split over the ranks, per rank: below it the summary pass and the collectives cost more
 # than the tokens they spread
-MIN_TOKENS_PER_RANK = 2048
+MIN_TOKENS_PER_RANK = 1024
 
 
 class ContextParallelModel:
