@@ -87,7 +87,8 @@ def precision_case(T: int, ranks: int, regime: str, H: int = 2, K: int = 128) ->
         m_err = [relerr(m, m64) for m, m64 in zip(maps[p], maps["float64"])]
         states = fold(maps[p], offsets, zero.float())
         s_err = [relerr(s, s64) for s, s64 in zip(states[1:], truth[1:])]
-        row[f"{p}_M_relerr_worst_part"] = max(m_err)
+        # at the -5 bound M underflows in float32 (its float64 value is far below 1e-30): no relative error there
+        row[f"{p}_M_relerr_worst_part"] = max(m_err) if row["M_max_abs_last_part"] > 1e-30 else None
         row[f"{p}_initial_state_relerr_worst_rank"] = max(s_err[:-1], default=0.0)
         row[f"{p}_final_state_relerr"] = s_err[-1]
     row["H_relerr_worst_part"] = max(relerr(h, h64) for h, h64 in zip(offsets, offsets64))

@@ -1,6 +1,7 @@
 """The KDA transition map on the CPU: its float64 reference is the product of the token factors; the float32
 chain (maps and final states of the segments, folded) against the float64 truth, for slow decay and at the -5
-gate bound; the Triton kernel under the CPU interpreter (``interpret_kda_chain.py``, in a subprocess)."""
+gate bound; the Triton kernels under the CPU interpreter (``interpret_kda_chain.py``, in a subprocess): the map
+against float64, and the chained segments on the kernel path against one pass."""
 
 import os
 import subprocess
