@@ -49,8 +49,9 @@ class ContextParallelModel:
 
     def splits(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` runs split over the ranks."""
+        halo = self.config.text.linear_conv_kernel_dim - 1  # the shortest segment: a whole conv halo
         return (self.comm.world > 1 and batch.num_seqs == 1 and not any(batch.replay)
-                and batch.query_lens[0] >= max(self.min_tokens, 1))
+                and batch.query_lens[0] >= max(self.min_tokens, 2 * self.comm.world * halo, 1))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
