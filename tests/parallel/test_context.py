@@ -15,6 +15,7 @@ from flashinfra.model.api import load_model
 from flashinfra.model.factory import write_tiny_checkpoint
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.context import split_prompt
 from flashinfra.parallel.context_model import ContextParallelModel
 from flashinfra.parallel.groups import destroy_distributed, init_distributed
 from flashinfra.parallel.layer_split import owned_layers
@@ -128,3 +129,14 @@ def test_context_parallel_prefill_matches_one_rank(checkpoint, single, world):
                     _close(got_states[kind][layer], want, f"{where} layer {layer} {kind}")
             for layer in owned:  # with Layer Split, the layers this rank keeps
                 _close(got_states["latent"][layer], states["latent"][layer], f"{where} layer {layer} latent")
+
+
+def test_split_prompt_segments_and_owners():
+    contiguous = split_prompt(10, 3)
+    assert contiguous.bounds == (0, 4, 7, 10) and contiguous.owners == (0, 1, 2)
+    zigzag = split_prompt(17, 2, zigzag=True, min_segment=3)
+    assert zigzag.bounds == (0, 5, 9, 13, 17) and zigzag.owners == (0, 1, 1, 0)
+    assert zigzag.token_index(0).tolist() == [0, 1, 2, 3, 4, 13, 14, 15, 16]
+    assert zigzag.lens(1) == [4, 4]
+    with pytest.raises(ValueError, match="shorter than 3 tokens"):
+        split_prompt(11, 2, zigzag=True, min_segment=3)
