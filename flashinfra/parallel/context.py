@@ -106,14 +106,14 @@ def context_batch(split: ContextSplit, rank: int, base_context: int, kda_slot: i
                         full_slot_mapping=full.slot_mapping)
 
 
-def gather_segments(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+def gather_segments(comm: Comm, split: ContextSplit, x: torch.Tensor) -> list[torch.Tensor]:
     """Every segment's rows of a per-segment tensor: ``x`` [segments of rank, ...] on each rank -> the list over
     all segments in sequence order (every rank owns the same number of segments)."""
     everyone = comm.all_gather(x)  # [world, local segments, ...]
     return [everyone[o][split.segments(o).index(i)] for i, o in enumerate(split.owners)]
 
 
-def gather_tokens(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor) -> torch.Tensor:
+def gather_tokens(comm: Comm, split: ContextSplit, x: torch.Tensor) -> torch.Tensor:
     """``x`` [rank's tokens, ...] on each rank -> [all new tokens, ...] in sequence order."""
     longest = max(sum(split.lens(r)) for r in range(split.world))
     padded = x.new_zeros(longest, *x.shape[1:])
@@ -140,7 +140,7 @@ def conv_context_prefill(comm: Comm, split: ContextSplit, rank: int, x: torch.Te
     W1 = weight.shape[1] - 1
     cu = _local_cu(split, rank)
     tails = torch.stack([x[e - W1 : e] for e in cu[1:]])  # [local segments, W - 1, C]
-    every = gather_segments(comm, split, rank, tails)
+    every = gather_segments(comm, split, tails)
     first = conv_state0.to(x.dtype) if conv_state0 is not None else x.new_zeros(x.shape[1], W1)
     halos = torch.stack([first if i == 0 else every[i - 1].t() for i in split.segments(rank)]).contiguous()
     n = len(cu) - 1
@@ -169,8 +169,8 @@ def kda_context_prefill(comm: Comm, split: ContextSplit, rank: int, q, k, v, g_r
     scratch = torch.zeros(n, H, K, V, dtype=torch.float32, device=k.device)
     kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, scratch, cu, slots, [False] * n)
     maps = kda_transition_gated(k, g_raw, beta_logits, A_log, dt_bias, lower_bound, cu)  # [n, H, K, K]
-    every_m = gather_segments(comm, split, rank, maps)
-    every_h = gather_segments(comm, split, rank, scratch.clone())
+    every_m = gather_segments(comm, split, maps)
+    every_h = gather_segments(comm, split, scratch.clone())
     s0 = state0 if state0 is not None else torch.zeros(H, K, V, dtype=torch.float32, device=k.device)
     states = fold(every_m, every_h, s0)
     for j, i in enumerate(split.segments(rank)):
@@ -213,12 +213,12 @@ def gather_cache_hook(comm: Comm):
         x, batch, cache = args[:3]
         if not isinstance(batch, ContextBatch):
             return
-        split, rank = batch.split, batch.rank
+        split = batch.split
         write_latent(cache, module.layer, batch.full_slot_mapping,
-                     gather_tokens(comm, split, rank, module.latent(x)))
+                     gather_tokens(comm, split, module.latent(x)))
         if module.indexer is not None:
             write_index_entries(cache, module.layer, batch.full_slot_mapping,
-                                gather_tokens(comm, split, rank, module.indexer.entries(x)))
+                                gather_tokens(comm, split, module.indexer.entries(x)))
 
     return hook
 

@@ -63,7 +63,7 @@ class ContextParallelModel:
         mine = context_batch(split, self.rank, batch.context_lens[0], batch.state_slots[0],
                              list(batch.block_tables[0]), batch.block_size, self.device)
         hidden = model(input_ids[split.token_index(self.rank).to(input_ids.device)], mine, cache)
-        return gather_tokens(self.comm, split, self.rank, hidden)
+        return gather_tokens(self.comm, split, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.loaded.compute_logits(hidden)
