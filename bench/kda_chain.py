@@ -12,7 +12,8 @@ against float64) and the cost of the summary pass against the plain prefill.
 2. Cost, H=64, K=V=128, bf16, one part of T / N tokens (what one rank runs): the plain prefill of the part, the
    summary pass (prefill from zero + the transition map, tf32x3 and tf32), the fold of N maps. The summary pass
    plus the final pass against the plain prefill of the part is the price of context parallelism per KDA layer;
-   the ideal is the part's prefill alone.
+   the ideal is the part's prefill alone. Up to 262144 tokens also the whole prompt's prefill on one GPU, and its
+   ratio to a rank's layer time (collectives left out).
 
     python bench/kda_chain.py [--lengths 65536,262144,1048576] [--ranks 8] [--regimes long,slow,bound]
                               [--no-cost] [--name kda_chain] [--out DIR]   -> bench/results/<name>.json
@@ -36,6 +37,7 @@ from flashinfra.kernels.kda.ref import kda_chunk_one_ref, kda_transition_ref, l2
 from flashinfra.parallel.context import fold  # noqa: E402
 
 SEGMENT = 512  # tokens per float64 reference step (its in-chunk decay tensor grows with them)
+WHOLE_MAX = 262144  # the longest prompt whose one-GPU prefill the cost part times (H=64)
 
 
 def inputs(T: int, H: int, K: int, regime: str, seed: int):
@@ -112,8 +114,16 @@ def cost_case(T: int, ranks: int, H: int = 64, K: int = 128) -> dict:
                                                iters=5, warmup=2)
     row["fold_us"] = time_eager(lambda: fold(maps, maps, state[0]), iters=5, warmup=2)
     summary = row["prefill_part_us"] + row["transition_tf32x3_us"]
+    layer = summary + row["fold_us"] + row["prefill_part_us"]
     row["summary_over_prefill"] = summary / row["prefill_part_us"]
-    row["cp_layer_over_part_prefill"] = (summary + row["fold_us"] + row["prefill_part_us"]) / row["prefill_part_us"]
+    row["cp_layer_over_part_prefill"] = layer / row["prefill_part_us"]
+    del q, k, v, g, beta
+    if T <= WHOLE_MAX:  # the whole prompt's prefill on one GPU, where it fits beside its scratch
+        q, k, v, g, beta = inputs(T, H, K, "bound", seed=2)
+        row["prefill_whole_us"] = time_eager(
+            lambda: kda_prefill_launch(q, k, v, g, beta, state, [0, T], [0], [False]), iters=3, warmup=1)
+        # per KDA layer, collectives left out: one GPU's time over a rank's
+        row["whole_over_cp_layer"] = row["prefill_whole_us"] / layer
     return row
 
 
