@@ -177,6 +177,9 @@ class EngineConfig(LoadConfig):
     expert_parallel_size: int = option(
         1, "ranks that split the routed experts: 1 (every rank holds a slice of every expert) or "
            "--tensor-parallel-size (every rank holds whole experts)", min=1)
+    context_parallel_size: int = option(
+        1, "ranks (one process per GPU, each holding the whole model) that split the prefill of one long prompt",
+        min=1)
     nnodes: int = option(1, "hosts the --tensor-parallel-size ranks are spread over (evenly)", min=1)
     node_rank: int = option(0, "this host's index among --nnodes; host 0 runs the scheduler", min=0)
     master_addr: str = option("127.0.0.1", "address of host 0, where the ranks meet", metavar="HOST")

@@ -41,9 +41,17 @@ class Indexer(nn.Module):
     def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (cache entries [T, 2 Di] = key | gate score, queries [T, Hi, Di], head weights [T, Hi] float32)."""
         k, gate, w = F.linear(x, self.x_proj).split(self.splits, dim=-1)
-        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
         q = F.linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
-        return torch.cat([k, gate], dim=-1), q, w.float() * self.Hi**-0.5
+        return self._entries(k, gate), q, w.float() * self.Hi**-0.5
+
+    def entries(self, x: torch.Tensor) -> torch.Tensor:
+        """The cache entries [T, 2 Di] of ``project`` alone."""
+        k, gate = F.linear(x, self.x_proj[: 2 * self.Di]).split(self.Di, dim=-1)
+        return self._entries(k, gate)
+
+    def _entries(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+        return torch.cat([k, gate], dim=-1)
 
     def select(
         self,

@@ -41,12 +41,16 @@ class KDAttention(nn.Module):
         self.o_norm = param(K)
         self.o_proj = param(D, H * K)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q|k|v before the conv [T, 3 H K], the forget gate's input [T, H K], beta's logits [T, H]
+        and the output gate before its sigmoid [T, H K]."""
+        qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
+        return qkv, F.linear(f_a, self.f_b_proj), b, F.linear(g_a, self.g_b_proj)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
+        qkv, g_raw, b, gate = self.project(x)
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
-        g_raw = F.linear(f_a, self.f_b_proj)
-        gate = F.linear(g_a, self.g_b_proj)
         if any(batch.replay):
             return linear(self._forward_replay(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:

@@ -57,6 +57,11 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == "full" else None
         self.source = cfg.indexer_source(layer)  # the layer whose selection this one uses
 
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The latent cache entries [T, R] of ``x`` alone (``forward`` forms them with q's projection)."""
+        bias = None if self.qkv_a_bias is None else self.qkv_a_bias[self.q_lora :]
+        return rms_norm(F.linear(x, self.qkv_a_proj[self.q_lora :], bias), self.kv_a_norm, self.eps)
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict
     ) -> torch.Tensor:

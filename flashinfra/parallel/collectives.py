@@ -3,6 +3,9 @@
 - ``all_reduce``: sum of partial outputs (attention o_proj, MLP down_proj, MoE combine, vocab-split
   embedding). In place, so it can sit inside a captured CUDA graph with NCCL.
 - ``all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
+- ``all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos, the
+  prompt's MLA latent and indexer keys).
+- ``broadcast``: a tensor from one rank (Layer Split: a layer's cache from its owner).
 - ``broadcast_bytes``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a
   uint8 tensor, so the scheduler stays torch-free and runs once. It goes over ``control_group``, a CPU
   (gloo) group without a practical timeout: a worker may wait for the next plan as long as the engine
@@ -36,6 +39,24 @@ class Comm:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of every rank (same shape on each) -> ``[world, *x.shape]``."""
+        if self.world == 1:
+            return x[None]
+        self.calls += 1
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``x`` into ``x`` of every rank (``src`` counted within the group)."""
+        if self.world == 1:
+            return x
+        self.calls += 1
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast(x, root, group=self.group)
+        return x
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank ``src`` passes ``data``; every rank gets it back."""

@@ -8,6 +8,10 @@ rank 0 sizes the cache and sends the block count, so every rank allocates the sa
 plan (msgspec), broadcasts it over the control group, and all ranks run ``ModelRunner.execute`` on it in
 lockstep; the workers' sampled tokens are discarded (their logits equal rank 0's after the all-gather).
 
+Context parallelism (``--context-parallel-size N``, not combined with tensor parallelism yet): every rank
+loads the whole model as a ``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
+same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks.
+
 Failure: rank 0 checks its local workers before each step, so a dead rank fails the step's requests
 at once with its exit code; a hung or remote rank fails them when the compute collective times out
 (``dist_timeout_s``). Once a rank is lost every later step fails the same way: the engine cannot recover
@@ -34,12 +38,21 @@ from flashinfra.engine.sched.plan import Plan, StepResult
 PLAN_ENCODER = msgspec.msgpack.Encoder()
 
 
+def is_parallel(config: EngineConfig) -> bool:
+    return max(config.tensor_parallel_size, config.expert_parallel_size, config.context_parallel_size) > 1
+
+
+def world_size(config: EngineConfig) -> int:
+    """Ranks of the engine: the tensor-parallel ranks, or the context-parallel ones (not combined yet)."""
+    return config.tensor_parallel_size * config.context_parallel_size
+
+
 def make_engine(config: EngineConfig, model=None, events=None) -> EngineCore:
     """``EngineCore`` on one rank; a ``ParallelEngineCore`` (which starts the other ranks) on several."""
-    if config.tensor_parallel_size == 1 and config.expert_parallel_size == 1:
+    if not is_parallel(config):
         return EngineCore(config, model, events)
     if model is not None:
-        raise ValueError("tensor/expert parallel engines load their own shards: pass a model directory, not a model")
+        raise ValueError("parallel engines load their own weights on every rank: pass a model directory, not a model")
     return ParallelEngineCore(config, events)
 
 
@@ -50,10 +63,11 @@ def _free_port() -> int:
 
 
 def ranks_per_node(config: EngineConfig) -> int:
-    tp, n = config.tensor_parallel_size, config.nnodes
-    if tp % n:
-        raise ValueError(f"tensor_parallel_size {tp} is not divisible by nnodes {n}")
-    return tp // n
+    world, n = world_size(config), config.nnodes
+    if world % n:
+        raise ValueError(f"{world} ranks (tensor_parallel_size x context_parallel_size) are not divisible by "
+                         f"nnodes {n}")
+    return world // n
 
 
 def _rank_device(config: EngineConfig, rank: int) -> str:
@@ -73,7 +87,11 @@ def check_layout(config: EngineConfig) -> None:
     from flashinfra.parallel.layout import make_layout
 
     if config.enable_vision:
-        raise ValueError("enable_vision is not supported with tensor/expert parallelism yet")
+        raise ValueError("enable_vision is not supported with tensor/expert/context parallelism yet")
+    if config.context_parallel_size > 1 and (config.tensor_parallel_size > 1 or config.expert_parallel_size > 1):
+        raise ValueError(f"context_parallel_size {config.context_parallel_size} with tensor_parallel_size "
+                         f"{config.tensor_parallel_size} / expert_parallel_size {config.expert_parallel_size}: "
+                         "context parallelism runs over ranks that each hold the whole model (not combined yet)")
     # a rank's shard is sliced from the checkpoint as stored: 8-bit weights and caches are not sliced yet
     if config.quantization in ("w8a8", "fp8") or config.kv_cache_dtype in ("fp8", "int8") \
             or config.kv_cache_dtype_layers or config.kda_state_dtype != "float32":
@@ -93,10 +111,18 @@ def _join_world(config: EngineConfig, rank: int, init_method: str):
     from flashinfra.parallel.load import load_shard
 
     device = _rank_device(config, rank)
-    world = config.tensor_parallel_size
+    world = world_size(config)
     init_distributed(rank, world, device, init_method, timeout_s=config.dist_timeout_s)
     comm = Comm(world, device=device, control_group=control_group())
     path = _model_dir(config)
+    if config.context_parallel_size > 1:
+        from flashinfra.model.api import load_model
+        from flashinfra.parallel.context_model import ContextParallelModel
+        from flashinfra.parallel.load import peak_host_bytes
+
+        model = ContextParallelModel(load_model(path, config.dtype, device), comm, rank)
+        model.peak_host_bytes = peak_host_bytes()
+        return model, comm
     layout = make_layout(load_config(path).text, world, config.expert_parallel_size, rank)
     return load_shard(path, layout, comm, config.dtype, device), comm
 

@@ -86,7 +86,8 @@ def _startup_lines(engine_config: EngineConfig, model_path, name: str, opts: Ser
     cfg = engine_config.resolved() if hasattr(engine_config, "resolved") else engine_config
     lines = [f"model: {name} ({model_path})",
              f"device: {getattr(cfg, 'device', '?')}, dtype: {getattr(cfg, 'dtype', '?')}"]
-    layout = {k: getattr(cfg, k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    layout = {k: getattr(cfg, k) for k in ("tensor_parallel_size", "context_parallel_size", "pipeline_parallel_size",
+                                           "data_parallel_size")
               if hasattr(cfg, k)}
     if layout:
         lines.append("parallel: " + ", ".join(f"{k}={v}" for k, v in layout.items()))
@@ -134,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     if not (model_path / "config.json").is_file():
         print(f"serve: {model_path} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    if engine_config.tensor_parallel_size > 1 or engine_config.expert_parallel_size > 1:
+    from flashinfra.parallel.engine import is_parallel
+
+    if is_parallel(engine_config):
         from flashinfra.parallel.engine import check_layout, run_worker_node
 
         try:

@@ -77,6 +77,29 @@ def kda_chunk_one_ref(
     return o, S
 
 
+def kda_transition_ref(
+    k: torch.Tensor,  # [T, H, K] not yet normalised
+    g: torch.Tensor,  # [T, H, K] log-decay
+    beta: torch.Tensor,  # [T, H]
+    cu_seqlens: list[int],  # B + 1
+    segment: int = 1024,
+) -> torch.Tensor:  # [B, H, K, K] in float32, or float64 where k is
+    """Each sequence's transition map ``M`` (``S_out = M S_in + H``): the chunked reference run from the identity
+    with ``v = 0``, ``segment`` tokens at a time (its in-chunk decay tensor grows with the tokens it holds)."""
+    T, H, K = k.shape
+    ct = torch.promote_types(k.dtype, torch.float32)
+    eye = torch.eye(K, dtype=ct, device=k.device).expand(H, K, K)
+    out = []
+    for bos, eos in zip(cu_seqlens, cu_seqlens[1:]):
+        m = eye.clone()
+        for s in range(bos, eos, segment):
+            e = min(s + segment, eos)
+            kn = l2norm_ref(k[s:e].to(ct))
+            _, m = kda_chunk_one_ref(kn, kn, torch.zeros_like(kn), g[s:e].to(ct), beta[s:e].to(ct), m)
+        out.append(m)
+    return torch.stack(out) if out else torch.empty(0, H, K, K, dtype=ct, device=k.device)
+
+
 def kda_prefill_ref(
     q: torch.Tensor,  # [T, H, K] any float dtype, not yet normalised
     k: torch.Tensor,  # [T, H, K]

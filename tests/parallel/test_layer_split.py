@@ -1,0 +1,43 @@
+"""Layer Split's sizing: the MLA cache tokens one rank holds against full replication, for the released
+model's layers, and the owners' blocks."""
+
+import pytest
+import torch
+
+from flashinfra.config import resolve_config
+from flashinfra.model.cache import ModelCache
+from flashinfra.parallel.layer_split import cache_tokens, layer_owner, owned_layers
+from flashinfra.parallel.plan import GLM_5_3_FLASH
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def text():
+    return resolve_config(GLM_5_3_FLASH).text
+
+
+def test_owned_layers_are_contiguous_blocks(text):
+    mla = text.mla_layers
+    assert len(mla) == 11
+    blocks = [owned_layers(mla, 4, r) for r in range(4)]
+    assert [len(b) for b in blocks] == [3, 3, 3, 2]
+    assert sum(blocks, ()) == mla
+    assert all(layer_owner(mla, 4, i) == r for r, b in enumerate(blocks) for i in b)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_cache_tokens_split_against_replicated(text, world):
+    """Every MLA layer of the released model runs its own indexer: 512 latent + 256 indexer values per token and
+    layer, 1536 bytes in bf16. A rank keeps ceil(11 / world) layers plus one transient layer's buffers."""
+    assert text.indexer_layers == text.mla_layers
+    budget = 40 * GIB
+    fit = cache_tokens(text, world, budget, torch.bfloat16)
+    per_layer = 2 * (text.kv_lora_rank + 2 * text.index_head_dim)
+    assert per_layer == 1536
+    assert fit.bytes_per_token_replicated == 11 * per_layer == ModelCache.bytes_per_block(text, 1, torch.bfloat16)
+    layers = -(-11 // world) + (world > 1)
+    assert fit.bytes_per_token_split == layers * per_layer
+    assert (fit.tokens_split, fit.tokens_replicated) == (budget // (layers * per_layer), budget // (11 * per_layer))
+    print(f"world {world}: {fit.tokens_split} cache tokens per rank with Layer Split, {fit.tokens_replicated} "
+          f"replicated ({fit.tokens_split / fit.tokens_replicated:.2f}x)")
