@@ -12,8 +12,6 @@ role it was given and every prefill engine's cache layout matches every decode e
 both engines and the differences). Listens on 127.0.0.1 by default.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import contextlib
