@@ -33,9 +33,10 @@ def _request(rid, prompt, sampling, transfer=None) -> EngineRequest:
     return EngineRequest(rid, list(prompt), sampling, time.time(), transfer=transfer)
 
 
-def _run(cores, until, timeout_s=120.0) -> dict[str, list]:
-    """Step every core until ``until`` holds for the last core's outputs; those, by request id."""
-    got: list[dict[str, list]] = [{} for _ in cores]
+def _run(cores, until, timeout_s=120.0, got=None) -> list[dict[str, list]]:
+    """Step every core until ``until`` holds for the last core's outputs; every core's, by request id
+    (added to ``got``, when given)."""
+    got = got if got is not None else [{} for _ in cores]
     deadline = time.monotonic() + timeout_s
     while not until(got[-1]):
         assert time.monotonic() < deadline, f"no progress: {got}"
@@ -48,7 +49,7 @@ def _run(cores, until, timeout_s=120.0) -> dict[str, list]:
                     assert out.finish_reason != "error", out.error
         if idle:
             time.sleep(0.002)
-    return got[-1]
+    return got
 
 
 def _tokens(outs) -> list[int]:
@@ -78,15 +79,15 @@ def test_disaggregated_outputs_equal_a_single_engine(engines, sampling):
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     for rid, prompt in zip(ids, PROMPTS):
         both.add_request(_request(rid, prompt, sampling))
-    want = _run([both], _finished(ids))
+    want = _run([both], _finished(ids))[-1]
     for rid, prompt in zip(ids, PROMPTS):
         decode.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "import")))
         prefill.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "export", peer)))
-    got_decode = _run([prefill, decode], _finished(ids))
+    got_prefill, got_decode = _run([prefill, decode], _finished(ids))
     assert {r: _tokens(got_decode[r]) for r in ids} == {r: _tokens(want[r]) for r in ids}
     assert all(len(_tokens(want[r])) == 9 for r in ids)
     # the prefill side answered once per request (its first token), after the ack, and freed every block
-    got_prefill = _run([decode, prefill], _finished(ids))
+    _run([decode, prefill], _finished(ids), got=[got_decode, got_prefill])
     assert {r: _tokens(got_prefill[r]) for r in ids} == {r: _tokens(want[r])[:1] for r in ids}
     stats = prefill.stats()
     assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
@@ -104,7 +105,7 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         while prefill.stats().num_transfers_held == 0:
             prefill.step()
         assert prefill.stats().num_blocks_free < prefill.stats().num_blocks_total
-        got = _run([prefill], _finished(["lost"]), timeout_s=20)
+        got = _run([prefill], _finished(["lost"]), timeout_s=20)[-1]
         out = got["lost"][-1]
         assert out.finish_reason == "error" and "did not acknowledge the transfer within 3 s" in out.error
         assert time.monotonic() - start < 10
@@ -124,7 +125,7 @@ def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
     try:
         prefill.add_request(_request("mm", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0),
                                      TransferParams("t-mm", "export", other.ready_message().transfer_address)))
-        out = _run([prefill], _finished(["mm"]))["mm"][-1]
+        out = _run([prefill], _finished(["mm"]))[-1]["mm"][-1]
         assert out.finish_reason == "error"
         assert "refused by the decode engine" in out.error and "cache layout mismatch between decode engine" in out.error
         assert "and prefill engine" in out.error
