@@ -76,7 +76,7 @@ def engines(ckpt):
 def test_disaggregated_outputs_equal_a_single_engine(engines, sampling):
     prefill, decode, both = engines
     peer = decode.ready_message().transfer_address
-    ids = [f"r{i}" for i in range(len(PROMPTS))]
+    ids = [f"{sampling.temperature}-r{i}" for i in range(len(PROMPTS))]
     for rid, prompt in zip(ids, PROMPTS):
         both.add_request(_request(rid, prompt, sampling))
     want = _run([both], _finished(ids))[-1]
