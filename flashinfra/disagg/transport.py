@@ -44,6 +44,10 @@ class _Hello(msgspec.Struct, tag="hello"):
 
 class _Transfer(msgspec.Struct, tag="transfer"):
     state: RequestState
+    # buffers left in the sender's registered memory for the receiver to read (``disagg.mooncake``):
+    # (address, bytes) each, on the sender's transfer-engine session; empty: the buffers follow as frames
+    remote: list[tuple[int, int]] = []
+    session: str = ""
 
 
 class _Reply(msgspec.Struct, tag="reply"):
@@ -169,9 +173,22 @@ class StateReceiver:
                     err = "no layout handshake on this connection (the decode engine restarted?)"
                     self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
                 else:
-                    self._arrivals.append(Arrival(peer, msg.state, [b.buffer for b in bufs], time.monotonic()))
+                    try:
+                        buffers = self._buffers(msg, bufs)
+                    except Exception as e:  # noqa: BLE001 - this transfer fails, the others go on
+                        err = f"the decode engine could not receive the state: {type(e).__name__}: {e}"
+                        self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
+                        continue
+                    self._arrivals.append(Arrival(peer, msg.state, buffers, time.monotonic()))
                     if self._wake_owner is not None:
                         self._wake_owner()
+
+    def _buffers(self, msg: _Transfer, frames: list) -> list:
+        """The transfer's buffers (on the receiver's thread): here, the frames that followed its header."""
+        if msg.remote:
+            raise TransferError("the state was left in the sender's memory, and this engine has no Mooncake "
+                                "transport to read it (start both sides with the same --transfer-backend)")
+        return [f.buffer for f in frames]
 
     def close(self) -> None:
         self._stop = True
@@ -220,7 +237,15 @@ class StateSender:
         self._outstanding -= len(out)
         return out
 
+    def _message(self, state: RequestState, buffers: list) -> list:
+        """The multipart message of one transfer (on the sender's thread): here, the buffers as frames."""
+        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in buffers]
+
+    def _release(self, request_id: str) -> None:
+        """Called when a transfer is over (acknowledged, failed or timed out), on the sender's thread."""
+
     def _finish(self, request_id: str, error: str | None) -> None:
+        self._release(request_id)
         self._done.append((request_id, error))
         if self._wake_owner is not None:
             self._wake_owner()
@@ -264,8 +289,7 @@ class StateSender:
                     if sock is None:
                         sock = peers[peer] = self._connect(peer, poller)
                     bufs = buffers() if callable(buffers) else buffers
-                    sock.send_multipart([_enc.encode(_Transfer(state))] + [_frame(b) for b in bufs],
-                                        flags=zmq.NOBLOCK, copy=False)
+                    sock.send_multipart(self._message(state, bufs), flags=zmq.NOBLOCK, copy=False)
                     inflight[rid] = (time.monotonic() + self.timeout_s, peer)
                 except LayoutMismatch as e:
                     refused[peer] = str(e)
