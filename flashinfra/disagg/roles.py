@@ -67,6 +67,11 @@ class _Wake:
         os.close(self._w)
 
 
+def _host(address: str) -> str:
+    """``tcp://HOST:PORT`` -> HOST."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
 def engine_layout(core: Any, role: str) -> CacheLayout:
     return describe(core.runner.cache, fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
 
@@ -97,8 +102,13 @@ class Exporter:
         self.core = core
         self.wake = _Wake()
         self.layout = engine_layout(core, "prefill")
-        self.sender = StateSender(self.layout, timeout_s=config.transfer_timeout_s,
-                                  max_inflight=config.max_num_seqs * 4, wake=self.wake)
+        kw = dict(timeout_s=config.transfer_timeout_s, max_inflight=config.max_num_seqs * 4, wake=self.wake)
+        if config.transfer_backend == "mooncake":
+            from flashinfra.disagg.mooncake import MooncakeSender
+
+            self.sender = MooncakeSender(self.layout, host=_host(config.transfer_address), **kw)
+        else:
+            self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
         self._transfer_ids: dict[str, str] = {}  # transfer id -> request id
         self.num_total = 0
@@ -177,7 +187,13 @@ class Importer:
         self.timeout_s = config.transfer_timeout_s
         self.wake = _Wake()
         self.layout = engine_layout(core, "decode")
-        self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
+        if config.transfer_backend == "mooncake":
+            from flashinfra.disagg.mooncake import MooncakeReceiver
+
+            self.receiver = MooncakeReceiver(self.layout, config.transfer_address, self.wake,
+                                             host=_host(config.transfer_address))
+        else:
+            self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
         self.address = self.receiver.address
         self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival

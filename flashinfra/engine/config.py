@@ -188,6 +188,10 @@ class EngineConfig(LoadConfig):
                        choices=("both", "prefill", "decode"))
     transfer_address: str = option("tcp://127.0.0.1:*", "decode role: where request states are received "
                                                         "(* picks a free port)", metavar="ADDR")
+    transfer_backend: str = option(
+        "zmq", "prefill/decode roles: how cache bytes move: zmq (as frames over the control connection) or "
+               "mooncake (the Mooncake transfer engine, on the host of --transfer-address)",
+        choices=("zmq", "mooncake"))
     transfer_timeout_s: float = option(
         60.0, "prefill/decode roles: seconds a cache transfer may wait for its other side before the request "
               "fails", min=0.1)

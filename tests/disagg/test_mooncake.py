@@ -46,3 +46,29 @@ def test_a_zeromq_only_receiver_refuses_a_mooncake_transfer():
     finally:
         tx.close()
         rx.close()
+
+
+def test_engines_exchange_through_mooncake(tmp_path):
+    from flashinfra.engine.core import EngineCore
+    from flashinfra.engine.sched.messages import SamplingParams, TransferParams
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from tests.disagg.test_roles import PROMPTS, _config, _finished, _request, _run, _tokens
+
+    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=0, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
+    cores = [EngineCore(_config(ckpt, **kw)) for kw in ({}, {"role": "prefill", "transfer_backend": "mooncake"},
+                                                        {"role": "decode", "transfer_backend": "mooncake"})]
+    both, prefill, decode = cores
+    try:
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        both.add_request(_request("a", PROMPTS[1], sampling))
+        want = _run([both], _finished(["a"]))[-1]
+        decode.add_request(_request("a", PROMPTS[1], sampling, TransferParams("t", "import")))
+        prefill.add_request(_request("a", PROMPTS[1], sampling,
+                                     TransferParams("t", "export", decode.ready_message().transfer_address)))
+        got = _run([prefill, decode], _finished(["a"]))[-1]
+        assert _tokens(got["a"]) == _tokens(want["a"])
+    finally:
+        for core in cores:
+            core.close()

@@ -33,7 +33,7 @@ def _request(rid, prompt, sampling, transfer=None) -> EngineRequest:
     return EngineRequest(rid, list(prompt), sampling, time.time(), transfer=transfer)
 
 
-def _run(cores, until, timeout_s=120.0, got=None) -> list[dict[str, list]]:
+def _run(cores, until, timeout_s=120.0, got=None, errors_ok=False) -> list[dict[str, list]]:
     """Step every core until ``until`` holds for the last core's outputs; every core's, by request id
     (added to ``got``, when given)."""
     got = got if got is not None else [{} for _ in cores]
@@ -46,7 +46,7 @@ def _run(cores, until, timeout_s=120.0, got=None) -> list[dict[str, list]]:
                 idle = False
                 for out in core.step():
                     mine.setdefault(out.request_id, []).append(out)
-                    assert out.finish_reason != "error", out.error
+                    assert errors_ok or out.finish_reason != "error", out.error
         if idle:
             time.sleep(0.002)
     return got
@@ -105,7 +105,7 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         while prefill.stats().num_transfers_held == 0:
             prefill.step()
         assert prefill.stats().num_blocks_free < prefill.stats().num_blocks_total
-        got = _run([prefill], _finished(["lost"]), timeout_s=20)[-1]
+        got = _run([prefill], _finished(["lost"]), timeout_s=20, errors_ok=True)[-1]
         out = got["lost"][-1]
         assert out.finish_reason == "error" and "did not acknowledge the transfer within 3 s" in out.error
         assert time.monotonic() - start < 10
@@ -125,7 +125,7 @@ def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
     try:
         prefill.add_request(_request("mm", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0),
                                      TransferParams("t-mm", "export", other.ready_message().transfer_address)))
-        out = _run([prefill], _finished(["mm"]))[-1]["mm"][-1]
+        out = _run([prefill], _finished(["mm"]), errors_ok=True)[-1]["mm"][-1]
         assert out.finish_reason == "error"
         assert "refused by the decode engine" in out.error and "cache layout mismatch between decode engine" in out.error
         assert "and prefill engine" in out.error
