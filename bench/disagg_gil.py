@@ -82,7 +82,7 @@ def engine_prefill(args):
     from flashinfra.engine.core import EngineCore
     from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 
-    core = EngineCore(EngineConfig(model=args.model, device="cpu", max_num_seqs=1, prefix_cache_slots=0,
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, prefix_cache_slots=0,
                                    max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 8,
                                    num_blocks=args.tokens // 16 + 2))
     count = [0]
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--mbytes", type=int, default=16)
     ap.add_argument("--engine", action="store_true", help="time a real engine's prefill step")
     ap.add_argument("--model", default=None, help="with --engine: checkpoint (default: the built-in model)")
+    ap.add_argument("--device", default="cpu", help="with --engine: the engine's device (cpu, cuda)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -135,7 +136,8 @@ def main() -> None:
     good, good_probe = measure(args, run_prefill, lambda stop: moved.__setitem__("n", zmq_transfer(stop, args.mbytes)))
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe.stalls else []
     result = {
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads 1)",
+        "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
+                   f"{os.cpu_count()} cpus, torch threads 1)"),
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "prefill": "engine step" if args.engine else "torch stand-in", "tokens": args.tokens,

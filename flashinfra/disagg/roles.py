@@ -197,6 +197,7 @@ class Importer:
         self.address = self.receiver.address
         self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
+        self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
         self.num_total = 0
         self.num_failures = 0
 
@@ -223,9 +224,16 @@ class Importer:
 
     def poll(self) -> list[RequestOutput]:
         self.wake.drain()
-        for arrival in self.receiver.poll():
-            self._arrived[arrival.state.request_id] = arrival
         outputs, now = [], time.monotonic()
+        for arrival in self.receiver.poll():
+            tid = arrival.state.request_id
+            if self._aborted.pop(tid, None) is not None:  # nobody waits for it: free the sender's blocks now
+                self.receiver.ack(arrival.peer, tid, "the request was aborted on the decode engine")
+            else:
+                self._arrived[tid] = arrival
+        for tid, when in list(self._aborted.items()):
+            if now - when > self.timeout_s:
+                del self._aborted[tid]
         for tid, (req, deadline) in list(self._waiting.items()):
             arrival = self._arrived.get(tid)
             if arrival is None:
@@ -284,6 +292,7 @@ class Importer:
         for tid, (req, _) in list(self._waiting.items()):
             if req.request_id in ids:
                 del self._waiting[tid]
+                self._aborted[tid] = time.monotonic()
                 outputs.append(RequestOutput(req.request_id, [], None, True, "abort",
                                              num_prompt_tokens=req.num_prompt_tokens))
         return outputs

@@ -162,8 +162,10 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             except Exception as e:  # noqa: BLE001
                 return JSONResponse(_error(503, f"the decode server at {d.url} failed: {type(e).__name__}: {e}",
                                            "decode_unavailable"), status_code=503)
-            if dresp.status_code != 200 and ptask.done() and (failed := prefill_failed(ptask)) is not None:
-                return JSONResponse(failed[1], status_code=failed[0])  # the cause, not the decode side's wait
+            if dresp.status_code != 200:
+                if ptask.done() and (failed := prefill_failed(ptask)) is not None:
+                    return JSONResponse(failed[1], status_code=failed[0])  # the cause, not the decode side's wait
+                ptask.cancel()  # the prefill server aborts what it has not finished
             return Response(dresp.content, status_code=dresp.status_code, media_type="application/json")
         finally:
             read.cancel()
