@@ -1,13 +1,18 @@
 """GIL stall of KV transfers beside a prefill, reproduced then fixed (CPU).
 
-- prefill: a stand-in for an 8k-token prefill, many torch ops on [8192, d] activations (each op releases
-  the GIL inside, but dispatching between ops needs it).
+- prefill: by default a stand-in for an 8k-token prefill, many torch ops on [8192, d] activations (each op
+  releases the GIL inside, but dispatching between ops needs it); with ``--engine``, one step of a real
+  ``EngineCore`` (the built-in model, or ``--model``) computing a ``--tokens``-token prompt.
 - bad transfer: a binding that keeps the GIL during its blocking wait (``ctypes.PyDLL`` usleep, as a
   C extension that forgets Py_BEGIN_ALLOW_THREADS would); the GIL probe finds it with its stack.
-- fixed transfer: ``flashinfra.disagg.transport`` (pyzmq multipart, copy=False, from a sender thread).
+- fixed transfer: the engines' own path, ``flashinfra.disagg.transport`` (a sender thread packing a
+  request's pages and KDA slot, pyzmq multipart with copy=False, a receiver thread, acks), moving
+  ``--mbytes`` per transfer, two at a time, for as long as the prefill runs.
 
-Prints and writes JSON: prefill time alone, with each kind of concurrent transfer, the ratios, the
-probe's stalls. ``python bench/disagg_gil.py --out bench/results/disagg_gil_cpu.json``
+The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
+best time alone, in one process: what the transfer threads cost the engine loop (GIL hand-offs and CPU),
+not the transfer's own speed. Prints and writes JSON: both times, the ratios, the probe's stalls.
+``python bench/disagg_gil.py --out bench/results/disagg_gil_cpu.json``
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import os
 import platform
@@ -24,9 +30,10 @@ import time
 
 import torch
 
-from flashinfra.disagg.layout import CacheLayout, RequestState, TensorDesc
+from flashinfra.disagg.layout import RequestState, describe, pack_request_state
 from flashinfra.disagg.transport import StateReceiver, StateSender
 from flashinfra.feedback.gil_probe import GilProbe
+from flashinfra.model.cache import ModelCache
 
 _libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during calls
 
@@ -48,39 +55,57 @@ def gil_holding_transfer(stop: threading.Event) -> None:
 
 
 def zmq_transfer(stop: threading.Event, mbytes: int) -> int:
-    layout = CacheLayout("bench", "fp", 16, (TensorDesc("mla_latent", 0, "uint8", (mbytes << 20,)),))
-    rx = StateReceiver(layout)
-    sent = [0]
-
-    def serve():
-        while not stop.is_set():
-            got = rx.recv(timeout_ms=50)
-            if got:
-                rx.ack(got[0], got[1].request_id)
-    srv = threading.Thread(target=serve, daemon=True)
-    srv.start()
-    tx = StateSender(layout, rx.address, on_ack=lambda rid: sent.__setitem__(0, sent[0] + 1))
-    buf = torch.zeros(mbytes << 20, dtype=torch.uint8)
-    i = 0
+    """Move one request state of ``mbytes`` (one block of one paged tensor) back and forth until ``stop``.
+    The receiving side acknowledges from this thread, as the decode engine's loop would."""
+    block = mbytes << 20
+    cache = ModelCache(block_size=1, num_blocks=2, num_slots=1, mla_latent={0: torch.zeros(2, 1, block, dtype=torch.uint8)},
+                       indexer_keys={}, conv_state={}, recurrent_state={})
+    layout = describe(cache, "bench", "bench")
+    rx, tx = StateReceiver(layout), StateSender(layout)
+    acked, i = 0, 0
     while not stop.is_set():
-        if len(tx.inflight) < 2:
-            tx.send(RequestState(str(i), 1, 1, 0), [buf])
+        if tx.num_outstanding < 2:
+            tx.send(rx.address, RequestState(str(i), 1, 1, 0), functools.partial(pack_request_state, cache, [i % 2], None))
             i += 1
-        time.sleep(0.005)
+        for arrival in rx.poll():
+            rx.ack(arrival.peer, arrival.state.request_id)
+        acked += len(tx.poll())
+        time.sleep(0.002)
     tx.close()
-    srv.join(2)
     rx.close()
-    return sent[0]
+    return acked
 
 
-def measure(args, background=None) -> tuple[float, dict]:
+def engine_prefill(args):
+    """A function that times one prefill step of a real engine on a fresh ``args.tokens``-token prompt."""
+    from flashinfra.engine.config import EngineConfig
+    from flashinfra.engine.core import EngineCore
+    from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
+
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, prefix_cache_slots=0,
+                                   max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 8,
+                                   num_blocks=args.tokens // 16 + 2))
+    count = [0]
+
+    def run(*_):
+        count[0] += 1
+        prompt = [(count[0] * 7919 + 31 * i) % 500 + 3 for i in range(args.tokens)]
+        core.add_request(EngineRequest(f"p{count[0]}", prompt, SamplingParams(max_tokens=1, temperature=0.0), time.time()))
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            core.step()
+        return time.perf_counter() - t0
+    return run
+
+
+def measure(args, run_prefill, background=None) -> tuple[float, dict]:
     stop = threading.Event()
     th = threading.Thread(target=background, args=(stop,), daemon=True) if background else None
     with GilProbe(threshold_s=0.05) as probe:
         if th:
             th.start()
             time.sleep(0.05)
-        times = [prefill(args.tokens, args.d, args.layers) for _ in range(args.reps)]
+        times = [run_prefill() for _ in range(args.reps)]
         stop.set()
         if th:
             th.join(5)
@@ -94,20 +119,29 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mbytes", type=int, default=16)
+    ap.add_argument("--engine", action="store_true", help="time a real engine's prefill step")
+    ap.add_argument("--model", default=None, help="with --engine: checkpoint (default: the built-in model)")
+    ap.add_argument("--device", default="cpu", help="with --engine: the engine's device (cpu, cuda)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    prefill(args.tokens, args.d, 1)  # warm up
-    alone, _ = measure(args)
-    bad, bad_probe = measure(args, gil_holding_transfer)
+    if args.engine:
+        run_prefill = engine_prefill(args)
+    else:
+        run_prefill = functools.partial(prefill, args.tokens, args.d, args.layers)
+    run_prefill()  # warm up
+    alone, _ = measure(args, run_prefill)
+    bad, bad_probe = measure(args, run_prefill, gil_holding_transfer)
     moved = {}
-    good, good_probe = measure(args, lambda stop: moved.__setitem__("n", zmq_transfer(stop, args.mbytes)))
+    good, good_probe = measure(args, run_prefill, lambda stop: moved.__setitem__("n", zmq_transfer(stop, args.mbytes)))
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe.stalls else []
     result = {
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads 1)",
+        "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
+                   f"{os.cpu_count()} cpus, torch threads 1)"),
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "tokens": args.tokens, "prefill_alone_s": alone,
+        "prefill": "engine step" if args.engine else "torch stand-in", "tokens": args.tokens,
+        "prefill_alone_s": alone,
         "gil_holding_transfer": {"prefill_s": bad, "ratio": bad / alone, "stalls": bad_probe.count,
                                  "max_stall_s": bad_probe.max_s, "culprit": culprit[:6]},
         "zmq_transfer": {"prefill_s": good, "ratio": good / alone, "stalls": good_probe.count,

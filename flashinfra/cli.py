@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "flashinfra.eval.cli",
     "flashinfra.quant.cli",
     "flashinfra.parallel.plan",
+    "flashinfra.disagg.router",
 )
 
 

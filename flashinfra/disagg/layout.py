@@ -20,7 +20,7 @@ from flashinfra.model.cache import ModelCache
 
 
 class TensorDesc(msgspec.Struct, frozen=True):
-    kind: str  # "mla_latent" | "indexer_keys" (per block) | "conv_state" | "recurrent_state" (per slot)
+    kind: str  # one of PAGED (per block) or SLOTTED (per slot)
     layer: int
     dtype: str
     shape: tuple[int, ...]  # per block ([block_size, width]) or per slot
@@ -34,16 +34,18 @@ class CacheLayout(msgspec.Struct, frozen=True):
 
 
 class RequestState(msgspec.Struct):
-    """One request's moved state: what the buffers hold, in the order of ``layout.tensors``."""
+    """One request's moved state besides its buffers (which follow ``layout.tensors``' order): the
+    transfer it belongs to, what was computed, the first sampled token and the sampling generator."""
 
-    request_id: str
+    request_id: str  # the transfer id both engines were given
     prompt_len: int
     num_blocks: int
     first_token: int
-    sampling: dict = {}
+    prompt_hash: str = ""  # the receiver refuses a state computed for other prompt tokens
+    generator_state: bytes = b""  # torch.Generator state after the first token (empty: greedy)
 
 
-PAGED = ("mla_latent", "indexer_keys")
+PAGED = ("mla_latent", "indexer_keys", "mla_latent_scale", "indexer_scale")  # scales: 8-bit caches only
 SLOTTED = ("conv_state", "recurrent_state")
 
 
@@ -76,6 +78,10 @@ def fingerprint(obj: object) -> str:
     except TypeError:
         data = repr(obj).encode()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def token_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(token_ids)).hexdigest()[:16]
 
 
 def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:

@@ -1,20 +1,29 @@
 """Moving request states between engines over ZeroMQ/TCP, behind a layout handshake.
 
-``StateReceiver`` (decode side) binds a ROUTER socket; ``StateSender`` (prefill side) connects a DEALER.
-The first message is a handshake carrying the sender's ``CacheLayout``; the receiver compares it with its
-own and answers ``ok`` or the mismatch message (naming both sides), which the sender raises.
+``StateReceiver`` (decode side) binds a ROUTER socket; ``StateSender`` (prefill side) connects one DEALER
+per decode engine. Every socket belongs to one background thread per object, woken through an inproc
+socket, so the engine loop only puts work on a queue and takes results off another: it never waits on the
+network, and no Python thread holds the GIL while bytes move or while waiting (pyzmq's blocking calls
+release it; libzmq's I/O threads move the bytes).
 
-Each transfer is one multipart message ``[RequestState, *buffers]`` with ``copy=False``: pyzmq hands the
-buffers to libzmq's I/O thread without copying, and its blocking send/recv release the GIL, so no Python
-thread holds the GIL while bytes move or while waiting. Sending runs on a dedicated thread fed by a
-queue, so the engine loop never waits on the network; ``on_ack`` fires when the receiver has imported the
-state (that is when the prefill side frees its blocks).
+Handshake: the first message on a connection carries the sender's ``CacheLayout``; the receiver compares it
+with its own and answers ``ok`` or the mismatch message naming both sides, which fails the transfer (and
+every later one to that engine) with ``LayoutMismatch``'s text.
+
+Transfer: one multipart message ``[header, *buffers]`` sent with ``copy=False`` (libzmq reads the buffers
+in place). The receiver acknowledges once the state is in its cache, or answers an error. The sender keeps
+at most ``max_inflight`` transfers queued or unacknowledged (``send`` raises ``TransferError`` beyond) and
+fails any transfer unacknowledged after ``timeout_s``. Results (request id, error or None) are taken with
+``poll``; ``wake`` (when given) is called from the background thread whenever one is ready.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import queue
 import threading
+import time
 from typing import Callable
 
 import msgspec
@@ -22,9 +31,23 @@ import zmq
 
 from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, RequestState, check_compatible
 
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class TransferError(RuntimeError):
+    pass
+
 
 class _Hello(msgspec.Struct, tag="hello"):
     layout: CacheLayout
+
+
+class _Transfer(msgspec.Struct, tag="transfer"):
+    state: RequestState
+    # buffers left in the sender's registered memory for the receiver to read (``disagg.mooncake``):
+    # (address, bytes) each, on the sender's transfer-engine session; empty: the buffers follow as frames
+    remote: list[tuple[int, int]] = []
+    session: str = ""
 
 
 class _Reply(msgspec.Struct, tag="reply"):
@@ -32,98 +55,275 @@ class _Reply(msgspec.Struct, tag="reply"):
     error: str = ""
 
 
+class _Ack(msgspec.Struct, tag="ack"):
+    request_id: str
+    error: str = ""  # empty: the state is in the receiver's cache
+
+
 _enc = msgspec.msgpack.Encoder()
+_to_receiver = msgspec.msgpack.Decoder(_Hello | _Transfer)
+_to_sender = msgspec.msgpack.Decoder(_Reply | _Ack)
+_names = itertools.count()
+
+
+class _Waker:
+    """An inproc PUSH/PULL pair: ``wake()`` from the owner's thread interrupts the background thread's poll."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        addr = f"inproc://flashinfra-disagg-{next(_names)}"
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.bind(addr)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 1)
+        self.push.connect(addr)
+
+    def wake(self) -> None:
+        try:
+            self.push.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already pending
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+
+
+def _frame(buf) -> memoryview | bytes:
+    if hasattr(buf, "numpy"):  # a CPU torch tensor
+        return memoryview(buf.numpy())
+    return buf
+
+
+class Arrival(msgspec.Struct):
+    """A request state received by a ``StateReceiver``; answer it with ``StateReceiver.ack``."""
+
+    peer: bytes
+    state: RequestState
+    buffers: list
+    time: float
 
 
 class StateReceiver:
-    """Accepts senders whose layout matches ``layout``; ``recv`` returns (state, buffers)."""
+    """Accepts senders whose layout matches ``layout``; arrivals are taken with ``poll``."""
 
-    def __init__(self, layout: CacheLayout, address: str = "tcp://127.0.0.1:*"):
+    def __init__(self, layout: CacheLayout, address: str = "tcp://127.0.0.1:*",
+                 wake: Callable[[], None] | None = None):
         self.layout = layout
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(address)
-        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.accepted: set[bytes] = set()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._wake_owner = wake
+        self._waker = _Waker(self._ctx)
+        self._arrivals: collections.deque[Arrival] = collections.deque()
+        self._acks: collections.deque[tuple[bytes, _Ack]] = collections.deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="disagg-receiver", daemon=True)
+        self._thread.start()
 
-    def recv(self, timeout_ms: int | None = None) -> tuple[bytes, RequestState, list[memoryview]] | None:
-        """Serve handshakes until a state arrives; None on timeout. The caller acks with ``ack``."""
-        while True:
-            if timeout_ms is not None and not self.sock.poll(timeout_ms):
-                return None
-            peer, head, *bufs = self.sock.recv_multipart(copy=False)
-            peer = bytes(peer)
-            if peer not in self.accepted:
-                hello = msgspec.msgpack.decode(head.buffer, type=_Hello)
-                try:
-                    check_compatible(self.layout, hello.layout)
-                except LayoutMismatch as e:
-                    self.sock.send_multipart([peer, _enc.encode(_Reply(False, str(e)))])
-                    continue
-                self.accepted.add(peer)
-                self.sock.send_multipart([peer, _enc.encode(_Reply(True))])
+    def poll(self) -> list[Arrival]:
+        out = []
+        while self._arrivals:
+            out.append(self._arrivals.popleft())
+        return out
+
+    def ack(self, peer: bytes, request_id: str, error: str = "") -> None:
+        """Tell the sender the state is in this engine's cache (or why it is not); returns at once."""
+        self._acks.append((peer, _Ack(request_id, error)))
+        self._waker.wake()
+
+    def _loop(self) -> None:
+        accepted: set[bytes] = set()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._waker.pull, zmq.POLLIN)
+        while not self._stop:
+            events = dict(poller.poll())
+            if self._waker.pull in events:
+                self._waker.drain()
+            while self._acks:
+                peer, ack = self._acks.popleft()
+                self._sock.send_multipart([peer, _enc.encode(ack)])
+            if self._sock not in events:
                 continue
-            return peer, msgspec.msgpack.decode(head.buffer, type=RequestState), [b.buffer for b in bufs]
+            while True:
+                try:
+                    peer, head, *bufs = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                peer = bytes(peer)
+                msg = _to_receiver.decode(head.buffer)
+                if isinstance(msg, _Hello):
+                    try:
+                        check_compatible(self.layout, msg.layout)
+                    except LayoutMismatch as e:
+                        self._sock.send_multipart([peer, _enc.encode(_Reply(False, str(e)))])
+                        continue
+                    accepted.add(peer)
+                    self._sock.send_multipart([peer, _enc.encode(_Reply(True))])
+                elif peer not in accepted:
+                    err = "no layout handshake on this connection (the decode engine restarted?)"
+                    self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
+                else:
+                    try:
+                        buffers = self._buffers(msg, bufs)
+                    except Exception as e:  # noqa: BLE001 - this transfer fails, the others go on
+                        err = f"the decode engine could not receive the state: {type(e).__name__}: {e}"
+                        self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
+                        continue
+                    self._arrivals.append(Arrival(peer, msg.state, buffers, time.monotonic()))
+                    if self._wake_owner is not None:
+                        self._wake_owner()
 
-    def ack(self, peer: bytes, request_id: str) -> None:
-        self.sock.send_multipart([peer, request_id.encode()])
+    def _buffers(self, msg: _Transfer, frames: list) -> list:
+        """The transfer's buffers (on the receiver's thread): here, the frames that followed its header."""
+        if msg.remote:
+            raise TransferError("the state was left in the sender's memory, and this engine has no Mooncake "
+                                "transport to read it (start both sides with the same --transfer-backend)")
+        return [f.buffer for f in frames]
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self._stop = True
+        self._waker.wake()
+        self._thread.join(timeout=5)
+        self._waker.close()
+        self._sock.close(linger=0)
 
 
 class StateSender:
-    """Handshakes on construction (raises ``LayoutMismatch``), then sends from its own thread."""
+    """Sends request states to decode engines from its own thread; ``poll`` gives (request id, error)."""
 
-    def __init__(self, layout: CacheLayout, address: str, on_ack: Callable[[str], None] | None = None,
-                 timeout_s: float = 10.0):
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.sock.send(_enc.encode(_Hello(layout)))
-        if not self.sock.poll(int(timeout_s * 1000)):
-            self.sock.close()
-            raise TimeoutError(f"no handshake answer from {address} within {timeout_s}s")
-        reply = msgspec.msgpack.decode(self.sock.recv(), type=_Reply)
-        if not reply.ok:
-            self.sock.close()
-            raise LayoutMismatch(reply.error)
-        self.on_ack = on_ack
-        self.inflight: set[str] = set()
-        self.errors: list[BaseException] = []
-        self._q: queue.Queue = queue.Queue()
+    def __init__(self, layout: CacheLayout, timeout_s: float = 30.0, max_inflight: int = 256,
+                 wake: Callable[[], None] | None = None):
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.max_inflight = max_inflight
+        self._ctx = zmq.Context.instance()
+        self._wake_owner = wake
+        self._waker = _Waker(self._ctx)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: collections.deque[tuple[str, str | None]] = collections.deque()
+        self._outstanding = 0  # touched only by the owner's thread (send / poll)
+        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="disagg-sender", daemon=True)
         self._thread.start()
 
-    def send(self, state: RequestState, buffers: list) -> None:
-        """Queue a transfer; returns at once. Buffers must stay alive and unchanged until the ack."""
-        self.inflight.add(state.request_id)
-        self._q.put((state, buffers))
+    @property
+    def num_outstanding(self) -> int:
+        return self._outstanding
+
+    def send(self, peer: str, state: RequestState, buffers: list | Callable[[], list]) -> None:
+        """Queue a transfer to the receiver at ``peer``; returns at once. ``buffers`` (or the callable that
+        packs them, called on the sender's thread) must stay valid until the result is polled."""
+        if self._outstanding >= self.max_inflight:
+            raise TransferError(f"{self._outstanding} transfers are already queued or unacknowledged "
+                                f"(at most {self.max_inflight})")
+        self._outstanding += 1
+        self._queue.put((peer, state, buffers))
+        self._waker.wake()
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        self._outstanding -= len(out)
+        return out
+
+    def _message(self, state: RequestState, buffers: list) -> list:
+        """The multipart message of one transfer (on the sender's thread): here, the buffers as frames."""
+        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in buffers]
+
+    def _release(self, request_id: str) -> None:
+        """Called when a transfer is over (acknowledged, failed or timed out), on the sender's thread."""
+
+    def _finish(self, request_id: str, error: str | None) -> None:
+        self._release(request_id)
+        self._done.append((request_id, error))
+        if self._wake_owner is not None:
+            self._wake_owner()
+
+    def _connect(self, peer: str, poller: zmq.Poller) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(peer)
+        sock.send(_enc.encode(_Hello(self.layout)))
+        if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
+            sock.close()
+            raise TransferError(f"no answer from the decode engine at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
+        reply = _to_sender.decode(sock.recv())
+        if not isinstance(reply, _Reply) or not reply.ok:
+            sock.close()
+            raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
+        poller.register(sock, zmq.POLLIN)
+        return sock
 
     def _loop(self) -> None:
-        # Only this thread touches the socket after the handshake.
-        while True:
-            try:
-                item = self._q.get(timeout=0.01)
-            except queue.Empty:
-                item = None
-            if item is False:
-                return
-            try:
-                if item is not None:
-                    state, bufs = item
-                    frames = [_enc.encode(state)] + [memoryview(b.numpy()) if hasattr(b, "numpy") else b for b in bufs]
-                    self.sock.send_multipart(frames, copy=False)  # copy=False: libzmq reads the buffers
-                while self.sock.poll(0):
-                    rid = self.sock.recv().decode()
-                    self.inflight.discard(rid)
-                    if self.on_ack is not None:
-                        self.on_ack(rid)
-            except Exception as e:  # noqa: BLE001 - reported through .errors
-                self.errors.append(e)
+        peers: dict[str, zmq.Socket] = {}
+        refused: dict[str, str] = {}  # peers whose layout does not match: every transfer fails at once
+        inflight: dict[str, tuple[float, str]] = {}  # request id -> (deadline, peer)
+        poller = zmq.Poller()
+        poller.register(self._waker.pull, zmq.POLLIN)
+        while not self._stop:
+            wait = min((d for d, _ in inflight.values()), default=None)
+            events = dict(poller.poll(None if wait is None else max(0, int((wait - time.monotonic()) * 1000) + 1)))
+            if self._waker.pull in events:
+                self._waker.drain()
+            while True:
+                try:
+                    peer, state, buffers = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                rid = state.request_id
+                try:
+                    if peer in refused:
+                        raise LayoutMismatch(refused[peer])
+                    sock = peers.get(peer)
+                    if sock is None:
+                        sock = peers[peer] = self._connect(peer, poller)
+                    bufs = buffers() if callable(buffers) else buffers
+                    sock.send_multipart(self._message(state, bufs), flags=zmq.NOBLOCK, copy=False)
+                    inflight[rid] = (time.monotonic() + self.timeout_s, peer)
+                except LayoutMismatch as e:
+                    refused[peer] = str(e)
+                    self._finish(rid, f"refused by the decode engine at {peer}: {e}")
+                except zmq.Again:
+                    self._finish(rid, f"the decode engine at {peer} is not taking transfers")
+                except Exception as e:  # noqa: BLE001 - the transfer fails, the engine goes on
+                    self._finish(rid, f"transfer to {peer} failed: {type(e).__name__}: {e}")
+            for peer, sock in list(peers.items()):
+                if sock not in events:
+                    continue
+                while True:
+                    try:
+                        msg = _to_sender.decode(sock.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if isinstance(msg, _Ack) and inflight.pop(msg.request_id, None) is not None:
+                        self._finish(msg.request_id, msg.error or None)
+                        if msg.error.startswith("no layout handshake"):  # reconnect next time
+                            poller.unregister(sock)
+                            sock.close(linger=0)
+                            del peers[peer]
+                            break
+            now = time.monotonic()
+            for rid, (deadline, peer) in list(inflight.items()):
+                if deadline <= now:
+                    del inflight[rid]
+                    self._finish(rid, f"the decode engine at {peer} did not acknowledge the transfer within "
+                                      f"{self.timeout_s:g} s")
+        for sock in peers.values():
+            sock.close(linger=0)
 
     def close(self) -> None:
-        self._q.put(False)
+        self._stop = True
+        self._waker.wake()
         self._thread.join(timeout=5)
-        self.sock.close(linger=0)
+        self._waker.close()

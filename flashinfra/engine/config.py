@@ -186,6 +186,18 @@ class EngineConfig(LoadConfig):
     master_port: int = option(0, "port on host 0 where the ranks meet (0: a free port; one host only)", min=0)
     dist_timeout_s: float = option(
         120.0, "seconds a collective may wait for a peer before failing the step (a dead or hung rank)", min=1)
+    role: str = option("both", "disaggregated serving: prefill (compute prompts, send their cache to a decode "
+                               "engine), decode (continue requests from a received cache) or both",
+                       choices=("both", "prefill", "decode"))
+    transfer_address: str = option("tcp://127.0.0.1:*", "decode role: where request states are received "
+                                                        "(* picks a free port)", metavar="ADDR")
+    transfer_backend: str = option(
+        "zmq", "prefill/decode roles: how cache bytes move: zmq (as frames over the control connection) or "
+               "mooncake (the Mooncake transfer engine, on the host of --transfer-address)",
+        choices=("zmq", "mooncake"))
+    transfer_timeout_s: float = option(
+        60.0, "prefill/decode roles: seconds a cache transfer may wait for its other side before the request "
+              "fails", min=0.1)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "encoder_cache_memory", "media_max_bytes"):

@@ -3,7 +3,8 @@
 This is the object both front ends share: the offline ``flashinfra.LLM`` calls it directly, and the
 engine process (``process.run_engine``) drives it from ZeroMQ messages. It validates requests before they
 reach the scheduler (a bad request is refused, never admitted), turns a failed forward pass into an
-``error`` finish for the requests of that step only, and reports stats and runtime events.
+``error`` finish for the requests of that step only, and reports stats and runtime events. With a prefill or
+decode role (disaggregated serving) it exports or imports request states (``flashinfra.disagg.roles``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.config import EngineConfig
@@ -52,6 +55,11 @@ class EngineCore:
                                config.prefix_checkpoint_interval),
             events=self.events,
         )
+        self.disagg = None
+        if config.role != "both":
+            from flashinfra.disagg.roles import make_role
+
+            self.disagg = make_role(self, config)
         self._pending: list[RequestOutput] = []
         self._last_step_s = 0.0
         self._last_tokens = 0
@@ -70,7 +78,15 @@ class EngineCore:
             num_blocks=self.scheduler.cache.num_blocks,
             block_size=self.config.block_size,
             max_num_seqs=self.config.max_num_seqs,
+            role=self.config.role,
+            transfer_address=getattr(self.disagg, "address", ""),
+            cache_layout=None if self.disagg is None else msgspec.to_builtins(self.disagg.layout),
         )
+
+    @property
+    def wake_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a transfer needs the engine loop (else None)."""
+        return None if self.disagg is None else self.disagg.wake.fd
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue ``request``; raises ``ValueError`` (and admits nothing) if it is invalid."""
@@ -86,11 +102,21 @@ class EngineCore:
             validate_request(self.model, ids, request.mm_items)
         req = Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
         req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
+        req.transfer = request.transfer
+        if self.disagg is not None:
+            self.disagg.admit(req)
+            if req.transfer.role == "import":
+                return  # admitted to the scheduler when its state arrives
+        elif req.transfer is not None:
+            raise ValueError("this engine runs both prefill and decode; kv_transfer_params needs an engine started "
+                             "with --role prefill or --role decode")
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> None:
         """Free these requests' cache now; their final ``abort`` outputs come with the next ``step``."""
         self._pending.extend(self.scheduler.abort(request_ids))
+        if self.disagg is not None:
+            self._pending.extend(self.disagg.abort(request_ids))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -99,13 +125,17 @@ class EngineCore:
         """Stop what the engine runs beside its steps (the GIL probe)."""
         if self.gil_probe is not None:
             self.gil_probe.stop()
+        if self.disagg is not None:
+            self.disagg.close()
 
     def has_work(self) -> bool:
-        return self.has_unfinished() or bool(self._pending)
+        return self.has_unfinished() or bool(self._pending) or (self.disagg is not None and self.disagg.has_events())
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample once; the outputs of this step (plus any pending abort outputs)."""
         outputs, self._pending = self._pending, []
+        if self.disagg is not None:
+            outputs.extend(self.disagg.poll())
         if not self.scheduler.has_unfinished():
             return outputs
         start = time.perf_counter()
@@ -127,7 +157,8 @@ class EngineCore:
             except Exception as e:  # the step's requests fail; the engine and other requests go on
                 msg = f"model step failed: {type(e).__name__}: {e}"
                 result = StepResult(errors={sr.request_id: msg for sr in plan.scheduled})
-            outputs.extend(self.scheduler.update(plan, result))
+            stepped = self.scheduler.update(plan, result)
+            outputs.extend(stepped if self.disagg is None else self.disagg.after_step(stepped))
         self._last_step_s = time.perf_counter() - start
         self._last_tokens = plan.num_tokens
         cache = self.scheduler.cache
@@ -146,6 +177,9 @@ class EngineCore:
         if (embedder := self.runner.embedder) is not None:
             stats.num_encoded_items_total = embedder.num_encoded
             stats.num_encoder_cache_hits_total = embedder.cache.hits
+        if self.disagg is not None:
+            stats.num_transfers_total = self.disagg.num_total
+            stats.num_transfer_failures_total = self.disagg.num_failures
         return stats
 
 

@@ -89,11 +89,17 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
 
 
 def _serve(core, inp, out, parent: int) -> None:
+    import zmq
+
     last_sent = time.monotonic()
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    if getattr(core, "wake_fd", None) is not None:  # a cache transfer that needs the loop wakes it
+        poller.register(core.wake_fd, zmq.POLLIN)
     while True:
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         rejected: list[RequestOutput] = []
-        while inp.poll(timeout):
+        while inp in dict(poller.poll(timeout)):
             timeout = 0
             try:
                 msg = decode_server_message(inp.recv())

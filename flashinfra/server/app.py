@@ -29,6 +29,7 @@ from starlette.background import BackgroundTask
 from flashinfra.generation_defaults import apply_defaults, load_generation_defaults
 from flashinfra.server.chat_output import MarkerDecoder, ParsedChatFormatter
 from flashinfra.server.chat_request import prepare_chat
+from flashinfra.server.disagg import attach_transfer, install_disagg_routes
 from flashinfra.server.engine_client import ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, EngineLauncher
 from flashinfra.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from flashinfra.server.formatting import CompletionFormatter, sse
@@ -104,6 +105,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="flashinfra", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_disagg_routes(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
 
     if config.api_key is not None:
@@ -149,6 +151,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             raw = body.prompts()
             echo_texts = {c.index: (raw[c.index // body.n] if isinstance(raw[c.index // body.n], str)
                                     else state.tokenizer.decode(c.prompt_ids)) for c in choices}
+        attach_transfer(choices, body.kv_transfer_params)
         fmt = CompletionFormatter(request_id, body.model, state.tokenizer, body.logprobs is not None, echo_texts,
                                   body.return_token_ids)
         queue = await submit(state, choices)
@@ -166,6 +169,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                                decoder=MarkerDecoder(state.tokenizer))
         for c in choices:
             c.mm_items = chat.mm_items
+        attach_transfer(choices, body.kv_transfer_params)
         fmt = ParsedChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
                                   body.return_token_ids, think_open=chat.think_open, tools=chat.tools,
                                   tools_enabled=chat.tools_enabled)

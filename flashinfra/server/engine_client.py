@@ -162,14 +162,16 @@ class EngineClient:
         return await self.start(timeout_s)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: m.SamplingParams,
-                     queue: asyncio.Queue, mm_items: list | None = None) -> None:
+                     queue: asyncio.Queue, mm_items: list | None = None,
+                     transfer: m.TransferParams | None = None) -> None:
         """Send one request to the engine; its ``RequestOutput``s will be put on ``queue``."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._routes:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = m.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                  sampling=sampling, arrival_time=time.time(), mm_items=mm_items or [])
+                                  sampling=sampling, arrival_time=time.time(), mm_items=mm_items or [],
+                                  transfer=transfer)
         try:
             self._outbox.put_nowait(m.encode(request))
         except asyncio.QueueFull:

@@ -54,6 +54,10 @@ class _EngineCollector:
             ("flashinfra_cache_usage_ratio", "Fraction of paged KV cache blocks in use", stats.cache_usage),
             ("flashinfra_state_slot_usage_ratio", "Fraction of KDA state slots in use",
              stats.state_slot_usage),
+            ("flashinfra_cache_blocks_free", "Paged cache blocks free (or held only by cached prefixes)",
+             stats.num_blocks_free),
+            ("flashinfra_transfers_held", "Finished requests whose cache waits for the decode engine's ack",
+             stats.num_transfers_held),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc)
@@ -68,6 +72,9 @@ class _EngineCollector:
              stats.num_generation_tokens_total),
             ("flashinfra_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
              stats.num_prefix_hit_tokens_total),
+            ("flashinfra_transfers", "Request caches sent (prefill role) or imported (decode role)",
+             stats.num_transfers_total),
+            ("flashinfra_transfer_failures", "Request cache transfers that failed", stats.num_transfer_failures_total),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc)

@@ -30,6 +30,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """Disaggregated serving (set by ``flashinfra router``): ``export`` on a prefill-role server sends the
+    prompt's cache to the decode engine at ``peer``; ``import`` on a decode-role server continues from it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["export", "import"]
+    transfer_id: Annotated[str, Field(min_length=1, max_length=128)]
+    peer: Annotated[str, Field(max_length=256)] = ""
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -56,6 +66,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Finite] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # extension: disaggregated serving
 
     @model_validator(mode="after")
     def _unsupported(self):

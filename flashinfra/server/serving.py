@@ -64,6 +64,7 @@ class Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     mm_items: list = field(default_factory=list)  # the prompt's images/videos (engine MultiModalItem)
+    transfer: object = None  # engine TransferParams under disaggregated serving (server.disagg)
 
 
 @dataclass
@@ -171,7 +172,8 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
     sent: list[str] = []
     try:
         for choice in choices:
-            await client.submit(choice.request_id, choice.prompt_ids, choice.sampling, queue, choice.mm_items)
+            await client.submit(choice.request_id, choice.prompt_ids, choice.sampling, queue, choice.mm_items,
+                                choice.transfer)
             sent.append(choice.request_id)
     except EngineDeadError as exc:
         client.abort_soon(sent)

@@ -109,6 +109,16 @@ class MultiModalItem(msgspec.Struct, frozen=True):
         return self.offset + self.length
 
 
+class TransferParams(msgspec.Struct, frozen=True):
+    """Disaggregated serving: ``export`` (prefill role) computes the prompt and its first token, then sends
+    the request's cache state to the decode engine at ``peer``; ``import`` (decode role) waits for the
+    state sent under ``transfer_id`` and continues from it (``flashinfra.disagg.roles``)."""
+
+    transfer_id: str
+    role: str  # "export" | "import"
+    peer: str = ""  # export: the decode engine's state address
+
+
 class EngineRequest(msgspec.Struct, tag=True):
     """A new generation request, already tokenized by the server."""
 
@@ -117,6 +127,7 @@ class EngineRequest(msgspec.Struct, tag=True):
     sampling: SamplingParams
     arrival_time: float
     mm_items: list[MultiModalItem] = []
+    transfer: TransferParams | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -163,6 +174,9 @@ class EngineStats(msgspec.Struct):
     num_batched_tokens: int = 0
     num_encoded_items_total: int = 0  # images/videos run through the vision tower
     num_encoder_cache_hits_total: int = 0  # images/videos a step needed and found in the encoder cache
+    num_transfers_held: int = 0  # prefill role: finished requests whose blocks wait for the decode side's ack
+    num_transfers_total: int = 0  # request states sent (prefill role) or imported (decode role)
+    num_transfer_failures_total: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -180,6 +194,9 @@ class EngineReady(msgspec.Struct, tag=True):
     num_blocks: int = 0
     block_size: int = 0
     max_num_seqs: int = 0
+    role: str = "both"  # disaggregated serving: "prefill" | "decode" | "both"
+    transfer_address: str = ""  # decode role: where request states are received
+    cache_layout: dict | None = None  # prefill/decode roles: the engine's CacheLayout (flashinfra.disagg.layout)
 
 
 class EngineError(msgspec.Struct, tag=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams
+from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams, TransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +36,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     mm_items: list[MultiModalItem] = field(default_factory=list)  # ordered by offset
+    transfer: TransferParams | None = None  # disaggregated serving (prefill export / decode import)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -14,6 +14,10 @@ starts after the longest cached prefix of its tokens (its KDA state is loaded fr
 prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
 saved.
 
+Disaggregated serving: a request exported by a prefill-role engine keeps its blocks and state slot after it
+finishes (``held``) until the decode side acknowledges the transfer (``release_held``); a decode-role
+engine admits a request whose prompt was computed elsewhere with ``admit_imported``.
+
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
 """
@@ -68,6 +72,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # finished exports whose cache is being sent
         self._step_id = 0
         self._freed_ids: list[str] = []
         self.num_preemptions_total = 0
@@ -105,6 +110,35 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the cache of a finished export once its transfer is acknowledged (or has failed)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.cache.free(req)
+
+    def admit_imported(self, req: Request, first_token: int) -> RequestOutput | None:
+        """Admit ``req``, whose prompt was computed by another engine, into the running batch with its first
+        token pending: a slot and blocks for the prompt are taken now (the caller writes the imported state
+        into them). None, with nothing taken, while the batch or the cache has no room."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        if not self.cache.try_allocate(req, req.num_prompt_tokens):
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        req.first_scheduled_time = self.clock()
+        self.requests[req.request_id] = req
+        self.running.append(req)
+        req.append_output(first_token)
+        self.num_generation_tokens_total += 1
+        self.num_prompt_tokens_total += req.num_prompt_tokens
+        reason = req.check_stop(self.max_len)
+        if reason is not None:
+            self._finish(req, reason)
+        return self._output(req, [first_token], None)
 
     # ---- one step ----
     def schedule(self) -> Plan:
@@ -219,6 +253,7 @@ class Scheduler:
             num_requests_finished_total=self.num_requests_finished_total,
             step_duration_s=step_duration_s,
             num_batched_tokens=num_batched_tokens,
+            num_transfers_held=len(self.held),
         )
 
     # ---- internals ----
@@ -302,7 +337,10 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self.cache.free(req)
+        if req.transfer is not None and req.transfer.role == "export" and reason in ("stop", "length"):
+            self.held[req.request_id] = req  # its cache is sent after this step; freed on the ack
+        else:
+            self.cache.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error

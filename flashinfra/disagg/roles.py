@@ -1,0 +1,311 @@
+"""What a prefill-role or decode-role engine does beside its steps (disaggregated serving).
+
+Prefill role (``Exporter``): a request submitted with ``TransferParams(role="export")`` runs like any other,
+limited to one output token. When that first token is sampled the scheduler holds the request's blocks
+and state slot (``Scheduler.held``) and the exporter sends its state to the decode engine named by
+``peer``: the pages and KDA slot (packed on the sender's thread, from the held blocks), the first token and
+the sampling generator's state. The request's final output is held back until the decode side
+acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
+transfer frees the cache too and ends the request with an error that says why.
+
+Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
+scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
+admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
+them, the generator is restored, the sender is acknowledged, and the request decodes as if it had been
+prefilled here (its first output is the first token). A request waits at most ``transfer_timeout_s`` for
+its state; a state nobody asks for within that time is refused back to its sender.
+
+Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import select
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from flashinfra.disagg.layout import (CacheLayout, RequestState, describe, fingerprint, pack_request_state,
+                                      token_hash, unpack_request_state)
+from flashinfra.disagg.transport import StateReceiver, StateSender, TransferError
+from flashinfra.engine.sched.messages import RequestOutput
+from flashinfra.engine.sched.request import Request
+
+ROLES = ("both", "prefill", "decode")
+
+
+class _Wake:
+    """A non-blocking pipe: background threads write a byte, the engine loop polls the read end."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def __call__(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    def pending(self) -> bool:
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._w)
+
+
+def _host(address: str) -> str:
+    """``tcp://HOST:PORT`` -> HOST."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def engine_layout(core: Any, role: str) -> CacheLayout:
+    return describe(core.runner.cache, fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
+
+
+def _error_output(req: Request, message: str) -> RequestOutput:
+    return RequestOutput(req.request_id, [], None, True, "error", error=message,
+                         num_prompt_tokens=req.num_prompt_tokens)
+
+
+def check_role(config: Any) -> None:
+    """``ValueError`` for settings a prefill or decode role does not support yet."""
+    if config.role not in ROLES:
+        raise ValueError(f"unknown role {config.role!r}; choose one of {', '.join(ROLES)}")
+    if config.role == "both":
+        return
+    if config.speculative_tokens:
+        raise ValueError(f"--role {config.role} does not support speculative decoding (--speculative-tokens)")
+    if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
+        raise ValueError(f"--role {config.role} runs on one rank (no tensor/expert parallelism)")
+    if config.enable_vision:
+        raise ValueError(f"--role {config.role} serves text only (no --enable-vision)")
+
+
+class Exporter:
+    """Prefill role: sends finished requests' states and frees their cache on the decode side's ack."""
+
+    def __init__(self, core: Any, config: Any) -> None:
+        self.core = core
+        self.wake = _Wake()
+        self.layout = engine_layout(core, "prefill")
+        kw = dict(timeout_s=config.transfer_timeout_s, max_inflight=config.max_num_seqs * 4, wake=self.wake)
+        if config.transfer_backend == "mooncake":
+            from flashinfra.disagg.mooncake import MooncakeSender
+
+            self.sender = MooncakeSender(self.layout, host=_host(config.transfer_address), **kw)
+        else:
+            self.sender = StateSender(self.layout, **kw)
+        self._held_outputs: dict[str, RequestOutput] = {}
+        self._transfer_ids: dict[str, str] = {}  # transfer id -> request id
+        self.num_total = 0
+        self.num_failures = 0
+
+    def admit(self, req: Request) -> None:
+        if req.transfer is None or req.transfer.role != "export" or not req.transfer.peer:
+            raise ValueError("a prefill-role engine takes only requests to export (kv_transfer_params with role "
+                             "'export' and the decode engine's address as peer)")
+        if req.mm_items:
+            raise ValueError("disaggregated serving takes text prompts only")
+        req.sampling = msgspec.structs.replace(req.sampling, max_tokens=1)
+
+    def has_events(self) -> bool:
+        """Whether ``poll`` has something to do (a transfer finished)."""
+        return self.wake.pending()
+
+    def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Start the transfer of every request this step finished with its first token; hold its output."""
+        sched, runner = self.core.scheduler, self.core.runner
+        released = []
+        for out in outputs:
+            req = sched.held.get(out.request_id)
+            if req is None:
+                released.append(out)
+                continue
+            gen = runner.generators.get(req.request_id)
+            state = RequestState(
+                request_id=req.transfer.transfer_id, prompt_len=req.num_prompt_tokens,
+                num_blocks=len(req.block_ids), first_token=req.output_token_ids[0],
+                prompt_hash=token_hash(req.prompt_token_ids),
+                generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"")
+            pack = functools.partial(pack_request_state, runner.cache, list(req.block_ids), req.state_slot)
+            try:
+                self.sender.send(req.transfer.peer, state, pack)
+            except TransferError as e:
+                sched.release_held(req.request_id)
+                self.num_failures += 1
+                released.append(_error_output(req, f"cannot send the request's cache: {e}"))
+                continue
+            self._held_outputs[req.request_id] = out
+            self._transfer_ids[state.request_id] = req.request_id
+        return released
+
+    def poll(self) -> list[RequestOutput]:
+        self.wake.drain()
+        outputs = []
+        for transfer_id, error in self.sender.poll():
+            rid = self._transfer_ids.pop(transfer_id, None)
+            if rid is None:
+                continue
+            out = self._held_outputs.pop(rid)
+            self.core.scheduler.release_held(rid)
+            if error is None:
+                self.num_total += 1
+                outputs.append(out)
+            else:
+                self.num_failures += 1
+                outputs.append(RequestOutput(rid, [], None, True, "error", error=f"cache transfer failed: {error}",
+                                             num_prompt_tokens=out.num_prompt_tokens))
+        return outputs
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return []  # a transfer under way ends by its ack or its timeout, which free the cache
+
+    def close(self) -> None:
+        self.sender.close()
+        self.wake.close()
+
+
+class Importer:
+    """Decode role: receives request states and admits their requests when they arrive."""
+
+    def __init__(self, core: Any, config: Any) -> None:
+        self.core = core
+        self.timeout_s = config.transfer_timeout_s
+        self.wake = _Wake()
+        self.layout = engine_layout(core, "decode")
+        if config.transfer_backend == "mooncake":
+            from flashinfra.disagg.mooncake import MooncakeReceiver
+
+            self.receiver = MooncakeReceiver(self.layout, config.transfer_address, self.wake,
+                                             host=_host(config.transfer_address))
+        else:
+            self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
+        self.address = self.receiver.address
+        self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
+        self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
+        self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
+        self.num_total = 0
+        self.num_failures = 0
+
+    def admit(self, req: Request) -> None:
+        if req.transfer is None or req.transfer.role != "import":
+            raise ValueError("a decode-role engine takes only requests to import (kv_transfer_params with role "
+                             "'import' and the transfer id the prefill engine was given)")
+        if req.mm_items:
+            raise ValueError("disaggregated serving takes text prompts only")
+        if req.transfer.transfer_id in self._waiting:
+            raise ValueError(f"duplicate transfer id {req.transfer.transfer_id!r}")
+        self._waiting[req.transfer.transfer_id] = (req, time.monotonic() + self.timeout_s)
+
+    def has_events(self) -> bool:
+        """Whether ``poll`` has something to do: a state arrived, or a wait ran out."""
+        if self.wake.pending():
+            return True
+        now = time.monotonic()
+        return (any(d < now for _, d in self._waiting.values())
+                or any(now - a.time > self.timeout_s for a in self._arrived.values()))
+
+    def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        return outputs
+
+    def poll(self) -> list[RequestOutput]:
+        self.wake.drain()
+        outputs, now = [], time.monotonic()
+        for arrival in self.receiver.poll():
+            tid = arrival.state.request_id
+            if self._aborted.pop(tid, None) is not None:  # nobody waits for it: free the sender's blocks now
+                self.receiver.ack(arrival.peer, tid, "the request was aborted on the decode engine")
+            else:
+                self._arrived[tid] = arrival
+        for tid, when in list(self._aborted.items()):
+            if now - when > self.timeout_s:
+                del self._aborted[tid]
+        for tid, (req, deadline) in list(self._waiting.items()):
+            arrival = self._arrived.get(tid)
+            if arrival is None:
+                if now > deadline:
+                    del self._waiting[tid]
+                    self.num_failures += 1
+                    outputs.append(_error_output(req, f"no cache state arrived from the prefill engine within "
+                                                      f"{self.timeout_s:g} s (transfer {tid})"))
+                continue
+            out = self._import(req, arrival)
+            if out is not None:
+                del self._waiting[tid], self._arrived[tid]
+                outputs.append(out)
+        for tid, arrival in list(self._arrived.items()):
+            if tid not in self._waiting and now - arrival.time > self.timeout_s:
+                del self._arrived[tid]
+                self.receiver.ack(arrival.peer, tid, f"no request for this transfer reached the decode engine "
+                                                     f"within {self.timeout_s:g} s")
+        return outputs
+
+    def _import(self, req: Request, arrival: Any) -> RequestOutput | None:
+        state: RequestState = arrival.state
+        problem = None
+        if state.prompt_len != req.num_prompt_tokens or state.prompt_hash != token_hash(req.prompt_token_ids):
+            problem = (f"the prefill engine computed other prompt tokens ({state.prompt_len} tokens) than this "
+                       f"request's ({req.num_prompt_tokens} tokens)")
+        elif state.num_blocks != -(-state.prompt_len // self.core.scheduler.cache.block_size):
+            problem = f"{state.num_blocks} blocks sent for a {state.prompt_len}-token prompt"
+        if problem is not None:
+            self.receiver.ack(arrival.peer, state.request_id, problem)
+            self.num_failures += 1
+            return _error_output(req, f"cache transfer refused: {problem}")
+        sched, runner = self.core.scheduler, self.core.runner
+        out = sched.admit_imported(req, state.first_token)
+        if out is None:
+            return None  # no room yet; retried on the next step
+        try:
+            # finished already (the first token stopped it): its blocks are free, nothing to write
+            if req.block_ids:
+                unpack_request_state(runner.cache, req.block_ids, req.state_slot, arrival.buffers)
+            if state.generator_state and not req.is_finished:
+                gen = torch.Generator(device=runner.device)
+                gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
+                runner.generators[req.request_id] = gen
+        except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
+            self.receiver.ack(arrival.peer, state.request_id, f"{type(e).__name__}: {e}")
+            self.num_failures += 1
+            self.core.scheduler.abort([req.request_id])  # frees what it took; its output is the error below
+            return _error_output(req, f"cache transfer could not be imported: {type(e).__name__}: {e}")
+        self.receiver.ack(arrival.peer, state.request_id)
+        self.num_total += 1
+        return out
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        ids, outputs = set(request_ids), []
+        for tid, (req, _) in list(self._waiting.items()):
+            if req.request_id in ids:
+                del self._waiting[tid]
+                self._aborted[tid] = time.monotonic()
+                outputs.append(RequestOutput(req.request_id, [], None, True, "abort",
+                                             num_prompt_tokens=req.num_prompt_tokens))
+        return outputs
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.wake.close()
+
+
+def make_role(core: Any, config: Any) -> Exporter | Importer | None:
+    check_role(config)
+    if config.role == "prefill":
+        return Exporter(core, config)
+    if config.role == "decode":
+        return Importer(core, config)
+    return None

@@ -1,0 +1,144 @@
+"""A prefill-role and a decode-role ``EngineCore`` in one process, exchanging request states over the ZeroMQ
+transport on the loopback: outputs equal a single engine's (greedy and seeded sampling), the prefill side
+frees its blocks after the ack or after a timeout, a mismatched layout is refused by name."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flashinfra.disagg.transport import StateReceiver
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.core import EngineCore
+from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TransferParams
+from flashinfra.model.factory import write_tiny_checkpoint
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 31], list(range(40, 77)), [300, 2, 2, 9]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("model"), seed=0, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
+
+
+def _config(ckpt, **kw) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), device="cpu", num_blocks=48, block_size=4, max_num_seqs=4,
+                        prefix_cache_slots=0, **kw)
+
+
+def _request(rid, prompt, sampling, transfer=None) -> EngineRequest:
+    return EngineRequest(rid, list(prompt), sampling, time.time(), transfer=transfer)
+
+
+def _run(cores, until, timeout_s=120.0, got=None, errors_ok=False) -> list[dict[str, list]]:
+    """Step every core until ``until`` holds for the last core's outputs; every core's, by request id
+    (added to ``got``, when given)."""
+    got = got if got is not None else [{} for _ in cores]
+    deadline = time.monotonic() + timeout_s
+    while not until(got[-1]):
+        assert time.monotonic() < deadline, f"no progress: {got}"
+        idle = True
+        for core, mine in zip(cores, got):
+            if core.has_work():
+                idle = False
+                for out in core.step():
+                    mine.setdefault(out.request_id, []).append(out)
+                    assert errors_ok or out.finish_reason != "error", out.error
+        if idle:
+            time.sleep(0.002)
+    return got
+
+
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _finished(ids):
+    return lambda got: all(i in got and got[i][-1].finished for i in ids)
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    prefill = EngineCore(_config(ckpt, role="prefill", transfer_timeout_s=3.0))
+    decode = EngineCore(_config(ckpt, role="decode"))
+    both = EngineCore(_config(ckpt))
+    yield prefill, decode, both
+    for core in (prefill, decode, both):
+        core.close()
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+                                      SamplingParams(max_tokens=9, temperature=1.0, seed=7, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_disaggregated_outputs_equal_a_single_engine(engines, sampling):
+    prefill, decode, both = engines
+    peer = decode.ready_message().transfer_address
+    ids = [f"{sampling.temperature}-r{i}" for i in range(len(PROMPTS))]
+    for rid, prompt in zip(ids, PROMPTS):
+        both.add_request(_request(rid, prompt, sampling))
+    want = _run([both], _finished(ids))[-1]
+    for rid, prompt in zip(ids, PROMPTS):
+        decode.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "import")))
+        prefill.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "export", peer)))
+    got_prefill, got_decode = _run([prefill, decode], _finished(ids))
+    assert {r: _tokens(got_decode[r]) for r in ids} == {r: _tokens(want[r]) for r in ids}
+    assert all(len(_tokens(want[r])) == 9 for r in ids)
+    # the prefill side answered once per request (its first token), after the ack, and freed every block
+    _run([decode, prefill], _finished(ids), got=[got_decode, got_prefill])
+    assert {r: _tokens(got_prefill[r]) for r in ids} == {r: _tokens(want[r])[:1] for r in ids}
+    stats = prefill.stats()
+    assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+    assert decode.stats().num_blocks_free == decode.stats().num_blocks_total
+
+
+def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
+    prefill, decode, _ = engines
+    silent = StateReceiver(decode.disagg.layout)  # accepts the handshake, never acknowledges
+    silent.ack = lambda *a, **k: None
+    try:
+        prefill.add_request(_request("lost", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0),
+                                     TransferParams("t-lost", "export", silent.address)))
+        start = time.monotonic()
+        while prefill.stats().num_transfers_held == 0:
+            prefill.step()
+        assert prefill.stats().num_blocks_free < prefill.stats().num_blocks_total
+        got = _run([prefill], _finished(["lost"]), timeout_s=20, errors_ok=True)[-1]
+        out = got["lost"][-1]
+        assert out.finish_reason == "error" and "did not acknowledge the transfer within 3 s" in out.error
+        assert time.monotonic() - start < 10
+        stats = prefill.stats()
+        assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+    finally:
+        silent.close()
+
+
+def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
+    prefill, _, _ = engines
+    other = EngineCore(_config(write_tiny_checkpoint(tmp_path / "other", seed=0, num_hidden_layers=3,
+                                                     layer_types=["linear_attention", "indexed_attention",
+                                                                  "linear_attention"],
+                                                     mlp_layer_types=["dense", "sparse", "sparse"],
+                                                     indexer_types=["full", "full", "full"]), role="decode"))
+    try:
+        prefill.add_request(_request("mm", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0),
+                                     TransferParams("t-mm", "export", other.ready_message().transfer_address)))
+        out = _run([prefill], _finished(["mm"]), errors_ok=True)[-1]["mm"][-1]
+        assert out.finish_reason == "error"
+        assert "refused by the decode engine" in out.error and "cache layout mismatch between decode engine" in out.error
+        assert "and prefill engine" in out.error
+        assert prefill.stats().num_blocks_free == prefill.stats().num_blocks_total
+    finally:
+        other.close()
+
+
+def test_roles_refuse_requests_of_the_other_kind(engines):
+    prefill, decode, both = engines
+    with pytest.raises(ValueError, match="only requests to export"):
+        prefill.add_request(_request("x", PROMPTS[0], SamplingParams()))
+    with pytest.raises(ValueError, match="only requests to import"):
+        decode.add_request(_request("y", PROMPTS[0], SamplingParams()))
+    with pytest.raises(ValueError, match="--role prefill or --role decode"):
+        both.add_request(_request("z", PROMPTS[0], SamplingParams(), TransferParams("t", "import")))
