@@ -57,24 +57,25 @@ def make_engine(config: EngineConfig, model=None, events=None) -> EngineCore:
     return ParallelEngineCore(config, launch, events)
 
 
-def serving_rank(config: EngineConfig) -> bool:
-    """For ``flashinfra serve``: check a parallel configuration before anything starts; then run this
-    host's ranks when it is not the one that serves (``--node-rank`` >= 1, or a launcher's rank other
-    than 0) and return False once they end; True when this process goes on to serve."""
+def serving_rank(config: EngineConfig) -> EngineConfig | None:
+    """For ``flashinfra serve``: check a parallel configuration before anything starts, then either return
+    the config this process serves with (rank 0, or a world of one; its sizes taken from a launcher's
+    environment where one started it) or run this host's ranks (``--node-rank`` >= 1, or a launcher's rank
+    other than 0) and return None once they end."""
     torchrun = env.torchrun_env()
     config = resolve_world(config, torchrun)
     if config_world(config) == 1:
-        return True
+        return config
     check_layout(config)
     launch = launch_of(config.resolved(), torchrun)
     if launch.rank == 0:
-        return True
+        return config
     if torchrun is not None:
         worker_main(config, launch)
     else:
         for p in start_workers(config.resolved(), launch).values():
             p.wait()
-    return False
+    return None
 
 
 def _model_dir(config: EngineConfig) -> Path:
@@ -213,6 +214,10 @@ class ParallelEngineCore(EngineCore):
         try:
             model, channel = watched(lambda: join_world(config, launch), self.workers,
                                      "a tensor-parallel rank was lost while the engine started")
+            if launch.device.startswith("cuda"):  # the current device is per thread: joining set it on its own
+                import torch
+
+                torch.cuda.set_device(launch.device)
             _report_rank(0, model)
             num_blocks = size_cache(model, config, _max_model_len(config, model))
             channel.send(str(num_blocks).encode())

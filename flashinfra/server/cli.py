@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     from flashinfra.parallel.engine import serving_rank
 
     try:
-        if not serving_rank(engine_config):  # this process ran ranks of a parallel engine; rank 0 serves
+        engine_config = serving_rank(engine_config)
+        if engine_config is None:  # this process ran ranks of a parallel engine; rank 0 serves
             return 0
     except ValueError as exc:
         print(f"serve: {exc}", file=sys.stderr)
