@@ -37,7 +37,7 @@ llm.engine.close()
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("torchrun"), seed=4, tokenizer=False)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("torchrun"), seed=4)
 
 
 def test_llm_under_torchrun_equals_one_process(ckpt, tmp_path):
