@@ -34,8 +34,9 @@ Per layer kind (``layout.py`` says who owns what; ``Comm`` does the collectives)
   reduce-scatter and next all-gather fused into this one. An all-to-all moves only the top-k pairs,
   ``T * k / world`` rows each way per rank against ``T`` for the gather and the scatter: less only when
   ``k < world`` (never for this model's top-8 on up to 8 ranks), and it needs hidden states split by
-  token (data-parallel attention or sequence parallel), which this layout does not have. ``bench/parallel_moe_dispatch.py`` measures both schemes over 2, 4 and 8 ranks for
-  the layout that would choose between them.
+  token (data-parallel attention or sequence parallel), which this layout does not have.
+  ``bench/parallel_moe_dispatch.py`` measures both schemes over 2, 4 and 8 ranks for the layout that
+  would choose between them.
 - Embedding: vocab rows split; each rank looks up the ids it owns (zero elsewhere): one all-reduce.
   lm_head: vocab rows split; logits all-gathered along the vocabulary.
 - mHC hyper-connections and the norms: replicated (they act on the replicated hidden states).
