@@ -3,8 +3,9 @@ weights): decode steps (batch 1 and 32, ``--context`` cached tokens, eager and C
 ``--prefill``-token prefill, per configuration:
 
 - ``single``: the model without torch.distributed (what the engine runs at world size 1);
-- ``nccl1``: world size 1 over NCCL, the sharded model with every collective issued for real (a
-  ``Comm`` that does not skip a world of one), so the cost of the collectives and hooks shows;
+- ``nccl1``: world size 1 over NCCL through the parallel path (``init_distributed``, ``make_comms``,
+  ``shard_loaded``), which must hand back the plain model itself (checked): no hooks, no collectives, no
+  copies, so its times equal ``single``'s within the noise;
 - under ``torchrun --nproc-per-node N``: TP=N with ``ep=1`` and ``ep=N``, the collectives counted per step.
 
 Every rank builds the same random weights (same seed) and slices them (``shard_loaded``); rank 0 writes
@@ -32,31 +33,23 @@ from flashinfra.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from flashinfra.feedback.timing import call_times_us, header, write_results  # noqa: E402
 from flashinfra.model.api import random_model  # noqa: E402
 from flashinfra.model.forward_batch import ForwardBatch  # noqa: E402
-from flashinfra.parallel.collectives import Comm  # noqa: E402
-from flashinfra.parallel.groups import init_distributed  # noqa: E402
+from flashinfra.parallel.groups import init_distributed, make_comms  # noqa: E402
 from flashinfra.parallel.layout import make_layout  # noqa: E402
-from flashinfra.parallel.shard import ShardedModel, shard_parameters  # noqa: E402
+from flashinfra.parallel.shard import shard_loaded  # noqa: E402
 
 BS = 64
-
-
-class EveryCollective(Comm):
-    """Issues the all-reduce even on a world of one (NCCL runs it), to measure its cost."""
-
-    def all_reduce(self, x):
-        self.calls += 1
-        dist.all_reduce(x, group=self.group)
-        return x
 
 
 def build(cfg: dict, kind: str, tp: int, ep: int, rank: int):
     model = random_model(cfg, "bfloat16", "cuda")
     if kind == "single":
         return model, None
-    comm = (EveryCollective if tp == 1 else Comm)(tp, device="cuda")
     layout = make_layout(model.config.text, tp, ep, rank)
-    shard_parameters(model.model, layout, comm)
-    return ShardedModel(model, layout, comm), comm
+    comms = make_comms(layout)
+    sharded = shard_loaded(model, layout, comms)
+    if layout.world == 1:
+        assert sharded is model, "world size 1 must run the plain model"
+    return sharded, comms
 
 
 def measure(model, comm, args) -> dict:

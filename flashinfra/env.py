@@ -7,6 +7,7 @@ package receives them as arguments.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -57,3 +58,24 @@ def server_api_key() -> str | None:
     """``FLASHINFRA_API_KEY``: the key ``flashinfra serve`` requires when ``--api-key`` is not given (so the
     key need not appear in the process list)."""
     return os.environ.get("FLASHINFRA_API_KEY") or None
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The rendezvous a ``torchrun``-style launcher (torchrun, Slurm or Kubernetes wrappers of it) gives a process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` when a launcher set
+    ``RANK`` and ``WORLD_SIZE``; None otherwise (the engine then starts its own ranks)."""
+    get = os.environ.get
+    if get("RANK") is None or get("WORLD_SIZE") is None:
+        return None
+    return TorchrunEnv(int(get("RANK")), int(get("WORLD_SIZE")), int(get("LOCAL_RANK", "0")),
+                       get("MASTER_ADDR", "127.0.0.1"), int(get("MASTER_PORT", "29500")))

@@ -175,12 +175,12 @@ class EngineConfig(LoadConfig):
     tensor_parallel_size: int = option(
         1, "ranks (one process per GPU) that split attention heads, MLP widths and the vocabulary", min=1)
     expert_parallel_size: int = option(
-        1, "ranks that split the routed experts: 1 (every rank holds a slice of every expert) or "
-           "--tensor-parallel-size (every rank holds whole experts)", min=1)
+        1, "ranks that split the routed experts (each holds whole experts); 1: every tensor-parallel rank "
+           "holds a slice of every expert. The engine runs on max(tensor, expert) parallel sizes ranks", min=1)
     context_parallel_size: int = option(
         1, "ranks (one process per GPU, each holding the whole model) that split the prefill of one long prompt",
         min=1)
-    nnodes: int = option(1, "hosts the --tensor-parallel-size ranks are spread over (evenly)", min=1)
+    nnodes: int = option(1, "hosts the ranks are spread over (evenly)", min=1)
     node_rank: int = option(0, "this host's index among --nnodes; host 0 runs the scheduler", min=0)
     master_addr: str = option("127.0.0.1", "address of host 0, where the ranks meet", metavar="HOST")
     master_port: int = option(0, "port on host 0 where the ranks meet (0: a free port; one host only)", min=0)

@@ -1,28 +1,36 @@
-"""The collectives the sharded model uses, over one group; every one is a no-op on a world of one.
+"""The collectives of a sharded model (``Comm``, one per process group) and rank 0's control channel.
 
-- ``all_reduce``: sum of partial outputs (attention o_proj, MLP down_proj, MoE combine, vocab-split
+- ``Comm.all_reduce``: sum of partial outputs (attention o_proj, MLP down_proj, MoE combine, vocab-split
   embedding). In place, so it can sit inside a captured CUDA graph with NCCL.
-- ``all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
-- ``all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos, the
-  prompt's MLA latent and indexer keys).
-- ``broadcast``: a tensor from one rank (Layer Split: a layer's cache from its owner).
-- ``broadcast_bytes``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a
-  uint8 tensor, so the scheduler stays torch-free and runs once. It goes over ``control_group``, a CPU
-  (gloo) group without a practical timeout: a worker may wait for the next plan as long as the engine
-  stays idle, while the compute collectives keep the short timeout that catches a hung rank. A peer
-  that dies closes its connections, which fails a pending broadcast at once.
+- ``Comm.all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
+- ``Comm.all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos,
+  the prompt's MLA latent and indexer keys).
+- ``Comm.broadcast``: a tensor from one rank (Layer Split: a layer's cache from its owner).
+- ``ControlChannel``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a uint8
+  tensor over a CPU (gloo) group, so the scheduler stays torch-free and runs once. The group's timeout
+  bounds every message: a rank 0 that hangs makes its workers fail instead of waiting forever. Rank 0
+  therefore sends a keepalive whenever it has been idle for a quarter of that timeout, so an engine
+  without requests keeps its workers. A peer that dies closes its connections, which fails a pending
+  message at once.
+
+A group of one rank has no process group: its ``Comm`` returns its input and counts nothing.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+STOP, KEEPALIVE = 0, -1  # message lengths that carry no bytes
+
 
 class Comm:
-    def __init__(self, world: int, group=None, device: str | torch.device = "cpu", control_group=None):
-        self.world, self.group, self.device = world, group, torch.device(device)
-        self.control_group = control_group
+    def __init__(self, world: int, group=None):
+        self.world, self.group = world, group
         self.calls = 0  # collectives issued, for counting per step in tests and benchmarks
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,15 +66,85 @@ class Comm:
         dist.broadcast(x, root, group=self.group)
         return x
 
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        """Rank ``src`` passes ``data``; every rank gets it back."""
-        if self.world == 1:
-            return data
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
-        dist.broadcast(n, src, group=self.control_group)
-        if n.item() == 0:
+
+@dataclass(frozen=True)
+class ParallelComms:
+    """The groups one rank reduces over: ``tp`` (attention, dense MLPs, vocabulary) and ``moe`` (the MoE
+    group of ``layout.py``; the same object as ``tp`` when the groups coincide)."""
+
+    tp: Comm
+    moe: Comm
+
+    @classmethod
+    def local(cls) -> ParallelComms:
+        """No collectives: for slicing weights without a world (tests, sizing)."""
+        one = Comm(1)
+        return cls(one, one)
+
+    @property
+    def calls(self) -> int:
+        return self.tp.calls + (self.moe.calls if self.moe is not self.tp else 0)
+
+
+class ControlChannel:
+    """Rank ``src``'s messages to every rank of ``group`` (a gloo group whose timeout bounds each one)."""
+
+    def __init__(self, group, src: int = 0):
+        self.group, self.src = group, src
+        self.lock = threading.Lock()
+        self.last_sent = time.monotonic()
+        self.busy = False  # rank 0 is running a step: its workers are too, and read the next message after it
+        self._stop = threading.Event()
+
+    def _send_length(self, n: int) -> None:
+        dist.broadcast(torch.tensor([n], dtype=torch.long), self.src, group=self.group)
+
+    def send(self, data: bytes) -> None:
+        """Rank ``src``: ``data`` to every rank, which then works on it until ``done()``; ``b""`` tells them
+        to stop."""
+        with self.lock:
+            self._send_length(len(data))
+            if data:
+                dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.src, group=self.group)
+            self.busy = bool(data)
+
+    def done(self) -> None:
+        """Rank ``src``: the work on the last message is over; idle time counts from now."""
+        with self.lock:
+            self.busy = False
+            self.last_sent = time.monotonic()
+
+    def recv(self) -> bytes:
+        """Any other rank: the next message (keepalives skipped); ``b""`` when rank ``src`` stops."""
+        while True:
+            n = torch.empty(1, dtype=torch.long)
+            dist.broadcast(n, self.src, group=self.group)
+            if int(n) != KEEPALIVE:
+                break
+        if int(n) == STOP:
             return b""
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
-               else torch.empty(int(n.item()), dtype=torch.uint8))
-        dist.broadcast(buf, src, group=self.control_group)
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(buf, self.src, group=self.group)
         return buf.numpy().tobytes()
+
+    def start_keepalive(self, interval_s: float, on_error) -> None:
+        """Rank ``src``: a daemon thread that sends a keepalive after ``interval_s`` without a message while
+        no step runs; ``on_error(exc)`` once if one fails (a rank is gone)."""
+        self.done()
+
+        def loop():
+            while not self._stop.wait(interval_s / 4):
+                with self.lock:
+                    if self.busy or time.monotonic() - self.last_sent < interval_s:
+                        continue
+                    try:
+                        self._send_length(KEEPALIVE)
+                    except Exception as e:  # noqa: BLE001 - reported to the engine, which fails its requests
+                        on_error(e)
+                        return
+                    self.last_sent = time.monotonic()
+
+        threading.Thread(target=loop, name="flashinfra-keepalive", daemon=True).start()
+
+    def stop_keepalive(self) -> None:
+        self._stop.set()

@@ -1,21 +1,24 @@
 """The engine over several ranks: rank 0 runs ``EngineCore`` (scheduler, sampling, replies), every other
 rank runs ``worker_main``, and each step's ``Plan`` goes from rank 0 to all of them.
 
-Process model: one process per GPU (rank). Rank 0 lives where the engine lives (the ``LLM`` object's
-process or the server's engine process) and starts the other ranks of its host; hosts other than 0 start
-theirs with ``run_worker_node``. Every rank reads only its shard of the checkpoint (``load.load_shard``);
-rank 0 sizes the cache and sends the block count, so every rank allocates the same blocks and slots. Per step rank 0 encodes the
-plan (msgspec), broadcasts it over the control group, and all ranks run ``ModelRunner.execute`` on it in
-lockstep; the workers' sampled tokens are discarded (their logits equal rank 0's after the all-gather).
+Process model: one process per GPU (rank), started as ``launch.py`` says. Every rank reads only its
+shard of the checkpoint (``load.load_shard``); rank 0 sizes the cache and sends the block count, so every
+rank allocates the same blocks and slots. Per step rank 0 encodes the plan (msgspec), sends it over the
+control channel, and all ranks run ``ModelRunner.execute`` on it in lockstep; the workers' sampled
+tokens are discarded (their logits equal rank 0's after the all-gather).
 
 Context parallelism (``--context-parallel-size N``, not combined with tensor parallelism yet): every rank
 loads the whole model as a ``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
 same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks.
 
-Failure: rank 0 checks its local workers before each step, so a dead rank fails the step's requests
-at once with its exit code; a hung or remote rank fails them when the compute collective times out
-(``dist_timeout_s``). Once a rank is lost every later step fails the same way: the engine cannot recover
-a lost shard, so the owner of the engine should shut it down.
+
+Failure: while the world forms, a rank that rank 0 started and that exits fails the start at once
+(``launch.watched``), and any other lost rank fails it within ``dist_timeout_s`` (every group and every
+control message carries that timeout). Once serving, rank 0 checks its local workers before each step,
+so a dead rank fails the step's requests at once with its exit code; a hung or remote rank fails them
+when the compute collective times out. Once a rank is lost every later step fails the same way: the
+engine cannot recover a lost shard, so the owner of the engine should shut it down. A worker whose rank 0
+is gone or silent past the timeout exits.
 """
 
 from __future__ import annotations
@@ -23,56 +26,61 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import signal
-import socket
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import msgspec
 
+from flashinfra import env
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.parallel.launch import (Launch, RankLost, config_world, exited, kill_workers, launch_of,
+                                        resolve_world, start_workers, stop_workers, watched)
 
 PLAN_ENCODER = msgspec.msgpack.Encoder()
 
 
-def is_parallel(config: EngineConfig) -> bool:
-    return max(config.tensor_parallel_size, config.expert_parallel_size, config.context_parallel_size) > 1
-
-
-def world_size(config: EngineConfig) -> int:
-    """Ranks of the engine: the tensor-parallel ranks, or the context-parallel ones (not combined yet)."""
-    return config.tensor_parallel_size * config.context_parallel_size
-
-
 def make_engine(config: EngineConfig, model=None, events=None) -> EngineCore:
-    """``EngineCore`` on one rank; a ``ParallelEngineCore`` (which starts the other ranks) on several."""
-    if not is_parallel(config):
+    """``EngineCore`` on a world of one; rank 0's ``ParallelEngineCore`` on several. Under a launcher
+    (``torchrun``) a process of another rank serves rank 0's steps here and then exits: only rank 0 holds
+    an engine."""
+    torchrun = env.torchrun_env()
+    config = resolve_world(config, torchrun)
+    if config_world(config) == 1:
         return EngineCore(config, model, events)
     if model is not None:
-        raise ValueError("parallel engines load their own weights on every rank: pass a model directory, not a model")
-    return ParallelEngineCore(config, events)
+        raise ValueError("tensor/expert parallel engines load their own shards: pass a model directory, not a model")
+    if torchrun is None and config.node_rank != 0:
+        raise ValueError(f"node_rank {config.node_rank}: only host 0 runs the engine; other hosts run their "
+                         "ranks with `flashinfra serve --node-rank k`")
+    launch = launch_of(config.resolved(), torchrun)
+    if launch.rank != 0:
+        worker_main(config, launch)
+        raise SystemExit(0)
+    return ParallelEngineCore(config, launch, events)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def ranks_per_node(config: EngineConfig) -> int:
-    world, n = world_size(config), config.nnodes
-    if world % n:
-        raise ValueError(f"{world} ranks (tensor_parallel_size x context_parallel_size) are not divisible by "
-                         f"nnodes {n}")
-    return world // n
-
-
-def _rank_device(config: EngineConfig, rank: int) -> str:
-    device = config.device
-    return f"cuda:{rank % ranks_per_node(config)}" if device.startswith("cuda") else device
+def serving_rank(config: EngineConfig) -> EngineConfig | None:
+    """For ``flashinfra serve``: check a parallel configuration before anything starts, then either return
+    the config this process serves with (rank 0, or a world of one; its sizes taken from a launcher's
+    environment where one started it) or run this host's ranks (``--node-rank`` >= 1, or a launcher's rank
+    other than 0) and return None once they end."""
+    torchrun = env.torchrun_env()
+    config = resolve_world(config, torchrun)
+    if config_world(config) == 1:
+        return config
+    check_layout(config)
+    launch = launch_of(config.resolved(), torchrun)
+    if launch.rank == 0:
+        return config
+    if torchrun is not None:
+        worker_main(config, launch)
+    else:
+        for p in start_workers(config.resolved(), launch).values():
+            p.wait()
+    return None
 
 
 def _model_dir(config: EngineConfig) -> Path:
@@ -84,6 +92,7 @@ def _model_dir(config: EngineConfig) -> Path:
 def check_layout(config: EngineConfig) -> None:
     """Refuse, before any process starts, a world that does not divide the model (numbers in the message)."""
     from flashinfra.config import load_config
+    from flashinfra.parallel.launch import ranks_per_node
     from flashinfra.parallel.layout import make_layout
 
     if config.enable_vision:
@@ -102,29 +111,31 @@ def check_layout(config: EngineConfig) -> None:
     ranks_per_node(config)
 
 
-def _join_world(config: EngineConfig, rank: int, init_method: str):
-    """Join the process groups and load this rank's shard -> (sharded model, comm)."""
+def join_world(config: EngineConfig, launch: Launch):
+    """Join the process groups and load this rank's shard -> (sharded model, control channel); every
+    step bounded by ``config.dist_timeout_s``."""
     from flashinfra.config import load_config
-    from flashinfra.parallel.collectives import Comm
-    from flashinfra.parallel.groups import control_group, init_distributed
+    from flashinfra.parallel.groups import control_channel, init_distributed, make_comms
     from flashinfra.parallel.layout import make_layout
     from flashinfra.parallel.load import load_shard
 
-    device = _rank_device(config, rank)
-    world = world_size(config)
-    init_distributed(rank, world, device, init_method, timeout_s=config.dist_timeout_s)
-    comm = Comm(world, device=device, control_group=control_group())
+    timeout = config.dist_timeout_s
+    init_distributed(launch.rank, launch.world, launch.device, launch.init_method, timeout_s=timeout)
     path = _model_dir(config)
+    channel = control_channel(timeout)
     if config.context_parallel_size > 1:
         from flashinfra.model.api import load_model
+        from flashinfra.parallel.collectives import Comm
         from flashinfra.parallel.context_model import ContextParallelModel
         from flashinfra.parallel.load import peak_host_bytes
 
-        model = ContextParallelModel(load_model(path, config.dtype, device), comm, rank)
+        model = ContextParallelModel(load_model(path, config.dtype, launch.device), Comm(launch.world), launch.rank)
         model.peak_host_bytes = peak_host_bytes()
-        return model, comm
-    layout = make_layout(load_config(path).text, world, config.expert_parallel_size, rank)
-    return load_shard(path, layout, comm, config.dtype, device), comm
+        return model, channel
+    layout = make_layout(load_config(path).text, config.tensor_parallel_size, config.expert_parallel_size,
+                         launch.rank)
+    comms = make_comms(layout, timeout)
+    return load_shard(path, layout, comms, config.dtype, launch.device), channel
 
 
 def _max_model_len(config: EngineConfig, model) -> int:
@@ -139,29 +150,30 @@ def _report_rank(rank: int, model) -> None:
           f"{model.peak_host_bytes / 2**30:.3f} GiB while loading", file=sys.stderr, flush=True)
 
 
-def _next_plan(comm, rank: int) -> bytes:
-    """The next plan's bytes; empty when rank 0 stops the engine or is gone (its connection closed)."""
+def _next_message(channel, rank: int) -> bytes:
+    """The next plan's bytes; empty when rank 0 stops the engine, is gone or stays silent past the timeout."""
     try:
-        return comm.broadcast_bytes(None)
+        return channel.recv()
     except RuntimeError as e:
-        print(f"flashinfra rank {rank}: rank 0 is gone ({str(e).splitlines()[0][:200]}); exiting",
+        print(f"flashinfra rank {rank}: rank 0 is gone or silent ({str(e).splitlines()[0][:200]}); exiting",
               file=sys.stderr, flush=True)
         return b""
 
 
-def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
-    """A rank other than 0: load the shard, then run every plan rank 0 sends until an empty one."""
+def worker_main(config: EngineConfig, launch: Launch) -> None:
+    """A rank other than 0: load the shard, then run every plan rank 0 sends until it stops."""
     from flashinfra.engine.runner import ModelRunner
     from flashinfra.parallel.groups import destroy_distributed
 
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    model, comm = _join_world(config, rank, init_method)
-    _report_rank(rank, model)
+    config = config.resolved()
     try:
-        num_blocks = int(comm.broadcast_bytes(None).decode())
-        runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed,
+        model, channel = join_world(config, launch)
+        _report_rank(launch.rank, model)
+        if not (data := _next_message(channel, launch.rank)):
+            return
+        runner = ModelRunner(model, int(data.decode()), config.block_size, config.max_num_seqs, config.seed,
                              config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory)
-        while data := _next_plan(comm, rank):
+        while data := _next_message(channel, launch.rank):
             try:
                 runner.execute(msgspec.msgpack.decode(data, type=Plan))
             except Exception:  # rank 0 fails the step's requests; this rank stays in step with it
@@ -170,93 +182,68 @@ def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
         destroy_distributed()
 
 
-def _start_workers(config: EngineConfig, ranks: range, init_method: str) -> list[subprocess.Popen]:
-    """Fresh interpreters (``python -m flashinfra.parallel.engine RANK INIT``, config on stdin): the
-    engine process that starts them is itself a daemon process, which multiprocessing forbids to have
-    children, and a fresh interpreter shares no CUDA state with its parent."""
-    payload = msgspec.msgpack.encode(config)
-    procs = []
-    for rank in ranks:
-        p = subprocess.Popen([sys.executable, "-m", "flashinfra.parallel.engine", str(rank), init_method],
-                             stdin=subprocess.PIPE)
-        p.stdin.write(payload)
-        p.stdin.close()
-        procs.append(p)
-    return procs
-
-
-def run_worker_node(config: EngineConfig) -> None:
-    """On a host other than 0 (``--node-rank k``): start this host's ranks and wait for them."""
-    config = config.resolved()
-    per = ranks_per_node(config)
-    if config.node_rank == 0 or config.master_port == 0:
-        raise ValueError("run_worker_node is for --node-rank >= 1 with an explicit --master-port")
-    init = f"tcp://{config.master_addr}:{config.master_port}"
-    procs = _start_workers(config, range(config.node_rank * per, (config.node_rank + 1) * per), init)
-    for p in procs:
-        p.wait()
-
-
 class PlanBroadcaster:
     """Rank 0's runner: sends each plan to the other ranks, then runs it here."""
 
-    def __init__(self, runner, comm, workers: list) -> None:
-        self.runner, self.comm, self.workers = runner, comm, workers
+    def __init__(self, runner, channel, workers: dict, timeout_s: float) -> None:
+        self.runner, self.channel, self.workers = runner, channel, workers
         self.lost: str | None = None
+        channel.start_keepalive(timeout_s / 4, self._keepalive_failed)
+
+    def _keepalive_failed(self, e: Exception) -> None:
+        self.lost = self.lost or f"tensor-parallel worker lost while idle: {str(e).splitlines()[0][:200]}"
 
     def __getattr__(self, name):  # generators, embedder, cache...: the local runner's
         return getattr(self.runner, name)
 
     def execute(self, plan: Plan) -> StepResult:
-        if self.lost is None:
-            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.returncode}"
-                    for i, p in enumerate(self.workers) if p.poll() is not None]
-            if dead:
-                self.lost = "tensor-parallel worker lost: " + "; ".join(dead)
+        if self.lost is None and (dead := exited(self.workers)):
+            self.lost = "tensor-parallel worker lost: " + "; ".join(dead)
         if self.lost is not None:
-            raise RuntimeError(self.lost)
+            raise RankLost(self.lost)
         try:
-            self.comm.broadcast_bytes(PLAN_ENCODER.encode(plan))
+            self.channel.send(PLAN_ENCODER.encode(plan))
             return self.runner.execute(plan)
         except Exception as e:
             if "timed out" in str(e).lower() or "connection" in str(e).lower():
                 self.lost = f"tensor-parallel collective failed (a rank died or hung): {e}"
             raise
+        finally:
+            self.channel.done()
 
     def stop(self) -> None:
+        self.channel.stop_keepalive()
         if self.lost is None:
             try:
-                self.comm.broadcast_bytes(b"")
-            except Exception:
+                self.channel.send(b"")
+            except Exception:  # noqa: BLE001 - the ranks are gone already; nothing left to stop
                 pass
 
 
 class ParallelEngineCore(EngineCore):
     """Rank 0 of a tensor/expert parallel engine: the scheduler runs here once."""
 
-    def __init__(self, config: EngineConfig, events=None) -> None:
+    def __init__(self, config: EngineConfig, launch: Launch, events=None) -> None:
         from flashinfra.engine.runner import size_cache
 
         config = config.resolved()
         check_layout(config)
-        if config.node_rank != 0:
-            raise ValueError(f"node_rank {config.node_rank}: only host 0 runs the engine; other hosts run "
-                             "their ranks with run_worker_node")
-        if config.nnodes > 1 and config.master_port == 0:
-            raise ValueError("several hosts (--nnodes > 1) need an explicit --master-port that every host uses")
-        port = config.master_port or _free_port()
-        init = f"tcp://{config.master_addr}:{port}"
-        self.workers = _start_workers(config, range(1, ranks_per_node(config)), init)
+        self.workers = start_workers(config, launch)
         try:
-            model, comm = _join_world(config, 0, init)
+            model, channel = watched(lambda: join_world(config, launch), self.workers,
+                                     "a tensor-parallel rank was lost while the engine started")
+            if launch.device.startswith("cuda"):  # the current device is per thread: joining set it on its own
+                import torch
+
+                torch.cuda.set_device(launch.device)
             _report_rank(0, model)
             num_blocks = size_cache(model, config, _max_model_len(config, model))
-            comm.broadcast_bytes(str(num_blocks).encode())
+            channel.send(str(num_blocks).encode())
             super().__init__(dataclasses.replace(config, num_blocks=num_blocks), model=model, events=events)
         except BaseException:
-            self._stop_workers()
+            kill_workers(self.workers)
             raise
-        self.runner = PlanBroadcaster(self.runner, comm, self.workers)
+        self.runner = PlanBroadcaster(self.runner, channel, self.workers, config.dist_timeout_s)
         self._closed = False
         atexit.register(self.close)  # an ``LLM`` dropped at exit still stops its ranks cleanly
 
@@ -264,14 +251,6 @@ class ParallelEngineCore(EngineCore):
     def fatal_error(self) -> str | None:
         """Set once a rank is lost: the engine cannot go on (its owner should report this and exit)."""
         return self.runner.lost
-
-    def _stop_workers(self) -> None:
-        for p in self.workers:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
     def close(self) -> None:
         from flashinfra.parallel.groups import destroy_distributed
@@ -281,7 +260,7 @@ class ParallelEngineCore(EngineCore):
         self._closed = True
         super().close()
         self.runner.stop()
-        self._stop_workers()
+        stop_workers(self.workers)
         destroy_distributed()
 
 
@@ -289,4 +268,6 @@ if __name__ == "__main__":
     # a worker rank: lives as long as rank 0 (its stop message or its lost connection ends it), not a
     # terminal's Ctrl-C, which rank 0's owner handles by shutting the engine down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_main(int(sys.argv[1]), sys.stdin.buffer.read(), sys.argv[2])
+    _rank, _init, _device = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    _config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    worker_main(_config, Launch(_rank, config_world(_config), _device, _init, ()))

@@ -1,8 +1,10 @@
-"""Process groups: ``init_distributed`` joins (or creates) the world over torch.distributed.
+"""Process groups: ``init_distributed`` joins (or creates) the world over torch.distributed, ``make_comms``
+creates a rank's tensor-parallel and MoE groups, ``control_channel`` the plans' group.
 
 gloo on the CPU, NCCL on CUDA. Rendezvous is torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``,
-read by torch itself) unless an explicit ``tcp://host:port`` is given. Every collective carries
-``timeout_s``: a rank that dies or hangs makes its peers' next collective raise instead of waiting forever.
+read by torch itself) unless an explicit ``tcp://host:port`` is given. Every group carries ``timeout_s``:
+creating it, and every collective on it, fails after that long instead of waiting forever for a rank
+that died or hung.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from flashinfra.parallel.collectives import Comm, ControlChannel, ParallelComms
+from flashinfra.parallel.layout import ParallelLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -43,12 +48,27 @@ def init_distributed(rank: int, world_size: int, device: str = "cpu", init_metho
     return DistInfo(rank, world_size, backend)
 
 
-CONTROL_TIMEOUT = timedelta(days=365)
+def make_comms(layout: ParallelLayout, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelComms:
+    """This rank's ``Comm`` per group of ``layout``; collective: every rank of the world calls it, and
+    every rank creates every group (torch.distributed requires it), in the same order."""
+    made: dict[tuple[int, ...], Comm] = {}
+    for size, mine in ((layout.tp, layout.tp_ranks), (layout.moe_size, layout.moe_ranks)):
+        if mine in made or size == 1:
+            continue
+        if size == layout.world:
+            made[mine] = Comm(size)  # the default group
+            continue
+        for ranks in layout.groups(size):
+            group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+            if ranks == mine:
+                made[mine] = Comm(size, group)
+    tp = made.get(layout.tp_ranks, Comm(1))
+    return ParallelComms(tp, made.get(layout.moe_ranks, Comm(1)))
 
 
-def control_group():
-    """A gloo group over every rank for plans (see ``collectives.Comm.broadcast_bytes``); collective."""
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+def control_channel(timeout_s: float = DEFAULT_TIMEOUT_S) -> ControlChannel:
+    """A gloo group over every rank for plans (see ``ControlChannel``); collective."""
+    return ControlChannel(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
 
 def destroy_distributed() -> None:

@@ -6,7 +6,8 @@ vocabulary-split tables read only this rank's rows (``safe_open(...).get_slice(n
 decoder layer in turn is read into host memory, sliced by ``shard.shard_layer`` and moved to the device.
 Host memory peaks at about one whole layer (under EP, non-local experts are not even read); the peak
 resident set of the process is reported. Block-FP8 tensors are dequantized on the way in, as by the
-one-rank loader, so FP8 checkpoints shard the same way.
+one-rank loader, so FP8 checkpoints shard the same way. On a world of one it is the one-rank loader
+itself (``model.api.load_model``): the same model, no hooks, nothing sliced.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from flashinfra.config import load_config
-from flashinfra.model.api import LoadedModel, resolve_dtype
+from flashinfra.model.api import LoadedModel, load_model, resolve_dtype
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.loader import (FP8_DTYPES, CheckpointReader, _choose_form, dequantize_block_fp8,
                                      load_weights, scale_name)
 from flashinfra.model.weights import Copy, weight_layout
-from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.collectives import ParallelComms
 from flashinfra.parallel.layout import ParallelLayout
 from flashinfra.parallel.shard import ShardedModel, shard_layer
 
@@ -51,11 +52,15 @@ def peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def load_shard(path: str | Path, layout: ParallelLayout, comm: Comm, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> ShardedModel:
+def load_shard(path: str | Path, layout: ParallelLayout, comms: ParallelComms, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> ShardedModel | LoadedModel:
     path = Path(path)
     cfg = load_config(path)
     layout.check(cfg.text)
+    if layout.world == 1:
+        loaded = load_model(path, dtype, device)
+        loaded.peak_host_bytes = peak_host_bytes()
+        return loaded
     torch_dtype, device = resolve_dtype(dtype), torch.device(device)
     reader = CheckpointReader(path)
     with torch.device("meta"):
@@ -110,9 +115,9 @@ def load_shard(path: str | Path, layout: ParallelLayout, comm: Comm, dtype: str 
         for pname, param in params.items():
             expert_weight = pname.endswith(("mlp.w13", "mlp.w2"))
             fill(param, forms[pname], not_local_expert if expert_weight else (lambda c: False))
-        shard_layer(layer, layout, comm)
+        shard_layer(layer, layout, comms)
         layer.to(device)
     loaded = LoadedModel(path, cfg, model.eval(), torch_dtype, device, report)
-    sharded = ShardedModel(loaded, layout, comm)
+    sharded = ShardedModel(loaded, layout, comms)
     sharded.peak_host_bytes = peak_host_bytes()
     return sharded

@@ -92,23 +92,23 @@ def plan(raw_config: dict, gpus: int, tp: int | None = None, ep: int | None = No
     from flashinfra.config import resolve_config
     from flashinfra.model.cache import ModelCache
     from flashinfra.model.glm5_next import Glm5NextModel
-    from flashinfra.parallel.collectives import Comm
-    from flashinfra.parallel.layout import make_layout
+    from flashinfra.parallel.collectives import ParallelComms
+    from flashinfra.parallel.layout import make_layout, world_size
     from flashinfra.parallel.shard import shard_parameters
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
     tp = gpus if tp is None else tp
     ep = tp if ep is None else ep
-    if tp != gpus:
-        raise ValueError(f"--tp {tp} must equal --gpus {gpus}: every GPU is one tensor-parallel rank")
+    if world_size(tp, ep) != gpus:
+        raise ValueError(f"--tp {tp} and --ep {ep} run on max(tp, ep) = {world_size(tp, ep)} GPUs, not --gpus {gpus}")
     cfg = resolve_config(raw_config)
     layout = make_layout(cfg.text, tp, ep, 0)
     with torch.device("meta"):
         model = Glm5NextModel(cfg.text, torch.bfloat16, cfg.has_lm_head)
         total = _model_bytes(model, weight_dtype)
         full = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
-        shard_parameters(model, layout, Comm(1))
+        shard_parameters(model, layout, ParallelComms.local())
         local = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
     # a parameter is replicated when this rank holds all of it (same name, same bytes)
     replicated = sum(b for n, b in local.items() if full.get(n) == b)
@@ -136,7 +136,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in full-model config")
     p.add_argument("--gpus", type=int, required=True, help="GPUs, one rank each")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: --gpus)")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel size: 1 or --tp (default: --tp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size; max(--tp, --ep) is --gpus (default: --tp)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bf16", help="weight dtype (default: bf16)")
     p.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_BYTES / 1e9,
                    help="memory of one GPU in GB (default: 141, an H200)")

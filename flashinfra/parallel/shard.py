@@ -10,24 +10,41 @@ Per layer kind (``layout.py`` says who owns what; ``Comm`` does the collectives)
 - MLA: heads split (``q_b_proj`` and ``kv_b_proj`` rows per head, ``o_proj`` columns): one all-reduce.
   The 512-d latent (``kv_a_proj``) is shared by every head, so every rank computes and caches all of
   it; splitting it would need a gather before every attention.
-- DSA indexer: replicated. Its heads' ReLU scores are summed before the top-k, so splitting them would
-  add an all-reduce of ``[T, pools]`` scores per full-indexer layer on the decode path for a few MB of
-  weights; replicated, every rank computes the same selection and no collective is needed.
-- Dense MLP and the shared expert: gate|up rows and down columns split (column-then-row parallel).
-- MoE: the router is replicated (every rank routes every token alike). ``ep == tp``: each rank holds
-  ``E / ep`` whole experts and runs only the (token, expert) pairs it owns (weights of other pairs set
-  to zero). ``ep == 1``: each rank holds a slice of every expert's intermediate dimension. Hidden states
-  are replicated after every all-reduce, so dispatch is free (each rank already has every token) and
-  combine is a sum over ranks: the routed partials and the shared expert's partial are added locally and
-  reduced by one all-reduce. That is the all-gather + reduce-scatter scheme with the all-gather already
-  done by the previous all-reduce; an all-to-all would only pay off once hidden states are split by
-  token (sequence parallel), which this layout does not do.
+- DSA indexer: replicated. Its heads' ReLU scores are summed before the top-k, so splitting the heads
+  would add an all-reduce of the ``[T, pools]`` float32 scores per full-indexer layer, and save little:
+  every head scores the same pooled keys, so a rank reads all of them whatever its share of heads. Per
+  pooled key read (``index_head_dim`` 128 in bf16 = 256 B) the 32 heads do 2 * 32 * 128 = 8192 FLOPs,
+  32 FLOP/B, far under the about 200 FLOP/B (989 TFLOP/s over 4.8 TB/s) where an H200 stops being
+  bound by memory: a decode step's scoring costs the key reads, which a head split does not divide.
+  A prefill chunk of 2048 tokens over a 131072-token context has 32768 pools: 2048 * 32768 * 4 B =
+  256 MiB of scores to all-reduce per layer, against its weights (``x_proj`` (128 + 128 + 32) x 4096 and
+  ``wq_b`` 4096 x 1536, 7.5 M parameters, 15 MB in bf16) kept whole on every rank. Replicated, every
+  rank computes the same selection with no collective.
+- Dense MLP: gate|up rows and down columns split over the TP group (column-then-row parallel).
+- MoE, over the MoE group of ``layout.py``: the router is replicated (every rank routes every token
+  alike). ``ep > 1``: each rank holds ``E / ep`` whole experts and runs only the (token, expert) pairs it
+  owns (weights of other pairs set to zero), and a ``1 / ep`` slice of the shared expert. ``ep == 1``:
+  each rank holds a ``1 / tp`` slice of every expert's intermediate dimension and of the shared expert.
+  Hidden states are replicated after every all-reduce, so dispatch is free (each rank already has every
+  token) and combine is a sum over the group: the routed partials and the shared expert's partial are
+  added locally and reduced by one all-reduce.
+
+  Dispatch and combine, the rule: an all-reduce is a reduce-scatter plus an all-gather, so this is the
+  all-gather + reduce-scatter scheme with the all-gather done by the previous all-reduce and the
+  reduce-scatter and next all-gather fused into this one. An all-to-all moves only the top-k pairs,
+  ``T * k / world`` rows each way per rank against ``T`` for the gather and the scatter: less only when
+  ``k < world`` (never for this model's top-8 on up to 8 ranks), and it needs hidden states split by
+  token (data-parallel attention or sequence parallel), which this layout does not have.
+  ``bench/parallel_moe_dispatch.py`` measures both schemes over 2, 4 and 8 ranks for the layout that
+  would choose between them.
 - Embedding: vocab rows split; each rank looks up the ids it owns (zero elsewhere): one all-reduce.
   lm_head: vocab rows split; logits all-gathered along the vocabulary.
 - mHC hyper-connections and the norms: replicated (they act on the replicated hidden states).
 
-Collectives per decoder layer: 2 all-reduces of ``[T, D]`` (attention, then MLP/MoE); per step 1 more
-for the embedding and 1 all-gather of the logits.
+Collectives per decoder layer: 2 all-reduces of ``[T, D]`` (attention over the TP group, then MLP over
+the TP group or MoE over the MoE group); per step 1 more for the embedding and 1 all-gather of the
+logits. A group of one rank has no collective and no hook; on a world of one nothing here runs at all
+(``shard_loaded`` and ``load.load_shard`` give the plain model), so world size 1 costs nothing.
 
 ``shard_parameters`` / ``shard_layer`` are the one place that knows each slice: ``shard_loaded`` applies
 them to a model loaded whole (tests, one host with room), ``load.load_shard`` to one layer at a time
@@ -51,7 +68,7 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.kda import KDAttention
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import DenseMLP, MoE
-from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.collectives import Comm, ParallelComms
 from flashinfra.parallel.layout import ParallelLayout
 
 
@@ -86,7 +103,7 @@ def _shard_mla(m: MLAttention, layout: ParallelLayout) -> None:
     _set(m, "q_b_proj", _head_rows(m.q_b_proj, heads, m.Dq))
     _set(m, "kv_b_proj", _head_rows(m.kv_b_proj, heads, m.Dq + m.Dv))
     _set(m, "o_proj", m.o_proj[:, heads.start * m.Dv : heads.stop * m.Dv])
-    if m.o_bias is not None and layout.rank != 0:  # the bias is added once, by rank 0, before the sum
+    if m.o_bias is not None and layout.tp_rank != 0:  # the bias is added once, by the group's first rank
         _set(m, "o_bias", torch.zeros_like(m.o_bias))
     m.H = m.H // layout.tp
 
@@ -97,14 +114,15 @@ def _split_swiglu(gate_up: torch.Tensor, down: torch.Tensor, cols: slice) -> tup
     return torch.cat([gate[..., cols, :], up[..., cols, :]], dim=-2), down[..., cols]
 
 
-def _shard_dense(m: DenseMLP, layout: ParallelLayout) -> None:
-    gu, d = _split_swiglu(m.gate_up_proj, m.down_proj, layout.rows(m.down_proj.shape[-1]))
+def _shard_dense(m: DenseMLP, cols: slice) -> None:
+    gu, d = _split_swiglu(m.gate_up_proj, m.down_proj, cols)
     _set(m, "gate_up_proj", gu)
     _set(m, "down_proj", d)
 
 
 class ShardedMoE(nn.Module):
-    """One rank's part of a ``MoE``; its output is a partial sum (the caller all-reduces it)."""
+    """One rank's part of a ``MoE`` in its MoE group; its output is a partial sum (the caller all-reduces
+    it over the group)."""
 
     def __init__(self, moe: MoE, layout: ParallelLayout):
         super().__init__()
@@ -115,11 +133,11 @@ class ShardedMoE(nn.Module):
         self.first_expert, self.num_local = experts.start, experts.stop - experts.start
         w13, w2 = moe.w13[experts], moe.w2[experts]
         if layout.ep == 1:
-            w13, w2 = _split_swiglu(w13, w2, layout.rows(w2.shape[-1]))
+            w13, w2 = _split_swiglu(w13, w2, layout.moe_rows(w2.shape[-1]))
         _set(self, "w13", w13)
         _set(self, "w2", w2)
         self.shared = moe.shared
-        _shard_dense(self.shared, layout)
+        _shard_dense(self.shared, layout.moe_rows(self.shared.down_proj.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -140,35 +158,40 @@ def _reduce_output(comm: Comm):
     return hook
 
 
-def shard_parameters(model: nn.Module, layout: ParallelLayout, comm: Comm) -> None:
+def shard_parameters(model: nn.Module, layout: ParallelLayout, comms: ParallelComms) -> None:
     """Slice every sharded parameter of ``model`` (a full ``Glm5NextModel``) in place for ``layout.rank``
-    and register the all-reduces on the partial outputs."""
-    vocab = layout.rows(model.cfg.vocab_size)
-    _set(model, "embed_tokens", model.embed_tokens[vocab])
-    if model.lm_head is not None:
-        _set(model, "lm_head", model.lm_head[vocab])
+    and register the all-reduces on the partial outputs; nothing at all on a world of one."""
+    if layout.tp > 1:
+        vocab = layout.rows(model.cfg.vocab_size)
+        _set(model, "embed_tokens", model.embed_tokens[vocab])
+        if model.lm_head is not None:
+            _set(model, "lm_head", model.lm_head[vocab])
     for layer in model.layers:
-        shard_layer(layer, layout, comm)
+        shard_layer(layer, layout, comms)
 
 
-def shard_layer(layer: nn.Module, layout: ParallelLayout, comm: Comm) -> None:
-    """Slice one ``DecoderLayer`` in place and register its two all-reduces."""
-    (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
-    layer.attn.register_forward_hook(_reduce_output(comm))
+def shard_layer(layer: nn.Module, layout: ParallelLayout, comms: ParallelComms) -> None:
+    """Slice one ``DecoderLayer`` in place and register its all-reduces (one per sub-block split over more
+    than one rank)."""
+    if layout.tp > 1:
+        (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
+        layer.attn.register_forward_hook(_reduce_output(comms.tp))
     if isinstance(layer.mlp, MoE):
-        layer.mlp = ShardedMoE(layer.mlp, layout)
-    else:
-        _shard_dense(layer.mlp, layout)
-    layer.mlp.register_forward_hook(_reduce_output(comm))
+        if layout.moe_size > 1:
+            layer.mlp = ShardedMoE(layer.mlp, layout)
+            layer.mlp.register_forward_hook(_reduce_output(comms.moe))
+    elif layout.tp > 1:
+        _shard_dense(layer.mlp, layout.rows(layer.mlp.down_proj.shape[-1]))
+        layer.mlp.register_forward_hook(_reduce_output(comms.tp))
 
 
 class ShardedModel:
-    """One rank's model: the ``LoadedModel`` calls (``forward``, ``compute_logits``, ``allocate_cache``,
-    ``logits``) over weights already sharded (``shard_parameters``, or ``load.load_shard``); every rank
-    must make the same calls in the same order."""
+    """One rank's model (world > 1): the ``LoadedModel`` calls (``forward``, ``compute_logits``,
+    ``allocate_cache``, ``logits``) over weights already sharded (``shard_parameters``, or
+    ``load.load_shard``); every rank must make the same calls in the same order."""
 
-    def __init__(self, loaded: LoadedModel, layout: ParallelLayout, comm: Comm):
-        self.loaded, self.layout, self.comm = loaded, layout, comm
+    def __init__(self, loaded: LoadedModel, layout: ParallelLayout, comms: ParallelComms):
+        self.loaded, self.layout, self.comms = loaded, layout, comms
         self.config, self.dtype, self.device = loaded.config, loaded.dtype, loaded.device
         self.path, self.report = loaded.path, loaded.report
         self.quantization, self.cache_spec = loaded.quantization, loaded.cache_spec  # bf16 weights and caches
@@ -188,10 +211,12 @@ class ShardedModel:
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp == 1:
+            return F.embedding(input_ids, self.model.embed_tokens)
         local = input_ids - self.vocab.start
         mine = (local >= 0) & (local < self.vocab.stop - self.vocab.start)
         x = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.model.embed_tokens)
-        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+        return self.comms.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,7 +225,7 @@ class ShardedModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(self.model.compute_logits(hidden))
+        return self.comms.tp.all_gather_last(self.model.compute_logits(hidden))
 
     def logits(self, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
         return LoadedModel.logits(self, prompts, block_size)  # same packing; our forward and cache
@@ -210,10 +235,10 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def shard_loaded(loaded: LoadedModel, layout: ParallelLayout, comm: Comm) -> ShardedModel | LoadedModel:
-    """``loaded`` itself on a world of one, else its shard for ``layout.rank``."""
+def shard_loaded(loaded: LoadedModel, layout: ParallelLayout, comms: ParallelComms) -> ShardedModel | LoadedModel:
+    """``loaded`` itself, untouched, on a world of one; else its shard for ``layout.rank``."""
     layout.check(loaded.config.text)
     if layout.world == 1:
         return loaded
-    shard_parameters(loaded.model, layout, comm)
-    return ShardedModel(loaded, layout, comm)
+    shard_parameters(loaded.model, layout, comms)
+    return ShardedModel(loaded, layout, comms)

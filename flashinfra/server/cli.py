@@ -135,19 +135,15 @@ def run(args: argparse.Namespace) -> int:
     if not (model_path / "config.json").is_file():
         print(f"serve: {model_path} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    from flashinfra.parallel.engine import is_parallel
+    from flashinfra.parallel.engine import serving_rank
 
-    if is_parallel(engine_config):
-        from flashinfra.parallel.engine import check_layout, run_worker_node
-
-        try:
-            check_layout(engine_config)
-        except ValueError as exc:
-            print(f"serve: {exc}", file=sys.stderr)
-            return 2
-        if engine_config.node_rank > 0:  # this host only runs its ranks; host 0 serves
-            run_worker_node(engine_config)
+    try:
+        engine_config = serving_rank(engine_config)
+        if engine_config is None:  # this process ran ranks of a parallel engine; rank 0 serves
             return 0
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     try:
         sock = _bind(opts.host, opts.port)
     except ValueError as exc:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from flashinfra.model.api import load_model
 from flashinfra.model.factory import write_tiny_checkpoint
-from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.collectives import ParallelComms
 from flashinfra.parallel.layout import make_layout
 from flashinfra.parallel.load import load_shard
 from flashinfra.parallel.shard import shard_loaded
@@ -42,8 +42,8 @@ def test_load_shard_equals_whole_then_sliced(fp8_checkpoint, tp, ep):
     for rank in range(tp):
         whole = load_model(fp8_checkpoint)
         layout = make_layout(whole.config.text, tp, ep, rank)
-        want = shard_loaded(whole, layout, Comm(1)).model.state_dict()
-        shard = load_shard(fp8_checkpoint, layout, Comm(1))
+        want = shard_loaded(whole, layout, ParallelComms.local()).model.state_dict()
+        shard = load_shard(fp8_checkpoint, layout, ParallelComms.local())
         assert shard.peak_host_bytes > 0
         got = shard.model.state_dict()
         assert list(got) == list(want)

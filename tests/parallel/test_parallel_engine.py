@@ -38,7 +38,7 @@ def reference(ckpt):
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (1, 2)])
 def test_greedy_generation_equals_one_rank(ckpt, reference, tp, ep):
     prompts, params = _prompts()
     llm = flashinfra.LLM(ckpt, tensor_parallel_size=tp, expert_parallel_size=ep, dist_timeout_s=30, **ENGINE)
@@ -57,7 +57,7 @@ def test_killed_rank_fails_requests_with_a_clear_error(ckpt):
     prompts, params = _prompts()
     llm = flashinfra.LLM(ckpt, tensor_parallel_size=2, dist_timeout_s=20, **ENGINE)
     try:
-        worker = llm.engine.workers[0]
+        worker = llm.engine.workers[1]
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
         start = time.monotonic()

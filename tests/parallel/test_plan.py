@@ -35,3 +35,13 @@ def test_plan_cli_json_and_refusal(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="is not divisible by 5"):
         main(["plan", "--preset", "glm-5.3-flash", "--gpus", "5"])
+
+
+def test_expert_parallel_over_more_ranks_than_tensor_parallel():
+    wide = plan(GLM_5_3_FLASH, 8, tp=2, ep=8, weight_dtype="fp8")
+    full = plan(GLM_5_3_FLASH, 8, tp=8, ep=8, weight_dtype="fp8")
+    assert wide.fits and (wide.tp, wide.ep) == (2, 8)
+    # attention, dense MLPs and the vocabulary split 2 ways instead of 8: more bytes per rank, same experts
+    assert full.weight_bytes_per_rank < wide.weight_bytes_per_rank < 1.5 * full.weight_bytes_per_rank
+    with pytest.raises(ValueError, match=r"run on max\(tp, ep\) = 8 GPUs, not --gpus 4"):
+        plan(GLM_5_3_FLASH, 4, tp=2, ep=8)
