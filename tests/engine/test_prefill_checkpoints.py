@@ -20,7 +20,10 @@ GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0, tokenizer=False)
+    # one KDA and one MLA layer: the reference's long prefills stay cheap
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0, tokenizer=False, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
     return flashinfra.load_model(path, dtype="float32", device="cpu")
 
 
