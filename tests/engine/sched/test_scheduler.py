@@ -185,6 +185,34 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
         assert sched.num_preemptions_total > 0
 
 
+def test_one_step_saves_every_checkpoint_it_crosses_while_slots_last():
+    """Only the token budget cuts a step: a 3000-token prompt runs in one step that saves its checkpoints at 1024,
+    2048 and its last block boundary (2992), each registered after the step with its own blocks; without a free
+    slot a checkpoint is skipped; an aborted step's slots go back."""
+    cfg = sched_config(max_num_seqs=2, max_num_batched_tokens=4096, max_model_len=8192)
+    rng = random.Random(4)
+    for num_prefix_slots, want in ((4, [1024, 2048, 2992]), (2, [1024, 2048])):
+        cache = HybridCacheManager(400, 16, 2, num_prefix_slots, checkpoint_interval=1024)
+        sched = Scheduler(cfg, cache)
+        req = make_request("a", 3000, 1, rng)
+        sched.add_request(req)
+        plan = sched.schedule()
+        (sr,) = plan.scheduled
+        assert sr.num_new_tokens == 3000 and [p for p, _ in sr.save_states] == want
+        sched.update(plan, StepResult(sampled={"a": 1}))
+        entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
+        assert [len(e.tokens) for e in entries] == want
+        assert all(e.block_ids == entries[-1].block_ids[: len(e.tokens) // 16] for e in entries)
+        assert [e.slot for e in entries] == [slot for _, slot in sr.save_states]
+    cache = HybridCacheManager(400, 16, 2, 4, checkpoint_interval=1024)
+    sched = Scheduler(cfg, cache)
+    sched.add_request(make_request("b", 3000, 1, rng))
+    plan = sched.schedule()
+    sched.abort(["b"])
+    sched.update(plan, StepResult())
+    assert cache.num_cached_prefixes == 0 and cache._prefix_slots.num_free == 4
+
+
 def test_checkpoint_interval_lets_a_shared_system_prompt_hit():
     rng = random.Random(11)
     system = [rng.randrange(8, VOCAB) for _ in range(19)]
