@@ -16,6 +16,10 @@ state.
 Float32 activations take 16-token chunks (prefill_fp32.py), whose tf32x3 chain keeps the state at float32
 accuracy; the 64-token kernels' bf16 pairs keep about 16 bits, far below a 16-bit model's rounding but not below
 a float32 one's.
+
+Prefix checkpoints (checkpoints.py): the state pass of either family also stores the state after chosen chunks
+into spare slots, and a checkpoint inside a chunk takes one more short launch over the tokens after that chunk's
+start, for the whole batch at once.
 """
 
 from __future__ import annotations
