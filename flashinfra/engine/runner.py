@@ -1,7 +1,8 @@
 """``ModelRunner``: executes a scheduler ``Plan`` on the model and returns a ``StepResult``.
 
 It owns the cache tensors (``ModelCache``; state slots ``num_slots ..`` hold prefix checkpoints, copied
-in before and out after the forward pass as the plan says) and one ``torch.Generator`` per request that samples, kept
+in before the forward pass, and written by the KDA layers inside it or copied out after it where a row's step
+ends at one, as the plan says) and one ``torch.Generator`` per request that samples, kept
 until the scheduler reports the request finished (so a request preempted and recomputed continues its
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
 logits only at the positions where a next token is sampled, and samples them; requests with a grammar get
@@ -119,6 +120,10 @@ class ModelRunner:
         )
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
+        inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
+                       if pos < sr.context_len + sr.num_new_tokens)
+        if inside:
+            batch = dataclasses.replace(batch, checkpoints=inside)
         input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
@@ -130,9 +135,16 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, batch, self.cache)
         if spec is not None:
             return self._finish_speculative(sched, feeds, replay, batch, hidden, result)
-        self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
+        self._copy_states(self._end_checkpoints(sched))
         return self._sample(sched, [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample],
                             hidden, result)
+
+    @staticmethod
+    def _end_checkpoints(sched) -> list[tuple[int, int]]:
+        """(state slot, checkpoint slot) of the checkpoints at the end of their row's step: the row's final state,
+        copied after the step (those inside the step went to their slots through ``ForwardBatch.checkpoints``)."""
+        return [(sr.state_slot, slot) for sr in sched for pos, slot in sr.save_states
+                if pos == sr.context_len + sr.num_new_tokens]
 
     def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult) -> StepResult:
         """Accept the draft rows, sample the others, fold the committed tokens into the KDA checkpoints
@@ -154,7 +166,7 @@ class ModelRunner:
                 if sr.num_draft:  # the scheduler reads a drafting row's tokens from ``emitted``
                     result.emitted[sr.request_id] = [result.sampled[sr.request_id]]
         spec.fold(sched, replay, committed)
-        self._copy_states([(sr.state_slot, sr.save_state_to) for sr in sched if sr.save_state_to is not None])
+        self._copy_states(self._end_checkpoints(sched))
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 

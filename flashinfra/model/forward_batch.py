@@ -8,7 +8,8 @@ prefills, prefill chunks and decode steps.
 Cache addressing follows vLLM: the paged caches (MLA latent, indexer keys) are ``[num_blocks,
 block_size, D]`` and a sequence's ``block_table`` lists its blocks in order; ``slot_mapping[t]`` is the
 flat slot (``block * block_size + offset``) where new token ``t`` is written. KDA states live in fixed
-slots, one per sequence: ``state_slots[b]``.
+slots, one per sequence: ``state_slots[b]``; ``checkpoints`` names spare slots that receive a sequence's KDA
+states at positions inside the step (prefix caching).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class ForwardBatch:
     # per sequence: its KDA layers verify from the checkpoint into the ReplaySSM ring (``model/replay.py``)
     # instead of writing the state; empty: none does
     replay: tuple[bool, ...] = ()
+    # prefix checkpoints inside the step: (sequence, p, slot), the KDA states after the sequence's first p new
+    # tokens (0 < p < its query length) go to state slot ``slot`` (kernels/kda/checkpoints.py)
+    checkpoints: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:

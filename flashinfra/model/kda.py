@@ -4,7 +4,8 @@ One input GEMM gives q|k|v, the forget-gate and output-gate low-rank inputs and 
 causal conv with SiLU runs over q|k|v; the delta-rule recurrence runs over each sequence from its state
 slot; a gated RMSNorm and the output projection finish. Decode batches run all of that between the two
 projections as one fused op; any other batch (fresh prefills, chunks, mixed) runs the conv, the chunked
-recurrence (gate, beta and q/k L2 norm fused in) and the norm.
+recurrence (gate, beta and q/k L2 norm fused in) and the norm; the conv and recurrent states at the batch's
+prefix checkpoints go to their slots on the way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.kda import causal_conv1d_prefill, kda_layer_decode, kda_prefill_gated
+from flashinfra.kernels.kda import (causal_conv1d_prefill, causal_conv1d_save_windows, kda_layer_decode,
+                                   kda_prefill_gated)
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -57,11 +59,12 @@ class KDAttention(nn.Module):
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
             return linear(o.reshape(T, H * K), self.o_proj)
-        slots, has_init = list(batch.state_slots), batch.has_initial_state
-        qkv = causal_conv1d_prefill(qkv, self.conv_weight, conv_state, batch.cu_seqlens_list, slots, has_init)
+        slots, has_init, cu = list(batch.state_slots), batch.has_initial_state, batch.cu_seqlens_list
+        causal_conv1d_save_windows(qkv, conv_state, cu, slots, has_init, batch.checkpoints)
+        qkv = causal_conv1d_prefill(qkv, self.conv_weight, conv_state, cu, slots, has_init)
         q, k, v = qkv.view(T, 3, H, K).unbind(1)
         o = kda_prefill_gated(q, k, v, g_raw.view(T, H, K), b, self.A_log, self.dt_bias, self.lower_bound, state,
-                              batch.cu_seqlens_list, slots, has_init)
+                              cu, slots, has_init, batch.checkpoints)
         o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
         return linear(o.reshape(T, H * K), self.o_proj)
 
@@ -90,9 +93,11 @@ class KDAttention(nn.Module):
         if rest:
             idx, sub, slots = part(rest)
             has_init = [batch.has_initial_state[i] for i in rest]
+            ckpts = [(rest.index(n), p, dst) for n, p, dst in batch.checkpoints if n in rest]
+            causal_conv1d_save_windows(qkv[idx], conv_state, sub, slots, has_init, ckpts)
             x = causal_conv1d_prefill(qkv[idx], self.conv_weight, conv_state, sub, slots, has_init)
             q, k, v = x.view(-1, 3, H, K).unbind(1)
             o = kda_prefill_gated(q, k, v, g_raw[idx].view(-1, H, K), b[idx], self.A_log, self.dt_bias,
-                                  self.lower_bound, state, sub, slots, has_init)
+                                  self.lower_bound, state, sub, slots, has_init, ckpts)
             out[idx] = gated_rms_norm(o, gate[idx].view(-1, H, K), self.o_norm, self.eps)
         return out

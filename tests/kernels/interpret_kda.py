@@ -29,6 +29,17 @@ def test_prefill_float32_odd_head_size():
     cases.prefill_varlen("cpu", [70, 5], H=1, K=24, V=16, seed=2, dtype=torch.bfloat16)
 
 
+# prefix checkpoints inside the step: at chunk boundaries, inside a chunk (the short tail pass; from a slot's
+# initial state or a fresh one), two at one chunk boundary, at a sequence's end
+FP32_CHECKPOINTS = ([40, 37], [(0, 16), (0, 21), (0, 32), (0, 40), (1, 5), (1, 30)])
+CHUNK64_CHECKPOINTS = ([150, 70], [(0, 64), (0, 80), (0, 128), (0, 150), (1, 3), (1, 64), (1, 69)])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_prefill_float32_checkpoints(gated):
+    cases.prefill_checkpoints("cpu", *FP32_CHECKPOINTS, gated=gated)
+
+
 # bf16 activations: u and w formed in the state pass (no kernel for w); fp16: the tile w and u from their own kernel
 HALF = [torch.bfloat16, torch.float16]
 
@@ -37,6 +48,11 @@ HALF = [torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("lens", [[63], [1, 17, 70, 2], [5, 0, 129]])
 def test_prefill_chunk64_varlen(lens, dtype):
     cases.prefill_varlen("cpu", lens, H=2, K=16, V=32, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, True), (torch.float16, False)])
+def test_prefill_chunk64_checkpoints(dtype, gated):
+    cases.prefill_checkpoints("cpu", *CHUNK64_CHECKPOINTS, dtype=dtype, gated=gated)
 
 
 @pytest.mark.parametrize("dtype", HALF)

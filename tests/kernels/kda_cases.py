@@ -36,6 +36,14 @@ def layer_decode_micro_batches(*args, **kwargs):
     assert_passed(lib.layer_decode_micro_batches(*args, **kwargs))
 
 
+def prefill_checkpoints(*args, **kwargs):
+    assert_passed(lib.prefill_checkpoints(*args, **kwargs))
+
+
+def conv_checkpoints(*args, **kwargs):
+    assert_passed(lib.conv_checkpoints(*args, **kwargs))
+
+
 def conv_prefill(*args, **kwargs):
     assert_passed(lib.conv_prefill(*args, **kwargs))
 

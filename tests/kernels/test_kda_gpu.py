@@ -47,6 +47,22 @@ def test_prefill_chunk64_padded_rows(dtype):
         cases.prefill_varlen("cuda", [517, 20], H=2, K=128, V=128, dtype=dtype, decay=0.3, row_pad=pad)
 
 
+# prefix checkpoints inside the step (checkpoints.py): every 1024 tokens, the last block boundary (inside a chunk:
+# the tail pass), the sequence's end, and inside the first chunk of a sequence that continues its slot
+CHECKPOINT_LENS = [3000, 200]
+CHECKPOINTS = [(0, 1024), (0, 2048), (0, 2992), (0, 3000), (1, 16), (1, 128), (1, 130)]
+
+
+@pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                         (torch.float32, True)])
+def test_prefill_checkpoints_real_size(dtype, gated):
+    cases.prefill_checkpoints("cuda", CHECKPOINT_LENS, CHECKPOINTS, H=4, K=128, V=128, dtype=dtype, gated=gated)
+
+
+def test_conv_windows_at_checkpoints_real_size():
+    cases.conv_checkpoints("cuda", CHECKPOINT_LENS, CHECKPOINTS, C=3 * 64 * 128)
+
+
 @pytest.mark.parametrize("gated,lower_bound,decay,a_lo,kg", [
     (False, -5.0, 0.1, True, False), (True, -5.0, 0.5, True, False), (False, -5.0, 5.0, False, False),
     (True, -5.0, 5.0, False, False), (False, -5.0, 0.1, False, True), (True, -5.0, 5.0, False, True)])

@@ -13,7 +13,9 @@ leaves at least one token to compute. A hit is token-exact: the stored prefix is
 its hash, and so are the content hashes of the images/videos within it (same-size images have the same
 placeholder tokens). Cached prefixes are evicted least-recently-used first, before any request is preempted.
 Besides the last block boundary of each prompt, prefixes are also checkpointed every
-``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too.
+``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too. One step
+may cross several checkpoint positions; each registers its own entry, sharing the first blocks with the
+shorter ones.
 
 The tensors themselves belong to ``ModelCache``; this module only hands out ids. Pure Python; no torch.
 """
@@ -215,16 +217,18 @@ class HybridCacheManager:
         """The last block boundary before the prompt's last token (0: the prompt has no full block)."""
         return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def next_checkpoint(self, req: Request, start: int) -> int | None:
-        """The first position after ``start`` where ``req``'s prompt prefix should be checkpointed and is
-        not cached yet: multiples of ``checkpoint_interval`` and the last block boundary of the prompt."""
+    def checkpoints_between(self, req: Request, start: int, end: int) -> list[int]:
+        """The positions in ``(start, end]`` where ``req``'s prompt prefix should be checkpointed and is not
+        cached yet, in order: multiples of ``checkpoint_interval`` and the last block boundary of the prompt."""
         last = self.last_checkpoint_position(req)
-        q = start
+        out, q = [], start
         while q < last:
             q = min((q // self.checkpoint_interval + 1) * self.checkpoint_interval, last)
+            if q > end:
+                break
             if not self.has_prefix(req, q):
-                return q
-        return None
+                out.append(q)
+        return out
 
     def _key(self, req: Request, c: int) -> int:
         hashes = req.block_hashes(self.block_size)

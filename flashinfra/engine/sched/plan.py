@@ -24,7 +24,10 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # read-only views for penalties
     output_token_ids: list[int]
     load_state_from: int | None = None  # prefix hit: copy this checkpoint slot into state_slot first
-    save_state_to: int | None = None  # after the step, copy state_slot into this checkpoint slot
+    # prefix checkpoints crossed this step, (position, checkpoint slot): the slot receives the KDA state after
+    # the request's first ``position`` tokens (context_len < position <= context_len + n), written inside the
+    # step or, at its end, copied from state_slot after it
+    save_states: tuple[tuple[int, int], ...] = ()
     mm_items: tuple[MultiModalItem, ...] = ()  # images/videos whose span overlaps this step's tokens
     # speculative decoding: up to this many draft tokens may follow token_ids (the runner drafts them;
     # their cache space is allocated); the step's result then lists the emitted tokens in ``emitted``

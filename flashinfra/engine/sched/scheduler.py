@@ -10,9 +10,10 @@ state slot are freed and it goes back to the front of the queue with ``num_compu
 the tokens it already generated. No new request is admitted in a step that preempted.
 
 With prefix caching on (the cache manager has checkpoint slots), a request admitted with nothing computed
-starts after the longest cached prefix of its tokens (its KDA state is loaded from the checkpoint), and a
-prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
-saved.
+starts after the longest cached prefix of its tokens (its KDA state is loaded from the checkpoint), and every
+checkpoint position of its prompt that a step crosses gets a checkpoint slot (while one is free; else that
+checkpoint is skipped): the runner writes the KDA state there inside the step, and the prefix is registered
+after it. Only the token budget cuts a step.
 
 Disaggregated serving: a request exported by a prefill-role engine keeps its blocks and state slot after it
 finishes (``held``) until the decode side acknowledges the transfer (``release_held``); a decode-role
@@ -145,13 +146,13 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_prefill_chunk or budget
-        scheduled: list[tuple] = []  # req, tokens, load, save[, drafts]
+        scheduled: list[tuple] = []  # req, tokens, load, saves[, drafts]
         preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, min(budget, chunk))
+            n = min(req.num_pending_tokens, budget, chunk)
             drafts = self._num_drafts(req, n, budget)
             # cache room for the drafts, and as many positions again for the draft model's chained steps
             target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
@@ -163,7 +164,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: every later request is gone too
-            scheduled.append((req, n, None, self._save_slot(req, n), drafts))
+            scheduled.append((req, n, None, self._save_slots(req, n), drafts))
             budget -= n + drafts
             i += 1
 
@@ -175,7 +176,7 @@ class Scheduler:
                 hit = self.cache.match_prefix(req)
                 if hit is not None:
                     self.cache.use_prefix(req, hit)
-            n = self._chunk(req, min(budget, chunk))
+            n = min(req.num_pending_tokens, budget, chunk)
             if not self.cache.try_allocate(req, req.num_computed_tokens + n):
                 if hit is not None:  # undo: give the shared blocks back, start from 0 next time
                     self.cache.free(req)
@@ -186,7 +187,7 @@ class Scheduler:
             self.running.append(req)
             if hit is not None:
                 self.num_prefix_hit_tokens_total += len(hit.tokens)
-            scheduled.append((req, n, None if hit is None else hit.slot, self._save_slot(req, n)))
+            scheduled.append((req, n, None if hit is None else hit.slot, self._save_slots(req, n)))
             budget -= n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -207,19 +208,18 @@ class Scheduler:
         outputs = []
         for sr in plan.scheduled:
             req = self.requests.get(sr.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
-                if sr.save_state_to is not None:
-                    self.cache.release_checkpoint_slot(sr.save_state_to)
+            failed = req is None or req.status is not RequestStatus.RUNNING or sr.request_id in result.errors
+            for position, slot in sr.save_states:
+                if failed:  # aborted while the step ran, or its step failed
+                    self.cache.release_checkpoint_slot(slot)
+                else:
+                    self.cache.register_prefix(req, position, slot)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             if sr.num_draft and sr.request_id in result.emitted and sr.request_id not in result.errors:
                 outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id]))
                 continue
             req.num_computed_tokens += sr.num_new_tokens
-            if sr.save_state_to is not None:
-                if sr.request_id in result.errors:
-                    self.cache.release_checkpoint_slot(sr.save_state_to)
-                else:
-                    self.cache.register_prefix(req, req.num_computed_tokens, sr.save_state_to)
             if sr.request_id in result.errors:
                 self._finish(req, "error", result.errors[sr.request_id])
                 outputs.append(self._output(req, [], None))
@@ -285,26 +285,21 @@ class Scheduler:
                 break
         return [self._output(req, out, None)]
 
-    def _chunk(self, req: Request, limit: int) -> int:
-        """Tokens ``req`` computes this step: up to ``limit``, stopping at its next prefix checkpoint
-        position so that the KDA state there can be saved."""
-        start = req.num_computed_tokens
-        n = min(req.num_pending_tokens, limit)
-        if self.cache.prefix_caching:
-            q = self.cache.next_checkpoint(req, start)
-            if q is not None and q < start + n:
-                n = q - start
-        return n
-
-    def _save_slot(self, req: Request, n: int) -> int | None:
-        """A checkpoint slot to save ``req``'s KDA state into if this step ends at a checkpoint position."""
+    def _save_slots(self, req: Request, n: int) -> tuple[tuple[int, int], ...]:
+        """A checkpoint slot for each of ``req``'s checkpoint positions this step crosses, while slots last."""
         if not self.cache.prefix_caching:
-            return None
-        if self.cache.next_checkpoint(req, req.num_computed_tokens) != req.num_computed_tokens + n:
-            return None
-        return self.cache.reserve_checkpoint_slot()
+            return ()
+        start = req.num_computed_tokens
+        saves = []
+        for position in self.cache.checkpoints_between(req, start, start + n):
+            slot = self.cache.reserve_checkpoint_slot()
+            if slot is None:
+                break
+            saves.append((position, slot))
+        return tuple(saves)
 
-    def _scheduled(self, req: Request, n: int, load: int | None, save: int | None, drafts: int = 0) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, load: int | None, saves: tuple[tuple[int, int], ...],
+                   drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
@@ -317,7 +312,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             load_state_from=load,
-            save_state_to=save,
+            save_states=saves,
             mm_items=tuple(it for it in req.mm_items if it.offset < start + n and it.end > start),
             num_draft=drafts,
         )

@@ -240,6 +240,83 @@ def prefill_recurrence(device: str, dtype=torch.float32, seed=0) -> list[CheckRe
             same("slots outside the batch", state[others], s0[others])]
 
 
+def prefill_checkpoints(device: str, lens: list[int], checkpoints: list[tuple[int, int]], H=2, K=16, V=16,
+                        dtype=torch.float32, gated=False, kernels=True, seed=0) -> list[CheckResult]:
+    """Prefix checkpoints inside a prefill (checkpoints.py): the states written into the checkpoint slots (poisoned
+    with NaN before the run, as is the output) against the token-by-token float64 recurrence over each sequence's
+    first ``p`` tokens; the outputs and final states too, and the slots outside the batch untouched. ``checkpoints``
+    lists ``(seq, p)``; ``kernels``: the Triton launchers, else the references."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    N, T, cu = len(lens), sum(lens), offsets(lens)
+    num_slots = N + len(checkpoints) + 2
+    slots = list(range(N))
+    ckpt_slots = list(range(N, N + len(checkpoints)))
+    has_initial = [bool(i % 2) for i in range(N)]
+    q, k, v = (torch.randn(T, H, D, device=device, generator=gen).to(dtype) for D in (K, K, V))
+    g_raw, b_raw = torch.randn(T, H, K, device=device, generator=gen), torch.randn(T, H, device=device, generator=gen)
+    A_log, dt_bias = torch.rand(H, device=device, generator=gen) * 2 - 1, torch.randn(H * K, device=device, generator=gen)
+    g, beta = kda_ref.kda_gate_ref(g_raw, A_log, dt_bias, -5.0), b_raw.sigmoid()
+    state = torch.full((num_slots, H, K, V), NAN, device=device)
+    for slot, init in zip(slots, has_initial):
+        if init:
+            state[slot] = torch.randn(H, K, V, device=device, generator=gen) * 0.5
+    s0 = state.clone()
+    ckpts = [(n, p, dst) for (n, p), dst in zip(checkpoints, ckpt_slots)]
+    seq = (cu, slots, has_initial)
+    if kernels:
+        out = torch.full((T, H, V), NAN, dtype=dtype, device=device)
+        if gated:
+            prefill.kda_prefill_gated_launch(q, k, v, g_raw, b_raw, A_log, dt_bias, -5.0, state, *seq, out=out,
+                                             checkpoints=ckpts)
+        else:
+            prefill.kda_prefill_launch(q, k, v, g, beta, state, *seq, out=out, checkpoints=ckpts)
+    elif gated:
+        out = kda_ref.kda_prefill_gated_ref(q, k, v, g_raw, b_raw, A_log, dt_bias, -5.0, state, *seq, ckpts)
+    else:
+        out = kda_ref.kda_prefill_ref(q, k, v, g, beta, state, *seq, ckpts)
+    # on CUDA the in-chunk products are tf32 (about 1e-3 relative), a 16-bit input rounds; else float32 throughout
+    tol = dict(atol=5e-3, rtol=5e-3) if out.is_cuda else {}
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else tol
+    results, ref_o, ref_s = [], [], []
+    for b, (slot, init) in enumerate(zip(slots, has_initial)):
+        start = s0[slot] if init else torch.zeros(H, K, V, device=device)
+        sl = slice(cu[b], cu[b + 1])
+        ob, sb = kda_recurrent_f64(q[sl], k[sl], v[sl], g[sl], beta[sl], start)
+        ref_o.append(ob)
+        ref_s.append(sb)
+        for n, p, dst in ckpts:
+            if n == b:
+                rows = slice(cu[b], cu[b] + p)
+                _, sp = kda_recurrent_f64(q[rows], k[rows], v[rows], g[rows], beta[rows], start)
+                results.append(compare(f"checkpoint state (seq {b}, p {p})", state[dst], sp, **tol))
+    others = [s for s in range(num_slots) if s not in slots + ckpt_slots]
+    return results + [compare("o", out, torch.cat(ref_o), **tol),
+                      compare("state", state[slots], torch.stack(ref_s), **tol),
+                      same("slots outside the batch", state[others], s0[others])]
+
+
+def conv_checkpoints(device: str, lens: list[int], checkpoints: list[tuple[int, int]], C=24, W=4,
+                     seed=0) -> list[CheckResult]:
+    """``causal_conv1d_save_windows``: each checkpoint slot holds, bit for bit, the conv state that the reference
+    conv leaves after the sequence's first ``p`` tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    N, T, cu = len(lens), sum(lens), offsets(lens)
+    num_slots = N + len(checkpoints)
+    has_initial = [bool(i % 2) for i in range(N)]
+    x = torch.randn(T, C, device=device, generator=gen)
+    weight = torch.randn(C, W, device=device, generator=gen)
+    conv_state = torch.randn(num_slots, C, W - 1, device=device, generator=gen)
+    before = conv_state.clone()
+    ckpts = [(n, p, N + i) for i, (n, p) in enumerate(checkpoints)]
+    conv.causal_conv1d_save_windows(x, conv_state, cu, list(range(N)), has_initial, ckpts)
+    results = []
+    for n, p, dst in ckpts:
+        want = before[n : n + 1].clone()
+        conv.causal_conv1d_prefill_ref(x[cu[n] : cu[n] + p], weight, want, [0, p], [0], [has_initial[n]])
+        results.append(same(f"conv window (seq {n}, p {p})", conv_state[dst], want[0]))
+    return results + [same("sequences' own conv states", conv_state[:N], before[:N])]
+
+
 def gate(device: str, seed=0) -> list[CheckResult]:
     """``kda_gate_ref`` (whose formula the kernels fuse) against the gate written out in float64."""
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -84,6 +84,22 @@ def check_prefill_recurrence() -> list[CheckResult]:
     return _run("kda.prefill_recurrence", lambda dev: cases.prefill_recurrence(dev))
 
 
+@register_check("kda.prefill_checkpoints", tags=TAGS)
+def check_prefill_checkpoints() -> list[CheckResult]:
+    """Prefix checkpoints inside a prefill: the states written at chunk boundaries, inside chunks (the short tail
+    pass) and at a sequence's end, for the 16-token (float32) and 64-token (bf16, gated) kernels, against the
+    token-by-token float64 recurrence; and the conv windows saved there, bit for bit."""
+    def run(dev):
+        lens, points = [150, 70], [(0, 64), (0, 80), (0, 128), (0, 150), (1, 3), (1, 64), (1, 69)]
+        H, K = (4, 128) if dev == "cuda" else (2, 16)
+        return (named("float32", cases.prefill_checkpoints(dev, lens, points, H=H, K=K, V=K))
+                + named("bfloat16.gated", cases.prefill_checkpoints(dev, lens, points, H=H, K=K, V=K,
+                                                                    dtype=torch.bfloat16, gated=True))
+                + named("conv", cases.conv_checkpoints(dev, lens, points)))
+
+    return _run("kda.prefill_checkpoints", run)
+
+
 @register_check("kda.gate", tags=("kernel", "kda"))
 def check_gate() -> list[CheckResult]:
     """The gate's formula, which the kernels fuse, against it written out in float64."""

@@ -214,3 +214,29 @@ def causal_conv1d_decode(x, weight, conv_state, state_slots):
     if use_triton(x, weight, conv_state, state_slots):
         return causal_conv1d_decode_launch(x, weight, conv_state, state_slots)
     return causal_conv1d_decode_ref(x, weight, conv_state, state_slots)
+
+
+def causal_conv1d_save_windows(x, conv_state, cu_seqlens: list[int], state_slots: list[int],
+                               has_initial_state: list[bool], checkpoints) -> None:
+    """For each prefix checkpoint ``(seq, p, slot)`` (checkpoints.py), write into ``slot`` the conv state after
+    ``p`` of that sequence's tokens: its last W - 1 inputs, read from ``x`` [T, C] and, where ``p < W - 1``,
+    from the sequence's own conv state (zeros for a fresh sequence). Call it before ``causal_conv1d_prefill``,
+    which overwrites the sequences' own states. Data movement only, the same on every device."""
+    W1 = conv_state.shape[-1]
+    if not checkpoints or not W1:
+        return
+    if all(p >= W1 for _, p, _ in checkpoints):  # the common case: one gather, one scatter
+        rows = [cu_seqlens[b] + p - W1 + i for b, p, _ in checkpoints for i in range(W1)]
+        rows_t, dst_t = cached_int_lists((rows, [dst for _, _, dst in checkpoints]), x.device)
+        win = x.index_select(0, rows_t).view(len(checkpoints), W1, -1).transpose(1, 2)
+        conv_state.index_copy_(0, dst_t.long(), win.to(conv_state.dtype))
+        return
+    for b, p, dst in checkpoints:
+        take = min(p, W1)
+        bos = cu_seqlens[b]
+        win = x[bos + p - take : bos + p].t().to(conv_state.dtype)  # [C, take]
+        if take < W1:
+            old = conv_state[state_slots[b], :, take:]
+            head = old.clone() if has_initial_state[b] else torch.zeros_like(old)
+            win = torch.cat([head, win], dim=-1)
+        conv_state[dst] = win

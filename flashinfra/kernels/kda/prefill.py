@@ -16,6 +16,10 @@ state.
 Float32 activations take 16-token chunks (prefill_fp32.py), whose tf32x3 chain keeps the state at float32
 accuracy; the 64-token kernels' bf16 pairs keep about 16 bits, far below a 16-bit model's rounding but not below
 a float32 one's.
+
+Prefix checkpoints (checkpoints.py): the state pass of either family also stores the state after chosen chunks
+into spare slots, and a checkpoint inside a chunk takes one more short launch over the tokens after that chunk's
+start, for the whole batch at once.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra import env
 from flashinfra.kernels.dispatch import register_cap, use_triton
-from flashinfra.kernels.kda.prefill_fp32 import kda_prefill_fp32
+from flashinfra.kernels.kda.checkpoints import check_checkpoints, plan_checkpoints
+from flashinfra.kernels.kda.prefill_fp32 import BT as FP32_CHUNK, kda_prefill_fp32
 from flashinfra.kernels.kda.prefill_gate import kda_gate_pass_kernel
 from flashinfra.kernels.kda.prefill_intra_diag import kda_intra_diag_kernel
 from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra_offdiag_kernel
@@ -88,7 +93,7 @@ def _seq_args(cu_seqlens, state_slots, has_initial_state, T: int, num_slots: int
     return cu, *cached_int_lists((cu, slots, init), device)  # no stream sync; the batch's layers share them
 
 
-def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, out):
+def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, gate, out, checkpoints=()):
     T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != (T, H, K) or v.shape[:2] != (T, H) or g.shape != (T, H, K) or beta.shape != (T, H):
@@ -110,41 +115,78 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
     o = _output(out, (T, H, V), q)
     if B == 0 or T == 0:
         return o
-    if float32_path(q.dtype, K, V):
-        return kda_prefill_fp32(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
-    return kda_prefill_chunk64(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate)
+    fp32 = float32_path(q.dtype, K, V)
+    plan = saves_t = None
+    if checkpoints:
+        slots = [int(s) for s in (state_slots.tolist() if isinstance(state_slots, torch.Tensor) else state_slots)]
+        init = [bool(i) for i in (has_initial_state.tolist() if isinstance(has_initial_state, torch.Tensor)
+                                  else has_initial_state)]
+        ckpts = check_checkpoints(checkpoints, cu, slots, state.shape[0])
+        plan = plan_checkpoints(cu, slots, init, ckpts, FP32_CHUNK if fp32 else 64)
+        copy_states(state, plan.before)
+        if plan.saves:
+            saves_t = cached_int_lists((plan.chunk_saves,), q.device)[0]
+    if fp32:
+        kda_prefill_fp32(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, saves_t)
+    else:
+        kda_prefill_chunk64(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, saves_t)
+    if plan is not None:
+        copy_states(state, plan.after)
+        if plan.tail_rows:
+            _tail_pass(q, k, v, g, beta, state, gate, plan)
+    return o
+
+
+def copy_states(state: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """``state[dst] = state[src]`` for each (src, dst)."""
+    for src, dst in pairs:
+        state[dst].copy_(state[src])
+
+
+def _tail_pass(q, k, v, g, beta, state, gate, plan) -> None:
+    """Carry each checkpoint inside a chunk from the state at the chunk's start (already in its slot) to its
+    position: one launch over the short tails of the whole batch, their outputs dropped."""
+    rows = cached_int_lists(([r for start, n in plan.tail_rows for r in range(start, start + n)],), q.device)[0]
+    cu = [0]
+    for _, n in plan.tail_rows:
+        cu.append(cu[-1] + n)
+    q_t, k_t, v_t, g_t, b_t = (x.index_select(0, rows) for x in (q, k, v, g, beta))
+    _launch(q_t, k_t, v_t, g_t, b_t, state, cu, plan.tail_slots, plan.tail_init, gate, None)
 
 
 def kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
-                       out: torch.Tensor | None = None):
+                       out: torch.Tensor | None = None, checkpoints=()):
     """Triton ``kda_prefill``: 64-token chunks for 16-bit activations, 16-token chunks for float32 ones
-    (``float32_path``)."""
-    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, out)
+    (``float32_path``); the states at ``checkpoints`` (checkpoints.py) written into their slots."""
+    return _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, None, out, checkpoints)
 
 
 def kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                             state_slots, has_initial_state, out: torch.Tensor | None = None):
+                             state_slots, has_initial_state, out: torch.Tensor | None = None, checkpoints=()):
     H, K = q.shape[1], q.shape[2]
     if A_log.shape != (H,) or dt_bias.shape != (H * K,):
         raise ValueError(f"kda_prefill_gated: A_log must be [{H}] and dt_bias [{H * K}]")
     return _launch(q, k, v, g_raw, beta_logits, state, cu_seqlens, state_slots, has_initial_state,
-                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), out)
+                   (A_log.contiguous(), dt_bias.contiguous(), lower_bound), out, checkpoints)
 
 
-def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state):
+def kda_prefill(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, checkpoints=()):
+    """Chunked prefill; each ``(seq, p, slot)`` of ``checkpoints`` also receives the state after ``p`` of that
+    sequence's tokens (checkpoints.py)."""
     if use_triton(q, k, v, g, beta, state):
-        return kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state)
-    return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state)
+        return kda_prefill_launch(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state,
+                                  checkpoints=checkpoints)
+    return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, checkpoints)
 
 
 def kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens, state_slots,
-                      has_initial_state):
+                      has_initial_state, checkpoints=()):
     """``kda_prefill`` with the gate (lower bound included) and ``beta = sigmoid(beta_logits)`` fused in."""
     if use_triton(q, k, v, g_raw, beta_logits, state):
         return kda_prefill_gated_launch(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state,
-                                        cu_seqlens, state_slots, has_initial_state)
+                                        cu_seqlens, state_slots, has_initial_state, checkpoints=checkpoints)
     return kda_prefill_gated_ref(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, cu_seqlens,
-                                 state_slots, has_initial_state)
+                                 state_slots, has_initial_state, checkpoints)
 
 
 def copy_engine_rows(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +202,7 @@ def rows_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], block)
 
 
-def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, saves_t=None):
     """The launches as closures over freshly allocated scratch, yielded in order, each as soon as its scratch
     exists, so that a caller launching them as they come has the GPU running the first while the host prepares
     the next. Each goes through ``launch.fast`` (the compiled kernel kept per configuration)."""
@@ -261,16 +303,18 @@ def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
     def state_pass():
         fast(kda_state_pass_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
+            cu_t if saves_t is None else saves_t,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, **slots, A_LO=a_lo, L2_AHEAD=0 if interpret else STATE_L2_AHEAD,
-            AIB=aib_in_state, DOT_F32=interpret, num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+            AIB=aib_in_state, DOT_F32=interpret, SAVE=saves_t is not None, num_warps=STATE_WARPS,
+            num_stages=STATE_STAGES,
         )
 
     yield "state", state_pass
 
 
-def kda_prefill_chunk64(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+def kda_prefill_chunk64(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, saves_t=None):
     """Launch on arguments that prefill.py has validated (``cu`` on the host, the rest on the device);
-    ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
-    for _, launch in chunk64_launches(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate):
+    ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None; ``saves_t`` the per-chunk checkpoint slots or None."""
+    for _, launch in chunk64_launches(q, k, v, g, beta, o, state, cu, cu_t, slots_t, init_t, gate, saves_t):
         launch()
     return o

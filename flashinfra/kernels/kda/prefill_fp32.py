@@ -85,10 +85,12 @@ def kda_fp32_intra_kernel(
 
 @triton.jit
 def kda_fp32_state_kernel(
-    w, u, qg, kd, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    w, u, qg, kd, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, chunk_saves,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    CHAIN_PRECISION: tl.constexpr, LOCAL_PRECISION: tl.constexpr,
+    CHAIN_PRECISION: tl.constexpr, LOCAL_PRECISION: tl.constexpr, SAVE: tl.constexpr,
 ):
+    """With SAVE, ``chunk_saves`` [chunks] int32 names per chunk a state slot (or -1) that also receives the
+    state after that chunk."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -120,6 +122,11 @@ def kda_fp32_state_kernel(
         b_o += tl.dot(b_A, b_vn, input_precision=LOCAL_PRECISION)
         tl.store(o + rows[:, None] * (H * V) + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         b_s = b_s * b_e[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=CHAIN_PRECISION)
+        if SAVE:
+            dst = tl.load(chunk_saves + c0 + i_t).to(tl.int64)
+            if dst >= 0:
+                p_d, _ = state_tile(state, dst, i_h, o_k, o_v, H, K, V)
+                tl.store(p_d, b_s.to(state.dtype.element_ty), mask=m_s)
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
 
@@ -129,9 +136,10 @@ CHAIN_PRECISION, LOCAL_PRECISION = "tf32x3", "tf32"
 STATE_WARPS, STATE_STAGES = 8, 2
 
 
-def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate):
+def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, init_t, gate, saves_t=None):
     """Launch both kernels on arguments that prefill.py has validated (``cu`` on the host, the rest on
-    the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None."""
+    the device); ``gate`` is ``(A_log, dt_bias, lower_bound)`` or None; ``saves_t`` the per-chunk checkpoint
+    slots (prefill.py) or None."""
     T, H, K = q.shape
     V = v.shape[-1]
     BV = min(max(triton.next_power_of_2(V), 16), 64)
@@ -156,8 +164,9 @@ def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
         num_warps=4,
     )
     kda_fp32_state_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
-        w, u, qg, kd, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t,
+        w, u, qg, kd, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t, cu_t if saves_t is None else saves_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, CHAIN_PRECISION=chain_precision, LOCAL_PRECISION=local_precision,
+        SAVE=saves_t is not None,
         num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )
     return o

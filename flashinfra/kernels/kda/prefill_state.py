@@ -42,10 +42,11 @@ def _parts(x, CHAIN: tl.constexpr):
 @triton.jit
 def kda_state_pass_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
-    v, stride_v,
+    v, stride_v, chunk_saves,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, AIB: tl.constexpr = False,
+    SAVE: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
     as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
@@ -71,7 +72,10 @@ def kda_state_pass_kernel(
     the products), and w's slots hold ``-kg = -k exp(gc)`` (the diagonal kernel's) instead of ``w = Aib kg``: the
     pass applies Aib after the state, ``v'^T = u^T + (Z (-kg)^T) Aib^T``, the second product in the chain's
     precision (``Z (-kg)^T``'s bf16 parts against Aib's pair). Without AIB (fp16) the w/u kernel writes w, and u
-    in float32."""
+    in float32.
+
+    With SAVE, ``chunk_saves`` [chunks] int32 names per chunk a state slot (or -1): the state after that chunk is
+    also stored there (prefix checkpoints inside the step, prefill.py)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -151,4 +155,8 @@ def kda_state_pass_kernel(
             b_z = mma_bf16(b_vh, wqk.load([r_w + SKD * 64 + 64, 0]), b_z, DOT_F32)
         if CHAIN >= 2:
             b_z = mma_bf16(b_vl, b_kh, b_z, DOT_F32)
+        if SAVE:
+            dst = tl.load(chunk_saves + c0 + i_t)
+            if dst >= 0:
+                state.store([(dst * H + i_h) * K, i_v * BV], tl.trans(b_z))
     state.store([r_s, i_v * BV], tl.trans(b_z))

@@ -110,21 +110,25 @@ def kda_prefill_ref(
     cu_seqlens: list[int],  # B + 1
     state_slots: list[int],  # [B]
     has_initial_state: list[bool],  # [B]
+    checkpoints=(),  # (seq, p, slot): slot also receives the state after p of seq's tokens (checkpoints.py)
 ) -> torch.Tensor:  # [T, H, V] in q's dtype
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     for b, slot in enumerate(state_slots):
         bos, eos = cu_seqlens[b], cu_seqlens[b + 1]
-        s0 = state[slot].float() if has_initial_state[b] else state.new_zeros(state.shape[1:], dtype=torch.float32)
-        o, s1 = kda_chunk_one_ref(
-            l2norm_ref(q[bos:eos].float()),
-            l2norm_ref(k[bos:eos].float()),
-            v[bos:eos].float(),
-            g[bos:eos].float(),
-            beta[bos:eos].float(),
-            s0,
-        )
-        out[bos:eos] = o.to(q.dtype)
-        state[slot] = s1.to(state.dtype)
+        s = state[slot].float() if has_initial_state[b] else state.new_zeros(state.shape[1:], dtype=torch.float32)
+        # the sequence runs in pieces cut at its checkpoints, each piece's chunks counted from its start
+        cuts = sorted({int(p): int(dst) for n, p, dst in checkpoints if n == b}.items())
+        start = 0
+        for end, dst in [*cuts, (eos - bos, None)]:
+            if end > start:
+                rows = slice(bos + start, bos + end)
+                o, s = kda_chunk_one_ref(l2norm_ref(q[rows].float()), l2norm_ref(k[rows].float()), v[rows].float(),
+                                         g[rows].float(), beta[rows].float(), s)
+                out[rows] = o.to(q.dtype)
+            if dst is not None:
+                state[dst] = s.to(state.dtype)
+            start = end
+        state[slot] = s.to(state.dtype)
     return out
 
 
@@ -135,12 +139,12 @@ def kda_prefill_gated_ref(
     A_log: torch.Tensor,  # [H]
     dt_bias: torch.Tensor,  # [H * K]
     lower_bound: float | None,
-    state, cu_seqlens, state_slots, has_initial_state,
+    state, cu_seqlens, state_slots, has_initial_state, checkpoints=(),
 ) -> torch.Tensor:
     """``kda_prefill`` with the gate and beta computed from their raw projections."""
     g = kda_gate_ref(g_raw, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
-    return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state)
+    return kda_prefill_ref(q, k, v, g, beta, state, cu_seqlens, state_slots, has_initial_state, checkpoints)
 
 
 def kda_decode_ref(

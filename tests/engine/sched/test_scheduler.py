@@ -73,17 +73,18 @@ class SimRunner:
             assert sr.token_ids == full[sr.context_len : end]
             for p, t in zip(range(sr.context_len, end), sr.token_ids):
                 self.paged[sr.block_table[p // bs]][p % bs] = t
+            # checkpoints are written inside the step, at every checkpoint position it crosses
+            positions = [pos for pos, _ in sr.save_states]
+            assert positions == sorted(positions)
+            for pos, slot in sr.save_states:
+                assert pos % bs == 0 and sr.context_len < pos <= end and pos < len(sr.prompt_token_ids)
+                self.slots[slot] = full[:pos]
             self.slots[sr.state_slot] = self.slots[sr.state_slot] + sr.token_ids
             if sr.sample:
                 assert end == len(full)
                 tok = next_token(full)
                 result.sampled[sr.request_id] = tok
                 result.logprobs[sr.request_id] = TokenLogprob(tok, -1.0, [])
-        for sr in plan.scheduled:  # checkpoints are saved after the step
-            if sr.save_state_to is not None:
-                end = sr.context_len + sr.num_new_tokens
-                assert end % bs == 0 and 0 < end < len(sr.prompt_token_ids)
-                self.slots[sr.save_state_to] = list(self.slots[sr.state_slot])
         return result
 
 
@@ -159,7 +160,7 @@ def test_tiny_cache_forces_preemption_and_keeps_outputs():
     assert sum(r.num_preemptions for r in reqs) == sched.num_preemptions_total
 
 
-@pytest.mark.parametrize("num_blocks", [400, 40])
+@pytest.mark.parametrize("num_blocks", [400, 30])
 def test_prefix_cache_hits_are_token_exact(num_blocks):
     """Shared system prompts, repeated prompts and multi-turn continuations hit the prefix cache; outputs
     are those of a cold run, and the simulated KDA slot checks that the loaded state is the right one."""
@@ -180,8 +181,36 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
     outputs, _, sched = run_all(None, cfg, num_blocks, 4, 6, num_prefix_slots=8, waves=[first, second])
     assert outputs == truth
     assert sched.num_prefix_hit_tokens_total >= 12 * 4
-    if num_blocks == 40:  # small enough that hits and preemptions mix
+    if num_blocks == 30:  # small enough that hits and preemptions mix
         assert sched.num_preemptions_total > 0
+
+
+def test_one_step_saves_every_checkpoint_it_crosses_while_slots_last():
+    """Only the token budget cuts a step: a 3000-token prompt runs in one step that saves its checkpoints at 1024,
+    2048 and its last block boundary (2992), each registered after the step with its own blocks; without a free
+    slot a checkpoint is skipped; an aborted step's slots go back."""
+    cfg = sched_config(max_num_seqs=2, max_num_batched_tokens=4096, max_model_len=8192)
+    rng = random.Random(4)
+    for num_prefix_slots, want in ((4, [1024, 2048, 2992]), (2, [1024, 2048])):
+        cache = HybridCacheManager(400, 16, 2, num_prefix_slots, checkpoint_interval=1024)
+        sched = Scheduler(cfg, cache)
+        req = make_request("a", 3000, 1, rng)
+        sched.add_request(req)
+        plan = sched.schedule()
+        (sr,) = plan.scheduled
+        assert sr.num_new_tokens == 3000 and [p for p, _ in sr.save_states] == want
+        sched.update(plan, StepResult(sampled={"a": 1}))
+        entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
+        assert [len(e.tokens) for e in entries] == want
+        assert all(e.block_ids == entries[-1].block_ids[: len(e.tokens) // 16] for e in entries)
+        assert [e.slot for e in entries] == [slot for _, slot in sr.save_states]
+    cache = HybridCacheManager(400, 16, 2, 4, checkpoint_interval=1024)
+    sched = Scheduler(cfg, cache)
+    sched.add_request(make_request("b", 3000, 1, rng))
+    plan = sched.schedule()
+    sched.abort(["b"])
+    sched.update(plan, StepResult())
+    assert cache.num_cached_prefixes == 0 and cache._prefix_slots.num_free == 4
 
 
 def test_checkpoint_interval_lets_a_shared_system_prompt_hit():

@@ -1,0 +1,79 @@
+"""Prefix checkpoints inside one prefill step, through ``EngineCore`` on a tiny random checkpoint: a long prompt
+prefilled in a single step registers a checkpoint at every interval and at its last block boundary, and later
+requests that hit them give the logits of a cold run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import flashinfra
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.core import EngineCore
+from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
+from flashinfra.model.factory import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # one KDA and one MLA layer: the reference's long prefills stay cheap
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0, tokenizer=False, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
+    return flashinfra.load_model(path, dtype="float32", device="cpu")
+
+
+def _engine(model, prefix_slots: int) -> EngineCore:
+    cfg = EngineConfig(device="cpu", dtype="float32", block_size=16, num_blocks=600, max_num_seqs=2,
+                       max_num_batched_tokens=4096, prefix_cache_slots=prefix_slots, prefix_checkpoint_interval=1024)
+    return EngineCore(cfg, model=model)
+
+
+def _run(engine: EngineCore, rid: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """The logits of ``prompt``'s last position, and the engine steps it took."""
+    seen: list[torch.Tensor] = []
+    runner_model = engine.runner.model
+    compute = runner_model.compute_logits
+    runner_model.compute_logits = lambda hidden: seen.append(compute(hidden)) or seen[-1]
+    try:
+        engine.add_request(EngineRequest(rid, prompt, GREEDY, 0.0))
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+    finally:
+        del runner_model.compute_logits
+    return seen[-1][0], steps
+
+
+def test_one_step_registers_every_checkpoint_and_hits_give_cold_logits(model):
+    rng = random.Random(3)
+    vocab = model.config.text.vocab_size
+    a = [rng.randrange(1, vocab) for _ in range(3000)]
+    b = a[:2048] + [rng.randrange(1, vocab) for _ in range(500)]
+    warm, cold = _engine(model, 4), _engine(model, 0)
+
+    logits_a, steps = _run(warm, "a", a)
+    assert steps == 1  # the token budget alone cuts a step: no stop at the checkpoints
+    cache = warm.scheduler.cache
+    assert sorted(len(e.tokens) for e in cache._prefixes.values()) == [1024, 2048, 2992]
+    # each entry shares exactly its own prefix's blocks, the longer ones extending the shorter ones
+    entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
+    assert [len(e.block_ids) for e in entries] == [64, 128, 187]
+    assert entries[1].block_ids[:64] == entries[0].block_ids and entries[2].block_ids[:128] == entries[1].block_ids
+
+    hits = warm.stats().num_prefix_hit_tokens_total
+    logits_b, _ = _run(warm, "b", b)
+    assert warm.stats().num_prefix_hit_tokens_total - hits == 2048
+    cold_b, _ = _run(cold, "b", b)
+    # the cold run sums the attention over the prefix in another order: float32 rounding, no more
+    torch.testing.assert_close(logits_b, cold_b, rtol=1e-4, atol=2e-4)
+
+    # the last block boundary, inside the first step too: the repeated prompt starts after it
+    logits_again, _ = _run(warm, "a2", a)
+    assert warm.stats().num_prefix_hit_tokens_total - hits == 2048 + 2992
+    torch.testing.assert_close(logits_again, logits_a, rtol=1e-4, atol=2e-4)
