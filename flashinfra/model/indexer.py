@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.batch_invariant import linear
 
 
 class Indexer(nn.Module):
@@ -40,9 +41,9 @@ class Indexer(nn.Module):
 
     def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (cache entries [T, 2 Di] = key | gate score, queries [T, Hi, Di], head weights [T, Hi] float32)."""
-        k, gate, w = F.linear(x, self.x_proj).split(self.splits, dim=-1)
+        k, gate, w = linear(x, self.x_proj).split(self.splits, dim=-1)
         k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
-        q = F.linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
+        q = linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
         return torch.cat([k, gate], dim=-1), q, w.float() * self.Hi**-0.5
 
     def select(

@@ -45,8 +45,8 @@ class KDAttention(nn.Module):
         T, H, K = x.shape[0], self.H, self.K
         qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
-        g_raw = F.linear(f_a, self.f_b_proj)
-        gate = F.linear(g_a, self.g_b_proj)
+        g_raw = linear(f_a, self.f_b_proj)
+        gate = linear(g_a, self.g_b_proj)
         if any(batch.replay):
             return linear(self._forward_replay(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:
