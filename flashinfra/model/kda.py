@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.kda import causal_conv1d_prefill, kda_layer_decode, kda_prefill_gated
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.cache import ModelCache
@@ -49,6 +50,8 @@ class KDAttention(nn.Module):
         gate = linear(g_a, self.g_b_proj)
         if any(batch.replay):
             return linear(self._forward_replay(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
+        if is_deterministic() and not batch.is_decode and any(self._decode_rows(batch)):
+            return linear(self._forward_mixed(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
@@ -60,6 +63,35 @@ class KDAttention(nn.Module):
                               batch.cu_seqlens_list, slots, has_init)
         o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
         return linear(o.reshape(T, H * K), self.o_proj)
+
+    @staticmethod
+    def _decode_rows(batch: ForwardBatch) -> list[bool]:
+        return [q == 1 and c > 0 for q, c in zip(batch.query_lens, batch.context_lens)]
+
+    def _forward_mixed(self, qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Deterministic mode, a batch mixing decode tokens and prefill pieces: each decode token runs the decode
+        op, as it would in a decode-only batch, and the pieces the chunked prefill (an op per kind of row)."""
+        T, H, K = qkv.shape[0], self.H, self.K
+        conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        cu, decode = batch.cu_seqlens_list, self._decode_rows(batch)
+        out = torch.empty(T, H, K, dtype=qkv.dtype, device=qkv.device)
+        rows = [i for i, d in enumerate(decode) if d]
+        idx = torch.tensor([cu[i] for i in rows], device=qkv.device)
+        slots = torch.tensor([batch.state_slots[i] for i in rows], dtype=torch.int64, device=qkv.device)
+        out[idx] = kda_layer_decode(qkv[idx], self.conv_weight, conv_state, g_raw[idx], b[idx], gate[idx], self.A_log,
+                                    self.dt_bias, self.lower_bound, self.o_norm, self.eps, state, slots)
+        rest = [i for i, d in enumerate(decode) if not d]
+        idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in rest]).to(qkv.device)
+        sub = [0]
+        for i in rest:
+            sub.append(sub[-1] + cu[i + 1] - cu[i])
+        slots_rest, has_init = [batch.state_slots[i] for i in rest], [batch.has_initial_state[i] for i in rest]
+        x = causal_conv1d_prefill(qkv[idx], self.conv_weight, conv_state, sub, slots_rest, has_init)
+        q, k, v = x.view(-1, 3, H, K).unbind(1)
+        o = kda_prefill_gated(q, k, v, g_raw[idx].view(-1, H, K), b[idx], self.A_log, self.dt_bias, self.lower_bound,
+                              state, sub, slots_rest, has_init)
+        out[idx] = gated_rms_norm(o, gate[idx].view(-1, H, K), self.o_norm, self.eps)
+        return out
 
     def _forward_replay(self, qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Speculative verify: the ``batch.replay`` sequences run from their checkpoints into the ReplaySSM

@@ -134,7 +134,8 @@ def worker_main(rank: int, config_bytes: bytes, init_method: str) -> None:
     try:
         num_blocks = int(comm.broadcast_bytes(None).decode())
         runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed,
-                             config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory)
+                             config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory,
+                             deterministic=config.deterministic)
         while data := _next_plan(comm, rank):
             try:
                 runner.execute(msgspec.msgpack.decode(data, type=Plan))

@@ -14,6 +14,13 @@ starts after the longest cached prefix of its tokens (its KDA state is loaded fr
 prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
 saved.
 
+Deterministic mode (``EngineConfig.deterministic``): a prefill piece that stops short of the request's pending
+tokens stops at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk),
+and never leaves a single token behind, so the KDA recurrence meets the same chunk boundaries whatever the
+token budget left to the request, and a 1-token piece on a cached state is always a generated token (decode
+arithmetic). Preemption recomputes a request's generated tokens as a prefill (chunk arithmetic): outputs after a
+preemption are not guaranteed to be the same bits.
+
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
 """
@@ -32,6 +39,10 @@ from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
 from flashinfra.engine.sched.request import Request, RequestStatus
 
 
+# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it)
+DETERMINISTIC_ALIGN = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits, derived from an ``EngineConfig`` by ``from_engine`` (which validated them);
@@ -42,6 +53,7 @@ class SchedulerConfig:
     max_model_len: int  # resolved: the model's limit, or the config's if lower
     max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
     speculative_tokens: int  # draft tokens per decode step (0: no speculation)
+    deterministic: bool  # prefill pieces cut at multiples of DETERMINISTIC_ALIGN
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -118,6 +130,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
+            if n == 0:  # deterministic mode: too little budget left for an aligned piece; next step
+                i += 1
+                continue
             drafts = self._num_drafts(req, n, budget)
             # cache room for the drafts, and as many positions again for the draft model's chained steps
             target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
@@ -142,7 +157,7 @@ class Scheduler:
                 if hit is not None:
                     self.cache.use_prefix(req, hit)
             n = self._chunk(req, min(budget, chunk))
-            if not self.cache.try_allocate(req, req.num_computed_tokens + n):
+            if n == 0 or not self.cache.try_allocate(req, req.num_computed_tokens + n):
                 if hit is not None:  # undo: give the shared blocks back, start from 0 next time
                     self.cache.free(req)
                     req.num_computed_tokens = 0
@@ -259,6 +274,10 @@ class Scheduler:
             q = self.cache.next_checkpoint(req, start)
             if q is not None and q < start + n:
                 n = q - start
+        if self.config.deterministic and n < req.num_pending_tokens:
+            n -= n % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix, or an earlier aligned piece
+            if req.num_pending_tokens - n == 1:
+                n = max(0, n - DETERMINISTIC_ALIGN)
         return n
 
     def _save_slot(self, req: Request, n: int) -> int | None:
