@@ -53,8 +53,10 @@ def bi_matmul_kernel(a, b, bias, c, M, N, K, stride_ab, stride_am, stride_ak, st
     tl.store(p_c, acc.to(c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def matmul_nt_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [Bt, M, K] @ b [Bt, N, K]^T (+ bias [N]) -> [Bt, M, N] in a's dtype, any strides."""
+def matmul_nt_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [Bt, M, K] @ b [Bt, N, K]^T (+ bias [N]) -> [Bt, M, N] in a's dtype (into ``out`` when given, rows of
+    unit stride), any input strides."""
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
         raise ValueError(f"matmul_nt: a {tuple(a.shape)} and b {tuple(b.shape)} are not [Bt, M, K] and [Bt, N, K]")
     if a.dtype != b.dtype:
@@ -63,7 +65,9 @@ def matmul_nt_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"matmul_nt: no tile for {a.dtype}")
     Bt, M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(Bt, M, N, dtype=a.dtype, device=a.device)
+    c = torch.empty(Bt, M, N, dtype=a.dtype, device=a.device) if out is None else out
+    if c.shape != (Bt, M, N) or c.dtype != a.dtype or (c.numel() and c.stride(2) != 1):
+        raise ValueError(f"matmul_nt: out must be [{Bt}, {M}, {N}] {a.dtype} with unit column stride")
     if c.numel() == 0:
         return c
     if K == 0:
