@@ -212,9 +212,10 @@ def test_deterministic_mode_same_tokens_alone_batched_chunked_and_from_the_prefi
     """``deterministic=True``: greedy and seeded outputs are the same whatever runs beside them, whether the
     prompt is chunked at the token budget, hits the prefix cache, or runs with prefix caching off."""
     rng = random.Random(8)
-    prompts = [[rng.randrange(10, 512) for _ in range(n)] for n in (140, 1, 66, 9)]
+    # batched, the 130-token prompt is cut at 64 (9 tokens of the budget gone), alone at 128
+    prompts = [[rng.randrange(10, 512) for _ in range(n)] for n in (9, 130, 1)]
     params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True) for _ in prompts]
-    params[2] = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    params[0] = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     kw = dict(num_blocks=512, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, deterministic=True)
     det = flashinfra.LLM(ckpt, prefix_checkpoint_interval=64, **kw)
     solo = alone(det, prompts, params)
