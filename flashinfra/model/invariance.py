@@ -37,9 +37,10 @@ class SeqDiff:
     layer: int  # decoder layer; -1: final norm and head (logits); -2: a graph-replayed step's final hidden states
     seq: int
     ulps: float  # the largest row difference in units of eps of the layer's scale (see the module docstring)
-    rows_over: int  # rows beyond ULP_BOUND
+    rows_over: int  # rows beyond ``bound``
     rows: int
     exact: bool  # every element the same bits
+    bound: float = ULP_BOUND
 
 
 def clone_cache(cache: ModelCache) -> ModelCache:
@@ -50,13 +51,13 @@ def clone_cache(cache: ModelCache) -> ModelCache:
 
 
 def _diff(step: str, layer: int, seq: int, alone: torch.Tensor, packed: torch.Tensor, inp: torch.Tensor | None,
-          eps: float) -> SeqDiff:
+          eps: float, bound: float = ULP_BOUND) -> SeqDiff:
     a, p = alone.double().flatten(1), packed.double().flatten(1)
     scale = p.abs() + ((p - inp.double().flatten(1)).abs() if inp is not None else 0)
     unit = eps * scale.max().clamp_min(torch.finfo(torch.float32).tiny)
     rows = (a - p).abs().amax(1) / unit  # [rows]
-    return SeqDiff(step, layer, seq, float(rows.max()), int((rows > ULP_BOUND).sum()), rows.numel(),
-                   bool(torch.equal(alone, packed)))
+    return SeqDiff(step, layer, seq, float(rows.max()), int((rows > bound).sum()), rows.numel(),
+                   bool(torch.equal(alone, packed)), bound)
 
 
 class _Layout:
@@ -120,7 +121,8 @@ def layer_diffs(lm: LoadedModel, steps: list[tuple[str, list[list[int]]]], block
 @torch.inference_mode()
 def graph_decode_diff(lm: LoadedModel, prompts: list[list[int]], block_size: int = 16) -> list[SeqDiff]:
     """The prompts prefilled together, then one decode step of the whole batch replayed from a CUDA graph against
-    each sequence's eager decode step from a copy of the same cache: a ``SeqDiff`` per sequence (final hidden)."""
+    each sequence's eager decode step from a copy of the same cache: a ``SeqDiff`` per sequence (final hidden).
+    The whole model's rounding adds up over its layers: the bound is ``ULP_BOUND`` per layer."""
     from flashinfra.engine.cuda_graphs import DecodeGraphs
 
     dev, n = lm.device, len(prompts)
@@ -138,7 +140,8 @@ def graph_decode_diff(lm: LoadedModel, prompts: list[list[int]], block_size: int
     for b in range(n):
         alone = ForwardBatch.build([1], [len(prompts[b])], [lay.slots[b]], [lay.tables[b]], block_size, dev)
         h = lm.forward(nxt[b: b + 1], alone, eager_cache)
-        out.append(_diff("graph decode", -2, b, h, replayed[b: b + 1], None, eps))
+        out.append(_diff("graph decode", -2, b, h, replayed[b: b + 1], None, eps,
+                         ULP_BOUND * (len(lm.model.layers) + 1)))
     return out
 
 
@@ -149,7 +152,7 @@ def summary(diffs: list[SeqDiff]) -> list[dict]:
     rows = []
     for step, layer in keys:
         ds = [d for d in diffs if (d.step, d.layer) == (step, layer)]
-        rows.append(dict(step=step, layer=layer, max_ulps=max(d.ulps for d in ds),
+        rows.append(dict(step=step, layer=layer, bound=ds[0].bound, max_ulps=max(d.ulps for d in ds),
                          rows_over=sum(d.rows_over for d in ds), rows=sum(d.rows for d in ds),
                          exact=all(d.exact for d in ds)))
     return rows
