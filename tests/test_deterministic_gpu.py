@@ -6,7 +6,8 @@
    default path: every difference within ``ULP_BOUND`` units of eps of the layer's scale, but for a few rows
    where a rounding flips a discrete choice (an expert, a selected pool); deterministic mode: no difference.
 2. End to end (``LLM(deterministic=True)``): 48 prompts of 5 to 400 words, 64 greedy tokens, as one batch, one
-   at a time, rerun on the prefix cache, and with prefix caching off: no token differs.
+   at a time, rerun on the prefix cache, with prefix caching off, and in a cache small enough to preempt: no token
+   differs.
 """
 
 import random
@@ -93,7 +94,7 @@ def forty_eight_prompts() -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(5 + 395 * i // 47)) for i in range(48)]
 
 
-def test_48_prompts_same_tokens_batched_alone_prefix_hit_and_no_prefix_cache(model_dir):
+def test_48_prompts_same_tokens_batched_alone_prefix_hit_no_prefix_cache_and_preempted(model_dir):
     prompts = forty_eight_prompts()
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="bfloat16", device="cuda", kv_cache_memory="8GiB", max_num_seqs=48)
@@ -110,9 +111,13 @@ def test_48_prompts_same_tokens_batched_alone_prefix_hit_and_no_prefix_cache(mod
         cold = flashinfra.LLM(model_dir, deterministic=det, prefix_cache_slots=0, **kw)
         one_by_one = [tokens(cold, [p])[0] for p in prompts]
         no_prefix = tokens(cold, prompts)
+        small = flashinfra.LLM(model_dir, deterministic=det, prefix_cache_slots=0, **{**kw, "num_blocks": 300})
+        preempted = tokens(small, prompts)
+        assert small.engine.stats().num_preemptions_total > 0
         counts[det] = {name: sum(a != b for a, b in zip(batched, other))
-                       for name, other in (("alone", one_by_one), ("prefix hit", rerun), ("no prefix cache", no_prefix))}
-        del llm, cold
+                       for name, other in (("alone", one_by_one), ("prefix hit", rerun), ("no prefix cache", no_prefix),
+                                           ("preempted", preempted))}
+        del llm, cold, small
         torch.cuda.empty_cache()
     print(f"\noutputs of 48 differing from the batch of 48: default {counts[False]}, deterministic {counts[True]}")
     assert all(v == 0 for v in counts[True].values()), counts[True]

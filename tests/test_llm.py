@@ -210,7 +210,7 @@ def test_prefix_cache_hits_give_the_cold_tokens(ckpt):
 
 def test_deterministic_mode_same_tokens_alone_batched_chunked_and_from_the_prefix_cache(ckpt):
     """``deterministic=True``: greedy and seeded outputs are the same whatever runs beside them, whether the
-    prompt is chunked at the token budget, hits the prefix cache, or runs with prefix caching off."""
+    prompt is chunked at the token budget, hits the prefix cache, runs with prefix caching off or is preempted."""
     rng = random.Random(8)
     # batched, the 130-token prompt is cut at 64 (9 tokens of the budget gone), alone at 128
     prompts = [[rng.randrange(10, 512) for _ in range(n)] for n in (9, 130, 1)]
@@ -223,5 +223,8 @@ def test_deterministic_mode_same_tokens_alone_batched_chunked_and_from_the_prefi
     assert det.engine.stats().num_prefix_hit_tokens_total > 0
     cold = flashinfra.LLM(ckpt, prefix_cache_slots=0, **kw)
     assert [o.token_ids for o in cold.generate(prompts, params)] == solo
+    small = flashinfra.LLM(ckpt, prefix_cache_slots=0, **{**kw, "num_blocks": 36})
+    assert [o.token_ids for o in small.generate(prompts, params)] == solo
+    assert small.engine.stats().num_preemptions_total > 0
     with pytest.raises(ValueError, match="multiples of 64"):
         flashinfra.LLM(ckpt, **{**kw, "max_num_batched_tokens": 100})

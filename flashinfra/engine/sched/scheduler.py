@@ -14,12 +14,13 @@ starts after the longest cached prefix of its tokens (its KDA state is loaded fr
 prefill chunk that would cross one of its prompt's checkpoint positions stops there so the state can be
 saved.
 
-Deterministic mode (``EngineConfig.deterministic``): a prefill piece that stops short of the request's pending
-tokens stops at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk),
-and never leaves a single token behind, so the KDA recurrence meets the same chunk boundaries whatever the
-token budget left to the request, and a 1-token piece on a cached state is always a generated token (decode
-arithmetic). Preemption recomputes a request's generated tokens as a prefill (chunk arithmetic): outputs after a
-preemption are not guaranteed to be the same bits.
+Deterministic mode (``EngineConfig.deterministic``): a prompt piece that stops short of the prompt's end stops
+at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk) and never leaves
+a single prompt token behind, so the KDA recurrence meets the same chunk boundaries whatever the token budget
+left to the request, and a 1-token piece on a cached state is always a generated token (decode arithmetic). A
+piece never crosses the prompt's end: a request recomputed after a preemption runs its prompt in aligned pieces,
+then its generated tokens one a step, each through the decode arithmetic it first ran through, so preemption
+changes no bit either.
 
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
@@ -274,11 +275,21 @@ class Scheduler:
             q = self.cache.next_checkpoint(req, start)
             if q is not None and q < start + n:
                 n = q - start
-        if self.config.deterministic and n < req.num_pending_tokens:
-            n -= n % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix, or an earlier aligned piece
-            if req.num_pending_tokens - n == 1:
-                n = max(0, n - DETERMINISTIC_ALIGN)
-        return n
+        return self._aligned(req, start, n) if self.config.deterministic else n
+
+    @staticmethod
+    def _aligned(req: Request, start: int, n: int) -> int:
+        """Deterministic mode: the tokens of a piece of at most ``n`` that meets the KDA recurrence as every other
+        run of the request does (see the module docstring)."""
+        prompt = req.num_prompt_tokens
+        if start >= prompt:  # generated tokens (recomputed after a preemption): one a step, as they first ran
+            return min(n, 1)
+        end = min(start + n, prompt)
+        if end < prompt:
+            end -= (end - start) % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix or an earlier cut
+            if prompt - end == 1:
+                end = max(start, end - DETERMINISTIC_ALIGN)
+        return end - start
 
     def _save_slot(self, req: Request, n: int) -> int | None:
         """A checkpoint slot to save ``req``'s KDA state into if this step ends at a checkpoint position."""

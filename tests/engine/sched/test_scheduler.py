@@ -452,3 +452,24 @@ def test_deterministic_mode_cuts_prompts_at_kda_chunks():
     for c, n, p, load in prompt_pieces:
         assert c % A == 0 and (c + n == p or (c + n) % A == 0), (c, n, p)
         assert c == 0 or n >= 2, (c, n, p)
+
+
+def test_deterministic_mode_recomputes_generated_tokens_one_a_step():
+    """After a preemption, deterministic mode runs the prompt in aligned pieces up to its end, then each generated
+    token alone (the decode arithmetic it first ran through)."""
+    pieces = []
+
+    class Recording(SimRunner):
+        def execute(self, plan, limits):
+            pieces.extend((sr.context_len, sr.num_new_tokens, len(sr.prompt_token_ids)) for sr in plan.scheduled)
+            return super().execute(plan, limits)
+
+    rng = random.Random(13)
+    reqs = [make_request(f"r{i}", rng.randrange(60, 200), rng.randrange(20, 40), rng) for i in range(6)]
+    truth = {r.request_id: expected_output(r) for r in reqs}
+    cfg = sched_config(max_num_seqs=6, max_num_batched_tokens=128, max_model_len=512, deterministic=True)
+    sched = Scheduler(cfg, HybridCacheManager(60, 16, 6, 0, align=64))
+    outputs, _, sched = run_all(None, cfg, 60, 16, 6, sched=sched, runner=Recording(60, 16, 6), waves=[reqs])
+    assert outputs == truth and sched.num_preemptions_total > 0
+    assert all(n == 1 for c, n, p in pieces if c >= p)
+    assert all(c + n <= p for c, n, p in pieces if c < p)
