@@ -11,7 +11,6 @@
 """
 
 import random
-import tempfile
 
 import pytest
 import torch

@@ -32,7 +32,8 @@ class EngineCore:
         if config.deterministic and config.speculative_tokens:
             raise ValueError("deterministic mode does not run speculative decoding (its verify steps replay the KDA "
                              "state in another order); set speculative_tokens=0")
-        if config.deterministic and (config.max_prefill_chunk or config.max_num_batched_tokens) < 2 * DETERMINISTIC_ALIGN:
+        piece = config.max_prefill_chunk or config.max_num_batched_tokens
+        if config.deterministic and piece < 2 * DETERMINISTIC_ALIGN:
             raise ValueError(f"deterministic mode cuts prefills at multiples of {DETERMINISTIC_ALIGN} tokens: "
                              f"max_num_batched_tokens and max_prefill_chunk (when set) must be >= "
                              f"{2 * DETERMINISTIC_ALIGN}")

@@ -16,9 +16,9 @@ import random
 
 import torch
 
-from flashinfra.kernels import dispatch
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch

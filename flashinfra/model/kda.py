@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
 from flashinfra.kernels.dispatch import is_deterministic

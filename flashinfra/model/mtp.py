@@ -27,7 +27,6 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import INDEXED_ATTENTION, ModelConfig, TextConfig
 from flashinfra.kernels.batch_invariant import linear

@@ -1,7 +1,7 @@
 """The projections' calls: ``linear`` and ``moe_experts`` dispatch on the weight's type.
 
-A float tensor runs ``F.linear`` (``kernels.batch_invariant.linear``: a fixed-tile GEMM in deterministic mode) and
-``kernels.fused_moe``; a ``QuantizedWeight`` runs its scheme's
+A float tensor runs ``kernels.batch_invariant.linear`` (``F.linear``, or a fixed-tile GEMM in deterministic mode)
+and ``kernels.fused_moe``; a ``QuantizedWeight`` runs its scheme's
 kernel op (``w8a8_linear`` / ``fp8_block_linear``, ``w8a8_moe`` / ``fp8_moe``), each of which picks its Triton
 kernel or its reference by ``dispatch.use_triton``.
 
@@ -13,7 +13,6 @@ MoE: when the quantizer stacked the shared expert as the last expert of the rout
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashinfra.kernels import batch_invariant
 from flashinfra.kernels.fused_moe import clamped_swiglu, fused_moe
