@@ -206,3 +206,25 @@ def test_prefix_cache_hits_give_the_cold_tokens(ckpt):
     assert [o.token_ids for o in warm.generate(follow, params)] == [o.token_ids for o in cold.generate(follow, params)]
     assert warm.engine.stats().num_prefix_hit_tokens_total - hits >= 2 * 12
     assert cold.engine.stats().num_prefix_hit_tokens_total == 0
+
+
+def test_deterministic_mode_same_tokens_alone_batched_chunked_and_from_the_prefix_cache(ckpt):
+    """``deterministic=True``: greedy and seeded outputs are the same whatever runs beside them, whether the
+    prompt is chunked at the token budget, hits the prefix cache, runs with prefix caching off or is preempted."""
+    rng = random.Random(8)
+    # batched, the 130-token prompt is cut at 64 (9 tokens of the budget gone), alone at 128
+    prompts = [[rng.randrange(10, 512) for _ in range(n)] for n in (9, 130, 1)]
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    kw = dict(num_blocks=512, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, deterministic=True)
+    det = flashinfra.LLM(ckpt, prefix_checkpoint_interval=64, **kw)
+    solo = alone(det, prompts, params)
+    assert [o.token_ids for o in det.generate(prompts, params)] == solo  # prefix hits now
+    assert det.engine.stats().num_prefix_hit_tokens_total > 0
+    cold = flashinfra.LLM(ckpt, prefix_cache_slots=0, **kw)
+    assert [o.token_ids for o in cold.generate(prompts, params)] == solo
+    small = flashinfra.LLM(ckpt, prefix_cache_slots=0, **{**kw, "num_blocks": 36})
+    assert [o.token_ids for o in small.generate(prompts, params)] == solo
+    assert small.engine.stats().num_preemptions_total > 0
+    with pytest.raises(ValueError, match="multiples of 64"):
+        flashinfra.LLM(ckpt, **{**kw, "max_num_batched_tokens": 100})

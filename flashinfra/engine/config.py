@@ -184,6 +184,9 @@ class EngineConfig(LoadConfig):
     node_rank: int = option(0, "this host's index among --nnodes; host 0 runs the scheduler", min=0)
     master_addr: str = option("127.0.0.1", "address of host 0, where the ranks meet", metavar="HOST")
     master_port: int = option(0, "port on host 0 where the ranks meet (0: a free port; one host only)", min=0)
+    deterministic: bool = option(
+        False, "batch-invariant, deterministic outputs: each request's tokens the same bits whatever else runs with "
+               "it (fixed reduction orders, prefill chunks aligned to the KDA chunk; slower)")
     dist_timeout_s: float = option(
         120.0, "seconds a collective may wait for a peer before failing the step (a dead or hung rank)", min=1)
     role: str = option("both", "disaggregated serving: prefill (compute prompts, send their cache to a decode "

@@ -20,7 +20,7 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.messages import EngineReady, EngineRequest, EngineStats, RequestOutput
 from flashinfra.engine.sched.plan import StepResult
 from flashinfra.engine.sched.request import Request
-from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+from flashinfra.engine.sched.scheduler import DETERMINISTIC_ALIGN, Scheduler, SchedulerConfig
 
 
 class EngineCore:
@@ -32,6 +32,14 @@ class EngineCore:
         from flashinfra.quant.cache import CacheSpec
 
         config = config.resolved()
+        if config.deterministic and config.speculative_tokens:
+            raise ValueError("deterministic mode does not run speculative decoding (its verify steps replay the KDA "
+                             "state in another order); set speculative_tokens=0")
+        piece = config.max_prefill_chunk or config.max_num_batched_tokens
+        if config.deterministic and piece < 2 * DETERMINISTIC_ALIGN:
+            raise ValueError(f"deterministic mode cuts prefills at multiples of {DETERMINISTIC_ALIGN} tokens: "
+                             f"max_num_batched_tokens and max_prefill_chunk (when set) must be >= "
+                             f"{2 * DETERMINISTIC_ALIGN}")
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
             model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision,
@@ -48,11 +56,12 @@ class EngineCore:
         prefix_slots = config.resolved_prefix_slots
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots,
                                   encoder_cache_bytes=config.encoder_cache_memory,
-                                  speculative_tokens=config.speculative_tokens)
+                                  speculative_tokens=config.speculative_tokens, deterministic=config.deterministic)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
-                               config.prefix_checkpoint_interval),
+                               config.prefix_checkpoint_interval,
+                               align=DETERMINISTIC_ALIGN if config.deterministic else 1),
             events=self.events,
         )
         self.disagg = None

@@ -19,6 +19,7 @@ import torch
 
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -59,8 +60,9 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> 
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
                  num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
-                 speculative_tokens: int = 0) -> None:
+                 speculative_tokens: int = 0, deterministic: bool = False) -> None:
         self.model = model
+        self.deterministic = deterministic
         self.device = model.device
         self.block_size = block_size
         graphs = cuda_graphs and graphs_supported(model)
@@ -97,6 +99,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepResult:
+        with dispatch.deterministic(self.deterministic):
+            return self._execute(plan)
+
+    def _execute(self, plan: Plan) -> StepResult:
         spec = self.speculator
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)

@@ -4,6 +4,11 @@ Kernels run on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) unl
 ``FLASHINFRA_REFERENCE=1`` forces the references. A caller that needs one path for a block of code (the
 layer-by-layer comparison of the two) says so with ``with kernel_path(enabled):``, which holds for that
 thread or task only and is undone on exit.
+
+``with deterministic(True):`` asks every op within the block for its batch-invariant form: reductions in an
+order fixed by the op's shapes apart from the token count (one tile configuration, no split chosen by the
+batch), so a row's result is the same bits whatever else runs beside it. The engine sets it around each step
+when ``EngineConfig.deterministic`` is on; ops read it with ``is_deterministic()``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from flashinfra import env
 
 _kernel_path: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashinfra_kernel_path", default=None)
+_deterministic: contextvars.ContextVar[bool] = contextvars.ContextVar("flashinfra_deterministic", default=False)
 
 
 @functools.cache
@@ -39,6 +45,20 @@ def kernel_path(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _kernel_path.reset(token)
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool) -> Iterator[None]:
+    """Within the block, ops run their batch-invariant forms when ``enabled``."""
+    token = _deterministic.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _deterministic.reset(token)
+
+
+def is_deterministic() -> bool:
+    return _deterministic.get()
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

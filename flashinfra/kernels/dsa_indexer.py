@@ -17,7 +17,8 @@ captured in a CUDA graph:
    sign is +0, as the reference's sort sees them equal). Pools the query cannot see get the float32
    minimum, like the reference.
 3. ``dsa_select``: top-k and the token list ``[T, k * kpool + kpool - 1]`` (-1 = nothing) that sparse MLA
-   attends to: the selected pools' tokens, then the tail.
+   attends to: the selected pools' tokens, then the tail (in deterministic mode the tail first, so that each
+   position keeps its column whatever the batch's widest block table makes the pools' width).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.launch import fast
 
 FMIN = torch.finfo(torch.float32).min
@@ -151,5 +153,9 @@ def dsa_select(
         parts.append(torch.where(toks <= pos[:, None], toks, -1))
     if not parts:
         return torch.full((T, 1), -1, dtype=torch.int32, device=dev)
+    if is_deterministic():
+        # the tail first: the pools' column count follows the batch's widest block table, and the positions a
+        # token attends to must sit in the same columns (thus the same attention blocks) in any batch
+        parts.reverse()
     return torch.cat(parts, dim=1).to(torch.int32)
 

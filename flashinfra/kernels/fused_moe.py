@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.batch_invariant import linear
+from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 
 
@@ -161,9 +162,17 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
+# deterministic mode: one block shape per operand width whatever the token count, so that a pair's row of each
+# GEMM is reduced in the same order (and by the same MMA instruction) alone or in any batch
+DETERMINISTIC_CONFIG = {2: dict(BM=64, BN1=64, BN2=64, BK=64, num_warps=4, num_stages=3),
+                        4: dict(BM=32, BN1=32, BN2=32, BK=32, num_warps=4, num_stages=2)}
+
+
 def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
     """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after;
     float32 tiles are twice the bytes, so their large shape is halved to fit shared memory."""
+    if is_deterministic():
+        return DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     per_expert = num_pairs / max(num_experts, 1)
     wide = elem_bytes <= 2
     if num_pairs <= 64 or (per_expert <= 16 and not wide):  # a few experts streamed by many thin programs
@@ -239,7 +248,7 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     if T == 0:
         return y
     if shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]:  # a wider shared expert: on its own
-        shared = F.linear(clamped_swiglu(F.linear(x, shared_w13), limit), shared_w2)
+        shared = linear(clamped_swiglu(linear(x, shared_w13), limit), shared_w2)
         return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)) + shared
     # every token's k routed pairs plus one pair with the shared expert (id E, weight 1)
     ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), w13.shape[0], dtype=torch.int32, device=x.device)], 1)

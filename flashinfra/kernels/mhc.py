@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.norms import unweighted_rms_norm_ref
 from flashinfra.kernels.launch import fast
 
@@ -151,6 +151,27 @@ def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
     return streams.shape[0], streams.shape[2]
 
 
+DETERMINISTIC_SPLIT = 16  # K-splits of the mix product in deterministic mode, whatever T is
+
+
+def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
+    """Tokens per program of the per-token kernels; their tile shape sets the order of a token's reductions,
+    so deterministic mode keeps it whatever T is."""
+    most = 4 if streams.is_cuda else 16
+    return most if is_deterministic() else min(most, triton.next_power_of_2(T))
+
+
+def hc_collapse(streams: torch.Tensor) -> torch.Tensor:
+    """The last layer's streams [T, n, D] -> their unweighted mean [T, D]; in deterministic mode as a sum in
+    stream order (elementwise adds: no reduction kernel whose strategy follows the shape)."""
+    if not is_deterministic():
+        return streams.mean(dim=1)
+    acc = streams[:, 0].float()
+    for i in range(1, streams.shape[1]):
+        acc = acc + streams[:, i].float()
+    return (acc / streams.shape[1]).to(streams.dtype)
+
+
 def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     T, D = _check(streams, n, "hc_pre")
     NM, K = (2 + n) * n, n * D
@@ -166,7 +187,8 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     BT, BN = 16, max(16, triton.next_power_of_2(NM))
     BK = 64 if streams.dtype == torch.float32 else 128  # float32 tiles of 128 spill registers
     blocks = triton.cdiv(T, BT)
-    SPLIT = max(1, min(64, 256 // blocks, triton.cdiv(K, BK)))
+    # the split of the K reduction fills the GPU at small T; deterministic mode fixes it by K alone
+    SPLIT = max(1, min(DETERMINISTIC_SPLIT if is_deterministic() else min(64, 256 // blocks), triton.cdiv(K, BK)))
     KS = triton.cdiv(triton.cdiv(K, SPLIT), BK) * BK
     SPLIT = triton.cdiv(K, KS)
     part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=dev)
@@ -175,7 +197,7 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
                                          IEEE=streams.dtype == torch.float32, num_warps=4)
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
     # fewer, larger programs
-    BT2 = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
+    BT2 = _tokens_per_program(streams, T)
     fast(hc_pre_kernel)[(triton.cdiv(T, BT2),)](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
         N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), SP=triton.next_power_of_2(SPLIT),
@@ -191,7 +213,7 @@ def hc_post_launch(streams, out, post, comb):
                          f"do not fit streams {tuple(streams.shape)}")
     y = torch.empty_like(streams)
     if T:
-        BT = min(4 if streams.is_cuda else 16, triton.next_power_of_2(T))
+        BT = _tokens_per_program(streams, T)
         BD = max(16, min(1024 // BT, triton.next_power_of_2(D)))
         fast(hc_post_kernel)[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
             streams, out.contiguous(), post.contiguous(), comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD, num_warps=4)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
 
@@ -95,7 +96,7 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
     E = weight.shape[0]
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
         raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
-    logits = F.linear(x.float(), weight.float()).contiguous()
+    logits = linear(x.float(), weight.float()).contiguous()
     T = x.shape[0]
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 
 
@@ -131,6 +131,8 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     cfg = _config(T, H, BR, q_lat.element_size())
     BH, BN = cfg["BH"], cfg["BN"]
     programs = T * triton.cdiv(H, BH)
+    if split is None and is_deterministic():  # one program per token's whole list: a fixed order
+        split = 1
     if split is None:
         # at most 16 splits: the merge reads split x H x R float32 partials per token
         split = 1 if programs >= 132 else min(16, triton.next_power_of_2(triton.cdiv(264, programs)),

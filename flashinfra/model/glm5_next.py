@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import LINEAR_ATTENTION, TextConfig
+from flashinfra.kernels import batch_invariant
+from flashinfra.kernels.mhc import hc_collapse
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -73,9 +75,9 @@ class Glm5NextModel(nn.Module):
 
     def final_norm(self, streams: torch.Tensor) -> torch.Tensor:
         """The last layer's streams [T, n, D] -> final hidden states [T, D]: collapse by mean, then norm."""
-        return rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(hc_collapse(streams), self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return F.linear(hidden, head).float()
+        return batch_invariant.linear(hidden, head).float()

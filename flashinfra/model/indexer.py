@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.batch_invariant import linear
 
 
 class Indexer(nn.Module):
@@ -40,13 +41,13 @@ class Indexer(nn.Module):
 
     def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (cache entries [T, 2 Di] = key | gate score, queries [T, Hi, Di], head weights [T, Hi] float32)."""
-        k, gate, w = F.linear(x, self.x_proj).split(self.splits, dim=-1)
-        q = F.linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
+        k, gate, w = linear(x, self.x_proj).split(self.splits, dim=-1)
+        q = linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
         return self._entries(k, gate), q, w.float() * self.Hi**-0.5
 
     def entries(self, x: torch.Tensor) -> torch.Tensor:
         """The cache entries [T, 2 Di] of ``project`` alone."""
-        k, gate = F.linear(x, self.x_proj[: 2 * self.Di]).split(self.Di, dim=-1)
+        k, gate = linear(x, self.x_proj[: 2 * self.Di]).split(self.Di, dim=-1)
         return self._entries(k, gate)
 
     def _entries(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

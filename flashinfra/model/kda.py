@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.kda import (causal_conv1d_prefill, causal_conv1d_save_windows, kda_layer_decode,
                                    kda_prefill_gated)
 from flashinfra.kernels.norms import gated_rms_norm
@@ -47,7 +47,7 @@ class KDAttention(nn.Module):
         """x [T, D] -> q|k|v before the conv [T, 3 H K], the forget gate's input [T, H K], beta's logits [T, H]
         and the output gate before its sigmoid [T, H K]."""
         qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
-        return qkv, F.linear(f_a, self.f_b_proj), b, F.linear(g_a, self.g_b_proj)
+        return qkv, linear(f_a, self.f_b_proj), b, linear(g_a, self.g_b_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
@@ -55,6 +55,8 @@ class KDAttention(nn.Module):
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
         if any(batch.replay):
             return linear(self._forward_replay(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
+        if is_deterministic() and not batch.is_decode and any(self._decode_rows(batch)):
+            return linear(self._forward_mixed(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
@@ -68,36 +70,62 @@ class KDAttention(nn.Module):
         o = gated_rms_norm(o, gate.view(T, H, K), self.o_norm, self.eps)
         return linear(o.reshape(T, H * K), self.o_proj)
 
+    @staticmethod
+    def _decode_rows(batch: ForwardBatch) -> list[bool]:
+        return [q == 1 and c > 0 for q, c in zip(batch.query_lens, batch.context_lens)]
+
+    def _forward_mixed(self, qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Deterministic mode, a batch mixing decode tokens and prefill pieces: each decode token runs the decode
+        op, as it would in a decode-only batch, and the pieces the chunked prefill (an op per kind of row)."""
+        conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        cu, decode = batch.cu_seqlens_list, self._decode_rows(batch)
+        out = torch.empty(qkv.shape[0], self.H, self.K, dtype=qkv.dtype, device=qkv.device)
+        rows = [i for i, d in enumerate(decode) if d]
+        idx = torch.tensor([cu[i] for i in rows], device=qkv.device)
+        slots = torch.tensor([batch.state_slots[i] for i in rows], dtype=torch.int64, device=qkv.device)
+        out[idx] = kda_layer_decode(qkv[idx], self.conv_weight, conv_state, g_raw[idx], b[idx], gate[idx], self.A_log,
+                                    self.dt_bias, self.lower_bound, self.o_norm, self.eps, state, slots)
+        self._prefill_rows([i for i, d in enumerate(decode) if not d], qkv, g_raw, b, gate, batch, cache, out)
+        return out
+
     def _forward_replay(self, qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Speculative verify: the ``batch.replay`` sequences run from their checkpoints into the ReplaySSM
         ring (the state is written later, by the fold of the accepted tokens); the others as a prefill."""
         from flashinfra.model.replay import kda_layer_verify
 
-        T, H, K = qkv.shape[0], self.H, self.K
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
-        cu = batch.cu_seqlens_list
-        out = torch.empty(T, H, K, dtype=qkv.dtype, device=qkv.device)
-
-        def part(seqs):
-            idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(qkv.device)
-            sub = [0]
-            for i in seqs:
-                sub.append(sub[-1] + cu[i + 1] - cu[i])
-            return idx, sub, [batch.state_slots[i] for i in seqs]
-
-        idx, sub, slots = part([i for i, r in enumerate(batch.replay) if r])
+        out = torch.empty(qkv.shape[0], self.H, self.K, dtype=qkv.dtype, device=qkv.device)
+        idx, sub, slots = self._rows(batch, [i for i, r in enumerate(batch.replay) if r], qkv.device)
         out[idx] = kda_layer_verify(qkv[idx], self.conv_weight, conv_state, g_raw[idx], b[idx], gate[idx], self.A_log,
                                     self.dt_bias, self.lower_bound, self.o_norm, self.eps, state,
                                     cache.replay[self.layer], slots, sub)
-        rest = [i for i, r in enumerate(batch.replay) if not r]
-        if rest:
-            idx, sub, slots = part(rest)
-            has_init = [batch.has_initial_state[i] for i in rest]
-            ckpts = [(rest.index(n), p, dst) for n, p, dst in batch.checkpoints if n in rest]
-            causal_conv1d_save_windows(qkv[idx], conv_state, sub, slots, has_init, ckpts)
-            x = causal_conv1d_prefill(qkv[idx], self.conv_weight, conv_state, sub, slots, has_init)
-            q, k, v = x.view(-1, 3, H, K).unbind(1)
-            o = kda_prefill_gated(q, k, v, g_raw[idx].view(-1, H, K), b[idx], self.A_log, self.dt_bias,
-                                  self.lower_bound, state, sub, slots, has_init, ckpts)
-            out[idx] = gated_rms_norm(o, gate[idx].view(-1, H, K), self.o_norm, self.eps)
+        self._prefill_rows([i for i, r in enumerate(batch.replay) if not r], qkv, g_raw, b, gate, batch, cache, out)
         return out
+
+    @staticmethod
+    def _rows(batch: ForwardBatch, seqs: list[int], device) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The token indices of sequences ``seqs``, their cumulative lengths from 0, and their state slots."""
+        cu = batch.cu_seqlens_list
+        idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device)
+        sub = [0]
+        for i in seqs:
+            sub.append(sub[-1] + cu[i + 1] - cu[i])
+        return idx, sub, [batch.state_slots[i] for i in seqs]
+
+    def _prefill_rows(self, seqs: list[int], qkv, g_raw, b, gate, batch: ForwardBatch, cache: ModelCache,
+                      out: torch.Tensor) -> None:
+        """The chunked prefill of sequences ``seqs`` of the batch alone (their prefix checkpoints included),
+        written into their rows of ``out``."""
+        if not seqs:
+            return
+        H, K = self.H, self.K
+        conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        idx, sub, slots = self._rows(batch, seqs, qkv.device)
+        has_init = [batch.has_initial_state[i] for i in seqs]
+        ckpts = [(seqs.index(n), p, dst) for n, p, dst in batch.checkpoints if n in seqs]
+        causal_conv1d_save_windows(qkv[idx], conv_state, sub, slots, has_init, ckpts)
+        x = causal_conv1d_prefill(qkv[idx], self.conv_weight, conv_state, sub, slots, has_init)
+        q, k, v = x.view(-1, 3, H, K).unbind(1)
+        o = kda_prefill_gated(q, k, v, g_raw[idx].view(-1, H, K), b[idx], self.A_log, self.dt_bias,
+                              self.lower_bound, state, sub, slots, has_init, ckpts)
+        out[idx] = gated_rms_norm(o, gate[idx].view(-1, H, K), self.o_norm, self.eps)

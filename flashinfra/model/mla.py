@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.batch_invariant import matmul_nt
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
 from flashinfra.kernels.norms import rms_norm
@@ -100,7 +101,7 @@ class MLAttention(nn.Module):
                                                      batch.seq_lens_t, batch.token_seq, batch.positions, ix.kpool,
                                                      ix.topk, ix.keep_tail)
         w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
-        q_lat = torch.einsum("lhd,hdr->lhr", q, w[:, : self.Dq])  # [T, H, R]
+        q_lat = matmul_nt(q.transpose(0, 1), w[:, : self.Dq].transpose(1, 2)).transpose(0, 1)  # [T, H, R]
         latent_scale = cache.mla_latent_scale.get(self.layer)
         if latent_scale is None:
             o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
@@ -108,8 +109,8 @@ class MLAttention(nn.Module):
         else:
             o_lat = sparse_mla_quant_launch(q_lat, cache.mla_latent[self.layer], latent_scale, masks[self.source],
                                             batch.token_seq, batch.block_tables_t, self.scaling)
-        out = torch.einsum("lhr,hvr->lhv", o_lat, w[:, self.Dq :])
-        return linear(out.flatten(1), self.o_proj, self.o_bias)
+        out = matmul_nt(o_lat.transpose(0, 1), w[:, self.Dq :]).transpose(0, 1)  # [T, H, Dv]
+        return linear(out.reshape(out.shape[0], -1), self.o_proj, self.o_bias)
 
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
         """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""

@@ -27,9 +27,9 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import INDEXED_ATTENTION, ModelConfig, TextConfig
+from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -78,7 +78,7 @@ class MTPBlock(nn.Module):
         final hidden: stream mean, then final norm) -> the block's input [T, D]."""
         e = rms_norm(embeds, self.enorm, self.eps)
         h = rms_norm(target_hidden, self.hnorm, self.eps)
-        return F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
+        return linear(torch.cat([e, h], dim=-1), self.eh_proj)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch,

@@ -172,7 +172,8 @@ def worker_main(config: EngineConfig, launch: Launch) -> None:
         if not (data := _next_message(channel, launch.rank)):
             return
         runner = ModelRunner(model, int(data.decode()), config.block_size, config.max_num_seqs, config.seed,
-                             config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory)
+                             config.resolved_prefix_slots, encoder_cache_bytes=config.encoder_cache_memory,
+                             deterministic=config.deterministic)
         while data := _next_message(channel, launch.rank):
             try:
                 runner.execute(msgspec.msgpack.decode(data, type=Plan))

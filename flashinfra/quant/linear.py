@@ -1,6 +1,7 @@
 """The projections' calls: ``linear`` and ``moe_experts`` dispatch on the weight's type.
 
-A float tensor runs as before (``F.linear``, ``kernels.fused_moe``); a ``QuantizedWeight`` runs its scheme's
+A float tensor runs ``kernels.batch_invariant.linear`` (``F.linear``, or a fixed-tile GEMM in deterministic mode)
+and ``kernels.fused_moe``; a ``QuantizedWeight`` runs its scheme's
 kernel op (``w8a8_linear`` / ``fp8_block_linear``, ``w8a8_moe`` / ``fp8_moe``), each of which picks its Triton
 kernel or its reference by ``dispatch.use_triton``.
 
@@ -12,8 +13,8 @@ MoE: when the quantizer stacked the shared expert as the last expert of the rout
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from flashinfra.kernels import batch_invariant
 from flashinfra.kernels.fused_moe import clamped_swiglu, fused_moe
 from flashinfra.kernels.quant import fp8_block_linear, fp8_moe, w8a8_linear, w8a8_moe
 from flashinfra.quant.weights import QuantizedWeight
@@ -21,7 +22,7 @@ from flashinfra.quant.weights import QuantizedWeight
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(w, QuantizedWeight):
-        return F.linear(x, w, bias)
+        return batch_invariant.linear(x, w, bias)
     if w.scheme == "w8a8":
         return w8a8_linear(x, w.data, w.scale, bias)
     return fp8_block_linear(x, w.data, w.scale, w.block, bias)

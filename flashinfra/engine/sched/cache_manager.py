@@ -22,6 +22,7 @@ The tensors themselves belong to ``ModelCache``; this module only hands out ids.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ class PrefixEntry:
 
 class HybridCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0,
-                 checkpoint_interval: int = 1024) -> None:
+                 checkpoint_interval: int = 1024, align: int = 1) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1 or num_slots < 1 or num_prefix_slots < 0:
@@ -116,9 +117,16 @@ class HybridCacheManager:
                              f"{num_prefix_slots} prefix slots")
         if checkpoint_interval < 1:
             raise ValueError(f"checkpoint_interval must be >= 1, got {checkpoint_interval}")
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
         self.block_size = block_size
-        # rounded up to whole blocks: a checkpoint's prefix is made of full blocks
-        self.checkpoint_interval = -(-checkpoint_interval // block_size) * block_size
+        # checkpoints sit on multiples of ``grain``: whole blocks, and in deterministic mode (``align`` > 1) whole
+        # KDA chunks too, where the tokens after a hit must leave at least 2 prompt tokens (a 1-token prompt piece
+        # on a cached state would run the decode kernel's arithmetic)
+        self.grain = math.lcm(block_size, align)
+        self.min_left = 1 if align == 1 else 2
+        # rounded up to whole grains: a checkpoint's prefix is made of full blocks
+        self.checkpoint_interval = -(-checkpoint_interval // self.grain) * self.grain
         self._blocks = _BlockPool(num_blocks)
         self._slots = _IdPool(num_slots, "KDA state slot")
         self._prefix_slots = _IdPool(num_prefix_slots, "prefix checkpoint slot", base=num_slots)
@@ -214,8 +222,8 @@ class HybridCacheManager:
 
     # ---- prefix cache ----
     def last_checkpoint_position(self, req: Request) -> int:
-        """The last block boundary before the prompt's last token (0: the prompt has no full block)."""
-        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        """The last block boundary (grain boundary) before the prompt's last token (0: the prompt has none)."""
+        return max(0, req.num_prompt_tokens - self.min_left) // self.grain * self.grain
 
     def checkpoints_between(self, req: Request, start: int, end: int) -> list[int]:
         """The positions in ``(start, end]`` where ``req``'s prompt prefix should be checkpointed and is not
@@ -242,7 +250,7 @@ class HybridCacheManager:
         if not self._prefixes:
             return None
         hashes = req.block_hashes(self.block_size)
-        k = min(len(hashes), (req.num_tokens - 1) // self.block_size)
+        k = min(len(hashes), max(0, req.num_tokens - self.min_left) // self.block_size)
         for i in range(k, 0, -1):
             entry = self._prefixes.get(hashes[i - 1])
             if (entry is not None and entry.tokens == tuple(req.all_token_ids[: len(entry.tokens)])

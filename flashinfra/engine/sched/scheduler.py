@@ -19,6 +19,14 @@ Disaggregated serving: a request exported by a prefill-role engine keeps its blo
 finishes (``held``) until the decode side acknowledges the transfer (``release_held``); a decode-role
 engine admits a request whose prompt was computed elsewhere with ``admit_imported``.
 
+Deterministic mode (``EngineConfig.deterministic``): a prompt piece that stops short of the prompt's end stops
+at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk) and never leaves
+a single prompt token behind, so the KDA recurrence meets the same chunk boundaries whatever the token budget
+left to the request, and a 1-token piece on a cached state is always a generated token (decode arithmetic). A
+piece never crosses the prompt's end: a request recomputed after a preemption runs its prompt in aligned pieces,
+then its generated tokens one a step, each through the decode arithmetic it first ran through, so preemption
+changes no bit either.
+
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
 """
@@ -37,6 +45,10 @@ from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
 from flashinfra.engine.sched.request import Request, RequestStatus
 
 
+# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it)
+DETERMINISTIC_ALIGN = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits, derived from an ``EngineConfig`` by ``from_engine`` (which validated them);
@@ -47,6 +59,7 @@ class SchedulerConfig:
     max_model_len: int  # resolved: the model's limit, or the config's if lower
     max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
     speculative_tokens: int  # draft tokens per decode step (0: no speculation)
+    deterministic: bool  # prefill pieces cut at multiples of DETERMINISTIC_ALIGN
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -152,7 +165,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget, chunk)
+            n = self._chunk(req, min(budget, chunk))
+            if n == 0:  # deterministic mode: too little budget left for an aligned piece; next step
+                i += 1
+                continue
             drafts = self._num_drafts(req, n, budget)
             # cache room for the drafts, and as many positions again for the draft model's chained steps
             target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
@@ -176,8 +192,8 @@ class Scheduler:
                 hit = self.cache.match_prefix(req)
                 if hit is not None:
                     self.cache.use_prefix(req, hit)
-            n = min(req.num_pending_tokens, budget, chunk)
-            if not self.cache.try_allocate(req, req.num_computed_tokens + n):
+            n = self._chunk(req, min(budget, chunk))
+            if n == 0 or not self.cache.try_allocate(req, req.num_computed_tokens + n):
                 if hit is not None:  # undo: give the shared blocks back, start from 0 next time
                     self.cache.free(req)
                     req.num_computed_tokens = 0
@@ -284,6 +300,25 @@ class Scheduler:
                 self._finish(req, reason)
                 break
         return [self._output(req, out, None)]
+
+    def _chunk(self, req: Request, limit: int) -> int:
+        """Tokens ``req`` computes this step: up to ``limit`` (aligned in deterministic mode)."""
+        n = min(req.num_pending_tokens, limit)
+        return self._aligned(req, req.num_computed_tokens, n) if self.config.deterministic else n
+
+    @staticmethod
+    def _aligned(req: Request, start: int, n: int) -> int:
+        """Deterministic mode: the tokens of a piece of at most ``n`` that meets the KDA recurrence as every other
+        run of the request does (see the module docstring)."""
+        prompt = req.num_prompt_tokens
+        if start >= prompt:  # generated tokens (recomputed after a preemption): one a step, as they first ran
+            return min(n, 1)
+        end = min(start + n, prompt)
+        if end < prompt:
+            end -= (end - start) % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix or an earlier cut
+            if prompt - end == 1:
+                end = max(start, end - DETERMINISTIC_ALIGN)
+        return end - start
 
     def _save_slots(self, req: Request, n: int) -> tuple[tuple[int, int], ...]:
         """A checkpoint slot for each of ``req``'s checkpoint positions this step crosses, while slots last."""

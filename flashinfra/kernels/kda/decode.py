@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from flashinfra.kernels.dispatch import register_cap, use_triton
+from flashinfra.kernels.dispatch import is_deterministic, register_cap, use_triton
 from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_tile
 from flashinfra.kernels.kda.decode_prep import norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda.ref import kda_layer_decode_ref
@@ -220,7 +220,12 @@ def decode_config(B: int) -> dict:
     programmatic dependent of the state launch (``pdl``): a prep launch costs more than it saves for one sequence.
     Above: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM), the prep launch 2 heads
     per program up to B=32, one above, the norm launch 4 heads per program; from B=8 two micro-batches on two
-    streams inside a CUDA graph (one range's prep and norm launches run beside the other's state launch)."""
+    streams inside a CUDA graph (one range's prep and norm launches run beside the other's state launch).
+    Deterministic mode: the prep layout with one head per prep program whatever B is, so that a sequence's
+    reductions (q/k norms, the state's products) have one tile shape in any batch; micro-batches split rows only."""
+    if is_deterministic():
+        return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=1, norm_heads=4, pdl=False,
+                    micro_batches=2 if B >= 8 else 1)
     if B <= 1:
         return dict(prep=False, BV=32, num_warps=2, maxnreg=None, pdl=True, micro_batches=1)
     return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, norm_heads=4,

@@ -1,0 +1,130 @@
+"""The cost of deterministic mode on the 4-layer full-width GLM-5.3-Flash slice (``hotpath_slice.py``'s model, random
+release-format weights in bf16): decode steps at batch 1, 32 and 128 (eager and CUDA-graph replay, ``--context``
+tokens cached) and prefills (one ``--prefill``-token sequence, and 32 sequences of ``--prefill // 32`` tokens packed),
+each with and without ``dispatch.deterministic``, the two in alternation per case so that drift in clocks hits
+both alike. Ratio = deterministic time / default time; goal: at most 1.25.
+
+Each case also records whether deterministic mode kept the first sequence's logits the same bits alone as inside the
+batch (decode: the same cache contents; prefill: the same prompt), next to whether the default path did.
+
+usage: python bench/deterministic.py --out bench/results/deterministic.json [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from hotpath_slice import BS, fill_cache, random_release_state_dict, slice_config, timed
+
+import hotpath_slice
+from flashinfra.engine.cuda_graphs import DecodeGraphs
+from flashinfra.feedback.timing import header, write_results
+from flashinfra.kernels.dispatch import deterministic
+from flashinfra.model.api import LoadedModel, load_model_from_state_dict
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.invariance import clone_cache
+
+GOAL = 1.25
+
+
+def decode_case(lm: LoadedModel, B: int, context: int, steps: int, graphs: bool) -> dict:
+    dev = lm.device
+    W = -(-(context + 1) // BS)
+    cache = lm.allocate_cache(B * W + 1, BS, B + 1)
+    fill_cache(cache)
+    tables = [list(range(b * W, (b + 1) * W)) for b in range(B)]
+    batch = ForwardBatch.build([1] * B, [context] * B, list(range(B)), tables, BS, dev)
+    alone = ForwardBatch.build([1], [context], [0], tables[:1], BS, dev)
+    ids = torch.randint(1, 1000, (B,), device=dev)
+    out = dict(batch=B, context=context)
+    for det in (False, True):
+        with deterministic(det):
+            a = lm.compute_logits(lm.forward(ids, batch, clone_cache(cache)))[0]
+            b = lm.compute_logits(lm.forward(ids[:1], alone, clone_cache(cache)))[0]
+            out[f"{'deterministic' if det else 'default'}_alone_equals_batched"] = bool(torch.equal(a, b))
+    times: dict[str, list[float]] = {}
+    runners = {}
+    for det in (False, True):
+        with deterministic(det):
+            runners[det] = DecodeGraphs(lm, cache, B * W, B) if graphs else None
+            if graphs:
+                runners[det].run(ids, batch)  # captured in its mode
+    for _ in range(3):  # alternate the modes
+        for det in (False, True):
+            with deterministic(det):
+                step = ((lambda g=runners[det]: lm.compute_logits(g.run(ids, batch))) if graphs
+                        else (lambda: lm.compute_logits(lm.forward(ids, batch, cache))))
+                times.setdefault(det, []).extend(timed(step, max(1, steps // 3)))
+    return _ratio(out, times, "graph" if graphs else "eager")
+
+
+def prefill_case(lm: LoadedModel, lengths: list[int], reps: int) -> dict:
+    dev = lm.device
+    need = [-(-n // BS) for n in lengths]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(len(lengths))]
+    batch = ForwardBatch.build(lengths, [0] * len(lengths), list(range(len(lengths))), tables, BS, dev)
+    alone = ForwardBatch.build(lengths[:1], [0], [0], tables[:1], BS, dev)
+    cache = lm.allocate_cache(sum(need), BS, len(lengths))
+    ids = torch.randint(1, 1000, (sum(lengths),), device=dev)
+    last = torch.tensor(batch.last_token_indices, device=dev)
+    out = dict(sequences=len(lengths), tokens=sum(lengths))
+    for det in (False, True):
+        with deterministic(det):
+            a = lm.compute_logits(lm.forward(ids, batch, cache)[last])[0]
+            b = lm.compute_logits(lm.forward(ids[: lengths[0]], alone, cache)[-1:])[0]
+            out[f"{'deterministic' if det else 'default'}_alone_equals_batched"] = bool(torch.equal(a, b))
+    times: dict[bool, list[float]] = {}
+    for _ in range(3):
+        for det in (False, True):
+            with deterministic(det):
+                times.setdefault(det, []).extend(
+                    timed(lambda: lm.compute_logits(lm.forward(ids, batch, cache)[last]), max(1, reps // 3)))
+    return _ratio(out, times, "prefill")
+
+
+def _ratio(out: dict, times: dict, kind: str) -> dict:
+    base, det = statistics.median(times[False]), statistics.median(times[True])
+    out.update(kind=kind, default_median_s=base, deterministic_median_s=det, ratio=det / base,
+               within_goal=det / base <= GOAL)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/deterministic.json")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--smoke", action="store_true", help="toy width on the CPU under TRITON_INTERPRET=1")
+    args = ap.parse_args()
+    if args.smoke:
+        hotpath_slice.DEV = "cpu"
+        args.context, args.prefill, args.steps, args.reps = 40, 64, 3, 3
+    dev = hotpath_slice.DEV
+    out = Path(args.out)
+    report = header()
+    report.update(goal_ratio=GOAL, context=args.context, prefill=args.prefill, cases=[])
+    cfg = slice_config(args.smoke)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    lm = load_model_from_state_dict(cfg, random_release_state_dict(cfg, dtype), dtype, dev, path="random-slice")
+    torch.manual_seed(0)
+    cases = [lambda B=B: decode_case(lm, B, args.context, args.steps, graphs=False) for B in (1, 32, 128)]
+    if dev == "cuda":
+        cases += [lambda B=B: decode_case(lm, B, args.context, args.steps, graphs=True) for B in (1, 32, 128)]
+    cases += [lambda: prefill_case(lm, [args.prefill], args.reps),
+              lambda: prefill_case(lm, [args.prefill // 32] * 32, args.reps)]
+    for case in cases:
+        report["cases"].append(case())
+        print(report["cases"][-1], flush=True)
+        report["worst_ratio"] = max(c["ratio"] for c in report["cases"])
+        report["all_within_goal"] = all(c["within_goal"] for c in report["cases"])
+        write_results(out.stem, report, directory=out.parent)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
