@@ -103,3 +103,30 @@ def test_oracle_drafts_fold_accepted_prefixes(ckpt, reference, monkeypatch):
     monkeypatch.setattr(spec, "draft", oracle)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert spec.num_accepted_at[2] > 0 and spec.num_drafted > sum(spec.num_accepted_at)
+
+
+def _logprob_tuples(outputs):
+    return [[(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.logprobs] for o in outputs]
+
+
+@pytest.mark.parametrize("extra", [dict(logprobs=3), dict(repetition_penalty=1.3, logprobs=0),
+                                   dict(frequency_penalty=0.7, presence_penalty=0.4)])
+def test_greedy_with_drafts_logprobs_and_penalties_equal_without(ckpt, extra):
+    """Logprobs come from the verify step's logits at each emitted position; penalties count the drafts before
+    each position: tokens and logprobs as without drafts."""
+    prompts, params = _prompts(1, 5)
+    params = [SamplingParams(max_tokens=p.max_tokens + 4, temperature=0.0, ignore_eos=True, **extra) for p in params]
+    kw = dict(num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    want = flashinfra.LLM(ckpt, **kw).generate(prompts, params)
+    llm = flashinfra.LLM(ckpt, speculative_tokens=3, **kw)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.runner.speculator.num_drafted > 0
+    if "logprobs" in extra:
+        g, w = _logprob_tuples(got), _logprob_tuples(want)
+        assert [[t for t, _, _ in r] for r in g] == [o.token_ids for o in want]
+        for rg, rw in zip(g, w):
+            for (tg, lg, topg), (tw, lw, topw) in zip(rg, rw, strict=True):
+                assert tg == tw and lg == pytest.approx(lw, abs=1e-5)
+                assert [i for i, _ in topg] == [i for i, _ in topw]
+                assert [v for _, v in topg] == pytest.approx([v for _, v in topw], abs=1e-5)

@@ -161,8 +161,10 @@ class ModelRunner:
         for b, sr in enumerate(sched):
             if len(feeds[b]) > sr.num_new_tokens:
                 gen = None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed)
-                out = spec.accept(sr, feeds[b], hidden[cu[b] : cu[b + 1]], gen)
+                out, lps = spec.accept(sr, feeds[b], hidden[cu[b] : cu[b + 1]], gen)
                 result.emitted[sr.request_id] = out
+                if lps is not None:
+                    result.emitted_logprobs[sr.request_id] = lps
                 committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
         self._sample(sched, plain, hidden, result)
@@ -171,6 +173,8 @@ class ModelRunner:
                 nexts[b] = result.sampled[sr.request_id]
                 if sr.num_draft:  # the scheduler reads a drafting row's tokens from ``emitted``
                     result.emitted[sr.request_id] = [result.sampled[sr.request_id]]
+                    if sr.request_id in result.logprobs:
+                        result.emitted_logprobs[sr.request_id] = [result.logprobs[sr.request_id]]
         spec.fold(sched, replay, committed)
         self._copy_states(self._end_checkpoints(sched))
         spec.draft(sched, feeds, cu, hidden, committed, nexts)

@@ -104,7 +104,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return torch.argmax(probs / noise, dim=-1)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    """The logprob record of ``tokens`` [N] under the raw ``logits`` [N, V] for the rows that ask for one."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(rows)
     if not want:
@@ -147,7 +148,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow], grammar=None,
         if any(g is None for g in generators):
             raise ValueError("a non-greedy row needs a generator")
         tokens[idx] = _draw(probs, generators)
-    return tokens.tolist(), _logprobs(raw, tokens, rows)
+    return tokens.tolist(), token_logprobs(raw, tokens, rows)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:

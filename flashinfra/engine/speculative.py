@@ -6,9 +6,11 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    appended to its fed token; when any row carries drafts, the batch's ``replay`` flags send those rows
    (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
    layers' verify path: the checkpoint is read, the ring written.
-2. ``accept``: logits at every fed position of a draft row; greedy rows keep the drafts equal to the
-   target's argmax, sampled rows run rejection sampling with the request's generator
-   (``spec_accept``). ``fold`` then replays the committed tokens into each KDA checkpoint and shifts the
+2. ``accept``: logits at every fed position of a draft row, penalised as the sampler would at that
+   position (the counts include the drafts before it, which are the outputs there whenever the position's
+   token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run rejection
+   sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes
+   from the raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA checkpoint and shifts the
    conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed length:
    nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next
    step overwrites them, so a rejection is a cursor move.
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from flashinfra.engine.sampler import truncated_probs
+from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
+from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import ScheduledRequest
 from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
 from flashinfra.model.api import LoadedModel
@@ -76,11 +79,15 @@ class Speculator:
                             for f, sr in zip(feeds, sched))
 
     def accept(self, sr: ScheduledRequest, fed: list[int], hidden: torch.Tensor,
-               generator: torch.Generator | None) -> list[int]:
-        """hidden [len(fed), D] of a draft row -> the emitted tokens."""
+               generator: torch.Generator | None) -> tuple[list[int], list[TokenLogprob] | None]:
+        """hidden [len(fed), D] of a draft row -> the emitted tokens and, if the request asks, their logprob
+        records."""
         drafts = fed[sr.num_new_tokens:]
-        logits = self.model.compute_logits(hidden)
+        raw = self.model.compute_logits(hidden)
         s = sr.sampling
+        rows = [SamplingRow(s, sr.prompt_token_ids, list(sr.output_token_ids) + drafts[:j], generator)
+                for j in range(raw.shape[0])]
+        logits = apply_penalties(raw.float().clone(), rows)
         if s.greedy:
             out = greedy_accept(torch.argmax(logits, -1).tolist(), drafts)
         else:
@@ -97,7 +104,10 @@ class Speculator:
             self.num_drafted_at[j] += 1
         for j in range(len(out) - 1):
             self.num_accepted_at[j] += 1
-        return out
+        if s.logprobs is None:
+            return out, None
+        n = len(out)
+        return out, token_logprobs(raw[:n], torch.tensor(out, device=raw.device), rows[:n])
 
     def fold(self, sched: list[ScheduledRequest], replay: tuple[bool, ...], committed: list[int]) -> None:
         """Fold each replay row's committed tokens into its KDA checkpoints."""

@@ -15,9 +15,9 @@ by the accepted count. Together the committed conv window and the ring's raw inp
 Memory per request and layer: one state plus ``R`` ring entries, against ``1 + R`` state copies for the
 copy-per-draft baseline (``replay_bytes_per_slot`` / ``copy_bytes_per_slot``).
 
-This module is the pure-PyTorch op (the reference that runs everywhere). A fused Triton verify kernel (the
-decode kernel looping over a sequence's tokens with the state held in registers, never stored) is not
-written yet: on CUDA the verify runs this reference.
+The verify runs the fused Triton kernel where the dispatch allows it (``flashinfra.kernels.kda.verify``: the
+decode update looped over a sequence's tokens with the state in registers, never stored), else the PyTorch
+reference here; the fold is the reference's decode step on either path.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda.conv import causal_conv1d_decode_ref
 from flashinfra.kernels.kda.ref import kda_decode_ref, kda_gate_ref
+from flashinfra.kernels.kda.verify import kda_layer_verify_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
 
@@ -71,7 +73,24 @@ def copy_bytes_per_slot(H: int, K: int, V: int, W: int, R: int, dtype: torch.dty
     return (1 + R) * (H * K * V * s + H * (2 * K + V) * (W - 1) * a)
 
 
-def kda_layer_verify(
+def kda_layer_verify(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
+                     norm_weight, eps, state, ring: ReplayRing, state_slots: list[int],
+                     cu_seqlens: list[int]) -> torch.Tensor:
+    """Every token's output as decode run token by token from the checkpoint would give it, with the ring
+    entries written and the checkpoint (state and conv window) only read (``kda_layer_verify_ref``)."""
+    longest = max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
+    if longest > ring.capacity:
+        raise ValueError(f"kda_layer_verify: {longest} tokens exceed the ring's {ring.capacity} entries")
+    if use_triton(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, state):
+        slots = torch.tensor(state_slots, dtype=torch.int32, device=qkv.device)
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=qkv.device)
+        return kda_layer_verify_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias,
+                                       lower_bound, norm_weight, eps, state, ring, slots, cu)
+    return kda_layer_verify_ref(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
+                                norm_weight, eps, state, ring, state_slots, cu_seqlens)
+
+
+def kda_layer_verify_ref(
     qkv: torch.Tensor,  # [T, C] q|k|v before the conv, packed sequences
     conv_weight: torch.Tensor,  # [C, W]
     conv_state: torch.Tensor,  # [num_slots, C, W - 1] committed windows, read only
@@ -88,16 +107,14 @@ def kda_layer_verify(
     state_slots: list[int],
     cu_seqlens: list[int],
 ) -> torch.Tensor:  # [T, H, V]
-    """Every token's output as ``kda_layer_decode_ref`` run token by token from the checkpoint would give it,
-    without writing the checkpoint: each sequence steps a working copy of its state (freed on return)."""
+    """The reference: each sequence steps a working copy of its checkpoint with ``kda_layer_decode_ref``'s ops
+    (freed on return)."""
     T = qkv.shape[0]
     H, K, V = state.shape[1:]
     out = torch.empty(T, H, V, dtype=qkv.dtype, device=qkv.device)
     zero = torch.zeros(1, dtype=torch.long, device=qkv.device)
     for b, slot in enumerate(state_slots):
         bos, eos = cu_seqlens[b], cu_seqlens[b + 1]
-        if eos - bos > ring.capacity:
-            raise ValueError(f"kda_layer_verify: {eos - bos} tokens exceed the ring's {ring.capacity} entries")
         conv = conv_state[slot : slot + 1].clone()
         S = state[slot : slot + 1].clone()
         for i, t in enumerate(range(bos, eos)):

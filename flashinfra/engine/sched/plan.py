@@ -62,3 +62,4 @@ class StepResult:
     # rows scheduled with ``num_draft > 0``: every token emitted (the accepted drafts' targets and the one
     # after them, 1 .. num_draft + 1); all but the last were fed this step and are now in the cache
     emitted: dict[str, list[int]] = field(default_factory=dict)
+    emitted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per emitted token, if asked

@@ -233,7 +233,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             if sr.num_draft and sr.request_id in result.emitted and sr.request_id not in result.errors:
-                outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id]))
+                outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id],
+                                                        result.emitted_logprobs.get(sr.request_id)))
                 continue
             req.num_computed_tokens += sr.num_new_tokens
             if sr.request_id in result.errors:
@@ -275,20 +276,18 @@ class Scheduler:
     # ---- internals ----
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for a decoding request (one pending token after at least one output): the
-        configured count, within the token budget, the length limits, and only for requests whose sampling
-        needs no per-token state (penalties, logprobs)."""
+        configured count, within the token budget and the length limits."""
         k, s = self.config.speculative_tokens, req.sampling
         if not k or n != 1 or req.num_pending_tokens != 1 or not req.output_token_ids or not req.num_computed_tokens:
-            return 0
-        if s.logprobs is not None or s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
             return 0
         left = min(self.max_len - req.num_tokens, s.max_tokens - req.num_output_tokens) - 1
         return max(0, min(k, budget - n, left))
 
-    def _update_speculative(self, req: Request, sr: ScheduledRequest, tokens: list[int]) -> list[RequestOutput]:
+    def _update_speculative(self, req: Request, sr: ScheduledRequest, tokens: list[int],
+                            logprobs: list | None) -> list[RequestOutput]:
         """Commit a verified step: the fed token and the accepted drafts enter the cache (a rejected draft
-        is simply not counted: its cache entries are overwritten later), the emitted tokens are appended
-        until one stops the request."""
+        is simply not counted: its cache entries are overwritten later), the emitted tokens (with their
+        logprob records, one each) are appended until one stops the request."""
         req.num_computed_tokens += len(tokens)
         out: list[int] = []
         for token in tokens:
@@ -299,7 +298,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 break
-        return [self._output(req, out, None)]
+        return [self._output(req, out, None if req.sampling.logprobs is None else list(logprobs)[: len(out)])]
 
     def _chunk(self, req: Request, limit: int) -> int:
         """Tokens ``req`` computes this step: up to ``limit`` (aligned in deterministic mode)."""

@@ -16,6 +16,7 @@ from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, c
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.kda import check_cases as cases
 from flashinfra.kernels.kda import check_intra_cases as intra_cases
+from flashinfra.kernels.kda import check_verify_cases as verify_cases
 from flashinfra.kernels.kda import conv
 from flashinfra.kernels.kda import decode as layer
 from flashinfra.kernels.kda import prefill as pre
@@ -121,6 +122,22 @@ def check_layer_decode() -> list[CheckResult]:
         return out
 
     return _run("kda.layer_decode", run)
+
+
+@register_check("kda.layer_verify", tags=TAGS)
+def check_layer_verify() -> list[CheckResult]:
+    """The ReplaySSM verify over runs of 1 to 8 tokens (and an empty one), float32 and bf16 states: against the
+    float64 reference verify, bit for bit the decode kernel stepped token by token, and the fold after it."""
+    def run(dev):
+        sz = _sizes(dev)
+        act = torch.bfloat16 if dev == "cuda" else torch.float32
+        out = []
+        for state_dtype in (torch.float32, torch.bfloat16):
+            out += named(f"{str(state_dtype)[6:]}_state",
+                         verify_cases.layer_verify(dev, [4, 1, 8, 0, 2], sz["H"], sz["K"], state_dtype, act))
+        return out
+
+    return _run("kda.layer_verify", run)
 
 
 @register_check("kda.conv1d", tags=("kernel", "conv", "triton"))

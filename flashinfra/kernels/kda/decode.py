@@ -87,13 +87,27 @@ def head_inputs(x_row, conv_w, cs_slot, g_row, dt_bias, A_log, beta_ptr, lower_b
     """The head's normalised q (times ``scale``) and k after the conv, its per-channel decay and beta."""
     b_q = conv_silu(x_row, conv_w, cs_slot, i_h * K + o_k, m_k, W)
     b_k = conv_silu(x_row, conv_w, cs_slot, H * K + i_h * K + o_k, m_k, W)
+    b_g, b_beta = head_gate_beta(g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, K, HAS_LOWER_BOUND)
+    b_q, b_k = head_qk_norm(b_q, b_k, scale)
+    return b_q, b_k, tl.exp(b_g), b_beta
+
+
+@triton.jit
+def head_gate_beta(g_row, dt_bias, A_log, beta_ptr, lower_bound, i_h, o_k, m_k, K: tl.constexpr,
+                   HAS_LOWER_BOUND: tl.constexpr):
+    """The head's per-channel log-decay and its beta (float32)."""
     b_g = tl.load(g_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
     b_g = kda_log_decay(b_g, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lower_bound, HAS_LOWER_BOUND)
-    b_beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+    return b_g, tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+
+
+@triton.jit
+def head_qk_norm(b_q, b_k, scale):
+    """The head's conv outputs q and k L2-normalised, q times ``scale``."""
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    return b_q, b_k, tl.exp(b_g), b_beta
+    return b_q, b_k
 
 
 @triton.jit
