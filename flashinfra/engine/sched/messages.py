@@ -21,10 +21,12 @@ class GrammarSpec(msgspec.Struct, frozen=True):
     """Constrained decoding for one request, compiled in the engine (``flashinfra.engine.grammar``):
     ``json_schema`` (spec: the schema as JSON text), ``json_object`` (any JSON object; spec unused),
     ``regex`` (spec: the pattern), ``choice`` (spec: a JSON list of the allowed strings),
-    ``structural_tag`` (spec: an xgrammar structural tag as JSON; tool calls)."""
+    ``structural_tag`` (spec: an xgrammar structural tag as JSON; tool calls). ``after_think``: the output
+    first reasons freely up to ``</think>`` (it cannot stop before it), and the grammar applies after it."""
 
     kind: str
     spec: str = ""
+    after_think: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
