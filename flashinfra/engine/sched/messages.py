@@ -215,6 +215,9 @@ class EngineStats(msgspec.Struct):
     num_transfers_held: int = 0  # prefill role: finished requests whose blocks wait for the decode side's ack
     num_transfers_total: int = 0  # request states sent (prefill role) or imported (decode role)
     num_transfer_failures_total: int = 0
+    num_encoder_cache_misses_total: int = 0  # images/videos a step needed and had to encode
+    encoder_seconds_total: float = 0.0  # time spent in the vision tower
+    encoder_cache_bytes: int = 0  # encoder outputs held by the encoder cache
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
