@@ -226,14 +226,13 @@ class GrammarRuntime:
         matchers, fill_rows, reasoning_rows = [], [], []
         for k, (b, rid, spec, out) in enumerate(constrained):
             tracked = self._track(rid, spec)
-            if tracked.answer_start is None:
+            if tracked.error is None and tracked.answer_start is None:
                 self._find_answer(tracked, out)
                 if tracked.answer_start is None:
                     reasoning_rows.append(k)
                     continue
-            answer = out[tracked.answer_start:]
-            while tracked.error is None and tracked.num_accepted < len(answer):
-                token = answer[tracked.num_accepted]
+            while tracked.error is None and tracked.answer_start + tracked.num_accepted < len(out):
+                token = out[tracked.answer_start + tracked.num_accepted]
                 if not tracked.matcher.accept_token(token):
                     tracked.error = f"token {token} does not follow the request's grammar"
                 tracked.num_accepted += 1
