@@ -107,12 +107,12 @@ def filesystem_sandbox() -> tuple[str | None, str]:
 
 
 def _bwrap_args(writable: list[Path], readable: list[Path] = ()) -> list[str]:
-    """bwrap's options: ``writable`` bound read-write, and what of ``readable`` lies under the empty
-    ``/tmp`` bound read-only there (elsewhere it is visible already)."""
+    """bwrap's options: ``writable`` bound read-write, and what of ``readable`` lies below the empty
+    ``/tmp`` bound read-only there (elsewhere it is visible already; ``/tmp`` itself is never shown)."""
     args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
     hidden = {os.path.realpath(p) for p in readable}
-    binds = [(p, "--ro-bind") for p in hidden if (p == "/tmp" or p.startswith("/tmp/")) and os.path.exists(p)]
+    binds = [(p, "--ro-bind") for p in hidden if p.startswith("/tmp/") and os.path.exists(p)]
     binds += [(os.path.realpath(p), "--bind") for p in writable]
     # parents before children, so a later bind inside an earlier one stays visible
     for path, option in sorted(dict(binds).items(), key=lambda item: len(item[0])):
