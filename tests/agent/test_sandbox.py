@@ -215,3 +215,11 @@ def test_bwrap_interpreter_in_a_venv_under_tmp(tmp_path, tmp_path_factory):
                       env=candidate_env([ROOT], work), violations_file=work / "violations.jsonl")
     assert out.stdout.strip() == str(venv), (out.stderr, out.returncode, out.violations)
     assert out.returncode == VIOLATION_EXIT and out.violations[0]["detail"] == f"read {outside}", out.violations
+
+
+def test_bwrap_never_shows_the_hosts_tmp(tmp_path):
+    from flashinfra.agent.sandbox import _bwrap_args
+
+    args = _bwrap_args([], [Path("/tmp"), tmp_path, Path("/usr")])
+    binds = [args[i + 1] for i, a in enumerate(args) if a == "--ro-bind"]
+    assert binds == ["/", os.path.realpath(tmp_path)]
