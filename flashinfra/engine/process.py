@@ -2,8 +2,8 @@
 
 The server binds two addresses (e.g. ``ipc://`` paths in a temp dir) and starts this process with
 ``start_engine_process(config, input_address, output_address)``; the engine connects a PULL socket to
-``input_address`` (``EngineRequest`` / ``EngineRequests`` / ``AbortRequest`` / ``Shutdown`` from the server) and a PUSH socket
-to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
+``input_address`` (``EngineRequest`` / ``EngineRequests`` / ``AbortRequest`` / ``Shutdown`` from the
+server) and a PUSH socket to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
 ``EngineOutputs`` after every step; ``EngineError`` if the loop itself fails). Messages are msgpack, never pickle; the config travels as msgpack
 too.
 
