@@ -9,7 +9,8 @@ lives in ``flashinfra.agent.guard``; this module is the OS-level boundary around
 
 Where bubblewrap (``bwrap``) can make namespaces, the child runs inside it: the whole filesystem
 read-only (the repository included) except the candidate's worktree and the evaluation directory, an
-empty ``/tmp``, its own ``/dev`` and ``/proc``, and no network (``--unshare-net``). Where it cannot
+empty ``/tmp`` (but for the interpreter, its venv and its ``PYTHONPATH`` entries when they live there,
+read-only), its own ``/dev`` and ``/proc``, and no network (``--unshare-net``). Where it cannot
 (``filesystem_sandbox()`` says why), the ``unshare -n`` network namespace and the audit hook remain.
 
 ``candidate_env`` builds a child environment from scratch (an allowlist, never a copy of ours), so an
@@ -105,16 +106,31 @@ def filesystem_sandbox() -> tuple[str | None, str]:
     return bwrap, "bubblewrap (read-only filesystem but the worktree and evaluation dir, network namespace)"
 
 
-def _bwrap_args(writable: list[Path]) -> list[str]:
+def _bwrap_args(writable: list[Path], readable: list[Path] = ()) -> list[str]:
+    """bwrap's options: ``writable`` bound read-write, and what of ``readable`` lies below the empty
+    ``/tmp`` bound read-only there (elsewhere it is visible already; ``/tmp`` itself is never shown)."""
     args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
-    # the empty /tmp must not hide the interpreter and its packages when they live there (a venv under /tmp)
-    for path in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}):
-        if path == "/tmp" or path.startswith("/tmp/"):
-            args += ["--ro-bind", path, path]
-    for path in sorted({os.path.realpath(p) for p in writable}, key=len):
-        args += ["--bind", path, path]
+    hidden = {os.path.realpath(p) for p in readable}
+    binds = [(p, "--ro-bind") for p in hidden if p.startswith("/tmp/") and os.path.exists(p)]
+    binds += [(os.path.realpath(p), "--bind") for p in writable]
+    # parents before children, so a later bind inside an earlier one stays visible
+    for path, option in sorted(dict(binds).items(), key=lambda item: len(item[0])):
+        args += [option, path, path]
     return args
+
+
+def _interpreter_paths(argv: list[str], env: dict[str, str]) -> list[Path]:
+    """What the child's Python needs to see: its installation and venv (the command's, when it runs an
+    interpreter, and ours, which ``sys.executable`` names), and the ``PYTHONPATH`` entries it is given."""
+    paths = {Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    program = shutil.which(argv[0], path=env.get("PATH")) if argv else None
+    if program is not None:
+        # a venv's bin/python is a link out of the venv: the venv (pyvenv.cfg) is beside the link's folder,
+        # the installation beside the target's
+        paths |= {Path(program).absolute().parent.parent, Path(os.path.realpath(program)).parent.parent}
+    paths |= {Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p}
+    return sorted(paths)
 
 
 def _limit(limits: SandboxLimits):
@@ -153,7 +169,7 @@ def run_limited(argv: list[str], cwd: Path, limits: SandboxLimits, env: dict[str
         paths += [Path(env[k]) for k in ("HOME", "TMPDIR") if env.get(k)]
         for path in paths:
             path.mkdir(parents=True, exist_ok=True)
-        prefix, isolation = (bwrap, *_bwrap_args(paths)), fs_isolation
+        prefix, isolation = (bwrap, *_bwrap_args(paths, _interpreter_paths(argv, env))), fs_isolation
     else:
         prefix, isolation = network_isolation()
     timeout = limits.timeout_s if timeout_s is None else timeout_s

@@ -186,6 +186,9 @@ class EngineCore:
         if (embedder := self.runner.embedder) is not None:
             stats.num_encoded_items_total = embedder.num_encoded
             stats.num_encoder_cache_hits_total = embedder.cache.hits
+            stats.num_encoder_cache_misses_total = embedder.cache.misses
+            stats.encoder_seconds_total = embedder.encode_seconds
+            stats.encoder_cache_bytes = embedder.cache.nbytes
         if self.disagg is not None:
             stats.num_transfers_total = self.disagg.num_total
             stats.num_transfer_failures_total = self.disagg.num_failures

@@ -6,7 +6,9 @@ or not, EOS ids as the grammar's stop tokens; special tokens other than GLM's th
 never allowed by a grammar), compiling a ``GrammarSpec`` (cached by spec), each request's matcher and how
 many of its output tokens it has accepted, and ``GrammarMask`` (the [rows, ceil(V / 32)] int32 bitmask
 of one step) which the sampler applies to the logits before sampling. Matchers catch up on the output
-tokens the scheduler appended since the last step, so preemption and recompute need nothing special.
+tokens the scheduler appended since the last step, so preemption and recompute need nothing special. A spec
+``after_think`` leaves its row free up to the ``</think>`` token but for the stop tokens and GLM's other
+markers (reasoning cannot end the output, nor call a tool); its matcher starts on the token after it.
 The server validates specs (``validate_spec``) so that a bad schema is a 400, never an engine error.
 """
 
@@ -100,8 +102,10 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _Tracked:
     matcher: object
-    num_accepted: int = 0
+    num_accepted: int = 0  # output tokens the matcher has accepted, from answer_start on
     error: str | None = None
+    answer_start: int | None = 0  # index of the first output token under the grammar; None: still reasoning
+    num_scanned: int = 0  # output tokens searched for </think> so far
 
 
 @dataclass
@@ -143,6 +147,19 @@ class GrammarRuntime:
         no_control = torch.tensor([not any(b < 0x20 for b in piece) for piece in info.decoded_vocab[:vocab_size]]
                                   + [False] * max(0, vocab_size - len(info.decoded_vocab)), dtype=torch.bool)
         self._json_allowed = pack_bits(no_control)
+        from tokenizers import Tokenizer
+
+        markers = {m: Tokenizer.from_file(str(tokenizer_file)).token_to_id(m) for m in MARKER_TOKENS}
+        self.think_end_id = markers["</think>"]
+        # reasoning before the answer: any token the grammar's vocabulary keeps, but the stop tokens and the
+        # markers other than </think>
+        reasoning = torch.tensor([bool(piece) for piece in info.decoded_vocab[:vocab_size]]
+                                 + [False] * max(0, vocab_size - len(info.decoded_vocab)), dtype=torch.bool)
+        for marker, token in markers.items():
+            if token is not None and token < vocab_size:
+                reasoning[token] = marker == "</think>"
+        reasoning[[t for t in stop_token_ids if t < vocab_size]] = False
+        self._reasoning_allowed = pack_bits(reasoning)
         self._compiled: dict[tuple[str, str], object] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
@@ -184,8 +201,18 @@ class GrammarRuntime:
                 tracked = _Tracked(_xgr().GrammarMatcher(self.compile(spec)))
             except Exception as exc:
                 tracked = _Tracked(None, error=f"grammar failed to compile: {exc}")
+            if spec.after_think and self.think_end_id is not None:
+                tracked.answer_start = None
             self._tracked[request_id] = tracked
         return tracked
+
+    def _find_answer(self, tracked: _Tracked, out: list[int]) -> None:
+        """Set ``answer_start`` once the output holds ``</think>`` (searching only the new tokens)."""
+        for i in range(tracked.num_scanned, len(out)):
+            if out[i] == self.think_end_id:
+                tracked.answer_start = i + 1
+                return
+        tracked.num_scanned = len(out)
 
     def prepare(self, rows: list[tuple[str, GrammarSpec | None, list[int]]]) -> GrammarMask | None:
         """The bitmask for one step's sampled rows: (request id, grammar or None, output tokens so far).
@@ -196,11 +223,16 @@ class GrammarRuntime:
         xgr = _xgr()
         bitmask = xgr.allocate_token_bitmask(len(constrained), self.vocab_size)
         mask = GrammarMask(bitmask, [b for b, *_ in constrained], self.vocab_size)
-        matchers, fill_rows = [], []
+        matchers, fill_rows, reasoning_rows = [], [], []
         for k, (b, rid, spec, out) in enumerate(constrained):
             tracked = self._track(rid, spec)
-            while tracked.error is None and tracked.num_accepted < len(out):
-                token = out[tracked.num_accepted]
+            if tracked.error is None and tracked.answer_start is None:
+                self._find_answer(tracked, out)
+                if tracked.answer_start is None:
+                    reasoning_rows.append(k)
+                    continue
+            while tracked.error is None and tracked.answer_start + tracked.num_accepted < len(out):
+                token = out[tracked.answer_start + tracked.num_accepted]
                 if not tracked.matcher.accept_token(token):
                     tracked.error = f"token {token} does not follow the request's grammar"
                 tracked.num_accepted += 1
@@ -216,6 +248,8 @@ class GrammarRuntime:
             json_rows = [k for k in fill_rows if constrained[k][2].kind in ("json_schema", "json_object")]
             if json_rows:
                 bitmask[json_rows] &= self._json_allowed
+        if reasoning_rows:
+            bitmask[reasoning_rows] = self._reasoning_allowed
         return mask
 
     def release(self, request_ids) -> None:

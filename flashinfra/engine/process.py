@@ -2,8 +2,8 @@
 
 The server binds two addresses (e.g. ``ipc://`` paths in a temp dir) and starts this process with
 ``start_engine_process(config, input_address, output_address)``; the engine connects a PULL socket to
-``input_address`` (``EngineRequest`` / ``AbortRequest`` / ``Shutdown`` from the server) and a PUSH socket
-to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
+``input_address`` (``EngineRequest`` / ``EngineRequests`` / ``AbortRequest`` / ``Shutdown`` from the
+server) and a PUSH socket to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
 ``EngineOutputs`` after every step; ``EngineError`` if the loop itself fails). Messages are msgpack, never pickle; the config travels as msgpack
 too.
 
@@ -28,7 +28,7 @@ from flashinfra.engine.sched.messages import (
     AbortRequest,
     EngineError,
     EngineOutputs,
-    EngineRequest,
+    EngineRequests,
     RequestOutput,
     Shutdown,
     decode_server_message,
@@ -111,12 +111,13 @@ def _serve(core, inp, out, parent: int) -> None:
                 return
             if isinstance(msg, AbortRequest):
                 core.abort(msg.request_ids)
-            elif isinstance(msg, EngineRequest):
-                try:
-                    core.add_request(msg)
-                except ValueError as e:
-                    rejected.append(RequestOutput(msg.request_id, [], None, True, "error", error=str(e),
-                                                  num_prompt_tokens=len(msg.prompt_token_ids)))
+            else:
+                for request in msg.with_media() if isinstance(msg, EngineRequests) else [msg]:
+                    try:
+                        core.add_request(request)
+                    except ValueError as e:
+                        rejected.append(RequestOutput(request.request_id, [], None, True, "error", error=str(e),
+                                                      num_prompt_tokens=len(request.prompt_token_ids)))
         stepped = core.has_work()
         outputs = rejected + (core.step() if stepped else [])
         now = time.monotonic()

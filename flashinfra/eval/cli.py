@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window - 1)")
     ppl.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens per packed forward")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
-    ppl.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ppl.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="a progress bar on stderr (default: when stderr is a terminal)")
     LoadConfig.add_args(ppl.add_argument_group("model"))
     ppl.set_defaults(func=run_perplexity)
 
@@ -61,7 +62,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
                                   quantization=config.quantization, cache_spec=CacheSpec.of(config))
     try:
         result = perplexity(model, ids, args.window, args.stride, args.max_batch_tokens,
-                            progress=not args.no_progress)
+                            progress=args.progress)
     except ValueError as e:
         raise SystemExit(f"eval perplexity: {e}") from None
     out = {"model": str(model_dir), "file": str(text_file), "dtype": config.dtype, "device": config.device}

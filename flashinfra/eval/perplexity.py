@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,10 @@ def perplexity(
     max_batch_tokens: int = 4096,
     block_size: int = 16,
     logits_rows: int = 1024,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> PerplexityResult:
-    """Perplexity of ``model`` (a ``flashinfra.load_model`` result) on ``token_ids``; ``progress``: a tqdm bar
-    (on stderr) over the scored tokens."""
+    """Perplexity of ``model`` (a ``flashinfra.load_model`` result) on ``token_ids``; ``progress``: a bar on
+    stderr over the scored tokens (``None``: when stderr is a terminal)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     vocab = model.config.text.vocab_size
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -148,17 +149,11 @@ def perplexity(
     windows = make_windows(ids.numel(), window, stride)
     start = time.perf_counter()
     nll = 0.0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(w.num_scored for w in windows), unit="tok", desc="perplexity", leave=False)
+    bar = progress_bar(sum(w.num_scored for w in windows), "perplexity", "tok", progress)
     for group in pack_windows(windows, max_batch_tokens):
         nll += batch_nll(model, ids, group, block_size, logits_rows)
-        if bar is not None:
-            bar.update(sum(w.num_scored for w in group))
-    if bar is not None:
-        bar.close()
+        bar.update(sum(w.num_scored for w in group))
+    bar.close()
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     scored = sum(w.num_scored for w in windows)

@@ -29,6 +29,7 @@ from typing import Any
 
 from flashinfra.feedback import registry
 from flashinfra.feedback.registry import BenchContext, BenchSpec
+from flashinfra.progress import progress_bar
 
 L2_FLUSH_BYTES = 256 << 20  # H200 L2 is 60 MiB: four times that evicts it
 
@@ -199,13 +200,17 @@ def machine_info() -> dict[str, Any]:
 
 def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = None, seed: int = 0,
                    ceilings: dict[str, Any] | None = None, providers: tuple[str, ...] = registry.PROVIDERS,
-                   gil_probe_ms: float | None = None, graph: bool = False) -> dict[str, Any]:
+                   gil_probe_ms: float | None = None, graph: bool = False,
+                   progress: bool | None = None) -> dict[str, Any]:
     """Run the matching benchmarks; with ``gil_probe_ms`` each runs under a GIL probe of that threshold
-    and its result carries the stalls (count, durations, the culprit frames); ``graph``: see the module."""
+    and its result carries the stalls (count, durations, the culprit frames); ``graph``: see the module;
+    ``progress``: a bar over the benchmarks on stderr (``None``: when stderr is a terminal)."""
     errors = registry.load_providers(providers)
     entries = registry.select(registry.benchmarks(), patterns)
     results = []
+    bar = progress_bar(len(entries), "bench", "benchmark", progress)
     for entry in entries:
+        bar.set_postfix_str(entry.name)
         try:
             spec = entry.fn(ctx)
             probe = None
@@ -227,6 +232,8 @@ def run_benchmarks(patterns: list[str], ctx: BenchContext, runs: int | None = No
             results.append(result)
         except Exception as exc:
             results.append({"name": entry.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
+        bar.update(1)
+    bar.close()
     return {"date": datetime.now(timezone.utc).isoformat(), "source": str(Path(registry.__file__).parent.parent),
             "machine": machine_info(), "device": ctx.device, "dtype": ctx.dtype,
             "quick": ctx.quick, "ceilings": ceilings,
@@ -285,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="also write the JSON report here")
     p.add_argument("--graph", action="store_true",
                    help="on CUDA, time replays of each call captured in a CUDA graph (no launch overhead)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: when stderr is a terminal)")
     p.add_argument("--gil-probe-ms", type=float, default=None,
                    help="run each benchmark under a GIL probe with this stall threshold")
     return p
@@ -336,7 +345,7 @@ def cli_main(argv: list[str]) -> int:
         report = run_benchmarks(args.names, ctx, runs=args.runs, seed=args.seed, ceilings=ceil,
                                 providers=(() if args.no_default_providers else registry.PROVIDERS)
                                 + tuple(args.provider), gil_probe_ms=args.gil_probe_ms,
-                                graph=args.graph)
+                                graph=args.graph, progress=args.progress)
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2

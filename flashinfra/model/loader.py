@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from flashinfra.config import ModelConfig
 from flashinfra.model.weights import Copy, Form, weight_layout
+from flashinfra.progress import progress_bar
 from flashinfra.quant.model import RawQuantized
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -161,10 +162,12 @@ def _is_extra(name: str, cfg: ModelConfig) -> bool:
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
-                 raw_quantized: dict[str, list[RawQuantized]] | None = None) -> LoadReport:
+                 raw_quantized: dict[str, list[RawQuantized]] | None = None,
+                 progress: bool | None = None) -> LoadReport:
     """Fill ``model``'s parameters from ``reader``. 8-bit checkpoint tensors (block-FP8, W8A8 int8) are
     dequantized into them; given ``raw_quantized``, each is also kept there as it was read, by parameter name,
-    for ``flashinfra.quant.model.quantize_model`` to keep instead of re-quantizing."""
+    for ``flashinfra.quant.model.quantize_model`` to keep instead of re-quantizing. ``progress``: a bar over
+    the tensors on stderr, naming the file being read (``None``: when stderr is a terminal)."""
     params = dict(model.named_parameters())
     head = "lm_head.weight" if cfg.has_lm_head else None
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, head)
@@ -207,7 +210,14 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
         lines += [f"  unexpected: {n}" for n in unexpected]
         raise CheckpointError("\n".join(lines))
 
+    files = {reader.files[copy.name] for _, copy in plan} - {None}
+    bar = progress_bar(len(plan), f"loading {len(files)} file{'s' * (len(files) != 1)}" if files
+                       else "loading weights", "tensor", progress)
+    shown = None
     for pname, copy in plan:
+        if reader.files[copy.name] != shown and reader.files[copy.name] is not None:
+            shown = reader.files[copy.name]
+            bar.set_postfix_str(shown.name, refresh=False)
         dest = params[pname].data[copy.index] if copy.index else params[pname].data
         t = reader.get(copy.name)
         kind = reader.meta(copy.name)[1]
@@ -218,4 +228,6 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
                 raw_quantized.setdefault(pname, []).append(RawQuantized(copy.index, t, s, scheme))
             t = t.float() * s.float()[..., None] if kind == "I8" else dequantize_block_fp8(t, s, block)
         dest.copy_(t.reshape(dest.shape))
+        bar.update(1)
+    bar.close()
     return LoadReport(loaded=len(plan), extra=extra)

@@ -14,6 +14,7 @@ The text model then runs on those embeddings (``Glm5NextModel.forward(..., input
 from __future__ import annotations
 
 import bisect
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -128,6 +129,7 @@ class MultiModalEmbedder:
         self.pad_id = pad_id
         self.cache = EncoderCache(cache_bytes)
         self.num_encoded = 0  # items run through the tower (tests and stats)
+        self.encode_seconds = 0.0  # wall time of the tower runs, up to their outputs being ready
 
     def embed(self, input_ids: torch.Tensor, scheduled) -> torch.Tensor | None:
         if not any(sr.mm_items for sr in scheduled):
@@ -137,7 +139,11 @@ class MultiModalEmbedder:
         self.cache.hits += len(needed) - len(missing)
         self.cache.misses += len(missing)
         if missing:
+            start = time.perf_counter()
             rows = encode_items(self.tower, missing, input_ids.device)
+            if input_ids.device.type == "cuda":
+                torch.cuda.synchronize(input_ids.device)  # the step needs the rows next; only encoding steps wait
+            self.encode_seconds += time.perf_counter() - start
             self.num_encoded += len(missing)
             for it, r in zip(missing, rows):  # a copy each, so evicting one frees its memory
                 self.cache.put(it.content_hash, r.clone(), set(needed))

@@ -8,9 +8,10 @@ frame; ``sample_frame_indices`` is ``Glm5NextVideoProcessor.sample_frames``. Res
 patchify run on the engine side (``flashinfra.multimodal.pixels``), so what travels from the server is the
 uint8 canvas: a quarter of the float32 bytes, and no copy per temporal patch.
 
-Not exact: transformers resizes video frames with torchvision (tensor bicubic); here frames go through
-PIL's bicubic like images, which can differ by a grey level.
-Pure numpy + PIL; no torch.
+Video frames are resized as transformers' video processor resizes them, without torchvision: its resize
+of a uint8 tensor on the CPU is torch's antialiased bicubic ``interpolate`` on uint8, called here
+directly (PIL's bicubic, used for images as the PIL image processor does, differs from it on a few
+pixels).
 """
 
 from __future__ import annotations
@@ -97,10 +98,25 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def _fit(frames: list, num_frames: int, min_tokens: int, max_tokens: int) -> np.ndarray:
-    """Resize (bicubic) and zero-pad RGB frames of one size onto the aligned canvas: uint8 [F, 3, H, W]."""
+def _resize_pil(frames: list, height: int, width: int) -> np.ndarray:
+    """PIL bicubic, frame by frame (the PIL image processor's resize): uint8 [F, 3, height, width]."""
     from PIL import Image
 
+    return np.stack([np.asarray(f.resize((width, height), resample=Image.BICUBIC), dtype=np.uint8).transpose(2, 0, 1)
+                     for f in frames])
+
+
+def _resize_torch(frames: list, height: int, width: int) -> np.ndarray:
+    """torchvision's CPU resize of uint8 frames (antialiased bicubic on uint8), as the video processor calls it."""
+    import torch
+    from torch.nn.functional import interpolate
+
+    x = torch.from_numpy(np.stack([np.asarray(f, dtype=np.uint8) for f in frames]).transpose(0, 3, 1, 2).copy())
+    return interpolate(x, size=[height, width], mode="bicubic", align_corners=False, antialias=True).numpy()
+
+
+def _fit(frames: list, num_frames: int, min_tokens: int, max_tokens: int, resize=_resize_pil) -> np.ndarray:
+    """Resize and zero-pad RGB frames of one size onto the aligned canvas: uint8 [F, 3, H, W]."""
     width, height = frames[0].size
     factor = PATCH_SIZE * MERGE_SIZE
     th, tw = smart_resize(num_frames, height, width, TEMPORAL_PATCH_SIZE, factor, min_tokens, max_tokens)
@@ -109,10 +125,10 @@ def _fit(frames: list, num_frames: int, min_tokens: int, max_tokens: int) -> np.
         scale = min(1.0, scale)
     ch, cw = max(1, min(th, math.floor(height * scale))), max(1, min(tw, math.floor(width * scale)))
     out = np.zeros((len(frames), 3, th, tw), dtype=np.uint8)
-    for i, frame in enumerate(frames):
-        if (ch, cw) != (height, width):
-            frame = frame.resize((cw, ch), resample=Image.BICUBIC)
-        out[i, :, :ch, :cw] = np.asarray(frame, dtype=np.uint8).transpose(2, 0, 1)
+    if (ch, cw) != (height, width):
+        out[:, :, :ch, :cw] = resize(frames, ch, cw)
+    else:
+        out[:, :, :ch, :cw] = np.stack([np.asarray(f, dtype=np.uint8).transpose(2, 0, 1) for f in frames])
     return out
 
 
@@ -161,7 +177,7 @@ def video_canvas(frames: list, fps: float | None, frame_indices: list[int] | Non
     frames = [to_rgb(f) for f in frames]
     if len({f.size for f in frames}) != 1:
         raise ValueError("all frames of a video must have one size")
-    pixels = _fit(frames, len(frames), min_tokens, max_tokens)
+    pixels = _fit(frames, len(frames), min_tokens, max_tokens, _resize_torch)
     if pad := -len(frames) % TEMPORAL_PATCH_SIZE:
         pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
     t = pixels.shape[0] // TEMPORAL_PATCH_SIZE

@@ -65,7 +65,8 @@ def load_shard(path: str | Path, layout: ParallelLayout, comms: ParallelComms, d
     reader = CheckpointReader(path)
     with torch.device("meta"):
         model = Glm5NextModel(cfg.text, torch_dtype, cfg.has_lm_head)
-    report = load_weights(model, cfg, _ShapesOnly(reader))  # raises CheckpointError naming every mismatch
+    # raises CheckpointError naming every mismatch
+    report = load_weights(model, cfg, _ShapesOnly(reader), progress=False)
     qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
     block = tuple(qcfg.get("weight_block_size", (128, 128)))
     names = reader.names()

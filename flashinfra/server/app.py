@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -38,6 +39,7 @@ from flashinfra.server.metrics import ServerMetrics
 from flashinfra.server.protocol import ChatCompletionRequest, CompletionRequest
 from flashinfra.server.serving import (Choice, ServerState, check_prompt, make_choices, new_request_id,
                                        run_choices, submit, tokenize)
+from flashinfra.server.structured import response_grammar
 from flashinfra.server.supervisor import EngineSupervisor, ServerOutcome
 from flashinfra.server.tokenizer import Tokenizer
 
@@ -142,7 +144,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             prompts.append(ids)
         max_tokens = [check_prompt(state, ids, body.max_tokens, 16) for ids in prompts]
         defaults = request.app.state.generation_defaults
-        sampling = [apply_defaults(body.sampling_params(mt, body.num_logprobs), defaults, body.model_fields_set)
+        grammar = response_grammar(body.response_format, body.guided_regex, body.guided_choice)
+        sampling = [msgspec.structs.replace(apply_defaults(body.sampling_params(mt, body.num_logprobs), defaults,
+                                                           body.model_fields_set), grammar=grammar)
                     for mt in max_tokens]
         request_id = new_request_id("cmpl")
         choices = make_choices(state, request_id, prompts, sampling, body.n, body.stop_strings,

@@ -17,7 +17,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -71,7 +70,8 @@ def build_parser(prog: str = "flashinfra bench serve") -> argparse.ArgumentParse
     p.add_argument("--percentiles", default="50,90,99")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--output", default=None, help="write the JSON report here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: when stderr is a terminal)")
     return p
 
 
@@ -159,7 +159,8 @@ async def _resolve_model(client, base_url: str, headers: dict) -> str:
 
 async def run_benchmark(args: argparse.Namespace) -> dict:
     import httpx
-    from tqdm import tqdm
+
+    from flashinfra.progress import progress_bar
 
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -170,7 +171,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         work = make_workload(args)
         semaphore = asyncio.Semaphore(limit)
         rng = random.Random(args.seed + 1)
-        bar = tqdm(total=len(work), disable=args.no_progress, desc="bench serve", unit="req", file=sys.stderr)
+        bar = progress_bar(len(work), "bench serve", "req", args.progress)
 
         async def limited(prompt, max_tokens):
             async with semaphore:

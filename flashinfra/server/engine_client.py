@@ -161,22 +161,27 @@ class EngineClient:
         self.restarts += 1
         return await self.start(timeout_s)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: m.SamplingParams,
-                     queue: asyncio.Queue, mm_items: list | None = None,
-                     transfer: m.TransferParams | None = None) -> None:
-        """Send one request to the engine; its ``RequestOutput``s will be put on ``queue``."""
+    async def submit(self, requests: list[tuple[str, list[int], m.SamplingParams, list, m.TransferParams | None]],
+                     queue: asyncio.Queue) -> None:
+        """Send (request id, prompt token ids, sampling, images/videos, disaggregated transfer or None) requests
+        to the engine in one message, so the images and videos they share travel once; their
+        ``RequestOutput``s will be put on ``queue``."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        if request_id in self._routes:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        request = m.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                  sampling=sampling, arrival_time=time.time(), mm_items=mm_items or [],
-                                  transfer=transfer)
+        ids = [request_id for request_id, *_ in requests]
+        if len(set(ids)) != len(ids) or any(rid in self._routes for rid in ids):
+            raise ValueError(f"duplicate request id among {ids}")
+        now = time.time()
+        message = m.EngineRequests.shared_media([
+            m.EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, arrival_time=now,
+                            mm_items=mm_items or [], transfer=transfer)
+            for rid, prompt, sampling, mm_items, transfer in requests])
         try:
-            self._outbox.put_nowait(m.encode(request))
+            self._outbox.put_nowait(m.encode(message))
         except asyncio.QueueFull:
             raise EngineDeadError("the engine is not reading its requests") from None
-        self._routes[request_id] = queue
+        for rid in ids:
+            self._routes[rid] = queue
 
     def reserve(self, count: int) -> None:
         """Refuse (429) a request whose ``count`` sub-requests would exceed the in-flight limit."""

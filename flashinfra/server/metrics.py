@@ -3,7 +3,8 @@
 Owns one ``CollectorRegistry`` per app (so tests can run several servers in one process): latency
 histograms measured in the server (time to first token, time per output token, end-to-end latency),
 token and request counters, the lag of the server's event loop, and the engine's own figures (queue
-length, running requests, cache usage, preemptions) read from the latest ``EngineStats`` at scrape time.
+length, running requests, cache usage, preemptions, the vision encoder's cache hits and misses, encode
+time and cache size) read from the latest ``EngineStats`` at scrape time.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class _EngineCollector:
              stats.num_blocks_free),
             ("flashinfra_transfers_held", "Finished requests whose cache waits for the decode engine's ack",
              stats.num_transfers_held),
+            ("flashinfra_encoder_cache_bytes", "Bytes of vision encoder outputs held by the encoder cache",
+             stats.encoder_cache_bytes),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc)
@@ -75,6 +78,13 @@ class _EngineCollector:
             ("flashinfra_transfers", "Request caches sent (prefill role) or imported (decode role)",
              stats.num_transfers_total),
             ("flashinfra_transfer_failures", "Request cache transfers that failed", stats.num_transfer_failures_total),
+            ("flashinfra_encoder_cache_hits", "Images/videos a step needed and found in the encoder cache",
+             stats.num_encoder_cache_hits_total),
+            ("flashinfra_encoder_cache_misses", "Images/videos a step needed and had to encode",
+             stats.num_encoder_cache_misses_total),
+            ("flashinfra_encoded_items", "Images/videos run through the vision encoder",
+             stats.num_encoded_items_total),
+            ("flashinfra_encoder_seconds", "Time spent running the vision encoder", stats.encoder_seconds_total),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc)

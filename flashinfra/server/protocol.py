@@ -67,6 +67,9 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     logit_bias: dict[str, Finite] | None = None
     kv_transfer_params: KVTransferParams | None = None  # extension: disaggregated serving
+    response_format: dict[str, Any] | None = None  # on completions too, as vLLM takes it
+    guided_regex: str | None = None  # extension: the output matches this regular expression
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None  # extension
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -242,9 +245,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
-    guided_regex: str | None = None  # extension: the output matches this regular expression
-    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None  # extension
 
     @model_validator(mode="after")
     def _chat_rules(self):

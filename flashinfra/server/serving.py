@@ -169,20 +169,13 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from exc
     queue: asyncio.Queue = asyncio.Queue()
-    sent: list[str] = []
     try:
-        for choice in choices:
-            await client.submit(choice.request_id, choice.prompt_ids, choice.sampling, queue, choice.mm_items,
-                                choice.transfer)
-            sent.append(choice.request_id)
+        await client.submit([(c.request_id, c.prompt_ids, c.sampling, c.mm_items, c.transfer) for c in choices],
+                            queue)
     except EngineDeadError as exc:
-        client.abort_soon(sent)
         state.metrics.rejected.labels("503").inc()
         raise APIError(503, f"{ENGINE_UNAVAILABLE}{exc}", code="engine_unavailable",
                        headers={"Retry-After": "5"}) from exc
-    except BaseException:
-        client.abort_soon(sent)
-        raise
     # n choices of one prompt share its token list: count each prompt once.
     state.metrics.prompt_tokens.inc(sum({id(c.prompt_ids): len(c.prompt_ids) for c in choices}.values()))
     return queue

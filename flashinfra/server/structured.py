@@ -1,17 +1,22 @@
 """What a chat request asks of its output's shape, as a ``GrammarSpec`` for the engine (or None).
 
 Owns the request-side rules of structured output and tool choice: ``response_format`` (``text``,
-``json_object``, ``json_schema``), the ``guided_regex`` / ``guided_choice`` extensions, and ``tool_choice``
-(``none`` and ``auto`` leave the output free; ``required`` and a named function become an xgrammar
-structural tag in GLM-4.7's tool-call format, with a leading reasoning block when the prompt left
-``<think>`` open). Every spec is checked here so that an invalid schema, an unknown tool or a conflicting
-combination is a 400 naming the parameter; the engine compiles the spec against the tokenizer.
+``json_object``, ``json_schema``: its schema enforced unless ``strict`` is false, as OpenAI documents;
+a function tool's ``strict: false`` likewise leaves its arguments free JSON, which xgrammar's tool tag
+does), the ``guided_regex`` / ``guided_choice`` extensions, and ``tool_choice`` (``none`` and ``auto``
+leave the output free; ``required`` and a named function become an xgrammar structural tag in GLM-4.7's
+tool-call format, with a leading reasoning block when the prompt left ``<think>`` open). When the prompt
+left ``<think>`` open, the other grammars apply to the answer after ``</think>`` (``after_think``). Every
+spec is checked here so that an invalid schema, an unknown tool or a conflicting combination is a 400
+naming the parameter; the engine compiles the spec against the tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import msgspec
 
 from flashinfra.engine.grammar import validate_spec
 from flashinfra.engine.sched.messages import GrammarSpec
@@ -121,6 +126,16 @@ def response_grammar(response_format: dict | None, guided_regex: str | None,
         except jsonschema.SchemaError as exc:
             raise bad_request(f"invalid response_format.json_schema: {exc.message}",
                               "response_format.json_schema") from exc
+    strict = block.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("response_format.json_schema.strict must be true or false", "response_format.json_schema")
+    if strict is False:
+        # OpenAI: the schema then guides the model without being guaranteed; the output is still JSON of the
+        # schema's top-level type, and the schema need not lie in what the grammar library compiles
+        root = schema.get("type")
+        if isinstance(root, str) and root != "object":
+            return GrammarSpec("json_schema", json.dumps({"type": root}))
+        return GrammarSpec("json_object")
     return _checked(GrammarSpec("json_schema", json.dumps(schema)), "response_format.json_schema")
 
 
@@ -136,4 +151,7 @@ def chat_grammar(*, tools: list[dict] | None, tool_choice: Any, parallel_tool_ca
                           "or guided decoding", "tool_choice")
     if forced:
         return _tool_grammar(tools, tool_choice, think_open, parallel_tool_calls)
+    if shaped is not None and think_open:
+        # the model reasons first; the shape is the answer's, after </think>
+        return msgspec.structs.replace(shaped, after_think=True)
     return shaped

@@ -190,3 +190,36 @@ def test_bwrap_escape_through_a_c_level_write_is_stopped(tmp_path):
     assert out.returncode == 0, out.stderr
     fd, errno = map(int, out.stdout.split())
     assert fd == -1 and errno == 30 and not target.exists()
+
+
+def test_bwrap_interpreter_in_a_venv_under_tmp(tmp_path, tmp_path_factory):
+    """A venv outside the run's own directory but under /tmp (hidden by bubblewrap's empty /tmp) still
+    runs the child, and the guard inside it still stops a read outside its roots."""
+    import subprocess
+
+    _needs_bwrap()
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    repo.mkdir()
+    work.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    names = dict(repo=str(repo), work=str(work), outside=str(outside), inside=str(repo / "a.py"),
+                 report=str(work / "violations.jsonl"))
+    code = GUARDED.format(action="print(sys.prefix, flush=True); open({outside!r}).read()".format(**names), **names)
+    out = run_limited([str(venv / "bin" / "python"), "-c", textwrap.dedent(code)], cwd=tmp_path,
+                      limits=SandboxLimits(timeout_s=20, cpu_s=20, memory_mb=2048),
+                      env=candidate_env([ROOT], work), violations_file=work / "violations.jsonl")
+    assert out.stdout.strip() == str(venv), (out.stderr, out.returncode, out.violations)
+    assert out.returncode == VIOLATION_EXIT and out.violations[0]["detail"] == f"read {outside}", out.violations
+
+
+def test_bwrap_never_shows_the_hosts_tmp(tmp_path):
+    from flashinfra.agent.sandbox import _bwrap_args
+
+    args = _bwrap_args([], [Path("/tmp"), tmp_path, Path("/usr")])
+    binds = [args[i + 1] for i, a in enumerate(args) if a == "--ro-bind"]
+    assert binds == ["/", os.path.realpath(tmp_path)]

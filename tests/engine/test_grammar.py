@@ -108,6 +108,35 @@ def test_required_tool_call_grammar_gives_a_valid_call(runtime, tok):
         jsonschema.validate(json.loads(parser.calls[0].arguments), tools[0]["function"]["parameters"])
 
 
+def test_after_think_reasons_freely_then_follows_the_grammar(runtime, tok):
+    """Before </think>: free text that cannot stop (EOS strongly favoured, still never sampled) nor open a
+    tool call; from the token after it, the schema; a reasoning that never ends stays unconstrained."""
+    schema = SCHEMAS[0]
+    spec = GrammarSpec("json_schema", json.dumps(schema), after_think=True)
+    think_end, tool_call = runtime.think_end_id, 4087  # </think>, <tool_call>
+    assert think_end is not None
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        params = SamplingParams(temperature=0.0, grammar=spec)
+        out: list[int] = []
+        for step in range(400):
+            logits = torch.randn(1, V, generator=g)
+            logits[0, EOS] += 20.0
+            logits[0, tool_call] += 20.0
+            if step >= 6:
+                logits[0, think_end] += 10.0
+            mask = runtime.prepare([(f"a{seed}", spec, out)])
+            tokens, _, errors = sample(logits, [SamplingRow(params, [1], out, None)], mask)
+            assert errors == [None], errors
+            out.append(tokens[0])
+            if tokens[0] in EOS:
+                break
+        runtime.release([f"a{seed}"])
+        end = out.index(think_end)
+        assert end == 6 and tool_call not in out and not set(out[:end]) & set(EOS)
+        jsonschema.validate(json.loads(tok.decode(out[end + 1:-1])), schema)
+
+
 def test_mixed_batch_leaves_free_rows_alone_and_confines_errors(runtime):
     spec = GrammarSpec("choice", json.dumps(["yes"]))
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))

@@ -145,3 +145,19 @@ def test_mtp_and_vision_tensors_are_recognised_and_kept(base, base_logits, tmp_p
     m = flashinfra.load_model(clone_with(base, tmp_path / "mtp", {**t, **extra}))
     assert set(m.report.extra) == set(extra)
     assert torch.equal(m.logits(IDS)[0], base_logits)
+
+
+def test_progress_bar_on_stderr_only_when_asked_or_a_terminal(base, capsys):
+    from flashinfra.config import load_config
+    from flashinfra.model.glm5_next import Glm5NextModel
+    from flashinfra.model.loader import CheckpointReader, load_weights
+
+    cfg = load_config(base)
+    for progress in (None, True):
+        model = Glm5NextModel(cfg.text, torch.float32, cfg.has_lm_head)
+        report = load_weights(model, cfg, CheckpointReader(base), progress=progress)
+        err = capsys.readouterr().err
+        if progress:
+            assert "loading 1 file" in err and f"/{report.loaded} " in err and "tensor" in err, err
+        else:
+            assert err == ""  # pytest's stderr is no terminal

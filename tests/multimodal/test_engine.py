@@ -69,6 +69,8 @@ def test_encoder_cache_and_prefix_cache_give_cold_outputs(ckpt):
     assert _prefix_hits(llm) > 0
     stats = llm.engine.stats()
     assert stats.num_encoded_items_total == 1 and stats.num_encoder_cache_hits_total >= 1
+    assert stats.num_encoder_cache_misses_total == 1 and stats.encoder_seconds_total > 0
+    assert stats.encoder_cache_bytes > 0
 
 
 def _prefix_hits(llm) -> int:

@@ -69,3 +69,35 @@ def test_token_budget_and_alignment():
     canvas = video_canvas([_image(60, 90, "RGB", seed=i) for i in range(3)], fps=1.0)
     assert canvas.pixels.shape[0] == 4 and canvas.grid[0] == 2
     np.testing.assert_array_equal(canvas.pixels[3], canvas.pixels[2])  # odd frame count: last frame repeated
+
+
+@pytest.mark.parametrize("h,w,frames", [(60, 90, 4), (300, 200, 2), (20, 30, 6)])
+def test_video_patches_match_transformers(h, w, frames):
+    """Frames resized as the torchvision-backed video processor resizes them (it needs torchvision, which
+    flashinfra does not: skipped where it is absent)."""
+    pytest.importorskip("torchvision")
+    from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
+
+    images = [_image(h, w, "RGB", seed=h + i) for i in range(frames)]
+    ref = Glm5NextVideoProcessor()(videos=[np.stack([np.asarray(im) for im in images])], do_sample_frames=False,
+                                   return_tensors="pt")
+    canvas = video_canvas(images, fps=2.0)
+    assert [list(canvas.grid)] == ref["video_grid_thw"].tolist()
+    ours = patchify(torch.from_numpy(canvas.pixels), "video")
+    torch.testing.assert_close(ours, ref["pixel_values_videos"].to(ours.dtype), rtol=0, atol=1e-6)
+
+
+def test_video_frames_resize_as_torch_uint8_bicubic():
+    """The video path's resize is torch's antialiased uint8 bicubic (torchvision's CPU path), not PIL's."""
+    from torch.nn.functional import interpolate
+
+    images = [_image(700, 450, "RGB", seed=i) for i in range(2)]
+    canvas = video_canvas(images, fps=2.0, max_tokens=256)  # a downscale
+    th, tw = canvas.pixels.shape[2:]
+    scale = min(th / 700, tw / 450, 1.0)
+    ch, cw = math.floor(700 * scale), math.floor(450 * scale)
+    assert ch < 700
+    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]).transpose(0, 3, 1, 2).copy())
+    ref = interpolate(x, size=[ch, cw], mode="bicubic", align_corners=False, antialias=True).numpy()
+    np.testing.assert_array_equal(canvas.pixels[:, :, :ch, :cw], ref)
+    assert not canvas.pixels[:, :, ch:, :].any() and not canvas.pixels[:, :, :, cw:].any()

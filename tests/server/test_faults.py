@@ -242,46 +242,71 @@ def test_300mb_body_is_413_without_buffering(tmp_path):
         server.stop(30)
 
 
-def _soak(server, count: int, rng: random.Random) -> list:
-    statuses = []
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        for i in range(count):
-            kind = rng.choice(("plain", "stream", "cancel", "invalid", "chat"))
-            if kind == "plain":
-                r = http.post("/v1/completions", json={"model": "default", "prompt": "And God said",
-                                                       "max_tokens": rng.randint(1, 8)})
-                statuses.append(r.status_code)
-            elif kind == "chat":
-                r = http.post("/v1/chat/completions", json={"model": "default", "max_tokens": 4,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
-                statuses.append(r.status_code)
-            elif kind in ("stream", "cancel"):
-                with http.stream("POST", "/v1/completions", json={
-                        "model": "default", "prompt": "In the beginning", "max_tokens": 16, "stream": True}) as r:
-                    statuses.append(r.status_code)
-                    for n, _ in enumerate(r.iter_lines()):
-                        if kind == "cancel" and n >= 2:
-                            break  # closing the stream early cancels the request
-            else:
-                r = http.post("/v1/completions", json=rng.choice([
-                    {"model": "default", "prompt": ""}, {"model": "nope", "prompt": "x"},
-                    {"model": "default", "prompt": "x", "max_tokens": -1}]))
-                statuses.append(r.status_code)
-                assert _is_openai_error(r.json())
+SOAK_KINDS = ("plain", "stream", "cancel", "invalid", "chat")
+INVALID_BODIES = ({"model": "default", "prompt": ""}, {"model": "nope", "prompt": "x"},
+                  {"model": "default", "prompt": "x", "max_tokens": -1})
+
+
+def _soak_one(http: httpx.Client, kind: str, rng: random.Random) -> int:
+    """One request of the soak; its status, or -1 for an error body not in OpenAI's format."""
+    if kind == "plain":
+        return http.post("/v1/completions", json={"model": "default", "prompt": "And God said",
+                                                  "max_tokens": rng.randint(1, 8)}).status_code
+    if kind == "chat":
+        return http.post("/v1/chat/completions", json={"model": "default", "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": "hi"}]}).status_code
+    if kind in ("stream", "cancel"):
+        with http.stream("POST", "/v1/completions", json={
+                "model": "default", "prompt": "In the beginning", "max_tokens": 16, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if kind == "cancel" and n >= 2:
+                    break  # closing the stream early cancels the request
+            return r.status_code
+    r = http.post("/v1/completions", json=rng.choice(INVALID_BODIES))
+    return r.status_code if _is_openai_error(r.json()) else -1
+
+
+def _soak(server, count: int, seed: int, clients: int = 4) -> list[int]:
+    """``count`` mixed requests from ``clients`` concurrent clients; their statuses."""
+    rng = random.Random(seed)
+    work = iter([(rng.choice(SOAK_KINDS), random.Random(rng.random())) for _ in range(count)])
+    lock, statuses, failures = threading.Lock(), [], []
+
+    def client() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while True:
+                with lock:
+                    item = next(work, None)
+                if item is None:
+                    return
+                try:
+                    statuses.append(_soak_one(http, *item))
+                except Exception as exc:  # reported below: a thread's exception would vanish
+                    failures.append(f"{item[0]}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:5]
     return statuses
 
 
-@pytest.mark.parametrize("count", [pytest.param(50, id="ci"), pytest.param(2000, id="full", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("count", [
+    pytest.param(50, id="ci"), pytest.param(2000, id="full", marks=[pytest.mark.slow, pytest.mark.timeout(3600)])])
 def test_soak_of_mixed_requests(tmp_path, count):
+    """CI runs a short soak; the issue's 2,000 requests (too long for CI's two cores) run with
+    ``pytest -m slow "tests/server/test_faults.py::test_soak_of_mixed_requests[full]"``."""
     server = start_server(tmp_path, None)
     try:
-        rng = random.Random(2)
-        _soak(server, 20, rng)  # warm up allocators and caches
-        before = _rss_kib(server.proc.pid)
-        statuses = _soak(server, count, rng)
-        after = _rss_kib(server.proc.pid)
-        assert not [s for s in statuses if s >= 500], statuses
-        assert after <= before * 1.10, (before, after)
+        _soak(server, 20, seed=1)  # warm up allocators and caches
+        pids = {"api": server.proc.pid, "engine": _engine_pid(server.proc.pid)}
+        before = {name: _rss_kib(pid) for name, pid in pids.items()}
+        statuses = _soak(server, count, seed=2)
+        after = {name: _rss_kib(pid) for name, pid in pids.items()}
+        assert len(statuses) == count and not [s for s in statuses if s >= 500 or s < 0], statuses
+        assert all(after[name] <= before[name] * 1.10 for name in pids), (before, after)
         assert httpx.get(f"{server.url}/metrics", timeout=10).text.count("flashinfra_engine_up 1.0") == 1
     finally:
         server.stop(30)

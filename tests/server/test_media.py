@@ -157,6 +157,23 @@ def test_chat_with_an_image_matches_offline_generation(mm_server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[0].content[0].image_url"
 
 
+def test_n_choices_share_one_encoding_and_the_metrics_count_it(mm_server):
+    server, _ = mm_server
+    misses, encoded = (server.metric(f"flashinfra_{name}_total") or 0.0
+                       for name in ("encoder_cache_misses", "encoded_items"))
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 3,
+            "messages": [{"role": "user", "content": [_image(data_url(_png(64, 64, seed=9))),
+                                                      {"type": "text", "text": "Again?"}]}]}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    texts = {c["message"]["content"] for c in resp.json()["choices"]}
+    assert len(resp.json()["choices"]) == 3 and len(texts) == 1  # greedy: the three choices agree
+    assert server.metric("flashinfra_encoder_cache_misses_total") == misses + 1
+    assert server.metric("flashinfra_encoded_items_total") == encoded + 1
+    assert server.metric("flashinfra_encoder_seconds_total") > 0
+    assert server.metric("flashinfra_encoder_cache_bytes") > 0
+
+
 def test_video_frame_limit():
     settings = MediaSettings(SETTINGS.token_ids, MediaLimits(max_frames=2))
     part = MediaPart("messages[0].content[0].video_url", "video", data_url(_mp4(frames=12), "video/mp4"))

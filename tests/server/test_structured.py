@@ -71,3 +71,39 @@ def test_forced_tools_become_a_structural_tag():
     assert tag["format"]["type"] == "token_triggered_tags"
     opened = json.loads(grammar(tools=WEATHER_TOOLS, tool_choice="required", think_open=True).spec)
     assert opened["format"]["type"] == "sequence" and "</think>" in json.dumps(opened["format"]["elements"][0])
+
+
+def test_with_reasoning_open_the_shape_applies_after_think():
+    for kwargs in (dict(response_format={"type": "json_object"}), dict(guided_regex=r"\d+"),
+                   dict(response_format=schema_format({"type": "object"}))):
+        assert grammar(think_open=True, **kwargs).after_think
+        assert not grammar(think_open=False, **kwargs).after_think
+    # forced tool calls carry their own reasoning block
+    assert not grammar(tools=WEATHER_TOOLS, tool_choice="required", think_open=True).after_think
+
+
+def test_json_schema_strict_false_leaves_the_schema_unenforced():
+    unsupported = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    with pytest.raises(APIError):  # enforced (strict or not said): the grammar library must compile it
+        grammar(response_format=schema_format(unsupported))
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": unsupported, "strict": False}}
+    assert grammar(response_format=loose).kind == "json_object"
+    listed = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}, "strict": False}}
+    spec = grammar(response_format=listed)
+    assert (spec.kind, json.loads(spec.spec)) == ("json_schema", {"type": "array"})
+    with pytest.raises(APIError):  # still a valid JSON schema
+        grammar(response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "foo"}, "strict": False}})
+    not_bool = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "no"}}
+    with pytest.raises(APIError):
+        grammar(response_format=not_bool)
+
+
+def test_tool_strict_false_leaves_its_arguments_free():
+    def tools(strict):
+        function = {"name": "f", "parameters": {"type": "object", "properties": {"zzz": {"type": "integer"}}}}
+        return [{"type": "function", "function": function if strict is None else {**function, "strict": strict}}]
+
+    assert "zzz" in grammar(tools=tools(None), tool_choice="required").spec
+    assert "zzz" in grammar(tools=tools(True), tool_choice="required").spec
+    assert "zzz" not in grammar(tools=tools(False), tool_choice="required").spec

@@ -21,10 +21,12 @@ class GrammarSpec(msgspec.Struct, frozen=True):
     """Constrained decoding for one request, compiled in the engine (``flashinfra.engine.grammar``):
     ``json_schema`` (spec: the schema as JSON text), ``json_object`` (any JSON object; spec unused),
     ``regex`` (spec: the pattern), ``choice`` (spec: a JSON list of the allowed strings),
-    ``structural_tag`` (spec: an xgrammar structural tag as JSON; tool calls)."""
+    ``structural_tag`` (spec: an xgrammar structural tag as JSON; tool calls). ``after_think``: the output
+    first reasons freely up to ``</think>`` (it cannot stop before it), and the grammar applies after it."""
 
     kind: str
     spec: str = ""
+    after_think: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,6 +132,42 @@ class EngineRequest(msgspec.Struct, tag=True):
     transfer: TransferParams | None = None
 
 
+class EngineRequests(msgspec.Struct, tag=True):
+    """Requests sent together, such as the ``n`` choices of one prompt. An image or video that several of
+    them hold travels once: ``shared_media`` leaves its pixels in the first item of each content hash and
+    empties the later ones, and ``with_media`` gives the later ones the first's bytes (one object, no copy)."""
+
+    requests: list[EngineRequest]
+
+    @classmethod
+    def shared_media(cls, requests: list[EngineRequest]) -> EngineRequests:
+        seen: set[str] = set()
+        out = []
+        for request in requests:
+            items = []
+            for item in request.mm_items:
+                if item.content_hash in seen:
+                    item = msgspec.structs.replace(item, pixels=b"")
+                seen.add(item.content_hash)
+                items.append(item)
+            out.append(msgspec.structs.replace(request, mm_items=items) if request.mm_items else request)
+        return cls(out)
+
+    def with_media(self) -> list[EngineRequest]:
+        pixels: dict[str, bytes] = {}
+        out = []
+        for request in self.requests:
+            items = []
+            for item in request.mm_items:
+                if item.pixels:
+                    pixels.setdefault(item.content_hash, item.pixels)
+                elif item.content_hash in pixels:
+                    item = msgspec.structs.replace(item, pixels=pixels[item.content_hash])
+                items.append(item)
+            out.append(msgspec.structs.replace(request, mm_items=items) if request.mm_items else request)
+        return out
+
+
 class AbortRequest(msgspec.Struct, tag=True):
     """Stop these requests now (client gone, stop string seen); unknown ids are ignored."""
 
@@ -177,6 +215,9 @@ class EngineStats(msgspec.Struct):
     num_transfers_held: int = 0  # prefill role: finished requests whose blocks wait for the decode side's ack
     num_transfers_total: int = 0  # request states sent (prefill role) or imported (decode role)
     num_transfer_failures_total: int = 0
+    num_encoder_cache_misses_total: int = 0  # images/videos a step needed and had to encode
+    encoder_seconds_total: float = 0.0  # time spent in the vision tower
+    encoder_cache_bytes: int = 0  # encoder outputs held by the encoder cache
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -205,7 +246,7 @@ class EngineError(msgspec.Struct, tag=True):
     message: str
 
 
-ServerToEngine = EngineRequest | AbortRequest | Shutdown
+ServerToEngine = EngineRequest | EngineRequests | AbortRequest | Shutdown
 EngineToServer = EngineOutputs | EngineReady | EngineError
 
 _encoder = msgspec.msgpack.Encoder()
@@ -217,7 +258,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_server_message(data: bytes) -> EngineRequest | AbortRequest | Shutdown:
+def decode_server_message(data: bytes) -> EngineRequest | EngineRequests | AbortRequest | Shutdown:
     """Decode what the server sends to the engine."""
     return _server_decoder.decode(data)
 
