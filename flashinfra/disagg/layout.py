@@ -16,6 +16,7 @@ import hashlib
 import msgspec
 import torch
 
+from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.model.cache import ModelCache
 
 
@@ -35,7 +36,8 @@ class CacheLayout(msgspec.Struct, frozen=True):
 
 class RequestState(msgspec.Struct):
     """One request's moved state besides its buffers (which follow ``layout.tensors``' order): the
-    transfer it belongs to, what was computed, the first sampled token and the sampling generator."""
+    transfer it belongs to, what was computed, the first sampled token (with its logprobs when the request
+    asked for them) and the sampling generator."""
 
     request_id: str  # the transfer id both engines were given
     prompt_len: int
@@ -43,6 +45,7 @@ class RequestState(msgspec.Struct):
     first_token: int
     prompt_hash: str = ""  # the receiver refuses a state computed for other prompt tokens
     generator_state: bytes = b""  # torch.Generator state after the first token (empty: greedy)
+    first_logprob: TokenLogprob | None = None  # None: the request did not ask for logprobs
 
 
 PAGED = ("mla_latent", "indexer_keys", "mla_latent_scale", "indexer_scale")  # scales: 8-bit caches only

@@ -12,7 +12,7 @@ Decode role (``Importer``): a request submitted with ``TransferParams(role="impo
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
 them, the generator is restored, the sender is acknowledged, and the request decodes as if it had been
-prefilled here (its first output is the first token). A request waits at most ``transfer_timeout_s`` for
+prefilled here (its first output is the first token, with its logprobs when asked for). A request waits at most ``transfer_timeout_s`` for
 its state; a state nobody asks for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
@@ -140,7 +140,8 @@ class Exporter:
                 request_id=req.transfer.transfer_id, prompt_len=req.num_prompt_tokens,
                 num_blocks=len(req.block_ids), first_token=req.output_token_ids[0],
                 prompt_hash=token_hash(req.prompt_token_ids),
-                generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"")
+                generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"",
+                first_logprob=out.logprobs[0] if out.logprobs else None)
             pack = functools.partial(pack_request_state, runner.cache, list(req.block_ids), req.state_slot)
             try:
                 self.sender.send(req.transfer.peer, state, pack)
@@ -267,7 +268,7 @@ class Importer:
             self.num_failures += 1
             return _error_output(req, f"cache transfer refused: {problem}")
         sched, runner = self.core.scheduler, self.core.runner
-        out = sched.admit_imported(req, state.first_token)
+        out = sched.admit_imported(req, state.first_token, state.first_logprob)
         if out is None:
             return None  # no room yet; retried on the next step
         try:

@@ -142,3 +142,20 @@ def test_roles_refuse_requests_of_the_other_kind(engines):
         decode.add_request(_request("y", PROMPTS[0], SamplingParams()))
     with pytest.raises(ValueError, match="--role prefill or --role decode"):
         both.add_request(_request("z", PROMPTS[0], SamplingParams(), TransferParams("t", "import")))
+
+
+def test_first_token_logprobs_move_with_the_request(engines):
+    prefill, decode, both = engines
+    peer = decode.ready_message().transfer_address
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=3)
+    both.add_request(_request("lp", PROMPTS[0], sampling))
+    want = _run([both], _finished(["lp"]))[-1]["lp"]
+    decode.add_request(_request("lp", PROMPTS[0], sampling, TransferParams("t-lp", "import")))
+    prefill.add_request(_request("lp", PROMPTS[0], sampling, TransferParams("t-lp", "export", peer)))
+    got = _run([prefill, decode], _finished(["lp"]))[-1]["lp"]
+    first = got[0]
+    assert first.new_token_ids == want[0].new_token_ids and first.logprobs is not None
+    lp, ref = first.logprobs[0], want[0].logprobs[0]
+    assert lp.token_id == ref.token_id and lp.logprob == pytest.approx(ref.logprob, abs=1e-4)
+    assert [t for t, _ in lp.top] == [t for t, _ in ref.top] and len(lp.top) == 3
+    assert all(o.logprobs is not None and len(o.logprobs) == len(o.new_token_ids) for o in got)
