@@ -1,10 +1,17 @@
 """A prefill-role and a decode-role ``EngineCore`` in one process, exchanging request states over the ZeroMQ
 transport on the loopback: outputs equal a single engine's (greedy and seeded sampling), the prefill side
-frees its blocks after the ack or after a timeout, a mismatched layout is refused by name."""
+frees its blocks after the ack, after a timeout, or at once when the receiving process is killed, a mismatched
+layout is refused by name, the first token's logprobs reach the decode side."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+
+import msgspec
 
 import pytest
 
@@ -113,6 +120,45 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
     finally:
         silent.close()
+
+
+# a decode engine's receiving end that takes the handshake and the state, and never acknowledges
+_SILENT_RECEIVER = """
+import sys, time, msgspec
+from flashinfra.disagg.layout import CacheLayout
+from flashinfra.disagg.transport import StateReceiver
+rx = StateReceiver(msgspec.json.decode(sys.stdin.buffer.read(), type=CacheLayout))
+print(rx.address, flush=True)
+while True:
+    if rx.poll():
+        print("arrived", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_killed_receiver_fails_the_transfer_at_once_and_frees_the_blocks(engines):
+    prefill, decode, _ = engines
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT_RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        proc.stdin.write(msgspec.json.encode(decode.disagg.layout).decode())
+        proc.stdin.close()
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        prefill.add_request(_request("dead", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0),
+                                     TransferParams("t-dead", "export", address)))
+        got = _run([prefill], lambda _: prefill.stats().num_transfers_held > 0, errors_ok=True)
+        assert proc.stdout.readline().strip() == "arrived"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out = _run([prefill], _finished(["dead"]), timeout_s=20, errors_ok=True, got=got)[-1]["dead"][-1]
+        assert time.monotonic() - killed_at < 1.5  # the transfer timeout is 3 s
+        assert out.finish_reason == "error" and "went away during the transfer" in out.error
+        stats = prefill.stats()
+        assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
