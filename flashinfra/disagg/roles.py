@@ -4,16 +4,20 @@ Prefill role (``Exporter``): a request submitted with ``TransferParams(role="exp
 limited to one output token. When that first token is sampled the scheduler holds the request's blocks
 and state slot (``Scheduler.held``) and the exporter sends its state to the decode engine named by
 ``peer``: the pages and KDA slot (packed on the sender's thread, from the held blocks), the first token and
-the sampling generator's state. The request's final output is held back until the decode side
+the sampling generator's state; with speculative decoding also the MTP layer's pages, the target's last
+hidden state and the drafts made after the first token, so that the decode engine drafts from its first
+step as a colocated engine would (both roles need ``--speculative-tokens``: the MTP cache is part of the
+compared layout). The request's final output is held back until the decode side
 acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
 transfer frees the cache too and ends the request with an error that says why.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
-them, the generator is restored, the sender is acknowledged, and the request decodes as if it had been
-prefilled here (its first output is the first token, with its logprobs when asked for). A request waits at most ``transfer_timeout_s`` for
-its state; a state nobody asks for within that time is refused back to its sender.
+them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
+the request decodes as if it had been prefilled here (its first output is the first token, with its
+logprobs when asked for). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
+for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
 """
@@ -72,8 +76,14 @@ def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
+def engine_caches(core: Any) -> tuple:
+    """What a request's state is moved from or into: the model cache, and the MTP layer's with speculation."""
+    spec = core.runner.speculator
+    return (core.runner.cache,) if spec is None else (core.runner.cache, spec.mtp_cache)
+
+
 def engine_layout(core: Any, role: str) -> CacheLayout:
-    return describe(core.runner.cache, fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
+    return describe(engine_caches(core), fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
 
 
 def _error_output(req: Request, message: str) -> RequestOutput:
@@ -87,8 +97,6 @@ def check_role(config: Any) -> None:
         raise ValueError(f"unknown role {config.role!r}; choose one of {', '.join(ROLES)}")
     if config.role == "both":
         return
-    if config.speculative_tokens:
-        raise ValueError(f"--role {config.role} does not support speculative decoding (--speculative-tokens)")
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
         raise ValueError(f"--role {config.role} runs on one rank (no tensor/expert parallelism)")
     if config.enable_vision:
@@ -136,13 +144,18 @@ class Exporter:
                 released.append(out)
                 continue
             gen = runner.generators.get(req.request_id)
+            spec = runner.speculator
+            hidden = None if spec is None else spec.hidden.get(req.request_id)
             state = RequestState(
                 request_id=req.transfer.transfer_id, prompt_len=req.num_prompt_tokens,
                 num_blocks=len(req.block_ids), first_token=req.output_token_ids[0],
                 prompt_hash=token_hash(req.prompt_token_ids),
                 generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"",
-                first_logprob=out.logprobs[0] if out.logprobs else None)
-            pack = functools.partial(pack_request_state, runner.cache, list(req.block_ids), req.state_slot)
+                first_logprob=out.logprobs[0] if out.logprobs else None,
+                hidden=b"" if hidden is None else bytes(hidden.cpu().view(torch.uint8).numpy()),
+                drafts=[] if spec is None else list(spec.drafts.get(req.request_id, [])))
+            pack = functools.partial(pack_request_state, engine_caches(self.core), list(req.block_ids),
+                                     req.state_slot)
             try:
                 self.sender.send(req.transfer.peer, state, pack)
             except TransferError as e:
@@ -274,7 +287,11 @@ class Importer:
         try:
             # finished already (the first token stopped it): its blocks are free, nothing to write
             if req.block_ids:
-                unpack_request_state(runner.cache, req.block_ids, req.state_slot, arrival.buffers)
+                unpack_request_state(engine_caches(self.core), req.block_ids, req.state_slot, arrival.buffers)
+            if runner.speculator is not None and state.hidden and not req.is_finished:
+                hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
+                runner.speculator.hidden[req.request_id] = hidden.view(runner.model.dtype).to(runner.device)
+                runner.speculator.drafts[req.request_id] = list(state.drafts)
             if state.generator_state and not req.is_finished:
                 gen = torch.Generator(device=runner.device)
                 gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
