@@ -99,8 +99,6 @@ def check_role(config: Any) -> None:
         return
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
         raise ValueError(f"--role {config.role} runs on one rank (no tensor/expert parallelism)")
-    if config.enable_vision:
-        raise ValueError(f"--role {config.role} serves text only (no --enable-vision)")
 
 
 class Exporter:
@@ -119,16 +117,73 @@ class Exporter:
             self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
         self._transfer_ids: dict[str, str] = {}  # transfer id -> request id
+        self.timeout_s = config.transfer_timeout_s
+        self.encoder = None  # the EncodeClient, once a request names an encode engine
+        self._encoding: dict[str, Request] = {}  # request id -> request waiting for its images' embeddings
+        self._encoding_hashes: set[str] = set()  # items asked for and not answered yet
         self.num_total = 0
         self.num_failures = 0
+        self.num_remote_encoded = 0  # items whose embeddings an encode engine made (here or for an earlier request)
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> bool:
+        """Check an export request; whether the scheduler takes it now (not while its images are encoded
+        elsewhere)."""
         if req.transfer is None or req.transfer.role != "export" or not req.transfer.peer:
             raise ValueError("a prefill-role engine takes only requests to export (kv_transfer_params with role "
                              "'export' and the decode engine's address as peer)")
-        if req.mm_items:
-            raise ValueError("disaggregated serving takes text prompts only")
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=1)
+        if not req.mm_items or not req.transfer.encoder:
+            return True
+        cache = self.core.runner.embedder.cache
+        missing = {it.content_hash: it for it in req.mm_items
+                   if it.content_hash not in cache and it.content_hash not in self._encoding_hashes}
+        if all(it.content_hash in cache for it in req.mm_items):
+            self.num_remote_encoded += len(req.mm_items)
+            return True
+        if missing:
+            self._encoder_client().request(req.transfer.encoder, list(missing.values()))
+            self._encoding_hashes.update(missing)
+        self._encoding[req.request_id] = req  # started by ``poll`` once the embeddings are here
+        return False
+
+    def _encoder_client(self):
+        if self.encoder is None:
+            from flashinfra.disagg.encode import EncodeClient, embedding_layout
+
+            model = self.core.model
+            layout = embedding_layout(model.config.vision, model.config.text.hidden_size, model.dtype,
+                                      name=f"prefill engine ({model.path.name})")
+            self.encoder = EncodeClient(layout, timeout_s=self.timeout_s, wake=self.wake)
+        return self.encoder
+
+    def _take_embeddings(self) -> list[RequestOutput]:
+        """Put arrived embeddings in the encoder cache; start the requests that have all theirs, fail those
+        whose items failed."""
+        if self.encoder is None:
+            return []
+        cache, outputs = self.core.runner.embedder.cache, []
+        failed: dict[str, str] = {}
+        pinned = {it.content_hash for r in self._encoding.values() for it in r.mm_items}
+        for content_hash, rows, error in self.encoder.poll():
+            self._encoding_hashes.discard(content_hash)
+            if error is not None:
+                failed[content_hash] = error
+            else:
+                cache.put(content_hash, rows.to(self.core.runner.device), pinned)
+        for rid, req in list(self._encoding.items()):
+            errors = [failed[it.content_hash] for it in req.mm_items if it.content_hash in failed]
+            bad = [it for it in req.mm_items if it.content_hash in cache and cache.get(it.content_hash).shape[0]
+                   != it.num_embeds]
+            if errors or bad:
+                del self._encoding[rid]
+                self.num_failures += 1
+                why = errors[0] if errors else f"{bad[0].num_embeds} embeddings expected, other rows received"
+                outputs.append(_error_output(req, f"the request's images could not be encoded: {why}"))
+            elif all(it.content_hash in cache for it in req.mm_items):
+                del self._encoding[rid]
+                self.num_remote_encoded += len(req.mm_items)
+                self.core.scheduler.add_request(req)
+        return outputs
 
     def has_events(self) -> bool:
         """Whether ``poll`` has something to do (a transfer finished)."""
@@ -169,7 +224,7 @@ class Exporter:
 
     def poll(self) -> list[RequestOutput]:
         self.wake.drain()
-        outputs = []
+        outputs = self._take_embeddings()
         for transfer_id, error in self.sender.poll():
             rid = self._transfer_ids.pop(transfer_id, None)
             if rid is None:
@@ -186,10 +241,14 @@ class Exporter:
         return outputs
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return []  # a transfer under way ends by its ack or its timeout, which free the cache
+        # a transfer under way ends by its ack or its timeout, which free the cache
+        return [RequestOutput(rid, [], None, True, "abort", num_prompt_tokens=self._encoding.pop(rid).num_prompt_tokens)
+                for rid in request_ids if rid in self._encoding]
 
     def close(self) -> None:
         self.sender.close()
+        if self.encoder is not None:
+            self.encoder.close()
         self.wake.close()
 
 
@@ -215,15 +274,15 @@ class Importer:
         self.num_total = 0
         self.num_failures = 0
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> bool:
+        """Check an import request and wait for its state (the scheduler never takes it directly)."""
         if req.transfer is None or req.transfer.role != "import":
             raise ValueError("a decode-role engine takes only requests to import (kv_transfer_params with role "
                              "'import' and the transfer id the prefill engine was given)")
-        if req.mm_items:
-            raise ValueError("disaggregated serving takes text prompts only")
         if req.transfer.transfer_id in self._waiting:
             raise ValueError(f"duplicate transfer id {req.transfer.transfer_id!r}")
         self._waiting[req.transfer.transfer_id] = (req, time.monotonic() + self.timeout_s)
+        return False
 
     def has_events(self) -> bool:
         """Whether ``poll`` has something to do: a state arrived, or a wait ran out."""

@@ -96,7 +96,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
-        if request.mm_items or self.model.vision is not None:
+        importing = request.transfer is not None and request.transfer.role == "import"
+        if (request.mm_items or self.model.vision is not None) and not importing:  # imports were encoded elsewhere
             from flashinfra.multimodal.encoder import validate_request
 
             validate_request(self.model, ids, request.mm_items)
@@ -104,9 +105,8 @@ class EngineCore:
         req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
         req.transfer = request.transfer
         if self.disagg is not None:
-            self.disagg.admit(req)
-            if req.transfer.role == "import":
-                return  # admitted to the scheduler when its state arrives
+            if not self.disagg.admit(req):
+                return  # admitted to the scheduler when its state (or its images' embeddings) arrives
         elif req.transfer is not None:
             raise ValueError("this engine runs both prefill and decode; kv_transfer_params needs an engine started "
                              "with --role prefill or --role decode")

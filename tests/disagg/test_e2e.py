@@ -114,6 +114,7 @@ def test_prefill_blocks_are_freed_after_the_ack(cluster):
     assert prefill.metric("flashinfra_transfer_failures_total") == 0
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams(cluster):
     body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
             "ignore_eos": True, "stream": True}

@@ -21,6 +21,7 @@ def ckpt(tmp_path_factory):
                                  num_nextn_predict_layers=1)
 
 
+@pytest.mark.slow
 def test_speculative_decode_engine_continues_a_speculative_prefill(ckpt):
     prefill = EngineCore(_config(ckpt, role="prefill", speculative_tokens=2))
     decode = EngineCore(_config(ckpt, role="decode", speculative_tokens=2))
