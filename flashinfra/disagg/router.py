@@ -5,7 +5,9 @@ in flight, at once: the prefill server gets it as an ``export`` (one output toke
 decode engine's transfer address), the decode server as an ``import`` of the same transfer id, and the
 decode server's answer (streamed or not) is the client's. Whichever side fails first decides the answer: an
 OpenAI error body (or, once a stream has started, an SSE error event), never a hang; a decode server that
-dies mid-stream ends the stream with an error at once.
+dies mid-stream ends the stream with an error at once. With encode servers (``--encode``), a request with
+images or videos also names the encode server with the fewest requests in flight to the prefill server,
+whose engine takes the embeddings from it.
 
 An engine that refuses a request before any of its output reached the client (unreachable, a 5xx or 429
 answer, a dropped connection, a prefill that failed) is left out and the request runs again, under a new
@@ -82,6 +84,13 @@ async def discover(client, backends: list[Backend], timeout_s: float) -> None:
             check_compatible(mine, theirs)
 
 
+def _has_media(body: dict) -> bool:
+    """Whether a chat request carries images or videos (the parts an encode engine is for)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") in ("image_url", "video_url") for part in m["content"])
+               for m in body.get("messages") or [])
+
+
 class _Answer(Exception):
     """A failure every engine would answer alike (a client error): the client gets it as it is."""
 
@@ -127,15 +136,17 @@ class _Collector:
 
 
 def create_router(prefill: list[str], decode: list[str], connect_timeout_s: float = 120.0,
-                  request_timeout_s: float = 600.0, startup_errors: list[str] | None = None):
+                  request_timeout_s: float = 600.0, startup_errors: list[str] | None = None,
+                  encode: list[str] | None = None):
     """The router app; a start-up refusal's message is appended to ``startup_errors`` (then raised)."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CollectorRegistry, generate_latest
 
-    backends = [Backend(u.rstrip("/"), "prefill") for u in prefill] + [Backend(u.rstrip("/"), "decode") for u in decode]
-    by_role = {role: [b for b in backends if b.role == role] for role in ("prefill", "decode")}
+    backends = [Backend(u.rstrip("/"), role) for role, urls in (("prefill", prefill), ("decode", decode),
+                                                                 ("encode", encode or [])) for u in urls]
+    by_role = {role: [b for b in backends if b.role == role] for role in ("prefill", "decode", "encode")}
     retries = [0]
     registry = CollectorRegistry()
     registry.register(_Collector(backends, retries))
@@ -158,9 +169,11 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
     def pick(role: str, tried: set[str] = frozenset()) -> Backend | None:
         return min((b for b in by_role[role] if b.url not in tried), key=lambda b: b.in_flight, default=None)
 
-    async def call_prefill(client, p: Backend, path: str, body: dict) -> tuple[int, dict]:
-        p.in_flight += 1
-        p.num_requests += 1
+    async def call_prefill(client, p: Backend, path: str, body: dict, e: Backend | None) -> tuple[int, dict]:
+        """The prefill server's answer; the encode server ``e`` counts the request in flight meanwhile."""
+        for b in (p, e) if e is not None else (p,):
+            b.in_flight += 1
+            b.num_requests += 1
         try:
             r = await client.post(p.url + path, json=body)
             status, answer = r.status_code, r.json()
@@ -169,6 +182,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                                          "prefill_unavailable")
         finally:
             p.in_flight -= 1
+            if e is not None:
+                e.in_flight -= 1
         p.num_failures += status != 200
         return status, answer
 
@@ -176,7 +191,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         status, body = task.result()
         return None if status == 200 else (status, body)
 
-    def refused(failed: tuple[int, dict], p: Backend, d: Backend, decode_refused: bool = False) -> Exception:
+    def refused(failed: tuple[int, dict], p: Backend, d: Backend, decode_refused: bool = False,
+                e: Backend | None = None) -> Exception:
         """What a prefill failure before any output means: a client error is answered as it is; a failed
         send of the cache blames the decode engine (its messages name it), anything else the prefill one
         (and the decode one too when it refused as well)."""
@@ -184,7 +200,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         if not _retryable(status):
             return _Answer(status, answer)
         message = str((answer.get("error") or {}).get("message", "")) if isinstance(answer, dict) else ""
-        blame = [d] if "decode engine" in message else [p, d] if decode_refused else [p]
+        blame = ([d] if "decode engine" in message else [e] if e is not None and "encode engine" in message
+                 else [p, d] if decode_refused else [p])
         return _Refused(blame, status, answer)
 
     def decode_error(d: Backend, e: Exception, status: int = 503) -> dict:
@@ -212,10 +229,11 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         if "kv_transfer_params" in body:
             return JSONResponse(_error(400, "kv_transfer_params is set by the router", "invalid_request"), 400)
         tried: set[str] = set()
+        media = by_role["encode"] and _has_media(body)
         while True:
-            p, d = pick("prefill", tried), pick("decode", tried)
+            p, d, e = pick("prefill", tried), pick("decode", tried), pick("encode", tried) if media else None
             try:
-                return await attempt(request.app.state.client, path, body, p, d)
+                return await attempt(request.app.state.client, path, body, p, d, e)
             except _Refused as e:
                 for b in e.blame:
                     b.num_failures += b.role == "decode"  # a prefill failure is counted in call_prefill
@@ -224,13 +242,16 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                     return JSONResponse(e.body, status_code=e.status)
                 retries[0] += 1
 
-    async def attempt(client, path: str, body: dict, p: Backend, d: Backend):
-        """One try on ``p`` and ``d``: the client's response, or ``_Refused`` before any output was sent."""
+    async def attempt(client, path: str, body: dict, p: Backend, d: Backend, e: Backend | None):
+        """One try on ``p`` and ``d`` (and ``e`` for the images): the client's response, or ``_Refused`` before
+        any output was sent."""
         tid = uuid.uuid4().hex
         pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         pbody["kv_transfer_params"] = {"role": "export", "transfer_id": tid, "peer": d.transfer_address}
+        if e is not None:
+            pbody["kv_transfer_params"]["encoder"] = e.transfer_address
         dbody = {**body, "kv_transfer_params": {"role": "import", "transfer_id": tid}}
-        ptask = asyncio.create_task(call_prefill(client, p, path, pbody))
+        ptask = asyncio.create_task(call_prefill(client, p, path, pbody, e))
         d.in_flight += 1
         d.num_requests += 1
         dresp = None
@@ -240,10 +261,10 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             except Exception as e:  # noqa: BLE001
                 raise _Refused([d], 503, decode_error(d, e)) from None
             if dresp.status_code != 200 or not body.get("stream"):
-                response = await finish_plain(dresp, d, p, ptask)
+                response = await finish_plain(dresp, d, p, e, ptask)
             else:
                 chunks = dresp.aiter_raw().__aiter__()
-                first = await next_chunk(chunks, d, p, ptask)
+                first = await next_chunk(chunks, d, p, e, ptask)
                 response = StreamingResponse(relay(first, chunks, dresp, d, ptask), media_type="text/event-stream")
         except BaseException:
             ptask.cancel()  # the prefill server aborts what it has not finished
@@ -256,13 +277,13 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             d.in_flight -= 1
         return response
 
-    async def finish_plain(dresp, d: Backend, p: Backend, ptask: asyncio.Task):
+    async def finish_plain(dresp, d: Backend, p: Backend, e: Backend | None, ptask: asyncio.Task):
         read = asyncio.create_task(dresp.aread())
         try:
             done, _ = await asyncio.wait({read, ptask}, return_when=asyncio.FIRST_COMPLETED)
             decode_refused = _retryable(dresp.status_code)
             if read not in done and (failed := prefill_failed(ptask)) is not None:
-                raise refused(failed, p, d, decode_refused)
+                raise refused(failed, p, d, decode_refused, e)
             try:
                 await read
             except Exception as e:  # noqa: BLE001
@@ -270,7 +291,7 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             if dresp.status_code != 200:
                 if ptask.done() and (failed := prefill_failed(ptask)) is not None:
                     # the cause, not the decode side's wait
-                    raise refused(failed, p, d, decode_refused)
+                    raise refused(failed, p, d, decode_refused, e)
                 if decode_refused:
                     raise _Refused([d], dresp.status_code, dresp.json())
                 ptask.cancel()
@@ -280,7 +301,7 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         finally:
             read.cancel()
 
-    async def next_chunk(chunks, d: Backend, p: Backend, ptask: asyncio.Task) -> bytes:
+    async def next_chunk(chunks, d: Backend, p: Backend, e: Backend | None, ptask: asyncio.Task) -> bytes:
         """A stream's first chunk, or ``_Refused`` when either side fails before it."""
         nxt = asyncio.ensure_future(chunks.__anext__())
         try:
@@ -290,7 +311,7 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                 if ptask in done and (failed := prefill_failed(ptask)) is not None:
                     if not _retryable(failed[0]):
                         return _sse(failed[1])
-                    raise refused(failed, p, d)
+                    raise refused(failed, p, d, e=e)
                 if nxt in done:
                     try:
                         return nxt.result()
@@ -347,6 +368,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("router", help="OpenAI-compatible front end over prefill and decode servers")
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill-role servers")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode-role servers")
+    p.add_argument("--encode", nargs="+", default=[], metavar="URL",
+                   help="encode-role servers, for requests with images or videos")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--connect-timeout", type=float, default=120.0,
@@ -360,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     errors: list[str] = []
-    app = create_router(args.prefill, args.decode, args.connect_timeout, args.request_timeout, errors)
+    app = create_router(args.prefill, args.decode, args.connect_timeout, args.request_timeout, errors, args.encode)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     try:
         server.run()

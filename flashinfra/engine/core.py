@@ -34,7 +34,9 @@ class EngineCore:
         config = config.resolved()
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision,
+            # a decode role never encodes: its prompts were computed by a prefill engine
+            vision = config.enable_vision and config.role != "decode"
+            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=vision,
                                           quantization=config.quantization, cache_spec=CacheSpec.of(config))
         self.config = config
         self.model = model

@@ -71,3 +71,42 @@ def test_an_absent_encode_engine_fails_the_request(setup):
     out = _run([prefill], _finished(["x"]), errors_ok=True, timeout_s=30)[-1]["x"][-1]
     assert out.finish_reason == "error" and f"no answer from the encode engine at {absent}" in out.error
     assert prefill.stats().num_blocks_free == prefill.stats().num_blocks_total
+
+
+@pytest.mark.slow
+def test_servers_encode_prefill_decode_through_the_router_equal_a_both_server(tmp_path):
+    import base64
+    import io
+
+    import httpx
+
+    from tests.disagg.test_e2e import _kill, _spawn, _text, _wait_ready
+
+    write_mm_checkpoint(tmp_path / "mm", seed=2)
+    engine = ["--model", str(tmp_path / "mm"), "--device", "cpu", "--dtype", "float32", "--num-blocks", "128",
+              "--block-size", "16", "--max-num-seqs", "4", "--prefix-cache-slots", "0", "--log-level", "warning",
+              "--served-model-name", "default"]
+    encode = _spawn(tmp_path, "encode", "serve", *engine, "--role", "encode")
+    prefill = _spawn(tmp_path, "prefill", "serve", *engine, "--enable-vision", "--role", "prefill")
+    decode = _spawn(tmp_path, "decode", "serve", *engine, "--enable-vision", "--role", "decode")
+    both = _spawn(tmp_path, "both", "serve", *engine, "--enable-vision")
+    router = _spawn(tmp_path, "router", "router", "--prefill", prefill.url, "--decode", decode.url,
+                    "--encode", encode.url, "--log-level", "warning")
+    servers = [encode, prefill, decode, both, router]
+    try:
+        _wait_ready(servers)
+        png = io.BytesIO()
+        random_image(80, 110, seed=0).save(png, format="PNG")
+        url = f"data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}"
+        for stream in (False, True):
+            body = {"model": "default", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": stream,
+                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                              {"type": "text", "text": "Describe it."}]}]}
+            want = _text(both.url, "/v1/chat/completions", body)
+            assert want and _text(router.url, "/v1/chat/completions", body) == want
+        assert encode.metric("flashinfra_encoded_items_total") == 1
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        assert f'flashinfra_router_requests_total{{engine="{encode.url}",role="encode"}} 2.0' in metrics
+    finally:
+        for s in servers:
+            _kill(s)
