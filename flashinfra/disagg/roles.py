@@ -9,7 +9,10 @@ hidden state and the drafts made after the first token, so that the decode engin
 step as a colocated engine would (both roles need ``--speculative-tokens``: the MTP cache is part of the
 compared layout). The request's final output is held back until the decode side
 acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
-transfer frees the cache too and ends the request with an error that says why.
+transfer frees the cache too and ends the request with an error that says why. A request with images whose
+``TransferParams.encoder`` names an encode engine (``disagg.encode``) waits outside the scheduler until the
+embeddings of the items its encoder cache lacks arrive from there (keyed by content hash, put in that cache);
+then it runs, and its prefill reads them instead of running the tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
@@ -93,6 +96,8 @@ def _error_output(req: Request, message: str) -> RequestOutput:
 
 def check_role(config: Any) -> None:
     """``ValueError`` for settings a prefill or decode role does not support yet."""
+    if config.role == "encode":
+        raise ValueError("--role encode runs the vision tower alone (flashinfra serve), not an engine core")
     if config.role not in ROLES:
         raise ValueError(f"unknown role {config.role!r}; choose one of {', '.join(ROLES)}")
     if config.role == "both":

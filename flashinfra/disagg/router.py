@@ -86,8 +86,9 @@ async def discover(client, backends: list[Backend], timeout_s: float) -> None:
 
 def _has_media(body: dict) -> bool:
     """Whether a chat request carries images or videos (the parts an encode engine is for)."""
+    media = ("image_url", "video_url")
     return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(part, dict) and part.get("type") in ("image_url", "video_url") for part in m["content"])
+               and any(isinstance(part, dict) and part.get("type") in media for part in m["content"])
                for m in body.get("messages") or [])
 
 

@@ -16,8 +16,9 @@ at most ``max_inflight`` transfers queued or unacknowledged (``send`` raises ``T
 fails any transfer unacknowledged after ``timeout_s``. A receiver that dies fails its transfers at once, not
 at the timeout: the sender watches each connection through a ZeroMQ socket monitor, and libzmq's
 heartbeats (``HEARTBEAT_IVL_MS``, answered by the receiver's I/O thread even while its engine is busy)
-turn a silent peer (a host gone without closing its sockets) into the same disconnect. Results (request id, error or None) are taken with
-``poll``; ``wake`` (when given) is called from the background thread whenever one is ready.
+turn a silent peer (a host gone without closing its sockets) into the same disconnect. Results (request id,
+error or None) are taken with ``poll``; ``wake`` (when given) is called from the background thread whenever
+one is ready.
 """
 
 from __future__ import annotations

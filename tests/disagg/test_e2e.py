@@ -3,7 +3,8 @@ decode-role server and ``flashinfra router`` in front of them, against one ``--r
 
 Greedy outputs through the router equal the single server's (completions and chat, streamed and not, four
 requests at a time); 64 streams at once all finish; the prefill side holds no blocks once the decode side
-acknowledged; a router given a server of the wrong role refuses to start; killing the decode server mid-stream ends the stream with an OpenAI error within 5 s."""
+acknowledged; a router given a server of the wrong role refuses to start; killing the decode server mid-stream
+ends the stream with an OpenAI error within 5 s."""
 
 from __future__ import annotations
 
