@@ -178,8 +178,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         try:
             r = await client.post(p.url + path, json=body)
             status, answer = r.status_code, r.json()
-        except Exception as e:  # noqa: BLE001 - reported as the request's error
-            status, answer = 502, _error(502, f"the prefill server at {p.url} failed: {type(e).__name__}: {e}",
+        except Exception as exc:  # noqa: BLE001 - reported as the request's error
+            status, answer = 502, _error(502, f"the prefill server at {p.url} failed: {type(exc).__name__}: {exc}",
                                          "prefill_unavailable")
         finally:
             p.in_flight -= 1
@@ -235,12 +235,12 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             p, d, e = pick("prefill", tried), pick("decode", tried), pick("encode", tried) if media else None
             try:
                 return await attempt(request.app.state.client, path, body, p, d, e)
-            except _Refused as e:
-                for b in e.blame:
-                    b.num_failures += b.role == "decode"  # a prefill failure is counted in call_prefill
+            except _Refused as refusal:
+                for b in refusal.blame:
+                    b.num_failures += b.role != "prefill"  # a prefill failure is counted in call_prefill
                     tried.add(b.url)
-                if any(pick(b.role, tried) is None for b in e.blame):
-                    return JSONResponse(e.body, status_code=e.status)
+                if any(pick(b.role, tried) is None for b in refusal.blame):
+                    return JSONResponse(refusal.body, status_code=refusal.status)
                 retries[0] += 1
 
     async def attempt(client, path: str, body: dict, p: Backend, d: Backend, e: Backend | None):
@@ -256,11 +256,16 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         d.in_flight += 1
         d.num_requests += 1
         dresp = None
+        send = asyncio.create_task(client.send(client.build_request("POST", d.url + path, json=dbody), stream=True))
         try:
+            # a decode server answers a plain request only when it is done: watch the prefill call meanwhile
+            done, _ = await asyncio.wait({send, ptask}, return_when=asyncio.FIRST_COMPLETED)
+            if send not in done and (failed := prefill_failed(ptask)) is not None:
+                raise refused(failed, p, d, e=e)
             try:
-                dresp = await client.send(client.build_request("POST", d.url + path, json=dbody), stream=True)
-            except Exception as e:  # noqa: BLE001
-                raise _Refused([d], 503, decode_error(d, e)) from None
+                dresp = await send
+            except Exception as exc:  # noqa: BLE001
+                raise _Refused([d], 503, decode_error(d, exc)) from None
             if dresp.status_code != 200 or not body.get("stream"):
                 response = await finish_plain(dresp, d, p, e, ptask)
             else:
@@ -269,6 +274,7 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                 response = StreamingResponse(relay(first, chunks, dresp, d, ptask), media_type="text/event-stream")
         except BaseException:
             ptask.cancel()  # the prefill server aborts what it has not finished
+            send.cancel()  # and the decode server the import it waits for
             if dresp is not None:
                 await dresp.aclose()
             d.in_flight -= 1
@@ -287,8 +293,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                 raise refused(failed, p, d, decode_refused, e)
             try:
                 await read
-            except Exception as e:  # noqa: BLE001
-                raise _Refused([d], 503, decode_error(d, e)) from None
+            except Exception as exc:  # noqa: BLE001
+                raise _Refused([d], 503, decode_error(d, exc)) from None
             if dresp.status_code != 200:
                 if ptask.done() and (failed := prefill_failed(ptask)) is not None:
                     # the cause, not the decode side's wait
@@ -318,8 +324,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                         return nxt.result()
                     except StopAsyncIteration:
                         return b""
-                    except Exception as e:  # noqa: BLE001
-                        raise _Refused([d], 503, decode_error(d, e)) from None
+                    except Exception as exc:  # noqa: BLE001
+                        raise _Refused([d], 503, decode_error(d, exc)) from None
         finally:
             nxt.cancel()
 

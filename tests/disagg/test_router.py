@@ -1,6 +1,6 @@
 """``flashinfra router`` against stand-in engines (small FastAPI apps in this process, no model): the choice
 of the decode engine with the fewest requests in flight, a retry on another engine when the chosen one
-refuses before any output, and the router's ``/metrics``.
+refuses or cannot be reached before any output, and the router's ``/metrics``.
 
 A stand-in prefill server marks its transfer id as sent and answers; a stand-in decode server waits for its
 transfer id, then streams one event per token, each released by the test (``Stub.gate``) so that requests
@@ -33,6 +33,7 @@ class Stub:
         self.gate = threading.Semaphore(0)  # one release per event a decode stub streams
         self.num_requests = 0
         self.url = ""
+        self.served = None
 
     def app(self):
         app = FastAPI()
@@ -109,7 +110,7 @@ def cluster():
     served = []
     for stub in stubs.values():
         served.append(_Served(stub.app()))
-        stub.url = served[-1].url
+        stub.url, stub.served = served[-1].url, served[-1]
     router = _Served(create_router([stubs["p0"].url, stubs["p1"].url], [stubs["d0"].url, stubs["d1"].url],
                                    connect_timeout_s=10))
     served.append(router)
@@ -170,16 +171,27 @@ def test_the_decode_engine_with_the_fewest_requests_in_flight_is_chosen(cluster)
 
 def test_a_refusing_engine_is_left_out_and_the_request_runs_elsewhere(cluster):
     url, stubs = cluster
-    stubs["d0"].refuse = stubs["p0"].refuse = True
+    stubs["d0"].refuse = True
     stubs["d1"].gate.release()
     events = _stream(url, 1)
     assert [e["from"] for e in events] == [stubs["d1"].url]
     assert stubs["d0"].num_requests == 1 and stubs["d1"].num_requests == 1
     m = _metrics(url)
     assert m[f'flashinfra_router_failures_total{{engine="{stubs["d0"].url}",role="decode"}}'] == 1
-    assert m["flashinfra_router_retries_total"] >= 1
+    assert m["flashinfra_router_retries_total"] == 1
     assert all(v == 0 for k, v in m.items() if k.startswith("flashinfra_router_requests_in_flight"))
     # every engine of a role refusing: the client gets the last refusal
     stubs["d1"].refuse = True
     r = httpx.post(url + "/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_an_unreachable_prefill_server_is_left_out(cluster):
+    url, stubs = cluster
+    stubs["p0"].served.stop()
+    stubs["d0"].gate.release()
+    assert len(_stream(url, 1)) == 1
+    m = _metrics(url)
+    assert m[f'flashinfra_router_failures_total{{engine="{stubs["p0"].url}",role="prefill"}}'] == 1
+    assert m[f'flashinfra_router_requests_total{{engine="{stubs["p1"].url}",role="prefill"}}'] == 1
+    assert m["flashinfra_router_retries_total"] == 1
