@@ -6,8 +6,10 @@ and state slot (``Scheduler.held``) and the exporter sends its state to the deco
 ``peer``: the pages and KDA slot (packed on the sender's thread, from the held blocks), the first token and
 the sampling generator's state; with speculative decoding also the MTP layer's pages, the target's last
 hidden state and the drafts made after the first token, so that the decode engine drafts from its first
-step as a colocated engine would (both roles need ``--speculative-tokens``: the MTP cache is part of the
-compared layout). The request's final output is held back until the decode side
+step as a colocated engine would. Both roles need ``--speculative-tokens``: the MTP layer attends over its
+own cache entries at every prompt position, which only a prefill that runs it writes (a decode engine
+speculating alone would stay correct, its drafts being verified, but draft from entries never written), so
+the MTP cache is part of the compared layout. The request's final output is held back until the decode side
 acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
 transfer frees the cache too and ends the request with an error that says why. A request with images whose
 ``TransferParams.encoder`` names an encode engine (``disagg.encode``) waits outside the scheduler until the

@@ -1,6 +1,7 @@
 """Speculative decoding across roles: a prefill-role and a decode-role engine both with ``speculative_tokens``
 move the MTP layer's pages, the target's last hidden state and the first drafts with the request; greedy
-output equals a single engine without drafts, and the decode engine verifies drafts from its first step.
+output equals a single engine without drafts, the decode engine verifies drafts from its first step, and
+seeded sampling equals one speculating engine's.
 An engine pair where only one side speculates is refused by the layout handshake (the MTP cache differs)."""
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def test_speculative_decode_engine_continues_a_speculative_prefill(ckpt):
         got = _run([prefill, decode], _finished(ids))[-1]
         assert {r: _tokens(got[r]) for r in ids} == {r: _tokens(want[r]) for r in ids}
         assert first_verified == set(ids)  # the drafts the prefill engine made
+        # seeded sampling: the generator moves with the request, rejection sampling draws as one engine would
+        seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+        sids = [f"q{i}" for i in range(len(PROMPTS))]
+        reference = EngineCore(_config(ckpt, speculative_tokens=2))
+        try:
+            for rid, prompt in zip(sids, PROMPTS):
+                reference.add_request(_request(rid, prompt, seeded))
+            colocated = _run([reference], _finished(sids))[-1]
+        finally:
+            reference.close()
+        for rid, prompt in zip(sids, PROMPTS):
+            decode.add_request(_request(rid, prompt, seeded, TransferParams(f"t-{rid}", "import")))
+            prefill.add_request(_request(rid, prompt, seeded, TransferParams(f"t-{rid}", "export", peer)))
+        got = _run([prefill, decode], _finished(sids))[-1]
+        assert {r: _tokens(got[r]) for r in sids} == {r: _tokens(colocated[r]) for r in sids}
+        assert all(len(_tokens(colocated[r])) == 8 for r in sids)
         # a prefill engine without the MTP cache is refused by name
         plain.add_request(_request("x", PROMPTS[0], sampling, TransferParams("t-x", "export", peer)))
         out = _run([plain], _finished(["x"]), errors_ok=True)[-1]["x"][-1]
