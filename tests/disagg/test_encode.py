@@ -1,7 +1,8 @@
 """The encode role with a tiny vision checkpoint, engines in one process over the loopback: an encode engine
 (the vision tower alone), a prefill-role engine that takes its images' embeddings from it instead of
 encoding, and a decode-role engine without vision; greedy output for an image prompt equals a single engine's.
-An encode engine that is not there fails the request with a message that names it."""
+An encode engine that is not there, or whose embeddings differ from the prefill engine's (layout handshake),
+fails the request with a message that names it."""
 
 from __future__ import annotations
 
@@ -71,6 +72,22 @@ def test_an_absent_encode_engine_fails_the_request(setup):
     out = _run([prefill], _finished(["x"]), errors_ok=True, timeout_s=30)[-1]["x"][-1]
     assert out.finish_reason == "error" and f"no answer from the encode engine at {absent}" in out.error
     assert prefill.stats().num_blocks_free == prefill.stats().num_blocks_total
+
+
+def test_an_encode_engine_of_another_layout_is_refused_by_name(setup):
+    both, encoder, prefill, decode = setup
+    other = EncodeServer(encoder.tower, embedding_layout(both.engine.model.config.vision, 8, torch.float32,
+                                                         "encode engine B"))
+    try:
+        prompt, items = multimodal_prompt(both, "Describe it.", [random_image(70, 70, seed=6)], None)
+        prefill.add_request(_request("m", prompt, items, TransferParams("t-m", "export",
+                                                                        decode.ready_message().transfer_address,
+                                                                        encoder=other.address)))
+        out = _run([prefill], _finished(["m"]), errors_ok=True, timeout_s=30)[-1]["m"][-1]
+        assert out.finish_reason == "error" and "cache layout mismatch between encode engine B and prefill" in out.error
+        assert other.num_encoded == 0
+    finally:
+        other.close()
 
 
 @pytest.mark.slow
