@@ -4,9 +4,11 @@ Nothing moves without being described: a ``CacheLayout`` names every cache tenso
 per-block or per-slot shape) plus the block size and a model fingerprint. Two engines compare layouts in
 their handshake; ``check_compatible`` refuses any mismatch with a message naming both sides.
 
+An engine's caches are its model cache plus, with speculative decoding, the MTP layer's paged cache (same
+block tables; its layer index follows the trunk's, so every (kind, layer) names one tensor).
 ``pack_request_state`` gathers one request's pages (by block id) and its KDA slot (conv window + recurrent
-state) into contiguous per-tensor buffers; ``unpack_request_state`` scatters them into the receiver's own
-block ids and slot. Buffers are raw bytes, so a transport can send them without Python touching them.
+state, the committed checkpoint when speculation is on) into contiguous per-tensor buffers;
+``unpack_request_state`` scatters them into the receiver's own block ids and slot. Buffers are raw bytes, so a transport can send them without Python touching them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import msgspec
 import torch
 
+from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.model.cache import ModelCache
 
 
@@ -35,7 +38,8 @@ class CacheLayout(msgspec.Struct, frozen=True):
 
 class RequestState(msgspec.Struct):
     """One request's moved state besides its buffers (which follow ``layout.tensors``' order): the
-    transfer it belongs to, what was computed, the first sampled token and the sampling generator."""
+    transfer it belongs to, what was computed, the first sampled token (with its logprobs when the request
+    asked for them) and the sampling generator."""
 
     request_id: str  # the transfer id both engines were given
     prompt_len: int
@@ -43,6 +47,11 @@ class RequestState(msgspec.Struct):
     first_token: int
     prompt_hash: str = ""  # the receiver refuses a state computed for other prompt tokens
     generator_state: bytes = b""  # torch.Generator state after the first token (empty: greedy)
+    first_logprob: TokenLogprob | None = None  # None: the request did not ask for logprobs
+    # speculative decoding: the target's hidden state at the last prompt position (raw bytes, model dtype)
+    # and the MTP drafts made after the first token
+    hidden: bytes = b""
+    drafts: list[int] = []
 
 
 PAGED = ("mla_latent", "indexer_keys", "mla_latent_scale", "indexer_scale")  # scales: 8-bit caches only
@@ -53,17 +62,21 @@ class LayoutMismatch(ValueError):
     pass
 
 
-def _tensors(cache: ModelCache):
-    for kind in PAGED + SLOTTED:
-        for layer, t in sorted(getattr(cache, kind).items()):
-            yield kind, layer, t
+Caches = ModelCache | tuple[ModelCache, ...]
 
 
-def describe(cache: ModelCache, model_fingerprint: str, name: str = "engine") -> CacheLayout:
+def _tensors(caches: Caches):
+    for cache in caches if isinstance(caches, tuple) else (caches,):
+        for kind in PAGED + SLOTTED:
+            for layer, t in sorted(getattr(cache, kind).items()):
+                yield kind, layer, t
+
+
+def describe(cache: Caches, model_fingerprint: str, name: str = "engine") -> CacheLayout:
     return CacheLayout(
         name=name,
         model_fingerprint=model_fingerprint,
-        block_size=cache.block_size,
+        block_size=(cache[0] if isinstance(cache, tuple) else cache).block_size,
         tensors=tuple(
             TensorDesc(kind, layer, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
             for kind, layer, t in _tensors(cache)
@@ -106,7 +119,7 @@ def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:
         )
 
 
-def pack_request_state(cache: ModelCache, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
+def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
     """Contiguous CPU byte buffers, one per layout tensor: pages gathered by ``block_ids``, then the slot."""
     idx = torch.tensor(block_ids, dtype=torch.long)
     out = []
@@ -119,7 +132,7 @@ def pack_request_state(cache: ModelCache, block_ids: list[int], slot: int | None
     return out
 
 
-def unpack_request_state(cache: ModelCache, block_ids: list[int], slot: int | None,
+def unpack_request_state(cache: Caches, block_ids: list[int], slot: int | None,
                          buffers: list[torch.Tensor | bytes | memoryview]) -> None:
     """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot."""
     items = list(_tensors(cache))

@@ -4,16 +4,25 @@ Prefill role (``Exporter``): a request submitted with ``TransferParams(role="exp
 limited to one output token. When that first token is sampled the scheduler holds the request's blocks
 and state slot (``Scheduler.held``) and the exporter sends its state to the decode engine named by
 ``peer``: the pages and KDA slot (packed on the sender's thread, from the held blocks), the first token and
-the sampling generator's state. The request's final output is held back until the decode side
+the sampling generator's state; with speculative decoding also the MTP layer's pages, the target's last
+hidden state and the drafts made after the first token, so that the decode engine drafts from its first
+step as a colocated engine would. Both roles need ``--speculative-tokens``: the MTP layer attends over its
+own cache entries at every prompt position, which only a prefill that runs it writes (a decode engine
+speculating alone would stay correct, its drafts being verified, but draft from entries never written), so
+the MTP cache is part of the compared layout. The request's final output is held back until the decode side
 acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
-transfer frees the cache too and ends the request with an error that says why.
+transfer frees the cache too and ends the request with an error that says why. A request with images whose
+``TransferParams.encoder`` names an encode engine (``disagg.encode``) waits outside the scheduler until the
+embeddings of the items its encoder cache lacks arrive from there (keyed by content hash, put in that cache);
+then it runs, and its prefill reads them instead of running the tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
-them, the generator is restored, the sender is acknowledged, and the request decodes as if it had been
-prefilled here (its first output is the first token). A request waits at most ``transfer_timeout_s`` for
-its state; a state nobody asks for within that time is refused back to its sender.
+them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
+the request decodes as if it had been prefilled here (its first output is the first token, with its
+logprobs when asked for). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
+for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
 """
@@ -72,8 +81,14 @@ def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
+def engine_caches(core: Any) -> tuple:
+    """What a request's state is moved from or into: the model cache, and the MTP layer's with speculation."""
+    spec = core.runner.speculator
+    return (core.runner.cache,) if spec is None else (core.runner.cache, spec.mtp_cache)
+
+
 def engine_layout(core: Any, role: str) -> CacheLayout:
-    return describe(core.runner.cache, fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
+    return describe(engine_caches(core), fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
 
 
 def _error_output(req: Request, message: str) -> RequestOutput:
@@ -83,16 +98,14 @@ def _error_output(req: Request, message: str) -> RequestOutput:
 
 def check_role(config: Any) -> None:
     """``ValueError`` for settings a prefill or decode role does not support yet."""
+    if config.role == "encode":
+        raise ValueError("--role encode runs the vision tower alone (flashinfra serve), not an engine core")
     if config.role not in ROLES:
         raise ValueError(f"unknown role {config.role!r}; choose one of {', '.join(ROLES)}")
     if config.role == "both":
         return
-    if config.speculative_tokens:
-        raise ValueError(f"--role {config.role} does not support speculative decoding (--speculative-tokens)")
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
         raise ValueError(f"--role {config.role} runs on one rank (no tensor/expert parallelism)")
-    if config.enable_vision:
-        raise ValueError(f"--role {config.role} serves text only (no --enable-vision)")
 
 
 class Exporter:
@@ -111,16 +124,73 @@ class Exporter:
             self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
         self._transfer_ids: dict[str, str] = {}  # transfer id -> request id
+        self.timeout_s = config.transfer_timeout_s
+        self.encoder = None  # the EncodeClient, once a request names an encode engine
+        self._encoding: dict[str, Request] = {}  # request id -> request waiting for its images' embeddings
+        self._encoding_hashes: set[str] = set()  # items asked for and not answered yet
         self.num_total = 0
         self.num_failures = 0
+        self.num_remote_encoded = 0  # items whose embeddings an encode engine made (here or for an earlier request)
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> bool:
+        """Check an export request; whether the scheduler takes it now (not while its images are encoded
+        elsewhere)."""
         if req.transfer is None or req.transfer.role != "export" or not req.transfer.peer:
             raise ValueError("a prefill-role engine takes only requests to export (kv_transfer_params with role "
                              "'export' and the decode engine's address as peer)")
-        if req.mm_items:
-            raise ValueError("disaggregated serving takes text prompts only")
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=1)
+        if not req.mm_items or not req.transfer.encoder:
+            return True
+        cache = self.core.runner.embedder.cache
+        missing = {it.content_hash: it for it in req.mm_items
+                   if it.content_hash not in cache and it.content_hash not in self._encoding_hashes}
+        if all(it.content_hash in cache for it in req.mm_items):
+            self.num_remote_encoded += len(req.mm_items)
+            return True
+        if missing:
+            self._encoder_client().request(req.transfer.encoder, list(missing.values()))
+            self._encoding_hashes.update(missing)
+        self._encoding[req.request_id] = req  # started by ``poll`` once the embeddings are here
+        return False
+
+    def _encoder_client(self):
+        if self.encoder is None:
+            from flashinfra.disagg.encode import EncodeClient, embedding_layout
+
+            model = self.core.model
+            layout = embedding_layout(model.config.vision, model.config.text.hidden_size, model.dtype,
+                                      name=f"prefill engine ({model.path.name})")
+            self.encoder = EncodeClient(layout, timeout_s=self.timeout_s, wake=self.wake)
+        return self.encoder
+
+    def _take_embeddings(self) -> list[RequestOutput]:
+        """Put arrived embeddings in the encoder cache; start the requests that have all theirs, fail those
+        whose items failed."""
+        if self.encoder is None:
+            return []
+        cache, outputs = self.core.runner.embedder.cache, []
+        failed: dict[str, str] = {}
+        pinned = {it.content_hash for r in self._encoding.values() for it in r.mm_items}
+        for content_hash, rows, error in self.encoder.poll():
+            self._encoding_hashes.discard(content_hash)
+            if error is not None:
+                failed[content_hash] = error
+            else:
+                cache.put(content_hash, rows.to(self.core.runner.device), pinned)
+        for rid, req in list(self._encoding.items()):
+            errors = [failed[it.content_hash] for it in req.mm_items if it.content_hash in failed]
+            bad = [it for it in req.mm_items if it.content_hash in cache and cache.get(it.content_hash).shape[0]
+                   != it.num_embeds]
+            if errors or bad:
+                del self._encoding[rid]
+                self.num_failures += 1
+                why = errors[0] if errors else f"{bad[0].num_embeds} embeddings expected, other rows received"
+                outputs.append(_error_output(req, f"the request's images could not be encoded: {why}"))
+            elif all(it.content_hash in cache for it in req.mm_items):
+                del self._encoding[rid]
+                self.num_remote_encoded += len(req.mm_items)
+                self.core.scheduler.add_request(req)
+        return outputs
 
     def has_events(self) -> bool:
         """Whether ``poll`` has something to do (a transfer finished)."""
@@ -136,12 +206,18 @@ class Exporter:
                 released.append(out)
                 continue
             gen = runner.generators.get(req.request_id)
+            spec = runner.speculator
+            hidden = None if spec is None else spec.hidden.get(req.request_id)
             state = RequestState(
                 request_id=req.transfer.transfer_id, prompt_len=req.num_prompt_tokens,
                 num_blocks=len(req.block_ids), first_token=req.output_token_ids[0],
                 prompt_hash=token_hash(req.prompt_token_ids),
-                generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"")
-            pack = functools.partial(pack_request_state, runner.cache, list(req.block_ids), req.state_slot)
+                generator_state=bytes(gen.get_state().numpy()) if gen is not None else b"",
+                first_logprob=out.logprobs[0] if out.logprobs else None,
+                hidden=b"" if hidden is None else bytes(hidden.cpu().view(torch.uint8).numpy()),
+                drafts=[] if spec is None else list(spec.drafts.get(req.request_id, [])))
+            pack = functools.partial(pack_request_state, engine_caches(self.core), list(req.block_ids),
+                                     req.state_slot)
             try:
                 self.sender.send(req.transfer.peer, state, pack)
             except TransferError as e:
@@ -155,7 +231,7 @@ class Exporter:
 
     def poll(self) -> list[RequestOutput]:
         self.wake.drain()
-        outputs = []
+        outputs = self._take_embeddings()
         for transfer_id, error in self.sender.poll():
             rid = self._transfer_ids.pop(transfer_id, None)
             if rid is None:
@@ -172,10 +248,14 @@ class Exporter:
         return outputs
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return []  # a transfer under way ends by its ack or its timeout, which free the cache
+        # a transfer under way ends by its ack or its timeout, which free the cache
+        return [RequestOutput(rid, [], None, True, "abort", num_prompt_tokens=self._encoding.pop(rid).num_prompt_tokens)
+                for rid in request_ids if rid in self._encoding]
 
     def close(self) -> None:
         self.sender.close()
+        if self.encoder is not None:
+            self.encoder.close()
         self.wake.close()
 
 
@@ -201,15 +281,15 @@ class Importer:
         self.num_total = 0
         self.num_failures = 0
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> bool:
+        """Check an import request and wait for its state (the scheduler never takes it directly)."""
         if req.transfer is None or req.transfer.role != "import":
             raise ValueError("a decode-role engine takes only requests to import (kv_transfer_params with role "
                              "'import' and the transfer id the prefill engine was given)")
-        if req.mm_items:
-            raise ValueError("disaggregated serving takes text prompts only")
         if req.transfer.transfer_id in self._waiting:
             raise ValueError(f"duplicate transfer id {req.transfer.transfer_id!r}")
         self._waiting[req.transfer.transfer_id] = (req, time.monotonic() + self.timeout_s)
+        return False
 
     def has_events(self) -> bool:
         """Whether ``poll`` has something to do: a state arrived, or a wait ran out."""
@@ -267,13 +347,17 @@ class Importer:
             self.num_failures += 1
             return _error_output(req, f"cache transfer refused: {problem}")
         sched, runner = self.core.scheduler, self.core.runner
-        out = sched.admit_imported(req, state.first_token)
+        out = sched.admit_imported(req, state.first_token, state.first_logprob)
         if out is None:
             return None  # no room yet; retried on the next step
         try:
             # finished already (the first token stopped it): its blocks are free, nothing to write
             if req.block_ids:
-                unpack_request_state(runner.cache, req.block_ids, req.state_slot, arrival.buffers)
+                unpack_request_state(engine_caches(self.core), req.block_ids, req.state_slot, arrival.buffers)
+            if runner.speculator is not None and state.hidden and not req.is_finished:
+                hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
+                runner.speculator.hidden[req.request_id] = hidden.view(runner.model.dtype).to(runner.device)
+                runner.speculator.drafts[req.request_id] = list(state.drafts)
             if state.generator_state and not req.is_finished:
                 gen = torch.Generator(device=runner.device)
                 gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))

@@ -13,8 +13,12 @@ every later one to that engine) with ``LayoutMismatch``'s text.
 Transfer: one multipart message ``[header, *buffers]`` sent with ``copy=False`` (libzmq reads the buffers
 in place). The receiver acknowledges once the state is in its cache, or answers an error. The sender keeps
 at most ``max_inflight`` transfers queued or unacknowledged (``send`` raises ``TransferError`` beyond) and
-fails any transfer unacknowledged after ``timeout_s``. Results (request id, error or None) are taken with
-``poll``; ``wake`` (when given) is called from the background thread whenever one is ready.
+fails any transfer unacknowledged after ``timeout_s``. A receiver that dies fails its transfers at once, not
+at the timeout: the sender watches each connection through a ZeroMQ socket monitor, and libzmq's
+heartbeats (``HEARTBEAT_IVL_MS``, answered by the receiver's I/O thread even while its engine is busy)
+turn a silent peer (a host gone without closing its sockets) into the same disconnect. Results (request id,
+error or None) are taken with ``poll``; ``wake`` (when given) is called from the background thread whenever
+one is ready.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import zmq
 from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, RequestState, check_compatible
 
 HANDSHAKE_TIMEOUT_S = 5.0
+HEARTBEAT_IVL_MS = 1000  # a connection with no traffic for HEARTBEAT_TIMEOUT_MS counts as lost
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class TransferError(RuntimeError):
@@ -119,6 +125,8 @@ class StateReceiver:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock.bind(address)
         self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._wake_owner = wake
@@ -198,6 +206,24 @@ class StateReceiver:
         self._sock.close(linger=0)
 
 
+def _disconnected(monitor: zmq.Socket) -> bool:
+    """Drain a connection monitor; whether it reported the connection lost."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    lost = False
+    while True:
+        try:
+            lost = recv_monitor_message(monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED or lost
+        except zmq.Again:
+            return lost
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
 class StateSender:
     """Sends request states to decode engines from its own thread; ``poll`` gives (request id, error)."""
 
@@ -250,23 +276,28 @@ class StateSender:
         if self._wake_owner is not None:
             self._wake_owner()
 
-    def _connect(self, peer: str, poller: zmq.Poller) -> zmq.Socket:
+    def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
+        """A handshaken DEALER to ``peer`` and the monitor socket that reports its disconnection."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(peer)
         sock.send(_enc.encode(_Hello(self.layout)))
         if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
-            sock.close()
+            _close(sock, monitor)
             raise TransferError(f"no answer from the decode engine at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
         reply = _to_sender.decode(sock.recv())
         if not isinstance(reply, _Reply) or not reply.ok:
-            sock.close()
+            _close(sock, monitor)
             raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
         poller.register(sock, zmq.POLLIN)
-        return sock
+        poller.register(monitor, zmq.POLLIN)
+        return sock, monitor
 
     def _loop(self) -> None:
-        peers: dict[str, zmq.Socket] = {}
+        peers: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # peer -> (DEALER, its monitor)
         refused: dict[str, str] = {}  # peers whose layout does not match: every transfer fails at once
         inflight: dict[str, tuple[float, str]] = {}  # request id -> (deadline, peer)
         poller = zmq.Poller()
@@ -285,9 +316,9 @@ class StateSender:
                 try:
                     if peer in refused:
                         raise LayoutMismatch(refused[peer])
-                    sock = peers.get(peer)
-                    if sock is None:
-                        sock = peers[peer] = self._connect(peer, poller)
+                    if peer not in peers:
+                        peers[peer] = self._connect(peer, poller)
+                    sock = peers[peer][0]
                     bufs = buffers() if callable(buffers) else buffers
                     sock.send_multipart(self._message(state, bufs), flags=zmq.NOBLOCK, copy=False)
                     inflight[rid] = (time.monotonic() + self.timeout_s, peer)
@@ -298,29 +329,35 @@ class StateSender:
                     self._finish(rid, f"the decode engine at {peer} is not taking transfers")
                 except Exception as e:  # noqa: BLE001 - the transfer fails, the engine goes on
                     self._finish(rid, f"transfer to {peer} failed: {type(e).__name__}: {e}")
-            for peer, sock in list(peers.items()):
-                if sock not in events:
-                    continue
-                while True:
-                    try:
-                        msg = _to_sender.decode(sock.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if isinstance(msg, _Ack) and inflight.pop(msg.request_id, None) is not None:
-                        self._finish(msg.request_id, msg.error or None)
-                        if msg.error.startswith("no layout handshake"):  # reconnect next time
-                            poller.unregister(sock)
-                            sock.close(linger=0)
-                            del peers[peer]
+            for peer, (sock, monitor) in list(peers.items()):
+                lost = monitor in events and _disconnected(monitor)
+                if sock in events or lost:
+                    while True:
+                        try:
+                            msg = _to_sender.decode(sock.recv(zmq.NOBLOCK))
+                        except zmq.Again:
                             break
+                        if isinstance(msg, _Ack) and inflight.pop(msg.request_id, None) is not None:
+                            self._finish(msg.request_id, msg.error or None)
+                            lost = lost or msg.error.startswith("no layout handshake")  # reconnect next time
+                if lost:
+                    for poll_sock in (sock, monitor):
+                        poller.unregister(poll_sock)
+                    _close(sock, monitor)
+                    del peers[peer]
+                    for rid, (_, to) in list(inflight.items()):
+                        if to == peer:
+                            del inflight[rid]
+                            self._finish(rid, f"the decode engine at {peer} went away during the transfer "
+                                              f"(connection lost)")
             now = time.monotonic()
             for rid, (deadline, peer) in list(inflight.items()):
                 if deadline <= now:
                     del inflight[rid]
                     self._finish(rid, f"the decode engine at {peer} did not acknowledge the transfer within "
                                       f"{self.timeout_s:g} s")
-        for sock in peers.values():
-            sock.close(linger=0)
+        for sock, monitor in peers.values():
+            _close(sock, monitor)
 
     def close(self) -> None:
         self._stop = True

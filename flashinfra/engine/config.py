@@ -190,10 +190,11 @@ class EngineConfig(LoadConfig):
     dist_timeout_s: float = option(
         120.0, "seconds a collective may wait for a peer before failing the step (a dead or hung rank)", min=1)
     role: str = option("both", "disaggregated serving: prefill (compute prompts, send their cache to a decode "
-                               "engine), decode (continue requests from a received cache) or both",
-                       choices=("both", "prefill", "decode"))
-    transfer_address: str = option("tcp://127.0.0.1:*", "decode role: where request states are received "
-                                                        "(* picks a free port)", metavar="ADDR")
+                               "engine), decode (continue requests from a received cache), encode (the vision "
+                               "tower alone, for prefill engines) or both",
+                       choices=("both", "prefill", "decode", "encode"))
+    transfer_address: str = option("tcp://127.0.0.1:*", "decode/encode roles: where request states (or "
+                                                        "images) are received (* picks a free port)", metavar="ADDR")
     transfer_backend: str = option(
         "zmq", "prefill/decode roles: how cache bytes move: zmq (as frames over the control connection) or "
                "mooncake (the Mooncake transfer engine, on the host of --transfer-address)",

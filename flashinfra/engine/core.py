@@ -42,7 +42,9 @@ class EngineCore:
                              f"{2 * DETERMINISTIC_ALIGN}")
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=config.enable_vision,
+            # a decode role never encodes: its prompts were computed by a prefill engine
+            vision = config.enable_vision and config.role != "decode"
+            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=vision,
                                           quantization=config.quantization, cache_spec=CacheSpec.of(config))
         self.config = config
         self.model = model
@@ -105,7 +107,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
-        if request.mm_items or self.model.vision is not None:
+        importing = request.transfer is not None and request.transfer.role == "import"
+        if (request.mm_items or self.model.vision is not None) and not importing:  # imports were encoded elsewhere
             from flashinfra.multimodal.encoder import validate_request
 
             validate_request(self.model, ids, request.mm_items)
@@ -113,9 +116,8 @@ class EngineCore:
         req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
         req.transfer = request.transfer
         if self.disagg is not None:
-            self.disagg.admit(req)
-            if req.transfer.role == "import":
-                return  # admitted to the scheduler when its state arrives
+            if not self.disagg.admit(req):
+                return  # admitted to the scheduler when its state (or its images' embeddings) arrives
         elif req.transfer is not None:
             raise ValueError("this engine runs both prefill and decode; kv_transfer_params needs an engine started "
                              "with --role prefill or --role decode")

@@ -150,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine_config.role == "encode":
+        from flashinfra.server.disagg import run_encode_server
+
+        return run_encode_server(engine_config, sock, name, opts.log_level)
 
     def launch(input_addr: str, output_addr: str):
         ctx = multiprocessing.get_context("spawn")

@@ -38,6 +38,7 @@ class KVTransferParams(BaseModel):
     role: Literal["export", "import"]
     transfer_id: Annotated[str, Field(min_length=1, max_length=128)]
     peer: Annotated[str, Field(max_length=256)] = ""
+    encoder: Annotated[str, Field(max_length=256)] = ""  # export: the encode engine for the prompt's images
 
 
 class _SamplingFields(BaseModel):

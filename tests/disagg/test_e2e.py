@@ -2,9 +2,9 @@
 decode-role server and ``flashinfra router`` in front of them, against one ``--role both`` server.
 
 Greedy outputs through the router equal the single server's (completions and chat, streamed and not, four
-requests at a time); the
-prefill side holds no blocks once the decode side acknowledged; a router given a server of the wrong role
-refuses to start; killing the decode server mid-stream ends the stream with an OpenAI error within 5 s."""
+requests at a time); 64 streams at once all finish; the prefill side holds no blocks once the decode side
+acknowledged; a router given a server of the wrong role refuses to start; killing the decode server mid-stream
+ends the stream with an OpenAI error within 5 s."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def _kill(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disagg")
-    prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", "--transfer-timeout-s", "10")
-    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", "--transfer-timeout-s", "10")
+    prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", "--transfer-timeout-s", "60")
+    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", "--transfer-timeout-s", "60")
     both = _spawn(tmp, "both", "serve", *ENGINE)
     router = _spawn(tmp, "router", "router", "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning")
     servers = {"prefill": prefill, "decode": decode, "both": both, "router": router}
@@ -113,6 +113,23 @@ def test_prefill_blocks_are_freed_after_the_ack(cluster):
         assert time.monotonic() < deadline, "the prefill engine still holds blocks"
         time.sleep(0.2)
     assert prefill.metric("flashinfra_transfer_failures_total") == 0
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams(cluster):
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    want = _text(cluster["both"].url, "/v1/completions", body)
+    prompts = [f"{i} apples and" for i in range(64)]
+    with ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(lambda p: _text(cluster["router"].url, "/v1/completions", {**body, "prompt": p}), prompts))
+    assert all(got)
+    assert _text(cluster["router"].url, "/v1/completions", body) == want
+    metrics = httpx.get(cluster["router"].url + "/metrics", timeout=10).text
+    in_flight = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("flashinfra_router_requests_in_flight{")]
+    assert len(in_flight) == 2 and not any(in_flight)
+    assert 'flashinfra_router_failures_total{engine="' in metrics and "flashinfra_router_retries_total 0.0" in metrics
 
 
 def test_router_refuses_a_server_of_the_wrong_role(cluster):

@@ -1,10 +1,17 @@
 """A prefill-role and a decode-role ``EngineCore`` in one process, exchanging request states over the ZeroMQ
 transport on the loopback: outputs equal a single engine's (greedy and seeded sampling), the prefill side
-frees its blocks after the ack or after a timeout, a mismatched layout is refused by name."""
+frees its blocks after the ack, after a timeout, or at once when the receiving process is killed, a mismatched
+layout is refused by name, the first token's logprobs reach the decode side."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+
+import msgspec
 
 import pytest
 
@@ -115,6 +122,45 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         silent.close()
 
 
+# a decode engine's receiving end that takes the handshake and the state, and never acknowledges
+_SILENT_RECEIVER = """
+import sys, time, msgspec
+from flashinfra.disagg.layout import CacheLayout
+from flashinfra.disagg.transport import StateReceiver
+rx = StateReceiver(msgspec.json.decode(sys.stdin.buffer.read(), type=CacheLayout))
+print(rx.address, flush=True)
+while True:
+    if rx.poll():
+        print("arrived", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_killed_receiver_fails_the_transfer_at_once_and_frees_the_blocks(engines):
+    prefill, decode, _ = engines
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT_RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        proc.stdin.write(msgspec.json.encode(decode.disagg.layout).decode())
+        proc.stdin.close()
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        prefill.add_request(_request("dead", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0),
+                                     TransferParams("t-dead", "export", address)))
+        got = _run([prefill], lambda _: prefill.stats().num_transfers_held > 0, errors_ok=True)
+        assert proc.stdout.readline().strip() == "arrived"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out = _run([prefill], _finished(["dead"]), timeout_s=20, errors_ok=True, got=got)[-1]["dead"][-1]
+        assert time.monotonic() - killed_at < 1.5  # the transfer timeout is 3 s
+        assert out.finish_reason == "error" and "went away during the transfer" in out.error
+        stats = prefill.stats()
+        assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
     prefill, _, _ = engines
     other = EngineCore(_config(write_tiny_checkpoint(tmp_path / "other", seed=0, num_hidden_layers=3,
@@ -142,3 +188,20 @@ def test_roles_refuse_requests_of_the_other_kind(engines):
         decode.add_request(_request("y", PROMPTS[0], SamplingParams()))
     with pytest.raises(ValueError, match="--role prefill or --role decode"):
         both.add_request(_request("z", PROMPTS[0], SamplingParams(), TransferParams("t", "import")))
+
+
+def test_first_token_logprobs_move_with_the_request(engines):
+    prefill, decode, both = engines
+    peer = decode.ready_message().transfer_address
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=3)
+    both.add_request(_request("lp", PROMPTS[0], sampling))
+    want = _run([both], _finished(["lp"]))[-1]["lp"]
+    decode.add_request(_request("lp", PROMPTS[0], sampling, TransferParams("t-lp", "import")))
+    prefill.add_request(_request("lp", PROMPTS[0], sampling, TransferParams("t-lp", "export", peer)))
+    got = _run([prefill, decode], _finished(["lp"]))[-1]["lp"]
+    first = got[0]
+    assert first.new_token_ids == want[0].new_token_ids and first.logprobs is not None
+    lp, ref = first.logprobs[0], want[0].logprobs[0]
+    assert lp.token_id == ref.token_id and lp.logprob == pytest.approx(ref.logprob, abs=1e-4)
+    assert [t for t, _ in lp.top] == [t for t, _ in ref.top] and len(lp.top) == 3
+    assert all(o.logprobs is not None and len(o.logprobs) == len(o.new_token_ids) for o in got)

@@ -119,6 +119,7 @@ class TransferParams(msgspec.Struct, frozen=True):
     transfer_id: str
     role: str  # "export" | "import"
     peer: str = ""  # export: the decode engine's state address
+    encoder: str = ""  # export: the encode engine that encodes the prompt's images/videos (empty: this engine)
 
 
 class EngineRequest(msgspec.Struct, tag=True):

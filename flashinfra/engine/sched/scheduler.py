@@ -131,10 +131,11 @@ class Scheduler:
         if req is not None:
             self.cache.free(req)
 
-    def admit_imported(self, req: Request, first_token: int) -> RequestOutput | None:
+    def admit_imported(self, req: Request, first_token: int, first_logprob=None) -> RequestOutput | None:
         """Admit ``req``, whose prompt was computed by another engine, into the running batch with its first
-        token pending: a slot and blocks for the prompt are taken now (the caller writes the imported state
-        into them). None, with nothing taken, while the batch or the cache has no room."""
+        token (and that token's logprobs, computed there) pending: a slot and blocks for the prompt are taken
+        now (the caller writes the imported state into them). None, with nothing taken, while the batch or the
+        cache has no room."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if len(self.running) >= self.config.max_num_seqs:
@@ -152,7 +153,7 @@ class Scheduler:
         reason = req.check_stop(self.max_len)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [first_token], None)
+        return self._output(req, [first_token], None if req.sampling.logprobs is None else [first_logprob])
 
     # ---- one step ----
     def schedule(self) -> Plan:
