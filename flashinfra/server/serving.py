@@ -187,28 +187,38 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
 
 
 async def run_choices(state: ServerState, request: Request, choices: list[Choice], queue: asyncio.Queue,
-                      arrival: float) -> AsyncIterator[ChoiceEvent]:
+                      arrival: float) -> AsyncIterator[list[ChoiceEvent]]:
     """Turn engine outputs into choice events until every choice finished; abort what is left over if the
-    consumer stops early (client gone, stream cancelled)."""
+    consumer stops early (client gone, stream cancelled).
+
+    Each wake-up takes every output already waiting on the queue (one engine step's, or several when this
+    stream fell behind) and yields their events as one batch, so a stream costs one task wake-up and one
+    socket write per batch rather than per token."""
     by_id = {c.request_id: c for c in choices}
     unfinished = set(by_id)
     watcher = asyncio.create_task(_watch_disconnect(request, queue))
     try:
         while unfinished:
-            item = await queue.get()
-            if item is _DISCONNECTED:
-                return
-            choice = by_id[item.request_id]
-            if choice.finish_reason is not None:
-                continue
-            event = _apply_output(state, choice, item, arrival)
-            if event.finish_reason is not None:
-                unfinished.discard(choice.request_id)
-                if item.finished is False:  # stopped by a stop string: the engine must stop too
-                    state.client.abort_soon([choice.request_id])
-                _record_finish(state, choice, arrival)
-            if event.text or event.token_ids or event.finish_reason is not None:
-                yield event
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            events = []
+            for item in items:
+                if item is _DISCONNECTED:
+                    return
+                choice = by_id[item.request_id]
+                if choice.finish_reason is not None:
+                    continue
+                event = _apply_output(state, choice, item, arrival)
+                if event.finish_reason is not None:
+                    unfinished.discard(choice.request_id)
+                    if item.finished is False:  # stopped by a stop string: the engine must stop too
+                        state.client.abort_soon([choice.request_id])
+                    _record_finish(state, choice, arrival)
+                if event.text or event.token_ids or event.finish_reason is not None:
+                    events.append(event)
+            if events:
+                yield events
     finally:
         watcher.cancel()
         if unfinished:
