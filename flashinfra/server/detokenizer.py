@@ -19,9 +19,9 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text deltas and finds stop strings.
 
-    ``add_token`` consumes one token id (``add_tokens`` several, when there are no stop strings); ``pop_delta`` returns the text that may be sent now. Once a stop
-    string is seen, ``stopped`` is true, the text ends before it (or after it, with ``include_stop``),
-    and further tokens are ignored.
+    ``add_token`` consumes one token id (``add_tokens`` several, when there are no stop strings);
+    ``pop_delta`` returns the text that may be sent now. Once a stop string is seen, ``stopped`` is true,
+    the text ends before it (or after it, with ``include_stop``), and further tokens are ignored.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | tuple[str, ...] = (),
