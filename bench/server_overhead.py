@@ -5,7 +5,7 @@ step with a token for every running request) and sleeps ``--step-ms`` per step i
 the serving benchmark measures only what the HTTP server, the engine client, detokenisation, stop strings
 and SSE framing cost. ``--profile FILE`` runs the server under cProfile and writes its stats there.
 
-    python bench/server_overhead.py --concurrency 64 --num-prompts 256 --output bench/results/x.json
+    python bench/server_overhead.py --concurrency 64 --num-prompts 128 --output bench/results/server_overhead_cpu.json
 """
 
 from __future__ import annotations
@@ -155,13 +155,16 @@ def main() -> None:
     if args.serve:
         serve(args.port, args.step_ms / 1000.0, args.profile)
         return
-    report = measure(args.concurrency, args.num_prompts, args.input_len, args.output_len, args.step_ms,
-                     args.port, args.profile)
+    from flashinfra.feedback.timing import header, write_results
+
+    report = header()
     report["step_ms"] = args.step_ms
-    text = json.dumps(report, indent=2)
-    print(text)
+    report["serve"] = measure(args.concurrency, args.num_prompts, args.input_len, args.output_len, args.step_ms,
+                              args.port, args.profile)
+    print(json.dumps(report, indent=2))
     if args.output:
-        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        out = Path(args.output)
+        write_results(out.stem, report, directory=out.parent)
 
 
 if __name__ == "__main__":
