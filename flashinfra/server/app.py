@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -247,6 +248,8 @@ async def _stream(state: ServerState, request: Request, choices: list[Choice], q
             frames = []
             for event in batch:
                 if event.choice.finish_reason == "error":
+                    if event.text:  # tokens that arrived before the failure, merged into its event
+                        frames.append(sse(with_usage(fmt.chunk(dataclasses.replace(event, finish_reason=None)))))
                     error = event.choice.error or ""
                     if error.startswith(ENGINE_UNAVAILABLE):
                         frames.append(sse(error_body(503, error, code="engine_unavailable")))
