@@ -152,6 +152,9 @@ class EngineConfig(LoadConfig):
         min=0)
     prefix_checkpoint_interval: int = option(
         1024, "prompt tokens between prefix-cache checkpoints (plus one at the prompt's end)", min=1)
+    startup_warmup: bool = option(
+        True, "capture every decode CUDA graph and compile the prefill kernels at start-up, so no step while "
+              "serving waits for them (off: each is made when first needed)")
     seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
     speculative_tokens: int = option(
         0, "draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (0: off)",

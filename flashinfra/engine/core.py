@@ -23,6 +23,12 @@ from flashinfra.engine.sched.request import Request
 from flashinfra.engine.sched.scheduler import DETERMINISTIC_ALIGN, Scheduler, SchedulerConfig
 
 
+def _prefill_budget(config: EngineConfig) -> int:
+    """The most prompt tokens of one request in one step."""
+    chunk = config.max_prefill_chunk or config.max_num_batched_tokens
+    return min(chunk, config.max_num_batched_tokens)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Any = None, events: Any = None) -> None:
         """Load ``config.model`` (or use the already loaded ``model``) and allocate its cache."""
@@ -71,6 +77,12 @@ class EngineCore:
             from flashinfra.disagg.roles import make_role
 
             self.disagg = make_role(self, config)
+        self.warmup = None
+        if config.startup_warmup:
+            from flashinfra.engine.warmup import warm_up
+
+            self.warmup = warm_up(self.runner, config.max_num_seqs, max_model_len, _prefill_budget(config),
+                                  num_blocks)
         self._pending: list[RequestOutput] = []
         self._last_step_s = 0.0
         self._last_tokens = 0

@@ -10,8 +10,9 @@ sequence whose block table, cache slot and KDA state slot are the engine's scrat
 the scheduler never hands out), so they never touch a real sequence's cache. Every op in the step works
 row by row, so the padding rows cannot change the real rows' results.
 
-What it leaves to the caller: choosing graph or eager (``can_run``), and reserving the scratch block and
-slot when allocating the cache.
+What it leaves to the caller: choosing graph or eager (``can_run``), reserving the scratch block and
+slot when allocating the cache, and which keys to capture ahead of serving (``engine/warmup.py``; a key met
+later is still captured on first use).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Block-table widths (in blocks) are captured at FIRST_WIDTH x WIDTH_GROWTH**k: a wider table than a batch
+# needs costs only its zero padding (kernels read a row up to its sequence length), so coarse steps keep
+# the number of graphs a configuration can need small enough to capture them all at start-up.
+FIRST_WIDTH = 16
+WIDTH_GROWTH = 4
 
 
 def graphs_supported(model: LoadedModel) -> bool:
@@ -36,6 +42,35 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} is larger than the largest bucket {buckets[-1]}")
+
+
+def width_bucket(w: int) -> int:
+    """The captured block-table width that holds a table ``w`` blocks wide."""
+    width = FIRST_WIDTH
+    while width < w:
+        width *= WIDTH_GROWTH
+    return width
+
+
+def graph_keys(max_num_seqs: int, max_blocks_per_seq: int, num_blocks: int,
+               batch_buckets: tuple[int, ...] = BATCH_BUCKETS) -> list[tuple[int, int]]:
+    """Every (batch bucket, width bucket) a decode step of this configuration can meet, smallest first:
+    batches up to ``max_num_seqs`` (capped at the largest bucket; larger decode batches run eagerly), block
+    tables up to ``max_blocks_per_seq`` wide, and only pairs the cache can hold: a batch in bucket ``b``
+    needs width bucket ``w`` only if one sequence past the previous width fits beside the others' blocks."""
+    top = bucket(min(max_num_seqs, batch_buckets[-1]), batch_buckets)
+    batches = [b for b in batch_buckets if b <= top]
+    widths = [FIRST_WIDTH]
+    while widths[-1] < max_blocks_per_seq:
+        widths.append(widths[-1] * WIDTH_GROWTH)
+    keys = []
+    for i, w in enumerate(widths):
+        prev_w = widths[i - 1] if i else 0
+        for j, b in enumerate(batches):
+            fewest = batches[j - 1] + 1 if j else 1  # sequences in a batch of this bucket, at least
+            if (fewest - 1) + prev_w + 1 <= num_blocks:
+                keys.append((b, w))
+    return keys
 
 
 class DecodeGraphs:
@@ -54,12 +89,6 @@ class DecodeGraphs:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch
-
-    def _width(self, w: int) -> int:
-        width = 1
-        while width < w:
-            width *= 2
-        return width
 
     def _static(self, bs: int, width: int) -> tuple[dict, ForwardBatch]:
         dev, block = self.model.device, self.cache.block_size
@@ -96,6 +125,13 @@ class DecodeGraphs:
         self.pool = graph.pool()
         return graph, buf, batch, hidden
 
+    def capture(self, keys: list[tuple[int, int]]) -> int:
+        """Capture the graphs of ``keys`` not captured yet (start-up warm-up); returns how many were new."""
+        new = [key for key in keys if key not in self.graphs]
+        for key in new:
+            self.graphs[key] = self._capture(*key)
+        return len(new)
+
     def _reset_padding(self, buf: dict, B: int) -> None:
         block = self.cache.block_size
         buf["input_ids"][B:] = 0
@@ -110,7 +146,7 @@ class DecodeGraphs:
         if not self.can_run(batch):
             raise ValueError("DecodeGraphs.run: not a decode batch within the largest bucket")
         B, w = batch.num_seqs, batch.block_tables_t.shape[1]
-        key = (bucket(B, self.batch_buckets), self._width(w))
+        key = (bucket(B, self.batch_buckets), width_bucket(w))
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, _, hidden = self.graphs[key]

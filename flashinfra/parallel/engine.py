@@ -240,7 +240,9 @@ class ParallelEngineCore(EngineCore):
             _report_rank(0, model)
             num_blocks = size_cache(model, config, _max_model_len(config, model))
             channel.send(str(num_blocks).encode())
-            super().__init__(dataclasses.replace(config, num_blocks=num_blocks), model=model, events=events)
+            # The warm-up's forward passes would run on rank 0 alone while the other ranks wait for plans.
+            super().__init__(dataclasses.replace(config, num_blocks=num_blocks, startup_warmup=False), model=model,
+                             events=events)
         except BaseException:
             kill_workers(self.workers)
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -226,8 +227,9 @@ async def _respond(state: ServerState, request: Request, choices: list[Choice], 
                                  media_type="text/event-stream", background=BackgroundTask(cleanup))
     try:
         async with contextlib.aclosing(run_choices(state, request, choices, queue, arrival)) as events:
-            async for event in events:
-                fmt.add(event)
+            async for batch in events:
+                for event in batch:
+                    fmt.add(event)
     finally:
         cleanup()
     failed = next((c for c in choices if c.finish_reason == "error"), None)
@@ -250,16 +252,21 @@ async def _stream(state: ServerState, request: Request, choices: list[Choice], q
     for chunk in fmt.stream_start():
         yield sse(with_usage(chunk))
     async with contextlib.aclosing(run_choices(state, request, choices, queue, arrival)) as events:
-        async for event in events:
-            if event.choice.finish_reason == "error":
-                error = event.choice.error or ""
-                if error.startswith(ENGINE_UNAVAILABLE):
-                    yield sse(error_body(503, error, code="engine_unavailable"))
-                else:
-                    yield sse(error_body(500, f"generation failed: {error}", code="engine_error"))
-                return
-            if event.text or event.finish_reason is not None or fmt.want_logprobs or fmt.want_token_ids:
-                yield sse(with_usage(fmt.chunk(event)))
-    if include_usage:
-        yield sse(fmt.usage_chunk(choices))
-    yield sse("[DONE]")
+        async for batch in events:
+            frames = []
+            for event in batch:
+                if event.choice.finish_reason == "error":
+                    if event.text:  # tokens that arrived before the failure, merged into its event
+                        frames.append(sse(with_usage(fmt.chunk(dataclasses.replace(event, finish_reason=None)))))
+                    error = event.choice.error or ""
+                    if error.startswith(ENGINE_UNAVAILABLE):
+                        frames.append(sse(error_body(503, error, code="engine_unavailable")))
+                    else:
+                        frames.append(sse(error_body(500, f"generation failed: {error}", code="engine_error")))
+                    yield "".join(frames)
+                    return
+                if event.text or event.finish_reason is not None or fmt.want_logprobs or fmt.want_token_ids:
+                    frames.append(sse(with_usage(fmt.chunk(event))))
+            if frames:  # one write for everything this wake-up produced
+                yield "".join(frames)
+    yield (sse(fmt.usage_chunk(choices)) if include_usage else "") + sse("[DONE]")

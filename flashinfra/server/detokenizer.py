@@ -19,9 +19,9 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text deltas and finds stop strings.
 
-    ``add_token`` consumes one token id; ``pop_delta`` returns the text that may be sent now. Once a stop
-    string is seen, ``stopped`` is true, the text ends before it (or after it, with ``include_stop``),
-    and further tokens are ignored.
+    ``add_token`` consumes one token id (``add_tokens`` several, when there are no stop strings);
+    ``pop_delta`` returns the text that may be sent now. Once a stop string is seen, ``stopped`` is true,
+    the text ends before it (or after it, with ``include_stop``), and further tokens are ignored.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | tuple[str, ...] = (),
@@ -51,6 +51,20 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         self._append(self._decode_new(final=False))
         return offset
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Consume several generated tokens with one decode (the text is the same as token by token). Only
+        without stop strings: with them, tokens after the one that completes a stop string must be ignored,
+        which needs ``add_token``'s one-at-a-time view."""
+        if self._stop:
+            raise ValueError("add_tokens is for sequences without stop strings; use add_token")
+        self.token_ids.extend(token_ids)
+        self._ids.extend(token_ids)
+        self._append(self._decode_new(final=False))
+
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
 
     def finish(self) -> None:
         """The sequence is over: flush text that was waiting for the rest of a multi-byte character."""

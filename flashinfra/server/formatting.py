@@ -7,12 +7,15 @@ has no infinity.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
+import msgspec
+
 from flashinfra.server.serving import Choice, ChoiceEvent
 from flashinfra.server.tokenizer import Tokenizer
+
+_json_encode = msgspec.json.Encoder().encode
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]], int]
 
@@ -22,7 +25,8 @@ def _finite(logprob: float) -> float:
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event (msgspec's JSON encoder: UTF-8 as is, several times faster than ``json``)."""
+    data = payload if isinstance(payload, str) else _json_encode(payload).decode()
     return f"data: {data}\n\n"
 
 

@@ -182,51 +182,85 @@ async def submit(state: ServerState, choices: list[Choice]) -> asyncio.Queue:
 
 
 async def run_choices(state: ServerState, request: Request, choices: list[Choice], queue: asyncio.Queue,
-                      arrival: float) -> AsyncIterator[ChoiceEvent]:
+                      arrival: float) -> AsyncIterator[list[ChoiceEvent]]:
     """Turn engine outputs into choice events until every choice finished; abort what is left over if the
-    consumer stops early (client gone, stream cancelled)."""
+    consumer stops early (client gone, stream cancelled).
+
+    Each wake-up takes every output already waiting on the queue (one engine step's, or several when this
+    stream fell behind) and yields their events as one batch, so a stream costs one task wake-up and one
+    socket write per batch rather than per token."""
     by_id = {c.request_id: c for c in choices}
     unfinished = set(by_id)
     watcher = asyncio.create_task(_watch_disconnect(request, queue))
     try:
         while unfinished:
-            item = await queue.get()
-            if item is _DISCONNECTED:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            if _DISCONNECTED in items:
                 return
-            choice = by_id[item.request_id]
-            if choice.finish_reason is not None:
-                continue
-            event = _apply_output(state, choice, item, arrival)
-            if event.finish_reason is not None:
-                unfinished.discard(choice.request_id)
-                if item.finished is False:  # stopped by a stop string: the engine must stop too
-                    state.client.abort_soon([choice.request_id])
-                _record_finish(state, choice, arrival)
-            if event.text or event.token_ids or event.finish_reason is not None:
-                yield event
+            events = []
+            for item in _merge_outputs(items):
+                choice = by_id[item.request_id]
+                if choice.finish_reason is not None:
+                    continue
+                event = _apply_output(state, choice, item, arrival)
+                if event.finish_reason is not None:
+                    unfinished.discard(choice.request_id)
+                    if item.finished is False:  # stopped by a stop string: the engine must stop too
+                        state.client.abort_soon([choice.request_id])
+                    _record_finish(state, choice, arrival)
+                if event.text or event.token_ids or event.finish_reason is not None:
+                    events.append(event)
+            if events:
+                yield events
     finally:
         watcher.cancel()
         if unfinished:
             state.client.abort_soon(sorted(unfinished))
 
 
+def _merge_outputs(items: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request out of several steps' worth (order kept): their tokens and logprobs joined,
+    the last one's finish state."""
+    merged: dict[str, RequestOutput] = {}
+    for item in items:
+        first = merged.get(item.request_id)
+        if first is None:
+            merged[item.request_id] = item
+            continue
+        logprobs = None
+        if first.logprobs is not None or item.logprobs is not None:
+            logprobs = (first.logprobs or []) + (item.logprobs or [])
+        merged[item.request_id] = msgspec.structs.replace(
+            item, new_token_ids=first.new_token_ids + item.new_token_ids, logprobs=logprobs)
+    return list(merged.values())
+
+
 def _apply_output(state: ServerState, choice: Choice, out: RequestOutput, arrival: float) -> ChoiceEvent:
     now = time.monotonic()
     event = ChoiceEvent(choice=choice, text="")
     detok = choice.detok
-    for k, token_id in enumerate(out.new_token_ids):
-        if detok.stopped:
-            break
-        offset = detok.add_token(token_id)
-        event.token_ids.append(token_id)
-        choice.num_tokens += 1
-        if choice.first_token_time is None:
-            choice.first_token_time = now
-            state.metrics.ttft.observe(now - arrival)
-        choice.last_token_time = now
-        if out.logprobs is not None and k < len(out.logprobs):
-            lp = out.logprobs[k]
-            event.logprobs.append((lp.token_id, lp.logprob, list(lp.top), offset))
+    if out.new_token_ids and choice.first_token_time is None:
+        choice.first_token_time = now
+        state.metrics.ttft.observe(now - arrival)
+    if out.logprobs is None and not detok.has_stop_strings:
+        if out.new_token_ids:  # the common case: one decode for all of this wake-up's tokens
+            detok.add_tokens(out.new_token_ids)
+            event.token_ids.extend(out.new_token_ids)
+            choice.num_tokens += len(out.new_token_ids)
+            choice.last_token_time = now
+    else:
+        for k, token_id in enumerate(out.new_token_ids):
+            if detok.stopped:
+                break
+            offset = detok.add_token(token_id)
+            event.token_ids.append(token_id)
+            choice.num_tokens += 1
+            choice.last_token_time = now
+            if out.logprobs is not None and k < len(out.logprobs):
+                lp = out.logprobs[k]
+                event.logprobs.append((lp.token_id, lp.logprob, list(lp.top), offset))
     if detok.stopped:
         choice.finish_reason = "stop"
     elif out.finished:

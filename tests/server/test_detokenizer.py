@@ -43,6 +43,24 @@ def test_streamed_text_equals_full_decode(tokenizer, text):
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
 
 
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 2, 7])
+def test_tokens_added_in_groups_give_the_same_text(tokenizer, text, chunk):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], ())
+    pieces = []
+    for i in range(0, len(ids), chunk):
+        detok.add_tokens(ids[i:i + chunk])
+        pieces.append(detok.pop_delta())
+    detok.finish()
+    pieces.append(detok.pop_delta(final=True))
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids)
+    assert detok.token_ids == ids
+    assert all("\ufffd" not in p for p in pieces), pieces
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tokenizer, [], ["x"]).add_tokens(ids)
+
+
 def test_stop_string_spanning_tokens_is_cut_and_never_leaked(tokenizer):
     text = "The capital of France is Paris. Hello, world!"
     ids = tokenizer.encode(text)

@@ -1,0 +1,106 @@
+"""Start-up warm-up: capture every decode CUDA graph and compile the prefill kernels before serving.
+
+Without it the first step at a new shape pays for Triton compilation (kernels specialise on the shapes and
+integer arguments they first meet) and for a graph capture, so that step runs seconds instead of
+milliseconds. ``warm_up`` captures the graphs of every (batch bucket, block-table width bucket) the
+configuration can reach (``cuda_graphs.graph_keys``) and runs a few prefill-shaped forward passes at the
+token budget (``prefill_shapes``), so kernels compile here and not in the middle of serving.
+
+The prefill passes write into the first cache blocks and KDA slots, which is harmless before any request
+exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
+they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
+once. What it leaves out: the vision tower and speculative (MTP) steps warm up on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flashinfra.engine.cuda_graphs import graph_keys
+from flashinfra.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger("flashinfra.engine")
+
+# Decode rows mixed into a prefill warm-up step (a chunked prefill sharing its step with decodes).
+_MIXED_DECODE_ROWS = 3
+# A short prompt, of an odd length, for the specialisations of a length that no power of two divides.
+_SHORT_PROMPT = 17
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    seconds: float
+    graphs_captured: int
+    prefill_shapes: tuple[tuple[int, ...], ...]
+    memory_bytes: int  # device memory held after the warm-up that was not held before (graph pools)
+    peak_bytes: int  # peak device memory allocated during the warm-up
+
+    def line(self) -> str:
+        return (f"warm-up: {self.graphs_captured} decode graphs and {len(self.prefill_shapes)} prefill shapes "
+                f"in {self.seconds:.1f} s; {self.memory_bytes / 2**20:.0f} MiB held, "
+                f"peak {self.peak_bytes / 2**30:.2f} GiB")
+
+
+def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_size: int,
+                   num_blocks: int) -> list[list[int]]:
+    """Query lengths of the prefill warm-up steps (one list per step; a ``1`` is a decode row): the whole
+    token budget as one prompt, a budget step shared with decode rows, and a short odd-length prompt.
+    Each step fits the context length, the sequence count and the cache blocks."""
+    longest = min(budget, max_model_len - 1, num_blocks * block_size)
+    shapes = [[longest]]
+    rows = min(_MIXED_DECODE_ROWS, max_num_seqs - 1, longest - 2)
+    while rows > 0 and -(-(longest - 1 - rows) // block_size) + rows > num_blocks:  # one block per decode row
+        rows -= 1
+    if rows > 0:
+        shapes.append([longest - 1 - rows] + [1] * rows)  # an odd total beside the budget's
+    short = min(_SHORT_PROMPT, longest)
+    if short not in (s[0] for s in shapes):
+        shapes.append([short])
+    return shapes
+
+
+def _prefill_batch(query_lens: list[int], block_size: int, device) -> ForwardBatch:
+    """Prompts start at context 0; decode rows have one token in the cache. Blocks are handed out in order."""
+    context_lens = [0 if q > 1 else 1 for q in query_lens]
+    tables, next_block = [], 0
+    for q, c in zip(query_lens, context_lens):
+        n = -(-(q + c) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    return ForwardBatch.build(query_lens, context_lens, list(range(len(query_lens))), tables, block_size, device)
+
+
+def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int) -> WarmupReport | None:
+    """Capture the decode graphs and compile the prefill kernels of this configuration (CUDA only)."""
+    device = runner.device
+    if device.type != "cuda":
+        return None
+    start = time.perf_counter()
+    torch.cuda.synchronize(device)
+    held_before = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    shapes = prefill_shapes(budget, max_model_len, max_num_seqs, runner.block_size, num_blocks)
+    model = runner.model
+    with torch.inference_mode():
+        for query_lens in shapes:
+            batch = _prefill_batch(query_lens, runner.block_size, device)
+            input_ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
+            hidden = model.forward(input_ids, batch, runner.cache)
+            last = torch.tensor(batch.last_token_indices, dtype=torch.long, device=device)
+            model.compute_logits(hidden[last])
+        captured = 0
+        if runner.graphs is not None:
+            max_blocks = -(-max_model_len // runner.block_size)
+            captured = runner.graphs.capture(graph_keys(max_num_seqs, max_blocks, num_blocks,
+                                                             runner.graphs.batch_buckets))
+    torch.cuda.synchronize(device)
+    report = WarmupReport(seconds=time.perf_counter() - start, graphs_captured=captured,
+                          prefill_shapes=tuple(tuple(s) for s in shapes),
+                          memory_bytes=max(0, torch.cuda.memory_reserved(device) - held_before),
+                          peak_bytes=torch.cuda.max_memory_allocated(device))
+    logger.info(report.line())
+    return report

@@ -1,0 +1,65 @@
+"""Start-up warm-up: which decode graphs and prefill shapes a configuration needs, and a CPU no-op."""
+
+import itertools
+import random
+
+import pytest
+
+from flashinfra.engine.cuda_graphs import BATCH_BUCKETS, FIRST_WIDTH, bucket, graph_keys, width_bucket
+from flashinfra.engine.warmup import _prefill_batch, prefill_shapes, warm_up
+
+
+def test_width_bucket_rounds_up_in_coarse_steps():
+    assert [width_bucket(w) for w in (1, 16, 17, 64, 65, 1000, 65536)] == [16, 16, 64, 64, 256, 1024, 65536]
+
+
+@pytest.mark.parametrize("max_num_seqs,max_len,block_size,num_blocks",
+                         [(64, 4096, 16, 14632), (1, 1 << 20, 16, 70000), (256, 8192, 16, 600), (7, 100, 16, 40),
+                          (1000, 32768, 64, 5000)])
+def test_graph_keys_cover_every_reachable_decode_batch(max_num_seqs, max_len, block_size, num_blocks):
+    """Every decode batch the cache can hold (sizes up to max_num_seqs within the largest bucket, tables up to
+    max_len wide) maps to a captured key, and the number of keys stays small."""
+    max_blocks = -(-max_len // block_size)
+    keys = graph_keys(max_num_seqs, max_blocks, num_blocks)
+    assert len(keys) == len(set(keys)) and len(keys) <= 120
+    rng = random.Random(max_num_seqs)
+    top = min(max_num_seqs, BATCH_BUCKETS[-1])
+    for _ in range(3000):
+        batch = rng.randint(1, top)
+        widest = rng.randint(1, min(max_blocks, num_blocks - (batch - 1)))
+        assert (bucket(batch, BATCH_BUCKETS), width_bucket(widest)) in keys, (batch, widest)
+
+
+def test_graph_keys_leave_out_what_the_cache_cannot_hold():
+    # 40 blocks: a 64-wide table (more than 16 blocks) fits for small batches only.
+    keys = graph_keys(64, 1000, 40)
+    assert (1, 64) in keys and (16, 64) in keys and (32, 64) not in keys
+    assert all(w <= 64 for _, w in keys)
+    assert max(b for b, _ in keys) == 48  # 40 sequences of one block each: bucket 48; 49 do not fit
+    assert graph_keys(3, 4, 100) == [(1, FIRST_WIDTH), (2, FIRST_WIDTH), (4, FIRST_WIDTH)]
+
+
+@pytest.mark.parametrize("budget,max_len,seqs,block_size,num_blocks",
+                         [(2048, 4096, 64, 16, 14632), (8192, 1 << 20, 1, 16, 70000), (2048, 100, 4, 16, 8),
+                          (16, 4096, 64, 16, 2), (4096, 4096, 2, 64, 66)])
+def test_prefill_shapes_fit_the_configuration(budget, max_len, seqs, block_size, num_blocks):
+    shapes = prefill_shapes(budget, max_len, seqs, block_size, num_blocks)
+    assert shapes[0][0] == min(budget, max_len - 1, num_blocks * block_size)
+    for query_lens in shapes:
+        assert sum(query_lens) <= budget and len(query_lens) <= seqs
+        assert all(q < max_len for q in query_lens)
+        batch = _prefill_batch(query_lens, block_size, "cpu")  # also checks every row fits its blocks
+        used = set(itertools.chain.from_iterable(batch.block_tables))
+        assert len(used) == sum(len(t) for t in batch.block_tables) and max(used) < num_blocks
+    if seqs > 1 and num_blocks * block_size >= 2 * min(budget, max_len):
+        assert any(1 in s for s in shapes)  # a step with decode rows beside the prefill
+
+
+def test_warm_up_is_a_no_op_on_the_cpu(tmp_path):
+    from flashinfra.engine.runner import ModelRunner
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "tiny", seed=4, tokenizer=False)
+    runner = ModelRunner(load_model(path), num_blocks=8, block_size=16, num_slots=2)
+    assert warm_up(runner, max_num_seqs=2, max_model_len=128, budget=64, num_blocks=8) is None
