@@ -123,10 +123,13 @@ def test_greedy_with_drafts_logprobs_and_penalties_equal_without(ckpt, extra):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.runner.speculator.num_drafted > 0
     if "logprobs" in extra:
+        # the verify step computes a position's logits in a multi-token pass, decode in a one-token pass: float32
+        # rounding apart (a few units of 1e-6 relative on logprobs of a few nats)
+        tol = 1e-4
         g, w = _logprob_tuples(got), _logprob_tuples(want)
         assert [[t for t, _, _ in r] for r in g] == [o.token_ids for o in want]
         for rg, rw in zip(g, w):
             for (tg, lg, topg), (tw, lw, topw) in zip(rg, rw, strict=True):
-                assert tg == tw and lg == pytest.approx(lw, abs=1e-5)
+                assert tg == tw and lg == pytest.approx(lw, abs=tol)
                 assert [i for i, _ in topg] == [i for i, _ in topw]
-                assert [v for _, v in topg] == pytest.approx([v for _, v in topw], abs=1e-5)
+                assert [v for _, v in topg] == pytest.approx([v for _, v in topw], abs=tol)
