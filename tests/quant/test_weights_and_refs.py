@@ -9,7 +9,6 @@ from flashinfra.kernels.fused_moe import experts_ref
 from flashinfra.kernels.quant import act as qa
 from flashinfra.kernels.quant import fp8_experts as f8m
 from flashinfra.kernels.quant import fp8_gemm as fl
-from flashinfra.kernels.quant import sparse_mla as smq
 from flashinfra.kernels.quant import w8a8_experts as wm
 from flashinfra.kernels.quant import w8a8_gemm as wl
 from flashinfra.model.loader import dequantize_block_fp8
@@ -106,7 +105,7 @@ def test_moe_refs_against_the_float_experts(scheme):
     assert rel_err(out, experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids, 10.0)) < bound
 
 
-def test_sparse_mla_quant_ref_is_sparse_mla_on_the_dequantized_latent():
+def test_sparse_mla_ref_on_an_8bit_latent_is_sparse_mla_on_the_dequantized_latent():
     g = _g(6)
     latent = torch.randn(6, 4, 32, generator=g)
     q8, s = qa.quant_int8_per_token_ref(latent.view(-1, 32))
@@ -116,6 +115,5 @@ def test_sparse_mla_quant_ref_is_sparse_mla_on_the_dequantized_latent():
     token_seq = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32)
     tables = torch.tensor([[2, 0, 5], [1, 4, 3]], dtype=torch.int32)
     deq = q8.double() * s.double()[..., None]
-    out = smq.sparse_mla_quant(q, q8, s, sel, token_seq, tables, 0.2)
-    # sparse_mla_ref computes in float32
+    out = sm.sparse_mla(q, q8, sel, token_seq, tables, 0.2, s)
     assert torch.allclose(out, sm.sparse_mla_ref(q, deq, sel, token_seq, tables, 0.2), rtol=1e-5, atol=1e-6)

@@ -203,7 +203,6 @@ def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype:
     """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
     reference on the dequantized latent (tight) and on the unquantized latent (the cache's quantization error)."""
     from flashinfra.kernels import sparse_mla as sm
-    from flashinfra.kernels.quant import sparse_mla as smq
     from flashinfra.kernels.quant.act import quant_fp8_per_group_ref, quant_int8_per_token_ref
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -225,8 +224,8 @@ def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype:
             pick = torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:S].tolist()
             rows.append(pick + [-1] * (S - len(pick)))
     sel = torch.tensor(rows, dtype=torch.int32, device=device)
-    out = smq.sparse_mla_quant_launch(q, q8, s, sel, token_seq, tables, R**-0.5, split=split)
-    ref = smq.sparse_mla_quant_ref(q.double(), q8, s, sel, token_seq, tables, R**-0.5)
+    out = sm.sparse_mla_launch(q, q8, sel, token_seq, tables, R**-0.5, s, split=split)
+    ref = sm.sparse_mla_ref(q.double(), q8, sel, token_seq, tables, R**-0.5, s)
     res = [check("sparse_mla_quant", out, ref, **exact_tol(dtype))]
     full = sm.sparse_mla_ref(q.double(), latent.double(), sel, token_seq, tables, R**-0.5)
     bound = 0.02 if cache_dtype == "int8" else 0.08
@@ -239,7 +238,7 @@ def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16
     """The selection over an fp8 indexer cache equals the model's ``Indexer.select`` on the dequantized entries,
     query by query (a pool at a near-tie of float rounding aside: at most one query in 50)."""
     from flashinfra.config import TextConfig
-    from flashinfra.kernels.quant.dsa_indexer import dsa_select_quant as select
+    from flashinfra.kernels.dsa_indexer import dsa_select
     from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
     from flashinfra.model.indexer import Indexer
 
@@ -260,7 +259,7 @@ def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16
     positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
                              device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    sel = select(q8, s, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True)
+    sel = dsa_select(q8, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True, s)
     at, differ = 0, 0
     for b, (c, n) in enumerate(zip(ctx, qlens)):
         seq = deq[tables[b].long()].flatten(0, 1)[: lens[b]]
