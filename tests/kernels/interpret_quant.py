@@ -28,12 +28,12 @@ def test_fp8_block_linear(T, K, N, bias):
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(9, 5, 40, 24, 2, 10.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])
 def test_w8a8_moe(T, E, D, I, k, limit):
-    assert_passed(cases.w8a8_moe("cpu", T, E, D, I, k, limit=limit, seed=T))
+    assert_passed(cases.moe("cpu", "w8a8", T, E, D, I, k, limit=limit, seed=T))
 
 
 @pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2)])
 def test_fp8_moe(T, E, D, I, k):
-    assert_passed(cases.fp8_moe("cpu", T, E, D, I, k, seed=T))
+    assert_passed(cases.moe("cpu", "fp8", T, E, D, I, k, seed=T))
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])

@@ -35,13 +35,13 @@ def test_fp8_block_linear(T, K, N):
 @pytest.mark.parametrize("T", [1, 32, 1024])
 def test_w8a8_moe(T):
     # 64 experts: the float64 reference fits
-    assert_passed(cases.w8a8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
+    assert_passed(cases.moe("cuda", "w8a8", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
 
 
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
 @pytest.mark.parametrize("T", [1, 32, 1024])
 def test_fp8_moe(T):
-    assert_passed(cases.fp8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
+    assert_passed(cases.moe("cuda", "fp8", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])

@@ -5,11 +5,9 @@ import pytest
 import torch
 
 from flashinfra.kernels import sparse_mla as sm
-from flashinfra.kernels.fused_moe import experts_ref
+from flashinfra.kernels.fused_moe import experts_ref, fused_moe
 from flashinfra.kernels.quant import act as qa
-from flashinfra.kernels.quant import fp8_experts as f8m
 from flashinfra.kernels.quant import fp8_gemm as fl
-from flashinfra.kernels.quant import w8a8_experts as wm
 from flashinfra.kernels.quant import w8a8_gemm as wl
 from flashinfra.model.loader import dequantize_block_fp8
 from flashinfra.quant.weights import (QuantizedWeight, dequantize_blocks, quantize_fp8_blocks,
@@ -98,10 +96,10 @@ def test_moe_refs_against_the_float_experts(scheme):
     w13, w2 = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
-    quantize, op, bound = ((quantize_int8_per_channel, wm.w8a8_moe, 2 * INT8_REL) if scheme == "w8a8" else
-                           (quantize_fp8_blocks, f8m.fp8_moe, 1.5 * FP8_REL))
+    quantize, bound = ((quantize_int8_per_channel, 2 * INT8_REL) if scheme == "w8a8" else
+                       (quantize_fp8_blocks, 1.5 * FP8_REL))
     q13, q2 = quantize(w13), quantize(w2)
-    out = op(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, 10.0)
+    out = fused_moe(x, q13.data, q2.data, w, ids, 10.0, None, None, (q13.scale, q2.scale, None, None))
     assert rel_err(out, experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids, 10.0)) < bound
 
 

@@ -151,51 +151,37 @@ def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, b
     return res + [within("fp8_block_linear.quant_error", out, full, FP8_REL, "the unquantized product")]
 
 
-def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
-             seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import w8a8_experts as wm
-    from flashinfra.kernels.fused_moe import experts_ref
-    from flashinfra.quant.weights import quantize_int8_per_channel
+def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
+        seed=0) -> list[CheckResult]:
+    """``fused_moe`` on W8A8 (``scheme="w8a8"``) or block-FP8 experts with a shared expert of the routed width,
+    against float64 of the same quantized arithmetic and against the unquantized experts."""
+    from flashinfra.kernels import fused_moe as fm
+    from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
 
+    quantize, bound = ((quantize_int8_per_channel, 2 * INT8_REL) if scheme == "w8a8" else
+                       (quantize_fp8_blocks, 1.5 * FP8_REL))
     gen = torch.Generator(device=device).manual_seed(seed)
     x = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
-    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
-    q13, q2 = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
+    w13 = rnd(E + 1, 2 * I, D, device=device, gen=gen, scale=D**-0.5)  # the last one: the shared expert
+    w2 = rnd(E + 1, D, I, device=device, gen=gen, scale=I**-0.5)
+    q13, q2 = quantize(w13[:E]), quantize(w2[:E])
+    qs13, qs2 = quantize(w13[E]), quantize(w2[E])
+    scales = (q13.scale, q2.scale, qs13.scale, qs2.scale)
     ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, top_k, device=device, generator=gen)
-    out = wm.w8a8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
-    ref = wm.w8a8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    res = [check("w8a8_moe", out, ref, **moe_tol(dtype))]
-    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
-    return res + [within("w8a8_moe.quant_error", out, full, 2 * INT8_REL, "the unquantized experts")]
-
-
-def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
-            seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import fp8_experts as fm
-    from flashinfra.kernels.fused_moe import experts_ref
-    from flashinfra.quant.weights import quantize_fp8_blocks
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
-    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
-    q13, q2 = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
-    w = torch.rand(T, top_k, device=device, generator=gen)
-    quantize = fm.quant_fp8_per_group
+    quantize_act = fm.quant_fp8_per_group
     if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds at carries (see quant_act): quantize as torch
         fm.quant_fp8_per_group = fm.quant_fp8_per_group_ref
     try:
-        out = fm.fp8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
+        out = fm.fused_moe_launch(x, q13.data, q2.data, w, ids, limit, qs13.data, qs2.data, scales)
     finally:
-        fm.quant_fp8_per_group = quantize
-    ref = fm.fp8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    res = [check("fp8_moe", out, ref, **moe_tol(dtype))]
-    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
-    return res + [within("fp8_moe.quant_error", out, full, 1.5 * FP8_REL, "the unquantized experts"),
-                  within("fp8_moe_ref.quant_error", ref, full, 1.5 * FP8_REL, "the unquantized experts")]
+        fm.quant_fp8_per_group = quantize_act
+    ref = fm.fused_moe_ref(x, q13.data, q2.data, w, ids.long(), limit, qs13.data, qs2.data, scales)
+    res = [check(f"{scheme}_moe", out, ref, **moe_tol(dtype))]
+    full = fm.fused_moe_ref(x.double(), w13[:E].double(), w2[:E].double(), w.double(), ids.long(), limit,
+                            w13[E].double(), w2[E].double())
+    return res + [within(f"{scheme}_moe.quant_error", out, full, bound, "the unquantized experts"),
+                  within(f"{scheme}_moe_ref.quant_error", ref, full, bound, "the unquantized experts")]
 
 
 def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype: str, H=4, R=32, bs=4, S=11,

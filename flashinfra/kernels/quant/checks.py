@@ -73,13 +73,13 @@ def _moe_sizes(dev: str) -> tuple:
 @_checked("quant.w8a8_moe")
 def check_w8a8_moe(dev, act):
     """The W8A8 fused MoE experts against float64 of the same quantized arithmetic and the unquantized experts."""
-    return cases.w8a8_moe(dev, *_moe_sizes(dev), dtype=act, seed=4)
+    return cases.moe(dev, "w8a8", *_moe_sizes(dev), dtype=act, seed=4)
 
 
 @_checked("quant.fp8_moe", fp8=True)
 def check_fp8_moe(dev, act):
     """The block-FP8 fused MoE experts against float64 of the same quantized arithmetic and the unquantized ones."""
-    return cases.fp8_moe(dev, *_moe_sizes(dev), dtype=act, seed=5)
+    return cases.moe(dev, "fp8", *_moe_sizes(dev), dtype=act, seed=5)
 
 
 @_checked("quant.sparse_mla_8bit_latent")
