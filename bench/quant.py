@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
 from flashinfra.kernels.fused_moe import fused_moe
-from flashinfra.kernels.quant import fp8_block_linear, w8a8_linear
+from flashinfra.kernels.quant import linear_8bit
 from flashinfra.model.api import load_model, model_config_from, random_model
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch
@@ -207,9 +207,9 @@ def gemms(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list
         for M in tokens:
             x = torch.randn(M, Kd, device=dev).bfloat16()
             flops = 2 * M * N * Kd
-            runs = {"bf16": lambda: F.linear(x, wb), "w8a8": lambda: w8a8_linear(x, qi.data, qi.scale)}
+            runs = {"bf16": lambda: F.linear(x, wb), "w8a8": lambda: linear_8bit(x, qi.data, qi.scale)}
             if "fp8" in peak:
-                runs["fp8"] = lambda: fp8_block_linear(x, qf.data, qf.scale)
+                runs["fp8"] = lambda: linear_8bit(x, qf.data, qf.scale)
             for fmt, fn in runs.items():
                 s = median_s(fn, dev, reps)
                 key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]

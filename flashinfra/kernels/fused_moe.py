@@ -23,10 +23,10 @@ Weight formats (``WEIGHTS``, a constexpr read from the weights' dtype), each wit
 
 - ``float``: bf16 (float32 in tests) weights and activations, float32 accumulators.
 - ``int8`` (W8A8): int8 weights with one scale per output channel; ``x`` and the intermediate are quantized per
-  row (``act.quant_int8_per_token``: a row's scale needs the whole row, which no GEMM program sees), the
+  row (``act.quant_act``: a row's scale needs the whole row, which no GEMM program sees), the
   products sum exactly in int32 and both scales are applied once, in the epilogue.
 - ``fp8``: e4m3 weights with one scale per 128 x 128 tile; ``x`` and the intermediate are quantized per row per
-  128 channels (``act.quant_fp8_per_group``), and each 128-wide K step's float32 product is scaled by its
+  128 channels, and each 128-wide K step's float32 product is scaled by its
   activation and weight block scales before it is accumulated (the DeepSeek-V3 recipe). The gate and up halves
   need ``I % 128 == 0`` unless the scales were made for the stacked ``[2I, D]`` (``flashinfra.quant`` does that).
 
@@ -38,8 +38,6 @@ quantized arithmetic in float64.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -48,14 +46,8 @@ import triton.language as tl
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
-from flashinfra.kernels.quant.act import (quant_fp8_per_group, quant_fp8_per_group_ref, quant_int8_per_token,
-                                          quant_int8_per_token_ref)
-from flashinfra.kernels.quant.fp8_gemm import fp8_matmul_ref
-from flashinfra.kernels.quant.w8a8_gemm import w8a8_matmul_ref
-
-# the weights' element type -> the kernels' weight format (float weights: none of these)
-WEIGHT_FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
-GROUP = 128  # the fp8 scales' block, and the K step of the 8-bit kernels
+from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
+from flashinfra.kernels.quant.gemm import matmul_8bit_ref
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -85,19 +77,14 @@ def experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float) 
     fmt = weight_format(w13)
     T, D = x.shape
     N = w13.shape[1] // 2
-    if fmt == "int8":
-        quantize, matmul = quant_int8_per_token_ref, w8a8_matmul_ref
-    else:
-        quantize = functools.partial(quant_fp8_per_group_ref, group=GROUP)
-        matmul = functools.partial(fp8_matmul_ref, block=(GROUP, GROUP))
-    xq, sx = quantize(x)
+    xq, sx = quant_act_ref(fmt, x)
     out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == e)
-        gu = matmul(xq[token], sx[token], w13[e], s13[e], out_dtype=torch.float64)
+        gu = matmul_8bit_ref(xq[token], sx[token], w13[e], s13[e], out_dtype=torch.float64)
         gate, up = gu[:, :N].clamp(max=limit), gu[:, N:].clamp(min=-limit, max=limit)
-        hq, sh = quantize((gate * torch.sigmoid(gate) * up).to(x.dtype))
-        y = matmul(hq, sh, w2[e], s2[e], out_dtype=torch.float64)
+        hq, sh = quant_act_ref(fmt, (gate * torch.sigmoid(gate) * up).to(x.dtype))
+        y = matmul_8bit_ref(hq, sh, w2[e], s2[e], out_dtype=torch.float64)
         out.index_add_(0, token, (y * topk_weights[token, slot].double()[:, None]).to(x.dtype).double())
     return out.to(x.dtype)
 
@@ -304,11 +291,6 @@ def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
     return delta // experts.element_size()
 
 
-def _quantize(fmt: str, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations as the 8-bit GEMMs read them: int8 per token, or e4m3 per token per ``GROUP`` channels."""
-    return quant_int8_per_token(a) if fmt == "int8" else quant_fp8_per_group(a, GROUP)
-
-
 def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
     """Grouped GEMMs over the pairs ``ids`` [T, k'] (expert ``E`` = the shared expert): weighted pair outputs
     to ``out`` [T k', D]."""
@@ -324,7 +306,7 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
     if fmt == "float":  # no scales: the weights stand in for the unused scale pointers
         a, sa, (sw13, sw2), soff13, soff2 = x, x, (w13, w2), 0, 0
     else:
-        a, sa = _quantize(fmt, x)
+        a, sa = quant_act(fmt, x)
         sw13, sw2, ss13, ss2 = scales
         soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
@@ -333,7 +315,7 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
         a, sa, w13, sw13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), sw13.stride(0),
         _offset(shared13, w13), soff13, T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK,
         IEEE=ieee, WEIGHTS=fmt, **launch)
-    hq, sh = (h, h) if fmt == "float" else _quantize(fmt, h)
+    hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
     fast(moe_gemm2_kernel)[grid2](hq, sh, w2, sw2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0),

@@ -1,8 +1,8 @@
 """The projections' calls: ``linear`` and ``moe_experts`` dispatch on the weight's type.
 
 A float tensor runs ``kernels.batch_invariant.linear`` (``F.linear``, or a fixed-tile GEMM in deterministic mode)
-and ``kernels.fused_moe``; a ``QuantizedWeight`` runs its scheme's kernel op (``w8a8_linear`` /
-``fp8_block_linear``, and ``fused_moe`` with the weights' scales), each of which picks its Triton kernel or its
+and ``kernels.fused_moe``; a ``QuantizedWeight`` runs its scheme's kernel op
+(``linear_8bit`` and ``fused_moe`` with the weights' scales), each of which picks its Triton kernel or its
 reference by ``dispatch.use_triton``.
 
 MoE: a quantized shared expert of the routed experts' width and scheme (the quantizer stacks it as their last
@@ -16,16 +16,14 @@ import torch
 
 from flashinfra.kernels import batch_invariant
 from flashinfra.kernels.fused_moe import clamped_swiglu, fused_moe
-from flashinfra.kernels.quant import fp8_block_linear, w8a8_linear
+from flashinfra.kernels.quant import linear_8bit
 from flashinfra.quant.weights import QuantizedWeight
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(w, QuantizedWeight):
         return batch_invariant.linear(x, w, bias)
-    if w.scheme == "w8a8":
-        return w8a8_linear(x, w.data, w.scale, bias)
-    return fp8_block_linear(x, w.data, w.scale, w.block, bias)
+    return linear_8bit(x, w.data, w.scale, bias, w.block)
 
 
 def shared_is_grouped(w13: QuantizedWeight, shared_w13, shared_w2) -> bool:

@@ -18,12 +18,12 @@ def test_quant_act(T, K):
 
 @pytest.mark.parametrize("T,K,N,bias", [(1, 64, 48, False), (7, 300, 37, True), (70, 130, 150, False)])
 def test_w8a8_linear(T, K, N, bias):
-    assert_passed(cases.w8a8_linear("cpu", T, K, N, bias=bias, seed=T))
+    assert_passed(cases.linear("cpu", "w8a8", T, K, N, bias=bias, seed=T))
 
 
 @pytest.mark.parametrize("T,K,N,bias", [(1, 128, 64, False), (5, 300, 200, True), (40, 257, 129, False)])
 def test_fp8_block_linear(T, K, N, bias):
-    assert_passed(cases.fp8_block_linear("cpu", T, K, N, bias=bias, seed=T))
+    assert_passed(cases.linear("cpu", "fp8", T, K, N, bias=bias, seed=T))
 
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(9, 5, 40, 24, 2, 10.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])

@@ -23,13 +23,13 @@ def test_quant_act(T):
 
 @pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
 def test_w8a8_linear(T, K, N):
-    assert_passed(cases.w8a8_linear("cuda", T, K, N, dtype=BF16, seed=T))
+    assert_passed(cases.linear("cuda", "w8a8", T, K, N, dtype=BF16, seed=T))
 
 
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
 @pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096)])
 def test_fp8_block_linear(T, K, N):
-    assert_passed(cases.fp8_block_linear("cuda", T, K, N, dtype=BF16, seed=T))
+    assert_passed(cases.linear("cuda", "fp8", T, K, N, dtype=BF16, seed=T))
 
 
 @pytest.mark.parametrize("T", [1, 32, 1024])

@@ -7,8 +7,7 @@ import torch
 from flashinfra.kernels import sparse_mla as sm
 from flashinfra.kernels.fused_moe import experts_ref, fused_moe
 from flashinfra.kernels.quant import act as qa
-from flashinfra.kernels.quant import fp8_gemm as fl
-from flashinfra.kernels.quant import w8a8_gemm as wl
+from flashinfra.kernels.quant import gemm as gm
 from flashinfra.model.loader import dequantize_block_fp8
 from flashinfra.quant.weights import (QuantizedWeight, dequantize_blocks, quantize_fp8_blocks,
                                       quantize_int8_per_channel)
@@ -69,7 +68,7 @@ def test_w8a8_matmul_ref_is_integer_exact():
     wq = torch.randint(-127, 128, (37, 300), generator=g, dtype=torch.int8)
     sx, sw = torch.rand(7, generator=g), torch.rand(37, generator=g)
     exact = (xq.long() @ wq.long().t()).double() * sx.double()[:, None] * sw.double()
-    assert torch.equal(wl.w8a8_matmul_ref(xq, sx, wq, sw, out_dtype=torch.float64), exact)
+    assert torch.equal(gm.matmul_8bit_ref(xq, sx, wq, sw, out_dtype=torch.float64), exact)
 
 
 @pytest.mark.parametrize("T,K,N", [(1, 64, 48), (13, 300, 37), (70, 1000, 150)])
@@ -78,13 +77,13 @@ def test_w8a8_and_fp8_linear_refs_against_the_float_product(T, K, N):
     x, w, b = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g) / K**0.5, torch.randn(N, generator=g)
     full = x.double() @ w.double().t() + b.double()
     qi, qf = quantize_int8_per_channel(w), quantize_fp8_blocks(w)
-    assert rel_err(wl.w8a8_linear(x, qi.data, qi.scale, b), full) < INT8_REL
-    assert rel_err(fl.fp8_block_linear(x, qf.data, qf.scale, qf.block, b), full) < FP8_REL
+    assert rel_err(gm.linear_8bit(x, qi.data, qi.scale, b), full) < INT8_REL
+    assert rel_err(gm.linear_8bit(x, qf.data, qf.scale, b, qf.block), full) < FP8_REL
     # bf16 activations: the same budgets
-    assert rel_err(wl.w8a8_linear(x.bfloat16(), qi.data, qi.scale, b), full) < INT8_REL + 0.01
+    assert rel_err(gm.linear_8bit(x.bfloat16(), qi.data, qi.scale, b), full) < INT8_REL + 0.01
     xq, sx = qa.quant_fp8_per_group_ref(x)
     manual = (xq.double() * sx.double().repeat_interleave(128, 1)[:, :K]) @ qf.dequantize(torch.float64).t()
-    assert torch.allclose(fl.fp8_matmul_ref(xq, sx, qf.data, qf.scale, out_dtype=torch.float64), manual, rtol=1e-12,
+    assert torch.allclose(gm.matmul_8bit_ref(xq, sx, qf.data, qf.scale, out_dtype=torch.float64), manual, rtol=1e-12,
                           atol=1e-12)
 
 

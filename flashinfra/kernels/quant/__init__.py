@@ -1,9 +1,9 @@
-"""8-bit kernels of their own: activation quantization and the dense 8-bit GEMMs.
+"""8-bit kernels of their own: activation quantization and the dense 8-bit GEMM.
 
 - ``quant_int8_per_token`` / ``quant_fp8_per_group``: activation quantization, per token (int8) or per token per
   128 channels (e4m3) (``act``).
-- ``w8a8_linear``: int8 activations times int8 per-channel weights (``w8a8_gemm``).
-- ``fp8_block_linear``: e4m3 activations times e4m3 weights with 128 x 128 block scales (``fp8_gemm``).
+- ``linear_8bit``: int8 activations times int8 per-channel weights (W8A8), or e4m3 activations times e4m3 weights
+  with 128 x 128 block scales, in one kernel (``gemm``).
 
 The ops that also run on float operands take the 8-bit formats as a constexpr of their one kernel, read from the
 tensors' dtypes: ``kernels.fused_moe`` (int8 and fp8 experts), ``kernels.sparse_mla`` (an int8 or fp8 latent
@@ -13,7 +13,6 @@ elsewhere. Checks of every 8-bit path: ``checks.py`` (``flashinfra check quant``
 """
 
 from flashinfra.kernels.quant.act import quant_fp8_per_group, quant_int8_per_token
-from flashinfra.kernels.quant.fp8_gemm import fp8_block_linear
-from flashinfra.kernels.quant.w8a8_gemm import w8a8_linear
+from flashinfra.kernels.quant.gemm import linear_8bit
 
-__all__ = ["fp8_block_linear", "quant_fp8_per_group", "quant_int8_per_token", "w8a8_linear"]
+__all__ = ["linear_8bit", "quant_fp8_per_group", "quant_int8_per_token"]

@@ -8,10 +8,12 @@ quantized arithmetic (tight: only float32 epilogue rounding and the output dtype
 unquantized float64 computation (loose: the stated quantization error budget). It returns its ``CheckResult``s,
 failed ones included, instead of raising. None of these launchers takes an output buffer, so there is none to
 poison. Triton's CPU interpreter converts floats to e4m3 wrongly at exponent carries, so under it the fp8
-activations are quantized by torch (``quant_fp8_per_group_ref``) and fp8 codes are compared allowing for that.
+activations are quantized by torch (``torch_fp8_activations``) and fp8 codes are compared allowing for that.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -106,49 +108,49 @@ def quant_act(device: str, T: int, K: int, dtype=torch.float32, seed=0) -> list[
     return res
 
 
-def w8a8_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import w8a8_gemm as wl
-    from flashinfra.kernels.quant.act import quant_int8_per_token_ref
-    from flashinfra.quant.weights import quantize_int8_per_channel
+@contextlib.contextmanager
+def torch_fp8_activations(device: str):
+    """On the CPU, e4m3 activations quantized by torch inside the block: the interpreter's e4m3 conversion
+    mis-rounds at exponent carries (see ``quant_act``); the GPU's kernel is checked bit for bit there."""
+    from flashinfra.kernels.quant import act
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
-    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
-    b = rnd(N, device=device, gen=gen) if bias else None
-    qw = quantize_int8_per_channel(w)
-    xq, sx = quant_int8_per_token_ref(x)
-    out = wl.w8a8_matmul_launch(xq, sx, qw.data, qw.scale, b, dtype)
-    res = [check("w8a8_matmul", out, wl.w8a8_matmul_ref(xq, sx, qw.data, qw.scale, b, torch.float64),
-                 **exact_tol(dtype))]
-    out = wl.w8a8_linear_launch(x, qw.data, qw.scale, b)
-    full = x.double() @ w.double().t() + (b.double() if bias else 0)
-    return res + [within("w8a8_linear.quant_error", out, full, INT8_REL, "the unquantized product")]
-
-
-def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False,
-                     seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import fp8_gemm as fl
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
-    from flashinfra.quant.weights import quantize_fp8_blocks
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
-    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
-    b = rnd(N, device=device, gen=gen) if bias else None
-    qw = quantize_fp8_blocks(w)
-    xq, sx = quant_fp8_per_group_ref(x)
-    out = fl.fp8_matmul_launch(xq, sx, qw.data, qw.scale, qw.block, b, dtype)
-    ref = fl.fp8_matmul_ref(xq, sx, qw.data, qw.scale, qw.block, b, torch.float64)
-    res = [check("fp8_matmul", out, ref, **exact_tol(dtype))]
-    quantize = fl.quant_fp8_per_group
-    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see quant_act): quantize as torch does
-        fl.quant_fp8_per_group = quant_fp8_per_group_ref
+    quantize = act.quant_fp8_per_group
+    if device == "cpu":
+        act.quant_fp8_per_group = act.quant_fp8_per_group_ref
     try:
-        out = fl.fp8_block_linear_launch(x, qw.data, qw.scale, qw.block, b)
+        yield
     finally:
-        fl.quant_fp8_per_group = quantize
+        act.quant_fp8_per_group = quantize
+
+
+def _quantizer(scheme: str):
+    """The weight quantizer of ``scheme`` and its relative error budget against the unquantized product."""
+    from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
+
+    return (quantize_int8_per_channel, INT8_REL) if scheme == "w8a8" else (quantize_fp8_blocks, FP8_REL)
+
+
+def linear(device: str, scheme: str, T: int, K: int, N: int, dtype=torch.float32, bias=False,
+           seed=0) -> list[CheckResult]:
+    """The 8-bit GEMM on W8A8 (``scheme="w8a8"``) or block-FP8 weights against float64 of the same codes, and the
+    linear (activation quantization included) against the unquantized product."""
+    from flashinfra.kernels.quant import gemm
+    from flashinfra.kernels.quant.act import quant_act_ref
+
+    quantize, bound = _quantizer(scheme)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
+    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
+    b = rnd(N, device=device, gen=gen) if bias else None
+    qw = quantize(w)
+    xq, sx = quant_act_ref("int8" if scheme == "w8a8" else "fp8", x)
+    out = gemm.matmul_8bit_launch(xq, sx, qw.data, qw.scale, b, qw.block, dtype)
+    ref = gemm.matmul_8bit_ref(xq, sx, qw.data, qw.scale, b, qw.block, torch.float64)
+    res = [check(f"{scheme}_matmul", out, ref, **exact_tol(dtype))]
+    with torch_fp8_activations(device):
+        out = gemm.linear_8bit_launch(x, qw.data, qw.scale, b, qw.block)
     full = x.double() @ w.double().t() + (b.double() if bias else 0)
-    return res + [within("fp8_block_linear.quant_error", out, full, FP8_REL, "the unquantized product")]
+    return res + [within(f"{scheme}_linear.quant_error", out, full, bound, "the unquantized product")]
 
 
 def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
@@ -156,10 +158,9 @@ def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dt
     """``fused_moe`` on W8A8 (``scheme="w8a8"``) or block-FP8 experts with a shared expert of the routed width,
     against float64 of the same quantized arithmetic and against the unquantized experts."""
     from flashinfra.kernels import fused_moe as fm
-    from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
 
-    quantize, bound = ((quantize_int8_per_channel, 2 * INT8_REL) if scheme == "w8a8" else
-                       (quantize_fp8_blocks, 1.5 * FP8_REL))
+    quantize, bound = _quantizer(scheme)
+    bound *= 2 if scheme == "w8a8" else 1.5  # two quantized GEMMs in a row
     gen = torch.Generator(device=device).manual_seed(seed)
     x = rnd(T, D, device=device, gen=gen, dtype=dtype)
     w13 = rnd(E + 1, 2 * I, D, device=device, gen=gen, scale=D**-0.5)  # the last one: the shared expert
@@ -169,13 +170,8 @@ def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dt
     scales = (q13.scale, q2.scale, qs13.scale, qs2.scale)
     ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, top_k, device=device, generator=gen)
-    quantize_act = fm.quant_fp8_per_group
-    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds at carries (see quant_act): quantize as torch
-        fm.quant_fp8_per_group = fm.quant_fp8_per_group_ref
-    try:
+    with torch_fp8_activations(device):
         out = fm.fused_moe_launch(x, q13.data, q2.data, w, ids, limit, qs13.data, qs2.data, scales)
-    finally:
-        fm.quant_fp8_per_group = quantize_act
     ref = fm.fused_moe_ref(x, q13.data, q2.data, w, ids.long(), limit, qs13.data, qs2.data, scales)
     res = [check(f"{scheme}_moe", out, ref, **moe_tol(dtype))]
     full = fm.fused_moe_ref(x.double(), w13[:E].double(), w2[:E].double(), w.double(), ids.long(), limit,

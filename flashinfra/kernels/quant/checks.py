@@ -56,14 +56,14 @@ def check_act(dev, act):
 def check_w8a8_linear(dev, act):
     """int8 x int8 GEMM against float64 of the same codes, and the W8A8 linear against the unquantized product."""
     T, K, N = (63, 4096, 1536) if dev == "cuda" else (7, 300, 37)
-    return cases.w8a8_linear(dev, T, K, N, dtype=act, bias=True, seed=2)
+    return cases.linear(dev, "w8a8", T, K, N, dtype=act, bias=True, seed=2)
 
 
 @_checked("quant.fp8_block_linear", fp8=True)
 def check_fp8_block_linear(dev, act):
     """e4m3 block-scaled GEMM against float64 of the same codes, and the linear against the unquantized product."""
     T, K, N = (63, 4096, 1536) if dev == "cuda" else (5, 300, 200)
-    return cases.fp8_block_linear(dev, T, K, N, dtype=act, bias=True, seed=3)
+    return cases.linear(dev, "fp8", T, K, N, dtype=act, bias=True, seed=3)
 
 
 def _moe_sizes(dev: str) -> tuple:
