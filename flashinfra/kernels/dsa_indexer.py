@@ -24,7 +24,8 @@ Cache formats (``FP8``, a constexpr read from the cache's dtype): entries in the
 one float32 scale per token for the key half and one for the gate score half (``[blocks, bs, 2]``, as DeepSeek's
 indexer caches keys). ``pool_keys_kernel`` dequantizes fp8 entries on load and rounds them to the query dtype,
 which is what the reference sees (``flashinfra.quant.cache.read_index_entries`` dequantizes into the model dtype
-before ``Indexer.select``); scoring, top-k and the tail are the same for both.
+before ``Indexer.select``); scoring, top-k and the tail are the same for both. The scale pointer comes after the
+float kernel's arguments, so that the float specialisation keeps its parameter layout (and its machine code).
 """
 
 from __future__ import annotations
@@ -40,7 +41,21 @@ FMIN = torch.finfo(torch.float32).min
 
 
 @triton.jit
-def pool_keys_kernel(cache, scale, block_tables, seq_lens, ape, out, W, P, stride_cb, KP: tl.constexpr,
+def _gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt: tl.constexpr,
+                 KP: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr, FP8: tl.constexpr):
+    """[BP, DI] float32: each pool's entry ``j``'s gate scores plus their position bias (fp8 entries dequantized and
+    rounded to ``dt``, as the reference reads them)."""
+    pos = o_p * KP + j
+    blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
+    row = blk * BS + pos % BS
+    g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        g = (g * tl.load(scale + row * 2 + 1, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
+    return g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :]
+
+
+@triton.jit
+def pool_keys_kernel(cache, block_tables, seq_lens, ape, out, W, P, stride_cb, scale, KP: tl.constexpr,
                      BS: tl.constexpr, DI: tl.constexpr, BP: tl.constexpr, FP8: tl.constexpr):
     i_b, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BP + tl.arange(0, BP)
@@ -52,22 +67,12 @@ def pool_keys_kernel(cache, scale, block_tables, seq_lens, ape, out, W, P, strid
     dt = out.dtype.element_ty
     m = tl.full([BP, DI], float("-inf"), dtype=tl.float32)
     for j in tl.static_range(KP):
-        pos = o_p * KP + j
-        blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
-        row = blk * BS + pos % BS
-        g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
-        if FP8:
-            g = (g * tl.load(scale + row * 2 + 1, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
-        m = tl.maximum(m, g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :])
+        m = tl.maximum(m, _gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt, KP, BS,
+                                       DI, FP8))
     den = tl.zeros([BP, DI], dtype=tl.float32)
     for j in tl.static_range(KP):
-        pos = o_p * KP + j
-        blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
-        row = blk * BS + pos % BS
-        g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
-        if FP8:
-            g = (g * tl.load(scale + row * 2 + 1, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
-        den += tl.exp(g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :] - m)
+        den += tl.exp(_gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt, KP, BS, DI,
+                                   FP8) - m)
     acc = tl.zeros([BP, DI], dtype=tl.float32)
     for j in tl.static_range(KP):
         pos = o_p * KP + j
@@ -152,8 +157,8 @@ def dsa_select(
         pool_keys = torch.empty(B, P, Di, dtype=q.dtype if fp8 else cache.dtype, device=dev)
         BP = 16  # 16 pools x 128 channels x 8 warps: no register spills (ptxas, sm_90)
         fast(pool_keys_kernel)[(B, triton.cdiv(P, BP))](
-            cache, cache_scale.contiguous() if fp8 else cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W,
-            P, cache.stride(1), KP=kpool, BS=bs, DI=Di, BP=BP, FP8=fp8, num_warps=8)
+            cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P, cache.stride(1),
+            cache_scale.contiguous() if fp8 else cache, KP=kpool, BS=bs, DI=Di, BP=BP, FP8=fp8, num_warps=8)
         keys = torch.empty(T, P, dtype=torch.int64, device=dev)
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()

@@ -141,8 +141,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
 
 
 @triton.jit
-def moe_gemm1_kernel(x, sx, w, sw, h, sorted_ids, expert_ids, used, stride_x, stride_we, stride_se, shared_off,
-                     shared_soff, num_pairs, limit, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit, sx, sw,
+                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                      WEIGHTS: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
@@ -196,8 +196,8 @@ def moe_gemm1_kernel(x, sx, w, sw, h, sorted_ids, expert_ids, used, stride_x, st
 
 
 @triton.jit
-def moe_gemm2_kernel(h, sh, w, sw, out, topk_w, sorted_ids, expert_ids, used, stride_we, stride_se, shared_off,
-                     shared_soff, num_pairs, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
+                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BM >= tl.load(used):
@@ -311,15 +311,16 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
         soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
     grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, cfg["BN1"]))
+    # the scales' arguments go last, so that the float specialisation keeps its parameter layout (and machine code)
     fast(moe_gemm1_kernel)[grid1](
-        a, sa, w13, sw13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), sw13.stride(0),
-        _offset(shared13, w13), soff13, T * k, float(limit), E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK,
+        a, w13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), _offset(shared13, w13), T * k,
+        float(limit), sa, sw13, sw13.stride(0), soff13, E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK,
         IEEE=ieee, WEIGHTS=fmt, **launch)
     hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
-    fast(moe_gemm2_kernel)[grid2](hq, sh, w2, sw2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0),
-                                  sw2.stride(0), _offset(shared2, w2), soff2, T * k, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"],
+    fast(moe_gemm2_kernel)[grid2](hq, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
+                                  T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"],
                                   BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
 
 

@@ -16,7 +16,9 @@ by ``sparse_mla_combine_kernel``.
 Cache formats (``CACHE``, a constexpr read from the latent's dtype): a float latent (bf16, or float32 in tests),
 or 8-bit rows (``int8`` or e4m3 ``fp8``) with one float32 scale per token, dequantized on load
 (``c = q_c * s``, rounded to the query dtype), so a step reads about half the latent bytes of a bf16 cache.
-Everything after the load (scores, online softmax, splits and their merge) is the same for every format.
+Everything after the load (scores, online softmax, splits and their merge) is the same for every format. The
+scale pointer comes after the float kernel's arguments, so that the float specialisation keeps its parameter
+layout (and its machine code).
 
 ``sparse_mla_ref`` is the reference: one token at a time, as the model's ``_decode``, in float32 or in the
 query's dtype where that is wider (float64 for the checks), on the dequantized latent rows.
@@ -67,8 +69,8 @@ def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale, latent_sc
 
 
 @triton.jit
-def sparse_mla_kernel(q, latent, latent_scale, sel, token_seq, block_tables, o, part_acc, part_ml, stride_qt, stride_qh,
-                      S, W, H, CH, scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr,
+def sparse_mla_kernel(q, latent, sel, token_seq, block_tables, o, part_acc, part_ml, stride_qt, stride_qh, S, W, H,
+                      CH, scale, latent_scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr,
                       BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr):
     i_t, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t.to(tl.int64)
@@ -173,8 +175,8 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     part_acc = torch.empty(T * split * H, BR, dtype=torch.float32, device=dev) if split > 1 else o
     part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
     fast(sparse_mla_kernel)[(T, triton.cdiv(H, BH), split)](
-        q_lat, latent, latent if latent_scale is None else latent_scale.contiguous(), sel, token_seq, block_tables, o,
-        part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S, block_tables.shape[1], H, CH, scale, R=R, BR=BR,
+        q_lat, latent, sel, token_seq, block_tables, o, part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S,
+        block_tables.shape[1], H, CH, scale, latent if latent_scale is None else latent_scale.contiguous(), R=R, BR=BR,
         BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split, IEEE=q_lat.dtype == torch.float32, CACHE=fmt,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
