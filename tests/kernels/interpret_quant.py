@@ -7,6 +7,7 @@ kernels are tested here too; its float -> e4m3 conversion mis-rounds at exponent
 import pytest
 
 from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import checks as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 
@@ -39,8 +40,8 @@ def test_fp8_moe(T, E, D, I, k):
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("split", [None, 4])
 def test_sparse_mla_quant(cache_dtype, split):
-    assert_passed(cases.sparse_mla_quant("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache_dtype, split=split,
-                                         S=37 if split else 11))
+    assert_passed(hotpath.sparse_mla("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache=cache_dtype, split=split,
+                                     S=37 if split else 11))
 
 
 def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
@@ -50,4 +51,4 @@ def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])
 def test_dsa_select_quant(ctx, qlens):
-    assert_passed(cases.dsa_select_quant("cpu", ctx, qlens, seed=len(ctx)))
+    assert_passed(hotpath.dsa_select("cpu", ctx, qlens, fp8=True, seed=len(ctx)))

@@ -1,7 +1,7 @@
-"""Correctness cases of the 8-bit kernels (activation quantization, W8A8 and block-FP8 linear, their fused MoE
-experts, sparse MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache), shared by the registered
-checks (checks.py, fixed sizes) and the tests (tests/kernels: the interpreter's small odd sizes, the GPU's real
-ones, through ``assert_passed``).
+"""Correctness cases of the 8-bit weight paths (activation quantization, the W8A8 and block-FP8 linear, the fused
+MoE on those weights), shared by the registered checks (checks.py, fixed sizes) and the tests (tests/kernels: the
+interpreter's small odd sizes, the GPU's real ones, through ``assert_passed``). The 8-bit caches' cases are the
+float cases' own with a cache format (``flashinfra.kernels.checks``: ``sparse_mla``, ``dsa_select``).
 
 Each case draws fresh random inputs and checks the kernel twice: against the float64 computation of the same
 quantized arithmetic (tight: only float32 epilogue rounding and the output dtype separate them), and against the
@@ -18,7 +18,6 @@ import contextlib
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare
-from flashinfra.kernels.checks import paged_cache
 
 
 def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
@@ -178,77 +177,3 @@ def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dt
                             w13[E].double(), w2[E].double())
     return res + [within(f"{scheme}_moe.quant_error", out, full, bound, "the unquantized experts"),
                   within(f"{scheme}_moe_ref.quant_error", ref, full, bound, "the unquantized experts")]
-
-
-def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype: str, H=4, R=32, bs=4, S=11,
-                     split=None, dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
-    reference on the dequantized latent (tight) and on the unquantized latent (the cache's quantization error)."""
-    from flashinfra.kernels import sparse_mla as sm
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref, quant_int8_per_token_ref
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    lens = [c + q for c, q in zip(ctx, qlens)]
-    latent, tables = paged_cache(device, gen, lens, bs, R, dtype)
-    flat = latent.reshape(-1, R)
-    if cache_dtype == "int8":
-        q8, s = quant_int8_per_token_ref(flat)
-    else:
-        q8, s = quant_fp8_per_group_ref(flat, 1 << (R - 1).bit_length())
-        s = s[:, 0]
-    q8, s = q8.view(latent.shape), s.view(latent.shape[:2]).contiguous()
-    T = sum(qlens)
-    q = rnd(T, H, R, device=device, gen=gen, dtype=dtype)
-    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
-    rows = []
-    for c, n in zip(ctx, qlens):
-        for p in range(c, c + n):
-            pick = torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:S].tolist()
-            rows.append(pick + [-1] * (S - len(pick)))
-    sel = torch.tensor(rows, dtype=torch.int32, device=device)
-    out = sm.sparse_mla_launch(q, q8, sel, token_seq, tables, R**-0.5, s, split=split)
-    ref = sm.sparse_mla_ref(q.double(), q8, sel, token_seq, tables, R**-0.5, s)
-    res = [check("sparse_mla_quant", out, ref, **exact_tol(dtype))]
-    full = sm.sparse_mla_ref(q.double(), latent.double(), sel, token_seq, tables, R**-0.5)
-    bound = 0.02 if cache_dtype == "int8" else 0.08
-    return res + [within(f"sparse_mla_quant.{cache_dtype}_cache_error", out, full, bound,
-                         f"attention over the unquantized {str(dtype)[6:]} latent")]
-
-
-def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=4,
-                     dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """The selection over an fp8 indexer cache equals the model's ``Indexer.select`` on the dequantized entries,
-    query by query (a pool at a near-tie of float rounding aside: at most one query in 50)."""
-    from flashinfra.config import TextConfig
-    from flashinfra.kernels.dsa_indexer import dsa_select
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
-    from flashinfra.model.indexer import Indexer
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    lens = [c + q for c, q in zip(ctx, qlens)]
-    entries, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
-    q8, s = quant_fp8_per_group_ref(entries.view(-1, 2 * Di), Di)
-    q8, s = q8.view(entries.shape), s.view(*entries.shape[:2], 2).contiguous()
-    deq = (q8.double().view(*entries.shape[:2], 2, Di) * s.double()[..., None]).view(entries.shape).to(dtype)
-    T = sum(qlens)
-    q = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype)
-    w = rnd(T, Hi, device=device, gen=gen)
-    cfg = TextConfig(index_n_heads=Hi, index_head_dim=Di, index_kpool=kpool, index_topk=topk, hidden_size=32,
-                     q_lora_rank=16)
-    ix = Indexer(cfg, dtype).to(device)
-    ix.pool_ape.copy_(rnd(kpool, Di, device=device, gen=gen, dtype=dtype))
-    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
-    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
-                             device=device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    sel = dsa_select(q8, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True, s)
-    at, differ = 0, 0
-    for b, (c, n) in enumerate(zip(ctx, qlens)):
-        seq = deq[tables[b].long()].flatten(0, 1)[: lens[b]]
-        mask = ix.select(seq, q[at:at + n], w[at:at + n])
-        for i in range(n):
-            got = sorted(p for p in sel[at + i].tolist() if p >= 0)
-            differ += got != torch.nonzero(mask[i]).flatten().tolist()
-        at += n
-    return [holds("dsa_select_quant", differ <= max(1, T // 50),
-                  f"{differ} of {T} queries select differently (bound {max(1, T // 50)})")]

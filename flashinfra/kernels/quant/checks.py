@@ -13,6 +13,7 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, register_check
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels import checks as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 
 TAGS = ("kernel", "quant", "triton")
@@ -93,7 +94,7 @@ def check_sparse_mla_quant(dev, act):
     for cache_dtype in ("int8", "fp8") if _fp8_ok(dev) else ("int8",):
         for split in (None, 4):
             out += named(f"{cache_dtype}.split{split or 1}",
-                         cases.sparse_mla_quant(dev, ctx, qlens, cache_dtype, split=split, dtype=act, **sz))
+                         hotpath.sparse_mla(dev, ctx, qlens, cache=cache_dtype, split=split, dtype=act, **sz))
     return out
 
 
@@ -101,6 +102,6 @@ def check_sparse_mla_quant(dev, act):
 def check_dsa_select(dev, act):
     """The DSA top-k selection over an fp8 indexer cache against ``Indexer.select`` on the dequantized entries."""
     if dev == "cuda":
-        return cases.dsa_select_quant(dev, [0, 100, 1000], [30, 1, 1], Hi=32, Di=128, kpool=4, topk=256, bs=64,
-                                      dtype=act)
-    return cases.dsa_select_quant(dev, [0, 5, 30], [13, 1, 7], seed=3)
+        return hotpath.dsa_select(dev, [0, 100, 1000], [30, 1, 1], Hi=32, Di=128, kpool=4, topk=256, bs=64, fp8=True,
+                                  dtype=act)
+    return hotpath.dsa_select(dev, [0, 5, 30], [13, 1, 7], fp8=True, seed=3)
