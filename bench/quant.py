@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
 from flashinfra.kernels.fused_moe import fused_moe
-from flashinfra.kernels.quant import fp8_block_linear, fp8_moe, w8a8_linear, w8a8_moe
+from flashinfra.kernels.quant import linear_8bit
 from flashinfra.model.api import load_model, model_config_from, random_model
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch
@@ -207,9 +207,9 @@ def gemms(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list
         for M in tokens:
             x = torch.randn(M, Kd, device=dev).bfloat16()
             flops = 2 * M * N * Kd
-            runs = {"bf16": lambda: F.linear(x, wb), "w8a8": lambda: w8a8_linear(x, qi.data, qi.scale)}
+            runs = {"bf16": lambda: F.linear(x, wb), "w8a8": lambda: linear_8bit(x, qi.data, qi.scale)}
             if "fp8" in peak:
-                runs["fp8"] = lambda: fp8_block_linear(x, qf.data, qf.scale)
+                runs["fp8"] = lambda: linear_8bit(x, qf.data, qf.scale)
             for fmt, fn in runs.items():
                 s = median_s(fn, dev, reps)
                 key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]
@@ -233,8 +233,8 @@ def _expert_weights(E: int, N: int, K: int, dev: str):
 
 
 def moes(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[dict]:
-    """Routed experts plus a shared expert as one more pair per token (``fused_moe``'s form; the quantized ops get
-    the pair explicitly, expert 0 with weight 1), so every format does the same ``k + 1`` pairs of work."""
+    """Routed experts plus a shared expert as one more pair per token (``fused_moe``'s form; expert 0's weights
+    stand in for the shared expert's), so every format does the same ``k + 1`` pairs of work."""
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     b13, i13, f13 = _expert_weights(E, 2 * I, D, dev)
     b2, i2, f2 = _expert_weights(E, D, I, dev)
@@ -244,13 +244,13 @@ def moes(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list[
         x = torch.randn(T, D, device=dev).bfloat16()
         ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).int()
         tw = torch.rand(T, k, device=dev)
-        ids1 = torch.cat([ids, torch.zeros(T, 1, dtype=torch.int32, device=dev)], 1)
-        tw1 = torch.cat([tw, torch.ones(T, 1, device=dev)], 1)
         flops = 2 * T * (k + 1) * 3 * D * I
         runs = {"bf16": lambda: fused_moe(x, b13, b2, tw, ids, 10.0, s13, s2),
-                "w8a8": lambda: w8a8_moe(x, i13.data, i13.scale, i2.data, i2.scale, tw1, ids1, 10.0)}
+                "w8a8": lambda: fused_moe(x, i13.data, i2.data, tw, ids, 10.0, i13.data[0], i2.data[0],
+                                          (i13.scale, i2.scale, i13.scale[0], i2.scale[0]))}
         if "fp8" in peak:
-            runs["fp8"] = lambda: fp8_moe(x, f13.data, f13.scale, f2.data, f2.scale, tw1, ids1, 10.0)
+            runs["fp8"] = lambda: fused_moe(x, f13.data, f2.data, tw, ids, 10.0, f13.data[0], f2.data[0],
+                                            (f13.scale, f2.scale, f13.scale[0], f2.scale[0]))
         for fmt, fn in runs.items():
             s = median_s(fn, dev, reps)
             key = {"bf16": "bf16", "w8a8": "int8", "fp8": "fp8"}[fmt]

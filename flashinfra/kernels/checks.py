@@ -154,10 +154,24 @@ def paged_cache(device, gen, lens: list[int], bs: int, width: int, dtype):
     return cache, torch.tensor(tables, dtype=torch.int32, device=device)
 
 
+def quantized_cache(cache: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cache`` [blocks, bs, W] in 8 bits as ``flashinfra.quant.cache`` writes it: int8 with one scale per entry, or
+    e4m3 with one per ``group`` channels -> (codes, float32 scales [blocks, bs, W / group], the dequantized cache in
+    cache's dtype, which is what the references read)."""
+    from flashinfra.kernels.quant.act import quant_act_ref
+
+    blocks, bs, width = cache.shape
+    codes, scale = quant_act_ref(fmt, cache.reshape(-1, width), group)
+    scale = scale.reshape(blocks, bs, -1).contiguous()
+    deq = codes.double().view(blocks, bs, scale.shape[-1], -1) * scale.double()[..., None]
+    return codes.view(cache.shape), scale, deq.view(cache.shape).to(cache.dtype)
+
+
 def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=4,
-               ties=False, dtype=torch.float32, seed=0) -> list[CheckResult]:
+               ties=False, fp8=False, dtype=torch.float32, seed=0) -> list[CheckResult]:
     """dsa_select's positions equal the set the model's ``Indexer.select`` marks, query by query, but for
-    a few queries (at most one in 50) that differ only at near-ties."""
+    a few queries (at most one in 50) that differ only at near-ties. With ``fp8`` the kernel reads an e4m3 cache
+    (a scale per entry for the key and one for the gate score) and the reference the dequantized entries."""
     from flashinfra.config import TextConfig
     from flashinfra.model.indexer import Indexer
 
@@ -178,8 +192,11 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
     positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
                              device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    sel = dsa_indexer.dsa_select(cache, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk,
-                                 True)
+    codes, scale = cache, None
+    if fp8:
+        codes, scale, cache = quantized_cache(cache, "fp8", Di)
+    sel = dsa_indexer.dsa_select(codes, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk,
+                                 True, scale)
     at, differ, unexplained = 0, 0, []
     for b, (c, n) in enumerate(zip(ctx, qlens)):
         entries = cache[tables[b].long()].flatten(0, 1)[:lens[b]]
@@ -195,7 +212,8 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
         at += n
     allowed = max(1, T // 50)
     message = f"{differ} of {T} queries differ from Indexer.select (allowed {allowed}, at near-ties only)"
-    return [_verdict("hotpath.dsa_select.positions", differ <= allowed and not unexplained,
+    name = "dsa_select.fp8_cache.positions" if fp8 else "hotpath.dsa_select.positions"
+    return [_verdict(name, differ <= allowed and not unexplained,
                      "; ".join([message, *unexplained[:4]]))]
 
 
@@ -221,8 +239,15 @@ def _not_near_tie(got, want, entries, q, w, ix, pos, topk, kpool) -> str | None:
     return None
 
 
-def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S=11, split=None,
+# the 8-bit latent caches' error budgets: attention against the unquantized latent (relative Frobenius error)
+CACHE_REL = {"int8": 0.02, "fp8": 0.08}
+
+
+def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S=11, split=None, cache="float",
                dtype=torch.float32, seed=0) -> list[CheckResult]:
+    """Against the float64 reference; with ``cache`` "int8" / "fp8" the latent is quantized per entry as the cache
+    writes it, and the kernel is checked against the reference on the same codes and, within ``CACHE_REL``,
+    against attention over the unquantized latent."""
     gen = _gen(device, seed)
     lens = [c + q for c, q in zip(ctx, qlens)]
     latent, tables = paged_cache(device, gen, lens, bs, R, dtype)
@@ -236,9 +261,19 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
             pick = pick + [-1] * (S - len(pick))
             rows.append([pick[i] for i in torch.randperm(S, generator=torch.Generator().manual_seed(7 + p))])
     sel = torch.tensor(rows, dtype=torch.int32, device=device)
-    out = sm.sparse_mla_launch(q, latent, sel, token_seq, tables, R**-0.5, split=split)
-    ref = sm.sparse_mla_ref(_d(q), _d(latent), sel, token_seq, tables, R**-0.5)
-    return [compare("hotpath.sparse_mla", out, ref, **tol(dtype))]
+    if cache == "float":
+        out = sm.sparse_mla_launch(q, latent, sel, token_seq, tables, R**-0.5, split=split)
+        ref = sm.sparse_mla_ref(_d(q), _d(latent), sel, token_seq, tables, R**-0.5)
+        return [compare("hotpath.sparse_mla", out, ref, **tol(dtype))]
+    codes, scale, _ = quantized_cache(latent, cache, 1 << (R - 1).bit_length())  # fp8: one group spans the row
+    scale = scale[..., 0]
+    out = sm.sparse_mla_launch(q, codes, sel, token_seq, tables, R**-0.5, scale, split=split)
+    ref = sm.sparse_mla_ref(_d(q), codes, sel, token_seq, tables, R**-0.5, scale)
+    full = sm.sparse_mla_ref(_d(q), _d(latent), sel, token_seq, tables, R**-0.5)
+    err = float((out.double() - full).norm() / full.norm())
+    return [compare(f"sparse_mla.{cache}_cache", out, ref, **tol(dtype)),
+            _verdict(f"sparse_mla.{cache}_cache_error", err < CACHE_REL[cache],
+                     f"{err:.4f} from attention over the unquantized latent (bound {CACHE_REL[cache]:g})")]
 
 
 # ---- registered checks --------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ captured in a CUDA graph:
 3. ``dsa_select``: top-k and the token list ``[T, k * kpool + kpool - 1]`` (-1 = nothing) that sparse MLA
    attends to: the selected pools' tokens, then the tail (in deterministic mode the tail first, so that each
    position keeps its column whatever the batch's widest block table makes the pools' width).
+
+Cache formats (``FP8``, a constexpr read from the cache's dtype): entries in the model dtype, or e4m3 entries with
+one float32 scale per token for the key half and one for the gate score half (``[blocks, bs, 2]``, as DeepSeek's
+indexer caches keys). ``pool_keys_kernel`` dequantizes fp8 entries on load and rounds them to the query dtype,
+which is what the reference sees (``flashinfra.quant.cache.read_index_entries`` dequantizes into the model dtype
+before ``Indexer.select``); scoring, top-k and the tail are the same for both. The scale pointer comes after the
+float kernel's arguments, so that the float specialisation keeps its parameter layout (and its machine code).
 """
 
 from __future__ import annotations
@@ -34,8 +41,22 @@ FMIN = torch.finfo(torch.float32).min
 
 
 @triton.jit
-def pool_keys_kernel(cache, block_tables, seq_lens, ape, out, W, P, stride_cb, KP: tl.constexpr, BS: tl.constexpr,
-                     DI: tl.constexpr, BP: tl.constexpr):
+def _gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt: tl.constexpr,
+                 KP: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr, FP8: tl.constexpr):
+    """[BP, DI] float32: each pool's entry ``j``'s gate scores plus their position bias (fp8 entries dequantized and
+    rounded to ``dt``, as the reference reads them)."""
+    pos = o_p * KP + j
+    blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
+    row = blk * BS + pos % BS
+    g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        g = (g * tl.load(scale + row * 2 + 1, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
+    return g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :]
+
+
+@triton.jit
+def pool_keys_kernel(cache, block_tables, seq_lens, ape, out, W, P, stride_cb, scale, KP: tl.constexpr,
+                     BS: tl.constexpr, DI: tl.constexpr, BP: tl.constexpr, FP8: tl.constexpr):
     i_b, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BP + tl.arange(0, BP)
     o_d = tl.arange(0, DI)
@@ -46,18 +67,12 @@ def pool_keys_kernel(cache, block_tables, seq_lens, ape, out, W, P, stride_cb, K
     dt = out.dtype.element_ty
     m = tl.full([BP, DI], float("-inf"), dtype=tl.float32)
     for j in tl.static_range(KP):
-        pos = o_p * KP + j
-        blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
-        row = blk * BS + pos % BS
-        g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
-        m = tl.maximum(m, g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :])
+        m = tl.maximum(m, _gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt, KP, BS,
+                                       DI, FP8))
     den = tl.zeros([BP, DI], dtype=tl.float32)
     for j in tl.static_range(KP):
-        pos = o_p * KP + j
-        blk = tl.load(block_tables + i_b * W + pos // BS, mask=m_p, other=0).to(tl.int64)
-        row = blk * BS + pos % BS
-        g = tl.load(cache + row[:, None] * stride_cb + DI + o_d[None, :], mask=m_p[:, None], other=0.0).to(tl.float32)
-        den += tl.exp(g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :] - m)
+        den += tl.exp(_gate_logits(cache, block_tables, ape, scale, i_b, W, o_p, o_d, m_p, stride_cb, j, dt, KP, BS, DI,
+                                   FP8) - m)
     acc = tl.zeros([BP, DI], dtype=tl.float32)
     for j in tl.static_range(KP):
         pos = o_p * KP + j
@@ -66,8 +81,11 @@ def pool_keys_kernel(cache, block_tables, seq_lens, ape, out, W, P, stride_cb, K
         p_row = cache + row[:, None] * stride_cb + o_d[None, :]
         g = tl.load(p_row + DI, mask=m_p[:, None], other=0.0).to(tl.float32)
         k = tl.load(p_row, mask=m_p[:, None], other=0.0).to(tl.float32)
+        if FP8:
+            g = (g * tl.load(scale + row * 2 + 1, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
+            k = (k * tl.load(scale + row * 2, mask=m_p, other=0.0)[:, None]).to(dt).to(tl.float32)
         prob = (tl.exp(g + tl.load(ape + j * DI + o_d).to(tl.float32)[None, :] - m) / den).to(dt).to(tl.float32)
-        acc += (prob * k).to(dt).to(tl.float32)  # the reference multiplies in the cache dtype, sums in float32
+        acc += (prob * k).to(dt).to(tl.float32)  # the reference multiplies in the model dtype, sums in float32
     tl.store(out + (i_b * P + o_p[:, None]).to(tl.int64) * DI + o_d[None, :], acc.to(dt), mask=m_p[:, None])
 
 
@@ -115,13 +133,18 @@ def dsa_select(
     kpool: int,
     topk: int,
     keep_tail: bool,
+    cache_scale: torch.Tensor | None = None,  # [num_blocks, block_size, 2] float32 for an e4m3 cache: key | gate
 ) -> torch.Tensor:  # [T, k * kpool + tail] int32 positions to attend to, -1 = none
     T, Hi, Di = q.shape
     B, W = block_tables.shape
     bs = cache.shape[1]
+    fp8 = cache.dtype == torch.float8_e4m3fn
     if cache.shape[2] != 2 * Di or ape.shape != (kpool, Di) or head_weights.shape != (T, Hi):
         raise ValueError(f"dsa_select: cache {tuple(cache.shape)}, ape {tuple(ape.shape)}, weights "
                          f"{tuple(head_weights.shape)} do not fit queries {tuple(q.shape)}")
+    if fp8 != (cache_scale is not None) or fp8 and cache_scale.shape != (*cache.shape[:2], 2):
+        raise ValueError(f"dsa_select: a {cache.dtype} cache takes scales [blocks, block_size, 2] if and only if it "
+                         f"is e4m3, got {None if cache_scale is None else tuple(cache_scale.shape)}")
     if Hi & (Hi - 1) or Di & (Di - 1) or Hi < 16 or Di < 16:
         raise ValueError(f"dsa_select: the Triton path needs power-of-two heads and head dim >= 16, got {Hi}x{Di}")
     P = W * bs // kpool
@@ -131,11 +154,11 @@ def dsa_select(
     pos = positions.long()
     parts = []
     if k > 0 and T > 0:
-        pool_keys = torch.empty(B, P, Di, dtype=cache.dtype, device=dev)
+        pool_keys = torch.empty(B, P, Di, dtype=q.dtype if fp8 else cache.dtype, device=dev)
         BP = 16  # 16 pools x 128 channels x 8 warps: no register spills (ptxas, sm_90)
         fast(pool_keys_kernel)[(B, triton.cdiv(P, BP))](
-            cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P, cache.stride(1), KP=kpool, BS=bs, DI=Di,
-            BP=BP, num_warps=8)
+            cache, block_tables, seq_lens, ape.contiguous(), pool_keys, W, P, cache.stride(1),
+            cache_scale.contiguous() if fp8 else cache, KP=kpool, BS=bs, DI=Di, BP=BP, FP8=fp8, num_warps=8)
         keys = torch.empty(T, P, dtype=torch.int64, device=dev)
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()

@@ -17,6 +17,23 @@ The shared expert is one more pair per token (expert id ``E``, weight 1) in the 
 addressed as an offset from the routed experts' base pointer (no copy into one tensor).
 Only the weights of experts that received a token are read: at batch 1 that is ``k`` experts, which is
 what makes decode memory-bound on exactly the bytes it must touch.
+
+Weight formats (``WEIGHTS``, a constexpr read from the weights' dtype), each with its scales beside the weights
+(routed and shared, the shared ones addressed as an offset like the weights):
+
+- ``float``: bf16 (float32 in tests) weights and activations, float32 accumulators.
+- ``int8`` (W8A8): int8 weights with one scale per output channel; ``x`` and the intermediate are quantized per
+  row (``act.quant_act``: a row's scale needs the whole row, which no GEMM program sees), the
+  products sum exactly in int32 and both scales are applied once, in the epilogue.
+- ``fp8``: e4m3 weights with one scale per 128 x 128 tile; ``x`` and the intermediate are quantized per row per
+  128 channels, and each 128-wide K step's float32 product is scaled by its
+  activation and weight block scales before it is accumulated (the DeepSeek-V3 recipe). The gate and up halves
+  need ``I % 128 == 0`` unless the scales were made for the stacked ``[2I, D]`` (``flashinfra.quant`` does that).
+
+Sorting, the grid, the SwiGLU, the routing weights and the combine are the same for all three; only the
+accumulator type, the per-step scaling (fp8) and the epilogue scaling (int8) differ, behind the constexpr.
+``fused_moe_ref`` is the reference: the float loop, or for 8-bit weights ``experts_8bit_ref``, the same
+quantized arithmetic in float64.
 """
 
 from __future__ import annotations
@@ -29,6 +46,8 @@ import triton.language as tl
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
+from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
+from flashinfra.kernels.quant.gemm import matmul_8bit_ref
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -50,6 +69,42 @@ def experts_ref(
         h = F.linear(clamped_swiglu(F.linear(x[token], w13[e]), limit), w2[e])
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(out.dtype))
     return out
+
+
+def experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float) -> torch.Tensor:
+    """The 8-bit experts' arithmetic in float64: activations quantized as the kernels do, the intermediate
+    rounded to x's dtype and quantized again, each weighted pair output rounded to x's dtype."""
+    fmt = weight_format(w13)
+    T, D = x.shape
+    N = w13.shape[1] // 2
+    xq, sx = quant_act_ref(fmt, x)
+    out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
+    for e in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == e)
+        gu = matmul_8bit_ref(xq[token], sx[token], w13[e], s13[e], out_dtype=torch.float64)
+        gate, up = gu[:, :N].clamp(max=limit), gu[:, N:].clamp(min=-limit, max=limit)
+        hq, sh = quant_act_ref(fmt, (gate * torch.sigmoid(gate) * up).to(x.dtype))
+        y = matmul_8bit_ref(hq, sh, w2[e], s2[e], out_dtype=torch.float64)
+        out.index_add_(0, token, (y * topk_weights[token, slot].double()[:, None]).to(x.dtype).double())
+    return out.to(x.dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+    """Routed experts plus the shared expert (none when ``shared_w13`` is None). 8-bit experts: the shared
+    expert is one more pair per token with weight 1, as in the kernels."""
+    if scales is None:
+        out = experts_ref(x, w13, w2, topk_weights, topk_ids, limit)
+        if shared_w13 is None:
+            return out
+        return out + F.linear(clamped_swiglu(F.linear(x, shared_w13), limit), shared_w2)
+    s13, s2, ss13, ss2 = scales
+    if shared_w13 is not None:
+        T, E = x.shape[0], w13.shape[0]
+        w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
+        s13, s2 = torch.cat([s13, ss13[None]]), torch.cat([s2, ss2[None]])
+        topk_ids = torch.cat([topk_ids.long(), torch.full((T, 1), E, dtype=torch.long, device=x.device)], 1)
+        topk_weights = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1)
+    return experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit)
 
 
 @triton.jit
@@ -86,9 +141,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
 
 
 @triton.jit
-def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit,
-                     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, IEEE: tl.constexpr):
+def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit, sx, sw,
+                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     WEIGHTS: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BM >= tl.load(used):
         return
@@ -100,8 +156,16 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
     m_n = o_n < N
     p_g = w + tl.where(e == E, shared_off, e * stride_we) + o_n[None, :].to(tl.int64) * K
     p_u = p_g + N * K
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    if WEIGHTS == "int8":  # exact int32 sums, scaled once in the epilogue
+        acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.int32)
+    else:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    if WEIGHTS == "fp8":  # scales [ceil(2N / BK), ceil(K / BK)] per expert: one per 128 x 128 weight tile
+        KB: tl.constexpr = (K + BK - 1) // BK
+        p_sg = sw + tl.where(e == E, shared_soff, e * stride_se) + (o_n // BK) * KB
+        p_su = sw + tl.where(e == E, shared_soff, e * stride_se) + ((o_n + N) // BK) * KB
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -112,9 +176,18 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
         if IEEE:
             acc_g += tl.dot(b_x, b_g, input_precision="ieee")
             acc_u += tl.dot(b_x, b_u, input_precision="ieee")
+        elif WEIGHTS == "fp8":  # each 128-wide step's product scaled by its activation and weight block scales
+            b_sx = tl.load(sx + tok * KB + k0 // BK, mask=m_p, other=0.0)[:, None]
+            acc_g += tl.dot(b_x, b_g) * b_sx * tl.load(p_sg + k0 // BK, mask=m_n, other=0.0)[None, :]
+            acc_u += tl.dot(b_x, b_u) * b_sx * tl.load(p_su + k0 // BK, mask=m_n, other=0.0)[None, :]
         else:
             acc_g += tl.dot(b_x, b_g)
             acc_u += tl.dot(b_x, b_u)
+    if WEIGHTS == "int8":  # per-token activation scale times per-channel weight scale
+        b_sx = tl.load(sx + tok, mask=m_p, other=0.0)[:, None]
+        p_s = sw + tl.where(e == E, shared_soff, e * stride_se) + o_n
+        acc_g = acc_g.to(tl.float32) * b_sx * tl.load(p_s, mask=m_n, other=0.0)[None, :]
+        acc_u = acc_u.to(tl.float32) * b_sx * tl.load(p_s + N, mask=m_n, other=0.0)[None, :]
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     b_h = gate * tl.sigmoid(gate) * up
@@ -123,9 +196,9 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 
 
 @triton.jit
-def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs,
-                     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, IEEE: tl.constexpr):
+def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
+                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BM >= tl.load(used):
         return
@@ -136,7 +209,13 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
     p_w = w + tl.where(e == E, shared_off, e * stride_we) + o_n[None, :].to(tl.int64) * K
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if WEIGHTS == "int8":
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if WEIGHTS == "fp8":
+        KB: tl.constexpr = (K + BK - 1) // BK
+        p_sw = sw + tl.where(e == E, shared_soff, e * stride_se) + (o_n // BK) * KB
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -144,9 +223,17 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
         b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(b_h, b_w, input_precision="ieee")
+        elif WEIGHTS == "fp8":
+            b_sh = tl.load(sh + rows * KB + k0 // BK, mask=m_p, other=0.0)[:, None]
+            acc += tl.dot(b_h, b_w) * b_sh * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
         else:
             acc += tl.dot(b_h, b_w)
-    acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
+    if WEIGHTS == "int8":
+        scale = tl.load(sh + rows, mask=m_p, other=0.0) * tl.load(topk_w + pair, mask=m_p, other=0.0)
+        p_s = sw + tl.where(e == E, shared_soff, e * stride_se) + o_n
+        acc = acc.to(tl.float32) * scale[:, None] * tl.load(p_s, mask=m_n, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
     tl.store(out + rows[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_p[:, None] & m_n[None, :])
 
 
@@ -164,16 +251,24 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
 
 # deterministic mode: one block shape per operand width whatever the token count, so that a pair's row of each
 # GEMM is reduced in the same order (and by the same MMA instruction) alone or in any batch
-DETERMINISTIC_CONFIG = {2: dict(BM=64, BN1=64, BN2=64, BK=64, num_warps=4, num_stages=3),
+DETERMINISTIC_CONFIG = {1: dict(BM=64, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=3),
+                        2: dict(BM=64, BN1=64, BN2=64, BK=64, num_warps=4, num_stages=3),
                         4: dict(BM=32, BN1=32, BN2=32, BK=32, num_warps=4, num_stages=2)}
 
 
 def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
     """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after;
-    float32 tiles are twice the bytes, so their large shape is halved to fit shared memory."""
+    float32 tiles are twice the bytes, so their large shape is halved to fit shared memory. 8-bit weights
+    step through K by the fp8 scales' block (``GROUP``)."""
     if is_deterministic():
         return DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     per_expert = num_pairs / max(num_experts, 1)
+    if elem_bytes == 1:
+        if num_pairs <= 64 or per_expert <= 16:
+            return dict(BM=16, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
+        if per_expert <= 64:
+            return dict(BM=32, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
+        return dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3)
     wide = elem_bytes <= 2
     if num_pairs <= 64 or (per_expert <= 16 and not wide):  # a few experts streamed by many thin programs
         return dict(BM=16, BN1=64, BN2=64, BK=128, num_warps=4, num_stages=4)
@@ -188,37 +283,61 @@ def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
 
 
 def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
-    """The shared expert's weights as an element offset from the routed experts' base pointer, so that one
-    launch reads both (expert id ``E`` means the shared expert) without copying them into one tensor."""
+    """The shared expert's weights (or scales) as an element offset from the routed experts' base pointer, so that
+    one launch reads both (expert id ``E`` means the shared expert) without copying them into one tensor."""
     delta = shared.data_ptr() - experts.data_ptr()
     if shared.dtype != experts.dtype or delta % experts.element_size():
         raise ValueError("fused_moe: shared and routed expert weights must share a dtype and alignment")
     return delta // experts.element_size()
 
 
-def _experts(x, w13, w2, s13, s2, pair_w, ids, limit, out):
+def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
     """Grouped GEMMs over the pairs ``ids`` [T, k'] (expert ``E`` = the shared expert): weighted pair outputs
     to ``out`` [T k', D]."""
     T, k = ids.shape
     E, N2, K = w13.shape
     N = N2 // 2
-    cfg = _config(T * k, E + 1, x.element_size())
+    fmt = weight_format(w13)
+    cfg = _config(T * k, E + 1, 1 if fmt != "float" else x.element_size())
     BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_ids, expert_ids, used = moe_align(ids, E + 1, BM)
-    ieee = x.dtype == torch.float32
+    ieee = x.dtype == torch.float32 and fmt == "float"
+    if fmt == "float":  # no scales: the weights stand in for the unused scale pointers
+        a, sa, (sw13, sw2), soff13, soff2 = x, x, (w13, w2), 0, 0
+    else:
+        a, sa = quant_act(fmt, x)
+        sw13, sw2, ss13, ss2 = scales
+        soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
     grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, cfg["BN1"]))
+    # the scales' arguments go last, so that the float specialisation keeps its parameter layout (and machine code)
     fast(moe_gemm1_kernel)[grid1](
-        x, w13, h, sorted_ids, expert_ids, used, x.stride(0), w13.stride(0), _offset(s13, w13), T * k, float(limit),
-        E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK, IEEE=ieee, **launch)
+        a, w13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), _offset(shared13, w13), T * k,
+        float(limit), sa, sw13, sw13.stride(0), soff13, E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK,
+        IEEE=ieee, WEIGHTS=fmt, **launch)
+    hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
-    fast(moe_gemm2_kernel)[grid2](h, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(s2, w2),
-                                  T * k, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"], BK=BK, IEEE=ieee, **launch)
+    fast(moe_gemm2_kernel)[grid2](hq, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
+                                  T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"],
+                                  BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
+def weight_format(w: torch.Tensor) -> str:
+    """``"float"``, ``"int8"`` (W8A8, per-channel scales) or ``"fp8"`` (128 x 128 block scales) from the dtype."""
+    return WEIGHT_FORMATS.get(w.dtype, "float")
+
+
+def _scale_shapes(fmt: str, E: int, N2: int, D: int) -> list[tuple]:
+    """The scales' shapes of routed w13, routed w2, shared w13, shared w2 in an 8-bit format."""
+    if fmt == "int8":
+        return [(E, N2), (E, D), (N2,), (D,)]
+    g13, g2 = (triton.cdiv(N2, GROUP), triton.cdiv(D, GROUP)), (triton.cdiv(D, GROUP), triton.cdiv(N2 // 2, GROUP))
+    return [(E, *g13), (E, *g2), g13, g2]
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, scales):
     T, D = x.shape
     E, N2, K = w13.shape
     if K != D or N2 % 2 or w2.shape != (E, D, N2 // 2):
@@ -231,16 +350,35 @@ def _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
                          f"not fit width {D}")
     if not (w13.is_contiguous() and w2.is_contiguous() and shared_w13.is_contiguous() and shared_w2.is_contiguous()):
         raise ValueError("fused_moe: expert weights must be contiguous")
+    fmt = weight_format(w13)
+    if (fmt == "float") != (scales is None):
+        raise ValueError(f"fused_moe: {w13.dtype} experts {'need' if fmt != 'float' else 'take no'} scales")
+    if fmt != "float":
+        if shared_w13.shape != w13.shape[1:]:
+            raise ValueError(f"fused_moe: an 8-bit shared expert must have the routed shape {tuple(w13.shape[1:])}")
+        got = [tuple(s.shape) for s in scales]
+        if got != _scale_shapes(fmt, E, N2, D) or any(s.dtype != torch.float32 or not s.is_contiguous()
+                                                       for s in scales):
+            raise ValueError(f"fused_moe: {fmt} scales {got} do not fit w13 {tuple(w13.shape)} (contiguous float32 "
+                             f"{_scale_shapes(fmt, E, N2, D)})")
 
 
-def _no_shared(w13, w2):
-    """A zero shared expert of the routed shape (for the case where the real one is wider)."""
-    return torch.zeros_like(w13[0]), torch.zeros_like(w2[0])
+def _no_shared(w13, w2, scales=None):
+    """A zero shared expert of the routed shape and format (for the case where the real one is wider or
+    runs apart): its weights, and the scales with its zero scales."""
+    if scales is None:
+        return torch.zeros_like(w13[0]), torch.zeros_like(w2[0]), None
+    return (torch.zeros_like(w13[0]), torch.zeros_like(w2[0]),
+            (scales[0], scales[1], torch.zeros_like(scales[0][0]), torch.zeros_like(scales[1][0])))
 
 
-def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
-    """Routed experts plus the shared expert: ``experts_ref(...) + shared(x)`` in one pass of fused kernels."""
-    _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
+def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+    """Routed experts plus the shared expert: ``fused_moe_ref(...)`` in one pass of fused kernels. Float weights,
+    or 8-bit ones (int8 or e4m3) with ``scales`` = (routed w13, routed w2, shared w13, shared w2) scales; a
+    shared expert of ``None`` is none."""
+    if shared_w13 is None:
+        shared_w13, shared_w2, scales = _no_shared(w13, w2, scales)
+    _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, scales)
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, D = x.shape
     k = topk_ids.shape[1]
@@ -249,24 +387,19 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
         return y
     if shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]:  # a wider shared expert: on its own
         shared = linear(clamped_swiglu(linear(x, shared_w13), limit), shared_w2)
-        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)) + shared
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)[:2]) + shared
     # every token's k routed pairs plus one pair with the shared expert (id E, weight 1)
     ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), w13.shape[0], dtype=torch.int32, device=x.device)], 1)
     pair_w = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1).contiguous()
     # pair outputs in the activation dtype: the reference rounds each weighted expert output there too
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
-    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs)
+    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales)
     BD = min(1024, triton.next_power_of_2(D))
     fast(moe_sum_kernel)[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
-    shared = F.linear(clamped_swiglu(F.linear(x, shared_w13), limit), shared_w2)
-    return experts_ref(x, w13, w2, topk_weights, topk_ids, limit) + shared
-
-
-def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2):
-    if use_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
-        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
+def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+    if use_triton(x, w13, w2, topk_weights, topk_ids):
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales)

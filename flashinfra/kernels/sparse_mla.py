@@ -13,7 +13,15 @@ Splits (flash-decoding): when there are too few (token, head block) programs to 
 small batch), each token's list is cut into ``SPLIT`` chunks whose partial (max, sum, acc) are merged
 by ``sparse_mla_combine_kernel``.
 
-``sparse_mla_ref`` is the reference: one token at a time in float32, as the model's ``_decode``.
+Cache formats (``CACHE``, a constexpr read from the latent's dtype): a float latent (bf16, or float32 in tests),
+or 8-bit rows (``int8`` or e4m3 ``fp8``) with one float32 scale per token, dequantized on load
+(``c = q_c * s``, rounded to the query dtype), so a step reads about half the latent bytes of a bf16 cache.
+Everything after the load (scores, online softmax, splits and their merge) is the same for every format. The
+scale pointer comes after the float kernel's arguments, so that the float specialisation keeps its parameter
+layout (and its machine code).
+
+``sparse_mla_ref`` is the reference: one token at a time, as the model's ``_decode``, in float32 or in the
+query's dtype where that is wider (float64 for the checks), on the dequantized latent rows.
 """
 
 from __future__ import annotations
@@ -25,25 +33,45 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 
+# the latent's element type -> the kernel's cache format; 8-bit formats carry a float32 scale per token
+CACHE_FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
-def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale):
-    """q_lat [T, H, R], latent [blocks, bs, R], sel [T, S] positions (-1 none) -> o_lat [T, H, R] in q's dtype."""
+
+def cache_format(latent: torch.Tensor, latent_scale: torch.Tensor | None) -> str:
+    """``"float"``, ``"int8"`` or ``"fp8"`` from the latent's dtype; an 8-bit latent needs its scales."""
+    fmt = CACHE_FORMATS.get(latent.dtype, "float")
+    if (fmt == "float") != (latent_scale is None):
+        raise ValueError(f"sparse_mla: a {latent.dtype} latent {'needs' if fmt != 'float' else 'takes no'} "
+                         "per-token scales")
+    if fmt != "float" and (latent_scale.shape != latent.shape[:2] or latent_scale.dtype != torch.float32):
+        raise ValueError(f"sparse_mla: latent scale {tuple(latent_scale.shape)} {latent_scale.dtype} does not fit "
+                         f"latent {tuple(latent.shape)} (float32 [blocks, block_size])")
+    return fmt
+
+
+def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale, latent_scale=None):
+    """q_lat [T, H, R], latent [blocks, bs, R] (float, or int8 / e4m3 with latent_scale float32 [blocks, bs]),
+    sel [T, S] positions (-1 none) -> o_lat [T, H, R] in q's dtype."""
     T, H, R = q_lat.shape
     bs = latent.shape[1]
     out = torch.empty_like(q_lat)
+    ct = torch.promote_types(q_lat.dtype, torch.float32)
+    flat = latent.reshape(-1, R)
     for t in range(T):
         idx = sel[t][sel[t] >= 0].long()
         rows = block_tables[int(token_seq[t])].long()[idx // bs] * bs + idx % bs
-        c = latent.reshape(-1, R)[rows].float()  # [n, R]
-        p = torch.softmax(q_lat[t].float() @ c.t() * scale, dim=-1)
+        c = flat[rows].to(ct)  # [n, R]
+        if latent_scale is not None:
+            c = c * latent_scale.reshape(-1)[rows].to(ct)[:, None]
+        p = torch.softmax(q_lat[t].to(ct) @ c.t() * scale, dim=-1)
         out[t] = (p @ c).to(q_lat.dtype)
     return out
 
 
 @triton.jit
 def sparse_mla_kernel(q, latent, sel, token_seq, block_tables, o, part_acc, part_ml, stride_qt, stride_qh, S, W, H,
-                      CH, scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr,
-                      BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                      CH, scale, latent_scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr,
+                      BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr):
     i_t, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t.to(tl.int64)
     b = tl.load(token_seq + i_t).to(tl.int64)
@@ -63,6 +91,9 @@ def sparse_mla_kernel(q, latent, sel, token_seq, block_tables, o, part_acc, part
         blk = tl.load(block_tables + b * W + idx // BS, mask=valid, other=0).to(tl.int64)
         row = blk * BS + idx % BS
         c = tl.load(latent + row[:, None] * R + o_r[None, :], mask=valid[:, None] & m_r[None, :], other=0.0)
+        if CACHE != "float":  # 8-bit rows: dequantized with their token's scale, in the query dtype
+            c_s = tl.load(latent_scale + row, mask=valid, other=0.0)
+            c = (c.to(tl.float32) * c_s[:, None]).to(b_q.dtype)
         if IEEE:
             s = tl.dot(b_q.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
         else:
@@ -114,10 +145,12 @@ def _config(T: int, H: int, BR: int, elem_bytes: int = 2) -> dict:
                 num_stages=2)
 
 
-def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float, split: int | None = None):
+def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float, latent_scale=None,
+                      split: int | None = None):
     T, H, R = q_lat.shape
     if latent.dim() != 3 or latent.shape[2] != R or not latent.is_contiguous():
         raise ValueError(f"sparse_mla: latent must be contiguous [blocks, block_size, {R}], got {tuple(latent.shape)}")
+    fmt = cache_format(latent, latent_scale)
     if sel.dim() != 2 or sel.shape[0] != T or token_seq.shape != (T,) or block_tables.dim() != 2:
         raise ValueError(f"sparse_mla: sel {tuple(sel.shape)}, token_seq {tuple(token_seq.shape)}, block tables "
                          f"{tuple(block_tables.shape)} do not fit {T} tokens")
@@ -143,15 +176,16 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
     fast(sparse_mla_kernel)[(T, triton.cdiv(H, BH), split)](
         q_lat, latent, sel, token_seq, block_tables, o, part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S,
-        block_tables.shape[1], H, CH, scale, R=R, BR=BR, BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split,
-        IEEE=q_lat.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        block_tables.shape[1], H, CH, scale, latent if latent_scale is None else latent_scale.contiguous(), R=R, BR=BR,
+        BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split, IEEE=q_lat.dtype == torch.float32, CACHE=fmt,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
         fast(sparse_mla_combine_kernel)[(T, H)](part_acc, part_ml, o, H, R=R, BR=BR, SPLIT=split, num_warps=4)
     return o
 
 
-def sparse_mla(q_lat, latent, sel, token_seq, block_tables, scale: float):
+def sparse_mla(q_lat, latent, sel, token_seq, block_tables, scale: float, latent_scale=None):
     if use_triton(q_lat, latent, sel):
-        return sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale)
-    return sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale)
+        return sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale, latent_scale)
+    return sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale, latent_scale)

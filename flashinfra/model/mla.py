@@ -21,7 +21,6 @@ from flashinfra.kernels.batch_invariant import matmul_nt
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
 from flashinfra.kernels.norms import rms_norm
-from flashinfra.kernels.quant import dsa_select_quant, sparse_mla_quant_launch
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -92,23 +91,13 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             ix = self.indexer
             keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
-            key_scale = cache.indexer_scale.get(self.layer)
-            if key_scale is None:
-                masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
-                                               batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
-            else:
-                masks[self.layer] = dsa_select_quant(keys, key_scale, qi, w, ix.pool_ape, batch.block_tables_t,
-                                                     batch.seq_lens_t, batch.token_seq, batch.positions, ix.kpool,
-                                                     ix.topk, ix.keep_tail)
+            masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
+                                           batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail,
+                                           cache.indexer_scale.get(self.layer))
         w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
         q_lat = matmul_nt(q.transpose(0, 1), w[:, : self.Dq].transpose(1, 2)).transpose(0, 1)  # [T, H, R]
-        latent_scale = cache.mla_latent_scale.get(self.layer)
-        if latent_scale is None:
-            o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
-                                      batch.block_tables_t, self.scaling)
-        else:
-            o_lat = sparse_mla_quant_launch(q_lat, cache.mla_latent[self.layer], latent_scale, masks[self.source],
-                                            batch.token_seq, batch.block_tables_t, self.scaling)
+        o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
+                                  batch.block_tables_t, self.scaling, cache.mla_latent_scale.get(self.layer))
         out = matmul_nt(o_lat.transpose(0, 1), w[:, self.Dq :]).transpose(0, 1)  # [T, H, Dv]
         return linear(out.reshape(out.shape[0], -1), self.o_proj, self.o_bias)
 

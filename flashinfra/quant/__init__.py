@@ -11,6 +11,7 @@ kernels.
   bf16, per-layer overrides), quantize-on-write and dequantize-on-read, and tokens per GiB.
 - ``checkpoint.py``: ``flashinfra quantize --w8a8 SRC DST``.
 
-The arithmetic lives in ``flashinfra.kernels.quant`` (``act``, ``w8a8_gemm``, ``fp8_gemm``, ``w8a8_experts``,
-``fp8_experts``, ``sparse_mla``, ``dsa_indexer``), each kernel with its reference beside it.
+The arithmetic lives in the kernels: ``flashinfra.kernels.quant`` (``act``, ``gemm``) and, with
+the 8-bit formats as a constexpr of the op's one kernel, ``kernels.fused_moe``, ``kernels.sparse_mla`` and
+``kernels.dsa_indexer``; each kernel has its reference beside it.
 """

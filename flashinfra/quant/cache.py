@@ -4,12 +4,12 @@ token; the KDA recurrent state in float32 or bf16 (the conv state stays in the m
 ``CacheSpec`` is the resolved choice (``--kv-cache-dtype``, ``--kda-state-dtype`` and per-layer overrides such as
 ``first:bfloat16,last:bfloat16`` or ``3:bfloat16``). ``write_latent`` quantizes a layer's new latent rows on the way
 into the cache (scale ``amax / 127`` or ``amax / 448`` per token), ``read_latent`` dequantizes one sequence's
-rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.quant.sparse_mla``).
+rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.sparse_mla``).
 ``tokens_per_gib`` is the cache capacity that the choice buys.
 
 The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
 in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``; the Triton path reads
-them with ``kernels.quant.dsa_indexer``), else in the model dtype.
+them with ``kernels.dsa_indexer``), else in the model dtype.
 """
 
 from __future__ import annotations

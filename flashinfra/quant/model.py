@@ -178,7 +178,7 @@ def _quantize_moe(moe: nn.Module, scheme: str, raw: dict, prefix: str) -> int:
             a, b = q[n], q[sn]
             q[n] = QuantizedWeight(torch.cat([a.data, b.data[None]]), torch.cat([a.scale, b.scale[None]]), scheme,
                                    a.block)
-        # the shared expert as views of the stacked last expert: one storage, and moe_experts sees it is stacked
+        # the shared expert as views of the stacked last expert: one storage
         shared.gate_up_proj, shared.down_proj = q["w13"][-1], q["w2"][-1]
     _replace(moe, "w13", q["w13"])
     _replace(moe, "w2", q["w2"])

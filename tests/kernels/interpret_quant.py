@@ -7,6 +7,7 @@ kernels are tested here too; its float -> e4m3 conversion mis-rounds at exponent
 import pytest
 
 from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import checks as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 
@@ -18,29 +19,29 @@ def test_quant_act(T, K):
 
 @pytest.mark.parametrize("T,K,N,bias", [(1, 64, 48, False), (7, 300, 37, True), (70, 130, 150, False)])
 def test_w8a8_linear(T, K, N, bias):
-    assert_passed(cases.w8a8_linear("cpu", T, K, N, bias=bias, seed=T))
+    assert_passed(cases.linear("cpu", "w8a8", T, K, N, bias=bias, seed=T))
 
 
 @pytest.mark.parametrize("T,K,N,bias", [(1, 128, 64, False), (5, 300, 200, True), (40, 257, 129, False)])
 def test_fp8_block_linear(T, K, N, bias):
-    assert_passed(cases.fp8_block_linear("cpu", T, K, N, bias=bias, seed=T))
+    assert_passed(cases.linear("cpu", "fp8", T, K, N, bias=bias, seed=T))
 
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(9, 5, 40, 24, 2, 10.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])
 def test_w8a8_moe(T, E, D, I, k, limit):
-    assert_passed(cases.w8a8_moe("cpu", T, E, D, I, k, limit=limit, seed=T))
+    assert_passed(cases.moe("cpu", "w8a8", T, E, D, I, k, limit=limit, seed=T))
 
 
 @pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2)])
 def test_fp8_moe(T, E, D, I, k):
-    assert_passed(cases.fp8_moe("cpu", T, E, D, I, k, seed=T))
+    assert_passed(cases.moe("cpu", "fp8", T, E, D, I, k, seed=T))
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("split", [None, 4])
 def test_sparse_mla_quant(cache_dtype, split):
-    assert_passed(cases.sparse_mla_quant("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache_dtype, split=split,
-                                         S=37 if split else 11))
+    assert_passed(hotpath.sparse_mla("cpu", [0, 5, 30, 40], [13, 1, 7, 1], cache=cache_dtype, split=split,
+                                     S=37 if split else 11))
 
 
 def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
@@ -50,4 +51,4 @@ def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])
 def test_dsa_select_quant(ctx, qlens):
-    assert_passed(cases.dsa_select_quant("cpu", ctx, qlens, seed=len(ctx)))
+    assert_passed(hotpath.dsa_select("cpu", ctx, qlens, fp8=True, seed=len(ctx)))

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import checks as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 
@@ -23,25 +24,25 @@ def test_quant_act(T):
 
 @pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
 def test_w8a8_linear(T, K, N):
-    assert_passed(cases.w8a8_linear("cuda", T, K, N, dtype=BF16, seed=T))
+    assert_passed(cases.linear("cuda", "w8a8", T, K, N, dtype=BF16, seed=T))
 
 
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
 @pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096)])
 def test_fp8_block_linear(T, K, N):
-    assert_passed(cases.fp8_block_linear("cuda", T, K, N, dtype=BF16, seed=T))
+    assert_passed(cases.linear("cuda", "fp8", T, K, N, dtype=BF16, seed=T))
 
 
 @pytest.mark.parametrize("T", [1, 32, 1024])
 def test_w8a8_moe(T):
     # 64 experts: the float64 reference fits
-    assert_passed(cases.w8a8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
+    assert_passed(cases.moe("cuda", "w8a8", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
 
 
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 tensor cores need sm_89+")
 @pytest.mark.parametrize("T", [1, 32, 1024])
 def test_fp8_moe(T):
-    assert_passed(cases.fp8_moe("cuda", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
+    assert_passed(cases.moe("cuda", "fp8", T, 64, 4096, 2048, 8, dtype=BF16, seed=T))
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
@@ -49,8 +50,8 @@ def test_fp8_moe(T):
 def test_sparse_mla_quant(cache_dtype, ctx, qlens):
     if cache_dtype == "fp8" and not _fp8_ok():
         pytest.skip("fp8 needs sm_89+")
-    assert_passed(cases.sparse_mla_quant("cuda", ctx, qlens, cache_dtype, H=64, R=512, bs=64, S=2048 + 3,
-                                         dtype=BF16))
+    assert_passed(hotpath.sparse_mla("cuda", ctx, qlens, cache=cache_dtype, H=64, R=512, bs=64, S=2048 + 3,
+                                     dtype=BF16))
 
 
 # The whole quantized model's kernel path against its reference path is compared under the CPU interpreter
@@ -64,8 +65,8 @@ def test_sparse_mla_quant(cache_dtype, ctx, qlens):
 @pytest.mark.skipif(not _fp8_ok(), reason="fp8 needs sm_89+")
 @pytest.mark.parametrize("ctx,qlens", [([0, 100, 3000], [300, 1, 1]), ([4000] * 8, [1] * 8)])
 def test_dsa_select_quant(ctx, qlens):
-    assert_passed(cases.dsa_select_quant("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64,
-                                         dtype=BF16))
+    assert_passed(hotpath.dsa_select("cuda", ctx, qlens, Hi=32, Di=128, kpool=4, topk=2048, bs=64, fp8=True,
+                                     dtype=BF16))
 
 
 @pytest.mark.parametrize("quantization,kv", [("w8a8", "int8"), ("fp8", "fp8")])

@@ -5,13 +5,9 @@ import pytest
 import torch
 
 from flashinfra.kernels import sparse_mla as sm
-from flashinfra.kernels.fused_moe import experts_ref
+from flashinfra.kernels.fused_moe import experts_ref, fused_moe
 from flashinfra.kernels.quant import act as qa
-from flashinfra.kernels.quant import fp8_experts as f8m
-from flashinfra.kernels.quant import fp8_gemm as fl
-from flashinfra.kernels.quant import sparse_mla as smq
-from flashinfra.kernels.quant import w8a8_experts as wm
-from flashinfra.kernels.quant import w8a8_gemm as wl
+from flashinfra.kernels.quant import gemm as gm
 from flashinfra.model.loader import dequantize_block_fp8
 from flashinfra.quant.weights import (QuantizedWeight, dequantize_blocks, quantize_fp8_blocks,
                                       quantize_int8_per_channel)
@@ -72,7 +68,7 @@ def test_w8a8_matmul_ref_is_integer_exact():
     wq = torch.randint(-127, 128, (37, 300), generator=g, dtype=torch.int8)
     sx, sw = torch.rand(7, generator=g), torch.rand(37, generator=g)
     exact = (xq.long() @ wq.long().t()).double() * sx.double()[:, None] * sw.double()
-    assert torch.equal(wl.w8a8_matmul_ref(xq, sx, wq, sw, out_dtype=torch.float64), exact)
+    assert torch.equal(gm.matmul_8bit_ref(xq, sx, wq, sw, out_dtype=torch.float64), exact)
 
 
 @pytest.mark.parametrize("T,K,N", [(1, 64, 48), (13, 300, 37), (70, 1000, 150)])
@@ -81,13 +77,13 @@ def test_w8a8_and_fp8_linear_refs_against_the_float_product(T, K, N):
     x, w, b = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g) / K**0.5, torch.randn(N, generator=g)
     full = x.double() @ w.double().t() + b.double()
     qi, qf = quantize_int8_per_channel(w), quantize_fp8_blocks(w)
-    assert rel_err(wl.w8a8_linear(x, qi.data, qi.scale, b), full) < INT8_REL
-    assert rel_err(fl.fp8_block_linear(x, qf.data, qf.scale, qf.block, b), full) < FP8_REL
+    assert rel_err(gm.linear_8bit(x, qi.data, qi.scale, b), full) < INT8_REL
+    assert rel_err(gm.linear_8bit(x, qf.data, qf.scale, b, qf.block), full) < FP8_REL
     # bf16 activations: the same budgets
-    assert rel_err(wl.w8a8_linear(x.bfloat16(), qi.data, qi.scale, b), full) < INT8_REL + 0.01
+    assert rel_err(gm.linear_8bit(x.bfloat16(), qi.data, qi.scale, b), full) < INT8_REL + 0.01
     xq, sx = qa.quant_fp8_per_group_ref(x)
     manual = (xq.double() * sx.double().repeat_interleave(128, 1)[:, :K]) @ qf.dequantize(torch.float64).t()
-    assert torch.allclose(fl.fp8_matmul_ref(xq, sx, qf.data, qf.scale, out_dtype=torch.float64), manual, rtol=1e-12,
+    assert torch.allclose(gm.matmul_8bit_ref(xq, sx, qf.data, qf.scale, out_dtype=torch.float64), manual, rtol=1e-12,
                           atol=1e-12)
 
 
@@ -99,14 +95,14 @@ def test_moe_refs_against_the_float_experts(scheme):
     w13, w2 = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
-    quantize, op, bound = ((quantize_int8_per_channel, wm.w8a8_moe, 2 * INT8_REL) if scheme == "w8a8" else
-                           (quantize_fp8_blocks, f8m.fp8_moe, 1.5 * FP8_REL))
+    quantize, bound = ((quantize_int8_per_channel, 2 * INT8_REL) if scheme == "w8a8" else
+                       (quantize_fp8_blocks, 1.5 * FP8_REL))
     q13, q2 = quantize(w13), quantize(w2)
-    out = op(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, 10.0)
+    out = fused_moe(x, q13.data, q2.data, w, ids, 10.0, None, None, (q13.scale, q2.scale, None, None))
     assert rel_err(out, experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids, 10.0)) < bound
 
 
-def test_sparse_mla_quant_ref_is_sparse_mla_on_the_dequantized_latent():
+def test_sparse_mla_ref_on_an_8bit_latent_is_sparse_mla_on_the_dequantized_latent():
     g = _g(6)
     latent = torch.randn(6, 4, 32, generator=g)
     q8, s = qa.quant_int8_per_token_ref(latent.view(-1, 32))
@@ -116,6 +112,5 @@ def test_sparse_mla_quant_ref_is_sparse_mla_on_the_dequantized_latent():
     token_seq = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32)
     tables = torch.tensor([[2, 0, 5], [1, 4, 3]], dtype=torch.int32)
     deq = q8.double() * s.double()[..., None]
-    out = smq.sparse_mla_quant(q, q8, s, sel, token_seq, tables, 0.2)
-    # sparse_mla_ref computes in float32
+    out = sm.sparse_mla(q, q8, sel, token_seq, tables, 0.2, s)
     assert torch.allclose(out, sm.sparse_mla_ref(q, deq, sel, token_seq, tables, 0.2), rtol=1e-5, atol=1e-6)

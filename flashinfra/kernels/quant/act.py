@@ -5,6 +5,9 @@
 - ``quant_fp8_per_group``: ``x`` [T, K] -> (e4m3 [T, K], float32 scale [T, ceil(K / G)]) with
   ``scale = amax / 448`` per group of ``G`` channels.
 
+``quant_act`` / ``quant_act_ref`` pick the one an 8-bit weight format reads (``WEIGHT_FORMATS``: the weight's
+dtype names it), for the 8-bit GEMMs (``gemm``) and the fused MoE (``kernels.fused_moe``).
+
 One program per row (int8) or per (row, group) (fp8); the row is read twice (amax, then quantize), which for
 the widths here stays in L2. The ``*_ref`` functions compute the same arithmetic in float32 with the same
 operation order, so that the kernel matches them bit for bit except at exact rounding ties.
@@ -22,6 +25,9 @@ from flashinfra.kernels.launch import fast
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
+GROUP = 128  # fp8 scales' block: weights per 128 x 128 tile, activations per 128 channels
+# an 8-bit weight's element type -> its format, which the kernels take as a constexpr (float weights: none)
+WEIGHT_FORMATS = {torch.int8: "int8", FP8_DTYPE: "fp8"}
 
 
 def quant_int8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,3 +114,12 @@ def quant_fp8_per_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
     if use_triton(x):
         return quant_fp8_per_group_launch(x, group)
     return quant_fp8_per_group_ref(x, group)
+
+
+def quant_act(fmt: str, x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations as the ``fmt`` ("int8" or "fp8") GEMMs read them: (codes, float32 scales)."""
+    return quant_int8_per_token(x) if fmt == "int8" else quant_fp8_per_group(x, group)
+
+
+def quant_act_ref(fmt: str, x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_int8_per_token_ref(x) if fmt == "int8" else quant_fp8_per_group_ref(x, group)

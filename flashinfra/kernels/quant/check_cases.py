@@ -1,22 +1,23 @@
-"""Correctness cases of the 8-bit kernels (activation quantization, W8A8 and block-FP8 linear, their fused MoE
-experts, sparse MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache), shared by the registered
-checks (checks.py, fixed sizes) and the tests (tests/kernels: the interpreter's small odd sizes, the GPU's real
-ones, through ``assert_passed``).
+"""Correctness cases of the 8-bit weight paths (activation quantization, the W8A8 and block-FP8 linear, the fused
+MoE on those weights), shared by the registered checks (checks.py, fixed sizes) and the tests (tests/kernels: the
+interpreter's small odd sizes, the GPU's real ones, through ``assert_passed``). The 8-bit caches' cases are the
+float cases' own with a cache format (``flashinfra.kernels.checks``: ``sparse_mla``, ``dsa_select``).
 
 Each case draws fresh random inputs and checks the kernel twice: against the float64 computation of the same
 quantized arithmetic (tight: only float32 epilogue rounding and the output dtype separate them), and against the
 unquantized float64 computation (loose: the stated quantization error budget). It returns its ``CheckResult``s,
 failed ones included, instead of raising. None of these launchers takes an output buffer, so there is none to
 poison. Triton's CPU interpreter converts floats to e4m3 wrongly at exponent carries, so under it the fp8
-activations are quantized by torch (``quant_fp8_per_group_ref``) and fp8 codes are compared allowing for that.
+activations are quantized by torch (``torch_fp8_activations``) and fp8 codes are compared allowing for that.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare
-from flashinfra.kernels.checks import paged_cache
 
 
 def rnd(*shape, device, gen, dtype=torch.float32, scale=1.0):
@@ -106,168 +107,73 @@ def quant_act(device: str, T: int, K: int, dtype=torch.float32, seed=0) -> list[
     return res
 
 
-def w8a8_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False, seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import w8a8_gemm as wl
-    from flashinfra.kernels.quant.act import quant_int8_per_token_ref
-    from flashinfra.quant.weights import quantize_int8_per_channel
+@contextlib.contextmanager
+def torch_fp8_activations(device: str):
+    """On the CPU, e4m3 activations quantized by torch inside the block: the interpreter's e4m3 conversion
+    mis-rounds at exponent carries (see ``quant_act``); the GPU's kernel is checked bit for bit there."""
+    from flashinfra.kernels.quant import act
 
+    quantize = act.quant_fp8_per_group
+    if device == "cpu":
+        act.quant_fp8_per_group = act.quant_fp8_per_group_ref
+    try:
+        yield
+    finally:
+        act.quant_fp8_per_group = quantize
+
+
+def _quantizer(scheme: str):
+    """The weight quantizer of ``scheme`` and its relative error budget against the unquantized product."""
+    from flashinfra.quant.weights import quantize_fp8_blocks, quantize_int8_per_channel
+
+    return (quantize_int8_per_channel, INT8_REL) if scheme == "w8a8" else (quantize_fp8_blocks, FP8_REL)
+
+
+def linear(device: str, scheme: str, T: int, K: int, N: int, dtype=torch.float32, bias=False,
+           seed=0) -> list[CheckResult]:
+    """The 8-bit GEMM on W8A8 (``scheme="w8a8"``) or block-FP8 weights against float64 of the same codes, and the
+    linear (activation quantization included) against the unquantized product."""
+    from flashinfra.kernels.quant import gemm
+    from flashinfra.kernels.quant.act import quant_act_ref
+
+    quantize, bound = _quantizer(scheme)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = rnd(T, K, device=device, gen=gen, dtype=dtype)
     w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
     b = rnd(N, device=device, gen=gen) if bias else None
-    qw = quantize_int8_per_channel(w)
-    xq, sx = quant_int8_per_token_ref(x)
-    out = wl.w8a8_matmul_launch(xq, sx, qw.data, qw.scale, b, dtype)
-    res = [check("w8a8_matmul", out, wl.w8a8_matmul_ref(xq, sx, qw.data, qw.scale, b, torch.float64),
-                 **exact_tol(dtype))]
-    out = wl.w8a8_linear_launch(x, qw.data, qw.scale, b)
+    qw = quantize(w)
+    xq, sx = quant_act_ref("int8" if scheme == "w8a8" else "fp8", x)
+    out = gemm.matmul_8bit_launch(xq, sx, qw.data, qw.scale, b, qw.block, dtype)
+    ref = gemm.matmul_8bit_ref(xq, sx, qw.data, qw.scale, b, qw.block, torch.float64)
+    res = [check(f"{scheme}_matmul", out, ref, **exact_tol(dtype))]
+    with torch_fp8_activations(device):
+        out = gemm.linear_8bit_launch(x, qw.data, qw.scale, b, qw.block)
     full = x.double() @ w.double().t() + (b.double() if bias else 0)
-    return res + [within("w8a8_linear.quant_error", out, full, INT8_REL, "the unquantized product")]
+    return res + [within(f"{scheme}_linear.quant_error", out, full, bound, "the unquantized product")]
 
 
-def fp8_block_linear(device: str, T: int, K: int, N: int, dtype=torch.float32, bias=False,
-                     seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import fp8_gemm as fl
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
-    from flashinfra.quant.weights import quantize_fp8_blocks
+def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
+        seed=0) -> list[CheckResult]:
+    """``fused_moe`` on W8A8 (``scheme="w8a8"``) or block-FP8 experts with a shared expert of the routed width,
+    against float64 of the same quantized arithmetic and against the unquantized experts."""
+    from flashinfra.kernels import fused_moe as fm
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = rnd(T, K, device=device, gen=gen, dtype=dtype)
-    w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
-    b = rnd(N, device=device, gen=gen) if bias else None
-    qw = quantize_fp8_blocks(w)
-    xq, sx = quant_fp8_per_group_ref(x)
-    out = fl.fp8_matmul_launch(xq, sx, qw.data, qw.scale, qw.block, b, dtype)
-    ref = fl.fp8_matmul_ref(xq, sx, qw.data, qw.scale, qw.block, b, torch.float64)
-    res = [check("fp8_matmul", out, ref, **exact_tol(dtype))]
-    quantize = fl.quant_fp8_per_group
-    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see quant_act): quantize as torch does
-        fl.quant_fp8_per_group = quant_fp8_per_group_ref
-    try:
-        out = fl.fp8_block_linear_launch(x, qw.data, qw.scale, qw.block, b)
-    finally:
-        fl.quant_fp8_per_group = quantize
-    full = x.double() @ w.double().t() + (b.double() if bias else 0)
-    return res + [within("fp8_block_linear.quant_error", out, full, FP8_REL, "the unquantized product")]
-
-
-def w8a8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
-             seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import w8a8_experts as wm
-    from flashinfra.kernels.fused_moe import experts_ref
-    from flashinfra.quant.weights import quantize_int8_per_channel
-
+    quantize, bound = _quantizer(scheme)
+    bound *= 2 if scheme == "w8a8" else 1.5  # two quantized GEMMs in a row
     gen = torch.Generator(device=device).manual_seed(seed)
     x = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
-    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
-    q13, q2 = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
+    w13 = rnd(E + 1, 2 * I, D, device=device, gen=gen, scale=D**-0.5)  # the last one: the shared expert
+    w2 = rnd(E + 1, D, I, device=device, gen=gen, scale=I**-0.5)
+    q13, q2 = quantize(w13[:E]), quantize(w2[:E])
+    qs13, qs2 = quantize(w13[E]), quantize(w2[E])
+    scales = (q13.scale, q2.scale, qs13.scale, qs2.scale)
     ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, top_k, device=device, generator=gen)
-    out = wm.w8a8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
-    ref = wm.w8a8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    res = [check("w8a8_moe", out, ref, **moe_tol(dtype))]
-    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
-    return res + [within("w8a8_moe.quant_error", out, full, 2 * INT8_REL, "the unquantized experts")]
-
-
-def fp8_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, limit=10.0,
-            seed=0) -> list[CheckResult]:
-    from flashinfra.kernels.quant import fp8_experts as fm
-    from flashinfra.kernels.fused_moe import experts_ref
-    from flashinfra.quant.weights import quantize_fp8_blocks
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    w13 = rnd(E, 2 * I, D, device=device, gen=gen, scale=D**-0.5)
-    w2 = rnd(E, D, I, device=device, gen=gen, scale=I**-0.5)
-    q13, q2 = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
-    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
-    w = torch.rand(T, top_k, device=device, generator=gen)
-    quantize = fm.quant_fp8_per_group
-    if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds at carries (see quant_act): quantize as torch
-        fm.quant_fp8_per_group = fm.quant_fp8_per_group_ref
-    try:
-        out = fm.fp8_moe_launch(x, q13.data, q13.scale, q2.data, q2.scale, w, ids, limit)
-    finally:
-        fm.quant_fp8_per_group = quantize
-    ref = fm.fp8_moe_ref(x, q13.data, q13.scale, q2.data, q2.scale, w, ids.long(), limit)
-    res = [check("fp8_moe", out, ref, **moe_tol(dtype))]
-    full = experts_ref(x.double(), w13.double(), w2.double(), w.double(), ids.long(), limit)
-    return res + [within("fp8_moe.quant_error", out, full, 1.5 * FP8_REL, "the unquantized experts"),
-                  within("fp8_moe_ref.quant_error", ref, full, 1.5 * FP8_REL, "the unquantized experts")]
-
-
-def sparse_mla_quant(device: str, ctx: list[int], qlens: list[int], cache_dtype: str, H=4, R=32, bs=4, S=11,
-                     split=None, dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """Attention over an int8 / fp8 latent (written by ``write_latent``'s quantizers) against the float64
-    reference on the dequantized latent (tight) and on the unquantized latent (the cache's quantization error)."""
-    from flashinfra.kernels import sparse_mla as sm
-    from flashinfra.kernels.quant import sparse_mla as smq
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref, quant_int8_per_token_ref
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    lens = [c + q for c, q in zip(ctx, qlens)]
-    latent, tables = paged_cache(device, gen, lens, bs, R, dtype)
-    flat = latent.reshape(-1, R)
-    if cache_dtype == "int8":
-        q8, s = quant_int8_per_token_ref(flat)
-    else:
-        q8, s = quant_fp8_per_group_ref(flat, 1 << (R - 1).bit_length())
-        s = s[:, 0]
-    q8, s = q8.view(latent.shape), s.view(latent.shape[:2]).contiguous()
-    T = sum(qlens)
-    q = rnd(T, H, R, device=device, gen=gen, dtype=dtype)
-    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
-    rows = []
-    for c, n in zip(ctx, qlens):
-        for p in range(c, c + n):
-            pick = torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:S].tolist()
-            rows.append(pick + [-1] * (S - len(pick)))
-    sel = torch.tensor(rows, dtype=torch.int32, device=device)
-    out = smq.sparse_mla_quant_launch(q, q8, s, sel, token_seq, tables, R**-0.5, split=split)
-    ref = smq.sparse_mla_quant_ref(q.double(), q8, s, sel, token_seq, tables, R**-0.5)
-    res = [check("sparse_mla_quant", out, ref, **exact_tol(dtype))]
-    full = sm.sparse_mla_ref(q.double(), latent.double(), sel, token_seq, tables, R**-0.5)
-    bound = 0.02 if cache_dtype == "int8" else 0.08
-    return res + [within(f"sparse_mla_quant.{cache_dtype}_cache_error", out, full, bound,
-                         f"attention over the unquantized {str(dtype)[6:]} latent")]
-
-
-def dsa_select_quant(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=4,
-                     dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """The selection over an fp8 indexer cache equals the model's ``Indexer.select`` on the dequantized entries,
-    query by query (a pool at a near-tie of float rounding aside: at most one query in 50)."""
-    from flashinfra.config import TextConfig
-    from flashinfra.kernels.quant.dsa_indexer import dsa_select_quant as select
-    from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
-    from flashinfra.model.indexer import Indexer
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    lens = [c + q for c, q in zip(ctx, qlens)]
-    entries, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
-    q8, s = quant_fp8_per_group_ref(entries.view(-1, 2 * Di), Di)
-    q8, s = q8.view(entries.shape), s.view(*entries.shape[:2], 2).contiguous()
-    deq = (q8.double().view(*entries.shape[:2], 2, Di) * s.double()[..., None]).view(entries.shape).to(dtype)
-    T = sum(qlens)
-    q = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype)
-    w = rnd(T, Hi, device=device, gen=gen)
-    cfg = TextConfig(index_n_heads=Hi, index_head_dim=Di, index_kpool=kpool, index_topk=topk, hidden_size=32,
-                     q_lora_rank=16)
-    ix = Indexer(cfg, dtype).to(device)
-    ix.pool_ape.copy_(rnd(kpool, Di, device=device, gen=gen, dtype=dtype))
-    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
-    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
-                             device=device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    sel = select(q8, s, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk, True)
-    at, differ = 0, 0
-    for b, (c, n) in enumerate(zip(ctx, qlens)):
-        seq = deq[tables[b].long()].flatten(0, 1)[: lens[b]]
-        mask = ix.select(seq, q[at:at + n], w[at:at + n])
-        for i in range(n):
-            got = sorted(p for p in sel[at + i].tolist() if p >= 0)
-            differ += got != torch.nonzero(mask[i]).flatten().tolist()
-        at += n
-    return [holds("dsa_select_quant", differ <= max(1, T // 50),
-                  f"{differ} of {T} queries select differently (bound {max(1, T // 50)})")]
+    with torch_fp8_activations(device):
+        out = fm.fused_moe_launch(x, q13.data, q2.data, w, ids, limit, qs13.data, qs2.data, scales)
+    ref = fm.fused_moe_ref(x, q13.data, q2.data, w, ids.long(), limit, qs13.data, qs2.data, scales)
+    res = [check(f"{scheme}_moe", out, ref, **moe_tol(dtype))]
+    full = fm.fused_moe_ref(x.double(), w13[:E].double(), w2[:E].double(), w.double(), ids.long(), limit,
+                            w13[E].double(), w2[E].double())
+    return res + [within(f"{scheme}_moe.quant_error", out, full, bound, "the unquantized experts"),
+                  within(f"{scheme}_moe_ref.quant_error", ref, full, bound, "the unquantized experts")]

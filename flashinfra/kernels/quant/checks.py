@@ -13,6 +13,7 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, register_check
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels import checks as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 
 TAGS = ("kernel", "quant", "triton")
@@ -56,14 +57,14 @@ def check_act(dev, act):
 def check_w8a8_linear(dev, act):
     """int8 x int8 GEMM against float64 of the same codes, and the W8A8 linear against the unquantized product."""
     T, K, N = (63, 4096, 1536) if dev == "cuda" else (7, 300, 37)
-    return cases.w8a8_linear(dev, T, K, N, dtype=act, bias=True, seed=2)
+    return cases.linear(dev, "w8a8", T, K, N, dtype=act, bias=True, seed=2)
 
 
 @_checked("quant.fp8_block_linear", fp8=True)
 def check_fp8_block_linear(dev, act):
     """e4m3 block-scaled GEMM against float64 of the same codes, and the linear against the unquantized product."""
     T, K, N = (63, 4096, 1536) if dev == "cuda" else (5, 300, 200)
-    return cases.fp8_block_linear(dev, T, K, N, dtype=act, bias=True, seed=3)
+    return cases.linear(dev, "fp8", T, K, N, dtype=act, bias=True, seed=3)
 
 
 def _moe_sizes(dev: str) -> tuple:
@@ -73,13 +74,13 @@ def _moe_sizes(dev: str) -> tuple:
 @_checked("quant.w8a8_moe")
 def check_w8a8_moe(dev, act):
     """The W8A8 fused MoE experts against float64 of the same quantized arithmetic and the unquantized experts."""
-    return cases.w8a8_moe(dev, *_moe_sizes(dev), dtype=act, seed=4)
+    return cases.moe(dev, "w8a8", *_moe_sizes(dev), dtype=act, seed=4)
 
 
 @_checked("quant.fp8_moe", fp8=True)
 def check_fp8_moe(dev, act):
     """The block-FP8 fused MoE experts against float64 of the same quantized arithmetic and the unquantized ones."""
-    return cases.fp8_moe(dev, *_moe_sizes(dev), dtype=act, seed=5)
+    return cases.moe(dev, "fp8", *_moe_sizes(dev), dtype=act, seed=5)
 
 
 @_checked("quant.sparse_mla_8bit_latent")
@@ -93,7 +94,7 @@ def check_sparse_mla_quant(dev, act):
     for cache_dtype in ("int8", "fp8") if _fp8_ok(dev) else ("int8",):
         for split in (None, 4):
             out += named(f"{cache_dtype}.split{split or 1}",
-                         cases.sparse_mla_quant(dev, ctx, qlens, cache_dtype, split=split, dtype=act, **sz))
+                         hotpath.sparse_mla(dev, ctx, qlens, cache=cache_dtype, split=split, dtype=act, **sz))
     return out
 
 
@@ -101,6 +102,6 @@ def check_sparse_mla_quant(dev, act):
 def check_dsa_select(dev, act):
     """The DSA top-k selection over an fp8 indexer cache against ``Indexer.select`` on the dequantized entries."""
     if dev == "cuda":
-        return cases.dsa_select_quant(dev, [0, 100, 1000], [30, 1, 1], Hi=32, Di=128, kpool=4, topk=256, bs=64,
-                                      dtype=act)
-    return cases.dsa_select_quant(dev, [0, 5, 30], [13, 1, 7], seed=3)
+        return hotpath.dsa_select(dev, [0, 100, 1000], [30, 1, 1], Hi=32, Di=128, kpool=4, topk=256, bs=64, fp8=True,
+                                  dtype=act)
+    return hotpath.dsa_select(dev, [0, 5, 30], [13, 1, 7], fp8=True, seed=3)
