@@ -5,7 +5,8 @@
 - ``all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
 - ``all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos, the
   prompt's MLA latent and indexer keys).
-- ``broadcast``: a tensor from one rank (Layer Split: a layer's cache from its owner).
+- ``broadcast`` / ``broadcast_async``: a tensor from one rank (Layer Split: a layer's cache from its owner,
+  issued one layer ahead and waited for before use).
 - ``broadcast_bytes``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a
   uint8 tensor, so the scheduler stays torch-free and runs once. It goes over ``control_group``, a CPU
   (gloo) group without a practical timeout: a worker may wait for the next plan as long as the engine
@@ -58,6 +59,15 @@ class Comm:
         dist.broadcast(x, root, group=self.group)
         return x
 
+    def broadcast_async(self, x: torch.Tensor, src: int):
+        """``broadcast`` without waiting: the returned handle's ``wait()`` must run before ``x`` is read on a
+        receiving rank (or written on ``src``)."""
+        if self.world == 1:
+            return _DONE
+        self.calls += 1
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        return dist.broadcast(x, root, group=self.group, async_op=True)
+
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank ``src`` passes ``data``; every rank gets it back."""
         if self.world == 1:
@@ -70,3 +80,13 @@ class Comm:
                else torch.empty(int(n.item()), dtype=torch.uint8))
         dist.broadcast(buf, src, group=self.control_group)
         return buf.numpy().tobytes()
+
+
+class _Done:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()

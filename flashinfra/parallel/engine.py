@@ -10,7 +10,9 @@ lockstep; the workers' sampled tokens are discarded (their logits equal rank 0's
 
 Context parallelism (``--context-parallel-size N``, not combined with tensor parallelism yet): every rank
 loads the whole model as a ``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
-same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks.
+same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks. With
+``--layer-split`` the cache is sized by the busiest rank's MLA layers, and rank 0 reports the cache tokens per
+rank against full replication at start-up.
 
 Failure: rank 0 checks its local workers before each step, so a dead rank fails the step's requests
 at once with its exit code; a hung or remote rank fails them when the compute collective times out
@@ -49,6 +51,8 @@ def world_size(config: EngineConfig) -> int:
 
 def make_engine(config: EngineConfig, model=None, events=None) -> EngineCore:
     """``EngineCore`` on one rank; a ``ParallelEngineCore`` (which starts the other ranks) on several."""
+    if config.layer_split and config.context_parallel_size == 1:
+        raise ValueError("layer_split needs context_parallel_size > 1: it splits the MLA cache over those ranks")
     if not is_parallel(config):
         return EngineCore(config, model, events)
     if model is not None:
@@ -120,7 +124,8 @@ def _join_world(config: EngineConfig, rank: int, init_method: str):
         from flashinfra.parallel.context_model import ContextParallelModel
         from flashinfra.parallel.load import peak_host_bytes
 
-        model = ContextParallelModel(load_model(path, config.dtype, device), comm, rank)
+        model = ContextParallelModel(load_model(path, config.dtype, device), comm, rank,
+                                     zigzag=config.context_parallel_zigzag, layer_split=config.layer_split)
         model.peak_host_bytes = peak_host_bytes()
         return model, comm
     layout = make_layout(load_config(path).text, world, config.expert_parallel_size, rank)
@@ -250,7 +255,12 @@ class ParallelEngineCore(EngineCore):
         try:
             model, comm = _join_world(config, 0, init)
             _report_rank(0, model)
-            num_blocks = size_cache(model, config, _max_model_len(config, model))
+            context = config.context_parallel_size > 1
+            per_block = model.cache_bytes_per_block(config.block_size) if context else None
+            num_blocks = size_cache(model, config, _max_model_len(config, model), per_block)
+            if context:
+                print(f"flashinfra: {model.describe_cache(num_blocks, config.block_size)}", file=sys.stderr,
+                      flush=True)
             comm.broadcast_bytes(str(num_blocks).encode())
             super().__init__(dataclasses.replace(config, num_blocks=num_blocks), model=model, events=events)
         except BaseException:
