@@ -42,15 +42,16 @@ def kda_chain_kernel(
     """Programs ``i_m < NMK`` walk columns of M, the others (with ``HAS_H``) columns of H."""
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    is_h = i_m >= NMK
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    o_c = tl.where(is_h, i_m - NMK, i_m) * BM + tl.arange(0, BM)
-    m_k, m_c = o_k < K, o_c < tl.where(is_h, V, K)
-    b_m = tl.where((o_k[:, None] == o_c[None, :]) & (i_m < NMK), 1.0, 0.0)  # [BK, BM] identity or zero columns
+    o_g = i_m * BM + tl.arange(0, BM)  # columns of [M | H], H's from NMK * BM on
+    is_m = o_g < NMK * BM
+    o_c = tl.where(is_m, o_g, o_g - NMK * BM)
+    m_k, m_c = o_k < K, tl.where(is_m, o_c < K, o_c < V)
+    b_m = tl.where((o_k[:, None] == o_c[None, :]) & is_m[None, :], 1.0, 0.0)  # [BK, BM] identity or zero columns
     for i_t in range(0, tl.cdiv(L, BT)):
         rows = bos + i_t * BT + o_t
         m_t = i_t * BT + o_t < L
@@ -62,13 +63,13 @@ def kda_chain_kernel(
         b_x = tl.dot(b_w, b_m, input_precision=PRECISION)  # [BT, BM]
         if HAS_H:
             p_u = u + rows[:, None] * (H * V) + i_h * V + o_c[None, :]
-            b_x = b_x - tl.load(p_u, mask=m_t[:, None] & m_c[None, :] & is_h, other=0.0)
+            b_x = b_x - tl.load(p_u, mask=m_t[:, None] & (m_c & ~is_m)[None, :], other=0.0)
         b_m = b_m * b_e[:, None] - tl.dot(tl.trans(b_kd), b_x, input_precision=PRECISION)
     p_m = m + (i_n * H + i_h) * K * K + o_k[:, None] * K + o_c[None, :]
-    tl.store(p_m, b_m, mask=m_k[:, None] & m_c[None, :] & (i_m < NMK))
+    tl.store(p_m, b_m, mask=m_k[:, None] & (m_c & is_m)[None, :])
     if HAS_H:
         p_h = h + (i_n * H + i_h) * K * V + o_k[:, None] * V + o_c[None, :]
-        tl.store(p_h, b_m, mask=m_k[:, None] & m_c[None, :] & is_h)
+        tl.store(p_h, b_m, mask=m_k[:, None] & (m_c & ~is_m)[None, :])
 
 
 def kda_summary_launch(k, v, g, beta, cu_seqlens: list[int], gate=None, precision: str = "tf32x3",
