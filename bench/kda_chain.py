@@ -10,7 +10,8 @@ against float64) and the cost of the summary pass against the plain prefill.
    remembers all of it, M stays far from 0), ``slow`` (log-decay in (-0.02, 0), beta in (0, 1)), ``bound`` (the
    gate at the -5 lower bound: M vanishes within a part, only H matters).
 2. Cost, H=64, K=V=128, bf16, one part of T / N tokens (what one rank runs): the plain prefill of the part, the
-   summary pass (prefill from zero + the transition map, tf32x3 and tf32), the fold of N maps. The summary pass
+   summary pass (``kda_summary_launch``: M and H in one walk, tf32x3; M alone in tf32x3 and tf32 beside it), the
+   fold of N maps. The summary pass
    plus the final pass against the plain prefill of the part is the price of context parallelism per KDA layer;
    the ideal is the part's prefill alone. Up to 262144 tokens also the whole prompt's prefill on one GPU, and its
    ratio to a rank's layer time (collectives left out).
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flashinfra.feedback.timing import header, relerr, time_eager, write_results  # noqa: E402
-from flashinfra.kernels.kda.chain import kda_transition_launch  # noqa: E402
+from flashinfra.kernels.kda.chain import kda_summary_launch, kda_transition_launch  # noqa: E402
 from flashinfra.kernels.kda.prefill import kda_prefill_launch  # noqa: E402
 from flashinfra.kernels.kda.ref import kda_chunk_one_ref, kda_transition_ref, l2norm_ref  # noqa: E402
 from flashinfra.parallel.context import fold  # noqa: E402
@@ -112,8 +113,9 @@ def cost_case(T: int, ranks: int, H: int = 64, K: int = 128) -> dict:
     for p in ("tf32x3", "tf32"):
         row[f"transition_{p}_us"] = time_eager(lambda: kda_transition_launch(k, g, beta, [0, n], precision=p),
                                                iters=5, warmup=2)
+    row["summary_us"] = time_eager(lambda: kda_summary_launch(k, v, g, beta, [0, n]), iters=5, warmup=2)
     row["fold_us"] = time_eager(lambda: fold(maps, maps, state[0]), iters=5, warmup=2)
-    summary = row["prefill_part_us"] + row["transition_tf32x3_us"]
+    summary = row["summary_us"]
     layer = summary + row["fold_us"] + row["prefill_part_us"]
     row["summary_over_prefill"] = summary / row["prefill_part_us"]
     row["cp_layer_over_part_prefill"] = layer / row["prefill_part_us"]

@@ -165,11 +165,11 @@ def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(llm, monkeypatc
     real = model.forward
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fault")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", flaky)
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

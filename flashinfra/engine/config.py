@@ -183,6 +183,12 @@ class EngineConfig(LoadConfig):
     context_parallel_size: int = option(
         1, "ranks (one process per GPU, each holding the whole model) that split the prefill of one long prompt",
         min=1)
+    context_parallel_zigzag: bool = option(
+        True, "split a long prompt into 2N parts, rank r holding parts r and 2N-1-r, which balances the MLA "
+              "indexer's causal work (else N contiguous parts)")
+    layer_split: bool = option(
+        False, "with --context-parallel-size > 1: each rank keeps only its own MLA layers' cache (plus one "
+               "transient layer), so its cache holds more tokens; the owner broadcasts a layer before it runs")
     nnodes: int = option(1, "hosts the ranks are spread over (evenly)", min=1)
     node_rank: int = option(0, "this host's index among --nnodes; host 0 runs the scheduler", min=0)
     master_addr: str = option("127.0.0.1", "address of host 0, where the ranks meet", metavar="HOST")

@@ -33,8 +33,10 @@ WIDTH_GROWTH = 4
 
 
 def graphs_supported(model: LoadedModel) -> bool:
-    """Graphs need the kernel path (tensors only); the references loop over sequences on the host."""
-    return model.device.type == "cuda" and use_triton(torch.empty(0, device=model.device))
+    """Graphs need the kernel path (tensors only); the references loop over sequences on the host. A model whose
+    layers choose their collectives' arguments per step on the host (Layer Split) says so itself."""
+    return (model.device.type == "cuda" and use_triton(torch.empty(0, device=model.device))
+            and getattr(model, "graphs_supported", True))
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

@@ -4,8 +4,9 @@ It owns the cache tensors (``ModelCache``; state slots ``num_slots ..`` hold pre
 in before the forward pass, and written by the KDA layers inside it or copied out after it where a row's step
 ends at one, as the plan says) and one ``torch.Generator`` per request that samples, kept
 until the scheduler reports the request finished (so a request preempted and recomputed continues its
-random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model, computes
-logits only at the positions where a next token is sampled, and samples them; requests with a grammar get
+random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model for the hidden
+states of the positions where a next token is sampled only (a context-parallel model gathers no others), computes
+their logits and samples them; requests with a grammar get
 their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``). ``size_cache`` turns a
 memory budget into a number of blocks and slots.
 """
@@ -31,11 +32,13 @@ CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
 
 
-def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per_block: int | None = None) -> int:
     """Number of paged blocks: ``num_blocks`` if given, else what the memory budget holds after the
-    ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use."""
+    ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use;
+    ``per_block``: the bytes of one block on this rank (default: every MLA layer's, as one GPU holds them)."""
     text = model.config.text
-    per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype, model.latent_dtypes())
+    if per_block is None:
+        per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype, model.latent_dtypes())
     per_slot = ModelCache.bytes_per_slot(text, model.dtype, model.cache_spec.state_dtype)
     num_slots = config.max_num_seqs + config.resolved_prefix_slots
     blocks_per_seq = -(-max_model_len // config.block_size)
@@ -133,17 +136,20 @@ class ModelRunner:
         input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
         self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
+        # the rows whose logits are sampled: all a model computes for the step unless the speculator needs more
+        picks = [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample]
+        rows = None if spec is not None else torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
         if embeds is not None:
             hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
         elif self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, batch)
         else:
-            hidden = self.model.forward(input_ids, batch, self.cache)
+            hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
+            rows = None  # already the picked rows
         if spec is not None:
             return self._finish_speculative(sched, feeds, replay, batch, hidden, result)
         self._copy_states(self._end_checkpoints(sched))
-        return self._sample(sched, [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample],
-                            hidden, result)
+        return self._sample(picks, hidden if rows is None else hidden[rows], result)
 
     @staticmethod
     def _end_checkpoints(sched) -> list[tuple[int, int]]:
@@ -167,7 +173,7 @@ class ModelRunner:
                     result.emitted_logprobs[sr.request_id] = lps
                 committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
-        self._sample(sched, plain, hidden, result)
+        self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long, device=self.device)], result)
         for b, sr in enumerate(sched):
             if sr.request_id in result.sampled:
                 nexts[b] = result.sampled[sr.request_id]
@@ -180,12 +186,12 @@ class ModelRunner:
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
-    def _sample(self, sched, picks, hidden, result: StepResult) -> StepResult:
+    def _sample(self, picks, hidden, result: StepResult) -> StepResult:
+        """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states."""
         if not picks:
             return result
         grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs
-        idx = torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
+        logits = self.model.compute_logits(hidden)
         rows = [
             SamplingRow(
                 sr.sampling,

@@ -55,8 +55,11 @@ class LoadedModel:
         return ModelCache.allocate(self.config.text, num_blocks, block_size, num_slots, self.dtype, self.device,
                                    self.cache_spec.state_dtype, self.latent_dtypes())
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        return self.model(input_ids, batch, cache)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of ``rows`` (all rows where None)."""
+        hidden = self.model(input_ids, batch, cache)
+        return hidden if rows is None else hidden[rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

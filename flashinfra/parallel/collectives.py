@@ -5,7 +5,8 @@
 - ``Comm.all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
 - ``Comm.all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos,
   the prompt's MLA latent and indexer keys).
-- ``Comm.broadcast``: a tensor from one rank (Layer Split: a layer's cache from its owner).
+- ``Comm.broadcast`` / ``broadcast_async``: a tensor from one rank (Layer Split: a layer's cache from its
+  owner, issued one layer ahead and waited for before use).
 - ``ControlChannel``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a uint8
   tensor over a CPU (gloo) group, so the scheduler stays torch-free and runs once. The group's timeout
   bounds every message: a rank 0 that hangs makes its workers fail instead of waiting forever. Rank 0
@@ -65,6 +66,15 @@ class Comm:
         root = src if self.group is None else dist.get_global_rank(self.group, src)
         dist.broadcast(x, root, group=self.group)
         return x
+
+    def broadcast_async(self, x: torch.Tensor, src: int):
+        """``broadcast`` without waiting: the returned handle's ``wait()`` must run before ``x`` is read on a
+        receiving rank (or written on ``src``)."""
+        if self.world == 1:
+            return _DONE
+        self.calls += 1
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        return dist.broadcast(x, root, group=self.group, async_op=True)
 
 
 @dataclass(frozen=True)
@@ -148,3 +158,12 @@ class ControlChannel:
 
     def stop_keepalive(self) -> None:
         self._stop.set()
+
+class _Done:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()

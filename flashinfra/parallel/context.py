@@ -9,15 +9,16 @@ KDA layers (``kda_context_prefill``, ``conv_context_prefill``):
 
 1. conv halo: every rank all-gathers the last ``W - 1`` conv inputs of each segment; a segment's conv starts
    from the previous segment's (the first from the sequence's conv slot, or zeros);
-2. summary: per segment the transition map ``M`` (``kernels.kda.chain``) and ``H``, the final state from a
-   zero initial state (the prefill op, its outputs discarded);
+2. summary: per segment the affine map ``S_out = M S_in + H`` (``kernels.kda.chain.kda_summary_gated``: ``M``
+   and ``H``, the final state from a zero initial state, in one walk over the chunks with no output products);
 3. all-gather of (M, H) and, on every rank, the fold in float32 over the segments in order,
    ``S_{i+1} = M_i S_i + H_i`` from the sequence's state (or zeros): each segment's initial state, and the
    final state, which every rank writes to the sequence's slot;
 4. the final pass: the prefill op over each segment from its initial state.
 
-The summary pass costs an extra prefill of the rank's tokens plus the chain; it is what buys each rank its
-initial state without waiting for the ranks before it.
+The summary costs the 16-token in-chunk kernel and a walk of ``K + V`` state columns per head, not a prefill; it
+is what buys each rank its initial state without waiting for the ranks before it. The final pass must run the
+whole prefill from the corrected state: its outputs depend on the initial state through every token.
 
 MLA/DSA layers (``gather_cache_hook``): before the layer runs, each rank computes the latent and indexer cache
 entries of its own tokens, all-gathers them and writes the whole prompt's entries into its cache, so that its
@@ -26,6 +27,9 @@ design: it moves ``(R + 2 Di) * T`` values per layer to every rank and does one 
 projection (the layer forms the latent together with q); gathering only what the top-k selects is left out.
 After the prefill every rank holds the prompt's whole cache and KDA state, so decode runs as on one rank
 (or, with Layer Split, each MLA layer's cache on its owner: ``layer_split.py``).
+
+Hidden states stay on the rank that computed them: ``gather_rows`` brings every rank only the rows whose logits
+are sampled (a prompt's last token), not the whole prompt's ``[T, D]``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from flashinfra.kernels.kda import causal_conv1d_prefill, kda_prefill_gated
-from flashinfra.kernels.kda.chain import kda_transition_gated
+from flashinfra.kernels.kda.chain import kda_summary_gated
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
@@ -133,6 +137,20 @@ def _local_cu(split: ContextSplit, rank: int) -> list[int]:
     return cu
 
 
+def gather_rows(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` [rank's tokens, ...] on each rank -> its ``rows`` (positions among all new tokens) on every rank:
+    each row's owner fills it, the others add zeros (exact), one all-reduce of ``[len(rows), ...]``."""
+    if rows.numel() == 0:  # the same plan on every rank: all skip the collective
+        return x.new_zeros(0, *x.shape[1:])
+    where = torch.full((split.num_tokens,), -1, dtype=torch.long)
+    where[split.token_index(rank)] = torch.arange(x.shape[0])
+    local = where[rows.cpu()].to(x.device)
+    mine = local >= 0
+    out = x.new_zeros(rows.numel(), *x.shape[1:])
+    out[mine] = x[local[mine]]
+    return comm.all_reduce(out)
+
+
 def conv_context_prefill(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor, weight: torch.Tensor,
                          conv_state0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal conv of ``x`` [rank's tokens, C] with each segment's halo -> (output, the sequence's final
@@ -165,17 +183,14 @@ def kda_context_prefill(comm: Comm, split: ContextSplit, rank: int, q, k, v, g_r
     V = v.shape[-1]
     cu = _local_cu(split, rank)
     n = len(cu) - 1
-    slots = list(range(n))
-    scratch = torch.zeros(n, H, K, V, dtype=torch.float32, device=k.device)
-    kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, scratch, cu, slots, [False] * n)
-    maps = kda_transition_gated(k, g_raw, beta_logits, A_log, dt_bias, lower_bound, cu)  # [n, H, K, K]
+    maps, offsets = kda_summary_gated(k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, cu)  # [n, H, K, K|V]
     every_m = gather_segments(comm, split, maps)
-    every_h = gather_segments(comm, split, scratch.clone())
+    every_h = gather_segments(comm, split, offsets)
     s0 = state0 if state0 is not None else torch.zeros(H, K, V, dtype=torch.float32, device=k.device)
     states = fold(every_m, every_h, s0)
-    for j, i in enumerate(split.segments(rank)):
-        scratch[j] = states[i]
-    o = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, scratch, cu, slots, [True] * n)
+    initial = torch.stack([states[i] for i in split.segments(rank)]).contiguous()  # [n, H, K, V]
+    o = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, initial, cu, list(range(n)),
+                          [True] * n)
     return o, states[-1]
 
 

@@ -4,9 +4,16 @@ runner makes (``forward``, ``compute_logits``, ``allocate_cache``, ``logits``).
 Every rank holds the whole model. A step whose batch is one sequence with at least ``min_tokens`` new tokens
 (a long prompt's prefill, or a chunk of one) is split over the ranks (``context.py``); every other batch runs
 replicated on every rank, as on one GPU, over the same cache, which after a split prefill holds the whole
-prompt on every rank. The split step's hidden states are all-gathered, so every rank returns what one rank
-would and the runner samples as usual. With ``layer_split`` each rank's cache keeps only its MLA layers
-(``layer_split.py``), and every step, split or not, pays the owners' broadcasts.
+prompt on every rank. The split step's hidden states stay where they were computed: the runner asks for the
+rows it samples (the prompt's last token), and only those are gathered (``context.gather_rows``). With
+``layer_split`` each rank's cache keeps only its MLA layers (``layer_split.py``), every step, split or not,
+pays the owners' broadcasts, and decode runs without CUDA graphs (the broadcasts' blocks are chosen per step on
+the host).
+
+The split's layout: zig-zag by default. Each rank's MLA layers run the indexer over the whole causal prefix of
+its queries, work that grows with the query's position: contiguous parts give the last rank ``2N - 1`` times
+the first one's indexer work, zig-zag gives every rank the same. The KDA layers do not care (their work is
+linear in the tokens); zig-zag costs them twice the segments, that is twice the maps in the all-gather.
 """
 
 from __future__ import annotations
@@ -17,29 +24,57 @@ from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
-from flashinfra.parallel.context import context_batch, enable_context_parallel, gather_tokens, split_prompt
-from flashinfra.parallel.layer_split import enable_layer_split, layer_split_cache
+from flashinfra.parallel.context import context_batch, enable_context_parallel, gather_rows, split_prompt
+from flashinfra.parallel.layer_split import cache_tokens, enable_layer_split, layer_split_cache
 
-# the shortest prefill split over the ranks, per rank: below it the summary pass and the collectives cost more
-# than the tokens they spread
+# The shortest prefill split over the ranks, per rank. A split step pays, per layer, costs that do not shrink
+# with the tokens: each KDA layer all-gathers every segment's maps, H x K x (K + V) floats each (as many values
+# as the layer's q, k, v and gate carry for K (K + V) / (3K + V) tokens of one segment, ~64 at K = V = 128,
+# times the ranks), and the conv halos; each MLA layer two all-gathers; each collective its latency. It saves
+# (N - 1) / N of the step's work on the rank's tokens. At 1024 tokens per rank a layer's own work on its tokens
+# (the projections, the MoE, the chunked KDA) is an order of magnitude above the map all-gather's bytes and the
+# collectives' latency on NVLink, so the split gains; at a few hundred tokens it would not. bench/kda_chain.py
+# measures the split layer against the part's prefill.
 MIN_TOKENS_PER_RANK = 1024
 
 
 class ContextParallelModel:
     def __init__(self, loaded: LoadedModel, comm: Comm, rank: int, min_tokens: int | None = None,
-                 zigzag: bool = False, layer_split: bool = False):
+                 zigzag: bool = True, layer_split: bool = False):
         if (loaded.quantization != "none" or loaded.vision is not None
                 or any(d != loaded.dtype for d in loaded.latent_dtypes().values())):
             raise ValueError("context parallelism needs unquantized weights and caches and no vision tower")
         self.loaded, self.comm, self.rank = loaded, comm, rank
         self.min_tokens = comm.world * MIN_TOKENS_PER_RANK if min_tokens is None else min_tokens
         self.zigzag, self.layer_split = zigzag, layer_split
-        if layer_split:
-            enable_layer_split(loaded.model, comm, rank)
+        self.broadcasts = enable_layer_split(loaded.model, comm, rank) if layer_split else None
         enable_context_parallel(loaded.model, comm)
 
     def __getattr__(self, name):  # config, dtype, device, path, report, cache_spec, model...: the loaded model's
         return getattr(self.loaded, name)
+
+    @property
+    def graphs_supported(self) -> bool:
+        """Whether decode may run as captured CUDA graphs: not with Layer Split's per-step broadcasts."""
+        return not self.layer_split
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one paged block on the busiest rank: with Layer Split its MLA layers and the transient
+        buffer, else every MLA layer."""
+        text = self.config.text
+        if not self.layer_split:
+            return ModelCache.bytes_per_block(text, block_size, self.dtype, self.latent_dtypes())
+        return cache_tokens(text, self.comm.world, 0, self.dtype).bytes_per_token_split * block_size
+
+    def describe_cache(self, num_blocks: int, block_size: int) -> str:
+        """The cache tokens per rank, against full replication of the MLA layers in the same bytes."""
+        text = self.config.text
+        tokens = num_blocks * block_size
+        if not self.layer_split:
+            return f"context parallel over {self.comm.world} ranks: {tokens} cache tokens per rank (replicated)"
+        fit = cache_tokens(text, self.comm.world, self.cache_bytes_per_block(block_size) * num_blocks, self.dtype)
+        return (f"Layer Split over {self.comm.world} ranks: {tokens} cache tokens per rank, {fit.tokens_replicated} "
+                f"with every MLA layer replicated ({tokens / max(fit.tokens_replicated, 1):.2f}x)")
 
     def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
         if not self.layer_split:
@@ -48,22 +83,27 @@ class ContextParallelModel:
                                  self.dtype, self.device, self.cache_spec.state_dtype)
 
     def splits(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` runs split over the ranks."""
+        """Whether ``batch`` runs split over the ranks. Not a step that writes prefix checkpoints inside it
+        (``batch.checkpoints``): a split rank's final pass does not save states at positions of other parts."""
         halo = self.config.text.linear_conv_kernel_dim - 1  # the shortest segment: a whole conv halo
-        return (self.comm.world > 1 and batch.num_seqs == 1 and not any(batch.replay)
+        return (self.comm.world > 1 and batch.num_seqs == 1 and not any(batch.replay) and not batch.checkpoints
                 and batch.query_lens[0] >= max(self.min_tokens, 2 * self.comm.world * halo, 1))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states of ``rows`` (all rows where None) of the batch, on every rank."""
         model = self.loaded.model
         if inputs_embeds is not None or not self.splits(batch):
-            return model(input_ids, batch, cache, inputs_embeds=inputs_embeds)
+            hidden = model(input_ids, batch, cache, inputs_embeds=inputs_embeds)
+            return hidden if rows is None else hidden[rows]
         text = self.config.text
         split = split_prompt(batch.query_lens[0], self.comm.world, self.zigzag, text.linear_conv_kernel_dim - 1)
         mine = context_batch(split, self.rank, batch.context_lens[0], batch.state_slots[0],
                              list(batch.block_tables[0]), batch.block_size, self.device)
         hidden = model(input_ids[split.token_index(self.rank).to(input_ids.device)], mine, cache)
-        return gather_tokens(self.comm, split, hidden)
+        if rows is None:
+            rows = torch.arange(split.num_tokens)
+        return gather_rows(self.comm, split, self.rank, hidden, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.loaded.compute_logits(hidden)

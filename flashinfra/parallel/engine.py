@@ -9,8 +9,9 @@ tokens are discarded (their logits equal rank 0's after the all-gather).
 
 Context parallelism (``--context-parallel-size N``, not combined with tensor parallelism yet): every rank
 loads the whole model as a ``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
-same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks.
-
+same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks. With
+``--layer-split`` the cache is sized by the busiest rank's MLA layers, and rank 0 reports the cache tokens per
+rank against full replication at start-up.
 
 Failure: while the world forms, a rank that rank 0 started and that exits fails the start at once
 (``launch.watched``), and any other lost rank fails it within ``dist_timeout_s`` (every group and every
@@ -46,6 +47,8 @@ def make_engine(config: EngineConfig, model=None, events=None) -> EngineCore:
     """``EngineCore`` on a world of one; rank 0's ``ParallelEngineCore`` on several. Under a launcher
     (``torchrun``) a process of another rank serves rank 0's steps here and then exits: only rank 0 holds
     an engine."""
+    if config.layer_split and config.context_parallel_size == 1:
+        raise ValueError("layer_split needs context_parallel_size > 1: it splits the MLA cache over those ranks")
     torchrun = env.torchrun_env()
     config = resolve_world(config, torchrun)
     if config_world(config) == 1:
@@ -129,7 +132,8 @@ def join_world(config: EngineConfig, launch: Launch):
         from flashinfra.parallel.context_model import ContextParallelModel
         from flashinfra.parallel.load import peak_host_bytes
 
-        model = ContextParallelModel(load_model(path, config.dtype, launch.device), Comm(launch.world), launch.rank)
+        model = ContextParallelModel(load_model(path, config.dtype, launch.device), Comm(launch.world), launch.rank,
+                                     zigzag=config.context_parallel_zigzag, layer_split=config.layer_split)
         model.peak_host_bytes = peak_host_bytes()
         return model, channel
     layout = make_layout(load_config(path).text, config.tensor_parallel_size, config.expert_parallel_size,
@@ -238,7 +242,12 @@ class ParallelEngineCore(EngineCore):
 
                 torch.cuda.set_device(launch.device)
             _report_rank(0, model)
-            num_blocks = size_cache(model, config, _max_model_len(config, model))
+            context = config.context_parallel_size > 1
+            per_block = model.cache_bytes_per_block(config.block_size) if context else None
+            num_blocks = size_cache(model, config, _max_model_len(config, model), per_block)
+            if context:
+                print(f"flashinfra: {model.describe_cache(num_blocks, config.block_size)}", file=sys.stderr,
+                      flush=True)
             channel.send(str(num_blocks).encode())
             # The warm-up's forward passes would run on rank 0 alone while the other ranks wait for plans.
             super().__init__(dataclasses.replace(config, num_blocks=num_blocks, startup_warmup=False), model=model,

@@ -1,12 +1,17 @@
 """Layer Split: each rank of a context-parallel group keeps the paged MLA cache (latent and indexer keys) of its
-own block of MLA layers, plus one transient buffer; before an MLA layer runs, its owner broadcasts the layer's
-blocks that the batch uses into every other rank's transient buffer, and the layer then reads and writes its
+own block of MLA layers, plus one transient buffer; before an MLA layer runs, its owner's copy of the layer's
+blocks that the batch uses lands in every other rank's transient buffer, and the layer then reads and writes its
 cache as usual (the owner's writes land in its own cache, the others' in the transient buffer, which the next
 non-owned layer overwrites).
 
+Overlap (``LayerSplitBroadcasts``): the broadcast of the next MLA layer is issued asynchronously as the current
+MLA layer starts, into a staging copy of the batch's blocks, and waited for just before the next layer runs; the
+current layer's indexer and attention, and the KDA layers between the two, run meanwhile. The staging copy is
+scattered into the transient buffer only after the wait, when the layer that used the buffer before is done, so
+one transient buffer suffices; the staging copy is step memory (one layer's blocks of the batch), not cache.
+
 The owners are contiguous blocks of the MLA layers in order, the first ranks one layer more. The KDA state
-slots stay whole on every rank. The broadcast runs before the layer, not yet overlapped with the indexer's
-work; 8-bit caches (with their scales) are not split.
+slots stay whole on every rank. 8-bit caches (with their scales) are not split.
 
 ``cache_tokens`` compares the tokens a cache budget holds per rank with Layer Split against full replication.
 """
@@ -78,30 +83,56 @@ def layer_split_cache(cfg: TextConfig, world: int, rank: int, num_blocks: int, b
     return cache
 
 
-def broadcast_hook(comm: Comm, rank: int, owner: int):
-    """A forward pre-hook of an MLA layer: the owner's blocks of the batch into every rank's cache of the layer."""
+class LayerSplitBroadcasts:
+    """The owners' broadcasts of a model's MLA layers, each issued as the MLA layer before it starts (the first
+    layer's as it starts itself) and waited for just before its own layer runs. Every rank issues the same
+    broadcasts in the same order, interleaved with the same other collectives."""
 
-    def hook(module, args):
-        batch, cache = args[1], args[2]
+    def __init__(self, comm: Comm, rank: int, layers: list[int], owners: list[int]):
+        self.comm, self.rank = comm, rank
+        self.layers, self.owners = layers, dict(zip(layers, owners))  # MLA layer ids in model order
+        self.pending: dict[int, list] = {}  # layer -> [(cache tensor, block index, staging, work)]
+
+    def issue(self, layer: int, batch, cache) -> list:
         blocks = torch.tensor(sorted({b for table in batch.block_tables for b in table}), dtype=torch.long)
-        for paged in (cache.mla_latent[module.layer], cache.indexer_keys.get(module.layer)):
+        owner, issued = self.owners[layer], []
+        for paged in (cache.mla_latent[layer], cache.indexer_keys.get(layer)):
             if paged is None:
                 continue
             idx = blocks.to(paged.device)
-            buf = paged[idx] if rank == owner else paged.new_empty(len(blocks), *paged.shape[1:])
-            comm.broadcast(buf, owner)
-            if rank != owner:
+            buf = paged[idx] if self.rank == owner else paged.new_empty(len(blocks), *paged.shape[1:])
+            issued.append((paged, idx, buf, self.comm.broadcast_async(buf, owner)))
+        return issued
+
+    def arrive(self, layer: int) -> None:
+        """Wait for ``layer``'s broadcasts and write them into this rank's buffer of the layer."""
+        for paged, idx, buf, work in self.pending.pop(layer):
+            work.wait()
+            if self.rank != self.owners[layer]:
                 paged[idx] = buf
 
-    return hook
+    def hook(self, module, args):
+        """A forward pre-hook of every MLA layer."""
+        batch, cache = args[1], args[2]
+        layer = module.layer
+        i = self.layers.index(layer)
+        if i == 0:  # a new step: a step that failed half-way may have left broadcasts behind
+            for stale in list(self.pending):
+                self.arrive(stale)
+            self.pending[layer] = self.issue(layer, batch, cache)
+        if i + 1 < len(self.layers):
+            self.pending[self.layers[i + 1]] = self.issue(self.layers[i + 1], batch, cache)
+        self.arrive(layer)
 
 
-def enable_layer_split(model: nn.Module, comm: Comm, rank: int) -> None:
+def enable_layer_split(model: nn.Module, comm: Comm, rank: int) -> LayerSplitBroadcasts:
     """Register the owners' broadcasts on every MLA layer of ``model`` (a ``Glm5NextModel``); its cache comes
     from ``layer_split_cache``. Register before ``context.enable_context_parallel``: the prompt's gathered
     entries are written over the broadcast blocks."""
     cfg = model.cfg
-    for layer in model.layers:
-        if not layer.is_kda:
-            owner = layer_owner(cfg.mla_layers, comm.world, layer.attn.layer)
-            layer.attn.register_forward_pre_hook(broadcast_hook(comm, rank, owner))
+    mla = [layer.attn for layer in model.layers if not layer.is_kda]
+    layers = [a.layer for a in mla]
+    broadcasts = LayerSplitBroadcasts(comm, rank, layers, [layer_owner(cfg.mla_layers, comm.world, i) for i in layers])
+    for attn in mla:
+        attn.register_forward_pre_hook(broadcasts.hook)
+    return broadcasts

@@ -219,9 +219,10 @@ class ShardedModel:
         return self.comms.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.model(input_ids, batch, cache, inputs_embeds=x)
+        hidden = self.model(input_ids, batch, cache, inputs_embeds=x)
+        return hidden if rows is None else hidden[rows]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

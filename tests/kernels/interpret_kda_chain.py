@@ -5,7 +5,8 @@ float64 product of the token factors. Collected only through ``test_kda_chain.py
 import pytest
 import torch
 
-from flashinfra.kernels.kda.chain import kda_transition_launch
+from flashinfra.kernels.kda.chain import kda_summary_launch, kda_transition_launch
+from flashinfra.kernels.kda.ref import kda_chunk_one_ref, l2norm_ref
 from tests.kernels import kda_chain_cases as cases
 
 
@@ -26,6 +27,33 @@ def test_chain_kernel_against_float64(decay, K, lens):
     for b, (bos, eos) in enumerate(zip(cu, cu[1:])):
         want = cases.token_product(k[bos:eos], g[bos:eos], beta[bos:eos])
         assert cases.rel_error(out[b], want) < 2e-5, (decay, K, lens, b)
+
+
+@pytest.mark.parametrize("decay,K,V,lens", [("slow", 16, 8, [63, 0, 17]), ("bound", 16, 32, [40, 5])])
+def test_summary_kernel_against_float64(decay, K, V, lens):
+    """M and H in one walk (H's columns after M's, V other than K): each against the float64 truth, H the final
+    state of the chunked reference from zero."""
+    H = 2
+    k, v, g, beta, gate = cases.inputs(sum(lens), H, K, V, decay, seed=K + V)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    out = torch.full((len(lens), H, K, K), float("nan"))
+    out_h = torch.full((len(lens), H, K, V), float("nan"))
+    if gate is None:
+        kda_summary_launch(k, v, g, beta, cu, out=out, out_h=out_h)
+    else:
+        g_raw, beta_logits, A_log, dt_bias, lower_bound = gate
+        kda_summary_launch(k, v, g_raw, beta_logits, cu, (A_log, dt_bias, lower_bound), out=out, out_h=out_h)
+    for b, (bos, eos) in enumerate(zip(cu, cu[1:])):
+        assert cases.rel_error(out[b], cases.token_product(k[bos:eos], g[bos:eos], beta[bos:eos])) < 2e-5
+        kn = l2norm_ref(k[bos:eos].double())
+        _, want = kda_chunk_one_ref(kn, kn, v[bos:eos].double(), g[bos:eos].double(), beta[bos:eos].double(),
+                                    torch.zeros(H, K, V, dtype=torch.float64))
+        if eos > bos:
+            assert cases.rel_error(out_h[b], want) < 2e-5, (decay, b)
+        else:
+            assert not out_h[b].any()
 
 
 def test_segments_chained_equal_one_pass():

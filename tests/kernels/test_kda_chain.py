@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfra.kernels.kda.ref import kda_chunk_one_ref, kda_prefill_ref, kda_transition_ref, l2norm_ref
+from flashinfra.kernels.kda.ref import (kda_chunk_one_ref, kda_prefill_ref, kda_summary_ref, kda_transition_ref,
+                                       l2norm_ref)
 from flashinfra.parallel.context import fold
 from tests.kernels import kda_chain_cases as cases
 
@@ -36,6 +37,21 @@ def test_transition_reference_is_the_token_product(decay):
     for b, (bos, eos) in enumerate(zip(cu, cu[1:])):
         want = cases.token_product(k[bos:eos], g[bos:eos], beta[bos:eos])
         assert cases.rel_error(m[b], want) < 1e-12, (decay, b)
+
+
+def test_summary_reference_is_the_map_and_the_state_from_zero():
+    """``kda_summary_ref``'s M is the transition map and its H the chunked final state from zero, per sequence."""
+    lens = [63, 1, 140]
+    T, H, K, V = sum(lens), 2, 8, 16
+    k, v, g, beta, _ = cases.inputs(T, H, K, V, "slow", seed=3)
+    cu = [0, 63, 64, 204]
+    m, h = kda_summary_ref(k.double(), v.double(), g.double(), beta.double(), cu, segment=128)
+    assert cases.rel_error(m, kda_transition_ref(k.double(), g.double(), beta.double(), cu)) < 1e-12
+    for b, (bos, eos) in enumerate(zip(cu, cu[1:])):
+        kn = l2norm_ref(k[bos:eos].double())
+        _, want = kda_chunk_one_ref(kn, kn, v[bos:eos].double(), g[bos:eos].double(), beta[bos:eos].double(),
+                                    torch.zeros(H, K, V, dtype=torch.float64))
+        assert cases.rel_error(h[b], want) < 1e-12, b
 
 
 @pytest.mark.parametrize("decay", ["slow", "bound"])

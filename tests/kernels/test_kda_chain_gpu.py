@@ -1,4 +1,5 @@
-"""The transition map on a CUDA device at the real head size (K=128) against float64, the chain's precision
+"""The transition map, and the summary (M and H in one walk), on a CUDA device at the real head size (K=128)
+against float64, the chain's precision
 (plain tf32 measurably worse than tf32x3 over a 64k-token part), and a KDA prefill split into segments and
 chained equal to one pass."""
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 
 from flashinfra.kernels.kda import kda_prefill_gated
-from flashinfra.kernels.kda.chain import kda_transition_launch
-from flashinfra.kernels.kda.ref import kda_transition_ref
+from flashinfra.kernels.kda.chain import kda_summary_launch, kda_transition_launch
+from flashinfra.kernels.kda.ref import kda_summary_ref, kda_transition_ref
 from flashinfra.parallel.collectives import Comm
 from flashinfra.parallel.context import kda_context_prefill, split_prompt
 from tests.kernels import kda_chain_cases as cases
@@ -33,6 +34,26 @@ def test_chain_kernel_real_size(decay):
     got = _launch(k, g, beta, gate, cu, "tf32x3")
     for b in range(len(lens)):
         assert cases.rel_error(got[b], want[b]) < 1e-5, (decay, lens[b], cases.rel_error(got[b], want[b]))
+
+
+@pytest.mark.parametrize("decay", ["slow", "bound"])
+def test_summary_kernel_real_size(decay):
+    """bf16 k and v as the model feeds them: M and H against the float64 chunked reference of the same inputs."""
+    lens = [1000, 63, 4097]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    k, v, g, beta, gate = cases.inputs(cu[-1], 4, 128, 128, decay, device="cuda")
+    k, v = k.bfloat16(), v.bfloat16()
+    want_m, want_h = kda_summary_ref(k.double(), v.double(), g.double(), beta.double(), cu, segment=512)
+    if gate is None:
+        got_m, got_h = kda_summary_launch(k, v, g, beta, cu)
+    else:
+        g_raw, beta_logits, A_log, dt_bias, lower_bound = gate
+        got_m, got_h = kda_summary_launch(k, v, g_raw, beta_logits, cu, (A_log, dt_bias, lower_bound))
+    for b in range(len(lens)):
+        assert cases.rel_error(got_m[b], want_m[b]) < 1e-5, (decay, lens[b], "M")
+        assert cases.rel_error(got_h[b], want_h[b]) < 1e-5, (decay, lens[b], "H")
 
 
 def test_tf32x3_chain_closer_than_tf32():

@@ -1,7 +1,9 @@
 """Context-parallel prefill over CPU gloo (forked ranks, 2 and 4, contiguous and zig-zag) through
-``ContextParallelModel``: the hidden states, every KDA layer's final recurrent and conv state, the MLA caches and
-the next decode step's logits equal one rank's within float32 rounding, for a prefill that resumes a cached
-prefix; with Layer Split each rank keeps only its MLA layers' cache."""
+``ContextParallelModel``: the hidden states (all of them, or only the sampled row), every KDA layer's final
+recurrent and conv state, the MLA caches and the next decode step's logits equal one rank's within float32
+rounding, for a prefill that resumes a cached prefix; with Layer Split each rank keeps only its MLA layers' cache,
+and each layer's broadcast is issued while the MLA layer before it runs and waited for before its own layer
+runs."""
 
 from __future__ import annotations
 
@@ -33,12 +35,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scenario(model, cache, batch_for_long, long_ids):
+class RecordingComm(Comm):
+    """Logs each asynchronous broadcast as it is issued and as it is waited for."""
+
+    def __init__(self, world: int):
+        super().__init__(world)
+        self.log: list[tuple] = []
+
+    def broadcast_async(self, x, src):
+        n = sum(e[0] == "send" for e in self.log)
+        self.log.append(("send", n))
+        work, log = super().broadcast_async(x, src), self.log
+
+        class Logged:
+            def wait(self):
+                log.append(("wait", n))
+                return work.wait()
+
+        return Logged()
+
+
+def _record_layers(model, comm: RecordingComm) -> None:
+    """Log which layer each broadcast is for, and when each MLA layer starts its own work (a pre-hook after the
+    Layer Split and cache-gather hooks)."""
+    broadcasts, issue = model.broadcasts, model.broadcasts.issue
+
+    def logged_issue(layer, batch, cache):
+        comm.log.append(("issue", layer))
+        return issue(layer, batch, cache)
+
+    broadcasts.issue = logged_issue
+    for layer in model.model.layers:
+        if not layer.is_kda:
+            layer.attn.register_forward_pre_hook(lambda m, args: comm.log.append(("run", m.layer)))
+
+
+def _check_overlap(log: list[tuple], layers: list[int]) -> None:
+    """Every MLA layer runs after the waits of its own broadcasts, and after the next layer's were issued."""
+    owner: dict[int, int] = {}  # broadcast number -> layer
+    latest: dict[int, list[int]] = {}  # layer -> its latest issue's broadcast numbers
+    waited: set[int] = set()
+    current, runs = None, 0
+    for event, x in log:
+        if event == "issue":
+            current = x
+            latest[x] = []
+        elif event == "send":
+            owner[x] = current
+            latest[current].append(x)
+        elif event == "wait":
+            waited.add(x)
+        else:
+            runs += 1
+            assert latest[x] and all(n in waited for n in latest[x]), f"layer {x} ran before its broadcast arrived"
+            i = layers.index(x)
+            if i + 1 < len(layers):
+                nxt = latest.get(layers[i + 1], [])
+                assert nxt and not any(n in waited for n in nxt), f"layer {layers[i + 1]}'s broadcast not in flight"
+    assert runs >= 3 * len(layers)  # the prefix, the long prefill, the decode step
+    assert waited == set(owner)
+
+
+def _scenario(model, cache, batch_for_long, long_ids, rows=None):
     """Prefix prefill, the long prefill (``batch_for_long``), one decode step -> (hidden of the long part's
-    tokens, decode logits)."""
+    tokens, or of its ``rows``, decode logits)."""
     dev = model.device
     model.forward(torch.tensor(PREFIX), ForwardBatch.build([len(PREFIX)], [0], [SLOT], [TABLE], BS, dev), cache)
-    hidden = model.forward(long_ids, batch_for_long, cache)
+    hidden = model.forward(long_ids, batch_for_long, cache, rows=rows)
     n = len(PREFIX) + len(LONG)
     h = model.forward(torch.tensor([NEXT]), ForwardBatch.build([1], [n], [SLOT], [TABLE], BS, dev), cache)
     return hidden, model.compute_logits(h)[0]
@@ -60,15 +123,20 @@ def _one_rank(path):
     return hidden, logits, _states(model, cache)
 
 
-def _case(rank: int, world: int, zigzag: bool, split_layers: bool, comm: Comm, path: str):
+def _case(rank: int, world: int, zigzag: bool, split_layers: bool, rows, path: str):
     """The scenario through ``ContextParallelModel``: the long prefill split, the prefix and decode replicated."""
+    comm = RecordingComm(world)
     model = ContextParallelModel(load_model(path), comm, rank, min_tokens=len(LONG), zigzag=zigzag,
                                  layer_split=split_layers)
     text = model.config.text
+    if split_layers:
+        _record_layers(model, comm)
     cache = model.allocate_cache(len(TABLE), BS, 2)
     batch = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, model.device)
     assert model.splits(batch)
-    hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG))
+    hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG), None if rows is None else torch.tensor(rows))
+    if split_layers:
+        _check_overlap(comm.log, list(text.mla_layers))
     owned = owned_layers(text.mla_layers, world, rank) if split_layers else text.mla_layers
     return hidden.clone(), logits.clone(), _states(model, cache), owned
 
@@ -77,8 +145,7 @@ def _rank(rank: int, world: int, cases: list, port: int, path: str, out: dict) -
     torch.set_num_threads(1)
     init_distributed(rank, world, "cpu", f"tcp://127.0.0.1:{port}", timeout_s=60)
     try:
-        comm = Comm(world)
-        out[rank] = [_case(rank, world, zigzag, split_layers, comm, path) for zigzag, split_layers in cases]
+        out[rank] = [_case(rank, world, *case, path) for case in cases]
     finally:
         destroy_distributed()
 
@@ -106,8 +173,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 5e-5 * scale, f"{what}: max error {err:.3g} against scale {scale:.3g}"
 
 
-# (zig-zag, Layer Split) cases per world size, run in one process group each
-CASES = {2: [(False, False), (True, True)], 4: [(False, True), (True, False)]}
+# (zig-zag, Layer Split, the long prefill's rows: all where None) cases per world size, one process group each
+LAST = [len(LONG) - 1]
+CASES = {2: [(False, False, None), (True, True, LAST)], 4: [(False, True, None), (True, False, LAST)]}
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -121,8 +189,9 @@ def test_context_parallel_prefill_matches_one_rank(checkpoint, single, world):
         out = dict(out)
     for rank in range(world):
         for case, (got_hidden, got_logits, got_states, owned) in zip(CASES[world], out[rank]):
-            where = f"world {world} (zig-zag, layer split) {case} rank {rank}"
-            _close(got_hidden, hidden, f"{where} hidden")
+            where = f"world {world} (zig-zag, layer split, rows) {case} rank {rank}"
+            rows = case[2]
+            _close(got_hidden, hidden if rows is None else hidden[rows], f"{where} hidden")
             _close(got_logits, logits, f"{where} decode logits")
             for kind in ("state", "conv"):
                 for layer, want in states[kind].items():

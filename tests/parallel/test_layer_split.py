@@ -1,8 +1,15 @@
 """Layer Split's sizing: the MLA cache tokens one rank holds against full replication, for the released
-model's layers, and the owners' blocks."""
+model's layers, the owners' blocks, and the engine's cache sizing with a rank's bytes per block."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+import flashinfra
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.runner import size_cache
+from flashinfra.quant.cache import CacheSpec
 
 from flashinfra.config import resolve_config
 from flashinfra.model.cache import ModelCache
@@ -41,3 +48,22 @@ def test_cache_tokens_split_against_replicated(text, world):
     assert (fit.tokens_split, fit.tokens_replicated) == (budget // (layers * per_layer), budget // (11 * per_layer))
     print(f"world {world}: {fit.tokens_split} cache tokens per rank with Layer Split, {fit.tokens_replicated} "
           f"replicated ({fit.tokens_split / fit.tokens_replicated:.2f}x)")
+
+
+def test_layer_split_needs_context_parallel_ranks():
+    with pytest.raises(ValueError, match="layer_split needs context_parallel_size > 1"):
+        flashinfra.LLM(None, layer_split=True, device="cpu")
+
+
+def test_size_cache_gives_a_rank_more_blocks(text):
+    """The engine's sizing with the busiest rank's bytes per block (as ``ContextParallelModel`` reports them under
+    Layer Split): the blocks grow by the ratio of the per-token bytes."""
+    model = SimpleNamespace(config=SimpleNamespace(text=text), dtype=torch.bfloat16, device=torch.device("cpu"),
+                            latent_dtypes=lambda: {}, cache_spec=CacheSpec())
+    config = EngineConfig(kv_cache_memory=4 * GIB, max_num_seqs=1, prefix_cache_slots=0)
+    longest = 2**24
+    full = size_cache(model, config, longest)
+    fit = cache_tokens(text, 4, 0)
+    split = size_cache(model, config, longest, fit.bytes_per_token_split * config.block_size)
+    ratio = fit.bytes_per_token_replicated / fit.bytes_per_token_split
+    assert abs(split / full - ratio) < 1e-3 * ratio

@@ -77,6 +77,36 @@ def kda_chunk_one_ref(
     return o, S
 
 
+def kda_summary_ref(
+    k: torch.Tensor,  # [T, H, K] not yet normalised
+    v: torch.Tensor,  # [T, H, V]
+    g: torch.Tensor,  # [T, H, K] log-decay
+    beta: torch.Tensor,  # [T, H]
+    cu_seqlens: list[int],  # B + 1
+    segment: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:  # M [B, H, K, K], H [B, H, K, V] in float32, or float64 where k is
+    """Each sequence's affine map ``S_out = M S_in + H``: the chunked reference carries ``[M | H]`` as one state
+    of ``K + V`` columns from ``[I | 0]``, with values ``[0 | v]`` (the update is linear in the values, so the
+    first columns see none), ``segment`` tokens at a time (its in-chunk decay tensor grows with the tokens it
+    holds)."""
+    T, H, K = k.shape
+    V = v.shape[-1]
+    ct = torch.promote_types(k.dtype, torch.float32)
+    start = torch.cat([torch.eye(K, dtype=ct, device=k.device).expand(H, K, K),
+                       torch.zeros(H, K, V, dtype=ct, device=k.device)], -1)
+    out = []
+    for bos, eos in zip(cu_seqlens, cu_seqlens[1:]):
+        s = start.clone()
+        for a in range(bos, eos, segment):
+            e = min(a + segment, eos)
+            kn = l2norm_ref(k[a:e].to(ct))
+            vv = torch.cat([torch.zeros_like(kn), v[a:e].to(ct)], -1)
+            _, s = kda_chunk_one_ref(kn, kn, vv, g[a:e].to(ct), beta[a:e].to(ct), s)
+        out.append(s)
+    both = torch.stack(out) if out else torch.empty(0, H, K, K + V, dtype=ct, device=k.device)
+    return both[..., :K], both[..., K:]
+
+
 def kda_transition_ref(
     k: torch.Tensor,  # [T, H, K] not yet normalised
     g: torch.Tensor,  # [T, H, K] log-decay
@@ -84,20 +114,8 @@ def kda_transition_ref(
     cu_seqlens: list[int],  # B + 1
     segment: int = 1024,
 ) -> torch.Tensor:  # [B, H, K, K] in float32, or float64 where k is
-    """Each sequence's transition map ``M`` (``S_out = M S_in + H``): the chunked reference run from the identity
-    with ``v = 0``, ``segment`` tokens at a time (its in-chunk decay tensor grows with the tokens it holds)."""
-    T, H, K = k.shape
-    ct = torch.promote_types(k.dtype, torch.float32)
-    eye = torch.eye(K, dtype=ct, device=k.device).expand(H, K, K)
-    out = []
-    for bos, eos in zip(cu_seqlens, cu_seqlens[1:]):
-        m = eye.clone()
-        for s in range(bos, eos, segment):
-            e = min(s + segment, eos)
-            kn = l2norm_ref(k[s:e].to(ct))
-            _, m = kda_chunk_one_ref(kn, kn, torch.zeros_like(kn), g[s:e].to(ct), beta[s:e].to(ct), m)
-        out.append(m)
-    return torch.stack(out) if out else torch.empty(0, H, K, K, dtype=ct, device=k.device)
+    """Each sequence's transition map ``M`` alone (``kda_summary_ref`` without values)."""
+    return kda_summary_ref(k, k[..., :0], g, beta, cu_seqlens, segment)[0]
 
 
 def kda_prefill_ref(
