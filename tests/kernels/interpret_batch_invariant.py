@@ -1,7 +1,7 @@
 """The batch-invariant GEMM and deterministic mode under Triton's CPU interpreter: the GEMM against float64 at
 small, odd sizes with its output poisoned before the run, and its rows the same bits whatever M is (the
 interpreter's bf16 products are not exact: bf16 runs live in the GPU tests). Collected only through
-``test_batch_invariant_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
+``test_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
 
 import pytest
 import torch

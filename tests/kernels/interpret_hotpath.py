@@ -1,5 +1,5 @@
 """The hot-path Triton kernels (norms, mHC, MoE, DSA indexer, sparse MLA) run by Triton's CPU interpreter at
-small, odd sizes against float64 references. Collected only through ``test_hotpath_interpret.py``, which
+small, odd sizes against float64 references. Collected only through ``test_interpret.py``, which
 runs this file in a subprocess with ``TRITON_INTERPRET=1``. (The interpreter's bf16 matrix product is not
 exact, so bf16 runs live in the GPU tests.)"""
 

@@ -1,5 +1,5 @@
 """The KDA and conv Triton kernels run by Triton's CPU interpreter at small sizes. Collected only through
-``test_kda_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1`` (the variable
+``test_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1`` (the variable
 must be set before Triton compiles anything, and must not leak into the rest of the suite)."""
 
 import pytest

@@ -1,5 +1,5 @@
 """The quantized kernels run by Triton's CPU interpreter at small, odd sizes against float64 references of the same
-quantized arithmetic. Collected only through ``test_quant_interpret.py``, which runs this file in a subprocess
+quantized arithmetic. Collected only through ``test_interpret.py``, which runs this file in a subprocess
 with ``TRITON_INTERPRET=1``. The interpreter runs int8 and e4m3 ``tl.dot`` exactly (numpy products), so the fp8
 kernels are tested here too; its float -> e4m3 conversion mis-rounds at exponent carries (see
 ``flashinfra.kernels.quant.check_cases.quant_act``), which the GPU tests check bit for bit."""

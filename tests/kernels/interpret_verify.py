@@ -1,5 +1,5 @@
 """The ReplaySSM verify kernel run by Triton's CPU interpreter at small sizes. Collected only through
-``test_verify_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
+``test_interpret.py``, which runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
 
 import pytest
 import torch

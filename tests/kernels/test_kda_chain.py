@@ -1,12 +1,8 @@
 """The KDA transition map on the CPU: its float64 reference is the product of the token factors; the float32
 chain (maps and final states of the segments, folded) against the float64 truth, for slow decay and at the -5
-gate bound; the Triton kernels under the CPU interpreter (``interpret_kda_chain.py``, in a subprocess): the map
-against float64, and the chained segments on the kernel path against one pass."""
+gate bound; the Triton kernels run under the CPU interpreter in ``interpret_kda_chain.py`` (``test_interpret.py``): the
+map against float64, and the chained segments on the kernel path against one pass."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +12,6 @@ from flashinfra.kernels.kda.ref import (kda_chunk_one_ref, kda_prefill_ref, kda_
 from flashinfra.parallel.context import fold
 from tests.kernels import kda_chain_cases as cases
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -70,11 +65,3 @@ def test_chain_fold_matches_float64(decay):
     kn = l2norm_ref(k.double())
     _, want = kda_chunk_one_ref(kn, kn, v.double(), g.double(), beta.double(), s0.double())
     assert cases.rel_error(got, want) < 1e-6, decay  # one float32 pass: 1.4e-7 (slow), 2e-6 (bound)
-
-
-def test_chain_kernel_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", FLASHINFRA_REFERENCE="0", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           str(Path(__file__).with_name("interpret_kda_chain.py"))]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
