@@ -32,8 +32,7 @@ import torch
 import zmq
 
 from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, TensorDesc, check_compatible, fingerprint
-from flashinfra.disagg.transport import (HANDSHAKE_TIMEOUT_S, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, _close,
-                                         _disconnected, _Waker)
+from flashinfra.disagg.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, _close, _disconnected, _Waker, connect_peer
 from flashinfra.engine.sched.messages import MultiModalItem
 
 
@@ -194,23 +193,8 @@ class EncodeClient:
             self._wake_owner()
 
     def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(peer)
-        sock.send(_enc.encode(_Hello(self.layout)))
-        if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
-            _close(sock, monitor)
-            raise RuntimeError(f"no answer from the encode engine at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
-        reply = _to_client.decode(sock.recv())
-        if not isinstance(reply, _Reply) or not reply.ok:
-            _close(sock, monitor)
-            raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        return sock, monitor
+        return connect_peer(self._ctx, peer, _enc.encode(_Hello(self.layout)), _to_client.decode, _Reply,
+                            "the encode engine", poller, RuntimeError)
 
     def _rows(self, frame) -> torch.Tensor:
         raw = torch.from_numpy(np.frombuffer(frame.buffer, dtype=np.uint8).copy())

@@ -224,6 +224,30 @@ def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     sock.close(linger=0)
 
 
+def connect_peer(ctx: zmq.Context, peer: str, hello: bytes, read_reply: Callable[[bytes], object], reply_type: type,
+                 what: str, poller: zmq.Poller, error: type[Exception]) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to ``peer`` (``what`` names it in errors) that sent ``hello`` and got a ``reply_type`` with
+    ``ok`` back (else ``LayoutMismatch``; no answer: ``error``), and the monitor socket that reports its
+    disconnection, both registered with ``poller``. Heartbeats make a silent peer count as lost."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(peer)
+    sock.send(hello)
+    if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
+        _close(sock, monitor)
+        raise error(f"no answer from {what} at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
+    reply = read_reply(sock.recv())
+    if not isinstance(reply, reply_type) or not reply.ok:
+        _close(sock, monitor)
+        raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    return sock, monitor
+
+
 class StateSender:
     """Sends request states to decode engines from its own thread; ``poll`` gives (request id, error)."""
 
@@ -277,24 +301,8 @@ class StateSender:
             self._wake_owner()
 
     def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
-        """A handshaken DEALER to ``peer`` and the monitor socket that reports its disconnection."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(peer)
-        sock.send(_enc.encode(_Hello(self.layout)))
-        if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
-            _close(sock, monitor)
-            raise TransferError(f"no answer from the decode engine at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
-        reply = _to_sender.decode(sock.recv())
-        if not isinstance(reply, _Reply) or not reply.ok:
-            _close(sock, monitor)
-            raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        return sock, monitor
+        return connect_peer(self._ctx, peer, _enc.encode(_Hello(self.layout)), _to_sender.decode, _Reply,
+                            "the decode engine", poller, TransferError)
 
     def _loop(self) -> None:
         peers: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # peer -> (DEALER, its monitor)
