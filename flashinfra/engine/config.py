@@ -101,6 +101,9 @@ class LoadConfig:
         None, "per-layer latent cache dtypes over --kv-cache-dtype, e.g. first:bfloat16,last:bfloat16,7:fp8",
         metavar="SPEC")
     kda_state_dtype: str = option("float32", "KDA recurrent state dtype", choices=("float32", "bfloat16"))
+    load_format: str = option("auto", "auto: the checkpoint's weights; random: random weights drawn on the device "
+                                      "from config.json alone (each rank its own shard), for sizing and speed runs "
+                                      "without a download", choices=("auto", "random"))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -50,8 +50,15 @@ class EngineCore:
             path = Path(config.model) if config.model else default_model_dir()
             # a decode role never encodes: its prompts were computed by a prefill engine
             vision = config.enable_vision and config.role != "decode"
-            model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=vision,
-                                          quantization=config.quantization, cache_spec=CacheSpec.of(config))
+            if config.load_format == "random":
+                from flashinfra.config import load_config
+                from flashinfra.model.api import random_model
+
+                model = random_model(load_config(path), config.dtype, config.device, config.seed,
+                                     config.quantization, CacheSpec.of(config))
+            else:
+                model = flashinfra.load_model(path, dtype=config.dtype, device=config.device, vision=vision,
+                                              quantization=config.quantization, cache_spec=CacheSpec.of(config))
         self.config = config
         self.model = model
         text = model.config.text

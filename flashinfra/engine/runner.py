@@ -36,7 +36,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
     """Number of paged blocks: ``num_blocks`` if given, else what the memory budget holds after the
     ``max_num_seqs`` KDA slots, capped at what ``max_num_seqs`` sequences of ``max_model_len`` could use;
     ``per_block``: the bytes of one block on this rank (default: every MLA layer's, as one GPU holds them)."""
-    text = model.config.text
+    text = model.cache_text  # a tensor-parallel rank's slots hold its KDA heads only
     if per_block is None:
         per_block = ModelCache.bytes_per_block(text, config.block_size, model.dtype, model.latent_dtypes())
     per_slot = ModelCache.bytes_per_slot(text, model.dtype, model.cache_spec.state_dtype)

@@ -48,6 +48,11 @@ class LoadedModel:
     quantization: str = "none"  # the weights' mode: none, w8a8 or fp8 (flashinfra.quant)
     cache_spec: CacheSpec = CacheSpec()  # cache dtypes (flashinfra.quant.cache)
 
+    @property
+    def cache_text(self):
+        """The text config the cache is shaped by (a tensor-parallel rank's holds its KDA heads only)."""
+        return self.config.text
+
     def latent_dtypes(self) -> dict[int, torch.dtype]:
         return self.cache_spec.latent_dtypes(self.config.text.mla_layers, self.dtype)
 
@@ -85,17 +90,25 @@ class LoadedModel:
         return list(logits.split([len(p) for p in prompts]))
 
 
-def _build(path: Path, config: ModelConfig, source: TensorSource, dtype: str | torch.dtype,
-           device: str | torch.device, vision: bool = False, quantization: str = "auto",
-           cache_spec: CacheSpec | None = None) -> LoadedModel:
+def resolve_load(config: ModelConfig, source: TensorSource, dtype: str | torch.dtype, device: str | torch.device,
+                 quantization: str, cache_spec: CacheSpec | None) -> tuple[torch.dtype, torch.device, str, CacheSpec]:
+    """(dtype, device, weight mode, cache dtypes) a load runs with; a bad combination of the checkpoint's format,
+    the flags and the device is refused here, before any tensor is read."""
     from flashinfra.kernels.dispatch import use_triton
 
     torch_dtype, device = resolve_dtype(dtype), torch.device(device)
     qcfg = config.raw.get("quantization_config") or config.raw.get("text_config", {}).get("quantization_config") or {}
-    mode = resolve_mode(quantization, checkpoint_format(source.names(), qcfg), device)  # refused before any load
+    mode = resolve_mode(quantization, checkpoint_format(source.names(), qcfg), device)
     cache_spec = cache_spec or CacheSpec()
     cache_spec.check_device(device, device.type == "cuda" and use_triton(torch.empty(0, device=device)))
     cache_spec.latent_dtypes(config.text.mla_layers, torch_dtype)  # an override naming no MLA layer fails here
+    return torch_dtype, device, mode, cache_spec
+
+
+def _build(path: Path, config: ModelConfig, source: TensorSource, dtype: str | torch.dtype,
+           device: str | torch.device, vision: bool = False, quantization: str = "auto",
+           cache_spec: CacheSpec | None = None) -> LoadedModel:
+    torch_dtype, device, mode, cache_spec = resolve_load(config, source, dtype, device, quantization, cache_spec)
     with torch.device(device):
         model = Glm5NextModel(config.text, torch_dtype, config.has_lm_head)
     raw: dict | None = {} if mode != "none" else None

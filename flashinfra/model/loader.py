@@ -131,6 +131,20 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     return w.float() * s
 
 
+def read_tensor(reader: TensorSource, name: str, block: tuple[int, int]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, str] | None]:
+    """A checkpoint tensor, 8-bit ones (block-FP8, W8A8 int8) dequantized to float32; for those also their codes,
+    scale and scheme as stored."""
+    t = reader.get(name)
+    kind = reader.meta(name)[1]
+    if kind not in FP8_DTYPES and kind != "I8":
+        return t, None
+    scheme = "w8a8" if kind == "I8" else "fp8"
+    s = reader.get(w8a8_scale_name(name) if kind == "I8" else scale_name(name))
+    f = t.float() * s.float()[..., None] if kind == "I8" else dequantize_block_fp8(t, s, block)
+    return f, (t, s, scheme)
+
+
 @dataclass
 class LoadReport:
     loaded: int  # checkpoint tensors read into parameters
@@ -219,14 +233,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
             shown = reader.files[copy.name]
             bar.set_postfix_str(shown.name, refresh=False)
         dest = params[pname].data[copy.index] if copy.index else params[pname].data
-        t = reader.get(copy.name)
-        kind = reader.meta(copy.name)[1]
-        if kind in FP8_DTYPES or kind == "I8":
-            scheme = "w8a8" if kind == "I8" else "fp8"
-            s = reader.get(w8a8_scale_name(copy.name) if kind == "I8" else scale_name(copy.name))
-            if raw_quantized is not None:
-                raw_quantized.setdefault(pname, []).append(RawQuantized(copy.index, t, s, scheme))
-            t = t.float() * s.float()[..., None] if kind == "I8" else dequantize_block_fp8(t, s, block)
+        t, codes = read_tensor(reader, copy.name, block)
+        if codes is not None and raw_quantized is not None:
+            raw_quantized.setdefault(pname, []).append(RawQuantized(copy.index, *codes))
         dest.copy_(t.reshape(dest.shape))
         bar.update(1)
     bar.close()

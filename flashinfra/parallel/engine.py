@@ -28,6 +28,7 @@ import atexit
 import dataclasses
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def check_layout(config: EngineConfig) -> None:
     from flashinfra.config import load_config
     from flashinfra.parallel.launch import ranks_per_node
     from flashinfra.parallel.layout import make_layout
+    from flashinfra.parallel.plan import check_shards
+    from flashinfra.quant.cache import CacheSpec
 
     if config.enable_vision:
         raise ValueError("enable_vision is not supported with tensor/expert/context parallelism yet")
@@ -104,13 +107,15 @@ def check_layout(config: EngineConfig) -> None:
         raise ValueError(f"context_parallel_size {config.context_parallel_size} with tensor_parallel_size "
                          f"{config.tensor_parallel_size} / expert_parallel_size {config.expert_parallel_size}: "
                          "context parallelism runs over ranks that each hold the whole model (not combined yet)")
-    # a rank's shard is sliced from the checkpoint as stored: 8-bit weights and caches are not sliced yet
-    if config.quantization in ("w8a8", "fp8") or config.kv_cache_dtype in ("fp8", "int8") \
-            or config.kv_cache_dtype_layers or config.kda_state_dtype != "float32":
-        raise ValueError(f"quantization={config.quantization}, kv_cache_dtype={config.kv_cache_dtype}, "
-                         f"kda_state_dtype={config.kda_state_dtype} are not supported with tensor/expert "
-                         f"parallelism yet (use the defaults)")
-    make_layout(load_config(_model_dir(config)).text, config.tensor_parallel_size, config.expert_parallel_size, 0)
+    if config.context_parallel_size > 1 and (config.quantization in ("w8a8", "fp8") or config.load_format != "auto"
+                                             or CacheSpec.of(config) != CacheSpec()):
+        raise ValueError(f"context_parallel_size {config.context_parallel_size} with quantization="
+                         f"{config.quantization}, kv_cache_dtype={config.kv_cache_dtype}, kda_state_dtype="
+                         f"{config.kda_state_dtype}, load_format={config.load_format}: context-parallel ranks load "
+                         "the checkpoint whole and gather model-dtype latents (use the defaults)")
+    cfg = load_config(_model_dir(config))
+    layout = make_layout(cfg.text, config.tensor_parallel_size, config.expert_parallel_size, 0)
+    check_shards(cfg, layout, config.quantization)
     ranks_per_node(config)
 
 
@@ -120,7 +125,8 @@ def join_world(config: EngineConfig, launch: Launch):
     from flashinfra.config import load_config
     from flashinfra.parallel.groups import control_channel, init_distributed, make_comms
     from flashinfra.parallel.layout import make_layout
-    from flashinfra.parallel.load import load_shard
+    from flashinfra.parallel.load import load_shard, random_shard
+    from flashinfra.quant.cache import CacheSpec
 
     timeout = config.dist_timeout_s
     init_distributed(launch.rank, launch.world, launch.device, launch.init_method, timeout_s=timeout)
@@ -139,7 +145,11 @@ def join_world(config: EngineConfig, launch: Launch):
     layout = make_layout(load_config(path).text, config.tensor_parallel_size, config.expert_parallel_size,
                          launch.rank)
     comms = make_comms(layout, timeout)
-    return load_shard(path, layout, comms, config.dtype, launch.device), channel
+    if config.load_format == "random":
+        return random_shard(load_config(path), layout, comms, config.dtype, launch.device, config.seed,
+                            config.quantization, CacheSpec.of(config)), channel
+    return load_shard(path, layout, comms, config.dtype, launch.device, config.quantization,
+                      CacheSpec.of(config)), channel
 
 
 def _max_model_len(config: EngineConfig, model) -> int:
@@ -147,11 +157,17 @@ def _max_model_len(config: EngineConfig, model) -> int:
     return min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
 
 
-def _report_rank(rank: int, model) -> None:
+def _report_rank(rank: int, model, load_s: float) -> None:
     from flashinfra.parallel.shard import weight_bytes
 
-    print(f"flashinfra rank {rank}: {weight_bytes(model.model) / 2**30:.3f} GiB of weights, peak host memory "
-          f"{model.peak_host_bytes / 2**30:.3f} GiB while loading", file=sys.stderr, flush=True)
+    device = ""
+    if model.device.type == "cuda":
+        import torch
+
+        device = f", {torch.cuda.memory_allocated(model.device) / 2**30:.3f} GiB allocated on {model.device}"
+    print(f"flashinfra rank {rank}: {weight_bytes(model.model) / 2**30:.3f} GiB of weights ({model.quantization}) "
+          f"loaded in {load_s:.1f} s{device}, peak host memory {model.peak_host_bytes / 2**30:.3f} GiB while loading",
+          file=sys.stderr, flush=True)
 
 
 def _next_message(channel, rank: int) -> bytes:
@@ -171,8 +187,9 @@ def worker_main(config: EngineConfig, launch: Launch) -> None:
 
     config = config.resolved()
     try:
+        start = time.perf_counter()
         model, channel = join_world(config, launch)
-        _report_rank(launch.rank, model)
+        _report_rank(launch.rank, model, time.perf_counter() - start)
         if not (data := _next_message(channel, launch.rank)):
             return
         runner = ModelRunner(model, int(data.decode()), config.block_size, config.max_num_seqs, config.seed,
@@ -235,19 +252,23 @@ class ParallelEngineCore(EngineCore):
         check_layout(config)
         self.workers = start_workers(config, launch)
         try:
+            start = time.perf_counter()
             model, channel = watched(lambda: join_world(config, launch), self.workers,
                                      "a tensor-parallel rank was lost while the engine started")
             if launch.device.startswith("cuda"):  # the current device is per thread: joining set it on its own
                 import torch
 
                 torch.cuda.set_device(launch.device)
-            _report_rank(0, model)
+            _report_rank(0, model, time.perf_counter() - start)
             context = config.context_parallel_size > 1
             per_block = model.cache_bytes_per_block(config.block_size) if context else None
             num_blocks = size_cache(model, config, _max_model_len(config, model), per_block)
             if context:
                 print(f"flashinfra: {model.describe_cache(num_blocks, config.block_size)}", file=sys.stderr,
                       flush=True)
+            else:
+                print(f"flashinfra: {num_blocks} cache blocks of {config.block_size} tokens "
+                      f"({num_blocks * config.block_size} cache tokens) on every rank", file=sys.stderr, flush=True)
             channel.send(str(num_blocks).encode())
             # The warm-up's forward passes would run on rank 0 alone while the other ranks wait for plans.
             super().__init__(dataclasses.replace(config, num_blocks=num_blocks, startup_warmup=False), model=model,

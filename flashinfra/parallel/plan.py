@@ -1,19 +1,21 @@
-"""``flashinfra plan``: will this model fit on N GPUs with this TP/EP and weight dtype, and how much cache?
+"""``flashinfra plan``: will this model fit on N GPUs with this TP/EP, weight dtype and cache dtypes, and how
+much cache?
 
 The answer comes from the model itself: the full model is built on the ``meta`` device (no memory),
-sharded for rank 0 by the same ``shard_parameters`` the engine uses, and its parameters counted, so the
-per-rank bytes follow every sharding rule without a second copy of them. Weight dtypes:
+quantized by the engine's own ``quant.model.quantize_model`` and sharded for rank 0 by the same
+``shard_parameters`` the engine uses, and its weights counted, so the per-rank bytes follow every
+quantization and sharding rule without a second copy of them. Weight dtypes:
 
 - ``bf16``: every weight as the model declares it (bf16, float32 where the model keeps float32:
   router, conv, gates' biases, mHC scalars).
-- ``fp8``: every linear weight matrix (attention projections, indexer, dense MLPs, shared and routed
-  experts) in 1 byte plus one float32 scale per ``[128, 128]`` block (the released checkpoint's format);
-  the embedding, lm_head, router and mHC projections stay as in ``bf16``.
-- ``int8``: the same matrices in 1 byte plus one float32 scale per output row (W8A8, per channel).
+- ``fp8``: the projections ``quant.model.QUANTIZED`` names in e4m3 plus one float32 scale per
+  ``[128, 128]`` block (the released checkpoint's format); what the engine keeps in bf16 stays so.
+- ``int8``: the same projections in int8 plus one float32 scale per output row (W8A8, per channel).
 
-Cache per rank: the MLA latent and indexer keys are replicated on every rank (see ``shard.py``), so the
-tokens that fit do not grow with TP; the KDA state slots hold ``H / tp`` heads. The MTP block and the
-vision tower are not counted (neither is loaded by the text engine).
+Cache per rank, in the dtypes ``--kv-cache-dtype`` / ``--kda-state-dtype`` choose (``quant.cache``): the MLA
+latent and indexer keys are replicated on every rank (see ``shard.py``), so the tokens that fit do not grow
+with TP; the KDA state slots hold ``H / tp`` heads. The MTP block and the vision tower are not counted
+(neither is loaded by the text engine).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,11 +43,8 @@ GLM_5_3_FLASH = {  # the released config.json's text values (DESIGN.md), for siz
     },
 }
 PRESETS = {"glm-5.3-flash": GLM_5_3_FLASH}
-WEIGHT_DTYPES = ("bf16", "fp8", "int8")
+WEIGHT_DTYPES = {"bf16": "none", "fp8": "fp8", "int8": "w8a8"}  # --dtype -> the engine's weight mode
 GPU_MEMORY_BYTES = 141 * 10**9  # H200
-FP8_BLOCK = 128 * 128
-# parameters that stay unquantized in fp8/int8 (lookup tables, routing, mHC mixing)
-UNQUANTIZED = ("embed_tokens", "lm_head", "router_weight", "_hc.fn", "conv_weight")
 
 
 @dataclass
@@ -54,6 +53,8 @@ class RankPlan:
     tp: int
     ep: int
     weight_dtype: str
+    kv_cache_dtype: str
+    kda_state_dtype: str
     weight_bytes_per_rank: int
     sharded_bytes_per_rank: int
     replicated_bytes_per_rank: int
@@ -67,34 +68,48 @@ class RankPlan:
     reason: str
 
 
-def _param_bytes(name: str, p, weight_dtype: str) -> int:
-    if weight_dtype == "bf16" or p.dim() < 2 or any(u in name for u in UNQUANTIZED):
-        return p.numel() * p.element_size()
-    if weight_dtype == "fp8":
-        rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
-        return p.numel() + math.ceil(rows / 128) * math.ceil(cols / 128) * 4
-    return p.numel() + math.prod(p.shape[:-1]) * 4  # int8: one float32 scale per output row
+def shard_meta(cfg, layout, mode: str):
+    """(rank ``layout.rank``'s model on ``meta``, the whole model's weight bytes by name) in weight mode
+    ``mode`` (none, w8a8, fp8): quantized as the loader does, then sliced as the loader does. A split that
+    cuts FP8 blocks raises ``LayoutError`` naming the tensor."""
+    import torch
+
+    from flashinfra.model.glm5_next import Glm5NextModel
+    from flashinfra.parallel.collectives import ParallelComms
+    from flashinfra.parallel.shard import named_weight_bytes, shard_parameters
+    from flashinfra.quant.model import quantize_model
+
+    with torch.device("meta"):
+        model = Glm5NextModel(cfg.text, torch.bfloat16, cfg.has_lm_head)
+        if mode != "none":
+            quantize_model(model, mode)
+        full = named_weight_bytes(model)
+        shard_parameters(model, layout, ParallelComms.local())
+    return model, full
 
 
-def _model_bytes(model, weight_dtype: str) -> int:
-    return sum(_param_bytes(n, p, weight_dtype) for n, p in model.named_parameters())
+def check_shards(cfg, layout, quantization: str) -> None:
+    """Refuse, before any rank starts, an FP8 layout whose slices would cut 128 x 128 blocks (the other modes
+    slice at any row or column)."""
+    if quantization == "fp8" and layout.world > 1:
+        shard_meta(cfg, layout, "fp8")
 
 
 def plan(raw_config: dict, gpus: int, tp: int | None = None, ep: int | None = None, weight_dtype: str = "bf16",
          gpu_memory: int = GPU_MEMORY_BYTES, memory_fraction: float = 0.9, reserve: int = 8 * 2**30,
-         max_num_seqs: int = 64, min_cache_tokens: int = 65536) -> RankPlan:
+         max_num_seqs: int = 64, min_cache_tokens: int = 65536, kv_cache_dtype: str = "auto",
+         kda_state_dtype: str = "float32") -> RankPlan:
     """Size one rank (all ranks hold the same bytes) of ``gpus`` GPUs; ``tp`` defaults to ``gpus``, ``ep``
     to ``tp``. ``usable`` = ``gpu_memory * memory_fraction - reserve`` (activations, graphs, workspace);
     the configuration fits when weights, ``max_num_seqs`` KDA slots and ``min_cache_tokens`` of paged
-    cache fit in it."""
+    cache fit in it. The model dtype is bf16; ``kv_cache_dtype`` / ``kda_state_dtype`` as the engine's flags."""
     import torch
 
     from flashinfra.config import resolve_config
     from flashinfra.model.cache import ModelCache
-    from flashinfra.model.glm5_next import Glm5NextModel
-    from flashinfra.parallel.collectives import ParallelComms
     from flashinfra.parallel.layout import make_layout, world_size
-    from flashinfra.parallel.shard import shard_parameters
+    from flashinfra.parallel.shard import named_weight_bytes
+    from flashinfra.quant.cache import CacheSpec
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
@@ -103,20 +118,18 @@ def plan(raw_config: dict, gpus: int, tp: int | None = None, ep: int | None = No
     if world_size(tp, ep) != gpus:
         raise ValueError(f"--tp {tp} and --ep {ep} run on max(tp, ep) = {world_size(tp, ep)} GPUs, not --gpus {gpus}")
     cfg = resolve_config(raw_config)
+    spec = CacheSpec(kv_cache_dtype, kda_state_dtype)
     layout = make_layout(cfg.text, tp, ep, 0)
-    with torch.device("meta"):
-        model = Glm5NextModel(cfg.text, torch.bfloat16, cfg.has_lm_head)
-        total = _model_bytes(model, weight_dtype)
-        full = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
-        shard_parameters(model, layout, ParallelComms.local())
-        local = {n: _param_bytes(n, p, weight_dtype) for n, p in model.named_parameters()}
-    # a parameter is replicated when this rank holds all of it (same name, same bytes)
+    model, full = shard_meta(cfg, layout, WEIGHT_DTYPES[weight_dtype])
+    local = named_weight_bytes(model)
+    total = sum(full.values())
+    # a weight is replicated when this rank holds all of it (same name, same bytes)
     replicated = sum(b for n, b in local.items() if full.get(n) == b)
     per_rank = sum(local.values())
     text = cfg.text
     local_text = dataclasses.replace(text, linear_num_heads=text.linear_num_heads // tp)
-    per_slot = ModelCache.bytes_per_slot(local_text, torch.bfloat16)
-    per_token = ModelCache.bytes_per_block(text, 1, torch.bfloat16)
+    per_slot = ModelCache.bytes_per_slot(local_text, torch.bfloat16, spec.state_dtype)
+    per_token = ModelCache.bytes_per_block(text, 1, torch.bfloat16, spec.latent_dtypes(text.mla_layers, torch.bfloat16))
     usable = int(gpu_memory * memory_fraction) - reserve
     left = usable - per_rank - max_num_seqs * per_slot
     tokens = max(0, left // per_token)
@@ -125,8 +138,31 @@ def plan(raw_config: dict, gpus: int, tp: int | None = None, ep: int | None = No
     reason = (f"{per_rank / gib:.1f} GiB weights + {max_num_seqs} KDA slots x {per_slot / 2**20:.1f} MiB leave "
               f"{max(left, 0) / gib:.1f} GiB of {usable / gib:.1f} GiB usable: {tokens} cache tokens"
               + ("" if fits else f", fewer than the {min_cache_tokens} needed"))
-    return RankPlan(gpus, tp, ep, weight_dtype, per_rank, per_rank - replicated, replicated, total, per_slot,
-                    per_token, max_num_seqs, usable, int(tokens), fits, reason)
+    return RankPlan(gpus, tp, ep, weight_dtype, kv_cache_dtype, kda_state_dtype, per_rank, per_rank - replicated,
+                    replicated, total, per_slot, per_token, max_num_seqs, usable, int(tokens), fits, reason)
+
+
+def write_model_dir(raw_config: dict, path: str | Path) -> Path:
+    """A model directory without weights for ``--load-format random``: ``raw_config`` as ``config.json`` with the
+    built-in model's tokenizer, generation defaults and special token ids (they lie in any larger vocabulary)."""
+    import shutil
+
+    from flashinfra.model.factory import default_model_dir
+
+    src, path = default_model_dir(), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ours = json.loads((src / "config.json").read_text())
+    ours = ours.get("text_config", ours)
+    raw = json.loads(json.dumps(raw_config))
+    text = raw.get("text_config", raw)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if key in ours:
+            text.setdefault(key, ours[key])
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and f.suffix != ".safetensors":
+            shutil.copy2(f, path / f.name)
+    return path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -142,7 +178,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_BYTES / 1e9,
                    help="memory of one GPU in GB (default: 141, an H200)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="KDA state slots to hold (default: 64)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8", "int8"), default="auto",
+                   help="MLA latent cache dtype, as the engine's flag (default: auto, the bf16 model dtype)")
+    p.add_argument("--kda-state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="KDA recurrent state dtype (default: float32)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--write-model-dir", metavar="DIR",
+                   help="also write the config with the built-in tokenizer to DIR, a model to serve with "
+                        "--load-format random (no weights downloaded)")
     p.set_defaults(func=run)
 
 
@@ -152,14 +195,19 @@ def run(args: argparse.Namespace) -> int:
     raw = PRESETS[args.preset] if args.preset else json.loads((Path(args.model) / "config.json").read_text())
     try:
         r = plan(raw, args.gpus, args.tp, args.ep, args.dtype, int(args.gpu_memory_gb * 1e9),
-                 max_num_seqs=args.max_num_seqs)
+                 max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
+                 kda_state_dtype=args.kda_state_dtype)
     except (LayoutError, ValueError) as e:
         raise SystemExit(f"plan: {e}") from None
+    if args.write_model_dir:
+        print(f"model directory for --load-format random: {write_model_dir(raw, args.write_model_dir)}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(asdict(r), indent=2))
         return 0 if r.fits else 1
     gib = 2**30
-    print(f"{r.gpus} GPUs, tp={r.tp} ep={r.ep}, weights {r.weight_dtype}: "
+    print(f"{r.gpus} GPUs, tp={r.tp} ep={r.ep}, weights {r.weight_dtype}, latent cache {r.kv_cache_dtype}, "
+          f"KDA state {r.kda_state_dtype}: "
           f"{'FITS' if r.fits else 'DOES NOT FIT'}")
     print(f"  weights per rank   {r.weight_bytes_per_rank / gib:8.2f} GiB "
           f"(sharded {r.sharded_bytes_per_rank / gib:.2f}, replicated {r.replicated_bytes_per_rank / gib:.2f}; "

@@ -60,7 +60,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.fused_moe import fused_moe
 from flashinfra.kernels.moe_route import route
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
@@ -69,75 +68,109 @@ from flashinfra.model.kda import KDAttention
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import DenseMLP, MoE
 from flashinfra.parallel.collectives import Comm, ParallelComms
-from flashinfra.parallel.layout import ParallelLayout
+from flashinfra.parallel.layout import LayoutError, ParallelLayout
+from flashinfra.quant.linear import moe_experts
+from flashinfra.quant.model import quantized_weights, shared_is_stacked
+from flashinfra.quant.slicing import BlockSplitError, Weight, cat_rows, owned, take_cols, take_experts, take_rows
+from flashinfra.quant.weights import QuantizedWeight
 
 
-def _set(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
-    if value is not None:
-        setattr(module, name, nn.Parameter(value.contiguous().clone(), requires_grad=False))
+def _set(module: nn.Module, name: str, value: Weight | None) -> None:
+    """Replace a weight by its rank's slice, in storage of its own; a ``QuantizedWeight`` stays a plain
+    attribute (it holds 8-bit storage and scales, as ``quant.model`` put it)."""
+    if value is None:
+        return
+    if isinstance(value, QuantizedWeight):
+        module._parameters.pop(name, None)
+        object.__setattr__(module, name, owned(value))
+    else:
+        setattr(module, name, nn.Parameter(owned(value), requires_grad=False))
 
 
-def _head_rows(w: torch.Tensor, heads: slice, width: int) -> torch.Tensor:
+def _head_rows(w: Weight, heads: slice, width: int, name: str) -> Weight:
     """Rows of heads ``heads`` from ``w`` whose rows are ``H`` blocks of ``width``."""
-    return w[heads.start * width : heads.stop * width]
+    return take_rows(w, slice(heads.start * width, heads.stop * width), name)
 
 
-def _shard_kda(m: KDAttention, layout: ParallelLayout) -> None:
+def _rows_split(w: Weight, sizes: list[int], name: str) -> list[Weight]:
+    """``w``'s rows as consecutive pieces of ``sizes`` rows."""
+    out, r = [], 0
+    for n in sizes:
+        out.append(take_rows(w, slice(r, r + n), name))
+        r += n
+    return out
+
+
+def _shard_kda(m: KDAttention, layout: ParallelLayout, name: str) -> None:
     H, K = m.H, m.K
     heads = layout.rows(H)
     HK = H * K
-    q, k, v, f_a, g_a, b = m.in_proj.split([HK, HK, HK, K, K, H])
-    _set(m, "in_proj", torch.cat([_head_rows(q, heads, K), _head_rows(k, heads, K), _head_rows(v, heads, K),
-                                  f_a, g_a, b[heads]]))
-    _set(m, "conv_weight", torch.cat([_head_rows(c, heads, K) for c in m.conv_weight.split(HK)]))
-    for name in ("f_b_proj", "g_b_proj", "dt_bias"):
-        _set(m, name, _head_rows(getattr(m, name), heads, K))
+    w = f"{name}.in_proj"
+    q, k, v, gates, b = _rows_split(m.in_proj, [HK, HK, HK, 2 * K, H], w)  # gates: f_a | g_a, kept whole
+    _set(m, "in_proj", cat_rows([_head_rows(q, heads, K, w + " (q rows)"), _head_rows(k, heads, K, w + " (k rows)"),
+                                 _head_rows(v, heads, K, w + " (v rows)"), gates,
+                                 _head_rows(b, heads, 1, w + " (beta rows)")], w))
+    _set(m, "conv_weight", torch.cat([c[heads.start * K : heads.stop * K] for c in m.conv_weight.split(HK)]))
+    for pname in ("f_b_proj", "g_b_proj", "dt_bias"):
+        _set(m, pname, _head_rows(getattr(m, pname), heads, K, f"{name}.{pname}"))
     _set(m, "A_log", m.A_log[heads])
-    _set(m, "o_proj", m.o_proj[:, heads.start * K : heads.stop * K])
+    _set(m, "o_proj", take_cols(m.o_proj, slice(heads.start * K, heads.stop * K), f"{name}.o_proj"))
     m.H = H // layout.tp
     m.splits = [3 * m.H * K, K, K, m.H]
 
 
-def _shard_mla(m: MLAttention, layout: ParallelLayout) -> None:
+def _shard_mla(m: MLAttention, layout: ParallelLayout, name: str) -> None:
     heads = layout.rows(m.H)
-    _set(m, "q_b_proj", _head_rows(m.q_b_proj, heads, m.Dq))
-    _set(m, "kv_b_proj", _head_rows(m.kv_b_proj, heads, m.Dq + m.Dv))
-    _set(m, "o_proj", m.o_proj[:, heads.start * m.Dv : heads.stop * m.Dv])
+    _set(m, "q_b_proj", _head_rows(m.q_b_proj, heads, m.Dq, f"{name}.q_b_proj"))
+    _set(m, "kv_b_proj", _head_rows(m.kv_b_proj, heads, m.Dq + m.Dv, f"{name}.kv_b_proj"))
+    _set(m, "o_proj", take_cols(m.o_proj, slice(heads.start * m.Dv, heads.stop * m.Dv), f"{name}.o_proj"))
     if m.o_bias is not None and layout.tp_rank != 0:  # the bias is added once, by the group's first rank
         _set(m, "o_bias", torch.zeros_like(m.o_bias))
     m.H = m.H // layout.tp
 
 
-def _split_swiglu(gate_up: torch.Tensor, down: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_swiglu(gate_up: Weight, down: Weight, cols: slice, name: str) -> tuple[Weight, Weight]:
     """gate|up ``[..., 2I, D]`` and down ``[..., D, I]`` -> the intermediate slice ``cols`` of both."""
-    gate, up = gate_up.chunk(2, dim=-2)
-    return torch.cat([gate[..., cols, :], up[..., cols, :]], dim=-2), down[..., cols]
+    I = down.shape[-1]
+    gate, up = _rows_split(gate_up, [I, I], f"{name} gate|up")
+    gu = cat_rows([take_rows(gate, cols, f"{name} gate rows"), take_rows(up, cols, f"{name} up rows")],
+                  f"{name} gate|up")
+    return gu, take_cols(down, cols, f"{name} down columns")
 
 
-def _shard_dense(m: DenseMLP, cols: slice) -> None:
-    gu, d = _split_swiglu(m.gate_up_proj, m.down_proj, cols)
+def _shard_dense(m: DenseMLP, cols: slice, name: str) -> None:
+    gu, d = _split_swiglu(m.gate_up_proj, m.down_proj, cols, name)
     _set(m, "gate_up_proj", gu)
     _set(m, "down_proj", d)
 
 
 class ShardedMoE(nn.Module):
     """One rank's part of a ``MoE`` in its MoE group; its output is a partial sum (the caller all-reduces
-    it over the group)."""
+    it over the group). The MoE may hold every expert or, as ``load.py`` builds it, only this rank's; and
+    float or quantized weights, its shared expert stacked after the routed ones (``quant.model``) or not."""
 
-    def __init__(self, moe: MoE, layout: ParallelLayout):
+    def __init__(self, moe: MoE, layout: ParallelLayout, name: str = "mlp"):
         super().__init__()
         self.cfg = moe.cfg
-        E = moe.w13.shape[0]
+        E = moe.router_weight.shape[0]
         self.router_weight, self.router_bias = moe.router_weight, moe.router_bias
         experts = layout.experts(E)
         self.first_expert, self.num_local = experts.start, experts.stop - experts.start
-        w13, w2 = moe.w13[experts], moe.w2[experts]
+        w13, w2 = moe.w13, moe.w2
+        s13, s2 = moe.shared.gate_up_proj, moe.shared.down_proj
+        if shared_is_stacked(w13, s13):  # the routed experts alone; the shared expert is sliced on its own
+            w13, w2 = take_experts(w13, slice(0, w13.shape[0] - 1)), take_experts(w2, slice(0, w2.shape[0] - 1))
+        if w13.shape[0] == E and self.num_local != E:
+            w13, w2 = take_experts(w13, experts), take_experts(w2, experts)
         if layout.ep == 1:
-            w13, w2 = _split_swiglu(w13, w2, layout.moe_rows(w2.shape[-1]))
+            w13, w2 = _split_swiglu(w13, w2, layout.moe_rows(w2.shape[-1]), f"{name}.experts")
+        s13, s2 = _split_swiglu(s13, s2, layout.moe_rows(s2.shape[-1]), f"{name}.shared_experts")
         _set(self, "w13", w13)
         _set(self, "w2", w2)
+        # of the routed experts' shape (TP), the shared expert runs in their launches (``quant.linear``)
         self.shared = moe.shared
-        _shard_dense(self.shared, layout.moe_rows(self.shared.down_proj.shape[-1]))
+        _set(self.shared, "gate_up_proj", s13)
+        _set(self.shared, "down_proj", s2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -148,8 +181,8 @@ class ShardedMoE(nn.Module):
         # pairs owned by another rank: weight 0 on a valid local expert, so shapes stay static (graphs)
         w = torch.where(mine, w, torch.zeros_like(w))
         local = torch.where(mine, local, torch.zeros_like(local))
-        return fused_moe(x, self.w13, self.w2, w, local, c.swiglu_limit, self.shared.gate_up_proj,
-                         self.shared.down_proj)
+        return moe_experts(x, self.w13, self.w2, w, local, c.swiglu_limit, self.shared.gate_up_proj,
+                           self.shared.down_proj)
 
 
 def _reduce_output(comm: Comm):
@@ -173,16 +206,21 @@ def shard_parameters(model: nn.Module, layout: ParallelLayout, comms: ParallelCo
 def shard_layer(layer: nn.Module, layout: ParallelLayout, comms: ParallelComms) -> None:
     """Slice one ``DecoderLayer`` in place and register its all-reduces (one per sub-block split over more
     than one rank)."""
-    if layout.tp > 1:
-        (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout)
-        layer.attn.register_forward_hook(_reduce_output(comms.tp))
-    if isinstance(layer.mlp, MoE):
-        if layout.moe_size > 1:
-            layer.mlp = ShardedMoE(layer.mlp, layout)
-            layer.mlp.register_forward_hook(_reduce_output(comms.moe))
-    elif layout.tp > 1:
-        _shard_dense(layer.mlp, layout.rows(layer.mlp.down_proj.shape[-1]))
-        layer.mlp.register_forward_hook(_reduce_output(comms.tp))
+    name = f"layers.{layer.attn.layer}"
+    try:
+        if layout.tp > 1:
+            (_shard_kda if layer.is_kda else _shard_mla)(layer.attn, layout, f"{name}.attn")
+            layer.attn.register_forward_hook(_reduce_output(comms.tp))
+        if isinstance(layer.mlp, MoE):
+            if layout.moe_size > 1:
+                layer.mlp = ShardedMoE(layer.mlp, layout, f"{name}.mlp")
+                layer.mlp.register_forward_hook(_reduce_output(comms.moe))
+        elif layout.tp > 1:
+            _shard_dense(layer.mlp, layout.rows(layer.mlp.down_proj.shape[-1]), f"{name}.mlp")
+            layer.mlp.register_forward_hook(_reduce_output(comms.tp))
+    except BlockSplitError as e:
+        raise LayoutError(f"cannot shard FP8 weights over tensor_parallel_size={layout.tp}, "
+                          f"expert_parallel_size={layout.ep}: {e}") from None
 
 
 class ShardedModel:
@@ -199,14 +237,14 @@ class ShardedModel:
         self.model = loaded.model
         self.vocab = layout.rows(loaded.config.text.vocab_size)
         # the cache of one rank: its KDA heads only; MLA latent and indexer keys whole (see module doc)
-        self.local_text: TextConfig = dataclasses.replace(
+        self.cache_text: TextConfig = dataclasses.replace(
             loaded.config.text, linear_num_heads=loaded.config.text.linear_num_heads // layout.tp)
 
     def latent_dtypes(self) -> dict[int, torch.dtype]:
         return self.cache_spec.latent_dtypes(self.config.text.mla_layers, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, num_slots: int) -> ModelCache:
-        return ModelCache.allocate(self.local_text, num_blocks, block_size, num_slots, self.dtype, self.device,
+        return ModelCache.allocate(self.cache_text, num_blocks, block_size, num_slots, self.dtype, self.device,
                                    self.cache_spec.state_dtype, self.latent_dtypes())
 
     @torch.inference_mode()
@@ -232,8 +270,20 @@ class ShardedModel:
         return LoadedModel.logits(self, prompts, block_size)  # same packing; our forward and cache
 
 
+def named_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of every weight of ``model`` by name: its parameters and its 8-bit weights (codes and scales; a
+    shared expert stacked with the routed experts counted once, with them)."""
+    out = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    stacked = set()
+    for m in model.modules():
+        if hasattr(m, "w13") and hasattr(m, "shared") and shared_is_stacked(m.w13, m.shared.gate_up_proj):
+            stacked |= {id(m.shared.gate_up_proj), id(m.shared.down_proj)}
+    out.update({n: w.nbytes() for n, w in quantized_weights(model).items() if id(w) not in stacked})
+    return out
+
+
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(named_weight_bytes(model).values())
 
 
 def shard_loaded(loaded: LoadedModel, layout: ParallelLayout, comms: ParallelComms) -> ShardedModel | LoadedModel:

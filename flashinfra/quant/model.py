@@ -185,12 +185,19 @@ def _quantize_moe(moe: nn.Module, scheme: str, raw: dict, prefix: str) -> int:
     return 4
 
 
+def shared_is_stacked(w13, shared_w13) -> bool:
+    """The shared expert's weights are views of the routed weights' last expert, as ``_quantize_moe`` stacks
+    them (the view's base, not its address: tensors on the meta device, for sizing, all have address 0)."""
+    return (isinstance(w13, QuantizedWeight) and isinstance(shared_w13, QuantizedWeight)
+            and shared_w13.data.dim() == 2 and shared_w13.data._base is w13.data
+            and shared_w13.data.storage_offset() == w13.data[-1].storage_offset())
+
+
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
     """Every ``QuantizedWeight`` of ``model`` by its parameter name (a stacked shared expert included)."""
     out = {}
     for mname, module in model.named_modules():
-        for name in QUANTIZED.get(type(module).__name__, ()):
-            v = getattr(module, name, None)
+        for name, v in vars(module).items():
             if isinstance(v, QuantizedWeight):
                 out[f"{mname}.{name}" if mname else name] = v
     return out

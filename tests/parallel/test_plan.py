@@ -45,3 +45,20 @@ def test_expert_parallel_over_more_ranks_than_tensor_parallel():
     assert full.weight_bytes_per_rank < wide.weight_bytes_per_rank < 1.5 * full.weight_bytes_per_rank
     with pytest.raises(ValueError, match=r"run on max\(tp, ep\) = 8 GPUs, not --gpus 4"):
         plan(GLM_5_3_FLASH, 4, tp=2, ep=8)
+
+
+def test_8bit_caches_and_fp8_splits_of_the_full_model(tmp_path):
+    from flashinfra.config import load_config
+    from flashinfra.parallel.plan import write_model_dir
+
+    base = plan(GLM_5_3_FLASH, 8, weight_dtype="fp8")
+    small = plan(GLM_5_3_FLASH, 8, weight_dtype="fp8", kv_cache_dtype="fp8", kda_state_dtype="bfloat16")
+    assert small.weight_bytes_per_rank == base.weight_bytes_per_rank
+    assert small.cache_bytes_per_token < 0.55 * base.cache_bytes_per_token  # e4m3 latent and indexer keys + scales
+    assert small.kda_state_bytes_per_seq < 0.55 * base.kda_state_bytes_per_seq
+    assert small.cache_tokens > 1.9 * base.cache_tokens
+    # every FP8 slice whole 128 x 128 blocks at TP 8 (so at 2 and 4, unions of them), experts split or whole
+    assert plan(GLM_5_3_FLASH, 8, tp=8, ep=1, weight_dtype="fp8").fits
+    path = write_model_dir(GLM_5_3_FLASH, tmp_path / "glm")
+    text = load_config(path).text
+    assert text.num_hidden_layers == 45 and text.eos_token_id and (path / "tokenizer.json").is_file()
