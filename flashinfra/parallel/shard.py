@@ -48,7 +48,11 @@ logits. A group of one rank has no collective and no hook; on a world of one not
 
 ``shard_parameters`` / ``shard_layer`` are the one place that knows each slice: ``shard_loaded`` applies
 them to a model loaded whole (tests, one host with room), ``load.load_shard`` to one layer at a time
-as it reads the checkpoint, so no rank holds the whole model.
+as it reads the checkpoint, so no rank holds the whole model. 8-bit weights (``QuantizedWeight``) are
+sliced with the scales that cover them (``quant.slicing``): a rank's codes and scales are its slice of
+the one-rank quantization, and an FP8 split that would cut 128 x 128 blocks raises ``LayoutError`` naming
+the tensor. The caches follow the same split: the MLA latent (with its per-token scale where 8-bit) is
+whole on every rank, the KDA state slots hold the rank's heads in their float32 or bf16 dtype.
 """
 
 from __future__ import annotations
@@ -232,7 +236,7 @@ class ShardedModel:
         self.loaded, self.layout, self.comms = loaded, layout, comms
         self.config, self.dtype, self.device = loaded.config, loaded.dtype, loaded.device
         self.path, self.report = loaded.path, loaded.report
-        self.quantization, self.cache_spec = loaded.quantization, loaded.cache_spec  # bf16 weights and caches
+        self.quantization, self.cache_spec = loaded.quantization, loaded.cache_spec
         self.vision = None  # the vision tower's embeddings feed a vocab-split table: not sharded yet
         self.model = loaded.model
         self.vocab = layout.rows(loaded.config.text.vocab_size)

@@ -9,7 +9,9 @@ kernels.
   combinations (a checkpoint's format against ``--quantization``).
 - ``cache.py``: the cache dtypes (MLA latent in bf16 / fp8 / int8 with per-token scales, KDA state in fp32 or
   bf16, per-layer overrides), quantize-on-write and dequantize-on-read, and tokens per GiB.
-- ``checkpoint.py``: ``flashinfra quantize --w8a8 SRC DST``.
+- ``slicing.py``: a weight's rows, columns or experts with the scales that cover them: a tensor-parallel rank's
+  slice of the one-rank quantization (FP8 slices keep whole blocks or are refused).
+- ``checkpoint.py``: ``flashinfra quantize --w8a8|--fp8 SRC DST``.
 
 The arithmetic lives in the kernels: ``flashinfra.kernels.quant`` (``act``, ``gemm``) and, with
 the 8-bit formats as a constexpr of the op's one kernel, ``kernels.fused_moe``, ``kernels.sparse_mla`` and
