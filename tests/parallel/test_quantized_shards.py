@@ -105,10 +105,10 @@ def _cases(checkpoints) -> list:
     for tp, ep in LAYOUTS:
         cases += [((name, tp, ep), str(checkpoints[src]), q, spec, tp, ep) for name, src, q, spec in (
             ("fp8 checkpoint", "tiny_fp8", "fp8", CacheSpec("int8", "bfloat16")),
-            ("--quantization fp8", "tiny", "fp8", CacheSpec("fp8", "bfloat16")),
-            ("w8a8 checkpoint", "default_w8a8", "w8a8", CacheSpec()),
-            ("--quantization w8a8", "default", "w8a8", CacheSpec("int8")))]
-    cases.append((("random fp8", 2, 2), "random", "fp8", CacheSpec("fp8"), 2, 2))
+            ("--quantization fp8", "tiny", "fp8", CacheSpec("fp8", "bfloat16")))]
+    cases += [(("w8a8 checkpoint", 2, 2), str(checkpoints["default_w8a8"]), "w8a8", CacheSpec(), 2, 2),
+              (("--quantization w8a8", 2, 1), str(checkpoints["default"]), "w8a8", CacheSpec("int8"), 2, 1),
+              (("random fp8", 2, 2), "random", "fp8", CacheSpec("fp8"), 2, 2)]
     return cases
 
 
