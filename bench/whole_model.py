@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 

@@ -33,7 +33,7 @@ from flashinfra.server.chat_output import MarkerDecoder, ParsedChatFormatter
 from flashinfra.server.chat_request import prepare_chat
 from flashinfra.server.disagg import attach_transfer, install_disagg_routes
 from flashinfra.server.engine_client import ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, EngineLauncher
-from flashinfra.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
+from flashinfra.server.errors import APIError, error_body, error_response, install_error_handlers
 from flashinfra.server.formatting import CompletionFormatter, sse
 from flashinfra.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from flashinfra.server.metrics import ServerMetrics

@@ -9,7 +9,6 @@ import torch
 from flashinfra.model.api import load_model_from_state_dict
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.multimodal.encoder import MultiModalEmbedder
-from flashinfra.multimodal.pixels import patchify
 from flashinfra.multimodal.prompt import TokenIds
 from tests.model.hf_reference import TINY_VISION, _SPREAD, text_config
 
