@@ -58,8 +58,8 @@ def test_layer_split_needs_context_parallel_ranks():
 def test_size_cache_gives_a_rank_more_blocks(text):
     """The engine's sizing with the busiest rank's bytes per block (as ``ContextParallelModel`` reports them under
     Layer Split): the blocks grow by the ratio of the per-token bytes."""
-    model = SimpleNamespace(config=SimpleNamespace(text=text), dtype=torch.bfloat16, device=torch.device("cpu"),
-                            latent_dtypes=lambda: {}, cache_spec=CacheSpec())
+    model = SimpleNamespace(config=SimpleNamespace(text=text), cache_text=text, dtype=torch.bfloat16,
+                            device=torch.device("cpu"), latent_dtypes=lambda: {}, cache_spec=CacheSpec())
     config = EngineConfig(kv_cache_memory=4 * GIB, max_num_seqs=1, prefix_cache_slots=0)
     longest = 2**24
     full = size_cache(model, config, longest)
