@@ -33,7 +33,7 @@ def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split):
     one.engine.close()
     llm = flashinfra.LLM(ckpt, context_parallel_size=2, layer_split=layer_split, dist_timeout_s=60, **ENGINE)
     try:
-        comm = llm.engine.runner.comm  # plans go over the control group, uncounted: only split steps count
+        comm = llm.engine.runner.model.comm  # plans go over the control channel, uncounted: only split steps count
         got = [o.token_ids for o in llm.generate([prompts[0]], params)]  # alone: its prefill is split
         split_calls = comm.calls
         got += [o.token_ids for o in llm.generate([prompts[1]], params)]
