@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, TensorDesc, check_compatible, fingerprint
-from flashinfra.disagg.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, _close, _disconnected, _Waker, connect_peer
+from flashinfra.disagg.transport import _close, _disconnected, _Waker, bind_router, connect_peer
 from flashinfra.engine.sched.messages import MultiModalItem
 
 
@@ -89,12 +89,7 @@ class EncodeServer:
                  device: torch.device | str = "cpu") -> None:
         self.tower, self.layout, self.device = tower, layout, torch.device(device)
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sock, self.address = bind_router(self._ctx, address)
         self._waker = _Waker(self._ctx)
         self.num_encoded = 0
         self.num_failures = 0

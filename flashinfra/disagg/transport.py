@@ -123,12 +123,7 @@ class StateReceiver:
                  wake: Callable[[], None] | None = None):
         self.layout = layout
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sock, self.address = bind_router(self._ctx, address)
         self._wake_owner = wake
         self._waker = _Waker(self._ctx)
         self._arrivals: collections.deque[Arrival] = collections.deque()
@@ -222,6 +217,16 @@ def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     sock.disable_monitor()
     monitor.close(linger=0)
     sock.close(linger=0)
+
+
+def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
+    """The ROUTER that peers connect to (heartbeats on, so a silent peer counts as lost) and its address."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.bind(address)
+    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
 def connect_peer(ctx: zmq.Context, peer: str, hello: bytes, read_reply: Callable[[bytes], object], reply_type: type,
