@@ -15,9 +15,10 @@ by the accepted count. Together the committed conv window and the ring's raw inp
 Memory per request and layer: one state plus ``R`` ring entries, against ``1 + R`` state copies for the
 copy-per-draft baseline (``replay_bytes_per_slot`` / ``copy_bytes_per_slot``).
 
-The verify runs the fused Triton kernel where the dispatch allows it (``flashinfra.kernels.kda.verify``: the
-decode update looped over a sequence's tokens with the state in registers, never stored), else the PyTorch
-reference here; the fold is the reference's decode step on either path.
+The verify and the fold run fused Triton kernels where the dispatch allows it (``flashinfra.kernels.kda.verify``:
+the decode update looped over a sequence's tokens with the state in registers, never stored;
+``flashinfra.kernels.kda.fold``: the same update over the accepted ring entries, written back in place), else the
+PyTorch references here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda.conv import causal_conv1d_decode_ref
 from flashinfra.kernels.kda.ref import kda_decode_ref, kda_gate_ref
+from flashinfra.kernels.kda.fold import kda_fold_launch
 from flashinfra.kernels.kda.verify import kda_layer_verify_launch
 from flashinfra.kernels.norms import gated_rms_norm_ref
 
@@ -134,11 +136,22 @@ def kda_fold(ring: ReplayRing, conv_state: torch.Tensor, state: torch.Tensor, st
              num_accepted: list[int]) -> None:
     """Fold each slot's first ``num_accepted`` ring entries into its checkpoint: the decode step replayed
     (bit for bit what decode would have written), and the conv window shifted by the accepted count."""
+    if max(num_accepted, default=0) > ring.capacity:
+        raise ValueError(f"kda_fold: {max(num_accepted)} accepted tokens exceed the ring's {ring.capacity} entries")
+    if use_triton(state, conv_state, ring.k):
+        dev = state.device
+        kda_fold_launch(ring, conv_state, state, torch.tensor(state_slots, dtype=torch.int32, device=dev),
+                        torch.tensor(num_accepted, dtype=torch.int32, device=dev))
+        return
+    kda_fold_ref(ring, conv_state, state, state_slots, num_accepted)
+
+
+def kda_fold_ref(ring: ReplayRing, conv_state: torch.Tensor, state: torch.Tensor, state_slots: list[int],
+                 num_accepted: list[int]) -> None:
+    """The reference fold: ``kda_decode_ref``'s step per accepted entry, the window shifted by concatenation."""
     Wm1 = conv_state.shape[-1]
     zero = torch.zeros(1, dtype=torch.long, device=state.device)
     for slot, n in zip(state_slots, num_accepted):
-        if n > ring.capacity:
-            raise ValueError(f"kda_fold: {n} accepted tokens exceed the ring's {ring.capacity} entries")
         if n == 0:
             continue
         S = state[slot : slot + 1]
