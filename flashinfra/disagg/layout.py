@@ -14,6 +14,7 @@ state, the committed checkpoint when speculation is on) into contiguous per-tens
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -65,7 +66,8 @@ class LayoutMismatch(ValueError):
 Caches = ModelCache | tuple[ModelCache, ...]
 
 
-def _tensors(caches: Caches):
+def cache_tensors(caches: Caches):
+    """(kind, layer, tensor) of every described cache tensor, in the layout's order."""
     for cache in caches if isinstance(caches, tuple) else (caches,):
         for kind in PAGED + SLOTTED:
             for layer, t in sorted(getattr(cache, kind).items()):
@@ -79,7 +81,7 @@ def describe(cache: Caches, model_fingerprint: str, name: str = "engine") -> Cac
         block_size=(cache[0] if isinstance(cache, tuple) else cache).block_size,
         tensors=tuple(
             TensorDesc(kind, layer, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
-            for kind, layer, t in _tensors(cache)
+            for kind, layer, t in cache_tensors(cache)
         ),
     )
 
@@ -119,11 +121,36 @@ def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:
         )
 
 
+@dataclass(frozen=True)
+class RequestPages:
+    """Where one request's state lies in an engine's caches: its blocks and KDA slot. Calling it packs them
+    (``pack_request_state``); a transport that reads the cache in place (``disagg.mooncake``) takes the ids."""
+
+    caches: Caches
+    block_ids: list[int]
+    slot: int | None
+
+    def __call__(self) -> list[torch.Tensor]:
+        return pack_request_state(self.caches, self.block_ids, self.slot)
+
+
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, count)``: the pairing of ``src[i]`` with ``dst[i]`` cut into runs of ids
+    consecutive on both sides (one copy each)."""
+    runs: list[list[int]] = []
+    for a, b in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+    return [tuple(r) for r in runs]
+
+
 def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
     """Contiguous CPU byte buffers, one per layout tensor: pages gathered by ``block_ids``, then the slot."""
     idx = torch.tensor(block_ids, dtype=torch.long)
     out = []
-    for kind, _, t in _tensors(cache):
+    for kind, _, t in cache_tensors(cache):
         if kind in PAGED:
             part = t.index_select(0, idx.to(t.device))
         else:
@@ -135,7 +162,7 @@ def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) ->
 def unpack_request_state(cache: Caches, block_ids: list[int], slot: int | None,
                          buffers: list[torch.Tensor | bytes | memoryview]) -> None:
     """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot."""
-    items = list(_tensors(cache))
+    items = list(cache_tensors(cache))
     if len(buffers) != len(items):
         raise LayoutMismatch(f"{len(buffers)} buffers for {len(items)} described tensors")
     idx = torch.tensor(block_ids, dtype=torch.long)

@@ -28,15 +28,13 @@ Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its 
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
 import msgspec
 import torch
 
-from flashinfra.disagg.layout import (CacheLayout, RequestState, describe, fingerprint, pack_request_state,
-                                      token_hash, unpack_request_state)
+from flashinfra.disagg.layout import CacheLayout, RequestPages, RequestState, describe, fingerprint, token_hash
 from flashinfra.disagg.remote_encode import EncodedColocated, RemoteEncoding, error_output
 from flashinfra.disagg.transport import StateReceiver, StateSender, TransferError
 from flashinfra.disagg.wake import Wake
@@ -87,7 +85,7 @@ class Exporter:
         if config.transfer_backend == "mooncake":
             from flashinfra.disagg.mooncake import MooncakeSender
 
-            self.sender = MooncakeSender(self.layout, host=_host(config.transfer_address), **kw)
+            self.sender = MooncakeSender(self.layout, engine_caches(core), host=_host(config.transfer_address), **kw)
         else:
             self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
@@ -133,10 +131,9 @@ class Exporter:
                 first_logprob=out.logprobs[0] if out.logprobs else None,
                 hidden=b"" if hidden is None else bytes(hidden.cpu().view(torch.uint8).numpy()),
                 drafts=[] if spec is None else list(spec.drafts.get(req.request_id, [])))
-            pack = functools.partial(pack_request_state, engine_caches(self.core), list(req.block_ids),
-                                     req.state_slot)
+            pages = RequestPages(engine_caches(self.core), list(req.block_ids), req.state_slot)
             try:
-                self.sender.send(req.transfer.peer, state, pack)
+                self.sender.send(req.transfer.peer, state, pages)
             except TransferError as e:
                 sched.release_held(req.request_id)
                 self._num_failures += 1
@@ -185,7 +182,7 @@ class Importer:
         if config.transfer_backend == "mooncake":
             from flashinfra.disagg.mooncake import MooncakeReceiver
 
-            self.receiver = MooncakeReceiver(self.layout, config.transfer_address, self.wake,
+            self.receiver = MooncakeReceiver(self.layout, engine_caches(core), config.transfer_address, self.wake,
                                              host=_host(config.transfer_address))
         else:
             self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
@@ -268,7 +265,7 @@ class Importer:
         try:
             # finished already (the first token stopped it): its blocks are free, nothing to write
             if req.block_ids:
-                unpack_request_state(engine_caches(self.core), req.block_ids, req.state_slot, arrival.buffers)
+                self.receiver.write(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
             if runner.speculator is not None and state.hidden and not req.is_finished:
                 hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
                 runner.speculator.hidden[req.request_id] = hidden.view(runner.model.dtype).to(runner.device)

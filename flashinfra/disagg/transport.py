@@ -33,7 +33,8 @@ from typing import Callable
 import msgspec
 import zmq
 
-from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, RequestState, check_compatible
+from flashinfra.disagg.layout import (Caches, CacheLayout, LayoutMismatch, RequestState, check_compatible,
+                                      unpack_request_state)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 HEARTBEAT_IVL_MS = 1000  # a connection with no traffic for HEARTBEAT_TIMEOUT_MS counts as lost
@@ -50,9 +51,12 @@ class _Hello(msgspec.Struct, tag="hello"):
 
 class _Transfer(msgspec.Struct, tag="transfer"):
     state: RequestState
-    # buffers left in the sender's registered memory for the receiver to read (``disagg.mooncake``):
-    # (address, bytes) each, on the sender's transfer-engine session; empty: the buffers follow as frames
+    # the state left in the sender's registered cache for the receiver to read in place (``disagg.mooncake``):
+    # per layout tensor (base address, bytes per block or slot), the request's blocks and slot there, on the
+    # sender's transfer-engine session; empty: the buffers follow as frames
     remote: list[tuple[int, int]] = []
+    blocks: list[int] = []
+    slot: int | None = None
     session: str = ""
 
 
@@ -108,12 +112,14 @@ def _frame(buf) -> memoryview | bytes:
 
 
 class Arrival(msgspec.Struct):
-    """A request state received by a ``StateReceiver``; answer it with ``StateReceiver.ack``."""
+    """A request state received by a ``StateReceiver``: put it in the cache with ``StateReceiver.write``, then
+    answer it with ``StateReceiver.ack``."""
 
     peer: bytes
     state: RequestState
-    buffers: list
+    buffers: list  # the packed buffers (frames); empty when the bytes are still in the sender's cache
     time: float
+    source: _Transfer | None = None  # the header, which says where the sender's cache holds the state
 
 
 class StateReceiver:
@@ -176,22 +182,21 @@ class StateReceiver:
                     err = "no layout handshake on this connection (the decode engine restarted?)"
                     self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
                 else:
-                    try:
-                        buffers = self._buffers(msg, bufs)
-                    except Exception as e:  # noqa: BLE001 - this transfer fails, the others go on
-                        err = f"the decode engine could not receive the state: {type(e).__name__}: {e}"
+                    if msg.remote and not self.reads_in_place:
+                        err = ("the decode engine could not receive the state: the state was left in the sender's "
+                               "memory, and this engine has no Mooncake transport to read it (start both sides "
+                               "with the same --transfer-backend)")
                         self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
                         continue
-                    self._arrivals.append(Arrival(peer, msg.state, buffers, time.monotonic()))
+                    self._arrivals.append(Arrival(peer, msg.state, [f.buffer for f in bufs], time.monotonic(), msg))
                     if self._wake_owner is not None:
                         self._wake_owner()
 
-    def _buffers(self, msg: _Transfer, frames: list) -> list:
-        """The transfer's buffers (on the receiver's thread): here, the frames that followed its header."""
-        if msg.remote:
-            raise TransferError("the state was left in the sender's memory, and this engine has no Mooncake "
-                                "transport to read it (start both sides with the same --transfer-backend)")
-        return [f.buffer for f in frames]
+    reads_in_place = False  # whether ``write`` can read a state left in the sender's cache
+
+    def write(self, arrival: Arrival, caches: Caches, block_ids: list[int], slot: int | None) -> None:
+        """Put an arrived state into ``caches`` at ``block_ids`` and ``slot`` (on the engine's thread)."""
+        unpack_request_state(caches, block_ids, slot, arrival.buffers)
 
     def close(self) -> None:
         self._stop = True
@@ -277,7 +282,8 @@ class StateSender:
 
     def send(self, peer: str, state: RequestState, buffers: list | Callable[[], list]) -> None:
         """Queue a transfer to the receiver at ``peer``; returns at once. ``buffers`` (or the callable that
-        packs them, called on the sender's thread) must stay valid until the result is polled."""
+        packs them, called on the sender's thread: ``layout.RequestPages``) must stay valid until the result is
+        polled."""
         if self._outstanding >= self.max_inflight:
             raise TransferError(f"{self._outstanding} transfers are already queued or unacknowledged "
                                 f"(at most {self.max_inflight})")
@@ -292,15 +298,12 @@ class StateSender:
         self._outstanding -= len(out)
         return out
 
-    def _message(self, state: RequestState, buffers: list) -> list:
+    def _message(self, state: RequestState, buffers: list | Callable[[], list]) -> list:
         """The multipart message of one transfer (on the sender's thread): here, the buffers as frames."""
-        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in buffers]
-
-    def _release(self, request_id: str) -> None:
-        """Called when a transfer is over (acknowledged, failed or timed out), on the sender's thread."""
+        bufs = buffers() if callable(buffers) else buffers
+        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in bufs]
 
     def _finish(self, request_id: str, error: str | None) -> None:
-        self._release(request_id)
         self._done.append((request_id, error))
         if self._wake_owner is not None:
             self._wake_owner()
@@ -332,8 +335,7 @@ class StateSender:
                     if peer not in peers:
                         peers[peer] = self._connect(peer, poller)
                     sock = peers[peer][0]
-                    bufs = buffers() if callable(buffers) else buffers
-                    sock.send_multipart(self._message(state, bufs), flags=zmq.NOBLOCK, copy=False)
+                    sock.send_multipart(self._message(state, buffers), flags=zmq.NOBLOCK, copy=False)
                     inflight[rid] = (time.monotonic() + self.timeout_s, peer)
                 except LayoutMismatch as e:
                     refused[peer] = str(e)
