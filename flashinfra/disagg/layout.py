@@ -14,6 +14,8 @@ state, the committed checkpoint when speculation is on) into contiguous per-tens
 from __future__ import annotations
 
 import hashlib
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -134,7 +136,7 @@ class RequestPages:
         return pack_request_state(self.caches, self.block_ids, self.slot)
 
 
-def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src start, dst start, count)``: the pairing of ``src[i]`` with ``dst[i]`` cut into runs of ids
     consecutive on both sides (one copy each)."""
     runs: list[list[int]] = []
@@ -146,34 +148,66 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+ALIGN = 64  # bytes: where each tensor's part of a packed buffer starts (any dtype views it in place)
+
+
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one block (paged tensors) or one slot (slotted tensors) of a cache tensor."""
+    return t[0].numel() * t.element_size() if t.shape[0] else 0
+
+
+def _rows(kind: str, block_ids: list[int], slot: int | None) -> list[int]:
+    return list(block_ids) if kind in PAGED else [] if slot is None else [slot]
+
+
 def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
-    """Contiguous CPU byte buffers, one per layout tensor: pages gathered by ``block_ids``, then the slot."""
-    idx = torch.tensor(block_ids, dtype=torch.long)
+    """One CPU byte buffer per layout tensor, all views of a single allocation (pinned when the cache is on a
+    GPU): the pages of ``block_ids``, then the slot. Each run of consecutive blocks is one copy straight from
+    the cache (device to host on a GPU), so every byte is copied once, and no gathered copy is made first."""
+    items = [(t, _rows(kind, block_ids, slot)) for kind, _, t in cache_tensors(cache)]
+    sizes = [len(rows) * row_bytes(t) for t, rows in items]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+    devices = {t.device for t, _ in items if t.is_cuda}
+    buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=bool(devices))
     out = []
-    for kind, _, t in cache_tensors(cache):
-        if kind in PAGED:
-            part = t.index_select(0, idx.to(t.device))
-        else:
-            part = t[slot : slot + 1] if slot is not None else t[:0]
-        out.append(part.contiguous().cpu().view(-1).view(torch.uint8))
+    for (t, rows), size, start in zip(items, sizes, starts):
+        part = buf[start : start + size]
+        if size:
+            dst = part.view(t.dtype).view(len(rows), *t.shape[1:])
+            for src, at, n in page_runs(rows, range(len(rows))):
+                dst[at : at + n].copy_(t[src : src + n], non_blocking=bool(devices))
+        out.append(part)
+    for device in devices:  # the copies ran on this thread's stream: done before the buffers are sent
+        torch.cuda.current_stream(device).synchronize()
     return out
+
+
+def _byte_view(buf: torch.Tensor | bytes | memoryview) -> torch.Tensor:
+    """``buf`` as a uint8 tensor over the same memory (read only here; never copied)."""
+    if isinstance(buf, torch.Tensor):
+        return buf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer (a received frame): only read from
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def unpack_request_state(cache: Caches, block_ids: list[int], slot: int | None,
                          buffers: list[torch.Tensor | bytes | memoryview]) -> None:
-    """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot."""
+    """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot: one copy
+    per run of consecutive blocks, straight from the buffer (host to device on a GPU)."""
     items = list(cache_tensors(cache))
     if len(buffers) != len(items):
         raise LayoutMismatch(f"{len(buffers)} buffers for {len(items)} described tensors")
-    idx = torch.tensor(block_ids, dtype=torch.long)
     for (kind, layer, t), buf in zip(items, buffers):
-        raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-        n = len(block_ids) if kind in PAGED else (1 if slot is not None else 0)
-        want = n * t[0].numel() * t.element_size() if t.shape[0] else 0
-        if raw.numel() != want:
-            raise LayoutMismatch(f"{kind}[{layer}]: {raw.numel()} bytes, expected {want}")
-        part = raw.view(t.dtype).view(n, *t.shape[1:]).to(t.device)
-        if kind in PAGED:
-            t.index_copy_(0, idx.to(t.device), part)
-        elif slot is not None:
-            t[slot : slot + 1].copy_(part)
+        rows = _rows(kind, block_ids, slot)
+        size = buf.numel() if isinstance(buf, torch.Tensor) else memoryview(buf).nbytes
+        want = len(rows) * row_bytes(t)
+        if size != want:
+            raise LayoutMismatch(f"{kind}[{layer}]: {size} bytes, expected {want}")
+        if not want:
+            continue
+        src = _byte_view(buf).view(t.dtype).view(len(rows), *t.shape[1:])
+        for at, dst, n in page_runs(range(len(rows)), rows):
+            t[dst : dst + n].copy_(src[at : at + n])

@@ -17,17 +17,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from flashinfra.disagg.layout import (PAGED, CacheLayout, Caches, LayoutMismatch, RequestPages, RequestState,
-                                      cache_tensors, page_runs)
+                                      cache_tensors, page_runs, row_bytes)
 from flashinfra.disagg.transport import Arrival, StateReceiver, StateSender, TransferError, _enc, _Transfer
 
 PROTOCOL = "tcp"  # "rdma" where the machines have RDMA NICs
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return t[0].numel() * t.element_size() if t.shape[0] else 0
 
 
 class _Registered:
@@ -68,7 +62,7 @@ class MooncakeSender(StateSender):
         if not isinstance(pages, RequestPages):
             raise TransferError("Mooncake sends a request's pages from the registered cache (RequestPages), "
                                 "not packed buffers")
-        remote = [(t.data_ptr(), _row_bytes(t)) for t in self._mem.tensors]
+        remote = [(t.data_ptr(), row_bytes(t)) for t in self._mem.tensors]
         return [_enc.encode(_Transfer(state, remote=remote, blocks=list(pages.block_ids), slot=pages.slot,
                                       session=self.session))]
 
@@ -99,8 +93,8 @@ class MooncakeReceiver(StateReceiver):
                                  f"tensors and {len(block_ids)} blocks here")
         local, peer, lengths = [], [], []
         for (kind, layer, t), (base, row) in zip(items, msg.remote):
-            if row != _row_bytes(t):
-                raise LayoutMismatch(f"{kind}[{layer}]: {row} bytes per row sent, {_row_bytes(t)} here")
+            if row != row_bytes(t):
+                raise LayoutMismatch(f"{kind}[{layer}]: {row} bytes per row sent, {row_bytes(t)} here")
             if not row:
                 continue
             if kind in PAGED:
