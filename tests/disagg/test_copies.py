@@ -7,10 +7,12 @@ received frames into its cache, with no Python-level copy of them."""
 import threading
 import tracemalloc
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashinfra.disagg.layout import RequestPages, describe, row_bytes
+from flashinfra.disagg.layout import RequestPages, describe, row_bytes, unpack_request_state
+from flashinfra.model.cache import ModelCache
 from flashinfra.disagg.transport import StateReceiver, StateSender
 from tests.disagg.test_layout import _cache
 from tests.disagg.test_transport import _state, _wait
@@ -75,3 +77,30 @@ def test_each_side_copies_every_byte_once():
             assert torch.equal(a[blocks], b[to])
     assert torch.equal(src.conv_state[1][slot], dst.conv_state[1][1])
     assert torch.equal(src.recurrent_state[1][slot], dst.recurrent_state[1][1])
+
+
+@pytest.mark.gpu
+def test_a_gpu_cache_is_packed_into_pinned_memory_and_unpacked_straight_back():
+    def cache(seed):
+        g = torch.Generator().manual_seed(seed)
+        r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to(dt).cuda()  # noqa: E731
+        return ModelCache(block_size=16, num_blocks=64, num_slots=4, mla_latent={0: r(64, 16, 512), 2: r(64, 16, 512)},
+                          indexer_keys={0: r(64, 16, 256)}, conv_state={1: r(4, 9, 3, dt=torch.float32)},
+                          recurrent_state={1: r(4, 2, 128, 128, dt=torch.float32)},
+                          mla_latent_scale={2: r(64, 16, dt=torch.float32)})
+
+    src, dst = cache(1), cache(2)
+    blocks, to = [9, 10, 11, 40, 3], [5, 6, 7, 8, 0]
+    sent, received = _Copies(), _Copies()
+    with sent:
+        bufs = RequestPages(src, blocks, 2)()
+    assert all(b.is_pinned() and b.device.type == "cpu" for b in bufs)
+    assert len({b.untyped_storage().data_ptr() for b in bufs}) == 1 and sent.calls == 3 * 4 + 2
+    with received:
+        unpack_request_state(dst, to, 1, [b.numpy().tobytes() for b in bufs])  # frames as received
+    assert received.calls == 2 * 4 + 2 and received.bytes == sent.bytes
+    for kind in ("mla_latent", "indexer_keys", "mla_latent_scale"):
+        for a, b in zip(getattr(src, kind).values(), getattr(dst, kind).values()):
+            assert torch.equal(a[blocks], b[to])
+    assert torch.equal(src.conv_state[1][2], dst.conv_state[1][1])
+    assert torch.equal(src.recurrent_state[1][2], dst.recurrent_state[1][1])
