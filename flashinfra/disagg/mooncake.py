@@ -7,14 +7,18 @@ engines register every cache tensor of their layout (MLA latent pages, indexer p
 recurrent state and conv window slots, the MTP layer's pages) with their transfer engine once, at start.
 The sender's header names, per layout tensor, the tensor's base address and bytes per block (or slot), and
 the request's block ids and slot there; the pages stay where they are, held by the prefill scheduler until
-the ack. Once the decode engine has given the request its own blocks and slot (``write``) it reads every
-run of pages consecutive on both sides, of every tensor, in one ``batch_transfer_sync_read`` (RDMA where
-present, TCP otherwise; the binding releases the GIL while it waits). Both engines start a transfer engine
-on ``host`` with peer-to-peer handshakes (no metadata server).
+the ack. Once the decode engine has taken blocks and a slot for the request (``read``; the request joins
+the batch only when the read is over), its reader thread reads every run of pages consecutive on both
+sides, of every tensor, in one ``batch_transfer_sync_read`` (RDMA where present, TCP otherwise; the binding
+releases the GIL while it waits, so the engine loop runs on). Both engines start a transfer engine on
+``host`` with peer-to-peer handshakes (no metadata server).
 """
 
 from __future__ import annotations
 
+import collections
+import queue
+import threading
 from typing import Callable
 
 from flashinfra.disagg.layout import (PAGED, CacheLayout, Caches, LayoutMismatch, RequestPages, RequestState,
@@ -72,7 +76,9 @@ class MooncakeSender(StateSender):
 
 
 class MooncakeReceiver(StateReceiver):
-    """Reads each arrived state from the sender's cache straight into the registered ``caches``."""
+    """Reads each arrived state from the sender's cache straight into the registered ``caches``, on a reader
+    thread of its own: ``read`` queues a request's read, ``poll_reads`` gives (transfer id, error or None)
+    once it is over."""
 
     reads_in_place = True
 
@@ -81,12 +87,31 @@ class MooncakeReceiver(StateReceiver):
         self._mem = _Registered(caches, host)
         self.session = self._mem.session
         self.num_reads = 0  # batch reads issued (one per imported request)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._read_results: collections.deque[tuple[str, str | None]] = collections.deque()
+        self._reader = threading.Thread(target=self._read_loop, name="disagg-mooncake-reader", daemon=True)
+        self._reader.start()
         super().__init__(layout, address, wake)
 
-    def write(self, arrival: Arrival, caches: Caches, block_ids: list[int], slot: int | None) -> None:
-        msg = arrival.source
-        if msg is None or not msg.remote:
-            return super().write(arrival, caches, block_ids, slot)
+    def read(self, arrival: Arrival, caches: Caches, block_ids: list[int], slot: int | None) -> None:
+        """Queue the read of a state left in the sender's cache into ``caches`` at ``block_ids`` and ``slot``
+        (which must stay this request's until ``poll_reads`` reports it); returns at once."""
+        tid = arrival.state.request_id
+        try:
+            batch = self._batch(arrival.source, caches, block_ids, slot)
+        except LayoutMismatch as e:
+            self._read_done(tid, str(e))
+            return
+        self._jobs.put((tid, arrival.source.session, batch))
+
+    def poll_reads(self) -> list[tuple[str, str | None]]:
+        out = []
+        while self._read_results:
+            out.append(self._read_results.popleft())
+        return out
+
+    def _batch(self, msg: _Transfer, caches: Caches, block_ids: list[int], slot: int | None) -> tuple:
+        """(local addresses, peer addresses, lengths): every run of rows consecutive on both sides."""
         items = list(cache_tensors(caches))
         if len(msg.remote) != len(items) or len(msg.blocks) != len(block_ids):
             raise LayoutMismatch(f"{len(msg.remote)} tensors and {len(msg.blocks)} blocks sent, {len(items)} "
@@ -105,10 +130,22 @@ class MooncakeReceiver(StateReceiver):
                 local.append(t.data_ptr() + dst * row)
                 peer.append(base + src * row)
                 lengths.append(n * row)
-        self.num_reads += 1
-        if local and self._mem.engine.batch_transfer_sync_read(msg.session, local, peer, lengths) != 0:
-            raise TransferError(f"Mooncake could not read {sum(lengths)} bytes from {msg.session}")
+        return local, peer, lengths
+
+    def _read_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            tid, session, (local, peer, lengths) = job
+            self.num_reads += 1
+            ok = not local or self._mem.engine.batch_transfer_sync_read(session, local, peer, lengths) == 0
+            self._read_done(tid, None if ok else f"Mooncake could not read {sum(lengths)} bytes from {session}")
+
+    def _read_done(self, tid: str, error: str | None) -> None:
+        self._read_results.append((tid, error))
+        if self._wake_owner is not None:
+            self._wake_owner()
 
     def close(self) -> None:
+        self._jobs.put(None)
+        self._reader.join(timeout=5)
         super().close()
         self._mem.close()

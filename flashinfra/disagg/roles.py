@@ -20,7 +20,9 @@ scheduler, for the state sent under its transfer id. Once it is here and the bat
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
 them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
 the request decodes as if it had been prefilled here (its first output is the first token, with its
-logprobs when asked for). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
+logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake``) is read
+straight into blocks and a slot taken for the request first, on the receiver's reader thread; the request
+joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
 for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
@@ -190,6 +192,10 @@ class Importer:
         self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
         self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
+        # states read in place (Mooncake): the request holds blocks and a slot outside the batch from the read's
+        # start until it joins the batch; transfer id -> request, and -> the finished read's error (None: read)
+        self._reading: dict[str, Request] = {}
+        self._read: dict[str, str | None] = {}
         self.num_total = 0
         self.num_failures = 0
 
@@ -223,6 +229,11 @@ class Importer:
                 self.receiver.ack(arrival.peer, tid, "the request was aborted on the decode engine")
             else:
                 self._arrived[tid] = arrival
+        for tid, error in self.receiver.poll_reads() if self.receiver.reads_in_place else []:
+            if tid in self._waiting:
+                self._read[tid] = error
+            else:  # aborted during the read: now that it is over, the blocks can go
+                self._release(tid, "the request was aborted on the decode engine")
         for tid, when in list(self._aborted.items()):
             if now - when > self.timeout_s:
                 del self._aborted[tid]
@@ -237,10 +248,11 @@ class Importer:
                 continue
             out = self._import(req, arrival)
             if out is not None:
-                del self._waiting[tid], self._arrived[tid]
+                del self._waiting[tid]
+                self._arrived.pop(tid, None)
                 outputs.append(out)
         for tid, arrival in list(self._arrived.items()):
-            if tid not in self._waiting and now - arrival.time > self.timeout_s:
+            if tid not in self._waiting and tid not in self._reading and now - arrival.time > self.timeout_s:
                 del self._arrived[tid]
                 self.receiver.ack(arrival.peer, tid, f"no request for this transfer reached the decode engine "
                                                      f"within {self.timeout_s:g} s")
@@ -259,12 +271,24 @@ class Importer:
             self.num_failures += 1
             return error_output(req, f"cache transfer refused: {problem}")
         sched, runner = self.core.scheduler, self.core.runner
+        in_place = self.receiver.reads_in_place and arrival.source is not None and bool(arrival.source.remote)
+        if in_place:
+            if not self._state_read(req, arrival):
+                return None  # the read is under way, or waits for room
+            error = self._read.pop(state.request_id)
+            if error is not None:
+                self._release(state.request_id, error)
+                self.num_failures += 1
+                return error_output(req, f"cache transfer failed: {error}")
         out = sched.admit_imported(req, state.first_token, state.first_logprob)
         if out is None:
+            if in_place:
+                self._read[state.request_id] = None
             return None  # no room yet; retried on the next step
+        self._reading.pop(state.request_id, None)
         try:
             # finished already (the first token stopped it): its blocks are free, nothing to write
-            if req.block_ids:
+            if req.block_ids and not in_place:
                 self.receiver.write(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
             if runner.speculator is not None and state.hidden and not req.is_finished:
                 hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
@@ -283,12 +307,37 @@ class Importer:
         self.num_total += 1
         return out
 
+    def _state_read(self, req: Request, arrival: Any) -> bool:
+        """Whether the state left in the sender's cache is read into ``req``'s blocks (or failed to be); else
+        start the read when the batch and the cache have room for the request."""
+        tid = arrival.state.request_id
+        if tid in self._read:
+            return True
+        if tid in self._reading:
+            return False
+        sched = self.core.scheduler
+        if (len(sched.running) + len(self._reading) >= sched.config.max_num_seqs
+                or not sched.cache.try_allocate(req, req.num_prompt_tokens)):
+            return False
+        self._reading[tid] = req
+        self.receiver.read(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
+        return False
+
+    def _release(self, tid: str, error: str) -> None:
+        """Free the blocks a read in place took (over now) and tell the sender why its state was not taken."""
+        self.core.scheduler.cache.free(self._reading.pop(tid))
+        self._read.pop(tid, None)
+        self.receiver.ack(self._arrived.pop(tid).peer, tid, error)
+
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         ids, outputs = set(request_ids), []
         for tid, (req, _) in list(self._waiting.items()):
             if req.request_id in ids:
                 del self._waiting[tid]
-                self._aborted[tid] = time.monotonic()
+                if tid in self._read:  # read, not in the batch yet: free its blocks now
+                    self._release(tid, "the request was aborted on the decode engine")
+                elif tid not in self._reading:  # a read under way frees them when it is over
+                    self._aborted[tid] = time.monotonic()
                 outputs.append(RequestOutput(req.request_id, [], None, True, "abort",
                                              num_prompt_tokens=req.num_prompt_tokens))
         return outputs

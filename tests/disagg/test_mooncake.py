@@ -40,7 +40,8 @@ def test_loopback_transfer_reads_the_cache_in_place(monkeypatch):
         tx.send(rx.address, _state(), RequestPages(src, [5, 6, 1, 3], slot=2))
         (arrival,) = _wait(rx.poll)
         assert arrival.state == _state() and arrival.buffers == []  # only the header came over ZeroMQ
-        rx.write(arrival, dst, [0, 1, 7, 4], slot=1)
+        rx.read(arrival, dst, [0, 1, 7, 4], slot=1)
+        assert _wait(rx.poll_reads) == [("r1", None)]
         rx.ack(arrival.peer, arrival.state.request_id)
         assert _wait(tx.poll) == [("r1", None)]
         for kind in ("mla_latent", "indexer_keys"):
@@ -106,3 +107,45 @@ def test_engines_exchange_through_mooncake(tmp_path, speculative_tokens):
     finally:
         for core in cores:
             core.close()
+
+
+class _SlowEngine(_RecordingEngine):
+    def batch_transfer_sync_read(self, *args):
+        import time
+
+        time.sleep(0.5)
+        return super().batch_transfer_sync_read(*args)
+
+
+def test_a_request_aborted_during_its_read_frees_its_blocks_when_the_read_is_over(tmp_path, monkeypatch):
+    from flashinfra.engine.core import EngineCore
+    from flashinfra.engine.sched.messages import SamplingParams, TransferParams
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from tests.disagg.test_roles import PROMPTS, _config, _finished, _request, _run
+
+    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=0, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])
+    prefill, decode = (EngineCore(_config(ckpt, role=role, transfer_backend="mooncake"))
+                       for role in ("prefill", "decode"))
+    try:
+        monkeypatch.setattr(decode.disagg.receiver._mem, "engine", _SlowEngine(decode.disagg.receiver._mem.engine))
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        decode.add_request(_request("a", PROMPTS[1], sampling, TransferParams("t", "import")))
+        prefill.add_request(_request("a", PROMPTS[1], sampling,
+                                     TransferParams("t", "export", decode.ready_message().transfer_address)))
+        _run([prefill, decode], lambda _: bool(decode.disagg._reading))
+        stats = decode.stats()
+        assert stats.num_blocks_free < stats.num_blocks_total  # taken for the read, outside the batch
+        assert not decode.scheduler.running
+        decode.abort(["a"])
+        got = _run([prefill, decode], _finished(["a"]), errors_ok=True)[-1]
+        assert got["a"][-1].finish_reason == "abort"
+        out = _run([decode, prefill], _finished(["a"]), errors_ok=True)[-1]["a"][-1]
+        assert out.finish_reason == "error" and "aborted on the decode engine" in out.error
+        assert not decode.disagg._reading and decode.disagg.receiver.num_reads == 1
+        for core in (prefill, decode):
+            assert core.stats().num_blocks_free == core.stats().num_blocks_total
+    finally:
+        prefill.close()
+        decode.close()
