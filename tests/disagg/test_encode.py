@@ -91,24 +91,18 @@ def test_a_prefill_engine_without_an_encode_engine_loads_the_tower(setup, tmp_pa
 
 
 def test_a_both_engine_started_for_an_encode_engine_equals_one_with_the_tower(setup):
-    from flashinfra.engine.config import EngineConfig
-
     both, encoder, _, _ = setup
-    img = random_image(90, 60, seed=3)
-    prompt, items = multimodal_prompt(both, "What is it?", [img], None)
-    ref = both.engine
-    ref.add_request(_request("ref2", prompt, items))
-    want = _run([ref], _finished(["ref2"]))[-1]["ref2"]
-    core = EngineCore(EngineConfig(model=str(ref.model.path), enable_vision=True, encoder_address=encoder.address,
-                                   **ENGINE))
+    images = [[random_image(90, 60, seed=3)], [random_image(60, 60, seed=7)]]
+    want = both.generate(["What is it?", "And this?"], GREEDY, images=images)
+    llm = LLM(both.engine.model.path, enable_vision=True, encoder_address=encoder.address, **ENGINE)
     try:
-        assert core.model.vision is None
+        assert llm.engine.model.vision is None
         before = encoder.num_encoded
-        core.add_request(_request("c", prompt, items))
-        assert _tokens(_run([core], _finished(["c"]))[-1]["c"]) == _tokens(want)
-        assert encoder.num_encoded == before + 1 and core.runner.embedder.num_encoded == 0
+        got = llm.generate(["What is it?", "And this?"], GREEDY, images=images)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want] and all(len(w.token_ids) == 5 for w in want)
+        assert encoder.num_encoded == before + 2 and llm.engine.runner.embedder.num_encoded == 0
     finally:
-        core.close()
+        llm.engine.close()
 
 
 def test_an_engine_that_cannot_embed_refuses_images(setup):
