@@ -15,6 +15,7 @@ from flashinfra import LLM
 from flashinfra.disagg.encode import EncodeServer, embedding_layout, load_tower
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams, TransferParams
+from flashinfra.multimodal.encoder import encoder_reserve_bytes
 from flashinfra.multimodal.llm_inputs import multimodal_prompt
 from tests.disagg.test_roles import _finished, _run, _tokens
 from tests.multimodal.mm_reference import random_image, write_mm_checkpoint
@@ -76,6 +77,9 @@ def test_a_prefill_engine_started_for_an_encode_engine_holds_no_tower(setup):
     assert not any(n.startswith("visual") or "patch_embed" in n for n in prefill.model.model.state_dict())
     assert _weight_bytes(prefill.model.model) == _weight_bytes(both.engine.model.model)
     assert _weight_bytes(tower) > 0 and both.engine.ready_message().vision == "tower"
+    # the GPU memory left free beside the cache: the encoder cache only, no room for tower activations
+    assert encoder_reserve_bytes(prefill.model, 1000, remote=True) == 1000
+    assert encoder_reserve_bytes(both.engine.model, 1000) > 1000
 
 
 def test_a_prefill_engine_without_an_encode_engine_loads_the_tower(setup, tmp_path):
