@@ -10,6 +10,7 @@ checkpoint's ``generation_config.json`` defaults apply.
 from __future__ import annotations
 
 import itertools
+import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,15 @@ class LLM:
 
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _await_engine(self) -> bool:
+        """Wait for the engine's background work (an encode engine's embeddings, with ``encoder_address``) to
+        need a step; False when the engine has none, so nothing can finish the remaining requests."""
+        fd = getattr(self.engine, "wake_fd", None)
+        if fd is None:
+            return False
+        select.select([fd], [], [], 1.0)
+        return True
 
     def generate(
         self,
@@ -101,11 +111,14 @@ class LLM:
             self.engine.abort(added)
             self.engine.step()
             raise
-        while self.engine.has_work():
+        unfinished = set(outputs)
+        while self.engine.has_work() or (unfinished and self._await_engine()):
             for out in self.engine.step():
                 g = outputs.get(out.request_id)
                 if g is None:
                     continue
+                if out.finished:
+                    unfinished.discard(out.request_id)
                 if g.finish_reason is not None:
                     continue  # ended by a stop string; the engine's late outputs do not count
                 g.token_ids.extend(out.new_token_ids)

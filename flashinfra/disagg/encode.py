@@ -2,11 +2,11 @@
 
 ``EncodeServer`` (``flashinfra serve --role encode``) holds only the vision tower (``load_tower``: the
 ``model.visual.*`` tensors, no language-model weights) behind a ZeroMQ ROUTER socket. ``EncodeClient``
-(prefill role) connects one DEALER per encode engine and asks for the images/videos a request needs that
+(``disagg.remote_encode``, in a prefill or both engine) connects one DEALER per encode engine and asks for the images/videos a request needs that
 its encoder cache lacks: one multipart message ``[header, *canvases]``; the answer is
 ``[header, *embeddings]``, the rows of each item keyed by its content hash (the encoder cache's key), sent
-and read in place (``copy=False``). As in ``disagg.transport``, the first message on a connection carries
-the client's layout (``embedding_layout``: the tower's fingerprint, its output width and dtype) and a
+and read in place (``copy=False``). Through ``disagg.channel``'s handshake, the first message on a
+connection carries the client's layout (``embedding_layout``: the tower's fingerprint, its output width and dtype) and a
 mismatch is refused with both names; every socket belongs to one background thread, woken through an
 inproc socket, so the engine loop never waits on the network; an encode engine that dies fails its
 outstanding requests at once (socket monitor, heartbeats), one that does not answer fails them after
@@ -31,13 +31,10 @@ import numpy as np
 import torch
 import zmq
 
-from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, TensorDesc, check_compatible, fingerprint
-from flashinfra.disagg.transport import _close, _disconnected, _Waker, bind_router, connect_peer
+from flashinfra.disagg.layout import CacheLayout, TensorDesc, fingerprint
+from flashinfra.disagg.channel import (HandshakeServer, Hello, Reply, Waker, close_peer, connect_peer,
+                                       disconnected)
 from flashinfra.engine.sched.messages import MultiModalItem
-
-
-class _Hello(msgspec.Struct, tag="hello"):
-    layout: CacheLayout
 
 
 class _Encode(msgspec.Struct, tag="encode"):
@@ -45,11 +42,6 @@ class _Encode(msgspec.Struct, tag="encode"):
 
     job_id: int
     items: list[MultiModalItem]
-
-
-class _Reply(msgspec.Struct, tag="reply"):
-    ok: bool
-    error: str = ""
 
 
 class _Embedded(msgspec.Struct, tag="embedded"):
@@ -61,8 +53,8 @@ class _Embedded(msgspec.Struct, tag="embedded"):
 
 
 _enc = msgspec.msgpack.Encoder()
-_to_server = msgspec.msgpack.Decoder(_Hello | _Encode)
-_to_client = msgspec.msgpack.Decoder(_Reply | _Embedded)
+_to_server = msgspec.msgpack.Decoder(Hello | _Encode)
+_to_client = msgspec.msgpack.Decoder(Reply | _Embedded)
 
 
 def embedding_layout(vision_config, width: int, dtype: torch.dtype, name: str) -> CacheLayout:
@@ -82,52 +74,22 @@ def load_tower(path: str | Path, dtype: str, device: str):
     return _load_vision(config, CheckpointReader(Path(path)), resolve_dtype(dtype), torch.device(device)), config
 
 
-class EncodeServer:
+class EncodeServer(HandshakeServer):
     """Answers ``EncodeClient`` requests with the tower's embeddings, from its own thread."""
 
     def __init__(self, tower, layout: CacheLayout, address: str = "tcp://127.0.0.1:*",
                  device: torch.device | str = "cpu") -> None:
-        self.tower, self.layout, self.device = tower, layout, torch.device(device)
-        self._ctx = zmq.Context.instance()
-        self._sock, self.address = bind_router(self._ctx, address)
-        self._waker = _Waker(self._ctx)
+        self.tower, self.device = tower, torch.device(device)
         self.num_encoded = 0
         self.num_failures = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="disagg-encoder", daemon=True)
-        self._thread.start()
+        super().__init__(layout, address, _to_server.decode, "disagg-encoder")
 
-    def _loop(self) -> None:
-        accepted: set[bytes] = set()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._waker.pull, zmq.POLLIN)
-        while not self._stop:
-            events = dict(poller.poll())
-            if self._waker.pull in events:
-                self._waker.drain()
-            if self._sock not in events:
-                continue
-            while True:
-                try:
-                    peer, head, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                peer = bytes(peer)
-                msg = _to_server.decode(head.buffer)
-                if isinstance(msg, _Hello):
-                    try:
-                        check_compatible(self.layout, msg.layout)
-                    except LayoutMismatch as e:
-                        self._sock.send_multipart([peer, _enc.encode(_Reply(False, str(e)))])
-                        continue
-                    accepted.add(peer)
-                    self._sock.send_multipart([peer, _enc.encode(_Reply(True))])
-                elif peer not in accepted:
-                    err = "no layout handshake on this connection (the encode engine restarted?)"
-                    self._sock.send_multipart([peer, _enc.encode(_Embedded(msg.job_id, error=err))])
-                else:
-                    self._sock.send_multipart([peer, *self._encode(msg, frames)], copy=False)
+    def _refuse(self, msg: _Encode) -> list:
+        err = "no layout handshake on this connection (the encode engine restarted?)"
+        return [_enc.encode(_Embedded(msg.job_id, error=err))]
+
+    def _handle(self, peer: bytes, msg: _Encode, frames: list) -> None:
+        self._sock.send_multipart([peer, *self._encode(msg, frames)], copy=False)
 
     def _encode(self, msg: _Encode, frames: list) -> list:
         from flashinfra.multimodal.encoder import encode_items
@@ -145,13 +107,6 @@ class EncodeServer:
         bufs = [memoryview(r.contiguous().cpu().view(-1).view(torch.uint8).numpy()) for r in rows]
         return [_enc.encode(_Embedded(msg.job_id, [it.content_hash for it in items]))] + bufs
 
-    def close(self) -> None:
-        self._stop = True
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
-        self._sock.close(linger=0)
-
 
 class EncodeClient:
     """Asks encode engines for embeddings from its own thread; ``poll`` gives (content hash, rows or None,
@@ -163,7 +118,7 @@ class EncodeClient:
         self._dtype, self._width = getattr(torch, desc.dtype), desc.shape[0]
         self._ctx = zmq.Context.instance()
         self._wake_owner = wake
-        self._waker = _Waker(self._ctx)
+        self._waker = Waker(self._ctx)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque = collections.deque()
         self._jobs = itertools.count()
@@ -188,7 +143,7 @@ class EncodeClient:
             self._wake_owner()
 
     def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
-        return connect_peer(self._ctx, peer, _enc.encode(_Hello(self.layout)), _to_client.decode, _Reply,
+        return connect_peer(self._ctx, peer, _enc.encode(Hello(self.layout)), _to_client.decode, Reply,
                             "the encode engine", poller, RuntimeError)
 
     def _rows(self, frame) -> torch.Tensor:
@@ -225,7 +180,7 @@ class EncodeClient:
                 except Exception as e:  # noqa: BLE001 - these items fail, the engine goes on
                     fail(job_id, f"encode request to {peer} failed: {type(e).__name__}: {e}")
             for peer, (sock, monitor) in list(peers.items()):
-                lost = monitor in events and _disconnected(monitor)
+                lost = monitor in events and disconnected(monitor)
                 while sock in events or lost:
                     try:
                         head, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -243,7 +198,7 @@ class EncodeClient:
                 if lost:
                     for s in (sock, monitor):
                         poller.unregister(s)
-                    _close(sock, monitor)
+                    close_peer(sock, monitor)
                     del peers[peer]
                     for job_id in [j for j, (_, to, _) in jobs.items() if to == peer]:
                         fail(job_id, f"the encode engine at {peer} went away (connection lost)")
@@ -251,7 +206,7 @@ class EncodeClient:
             for job_id in [j for j, (d, _, _) in jobs.items() if d <= now]:
                 fail(job_id, f"the encode engine at {jobs[job_id][1]} did not answer within {self.timeout_s:g} s")
         for sock, monitor in peers.values():
-            _close(sock, monitor)
+            close_peer(sock, monitor)
 
     def close(self) -> None:
         self._stop = True

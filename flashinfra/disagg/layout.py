@@ -14,6 +14,9 @@ state, the committed checkpoint when speculation is on) into contiguous per-tens
 from __future__ import annotations
 
 import hashlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -65,7 +68,8 @@ class LayoutMismatch(ValueError):
 Caches = ModelCache | tuple[ModelCache, ...]
 
 
-def _tensors(caches: Caches):
+def cache_tensors(caches: Caches):
+    """(kind, layer, tensor) of every described cache tensor, in the layout's order."""
     for cache in caches if isinstance(caches, tuple) else (caches,):
         for kind in PAGED + SLOTTED:
             for layer, t in sorted(getattr(cache, kind).items()):
@@ -79,7 +83,7 @@ def describe(cache: Caches, model_fingerprint: str, name: str = "engine") -> Cac
         block_size=(cache[0] if isinstance(cache, tuple) else cache).block_size,
         tensors=tuple(
             TensorDesc(kind, layer, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
-            for kind, layer, t in _tensors(cache)
+            for kind, layer, t in cache_tensors(cache)
         ),
     )
 
@@ -119,34 +123,91 @@ def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:
         )
 
 
-def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
-    """Contiguous CPU byte buffers, one per layout tensor: pages gathered by ``block_ids``, then the slot."""
-    idx = torch.tensor(block_ids, dtype=torch.long)
-    out = []
-    for kind, _, t in _tensors(cache):
-        if kind in PAGED:
-            part = t.index_select(0, idx.to(t.device))
+@dataclass(frozen=True)
+class RequestPages:
+    """Where one request's state lies in an engine's caches: its blocks and KDA slot. Calling it packs them
+    (``pack_request_state``); a transport that reads the cache in place (``disagg.mooncake``) takes the ids."""
+
+    caches: Caches
+    block_ids: list[int]
+    slot: int | None
+
+    def __call__(self) -> list[torch.Tensor]:
+        return pack_request_state(self.caches, self.block_ids, self.slot)
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, count)``: the pairing of ``src[i]`` with ``dst[i]`` cut into runs of ids
+    consecutive on both sides (one copy each)."""
+    runs: list[list[int]] = []
+    for a, b in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
         else:
-            part = t[slot : slot + 1] if slot is not None else t[:0]
-        out.append(part.contiguous().cpu().view(-1).view(torch.uint8))
+            runs.append([a, b, 1])
+    return [tuple(r) for r in runs]
+
+
+ALIGN = 64  # bytes: where each tensor's part of a packed buffer starts (any dtype views it in place)
+
+
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one block (paged tensors) or one slot (slotted tensors) of a cache tensor."""
+    return t[0].numel() * t.element_size() if t.shape[0] else 0
+
+
+def _rows(kind: str, block_ids: list[int], slot: int | None) -> list[int]:
+    return list(block_ids) if kind in PAGED else [] if slot is None else [slot]
+
+
+def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
+    """One CPU byte buffer per layout tensor, all views of a single allocation (pinned when the cache is on a
+    GPU): the pages of ``block_ids``, then the slot. Each run of consecutive blocks is one copy straight from
+    the cache (device to host on a GPU), so every byte is copied once, and no gathered copy is made first."""
+    items = [(t, _rows(kind, block_ids, slot)) for kind, _, t in cache_tensors(cache)]
+    sizes = [len(rows) * row_bytes(t) for t, rows in items]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+    devices = {t.device for t, _ in items if t.is_cuda}
+    buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=bool(devices))
+    out = []
+    for (t, rows), size, start in zip(items, sizes, starts):
+        part = buf[start : start + size]
+        if size:
+            dst = part.view(t.dtype).view(len(rows), *t.shape[1:])
+            for src, at, n in page_runs(rows, range(len(rows))):
+                dst[at : at + n].copy_(t[src : src + n], non_blocking=bool(devices))
+        out.append(part)
+    for device in devices:  # the copies ran on this thread's stream: done before the buffers are sent
+        torch.cuda.current_stream(device).synchronize()
     return out
+
+
+def _byte_view(buf: torch.Tensor | bytes | memoryview) -> torch.Tensor:
+    """``buf`` as a uint8 tensor over the same memory (read only here; never copied)."""
+    if isinstance(buf, torch.Tensor):
+        return buf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer (a received frame): only read from
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def unpack_request_state(cache: Caches, block_ids: list[int], slot: int | None,
                          buffers: list[torch.Tensor | bytes | memoryview]) -> None:
-    """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot."""
-    items = list(_tensors(cache))
+    """Write buffers packed by ``pack_request_state`` (same layout) into this cache's blocks and slot: one copy
+    per run of consecutive blocks, straight from the buffer (host to device on a GPU)."""
+    items = list(cache_tensors(cache))
     if len(buffers) != len(items):
         raise LayoutMismatch(f"{len(buffers)} buffers for {len(items)} described tensors")
-    idx = torch.tensor(block_ids, dtype=torch.long)
     for (kind, layer, t), buf in zip(items, buffers):
-        raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-        n = len(block_ids) if kind in PAGED else (1 if slot is not None else 0)
-        want = n * t[0].numel() * t.element_size() if t.shape[0] else 0
-        if raw.numel() != want:
-            raise LayoutMismatch(f"{kind}[{layer}]: {raw.numel()} bytes, expected {want}")
-        part = raw.view(t.dtype).view(n, *t.shape[1:]).to(t.device)
-        if kind in PAGED:
-            t.index_copy_(0, idx.to(t.device), part)
-        elif slot is not None:
-            t[slot : slot + 1].copy_(part)
+        rows = _rows(kind, block_ids, slot)
+        size = buf.numel() if isinstance(buf, torch.Tensor) else memoryview(buf).nbytes
+        want = len(rows) * row_bytes(t)
+        if size != want:
+            raise LayoutMismatch(f"{kind}[{layer}]: {size} bytes, expected {want}")
+        if not want:
+            continue
+        src = _byte_view(buf).view(t.dtype).view(len(rows), *t.shape[1:])
+        for at, dst, n in page_runs(range(len(rows)), rows):
+            t[dst : dst + n].copy_(src[at : at + n])

@@ -11,17 +11,18 @@ own cache entries at every prompt position, which only a prefill that runs it wr
 speculating alone would stay correct, its drafts being verified, but draft from entries never written), so
 the MTP cache is part of the compared layout. The request's final output is held back until the decode side
 acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
-transfer frees the cache too and ends the request with an error that says why. A request with images whose
-``TransferParams.encoder`` names an encode engine (``disagg.encode``) waits outside the scheduler until the
-embeddings of the items its encoder cache lacks arrive from there (keyed by content hash, put in that cache);
-then it runs, and its prefill reads them instead of running the tower.
+transfer frees the cache too and ends the request with an error that says why. A request with images
+served by an encode engine (``TransferParams.encoder``, else ``--encoder-address``) first waits for their
+embeddings (``disagg.remote_encode``); then it runs, and its prefill reads them instead of running a tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
 them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
 the request decodes as if it had been prefilled here (its first output is the first token, with its
-logprobs when asked for). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
+logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake``) is read
+straight into blocks and a slot taken for the request first, on the receiver's reader thread; the request
+joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
 for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
@@ -29,51 +30,20 @@ Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its 
 
 from __future__ import annotations
 
-import functools
-import os
-import select
 import time
 from typing import Any
 
 import msgspec
 import torch
 
-from flashinfra.disagg.layout import (CacheLayout, RequestState, describe, fingerprint, pack_request_state,
-                                      token_hash, unpack_request_state)
+from flashinfra.disagg.layout import CacheLayout, RequestPages, RequestState, describe, fingerprint, token_hash
+from flashinfra.disagg.remote_encode import EncodedColocated, RemoteEncoding, error_output
 from flashinfra.disagg.transport import StateReceiver, StateSender, TransferError
+from flashinfra.disagg.wake import Wake
 from flashinfra.engine.sched.messages import RequestOutput
 from flashinfra.engine.sched.request import Request
 
 ROLES = ("both", "prefill", "decode")
-
-
-class _Wake:
-    """A non-blocking pipe: background threads write a byte, the engine loop polls the read end."""
-
-    def __init__(self) -> None:
-        self.fd, self._w = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._w, False)
-
-    def __call__(self) -> None:
-        try:
-            os.write(self._w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the loop is awake anyway
-
-    def pending(self) -> bool:
-        return bool(select.select([self.fd], [], [], 0)[0])
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._w)
 
 
 def _host(address: str) -> str:
@@ -91,17 +61,15 @@ def engine_layout(core: Any, role: str) -> CacheLayout:
     return describe(engine_caches(core), fingerprint(core.model.config), name=f"{role} engine ({core.model.path.name})")
 
 
-def _error_output(req: Request, message: str) -> RequestOutput:
-    return RequestOutput(req.request_id, [], None, True, "error", error=message,
-                         num_prompt_tokens=req.num_prompt_tokens)
-
-
 def check_role(config: Any) -> None:
     """``ValueError`` for settings a prefill or decode role does not support yet."""
     if config.role == "encode":
         raise ValueError("--role encode runs the vision tower alone (flashinfra serve), not an engine core")
     if config.role not in ROLES:
         raise ValueError(f"unknown role {config.role!r}; choose one of {', '.join(ROLES)}")
+    if config.encoder_address and (not config.enable_vision or config.role == "decode"):
+        raise ValueError("--encoder-address is where a prefill (or both) engine started with --enable-vision takes "
+                         "its images' embeddings from")
     if config.role == "both":
         return
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
@@ -113,24 +81,24 @@ class Exporter:
 
     def __init__(self, core: Any, config: Any) -> None:
         self.core = core
-        self.wake = _Wake()
+        self.wake = Wake()
         self.layout = engine_layout(core, "prefill")
         kw = dict(timeout_s=config.transfer_timeout_s, max_inflight=config.max_num_seqs * 4, wake=self.wake)
         if config.transfer_backend == "mooncake":
             from flashinfra.disagg.mooncake import MooncakeSender
 
-            self.sender = MooncakeSender(self.layout, host=_host(config.transfer_address), **kw)
+            self.sender = MooncakeSender(self.layout, engine_caches(core), host=_host(config.transfer_address), **kw)
         else:
             self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
         self._transfer_ids: dict[str, str] = {}  # transfer id -> request id
-        self.timeout_s = config.transfer_timeout_s
-        self.encoder = None  # the EncodeClient, once a request names an encode engine
-        self._encoding: dict[str, Request] = {}  # request id -> request waiting for its images' embeddings
-        self._encoding_hashes: set[str] = set()  # items asked for and not answered yet
+        self.encoding = RemoteEncoding(core, config.transfer_timeout_s, self.wake, config.encoder_address)
         self.num_total = 0
-        self.num_failures = 0
-        self.num_remote_encoded = 0  # items whose embeddings an encode engine made (here or for an earlier request)
+        self._num_failures = 0
+
+    @property
+    def num_failures(self) -> int:
+        return self._num_failures + self.encoding.num_failures
 
     def admit(self, req: Request) -> bool:
         """Check an export request; whether the scheduler takes it now (not while its images are encoded
@@ -139,58 +107,7 @@ class Exporter:
             raise ValueError("a prefill-role engine takes only requests to export (kv_transfer_params with role "
                              "'export' and the decode engine's address as peer)")
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=1)
-        if not req.mm_items or not req.transfer.encoder:
-            return True
-        cache = self.core.runner.embedder.cache
-        missing = {it.content_hash: it for it in req.mm_items
-                   if it.content_hash not in cache and it.content_hash not in self._encoding_hashes}
-        if all(it.content_hash in cache for it in req.mm_items):
-            self.num_remote_encoded += len(req.mm_items)
-            return True
-        if missing:
-            self._encoder_client().request(req.transfer.encoder, list(missing.values()))
-            self._encoding_hashes.update(missing)
-        self._encoding[req.request_id] = req  # started by ``poll`` once the embeddings are here
-        return False
-
-    def _encoder_client(self):
-        if self.encoder is None:
-            from flashinfra.disagg.encode import EncodeClient, embedding_layout
-
-            model = self.core.model
-            layout = embedding_layout(model.config.vision, model.config.text.hidden_size, model.dtype,
-                                      name=f"prefill engine ({model.path.name})")
-            self.encoder = EncodeClient(layout, timeout_s=self.timeout_s, wake=self.wake)
-        return self.encoder
-
-    def _take_embeddings(self) -> list[RequestOutput]:
-        """Put arrived embeddings in the encoder cache; start the requests that have all theirs, fail those
-        whose items failed."""
-        if self.encoder is None:
-            return []
-        cache, outputs = self.core.runner.embedder.cache, []
-        failed: dict[str, str] = {}
-        pinned = {it.content_hash for r in self._encoding.values() for it in r.mm_items}
-        for content_hash, rows, error in self.encoder.poll():
-            self._encoding_hashes.discard(content_hash)
-            if error is not None:
-                failed[content_hash] = error
-            else:
-                cache.put(content_hash, rows.to(self.core.runner.device), pinned)
-        for rid, req in list(self._encoding.items()):
-            errors = [failed[it.content_hash] for it in req.mm_items if it.content_hash in failed]
-            bad = [it for it in req.mm_items if it.content_hash in cache and cache.get(it.content_hash).shape[0]
-                   != it.num_embeds]
-            if errors or bad:
-                del self._encoding[rid]
-                self.num_failures += 1
-                why = errors[0] if errors else f"{bad[0].num_embeds} embeddings expected, other rows received"
-                outputs.append(_error_output(req, f"the request's images could not be encoded: {why}"))
-            elif all(it.content_hash in cache for it in req.mm_items):
-                del self._encoding[rid]
-                self.num_remote_encoded += len(req.mm_items)
-                self.core.scheduler.add_request(req)
-        return outputs
+        return self.encoding.admit(req, req.transfer.encoder)
 
     def has_events(self) -> bool:
         """Whether ``poll`` has something to do (a transfer finished)."""
@@ -216,14 +133,13 @@ class Exporter:
                 first_logprob=out.logprobs[0] if out.logprobs else None,
                 hidden=b"" if hidden is None else bytes(hidden.cpu().view(torch.uint8).numpy()),
                 drafts=[] if spec is None else list(spec.drafts.get(req.request_id, [])))
-            pack = functools.partial(pack_request_state, engine_caches(self.core), list(req.block_ids),
-                                     req.state_slot)
+            pages = RequestPages(engine_caches(self.core), list(req.block_ids), req.state_slot)
             try:
-                self.sender.send(req.transfer.peer, state, pack)
+                self.sender.send(req.transfer.peer, state, pages)
             except TransferError as e:
                 sched.release_held(req.request_id)
-                self.num_failures += 1
-                released.append(_error_output(req, f"cannot send the request's cache: {e}"))
+                self._num_failures += 1
+                released.append(error_output(req, f"cannot send the request's cache: {e}"))
                 continue
             self._held_outputs[req.request_id] = out
             self._transfer_ids[state.request_id] = req.request_id
@@ -231,7 +147,7 @@ class Exporter:
 
     def poll(self) -> list[RequestOutput]:
         self.wake.drain()
-        outputs = self._take_embeddings()
+        outputs = self.encoding.poll()
         for transfer_id, error in self.sender.poll():
             rid = self._transfer_ids.pop(transfer_id, None)
             if rid is None:
@@ -242,20 +158,18 @@ class Exporter:
                 self.num_total += 1
                 outputs.append(out)
             else:
-                self.num_failures += 1
+                self._num_failures += 1
                 outputs.append(RequestOutput(rid, [], None, True, "error", error=f"cache transfer failed: {error}",
                                              num_prompt_tokens=out.num_prompt_tokens))
         return outputs
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         # a transfer under way ends by its ack or its timeout, which free the cache
-        return [RequestOutput(rid, [], None, True, "abort", num_prompt_tokens=self._encoding.pop(rid).num_prompt_tokens)
-                for rid in request_ids if rid in self._encoding]
+        return self.encoding.abort(request_ids)
 
     def close(self) -> None:
         self.sender.close()
-        if self.encoder is not None:
-            self.encoder.close()
+        self.encoding.close()
         self.wake.close()
 
 
@@ -265,12 +179,12 @@ class Importer:
     def __init__(self, core: Any, config: Any) -> None:
         self.core = core
         self.timeout_s = config.transfer_timeout_s
-        self.wake = _Wake()
+        self.wake = Wake()
         self.layout = engine_layout(core, "decode")
         if config.transfer_backend == "mooncake":
             from flashinfra.disagg.mooncake import MooncakeReceiver
 
-            self.receiver = MooncakeReceiver(self.layout, config.transfer_address, self.wake,
+            self.receiver = MooncakeReceiver(self.layout, engine_caches(core), config.transfer_address, self.wake,
                                              host=_host(config.transfer_address))
         else:
             self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
@@ -278,6 +192,10 @@ class Importer:
         self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
         self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
+        # states read in place (Mooncake): the request holds blocks and a slot outside the batch from the read's
+        # start until it joins the batch; transfer id -> request, and -> the finished read's error (None: read)
+        self._reading: dict[str, Request] = {}
+        self._read: dict[str, str | None] = {}
         self.num_total = 0
         self.num_failures = 0
 
@@ -311,6 +229,11 @@ class Importer:
                 self.receiver.ack(arrival.peer, tid, "the request was aborted on the decode engine")
             else:
                 self._arrived[tid] = arrival
+        for tid, error in self.receiver.poll_reads() if self.receiver.reads_in_place else []:
+            if tid in self._waiting:
+                self._read[tid] = error
+            else:  # aborted during the read: now that it is over, the blocks can go
+                self._release(tid, "the request was aborted on the decode engine")
         for tid, when in list(self._aborted.items()):
             if now - when > self.timeout_s:
                 del self._aborted[tid]
@@ -320,15 +243,16 @@ class Importer:
                 if now > deadline:
                     del self._waiting[tid]
                     self.num_failures += 1
-                    outputs.append(_error_output(req, f"no cache state arrived from the prefill engine within "
+                    outputs.append(error_output(req, f"no cache state arrived from the prefill engine within "
                                                       f"{self.timeout_s:g} s (transfer {tid})"))
                 continue
             out = self._import(req, arrival)
             if out is not None:
-                del self._waiting[tid], self._arrived[tid]
+                del self._waiting[tid]
+                self._arrived.pop(tid, None)
                 outputs.append(out)
         for tid, arrival in list(self._arrived.items()):
-            if tid not in self._waiting and now - arrival.time > self.timeout_s:
+            if tid not in self._waiting and tid not in self._reading and now - arrival.time > self.timeout_s:
                 del self._arrived[tid]
                 self.receiver.ack(arrival.peer, tid, f"no request for this transfer reached the decode engine "
                                                      f"within {self.timeout_s:g} s")
@@ -345,15 +269,27 @@ class Importer:
         if problem is not None:
             self.receiver.ack(arrival.peer, state.request_id, problem)
             self.num_failures += 1
-            return _error_output(req, f"cache transfer refused: {problem}")
+            return error_output(req, f"cache transfer refused: {problem}")
         sched, runner = self.core.scheduler, self.core.runner
+        in_place = self.receiver.reads_in_place and arrival.source is not None and bool(arrival.source.remote)
+        if in_place:
+            if not self._state_read(req, arrival):
+                return None  # the read is under way, or waits for room
+            error = self._read.pop(state.request_id)
+            if error is not None:
+                self._release(state.request_id, error)
+                self.num_failures += 1
+                return error_output(req, f"cache transfer failed: {error}")
         out = sched.admit_imported(req, state.first_token, state.first_logprob)
         if out is None:
+            if in_place:
+                self._read[state.request_id] = None
             return None  # no room yet; retried on the next step
+        self._reading.pop(state.request_id, None)
         try:
             # finished already (the first token stopped it): its blocks are free, nothing to write
-            if req.block_ids:
-                unpack_request_state(engine_caches(self.core), req.block_ids, req.state_slot, arrival.buffers)
+            if req.block_ids and not in_place:
+                self.receiver.write(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
             if runner.speculator is not None and state.hidden and not req.is_finished:
                 hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
                 runner.speculator.hidden[req.request_id] = hidden.view(runner.model.dtype).to(runner.device)
@@ -366,17 +302,42 @@ class Importer:
             self.receiver.ack(arrival.peer, state.request_id, f"{type(e).__name__}: {e}")
             self.num_failures += 1
             self.core.scheduler.abort([req.request_id])  # frees what it took; its output is the error below
-            return _error_output(req, f"cache transfer could not be imported: {type(e).__name__}: {e}")
+            return error_output(req, f"cache transfer could not be imported: {type(e).__name__}: {e}")
         self.receiver.ack(arrival.peer, state.request_id)
         self.num_total += 1
         return out
+
+    def _state_read(self, req: Request, arrival: Any) -> bool:
+        """Whether the state left in the sender's cache is read into ``req``'s blocks (or failed to be); else
+        start the read when the batch and the cache have room for the request."""
+        tid = arrival.state.request_id
+        if tid in self._read:
+            return True
+        if tid in self._reading:
+            return False
+        sched = self.core.scheduler
+        if (len(sched.running) + len(self._reading) >= sched.config.max_num_seqs
+                or not sched.cache.try_allocate(req, req.num_prompt_tokens)):
+            return False
+        self._reading[tid] = req
+        self.receiver.read(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
+        return False
+
+    def _release(self, tid: str, error: str) -> None:
+        """Free the blocks a read in place took (over now) and tell the sender why its state was not taken."""
+        self.core.scheduler.cache.free(self._reading.pop(tid))
+        self._read.pop(tid, None)
+        self.receiver.ack(self._arrived.pop(tid).peer, tid, error)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         ids, outputs = set(request_ids), []
         for tid, (req, _) in list(self._waiting.items()):
             if req.request_id in ids:
                 del self._waiting[tid]
-                self._aborted[tid] = time.monotonic()
+                if tid in self._read:  # read, not in the batch yet: free its blocks now
+                    self._release(tid, "the request was aborted on the decode engine")
+                elif tid not in self._reading:  # a read under way frees them when it is over
+                    self._aborted[tid] = time.monotonic()
                 outputs.append(RequestOutput(req.request_id, [], None, True, "abort",
                                              num_prompt_tokens=req.num_prompt_tokens))
         return outputs
@@ -386,10 +347,10 @@ class Importer:
         self.wake.close()
 
 
-def make_role(core: Any, config: Any) -> Exporter | Importer | None:
+def make_role(core: Any, config: Any) -> Exporter | Importer | EncodedColocated | None:
     check_role(config)
     if config.role == "prefill":
         return Exporter(core, config)
     if config.role == "decode":
         return Importer(core, config)
-    return None
+    return EncodedColocated(core, config) if config.encoder_address else None

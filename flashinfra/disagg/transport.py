@@ -1,7 +1,7 @@
 """Moving request states between engines over ZeroMQ/TCP, behind a layout handshake.
 
-``StateReceiver`` (decode side) binds a ROUTER socket; ``StateSender`` (prefill side) connects one DEALER
-per decode engine. Every socket belongs to one background thread per object, woken through an inproc
+``StateReceiver`` (decode side) binds a ROUTER socket (``channel.HandshakeServer``); ``StateSender``
+(prefill side) connects one DEALER per decode engine. Every socket belongs to one background thread per object, woken through an inproc
 socket, so the engine loop only puts work on a queue and takes results off another: it never waits on the
 network, and no Python thread holds the GIL while bytes move or while waiting (pyzmq's blocking calls
 release it; libzmq's I/O threads move the bytes).
@@ -24,7 +24,6 @@ one is ready.
 from __future__ import annotations
 
 import collections
-import itertools
 import queue
 import threading
 import time
@@ -33,32 +32,24 @@ from typing import Callable
 import msgspec
 import zmq
 
-from flashinfra.disagg.layout import CacheLayout, LayoutMismatch, RequestState, check_compatible
-
-HANDSHAKE_TIMEOUT_S = 5.0
-HEARTBEAT_IVL_MS = 1000  # a connection with no traffic for HEARTBEAT_TIMEOUT_MS counts as lost
-HEARTBEAT_TIMEOUT_MS = 5000
+from flashinfra.disagg.channel import (HandshakeServer, Hello, Reply, Waker, close_peer, connect_peer,
+                                       disconnected)
+from flashinfra.disagg.layout import Caches, CacheLayout, LayoutMismatch, RequestState, unpack_request_state
 
 
 class TransferError(RuntimeError):
     pass
 
 
-class _Hello(msgspec.Struct, tag="hello"):
-    layout: CacheLayout
-
-
 class _Transfer(msgspec.Struct, tag="transfer"):
     state: RequestState
-    # buffers left in the sender's registered memory for the receiver to read (``disagg.mooncake``):
-    # (address, bytes) each, on the sender's transfer-engine session; empty: the buffers follow as frames
+    # the state left in the sender's registered cache for the receiver to read in place (``disagg.mooncake``):
+    # per layout tensor (base address, bytes per block or slot), the request's blocks and slot there, on the
+    # sender's transfer-engine session; empty: the buffers follow as frames
     remote: list[tuple[int, int]] = []
+    blocks: list[int] = []
+    slot: int | None = None
     session: str = ""
-
-
-class _Reply(msgspec.Struct, tag="reply"):
-    ok: bool
-    error: str = ""
 
 
 class _Ack(msgspec.Struct, tag="ack"):
@@ -67,38 +58,8 @@ class _Ack(msgspec.Struct, tag="ack"):
 
 
 _enc = msgspec.msgpack.Encoder()
-_to_receiver = msgspec.msgpack.Decoder(_Hello | _Transfer)
-_to_sender = msgspec.msgpack.Decoder(_Reply | _Ack)
-_names = itertools.count()
-
-
-class _Waker:
-    """An inproc PUSH/PULL pair: ``wake()`` from the owner's thread interrupts the background thread's poll."""
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        addr = f"inproc://flashinfra-disagg-{next(_names)}"
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.bind(addr)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.SNDHWM, 1)
-        self.push.connect(addr)
-
-    def wake(self) -> None:
-        try:
-            self.push.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a wake-up is already pending
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-
-    def close(self) -> None:
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
+_to_receiver = msgspec.msgpack.Decoder(Hello | _Transfer)
+_to_sender = msgspec.msgpack.Decoder(Reply | _Ack)
 
 
 def _frame(buf) -> memoryview | bytes:
@@ -108,29 +69,27 @@ def _frame(buf) -> memoryview | bytes:
 
 
 class Arrival(msgspec.Struct):
-    """A request state received by a ``StateReceiver``; answer it with ``StateReceiver.ack``."""
+    """A request state received by a ``StateReceiver``: put it in the cache with ``StateReceiver.write``, then
+    answer it with ``StateReceiver.ack``."""
 
     peer: bytes
     state: RequestState
-    buffers: list
+    buffers: list  # the packed buffers (frames); empty when the bytes are still in the sender's cache
     time: float
+    source: _Transfer | None = None  # the header, which says where the sender's cache holds the state
 
 
-class StateReceiver:
+class StateReceiver(HandshakeServer):
     """Accepts senders whose layout matches ``layout``; arrivals are taken with ``poll``."""
+
+    reads_in_place = False  # whether ``write`` can read a state left in the sender's cache
 
     def __init__(self, layout: CacheLayout, address: str = "tcp://127.0.0.1:*",
                  wake: Callable[[], None] | None = None):
-        self.layout = layout
-        self._ctx = zmq.Context.instance()
-        self._sock, self.address = bind_router(self._ctx, address)
         self._wake_owner = wake
-        self._waker = _Waker(self._ctx)
         self._arrivals: collections.deque[Arrival] = collections.deque()
         self._acks: collections.deque[tuple[bytes, _Ack]] = collections.deque()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="disagg-receiver", daemon=True)
-        self._thread.start()
+        super().__init__(layout, address, _to_receiver.decode, "disagg-receiver")
 
     def poll(self) -> list[Arrival]:
         out = []
@@ -143,114 +102,29 @@ class StateReceiver:
         self._acks.append((peer, _Ack(request_id, error)))
         self._waker.wake()
 
-    def _loop(self) -> None:
-        accepted: set[bytes] = set()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._waker.pull, zmq.POLLIN)
-        while not self._stop:
-            events = dict(poller.poll())
-            if self._waker.pull in events:
-                self._waker.drain()
-            while self._acks:
-                peer, ack = self._acks.popleft()
-                self._sock.send_multipart([peer, _enc.encode(ack)])
-            if self._sock not in events:
-                continue
-            while True:
-                try:
-                    peer, head, *bufs = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                peer = bytes(peer)
-                msg = _to_receiver.decode(head.buffer)
-                if isinstance(msg, _Hello):
-                    try:
-                        check_compatible(self.layout, msg.layout)
-                    except LayoutMismatch as e:
-                        self._sock.send_multipart([peer, _enc.encode(_Reply(False, str(e)))])
-                        continue
-                    accepted.add(peer)
-                    self._sock.send_multipart([peer, _enc.encode(_Reply(True))])
-                elif peer not in accepted:
-                    err = "no layout handshake on this connection (the decode engine restarted?)"
-                    self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
-                else:
-                    try:
-                        buffers = self._buffers(msg, bufs)
-                    except Exception as e:  # noqa: BLE001 - this transfer fails, the others go on
-                        err = f"the decode engine could not receive the state: {type(e).__name__}: {e}"
-                        self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
-                        continue
-                    self._arrivals.append(Arrival(peer, msg.state, buffers, time.monotonic()))
-                    if self._wake_owner is not None:
-                        self._wake_owner()
+    def write(self, arrival: Arrival, caches: Caches, block_ids: list[int], slot: int | None) -> None:
+        """Put an arrived state into ``caches`` at ``block_ids`` and ``slot`` (on the engine's thread)."""
+        unpack_request_state(caches, block_ids, slot, arrival.buffers)
 
-    def _buffers(self, msg: _Transfer, frames: list) -> list:
-        """The transfer's buffers (on the receiver's thread): here, the frames that followed its header."""
-        if msg.remote:
-            raise TransferError("the state was left in the sender's memory, and this engine has no Mooncake "
-                                "transport to read it (start both sides with the same --transfer-backend)")
-        return [f.buffer for f in frames]
+    def _on_wake(self) -> None:
+        while self._acks:
+            peer, ack = self._acks.popleft()
+            self._sock.send_multipart([peer, _enc.encode(ack)])
 
-    def close(self) -> None:
-        self._stop = True
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
-        self._sock.close(linger=0)
+    def _refuse(self, msg: _Transfer) -> list:
+        return [_enc.encode(_Ack(msg.state.request_id, "no layout handshake on this connection (the decode engine "
+                                                       "restarted?)"))]
 
-
-def _disconnected(monitor: zmq.Socket) -> bool:
-    """Drain a connection monitor; whether it reported the connection lost."""
-    from zmq.utils.monitor import recv_monitor_message
-
-    lost = False
-    while True:
-        try:
-            lost = recv_monitor_message(monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED or lost
-        except zmq.Again:
-            return lost
-
-
-def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
-    sock.disable_monitor()
-    monitor.close(linger=0)
-    sock.close(linger=0)
-
-
-def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
-    """The ROUTER that peers connect to (heartbeats on, so a silent peer counts as lost) and its address."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.bind(address)
-    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-
-
-def connect_peer(ctx: zmq.Context, peer: str, hello: bytes, read_reply: Callable[[bytes], object], reply_type: type,
-                 what: str, poller: zmq.Poller, error: type[Exception]) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER to ``peer`` (``what`` names it in errors) that sent ``hello`` and got a ``reply_type`` with
-    ``ok`` back (else ``LayoutMismatch``; no answer: ``error``), and the monitor socket that reports its
-    disconnection, both registered with ``poller``. Heartbeats make a silent peer count as lost."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(peer)
-    sock.send(hello)
-    if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
-        _close(sock, monitor)
-        raise error(f"no answer from {what} at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
-    reply = read_reply(sock.recv())
-    if not isinstance(reply, reply_type) or not reply.ok:
-        _close(sock, monitor)
-        raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    return sock, monitor
+    def _handle(self, peer: bytes, msg: _Transfer, frames: list) -> None:
+        if msg.remote and not self.reads_in_place:
+            err = ("the decode engine could not receive the state: the state was left in the sender's memory, and "
+                   "this engine has no Mooncake transport to read it (start both sides with the same "
+                   "--transfer-backend)")
+            self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
+            return
+        self._arrivals.append(Arrival(peer, msg.state, [f.buffer for f in frames], time.monotonic(), msg))
+        if self._wake_owner is not None:
+            self._wake_owner()
 
 
 class StateSender:
@@ -263,7 +137,7 @@ class StateSender:
         self.max_inflight = max_inflight
         self._ctx = zmq.Context.instance()
         self._wake_owner = wake
-        self._waker = _Waker(self._ctx)
+        self._waker = Waker(self._ctx)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque[tuple[str, str | None]] = collections.deque()
         self._outstanding = 0  # touched only by the owner's thread (send / poll)
@@ -277,7 +151,8 @@ class StateSender:
 
     def send(self, peer: str, state: RequestState, buffers: list | Callable[[], list]) -> None:
         """Queue a transfer to the receiver at ``peer``; returns at once. ``buffers`` (or the callable that
-        packs them, called on the sender's thread) must stay valid until the result is polled."""
+        packs them, called on the sender's thread: ``layout.RequestPages``) must stay valid until the result is
+        polled."""
         if self._outstanding >= self.max_inflight:
             raise TransferError(f"{self._outstanding} transfers are already queued or unacknowledged "
                                 f"(at most {self.max_inflight})")
@@ -292,21 +167,18 @@ class StateSender:
         self._outstanding -= len(out)
         return out
 
-    def _message(self, state: RequestState, buffers: list) -> list:
+    def _message(self, state: RequestState, buffers: list | Callable[[], list]) -> list:
         """The multipart message of one transfer (on the sender's thread): here, the buffers as frames."""
-        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in buffers]
-
-    def _release(self, request_id: str) -> None:
-        """Called when a transfer is over (acknowledged, failed or timed out), on the sender's thread."""
+        bufs = buffers() if callable(buffers) else buffers
+        return [_enc.encode(_Transfer(state))] + [_frame(b) for b in bufs]
 
     def _finish(self, request_id: str, error: str | None) -> None:
-        self._release(request_id)
         self._done.append((request_id, error))
         if self._wake_owner is not None:
             self._wake_owner()
 
     def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
-        return connect_peer(self._ctx, peer, _enc.encode(_Hello(self.layout)), _to_sender.decode, _Reply,
+        return connect_peer(self._ctx, peer, _enc.encode(Hello(self.layout)), _to_sender.decode, Reply,
                             "the decode engine", poller, TransferError)
 
     def _loop(self) -> None:
@@ -332,8 +204,7 @@ class StateSender:
                     if peer not in peers:
                         peers[peer] = self._connect(peer, poller)
                     sock = peers[peer][0]
-                    bufs = buffers() if callable(buffers) else buffers
-                    sock.send_multipart(self._message(state, bufs), flags=zmq.NOBLOCK, copy=False)
+                    sock.send_multipart(self._message(state, buffers), flags=zmq.NOBLOCK, copy=False)
                     inflight[rid] = (time.monotonic() + self.timeout_s, peer)
                 except LayoutMismatch as e:
                     refused[peer] = str(e)
@@ -343,7 +214,7 @@ class StateSender:
                 except Exception as e:  # noqa: BLE001 - the transfer fails, the engine goes on
                     self._finish(rid, f"transfer to {peer} failed: {type(e).__name__}: {e}")
             for peer, (sock, monitor) in list(peers.items()):
-                lost = monitor in events and _disconnected(monitor)
+                lost = monitor in events and disconnected(monitor)
                 if sock in events or lost:
                     while True:
                         try:
@@ -356,7 +227,7 @@ class StateSender:
                 if lost:
                     for poll_sock in (sock, monitor):
                         poller.unregister(poll_sock)
-                    _close(sock, monitor)
+                    close_peer(sock, monitor)
                     del peers[peer]
                     for rid, (_, to) in list(inflight.items()):
                         if to == peer:
@@ -370,7 +241,7 @@ class StateSender:
                     self._finish(rid, f"the decode engine at {peer} did not acknowledge the transfer within "
                                       f"{self.timeout_s:g} s")
         for sock, monitor in peers.values():
-            _close(sock, monitor)
+            close_peer(sock, monitor)
 
     def close(self) -> None:
         self._stop = True

@@ -169,6 +169,10 @@ class EngineConfig(LoadConfig):
               "(default: off)", min=0)
     enable_vision: bool = option(False, "load the vision tower and accept images and video "
                                         "(off: text only, no encoder memory reserved)")
+    encoder_address: str = option(
+        "", "with --enable-vision: the encode-role engine (its --transfer-address) that makes this engine's image "
+            "and video embeddings, so no vision tower is loaded here (flashinfra router --encode names one per "
+            "request instead)", metavar="ADDR")
     encoder_cache_memory: int = option(256 * 2**20, "bytes of vision encoder outputs kept by content hash",
                                        min=0, parse=parse_memory, metavar="SIZE")
     media_max_bytes: int = option(20 * 2**20, "encoded size of one image or video in a request", min=1,

@@ -48,8 +48,9 @@ class EngineCore:
                              f"{2 * DETERMINISTIC_ALIGN}")
         if model is None:
             path = Path(config.model) if config.model else default_model_dir()
-            # a decode role never encodes: its prompts were computed by a prefill engine
-            vision = config.enable_vision and config.role != "decode"
+            # a decode role never encodes: its prompts were computed by a prefill engine; nor does an engine whose
+            # images an encode engine embeds
+            vision = config.enable_vision and config.role != "decode" and not config.encoder_address
             if config.load_format == "random":
                 from flashinfra.config import load_config
                 from flashinfra.model.api import random_model
@@ -71,6 +72,7 @@ class EngineCore:
         prefix_slots = config.resolved_prefix_slots
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.seed, prefix_slots,
                                   encoder_cache_bytes=config.encoder_cache_memory,
+                                  remote_encoder=config.enable_vision and bool(config.encoder_address),
                                   speculative_tokens=config.speculative_tokens, deterministic=config.deterministic)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine(config, max_model_len),
@@ -80,7 +82,7 @@ class EngineCore:
             events=self.events,
         )
         self.disagg = None
-        if config.role != "both":
+        if config.role != "both" or config.encoder_address:
             from flashinfra.disagg.roles import make_role
 
             self.disagg = make_role(self, config)
@@ -110,7 +112,9 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             role=self.config.role,
             transfer_address=getattr(self.disagg, "address", ""),
-            cache_layout=None if self.disagg is None else msgspec.to_builtins(self.disagg.layout),
+            cache_layout=None if self.disagg is None or self.disagg.layout is None
+            else msgspec.to_builtins(self.disagg.layout),
+            vision="tower" if self.model.vision is not None else "encoder" if self.runner.embedder is not None else "",
         )
 
     @property
@@ -127,19 +131,19 @@ class EngineCore:
         if any(t >= self.vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
         importing = request.transfer is not None and request.transfer.role == "import"
-        if (request.mm_items or self.model.vision is not None) and not importing:  # imports were encoded elsewhere
+        embeds = self.runner.embedder is not None
+        if (request.mm_items or embeds) and not importing:  # imports were encoded elsewhere
             from flashinfra.multimodal.encoder import validate_request
 
-            validate_request(self.model, ids, request.mm_items)
+            validate_request(self.model, ids, request.mm_items, embeds)
         req = Request(request.request_id, list(ids), request.sampling, request.arrival_time, self.eos_token_ids)
         req.mm_items = sorted(request.mm_items, key=lambda it: it.offset)
         req.transfer = request.transfer
-        if self.disagg is not None:
-            if not self.disagg.admit(req):
-                return  # admitted to the scheduler when its state (or its images' embeddings) arrives
-        elif req.transfer is not None:
+        if req.transfer is not None and self.config.role == "both":
             raise ValueError("this engine runs both prefill and decode; kv_transfer_params needs an engine started "
                              "with --role prefill or --role decode")
+        if self.disagg is not None and not self.disagg.admit(req):
+            return  # admitted to the scheduler when its state (or its images' embeddings) arrives
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> None:

@@ -48,7 +48,8 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
     if budget is None:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(free * GPU_CACHE_FRACTION) - encoder_reserve_bytes(model, config.encoder_cache_memory)
+            reserve = encoder_reserve_bytes(model, config.encoder_cache_memory, bool(config.encoder_address))
+            budget = int(free * GPU_CACHE_FRACTION) - reserve
         else:
             budget = CPU_DEFAULT_CACHE_BYTES
     left = budget - num_slots * per_slot
@@ -63,7 +64,7 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
                  num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
-                 speculative_tokens: int = 0, deterministic: bool = False) -> None:
+                 speculative_tokens: int = 0, deterministic: bool = False, remote_encoder: bool = False) -> None:
         self.model = model
         self.deterministic = deterministic
         self.device = model.device
@@ -75,7 +76,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
-        self.embedder = make_embedder(model, encoder_cache_bytes)  # None unless the vision tower is loaded
+        # None unless the vision tower is loaded or an encode engine (``remote_encoder``) makes the embeddings
+        self.embedder = make_embedder(model, encoder_cache_bytes, remote_encoder)
         self.speculator = None
         if speculative_tokens:
             from flashinfra.engine.speculative import Speculator

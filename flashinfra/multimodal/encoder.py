@@ -28,11 +28,12 @@ from flashinfra.multimodal.pixels import patchify
 ENCODER_BATCH_PATCHES = 1 << 16  # most patches one tower run takes (bounds its activation memory)
 
 
-def encoder_reserve_bytes(model, cache_bytes: int) -> int:
+def encoder_reserve_bytes(model, cache_bytes: int, remote: bool = False) -> int:
     """Device memory to leave free for the encoder when the KV cache is sized from what is free: the encoder
-    cache and one run's activations (0 without the vision tower: text only reserves nothing)."""
+    cache and one run's activations (only the cache when an encode engine makes the embeddings, ``remote``;
+    0 without either: text only reserves nothing)."""
     if model.vision is None:
-        return 0
+        return cache_bytes if remote else 0
     cfg = model.vision.cfg
     per_patch = (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * model.dtype.itemsize
     return cache_bytes + ENCODER_BATCH_PATCHES * per_patch
@@ -123,7 +124,10 @@ def validate_items(prompt: list[int], items: list[MultiModalItem], pad_id: int, 
 
 
 class MultiModalEmbedder:
-    def __init__(self, tower: VisionTower, embed_tokens: torch.Tensor, pad_id: int, cache_bytes: int) -> None:
+    """``tower`` None: the embeddings come from an encode engine (``disagg.remote_encode`` puts them in the
+    cache before a request is scheduled), and the embedder only reads the cache."""
+
+    def __init__(self, tower: VisionTower | None, embed_tokens: torch.Tensor, pad_id: int, cache_bytes: int) -> None:
         self.tower = tower
         self.embed_tokens = embed_tokens
         self.pad_id = pad_id
@@ -138,6 +142,9 @@ class MultiModalEmbedder:
         missing = [it for key, it in needed.items() if key not in self.cache]
         self.cache.hits += len(needed) - len(missing)
         self.cache.misses += len(missing)
+        if missing and self.tower is None:
+            raise RuntimeError(f"{len(missing)} images/videos have no embeddings in the encoder cache, and this "
+                               f"engine has no vision tower to make them")
         if missing:
             start = time.perf_counter()
             rows = encode_items(self.tower, missing, input_ids.device)
@@ -164,19 +171,21 @@ class MultiModalEmbedder:
         return x
 
 
-def make_embedder(model, cache_bytes: int) -> MultiModalEmbedder | None:
-    """The embedder of a ``LoadedModel`` whose vision tower is loaded, else None (text only, nothing held)."""
-    if model.vision is None:
+def make_embedder(model, cache_bytes: int, remote: bool = False) -> MultiModalEmbedder | None:
+    """The embedder of a ``LoadedModel`` whose vision tower is loaded, or whose embeddings an encode engine
+    makes (``remote``), else None (text only, nothing held)."""
+    if model.vision is None and not remote:
         return None
     return MultiModalEmbedder(model.vision, model.model.embed_tokens, model.config.image_token_id, cache_bytes)
 
 
-def validate_request(model, prompt: list[int], items: list[MultiModalItem]) -> None:
-    """A request's images/videos against the loaded model: ``ValueError`` naming what is wrong."""
-    if items and model.vision is None:
+def validate_request(model, prompt: list[int], items: list[MultiModalItem], embeds: bool) -> None:
+    """A request's images/videos against the model (``embeds``: whether the engine can embed them, with its
+    tower or an encode engine): ``ValueError`` naming what is wrong."""
+    if items and not embeds:
         raise ValueError("this engine was started without vision (enable_vision=False): images and video are refused")
-    if model.vision is None:
+    if not embeds:
         return
-    cfg = model.vision.cfg
-    validate_items(prompt, items, model.config.image_token_id, model.vision.merge_unit, cfg.patch_size,
+    cfg = model.config.vision
+    validate_items(prompt, items, model.config.image_token_id, cfg.spatial_merge_size ** 2, cfg.patch_size,
                    cfg.temporal_patch_size)

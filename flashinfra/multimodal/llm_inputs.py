@@ -15,7 +15,7 @@ def multimodal_prompt(llm, prompt: Any, images: Sequence[Any] | None, videos: Se
         raise ValueError("images and videos need a text prompt (it says where they go)")
     if llm.tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer.json: images need a text prompt")
-    if llm.engine.model.vision is None:
+    if llm.engine.runner.embedder is None:
         raise ValueError("images and videos need LLM(..., enable_vision=True) (the vision tower is not loaded)")
     images, videos = list(images or []), list(videos or [])
     # a bare <|image|> gets its begin/end tokens, as the chat template writes them

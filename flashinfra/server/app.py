@@ -31,7 +31,7 @@ from starlette.background import BackgroundTask
 from flashinfra.generation_defaults import apply_defaults, load_generation_defaults
 from flashinfra.server.chat_output import MarkerDecoder, ParsedChatFormatter
 from flashinfra.server.chat_request import prepare_chat
-from flashinfra.server.disagg import attach_transfer, install_disagg_routes
+from flashinfra.server.disagg import attach_transfer, check_embeddable, install_disagg_routes
 from flashinfra.server.engine_client import ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, EngineLauncher
 from flashinfra.server.errors import APIError, error_body, error_response, install_error_handlers
 from flashinfra.server.formatting import CompletionFormatter, sse
@@ -175,6 +175,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         for c in choices:
             c.mm_items = chat.mm_items
         attach_transfer(choices, body.kv_transfer_params)
+        check_embeddable(state, choices)
         fmt = ParsedChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
                                   body.return_token_ids, think_open=chat.think_open, tools=chat.tools,
                                   tools_enabled=chat.tools_enabled)

@@ -98,6 +98,11 @@ def _startup_lines(engine_config: EngineConfig, model_path, name: str, opts: Ser
                 f"{info.num_blocks} blocks x {info.block_size} tokens)")
     lines.append(ctx)
     lines.append(f"cache: {info.num_blocks} blocks of {info.block_size} tokens, {info.max_num_seqs} sequence slots")
+    if info.vision == "tower":
+        lines.append("images: the vision tower is loaded")
+    elif info.vision == "encoder":
+        lines.append(f"images: embedded by the encode engine at {engine_config.encoder_address} (or the one a "
+                     f"request names); no vision tower loaded")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lines.append(f"server process memory: {rss_mb:.0f} MiB peak RSS")
     lines.append(f"listening on http://{opts.host}:{opts.port}; engine failure policy: {opts.engine_failure}")

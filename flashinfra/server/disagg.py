@@ -2,8 +2,10 @@
 
 A request's ``kv_transfer_params`` (set by ``flashinfra router``) become one engine ``TransferParams`` per
 choice, the transfer id suffixed with the choice index (prefill and decode servers number choices alike).
-``GET /disagg/info`` tells a router the engine's role, where a decode engine receives request states, and
-the engine's cache layout, which the router compares across engines before it routes anything.
+``GET /disagg/info`` tells a router the engine's role, where a decode engine receives request states, the
+engine's cache layout, which the router compares across engines before it routes anything, and what makes its
+image embeddings (``vision``: its tower, an encode engine, or nothing). A request with images reaching an
+engine that has nothing to embed them with is answered 400 (``check_embeddable``).
 
 ``--role encode`` runs no engine process: ``run_encode_server`` loads the vision tower alone, answers
 prefill engines on ``--transfer-address`` (``disagg.encode.EncodeServer``) and serves ``/health``,
@@ -17,7 +19,7 @@ import sys
 from fastapi import FastAPI, Request
 
 from flashinfra.engine.sched.messages import TransferParams
-from flashinfra.server.errors import error_response
+from flashinfra.server.errors import bad_request, error_response
 
 
 def attach_transfer(choices: list, params) -> None:
@@ -28,6 +30,19 @@ def attach_transfer(choices: list, params) -> None:
         c.transfer = TransferParams(f"{params.transfer_id}-{c.index}", params.role, params.peer, params.encoder)
 
 
+def check_embeddable(state, choices: list) -> None:
+    """A 400 for a request with images or videos that this engine cannot embed: no vision tower and no encode
+    engine (a decode-role engine; it takes them only in requests whose prefill was computed elsewhere)."""
+    info = state.client.info
+    if info is None or info.vision:
+        return
+    for c in choices:
+        if c.mm_items and (c.transfer is None or c.transfer.role != "import"):
+            raise bad_request(f"this {info.role}-role engine has no vision tower and no encode engine: images and "
+                              f"videos go to a prefill or both engine started with --enable-vision (and "
+                              f"--encoder-address when an encode engine makes their embeddings)", "messages")
+
+
 def install_disagg_routes(app: FastAPI) -> None:
     @app.get("/disagg/info")
     async def disagg_info(request: Request):
@@ -36,7 +51,7 @@ def install_disagg_routes(app: FastAPI) -> None:
         if info is None or not state.client.healthy:
             return error_response(503, "the engine is not running", code="engine_unavailable")
         return {"role": info.role, "transfer_address": info.transfer_address, "cache_layout": info.cache_layout,
-                "model": state.model_name, "max_model_len": info.max_model_len}
+                "model": state.model_name, "max_model_len": info.max_model_len, "vision": info.vision}
 
 
 def create_encode_app(server, layout, name: str) -> FastAPI:

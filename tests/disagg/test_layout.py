@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashinfra.disagg.layout import (
-    LayoutMismatch, check_compatible, describe, pack_request_state, unpack_request_state,
+    LayoutMismatch, check_compatible, describe, pack_request_state, page_runs, unpack_request_state,
 )
 from flashinfra.model.cache import ModelCache
 
@@ -46,3 +46,9 @@ def test_wrong_buffer_size_refused():
     bufs = pack_request_state(src, [1, 2], slot=0)
     with pytest.raises(LayoutMismatch, match="bytes, expected"):
         unpack_request_state(_cache(), [1], slot=0, buffers=bufs)
+
+
+def test_page_runs_pair_ids_consecutive_on_both_sides():
+    assert page_runs([5, 6, 7, 1, 2, 9], [0, 1, 2, 3, 4, 5]) == [(5, 0, 3), (1, 3, 2), (9, 5, 1)]
+    assert page_runs([1, 2, 3], [4, 3, 2]) == [(1, 4, 1), (2, 3, 1), (3, 2, 1)]
+    assert page_runs([], []) == []

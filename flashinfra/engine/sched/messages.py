@@ -239,6 +239,7 @@ class EngineReady(msgspec.Struct, tag=True):
     role: str = "both"  # disaggregated serving: "prefill" | "decode" | "both"
     transfer_address: str = ""  # decode role: where request states are received
     cache_layout: dict | None = None  # prefill/decode roles: the engine's CacheLayout (flashinfra.disagg.layout)
+    vision: str = ""  # what makes image embeddings: "tower" (loaded here), "encoder" (an encode engine) or "" (none)
 
 
 class EngineError(msgspec.Struct, tag=True):
