@@ -1,7 +1,8 @@
 """Disaggregated serving end to end on the loopback, with the built-in model: a prefill-role server, a
 decode-role server and ``flashinfra router`` in front of them, against one ``--role both`` server.
 
-Greedy outputs through the router equal the single server's (completions and chat, streamed and not, four
+Every test runs over both transports (ZeroMQ, and Mooncake over TCP where its engine loads). Greedy outputs
+through the router equal the single server's (completions and chat, streamed and not, four
 requests at a time); 64 streams at once all finish; the prefill side holds no blocks once the decode side
 acknowledged; a router given a server of the wrong role refuses to start; killing the decode server mid-stream
 ends the stream with an OpenAI error within 5 s."""
@@ -55,11 +56,22 @@ def _kill(server: ServerProcess) -> None:
         server.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("disagg")
-    prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", "--transfer-timeout-s", "60")
-    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", "--transfer-timeout-s", "60")
+def _mooncake_loads() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not _mooncake_loads(), reason="the Mooncake transfer engine does not load here"))])
+def cluster(request, tmp_path_factory):
+    """The servers, their request states moved by the ZeroMQ transport or by Mooncake (TCP on the loopback)."""
+    tmp = tmp_path_factory.mktemp(f"disagg-{request.param}")
+    roles = ("--transfer-timeout-s", "60", "--transfer-backend", request.param)
+    prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", *roles)
+    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", *roles)
     both = _spawn(tmp, "both", "serve", *ENGINE)
     router = _spawn(tmp, "router", "router", "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning")
     servers = {"prefill": prefill, "decode": decode, "both": both, "router": router}
