@@ -30,6 +30,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from flashinfra.server.errors import error_body
+
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -43,11 +45,6 @@ class Backend:
     in_flight: int = 0
     num_requests: int = 0
     num_failures: int = 0
-
-
-def _error(status: int, message: str, code: str) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 def _sse(data: dict | str) -> bytes:
@@ -179,8 +176,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             r = await client.post(p.url + path, json=body)
             status, answer = r.status_code, r.json()
         except Exception as exc:  # noqa: BLE001 - reported as the request's error
-            status, answer = 502, _error(502, f"the prefill server at {p.url} failed: {type(exc).__name__}: {exc}",
-                                         "prefill_unavailable")
+            status, answer = 502, error_body(
+                502, f"the prefill server at {p.url} failed: {type(exc).__name__}: {exc}", code="prefill_unavailable")
         finally:
             p.in_flight -= 1
             if e is not None:
@@ -206,7 +203,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
         return _Refused(blame, status, answer)
 
     def decode_error(d: Backend, e: Exception, status: int = 503) -> dict:
-        return _error(status, f"the decode server at {d.url} failed: {type(e).__name__}: {e}", "decode_unavailable")
+        return error_body(status, f"the decode server at {d.url} failed: {type(e).__name__}: {e}",
+                          code="decode_unavailable")
 
     @app.get("/health")
     async def health():
@@ -226,9 +224,9 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
             body = await request.json()
             assert isinstance(body, dict)
         except Exception:  # noqa: BLE001
-            return JSONResponse(_error(400, "the body is not a JSON object", "invalid_json"), status_code=400)
+            return JSONResponse(error_body(400, "the body is not a JSON object", code="invalid_json"), status_code=400)
         if "kv_transfer_params" in body:
-            return JSONResponse(_error(400, "kv_transfer_params is set by the router", "invalid_request"), 400)
+            return JSONResponse(error_body(400, "kv_transfer_params is set by the router", code="invalid_request"), 400)
         tried: set[str] = set()
         media = by_role["encode"] and _has_media(body)
         while True:
@@ -350,8 +348,8 @@ def create_router(prefill: list[str], decode: list[str], connect_timeout_s: floa
                     return
                 except Exception as e:  # noqa: BLE001 - the decode server went away mid-stream
                     d.num_failures += 1
-                    yield _sse(_error(503, f"the decode server at {d.url} failed mid-stream: {type(e).__name__}: "
-                                           f"{e}", "decode_unavailable"))
+                    yield _sse(error_body(503, f"the decode server at {d.url} failed mid-stream: {type(e).__name__}: "
+                                           f"{e}", code="decode_unavailable"))
                     return
                 yield chunk
                 nxt = asyncio.ensure_future(chunks.__anext__())
