@@ -4,7 +4,8 @@ runner makes (``forward``, ``compute_logits``, ``allocate_cache``, ``logits``).
 Every rank holds the whole model. A step whose batch is one sequence with at least ``min_tokens`` new tokens
 (a long prompt's prefill, or a chunk of one) is split over the ranks (``context.py``); every other batch runs
 replicated on every rank, as on one GPU, over the same cache, which after a split prefill holds the whole
-prompt on every rank. The split step's hidden states stay where they were computed: the runner asks for the
+prompt on every rank; a split step's prefix checkpoints reach every rank's checkpoint slots
+(``context_checkpoints.py``), so prefix caching works as on one rank. The split step's hidden states stay where they were computed: the runner asks for the
 rows it samples (the prompt's last token), and only those are gathered (``context.gather_rows``). With
 ``layer_split`` each rank's cache keeps only its MLA layers (``layer_split.py``), every step, split or not,
 pays the owners' broadcasts, and decode runs without CUDA graphs (the broadcasts' blocks are chosen per step on
@@ -83,10 +84,10 @@ class ContextParallelModel:
                                  self.dtype, self.device, self.cache_spec.state_dtype)
 
     def splits(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` runs split over the ranks. Not a step that writes prefix checkpoints inside it
-        (``batch.checkpoints``): a split rank's final pass does not save states at positions of other parts."""
+        """Whether ``batch`` runs split over the ranks; its prefix checkpoints (``batch.checkpoints``) are computed
+        by the rank owning each position and delivered to every rank (``context_checkpoints.py``)."""
         halo = self.config.text.linear_conv_kernel_dim - 1  # the shortest segment: a whole conv halo
-        return (self.comm.world > 1 and batch.num_seqs == 1 and not any(batch.replay) and not batch.checkpoints
+        return (self.comm.world > 1 and batch.num_seqs == 1 and not any(batch.replay)
                 and batch.query_lens[0] >= max(self.min_tokens, 2 * self.comm.world * halo, 1))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
@@ -99,7 +100,8 @@ class ContextParallelModel:
         text = self.config.text
         split = split_prompt(batch.query_lens[0], self.comm.world, self.zigzag, text.linear_conv_kernel_dim - 1)
         mine = context_batch(split, self.rank, batch.context_lens[0], batch.state_slots[0],
-                             list(batch.block_tables[0]), batch.block_size, self.device)
+                             list(batch.block_tables[0]), batch.block_size, self.device,
+                             tuple((p, slot) for _, p, slot in batch.checkpoints))
         hidden = model(input_ids[split.token_index(self.rank).to(input_ids.device)], mine, cache)
         if rows is None:
             rows = torch.arange(split.num_tokens)
