@@ -22,13 +22,11 @@ The summary costs the 16-token in-chunk kernel and a walk of ``K + V`` state col
 is what buys each rank its initial state without waiting for the ranks before it. The final pass must run the
 whole prefill from the corrected state: its outputs depend on the initial state through every token.
 
-MLA/DSA layers (``gather_cache_hook``): before the layer runs, each rank computes the latent and indexer cache
-entries of its own tokens, all-gathers them and writes the whole prompt's entries into its cache, so that its
-queries' indexer and sparse attention see the full prefix exactly as on one rank. This is the simplest correct
-design: it moves ``(R + 2 Di) * T`` values per layer to every rank and does one extra ``[T, D] x [D, R]``
-projection (the layer forms the latent together with q); gathering only what the top-k selects is left out.
-After the prefill every rank holds the prompt's whole cache and KDA state, so decode runs as on one rank
-(or, with Layer Split, each MLA layer's cache on its owner: ``layer_split.py``).
+MLA/DSA layers (``context_mla.py``): each rank's queries score the whole prompt's indexer entries (all-gathered)
+and attend over the latent rows their top-k selects; every rank's cache receives the whole prompt's latent (or,
+with Layer Split, the layer's owner's, the other ranks only the rows they select). After the prefill every rank
+holds the prompt's whole cache and KDA state, so decode runs as on one rank (or, with Layer Split, each MLA
+layer's cache on its owner: ``layer_split.py``).
 
 Hidden states stay on the rank that computed them: ``gather_rows`` brings every rank only the rows whose logits
 are sampled (a prompt's last token), not the whole prompt's ``[T, D]``.
@@ -48,7 +46,6 @@ from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
 from flashinfra.parallel.context_checkpoints import deliver, local_checkpoints, pool_checkpoints, with_spare_rows
-from flashinfra.quant.cache import write_index_entries, write_latent
 from flashinfra.quant.linear import linear
 
 
@@ -237,32 +234,3 @@ class ContextParallelKDA(nn.Module):
             state[dst] = saved[j].to(state.dtype)
         o = gated_rms_norm(o, gate.view(T, H, K), a.o_norm, a.eps)
         return linear(o.reshape(T, H * K), a.o_proj)
-
-
-def gather_cache_hook(comm: Comm):
-    """A forward pre-hook of an MLA layer: under a ``ContextBatch``, the whole prompt's latent (and indexer)
-    entries written to this rank's cache before the layer reads them."""
-
-    def hook(module, args):
-        x, batch, cache = args[:3]
-        if not isinstance(batch, ContextBatch):
-            return
-        split = batch.split
-        write_latent(cache, module.layer, batch.full_slot_mapping,
-                     gather_tokens(comm, split, module.latent(x)))
-        if module.indexer is not None:
-            write_index_entries(cache, module.layer, batch.full_slot_mapping,
-                                gather_tokens(comm, split, module.indexer.entries(x)))
-
-    return hook
-
-
-def enable_context_parallel(model: nn.Module, comm: Comm) -> None:
-    """Make every layer of ``model`` (a ``Glm5NextModel``, weights whole on every rank) run a ``ContextBatch``
-    as one rank's part of the prompt. The MLA hooks run after any hook already registered (Layer Split's
-    broadcast of the layer's earlier cache)."""
-    for layer in model.layers:
-        if layer.is_kda:
-            layer.attn = ContextParallelKDA(layer.attn, comm)
-        else:
-            layer.attn.register_forward_pre_hook(gather_cache_hook(comm))

@@ -25,8 +25,9 @@ from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
-from flashinfra.parallel.context import context_batch, enable_context_parallel, gather_rows, split_prompt
-from flashinfra.parallel.layer_split import cache_tokens, enable_layer_split, layer_split_cache
+from flashinfra.parallel.context import ContextParallelKDA, context_batch, gather_rows, split_prompt
+from flashinfra.parallel.context_mla import ContextParallelMLA
+from flashinfra.parallel.layer_split import cache_tokens, enable_layer_split, layer_owner, layer_split_cache
 
 # The shortest prefill split over the ranks, per rank. A split step pays, per layer, costs that do not shrink
 # with the tokens: each KDA layer all-gathers every segment's maps, H x K x (K + V) floats each (as many values
@@ -39,6 +40,18 @@ from flashinfra.parallel.layer_split import cache_tokens, enable_layer_split, la
 MIN_TOKENS_PER_RANK = 1024
 
 
+def enable_context_parallel(model: torch.nn.Module, comm: Comm, layer_split: bool) -> None:
+    """Make every layer of ``model`` (a ``Glm5NextModel``, weights whole on every rank) run a ``ContextBatch`` as
+    one rank's part of the prompt; with ``layer_split`` each MLA layer knows the rank that keeps its cache."""
+    mla_layers = model.cfg.mla_layers
+    for layer in model.layers:
+        if layer.is_kda:
+            layer.attn = ContextParallelKDA(layer.attn, comm)
+        else:
+            owner = layer_owner(mla_layers, comm.world, layer.attn.layer) if layer_split else None
+            layer.attn = ContextParallelMLA(layer.attn, comm, owner)
+
+
 class ContextParallelModel:
     def __init__(self, loaded: LoadedModel, comm: Comm, rank: int, min_tokens: int | None = None,
                  zigzag: bool = True, layer_split: bool = False):
@@ -48,8 +61,9 @@ class ContextParallelModel:
         self.loaded, self.comm, self.rank = loaded, comm, rank
         self.min_tokens = comm.world * MIN_TOKENS_PER_RANK if min_tokens is None else min_tokens
         self.zigzag, self.layer_split = zigzag, layer_split
+        enable_context_parallel(loaded.model, comm, layer_split)
+        # on the wrappers: their broadcasts land before the wrapper gathers the prompt's entries over them
         self.broadcasts = enable_layer_split(loaded.model, comm, rank) if layer_split else None
-        enable_context_parallel(loaded.model, comm)
 
     def __getattr__(self, name):  # config, dtype, device, path, report, cache_spec, model...: the loaded model's
         return getattr(self.loaded, name)

@@ -127,8 +127,8 @@ class LayerSplitBroadcasts:
 
 def enable_layer_split(model: nn.Module, comm: Comm, rank: int) -> LayerSplitBroadcasts:
     """Register the owners' broadcasts on every MLA layer of ``model`` (a ``Glm5NextModel``); its cache comes
-    from ``layer_split_cache``. Register before ``context.enable_context_parallel``: the prompt's gathered
-    entries are written over the broadcast blocks."""
+    from ``layer_split_cache``. Register after ``context_model.enable_context_parallel`` (on its MLA wrappers):
+    the prompt's gathered entries are written over the broadcast blocks."""
     cfg = model.cfg
     mla = [layer.attn for layer in model.layers if not layer.is_kda]
     layers = [a.layer for a in mla]
