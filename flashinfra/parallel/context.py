@@ -206,11 +206,14 @@ def kda_context_prefill(comm: Comm, split: ContextSplit, rank: int, q, k, v, g_r
 
 
 class ContextParallelKDA(nn.Module):
-    """A KDA layer that runs a ``ContextBatch`` as part of the whole prompt, any other batch as before."""
+    """A KDA layer that runs a ``ContextBatch`` as part of the whole prompt, any other batch as before. Under
+    tensor parallelism (``tp``) the layer holds its group's share of the heads and the ``ContextBatch`` path,
+    which calls the layer's parts and not the layer, does the all-reduce of the output that the layer's own
+    forward hook does on other batches."""
 
-    def __init__(self, attn: nn.Module, comm: Comm):
+    def __init__(self, attn: nn.Module, comm: Comm, tp: Comm | None = None):
         super().__init__()
-        self.inner, self.comm = attn, comm
+        self.inner, self.comm, self.tp = attn, comm, tp or Comm(1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         a = self.inner
@@ -233,4 +236,4 @@ class ContextParallelKDA(nn.Module):
             conv_state[dst] = conv_saved[j].to(conv_state.dtype)
             state[dst] = saved[j].to(state.dtype)
         o = gated_rms_norm(o, gate.view(T, H, K), a.o_norm, a.eps)
-        return linear(o.reshape(T, H * K), a.o_proj)
+        return self.tp.all_reduce(linear(o.reshape(T, H * K), a.o_proj))

@@ -95,11 +95,12 @@ def gather_latent(comm: Comm, split: ContextSplit, rank: int, latent: torch.Tens
 
 class ContextParallelMLA(nn.Module):
     """An MLA layer that runs a ``ContextBatch`` as part of the whole prompt, any other batch as before;
-    ``owner``: the rank keeping the layer's cache under Layer Split (None without)."""
+    ``owner``: the rank keeping the layer's cache under Layer Split (None without); ``tp``: as for
+    ``ContextParallelKDA`` (the heads split, the latent and the indexer whole on every rank of the group)."""
 
-    def __init__(self, attn: nn.Module, comm: Comm, owner: int | None = None):
+    def __init__(self, attn: nn.Module, comm: Comm, owner: int | None = None, tp: Comm | None = None):
         super().__init__()
-        self.inner, self.comm, self.owner = attn, comm, owner
+        self.inner, self.comm, self.owner, self.tp = attn, comm, owner, tp or Comm(1)
         self.layer, self.indexer = attn.layer, attn.indexer
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache, masks: dict) -> torch.Tensor:
@@ -115,4 +116,4 @@ class ContextParallelMLA(nn.Module):
         need = latent_needs(split, rank, batch.base_context, masks[a.source], self.owner)
         positions, rows = gather_latent(self.comm, split, rank, latent, need)
         write_latent(cache, a.layer, batch.full_slot_mapping[positions], rows)
-        return a.attend(x, q, batch, cache, masks)
+        return self.tp.all_reduce(a.attend(x, q, batch, cache, masks))

@@ -1,6 +1,7 @@
-"""The engine with ``context_parallel_size=2`` over CPU gloo ranks (zig-zag, with and without Layer Split): a
-prompt long enough to be split, and short ones that run replicated, give one rank's greedy tokens; with Layer
-Split rank 0 reports the cache tokens per rank against full replication. With prefix caching on, the split
+"""The engine with ``context_parallel_size=2`` over CPU gloo ranks (zig-zag, with and without Layer Split, and
+with ``tensor_parallel_size=2`` on 4 ranks): a prompt long enough to be split, and short ones that run
+replicated, give one rank's greedy tokens; with Layer Split rank 0 reports the cache tokens per rank against full
+replication. With prefix caching on, the split
 prefill saves its prefix checkpoints on every rank, and later requests that hit them give one rank's logits."""
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ ENGINE = dict(num_blocks=600, block_size=8, max_num_seqs=2, max_num_batched_toke
               device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize("layer_split", [False, True])
-def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split):
+@pytest.mark.parametrize("layer_split,tp", [(False, 1), (True, 1), (False, 2)])
+def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split, tp):
+    """tp 2: 4 ranks, two tensor-parallel groups each holding the model split by heads."""
     ckpt = write_tiny_checkpoint(tmp_path, seed=1)
     rng = random.Random(5)
     long = [rng.randrange(10, 512) for _ in range(2 * MIN_TOKENS_PER_RANK + 9)]
@@ -33,7 +35,8 @@ def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split):
     prompts = [long, [11, 12, 13, 14, 15]]
     want = [o.token_ids for o in one.generate(prompts, params)]
     one.engine.close()
-    llm = flashinfra.LLM(ckpt, context_parallel_size=2, layer_split=layer_split, dist_timeout_s=60, **ENGINE)
+    llm = flashinfra.LLM(ckpt, context_parallel_size=2, tensor_parallel_size=tp, layer_split=layer_split,
+                         dist_timeout_s=60, **ENGINE)
     try:
         comm = llm.engine.runner.model.comm  # plans go over the control channel, uncounted: only split steps count
         got = [o.token_ids for o in llm.generate([prompts[0]], params)]  # alone: its prefill is split
