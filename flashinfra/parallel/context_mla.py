@@ -101,7 +101,7 @@ class ContextParallelMLA(nn.Module):
     def __init__(self, attn: nn.Module, comm: Comm, owner: int | None = None, tp: Comm | None = None):
         super().__init__()
         self.inner, self.comm, self.owner, self.tp = attn, comm, owner, tp or Comm(1)
-        self.layer, self.indexer = attn.layer, attn.indexer
+        self.layer = attn.layer  # what Layer Split's hook reads
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache, masks: dict) -> torch.Tensor:
         a = self.inner

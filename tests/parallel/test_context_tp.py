@@ -1,7 +1,8 @@
 """Tensor parallelism inside context parallelism over 4 CPU gloo ranks (tp 2 x cp 2, zig-zag, with and without
 Layer Split): the long prefill with its prefix checkpoints split over the context-parallel ranks, each a
 tensor-parallel group's shard, gives one rank's hidden states, next decode logits, KDA states (this rank's heads,
-the checkpoints' included) and MLA latent within float32 rounding (``test_context.py``'s scenario)."""
+the checkpoints' included) and MLA latent within float32 rounding (``test_context.py``'s scenario); the start-up
+check takes tp x cp and refuses expert parallelism with context parallelism."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from flashinfra.config import load_config
+from flashinfra.engine.config import EngineConfig
+from flashinfra.parallel.engine import check_layout
+from flashinfra.parallel.launch import config_world
 from flashinfra.parallel.context_model import ContextParallelModel
 from flashinfra.parallel.groups import destroy_distributed, init_distributed, make_context_comms
 from flashinfra.parallel.layer_split import owned_layers
@@ -61,3 +65,12 @@ def test_tensor_parallel_inside_context_parallel_matches_one_rank(checkpoint, si
                 _close(got["state"][layer], want[:, heads], f"{where} layer {layer} state")
             for layer in owned:
                 _close(got["latent"][layer], states["latent"][layer], f"{where} layer {layer} latent")
+
+
+def test_layout_check_takes_tensor_parallel_refuses_expert_parallel(checkpoint):
+    both = EngineConfig(model=str(checkpoint), tensor_parallel_size=2, context_parallel_size=2)
+    check_layout(both)
+    assert config_world(both) == 4
+    with pytest.raises(ValueError, match="context_parallel_size 2 with expert_parallel_size 2"):
+        check_layout(EngineConfig(model=str(checkpoint), tensor_parallel_size=2, expert_parallel_size=2,
+                                  context_parallel_size=2))
