@@ -77,30 +77,28 @@ def _measure(model, comm: MeasuringComm) -> dict:
     return per_layer
 
 
-def _scenario(model, cache, long_rows=None):
+def _scenario(model, cache, before_long=lambda: None):
+    """Prefix prefill, the long prefill (its last row's hidden state), one decode step -> (hidden, decode logits);
+    ``before_long`` runs just before the long prefill."""
     dev = model.device
     model.forward(torch.tensor(PREFIX), ForwardBatch.build([len(PREFIX)], [0], [SLOT], [TABLE], BS, dev), cache)
+    before_long()
     long = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, dev)
-    hidden = model.forward(torch.tensor(LONG), long, cache, rows=long_rows)
+    hidden = model.forward(torch.tensor(LONG), long, cache, rows=torch.tensor([len(LONG) - 1]))
     n = len(PREFIX) + len(LONG)
     h = model.forward(torch.tensor([NEXT]), ForwardBatch.build([1], [n], [SLOT], [TABLE], BS, dev), cache)
-    return hidden, model.compute_logits(h)[0]
+    return hidden.clone(), model.compute_logits(h)[0].clone()
 
 
 def _case(rank: int, world: int, layer_split: bool, path: str):
+    """-> (hidden, decode logits, bytes received per MLA layer in the long prefill, all-to-alls issued)."""
     comm = MeasuringComm(world)
     model = ContextParallelModel(load_model(path), comm, rank, min_tokens=len(LONG), zigzag=True,
                                  layer_split=layer_split)
-    cache = model.allocate_cache(len(TABLE), BS, 2)
-    model.forward(torch.tensor(PREFIX), ForwardBatch.build([len(PREFIX)], [0], [SLOT], [TABLE], BS, model.device),
-                  cache)
-    per_layer = _measure(model, comm)
-    long = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, model.device)
-    hidden = model.forward(torch.tensor(LONG), long, cache, rows=torch.tensor([len(LONG) - 1]))
-    moved, a2a = dict(per_layer), comm.all_to_alls
-    n = len(PREFIX) + len(LONG)
-    h = model.forward(torch.tensor([NEXT]), ForwardBatch.build([1], [n], [SLOT], [TABLE], BS, model.device), cache)
-    return hidden.clone(), model.compute_logits(h)[0].clone(), moved, a2a
+    measured: list[dict] = []  # the decode step after the long prefill moves no gathered bytes
+    hidden, logits = _scenario(model, model.allocate_cache(len(TABLE), BS, 2),
+                               lambda: measured.append(_measure(model, comm)))
+    return hidden, logits, measured[0], comm.all_to_alls
 
 
 def _rank(rank: int, world: int, port: int, path: str, out: dict) -> None:
@@ -135,7 +133,7 @@ def test_selected_latent_rows_move_fewer_bytes_and_match_one_rank(checkpoint, wo
     torch.set_num_threads(1)
     try:
         model = load_model(checkpoint)
-        hidden, logits = _scenario(model, model.allocate_cache(len(TABLE), BS, 2), torch.tensor([len(LONG) - 1]))
+        hidden, logits = _scenario(model, model.allocate_cache(len(TABLE), BS, 2))
     finally:
         torch.set_num_threads(threads)
     with mp.Manager() as manager:
