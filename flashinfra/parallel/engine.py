@@ -9,8 +9,8 @@ tokens are discarded (their logits equal rank 0's after the all-gather).
 
 Context parallelism (``--context-parallel-size N``, with ``--tensor-parallel-size`` too, not with expert
 parallelism): every rank loads the whole model, or its tensor-parallel group's shard, as a
-``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
-same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks. With
+``ContextParallelModel``; the scheduler, the plans and the cache sizing are the same, and a step that prefills
+one long prompt (or a long chunk of one) alone is split over the ranks. With
 ``--layer-split`` the cache is sized by the busiest rank's MLA layers, and rank 0 reports the cache tokens per
 rank against full replication at start-up.
 
