@@ -23,8 +23,10 @@ The rule for the latent (``latent_needs``, ``gather_latent``):
 
 Bytes per MLA layer (received over all ranks, rows of ``R`` values): full all-gather ``(N - 1) T``; selective
 ``(N - 1) T / N`` for the owner plus, for every other rank, the union of its queries' selections among the
-others' tokens, at most ``min((N - 1) T / N, (T / N) x index_topk)`` and far less when the selections
-concentrate (recent pools, a few global ones). tests/parallel/test_context_mla.py counts both on a long prompt.
+others' tokens: at most those ``(N - 1) T / N`` (a rank's ``T / N`` queries pick ``index_topk`` tokens each, so
+at long prompts they can reach them all), far less when the selections concentrate (recent pools, a few global
+ones). Which holds is the trained indexer's: hence the rule decides on the needs, per layer and step.
+tests/parallel/test_context_mla.py counts both on a prompt of 30 x index_topk tokens.
 A non-owner's transient buffer then holds only the rows its queries attend to; the rest stay stale (finite:
 buffers start at zero) and are never selected.
 """
