@@ -188,8 +188,8 @@ class EngineConfig(LoadConfig):
         1, "ranks that split the routed experts (each holds whole experts); 1: every tensor-parallel rank "
            "holds a slice of every expert. The engine runs on max(tensor, expert) parallel sizes ranks", min=1)
     context_parallel_size: int = option(
-        1, "ranks (one process per GPU, each holding the whole model) that split the prefill of one long prompt",
-        min=1)
+        1, "ranks (one process per GPU, each holding the whole model) that split the prefill of one long prompt; "
+           "with --tensor-parallel-size T: T x N ranks, each group of T holding the model split by heads", min=1)
     context_parallel_zigzag: bool = option(
         True, "split a long prompt into 2N parts, rank r holding parts r and 2N-1-r, which balances the MLA "
               "indexer's causal work (else N contiguous parts)")

@@ -5,9 +5,13 @@ latent into per-head keys and values with ``kv_b_proj``; decode uses the absorbe
 half is folded into the query and its value half into the output, so attention runs on the latent
 directly and the cache stays ``kv_lora_rank`` values per token.
 
-Where the Triton kernels run (``dispatch.use_triton``), one path serves every batch with
-tensors only: the indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and
-decode alike over the paged latent (``kernels.sparse_mla``), so that a decode step can be graph-captured.
+Where the Triton kernels run (``dispatch.use_triton``), one path serves every batch with tensors only: the
+indexer's selection as position lists (``kernels.dsa_indexer``) and the absorbed form for prefill and decode
+alike over the paged latent (``kernels.sparse_mla``), so that a decode step can be graph-captured.
+
+``forward`` is three steps, each callable alone (context parallelism brings other ranks' latent rows between
+the selection and the attention): ``queries`` (the projections, the new tokens' latent into the cache),
+``index`` (the indexer's selection) and ``attend``.
 """
 
 from __future__ import annotations
@@ -57,49 +61,62 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == "full" else None
         self.source = cfg.indexer_source(layer)  # the layer whose selection this one uses
 
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """The latent cache entries [T, R] of ``x`` alone (``forward`` forms them with q's projection)."""
-        bias = None if self.qkv_a_bias is None else self.qkv_a_bias[self.q_lora :]
-        return rms_norm(F.linear(x, self.qkv_a_proj[self.q_lora :], bias), self.kv_a_norm, self.eps)
-
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, masks: dict
     ) -> torch.Tensor:
         """``masks`` maps a full-indexer layer to its selection; this layer adds its own. Reference path: a
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
+        q, q_resid, _ = self.queries(x, batch, cache)
+        self.index(x, q_resid, batch, cache, masks)
+        return self.attend(x, q, batch, cache, masks)
+
+    def queries(self, x: torch.Tensor, batch: ForwardBatch,
+                cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new tokens' latent written to the cache -> (q [T, H, Dq], the indexer's query input [T, q_lora],
+        the latent [T, R]); one projection forms the latent together with q."""
         T = x.shape[0]
         q_a, kv_a = linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
         q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
         q = linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
-        latent = cache.mla_latent[self.layer]
-        write_latent(cache, self.layer, batch.slot_mapping, rms_norm(kv_a, self.kv_a_norm, self.eps))
-        if use_triton(x, latent):
-            return self._forward_kernels(x, q, q_resid, batch, cache, masks)
-        if self.indexer is not None:
+        latent = rms_norm(kv_a, self.kv_a_norm, self.eps)
+        write_latent(cache, self.layer, batch.slot_mapping, latent)
+        return q, q_resid, latent
+
+    def index(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
+              masks: dict) -> None:
+        """This layer's own selection into ``masks`` (the new tokens' indexer entries written to the cache on
+        the way); a layer with a shared indexer adds none."""
+        if self.indexer is None:
+            return
+        if not use_triton(x, cache.mla_latent[self.layer]):
             masks[self.layer] = self._select(x, q_resid, batch, cache)
+            return
+        ix = self.indexer
+        keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
+        masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
+                                       batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail,
+                                       cache.indexer_scale.get(self.layer))
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
+               masks: dict) -> torch.Tensor:
+        """Sparse attention of ``q`` over the cached latent that ``masks[self.source]`` selects, and the output
+        projection. Kernel path: tensors only (no per-sequence loop, no host sync), the absorbed form for prefill
+        and decode alike over the paged latent."""
+        T = x.shape[0]
         selection = masks[self.source]
+        if use_triton(x, cache.mla_latent[self.layer]):
+            w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
+            q_lat = matmul_nt(q.transpose(0, 1), w[:, : self.Dq].transpose(1, 2)).transpose(0, 1)  # [T, H, R]
+            o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], selection, batch.token_seq,
+                                      batch.block_tables_t, self.scaling, cache.mla_latent_scale.get(self.layer))
+            out = matmul_nt(o_lat.transpose(0, 1), w[:, self.Dq :]).transpose(0, 1)  # [T, H, Dv]
+            return linear(out.reshape(T, -1), self.o_proj, self.o_bias)
         attend = self._decode if batch.is_decode else self._prefill
         out = torch.empty(T, self.H, self.Dv, dtype=x.dtype, device=x.device)
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
             c = read_latent(cache, self.layer, batch.block_tables[b], batch.seq_lens[b], x.dtype)
             out[bos:eos] = attend(q[bos:eos], c, selection[b])
         return linear(out.flatten(1), self.o_proj, self.o_bias)
-
-    def _forward_kernels(self, x, q, q_resid, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
-        """Tensors only (no per-sequence loop, no host sync): the indexer's selection as position lists,
-        then absorbed sparse attention over the paged latent for prefill and decode alike."""
-        if self.indexer is not None:
-            ix = self.indexer
-            keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
-            masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
-                                           batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail,
-                                           cache.indexer_scale.get(self.layer))
-        w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
-        q_lat = matmul_nt(q.transpose(0, 1), w[:, : self.Dq].transpose(1, 2)).transpose(0, 1)  # [T, H, R]
-        o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], masks[self.source], batch.token_seq,
-                                  batch.block_tables_t, self.scaling, cache.mla_latent_scale.get(self.layer))
-        out = matmul_nt(o_lat.transpose(0, 1), w[:, self.Dq :]).transpose(0, 1)  # [T, H, Dv]
-        return linear(out.reshape(out.shape[0], -1), self.o_proj, self.o_bias)
 
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
         """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""

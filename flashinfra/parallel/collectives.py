@@ -5,6 +5,8 @@
 - ``Comm.all_gather_last``: the vocab-split lm_head's logits, concatenated along the last dimension.
 - ``Comm.all_gather``: one tensor per rank, stacked (context parallelism: KDA transition maps, conv halos,
   the prompt's MLA latent and indexer keys).
+- ``Comm.all_to_all``: rows of uneven counts from every rank to every rank (context parallelism: the latent rows
+  that each rank's top-k selects from the others' tokens, under Layer Split).
 - ``Comm.broadcast`` / ``broadcast_async``: a tensor from one rank (Layer Split: a layer's cache from its
   owner, issued one layer ahead and waited for before use).
 - ``ControlChannel``: a step's plan (msgspec bytes) from rank 0 to every rank, as a length then a uint8
@@ -56,6 +58,16 @@ class Comm:
         self.calls += 1
         out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows of ``x`` to each rank: the first ``send[0]`` to rank 0, the next ``send[1]`` to rank 1...; ->
+        the rows every rank sent this one, ``recv[r]`` from rank ``r``, in rank order."""
+        if self.world == 1:
+            return x
+        self.calls += 1
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
         return out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:

@@ -14,19 +14,19 @@ KDA layers (``kda_context_prefill``, ``conv_context_prefill``):
 3. all-gather of (M, H) and, on every rank, the fold in float32 over the segments in order,
    ``S_{i+1} = M_i S_i + H_i`` from the sequence's state (or zeros): each segment's initial state, and the
    final state, which every rank writes to the sequence's slot;
-4. the final pass: the prefill op over each segment from its initial state.
+4. the final pass: the prefill op over each segment from its initial state; the step's prefix checkpoints are
+   computed in the conv and this pass by the rank owning each position, then delivered to every rank's
+   checkpoint slots (``context_checkpoints.py``).
 
 The summary costs the 16-token in-chunk kernel and a walk of ``K + V`` state columns per head, not a prefill; it
 is what buys each rank its initial state without waiting for the ranks before it. The final pass must run the
 whole prefill from the corrected state: its outputs depend on the initial state through every token.
 
-MLA/DSA layers (``gather_cache_hook``): before the layer runs, each rank computes the latent and indexer cache
-entries of its own tokens, all-gathers them and writes the whole prompt's entries into its cache, so that its
-queries' indexer and sparse attention see the full prefix exactly as on one rank. This is the simplest correct
-design: it moves ``(R + 2 Di) * T`` values per layer to every rank and does one extra ``[T, D] x [D, R]``
-projection (the layer forms the latent together with q); gathering only what the top-k selects is left out.
-After the prefill every rank holds the prompt's whole cache and KDA state, so decode runs as on one rank
-(or, with Layer Split, each MLA layer's cache on its owner: ``layer_split.py``).
+MLA/DSA layers (``context_mla.py``): each rank's queries score the whole prompt's indexer entries (all-gathered)
+and attend over the latent rows their top-k selects; every rank's cache receives the whole prompt's latent (or,
+with Layer Split, the layer's owner's, the other ranks only the rows they select). After the prefill every rank
+holds the prompt's whole cache and KDA state, so decode runs as on one rank (or, with Layer Split, each MLA
+layer's cache on its owner: ``layer_split.py``).
 
 Hidden states stay on the rank that computed them: ``gather_rows`` brings every rank only the rows whose logits
 are sampled (a prompt's last token), not the whole prompt's ``[T, D]``.
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from flashinfra.kernels.kda import causal_conv1d_prefill, kda_prefill_gated
+from flashinfra.kernels.kda import causal_conv1d_prefill, causal_conv1d_save_windows, kda_prefill_gated
 from flashinfra.kernels.kda.chain import kda_summary_gated
 from flashinfra.kernels.norms import gated_rms_norm
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.parallel.collectives import Comm
-from flashinfra.quant.cache import write_index_entries, write_latent
+from flashinfra.parallel.context_checkpoints import deliver, local_checkpoints, pool_checkpoints, with_spare_rows
 from flashinfra.quant.linear import linear
 
 
@@ -97,17 +97,19 @@ class ContextBatch(ForwardBatch):
     base_context: int = 0  # tokens of the sequence cached before this prefill
     kda_slot: int = 0
     full_slot_mapping: torch.Tensor | None = None  # [num_tokens] every new token's cache slot
+    # prefix checkpoints inside the prompt's step, (p, slot): p among its new tokens (context_checkpoints.py)
+    prompt_checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 def context_batch(split: ContextSplit, rank: int, base_context: int, kda_slot: int, block_table: list[int],
-                  block_size: int, device) -> ContextBatch:
+                  block_size: int, device, checkpoints: tuple[tuple[int, int], ...] = ()) -> ContextBatch:
     segs = split.segments(rank)
     fb = ForwardBatch.build(split.lens(rank), [base_context + split.bounds[i] for i in segs], [kda_slot] * len(segs),
                             [block_table] * len(segs), block_size, device)
     full = ForwardBatch.build([split.num_tokens], [base_context], [kda_slot], [block_table], block_size, device)
     fields = {f.name: getattr(fb, f.name) for f in dataclasses.fields(ForwardBatch)}
     return ContextBatch(**fields, split=split, rank=rank, base_context=base_context, kda_slot=kda_slot,
-                        full_slot_mapping=full.slot_mapping)
+                        full_slot_mapping=full.slot_mapping, prompt_checkpoints=tuple(checkpoints))
 
 
 def gather_segments(comm: Comm, split: ContextSplit, x: torch.Tensor) -> list[torch.Tensor]:
@@ -152,9 +154,11 @@ def gather_rows(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor, row
 
 
 def conv_context_prefill(comm: Comm, split: ContextSplit, rank: int, x: torch.Tensor, weight: torch.Tensor,
-                         conv_state0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         conv_state0: torch.Tensor | None,
+                         checkpoints=()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The causal conv of ``x`` [rank's tokens, C] with each segment's halo -> (output, the sequence's final
-    conv state [C, W - 1]); ``conv_state0``: the sequence's conv state before this prefill, or None."""
+    conv state [C, W - 1], the conv states at ``checkpoints`` [(p, slot), ...] on every rank [len, C, W - 1]);
+    ``conv_state0``: the sequence's conv state before this prefill, or None."""
     W1 = weight.shape[1] - 1
     cu = _local_cu(split, rank)
     tails = torch.stack([x[e - W1 : e] for e in cu[1:]])  # [local segments, W - 1, C]
@@ -162,8 +166,11 @@ def conv_context_prefill(comm: Comm, split: ContextSplit, rank: int, x: torch.Te
     first = conv_state0.to(x.dtype) if conv_state0 is not None else x.new_zeros(x.shape[1], W1)
     halos = torch.stack([first if i == 0 else every[i - 1].t() for i in split.segments(rank)]).contiguous()
     n = len(cu) - 1
-    y = causal_conv1d_prefill(x, weight, halos, cu, list(range(n)), [True] * n)
-    return y, every[-1].t()
+    local = local_checkpoints(split, rank, checkpoints)
+    pool = with_spare_rows(halos, len(checkpoints))  # the checkpoints' windows after the halos they may reach into
+    causal_conv1d_save_windows(x, pool, cu, list(range(n)), [True] * n, pool_checkpoints(local, n))
+    y = causal_conv1d_prefill(x, weight, pool, cu, list(range(n)), [True] * n)
+    return y, every[-1].t(), deliver(comm, pool, n, len(checkpoints))
 
 
 def fold(maps: list[torch.Tensor], offsets: list[torch.Tensor], state0: torch.Tensor) -> list[torch.Tensor]:
@@ -175,10 +182,12 @@ def fold(maps: list[torch.Tensor], offsets: list[torch.Tensor], state0: torch.Te
 
 
 def kda_context_prefill(comm: Comm, split: ContextSplit, rank: int, q, k, v, g_raw, beta_logits, A_log, dt_bias,
-                        lower_bound, state0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        lower_bound, state0: torch.Tensor | None,
+                        checkpoints=()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KDA over ``rank``'s tokens (q, k, v [T, H, K|V] after the conv; the gate's raw input [T, H, K] and beta's
-    logits [T, H]) as part of the whole prompt -> (output [T, H, V], the prompt's final state [H, K, V] float32);
-    ``state0``: the sequence's state before this prefill, or None."""
+    logits [T, H]) as part of the whole prompt -> (output [T, H, V], the prompt's final state [H, K, V] float32,
+    the states at ``checkpoints`` [(p, slot), ...] on every rank [len, H, K, V] float32); ``state0``: the
+    sequence's state before this prefill, or None."""
     T, H, K = k.shape
     V = v.shape[-1]
     cu = _local_cu(split, rank)
@@ -189,17 +198,22 @@ def kda_context_prefill(comm: Comm, split: ContextSplit, rank: int, q, k, v, g_r
     s0 = state0 if state0 is not None else torch.zeros(H, K, V, dtype=torch.float32, device=k.device)
     states = fold(every_m, every_h, s0)
     initial = torch.stack([states[i] for i in split.segments(rank)]).contiguous()  # [n, H, K, V]
-    o = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, initial, cu, list(range(n)),
-                          [True] * n)
-    return o, states[-1]
+    local = local_checkpoints(split, rank, checkpoints)
+    pool = with_spare_rows(initial, len(checkpoints))
+    o = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, pool, cu, list(range(n)),
+                          [True] * n, pool_checkpoints(local, n))
+    return o, states[-1], deliver(comm, pool, n, len(checkpoints))
 
 
 class ContextParallelKDA(nn.Module):
-    """A KDA layer that runs a ``ContextBatch`` as part of the whole prompt, any other batch as before."""
+    """A KDA layer that runs a ``ContextBatch`` as part of the whole prompt, any other batch as before. Under
+    tensor parallelism (``tp``) the layer holds its group's share of the heads and the ``ContextBatch`` path,
+    which calls the layer's parts and not the layer, does the all-reduce of the output that the layer's own
+    forward hook does on other batches."""
 
-    def __init__(self, attn: nn.Module, comm: Comm):
+    def __init__(self, attn: nn.Module, comm: Comm, tp: Comm | None = None):
         super().__init__()
-        self.inner, self.comm = attn, comm
+        self.inner, self.comm, self.tp = attn, comm, tp or Comm(1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         a = self.inner
@@ -209,41 +223,17 @@ class ContextParallelKDA(nn.Module):
         qkv, g_raw, b, gate = a.project(x)
         conv_state, state = cache.conv_state[a.layer], cache.recurrent_state[a.layer]
         slot, resume = batch.kda_slot, batch.base_context > 0
-        y, conv_final = conv_context_prefill(self.comm, batch.split, batch.rank, qkv, a.conv_weight,
-                                             conv_state[slot] if resume else None)
+        ckpts = batch.prompt_checkpoints
+        y, conv_final, conv_saved = conv_context_prefill(self.comm, batch.split, batch.rank, qkv, a.conv_weight,
+                                                         conv_state[slot] if resume else None, ckpts)
         q, k, v = y.view(T, 3, H, K).unbind(1)
-        o, final = kda_context_prefill(self.comm, batch.split, batch.rank, q, k, v, g_raw.view(T, H, K), b, a.A_log,
-                                       a.dt_bias, a.lower_bound, state[slot] if resume else None)
+        o, final, saved = kda_context_prefill(self.comm, batch.split, batch.rank, q, k, v, g_raw.view(T, H, K), b,
+                                              a.A_log, a.dt_bias, a.lower_bound, state[slot] if resume else None,
+                                              ckpts)
         conv_state[slot] = conv_final.to(conv_state.dtype)
         state[slot] = final.to(state.dtype)
+        for j, (_, dst) in enumerate(ckpts):  # every rank holds every checkpoint slot
+            conv_state[dst] = conv_saved[j].to(conv_state.dtype)
+            state[dst] = saved[j].to(state.dtype)
         o = gated_rms_norm(o, gate.view(T, H, K), a.o_norm, a.eps)
-        return linear(o.reshape(T, H * K), a.o_proj)
-
-
-def gather_cache_hook(comm: Comm):
-    """A forward pre-hook of an MLA layer: under a ``ContextBatch``, the whole prompt's latent (and indexer)
-    entries written to this rank's cache before the layer reads them."""
-
-    def hook(module, args):
-        x, batch, cache = args[:3]
-        if not isinstance(batch, ContextBatch):
-            return
-        split = batch.split
-        write_latent(cache, module.layer, batch.full_slot_mapping,
-                     gather_tokens(comm, split, module.latent(x)))
-        if module.indexer is not None:
-            write_index_entries(cache, module.layer, batch.full_slot_mapping,
-                                gather_tokens(comm, split, module.indexer.entries(x)))
-
-    return hook
-
-
-def enable_context_parallel(model: nn.Module, comm: Comm) -> None:
-    """Make every layer of ``model`` (a ``Glm5NextModel``, weights whole on every rank) run a ``ContextBatch``
-    as one rank's part of the prompt. The MLA hooks run after any hook already registered (Layer Split's
-    broadcast of the layer's earlier cache)."""
-    for layer in model.layers:
-        if layer.is_kda:
-            layer.attn = ContextParallelKDA(layer.attn, comm)
-        else:
-            layer.attn.register_forward_pre_hook(gather_cache_hook(comm))
+        return self.tp.all_reduce(linear(o.reshape(T, H * K), a.o_proj))

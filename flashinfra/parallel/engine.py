@@ -7,9 +7,10 @@ rank allocates the same blocks and slots. Per step rank 0 encodes the plan (msgs
 control channel, and all ranks run ``ModelRunner.execute`` on it in lockstep; the workers' sampled
 tokens are discarded (their logits equal rank 0's after the all-gather).
 
-Context parallelism (``--context-parallel-size N``, not combined with tensor parallelism yet): every rank
-loads the whole model as a ``ContextParallelModel``; the scheduler, the plans and the cache sizing are the
-same, and a step that prefills one long prompt (or a long chunk of one) alone is split over the ranks. With
+Context parallelism (``--context-parallel-size N``, with ``--tensor-parallel-size`` too, not with expert
+parallelism): every rank loads the whole model, or its tensor-parallel group's shard, as a
+``ContextParallelModel``; the scheduler, the plans and the cache sizing are the same, and a step that prefills
+one long prompt (or a long chunk of one) alone is split over the ranks. With
 ``--layer-split`` the cache is sized by the busiest rank's MLA layers, and rank 0 reports the cache tokens per
 rank against full replication at start-up.
 
@@ -103,10 +104,10 @@ def check_layout(config: EngineConfig) -> None:
 
     if config.enable_vision:
         raise ValueError("enable_vision is not supported with tensor/expert/context parallelism yet")
-    if config.context_parallel_size > 1 and (config.tensor_parallel_size > 1 or config.expert_parallel_size > 1):
-        raise ValueError(f"context_parallel_size {config.context_parallel_size} with tensor_parallel_size "
-                         f"{config.tensor_parallel_size} / expert_parallel_size {config.expert_parallel_size}: "
-                         "context parallelism runs over ranks that each hold the whole model (not combined yet)")
+    if config.context_parallel_size > 1 and config.expert_parallel_size > 1:
+        raise ValueError(f"context_parallel_size {config.context_parallel_size} with expert_parallel_size "
+                         f"{config.expert_parallel_size}: context parallelism combines with tensor parallelism "
+                         "only (each tensor-parallel group a whole model), not with expert parallelism yet")
     if config.context_parallel_size > 1 and (config.quantization in ("w8a8", "fp8") or config.load_format != "auto"
                                              or CacheSpec.of(config) != CacheSpec()):
         raise ValueError(f"context_parallel_size {config.context_parallel_size} with quantization="
@@ -133,15 +134,7 @@ def join_world(config: EngineConfig, launch: Launch):
     path = _model_dir(config)
     channel = control_channel(timeout)
     if config.context_parallel_size > 1:
-        from flashinfra.model.api import load_model
-        from flashinfra.parallel.collectives import Comm
-        from flashinfra.parallel.context_model import ContextParallelModel
-        from flashinfra.parallel.load import peak_host_bytes
-
-        model = ContextParallelModel(load_model(path, config.dtype, launch.device), Comm(launch.world), launch.rank,
-                                     zigzag=config.context_parallel_zigzag, layer_split=config.layer_split)
-        model.peak_host_bytes = peak_host_bytes()
-        return model, channel
+        return _context_parallel_model(config, launch, path), channel
     layout = make_layout(load_config(path).text, config.tensor_parallel_size, config.expert_parallel_size,
                          launch.rank)
     comms = make_comms(layout, timeout)
@@ -150,6 +143,30 @@ def join_world(config: EngineConfig, launch: Launch):
                             config.quantization, CacheSpec.of(config)), channel
     return load_shard(path, layout, comms, config.dtype, launch.device, config.quantization,
                       CacheSpec.of(config)), channel
+
+
+def _context_parallel_model(config: EngineConfig, launch: Launch, path: Path):
+    """This rank's ``ContextParallelModel``: the whole model, or with ``tensor_parallel_size`` > 1 its shard of
+    its tensor-parallel group (rank ``r``: tensor-parallel rank ``r % tp``, context-parallel rank ``r // tp``)."""
+    from flashinfra.config import load_config
+    from flashinfra.model.api import load_model
+    from flashinfra.parallel.collectives import Comm
+    from flashinfra.parallel.context_model import ContextParallelModel
+    from flashinfra.parallel.groups import make_context_comms
+    from flashinfra.parallel.layout import make_layout
+    from flashinfra.parallel.load import load_shard, peak_host_bytes
+
+    tp, cp = config.tensor_parallel_size, config.context_parallel_size
+    if tp == 1:
+        loaded, cp_comm = load_model(path, config.dtype, launch.device), Comm(launch.world)
+    else:
+        comms, cp_comm = make_context_comms(tp, cp, launch.rank, config.dist_timeout_s)
+        layout = make_layout(load_config(path).text, tp, 1, launch.rank % tp)
+        loaded = load_shard(path, layout, comms, config.dtype, launch.device)
+    model = ContextParallelModel(loaded, cp_comm, launch.rank // tp, zigzag=config.context_parallel_zigzag,
+                                 layer_split=config.layer_split)
+    model.peak_host_bytes = peak_host_bytes()
+    return model
 
 
 def _max_model_len(config: EngineConfig, model) -> int:

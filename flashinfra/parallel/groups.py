@@ -1,5 +1,6 @@
 """Process groups: ``init_distributed`` joins (or creates) the world over torch.distributed, ``make_comms``
-creates a rank's tensor-parallel and MoE groups, ``control_channel`` the plans' group.
+creates a rank's tensor-parallel and MoE groups, ``make_context_comms`` its tensor- and context-parallel groups
+when both are on, ``control_channel`` the plans' group.
 
 gloo on the CPU, NCCL on CUDA. Rendezvous is torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``,
 read by torch itself) unless an explicit ``tcp://host:port`` is given. Every group carries ``timeout_s``:
@@ -64,6 +65,29 @@ def make_comms(layout: ParallelLayout, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
                 made[mine] = Comm(size, group)
     tp = made.get(layout.tp_ranks, Comm(1))
     return ParallelComms(tp, made.get(layout.moe_ranks, Comm(1)))
+
+
+def make_context_comms(tp: int, cp: int, rank: int,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[ParallelComms, Comm]:
+    """Tensor parallelism inside context parallelism, world ``tp x cp``: rank ``r`` is tensor-parallel rank
+    ``r % tp`` of the consecutive ranks ``[r // tp * tp, +tp)`` (one replica of the model, split by heads; its
+    MoE group the same) and context-parallel rank ``r // tp`` of the ranks ``r % tp + i tp`` (the same shard in
+    every replica) -> (its tensor-parallel comms, its context-parallel ``Comm``); collective: every rank
+    creates every group, in the same order."""
+    timeout = timedelta(seconds=timeout_s)
+    tp_comm, cp_comm = Comm(1), Comm(cp)
+    if tp > 1:
+        for c in range(cp):
+            ranks = list(range(c * tp, (c + 1) * tp))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                tp_comm = Comm(tp, group)
+        for t in range(tp):
+            ranks = list(range(t, tp * cp, tp))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                cp_comm = Comm(cp, group)
+    return ParallelComms(tp_comm, tp_comm), cp_comm
 
 
 def control_channel(timeout_s: float = DEFAULT_TIMEOUT_S) -> ControlChannel:

@@ -49,8 +49,8 @@ class Launch:
 
 
 def config_world(config: EngineConfig) -> int:
-    """Ranks of the engine: max(tp, ep) for tensor/expert parallelism, times the context-parallel size
-    (not combined with tensor/expert parallelism yet: ``check_layout`` refuses both)."""
+    """Ranks of the engine: max(tp, ep) for tensor/expert parallelism, times the context-parallel size (which
+    combines with tensor parallelism; ``check_layout`` refuses it with expert parallelism)."""
     return world_size(config.tensor_parallel_size, config.expert_parallel_size) * config.context_parallel_size
 
 

@@ -2,7 +2,9 @@
 own block of MLA layers, plus one transient buffer; before an MLA layer runs, its owner's copy of the layer's
 blocks that the batch uses lands in every other rank's transient buffer, and the layer then reads and writes its
 cache as usual (the owner's writes land in its own cache, the others' in the transient buffer, which the next
-non-owned layer overwrites).
+non-owned layer overwrites). In a context-parallel split step only the blocks of the prefix cached before it
+move this way: the prompt's new entries reach the owner (and what the others select) through the step's gathers
+(``context_mla.py``), so a fresh long prompt's prefill broadcasts nothing.
 
 Overlap (``LayerSplitBroadcasts``): the broadcast of the next MLA layer is issued asynchronously as the current
 MLA layer starts, into a staging copy of the batch's blocks, and waited for just before the next layer runs; the
@@ -26,6 +28,7 @@ import torch.nn as nn
 from flashinfra.config import TextConfig
 from flashinfra.model.cache import ModelCache
 from flashinfra.parallel.collectives import Comm
+from flashinfra.parallel.context import ContextBatch
 
 
 def owned_layers(mla_layers: tuple[int, ...], world: int, rank: int) -> tuple[int, ...]:
@@ -94,7 +97,13 @@ class LayerSplitBroadcasts:
         self.pending: dict[int, list] = {}  # layer -> [(cache tensor, block index, staging, work)]
 
     def issue(self, layer: int, batch, cache) -> list:
-        blocks = torch.tensor(sorted({b for table in batch.block_tables for b in table}), dtype=torch.long)
+        if isinstance(batch, ContextBatch):  # the new tokens' entries come by the split step's own gathers
+            ids = batch.block_tables[0][: -(-batch.base_context // batch.block_size)]
+        else:
+            ids = sorted({b for table in batch.block_tables for b in table})
+        if not ids:  # a split step over a fresh prompt: nothing cached to bring (the same on every rank)
+            return []
+        blocks = torch.tensor(ids, dtype=torch.long)
         owner, issued = self.owners[layer], []
         for paged in (cache.mla_latent[layer], cache.indexer_keys.get(layer)):
             if paged is None:
@@ -127,8 +136,8 @@ class LayerSplitBroadcasts:
 
 def enable_layer_split(model: nn.Module, comm: Comm, rank: int) -> LayerSplitBroadcasts:
     """Register the owners' broadcasts on every MLA layer of ``model`` (a ``Glm5NextModel``); its cache comes
-    from ``layer_split_cache``. Register before ``context.enable_context_parallel``: the prompt's gathered
-    entries are written over the broadcast blocks."""
+    from ``layer_split_cache``. Register after ``context_model.enable_context_parallel`` (on its MLA wrappers):
+    the prompt's gathered entries are written over the broadcast blocks."""
     cfg = model.cfg
     mla = [layer.attn for layer in model.layers if not layer.is_kda]
     layers = [a.layer for a in mla]

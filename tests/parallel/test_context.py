@@ -1,12 +1,14 @@
 """Context-parallel prefill over CPU gloo (forked ranks, 2 and 4, contiguous and zig-zag) through
 ``ContextParallelModel``: the hidden states (all of them, or only the sampled row), every KDA layer's final
-recurrent and conv state, the MLA caches and the next decode step's logits equal one rank's within float32
-rounding, for a prefill that resumes a cached prefix; with Layer Split each rank keeps only its MLA layers' cache,
+recurrent and conv state, the states the prefill saves at its prefix checkpoints (at segment boundaries, inside
+segments, and closer to a segment's start than the conv window), the MLA caches and the next decode step's logits
+equal one rank's within float32 rounding, for a prefill that resumes a cached prefix; with Layer Split each rank keeps only its MLA layers' cache,
 and each layer's broadcast is issued while the MLA layer before it runs and waited for before its own layer
 runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -27,6 +29,10 @@ PREFIX = [5, 17, 3, 99, 200, 7, 8, 9, 10, 11]  # cached before the long prefill:
 LONG = [(i * 37 + 11) % 500 + 1 for i in range(45)]
 NEXT = 42  # the decode step after it
 TABLE = list(range(8))
+# prefix checkpoints inside the long prefill, (p among its tokens, slot): on 2 and 4 ranks, contiguous or zig-zag,
+# some at segment boundaries, some 1 token after a segment's start (the conv window reaches into the halo)
+CKPTS = [(1, 2), (6, 3), (13, 4), (17, 5), (24, 6), (30, 7), (44, 8)]
+NUM_SLOTS = 2 + len(CKPTS)
 
 
 def _free_port() -> int:
@@ -110,15 +116,21 @@ def _scenario(model, cache, batch_for_long, long_ids, rows=None):
 def _states(model, cache) -> dict:
     text = model.config.text
     n = len(PREFIX) + len(LONG) + 1
-    return {"state": {i: cache.recurrent_state[i][SLOT].clone() for i in text.kda_layers},
-            "conv": {i: cache.conv_state[i][SLOT].clone() for i in text.kda_layers},
+    slots = [SLOT] + [slot for _, slot in CKPTS]
+    return {"state": {i: cache.recurrent_state[i][slots].clone() for i in text.kda_layers},
+            "conv": {i: cache.conv_state[i][slots].clone() for i in text.kda_layers},
             "latent": {i: cache.mla_latent[i].flatten(0, 1)[:n].clone() for i in text.mla_layers}}
+
+
+def _long_batch(device) -> ForwardBatch:
+    batch = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, device)
+    return dataclasses.replace(batch, checkpoints=tuple((0, p, slot) for p, slot in CKPTS))
 
 
 def _one_rank(path):
     model = load_model(path)
-    cache = model.allocate_cache(len(TABLE), BS, 2)
-    batch = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, model.device)
+    cache = model.allocate_cache(len(TABLE), BS, NUM_SLOTS)
+    batch = _long_batch(model.device)
     hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG))
     return hidden, logits, _states(model, cache)
 
@@ -131,8 +143,8 @@ def _case(rank: int, world: int, zigzag: bool, split_layers: bool, rows, path: s
     text = model.config.text
     if split_layers:
         _record_layers(model, comm)
-    cache = model.allocate_cache(len(TABLE), BS, 2)
-    batch = ForwardBatch.build([len(LONG)], [len(PREFIX)], [SLOT], [TABLE], BS, model.device)
+    cache = model.allocate_cache(len(TABLE), BS, NUM_SLOTS)
+    batch = _long_batch(model.device)
     assert model.splits(batch)
     hidden, logits = _scenario(model, cache, batch, torch.tensor(LONG), None if rows is None else torch.tensor(rows))
     if split_layers:
