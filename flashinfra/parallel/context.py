@@ -233,7 +233,7 @@ def gather_cache_hook(comm: Comm):
                      gather_tokens(comm, split, module.latent(x)))
         if module.indexer is not None:
             write_index_entries(cache, module.layer, batch.full_slot_mapping,
-                                gather_tokens(comm, split, module.indexer.entries(x)))
+                                gather_tokens(comm, split, module.indexer.entries(x)), module.indexer.pool_ape)
 
     return hook
 
