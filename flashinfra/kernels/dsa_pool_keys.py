@@ -102,7 +102,7 @@ def dequant_entries(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch
         return rows.to(dtype)
     n = rows.shape[0]
     ct = torch.promote_types(dtype, torch.float32)
-    return (rows.to(ct).view(n, 2, -1) * scale.to(ct)[:, :, None]).view(n, -1).to(dtype)
+    return (rows.to(ct).view(n, 2, rows.shape[-1] // 2) * scale.to(ct)[:, :, None]).view(rows.shape).to(dtype)
 
 
 def compress_pools(entries: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
