@@ -280,15 +280,15 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
 # ---- registered checks --------------------------------------------------------------------------------
 
 
-def _registered(name: str):
+def _registered(name: str, module: str = "flashinfra.kernels.checks"):
     """Register ``fn(device, dtype, seed) -> list[CheckResult]`` as check ``name``: on CUDA in bf16, else
-    in float32 under the interpreter (in a child process unless this one interprets), with a fresh seed
-    that failing results name."""
+    in float32 under the interpreter (in a child process, importing ``module``, unless this one interprets), with
+    a fresh seed that failing results name."""
     def wrap(fn):
         def run() -> list[CheckResult]:
             dev = kernel_device()
             if dev is None:
-                return run_in_interpreter("flashinfra.kernels.checks", name)
+                return run_in_interpreter(module, name)
             seed = random.randrange(2**31)
             results = fn(dev, torch.bfloat16 if dev == "cuda" else torch.float32, seed)
             for r in results:

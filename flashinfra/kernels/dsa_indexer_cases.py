@@ -11,8 +11,9 @@
   (near-ties allowed as in ``checks.dsa_select``), and every pool key of the cache against the definition.
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 
-Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one
-1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them.
+Registered check ``hotpath.dsa_pool_keys``: the three cases at fixed sizes. Benchmarks: the decode step at long
+context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one 1024-token prefill chunk at 1M context,
+bytes and FLOPs as ``checks._dsa_bench`` derives them.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer
-from flashinfra.kernels.checks import _d, _dsa_bench, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, \
-    rnd, tol
+from flashinfra.kernels.checks import HI, DI, KPOOL, _d, _dsa_bench, _gen, _not_near_tie, _registered, _verdict, \
+    paged_cache, quantized_cache, rnd, tol
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
 
@@ -167,6 +168,19 @@ def dsa_select_sliced(device: str, ctx: list[int], qlens: list[int], rows: int, 
     finally:
         dsa_indexer.KEY_BUFFER_BYTES = budget
     return [compare("dsa_select.sliced", sliced, whole, atol=0, rtol=0)]
+
+
+@_registered("hotpath.dsa_pool_keys", __name__)
+def _dsa_pool_keys(dev, act, seed):
+    if dev == "cuda":
+        real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
+        steps = [[(0, 0, 301)], [(0, 301, 700)], [(0, 700, 701), (1, 640, 903)], [(0, 701, 702), (1, 903, 904)]]
+        return (pool_keys_write(dev, 1000, Di=DI, kpool=KPOOL, bs=64, dtype=act, seed=seed)
+                + dsa_select_steps(dev, steps, 10, topk=256, dtype=act, seed=seed, **real)
+                + dsa_select_sliced(dev, [0, 2100], [333, 1], 37, topk=512, dtype=act, seed=seed, **real))
+    steps = [[(0, 0, 13)], [(0, 13, 30)], [(0, 30, 31), (1, 24, 33)], [(0, 31, 32), (1, 33, 34)]]
+    return (pool_keys_write(dev, 29, seed=seed) + dsa_select_steps(dev, steps, 3, seed=seed)
+            + dsa_select_sliced(dev, [0, 30], [13, 7], 3, seed=seed))
 
 
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):

@@ -28,3 +28,9 @@ def test_select_over_steps_and_a_prefix_hit(fp8):
 
 def test_sliced_selection_equals_one_pass():
     assert_passed(cases.dsa_select_sliced("cpu", [0, 5, 30], [13, 1, 7], rows=3, seed=2))
+
+
+def test_registered_check_passes():
+    from flashinfra.feedback.registry import checks
+
+    assert_passed(checks()["hotpath.dsa_pool_keys"].fn())
