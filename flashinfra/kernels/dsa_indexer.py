@@ -74,7 +74,7 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
     tl.store(p_out, tl.where(visible, key, key_min), mask=m_p)
 
 
-def top_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
+def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
     """[T, k] int64: each query's ``k`` best pools (any the query cannot see come last), the queries in slices of
     at most ``KEY_BUFFER_BYTES`` of sort keys."""
     T, Hi, Di = q.shape
@@ -122,7 +122,7 @@ def dsa_select(
     if k > 0 and T > 0:
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()
-        pools = top_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool, k)  # [T, k]
+        pools = select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool, k)  # [T, k]
         toks = pools[:, :, None] * kpool + torch.arange(kpool, device=dev)
         seen = (pools * kpool + kpool - 1 <= pos[:, None])[:, :, None]
         parts.append(torch.where(seen, toks, -1).flatten(1))
