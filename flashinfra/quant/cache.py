@@ -8,8 +8,9 @@ rows for the reference path; the Triton path reads the 8-bit cache directly (``k
 ``tokens_per_gib`` is the cache capacity that the choice buys.
 
 The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
-in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``; the Triton path reads
-them with ``kernels.dsa_indexer``), else in the model dtype.
+in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``), else in the model dtype.
+``write_index_entries`` also writes the key of every pool a new token completes into the layer's pool-key cache
+(model dtype, ``kernels.dsa_pool_keys``), which the Triton path scores (``kernels.dsa_indexer``).
 """
 
 from __future__ import annotations
