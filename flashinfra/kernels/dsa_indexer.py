@@ -15,11 +15,13 @@ captured in a CUDA graph:
    reference's tie rule exactly (a zero score of either sign is +0, as the reference's sort sees them equal).
    Pools the query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the
    (padded) block table.
-2. ``dsa_select``: top-k and the token list ``[T, k * kpool + kpool - 1]`` (-1 = nothing) that sparse MLA
-   attends to: the selected pools' tokens, then the tail (in deterministic mode the tail first, so that each
-   position keeps its column whatever the batch's widest block table makes the pools' width). The queries go
-   through in slices of at most ``KEY_BUFFER_BYTES`` of sort keys (a 1024-token chunk at 1M context would
-   otherwise write 2 GiB); a slice's rows are the same bits as in one pass, since each row is its own top-k.
+2. ``torch.topk`` of each query's sort keys. The queries go through steps 1-2 in slices of at most
+   ``KEY_BUFFER_BYTES`` of sort keys (a 1024-token chunk at 1M context would otherwise write 2 GiB); a slice's
+   rows are the same bits as in one pass, since each row is its own top-k.
+3. ``positions_kernel``: one launch from the top-k keys to the token list ``[T, k * kpool + kpool - 1]``
+   (-1 = nothing) that sparse MLA attends to: the selected pools' tokens, then the tail (in deterministic mode the
+   tail first, so that each position keeps its column whatever the batch's widest block table makes the pools'
+   width).
 
 Cache formats: the pool keys are in the query dtype whatever the entries' format (bf16 or e4m3 + scales), so
 scoring, top-k and the tail are one kernel for both.
@@ -74,16 +76,44 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
     tl.store(p_out, tl.where(visible, key, key_min), mask=m_p)
 
 
+@triton.jit
+def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr,
+                     BT: tl.constexpr, TAIL_FIRST: tl.constexpr):
+    """Per query its row of positions: the ``k`` chosen pools' tokens (-1 for a pool it cannot see) and the tail's
+    (-1 past the query), the tail last, or first under ``TAIL_FIRST``."""
+    i_t = tl.program_id(0)
+    pos = tl.load(positions + i_t).to(tl.int64)
+    p_out = out + i_t.to(tl.int64) * S
+    if TAIL_FIRST:
+        pools_at = TAIL
+        tail_at = 0
+    else:
+        pools_at = 0
+        tail_at = k * KP
+    if BK > 0:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < k
+        pool = tl.load(top + i_t.to(tl.int64) * k + o_k, mask=m_k, other=0) & 0xFFFFFFFF  # the sort key's low word
+        seen = pool * KP + KP - 1 <= pos
+        for j in tl.static_range(KP):
+            tl.store(p_out + pools_at + o_k * KP + j, tl.where(seen, pool * KP + j, -1).to(tl.int32), mask=m_k)
+    if TAIL > 0:
+        o_j = tl.arange(0, BT)
+        tok = pos + 1 - (pos + 1) % KP + o_j
+        tl.store(p_out + tail_at + o_j, tl.where(tok <= pos, tok, -1).to(tl.int32), mask=o_j < TAIL)
+
+
 def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
-    """[T, k] int64: each query's ``k`` best pools (any the query cannot see come last), the queries in slices of
-    at most ``KEY_BUFFER_BYTES`` of sort keys."""
+    """[T, k] int64: each query's ``k`` best sort keys (the pool in the low word; pools the query cannot see come
+    last), the queries in slices of at most ``KEY_BUFFER_BYTES`` of sort keys."""
     T, Hi, Di = q.shape
     B, W = block_tables.shape
     bs = pool_keys.shape[1] * kpool
     P = W * bs // kpool
     rows = max(1, min(T, KEY_BUFFER_BYTES // (8 * P)))
     keys = torch.empty(rows, P, dtype=torch.int64, device=q.device)
-    out = torch.empty(T, k, dtype=torch.int64, device=q.device)
+    top = torch.empty(T, k, dtype=torch.int64, device=q.device)
+    order = torch.empty(rows, k, dtype=torch.int64, device=q.device)
     BP = 64
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
@@ -91,8 +121,8 @@ def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int
             q[t0:], w[t0:], pool_keys, block_tables, token_seq[t0:], positions[t0:], keys, W, P, Di**-0.5,
             q.stride(0), w.stride(0), KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32,
             num_warps=4)
-        out[t0:t0 + n] = torch.topk(keys[:n], k, dim=1).values & 0xFFFFFFFF
-    return out
+        torch.topk(keys[:n], k, dim=1, out=(top[t0:t0 + n], order[:n]))
+    return top
 
 
 def dsa_select(
@@ -116,24 +146,41 @@ def dsa_select(
     P = W * pool_keys.shape[1]
     dev = q.device
     tail = kpool - 1 if keep_tail and kpool > 1 else 0
-    k = min(topk // kpool, P)
-    pos = positions.long()
-    parts = []
-    if k > 0 and T > 0:
+    k = min(topk // kpool, P) if T else 0
+    S = k * kpool + tail
+    if T == 0 or S == 0:
+        return torch.full((T, S or 1), -1, dtype=torch.int32, device=dev)
+    top = positions  # not read when no pool is chosen
+    if k:
         q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
         w = head_weights.float().contiguous()
-        pools = select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool, k)  # [T, k]
-        toks = pools[:, :, None] * kpool + torch.arange(kpool, device=dev)
+        top = select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool, k)  # [T, k]
+    # deterministic mode puts the tail first: the pools' column count follows the batch's widest block table, and
+    # the positions a token attends to must sit in the same columns (thus the same attention blocks) in any batch
+    return positions_launch(top, positions, kpool, k, tail, is_deterministic())
+
+
+def positions_launch(top, positions, kpool: int, k: int, tail: int, tail_first: bool, out=None) -> torch.Tensor:
+    """top [T, k] int64 sort keys (unread when ``k`` is 0), positions [T] -> [T, k * kpool + tail] int32."""
+    T = positions.shape[0]
+    out = torch.empty(T, k * kpool + tail, dtype=torch.int32, device=positions.device) if out is None else out
+    if T:
+        fast(positions_kernel)[(T,)](top, positions, out, k, out.shape[1], KP=kpool,
+                                     BK=triton.next_power_of_2(k) if k else 0, TAIL=tail,
+                                     BT=triton.next_power_of_2(tail) if tail else 0, TAIL_FIRST=tail_first,
+                                     num_warps=4)
+    return out
+
+
+def positions_ref(top, positions, kpool: int, k: int, tail: int, tail_first: bool) -> torch.Tensor:
+    pos = positions.long()
+    parts = []
+    if k:
+        pools = top[:, :k] & 0xFFFFFFFF
+        toks = pools[:, :, None] * kpool + torch.arange(kpool, device=pos.device)
         seen = (pools * kpool + kpool - 1 <= pos[:, None])[:, :, None]
         parts.append(torch.where(seen, toks, -1).flatten(1))
     if tail:
-        start = pos + 1 - (pos + 1) % kpool
-        toks = start[:, None] + torch.arange(tail, device=dev)
+        toks = (pos + 1 - (pos + 1) % kpool)[:, None] + torch.arange(tail, device=pos.device)
         parts.append(torch.where(toks <= pos[:, None], toks, -1))
-    if not parts:
-        return torch.full((T, 1), -1, dtype=torch.int32, device=dev)
-    if is_deterministic():
-        # the tail first: the pools' column count follows the batch's widest block table, and the positions a
-        # token attends to must sit in the same columns (thus the same attention blocks) in any batch
-        parts.reverse()
-    return torch.cat(parts, dim=1).to(torch.int32)
+    return torch.cat(parts[::-1] if tail_first else parts, dim=1).to(torch.int32)

@@ -10,6 +10,8 @@
   (``quant.cache.write_index_entries``) into poisoned caches; each step's selection against ``Indexer.select``
   (near-ties allowed as in ``checks.dsa_select``), and every pool key of the cache against the definition.
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
+- ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
+  the tail last and first, poisoned output.
 
 Registered check ``hotpath.dsa_pool_keys``: the three cases at fixed sizes. Benchmarks: the decode step at long
 context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one 1024-token prefill chunk at 1M context,
@@ -170,6 +172,20 @@ def dsa_select_sliced(device: str, ctx: list[int], qlens: list[int], rows: int, 
     return [compare("dsa_select.sliced", sliced, whole, atol=0, rtol=0)]
 
 
+def dsa_positions(device: str, T: int, k: int, kpool=4, tail=3, seed=0) -> list[CheckResult]:
+    gen = _gen(device, seed)
+    positions = torch.randint(0, 4 * (k + 1) * kpool, (T,), generator=gen, device=device, dtype=torch.int32)
+    pools = torch.randint(0, 4 * k + 1, (T, k), generator=gen, device=device)
+    top = (torch.randint(-2**31, 2**31 - 1, (T, k), generator=gen, device=device) << 32) | pools  # any high word
+    out = []
+    for first in (False, True):
+        got = dsa_indexer.positions_launch(top, positions, kpool, k, tail, first,
+                                           out=torch.full((T, k * kpool + tail), -7, dtype=torch.int32, device=device))
+        want = dsa_indexer.positions_ref(top, positions, kpool, k, tail, first)
+        out.append(compare(f"dsa_positions.{'tail_first' if first else 'tail_last'}", got, want, atol=0, rtol=0))
+    return out
+
+
 @_registered("hotpath.dsa_pool_keys", __name__)
 def _dsa_pool_keys(dev, act, seed):
     if dev == "cuda":
@@ -177,10 +193,11 @@ def _dsa_pool_keys(dev, act, seed):
         steps = [[(0, 0, 301)], [(0, 301, 700)], [(0, 700, 701), (1, 640, 903)], [(0, 701, 702), (1, 903, 904)]]
         return (pool_keys_write(dev, 1000, Di=DI, kpool=KPOOL, bs=64, dtype=act, seed=seed)
                 + dsa_select_steps(dev, steps, 10, topk=256, dtype=act, seed=seed, **real)
-                + dsa_select_sliced(dev, [0, 2100], [333, 1], 37, topk=512, dtype=act, seed=seed, **real))
+                + dsa_select_sliced(dev, [0, 2100], [333, 1], 37, topk=512, dtype=act, seed=seed, **real)
+                + dsa_positions(dev, 300, 512, seed=seed))
     steps = [[(0, 0, 13)], [(0, 13, 30)], [(0, 30, 31), (1, 24, 33)], [(0, 31, 32), (1, 33, 34)]]
     return (pool_keys_write(dev, 29, seed=seed) + dsa_select_steps(dev, steps, 3, seed=seed)
-            + dsa_select_sliced(dev, [0, 30], [13, 7], 3, seed=seed))
+            + dsa_select_sliced(dev, [0, 30], [13, 7], 3, seed=seed) + dsa_positions(dev, 7, 5, seed=seed))
 
 
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):

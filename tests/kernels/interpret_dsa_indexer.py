@@ -34,3 +34,8 @@ def test_registered_check_passes():
     from flashinfra.feedback.registry import checks
 
     assert_passed(checks()["hotpath.dsa_pool_keys"].fn())
+
+
+@pytest.mark.parametrize("T,k,kpool,tail", [(7, 5, 4, 3), (1, 1, 4, 0), (9, 3, 1, 0), (3, 0, 4, 3), (5, 6, 16, 15)])
+def test_positions_kernel(T, k, kpool, tail):
+    assert_passed(cases.dsa_positions("cpu", T, k, kpool=kpool, tail=tail, seed=T))
