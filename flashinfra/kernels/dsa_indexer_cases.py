@@ -13,7 +13,7 @@
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
 
-Registered check ``hotpath.dsa_pool_keys``: the three cases at fixed sizes. Benchmarks: the decode step at long
+Registered check ``hotpath.dsa_pool_keys``: the four cases at fixed sizes. Benchmarks: the decode step at long
 context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one 1024-token prefill chunk at 1M context,
 bytes and FLOPs as ``checks._dsa_bench`` derives them.
 """
