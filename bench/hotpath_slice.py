@@ -83,7 +83,8 @@ def timed(fn, reps: int) -> list[float]:
 
 
 def fill_cache(cache: ModelCache) -> None:
-    for t in list(cache.mla_latent.values()) + list(cache.indexer_keys.values()) + list(cache.conv_state.values()):
+    for t in (list(cache.mla_latent.values()) + list(cache.indexer_keys.values())
+              + list(cache.indexer_pool_keys.values()) + list(cache.conv_state.values())):
         t.normal_()
     for t in cache.recurrent_state.values():
         t.normal_(0.0, 0.05)

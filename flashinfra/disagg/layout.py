@@ -57,7 +57,10 @@ class RequestState(msgspec.Struct):
     drafts: list[int] = []
 
 
-PAGED = ("mla_latent", "indexer_keys", "mla_latent_scale", "indexer_scale")  # scales: 8-bit caches only
+# scales: 8-bit caches only. The indexer's pool keys move with their pages rather than being rebuilt on import: they
+# are 1 / (2 kpool) of the bf16 entries' bytes (an eighth at kpool 4), and a rebuild would need the indexer's
+# weights (the pool position bias) and a kernel launch in the transfer path, which knows neither.
+PAGED = ("mla_latent", "indexer_keys", "mla_latent_scale", "indexer_scale", "indexer_pool_keys")
 SLOTTED = ("conv_state", "recurrent_state")
 
 

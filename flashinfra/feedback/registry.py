@@ -51,6 +51,7 @@ PROVIDERS: tuple[str, ...] = (
     "flashinfra.feedback.checks",
     "flashinfra.kernels.kda.checks",
     "flashinfra.kernels.checks",
+    "flashinfra.kernels.dsa_indexer_cases",
     "flashinfra.kernels.quant.checks",
     "flashinfra.model.checks",
     "flashinfra.engine.checks",

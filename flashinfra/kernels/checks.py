@@ -19,7 +19,8 @@ import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, poison_, \
     register_benchmark, register_check
-from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, moe_route, norms as nm, \
+    sparse_mla as sm
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 
 TAGS = ("kernel", "hotpath", "triton")
@@ -191,12 +192,12 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
     token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
     positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
                              device=device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     codes, scale = cache, None
     if fp8:
         codes, scale, cache = quantized_cache(cache, "fp8", Di)
-    sel = dsa_indexer.dsa_select(codes, q, w, ix.pool_ape, tables, seq_lens, token_seq, positions, kpool, topk,
-                                 True, scale)
+    from flashinfra.kernels.dsa_indexer_cases import select_over_entries
+
+    sel = select_over_entries(codes, scale, ix.pool_ape, q, w, tables, lens, token_seq, positions, kpool, topk)
     at, differ, unexplained = 0, 0, []
     for b, (c, n) in enumerate(zip(ctx, qlens)):
         entries = cache[tables[b].long()].flatten(0, 1)[:lens[b]]
@@ -279,15 +280,15 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
 # ---- registered checks --------------------------------------------------------------------------------
 
 
-def _registered(name: str):
+def _registered(name: str, module: str = "flashinfra.kernels.checks"):
     """Register ``fn(device, dtype, seed) -> list[CheckResult]`` as check ``name``: on CUDA in bf16, else
-    in float32 under the interpreter (in a child process unless this one interprets), with a fresh seed
-    that failing results name."""
+    in float32 under the interpreter (in a child process, importing ``module``, unless this one interprets), with
+    a fresh seed that failing results name."""
     def wrap(fn):
         def run() -> list[CheckResult]:
             dev = kernel_device()
             if dev is None:
-                return run_in_interpreter("flashinfra.kernels.checks", name)
+                return run_in_interpreter(module, name)
             seed = random.randrange(2**31)
             results = fn(dev, torch.bfloat16 if dev == "cuda" else torch.float32, seed)
             for r in results:
@@ -425,15 +426,23 @@ def _dsa_bench(B: int, ctx_len: int, T: int):
         def inputs(seed):
             torch.manual_seed(seed)
             cache, tables, lens, seq, pos = _select_inputs(dev, act, b, n, t, di, bs=64 if not ctx.quick else 16)
-            return cache, rnd(t, hi, di, device=dev, dtype=act), rnd(t, hi, device=dev), tables, lens, seq, pos
+            bs = cache.shape[1]
+            pool_keys = rnd(cache.shape[0], bs // KPOOL, di, device=dev, dtype=act)  # the earlier steps' pools
+            slots = tables.long()[seq.long(), pos.long() // bs] * bs + pos.long() % bs
+            return cache, pool_keys, rnd(t, hi, di, device=dev, dtype=act), rnd(t, hi, device=dev), tables, slots, \
+                seq, pos
+
+        def step(c, pk, q, w, tb, sl, s, p):  # the pools the new tokens complete, then the selection
+            dsa_pool_keys.write_pool_keys_launch(c, None, ape, sl, pk)
+            return dsa_indexer.dsa_select(pk, q, w, tb, s, p, KPOOL, topk, True)
 
         P = n // KPOOL
         pairs = t * P if t == b else b * sum(min(P, (n - t // b + j + 1) // KPOOL) for j in range(t // b))
-        return BenchSpec(fn=lambda c, q, w, tb, ln, s, p: dsa_indexer.dsa_select(c, q, w, ape, tb, ln, s, p, KPOOL,
-                                                                                 topk, True),
-                         make_inputs=inputs,
-                         bytes=b * n * 2 * di * act.itemsize + 2 * b * P * di * act.itemsize + 2 * t * P * 8,
-                         flops=2 * pairs * hi * di, description="DSA indexer: pool keys, scores, top-k, positions",
+        es = act.itemsize
+        return BenchSpec(fn=step, make_inputs=inputs,
+                         bytes=b * P * di * es + t * (2 * di + di // KPOOL) * es + 2 * t * P * 8,
+                         flops=2 * pairs * hi * di,
+                         description="DSA indexer: new pools' keys, scores over the pool-key cache, top-k, positions",
                          params=dict(B=b, context=n, T=t, Hi=hi, Di=di))
     _bench(f"hotpath.dsa_select.b{B}.n{ctx_len}.t{T}", make)
 

@@ -4,7 +4,11 @@
   in int8 / fp8 with one float32 scale per token in ``mla_latent_scale`` (``flashinfra.quant.cache``).
 - Full-indexer MLA layers: per token the indexer key and its k-pool gate score (``2 * index_head_dim``),
   paged with the same block tables (shared-indexer layers keep nothing); in fp8 where the layer's latent is
-  8-bit, with a float32 scale for each half in ``indexer_scale``.
+  8-bit, with a float32 scale for each half in ``indexer_scale``; and per complete pool of ``index_kpool`` tokens
+  its compressed key in ``indexer_pool_keys`` (``index_head_dim`` values in the model dtype, written when the pool's
+  last token is written, read by the indexer's scoring: ``flashinfra.kernels.dsa_pool_keys``). That is
+  ``2 * index_head_dim / index_kpool`` bytes per token and full-indexer layer in bf16 (64 at the released sizes,
+  against 512 for the entries in bf16, 264 in fp8); the block size must be a multiple of ``index_kpool``.
 - KDA layers: per state slot the conv state (last ``W - 1`` inputs of q|k|v) and the recurrent state
   ``[H, K, V]`` (float32 by default).
 
@@ -33,6 +37,8 @@ class ModelCache:
     recurrent_state: dict[int, torch.Tensor]  # layer -> [num_slots, H, K, V]
     mla_latent_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # 8-bit latent layer -> [blocks, bs]
     indexer_scale: dict[int, torch.Tensor] = field(default_factory=dict)  # fp8 indexer layer -> [blocks, bs, 2]
+    # full-indexer layer -> [num_blocks, block_size // index_kpool, index_head_dim], the model dtype
+    indexer_pool_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     # speculative decoding: per KDA layer the ReplaySSM ring (``flashinfra.model.replay.ReplayRing``)
     replay: dict[int, object] = field(default_factory=dict)
 
@@ -49,6 +55,9 @@ class ModelCache:
     ) -> "ModelCache":
         """``latent_dtypes``: an MLA layer's latent dtype where it is not ``dtype`` (int8 / fp8 get scales)."""
         latent_dtypes = latent_dtypes or {}
+        if cfg.indexer_layers and block_size % cfg.index_kpool:
+            raise ValueError(f"block size {block_size} is not a multiple of index_kpool {cfg.index_kpool}: a pool's "
+                             "key is cached in the block of its tokens")
 
         def paged(width: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(num_blocks, block_size, width, dtype=dt, device=device)
@@ -77,6 +86,7 @@ class ModelCache:
             indexer_scale={
                 i: torch.ones(num_blocks, block_size, 2, dtype=torch.float32, device=device) for i in fp8_index
             },
+            indexer_pool_keys={i: pool_keys(cfg, num_blocks, block_size, dtype, device) for i in cfg.indexer_layers},
         )
 
     @staticmethod
@@ -88,9 +98,9 @@ class ModelCache:
             latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, latent_dtypes.get(i, dtype)) for i in cfg.mla_layers)
             index = sum(index_bytes_per_token(cfg.index_head_dim, latent_dtypes.get(i, dtype), dtype)
                         for i in cfg.indexer_layers)
-            return (latent + index) * block_size
+            return (latent + index) * block_size + pool_key_bytes(cfg, block_size, dtype)
         width = len(cfg.mla_layers) * cfg.kv_lora_rank + len(cfg.indexer_layers) * 2 * cfg.index_head_dim
-        return width * block_size * torch.empty((), dtype=dtype).element_size()
+        return width * block_size * torch.empty((), dtype=dtype).element_size() + pool_key_bytes(cfg, block_size, dtype)
 
     @staticmethod
     def bytes_per_slot(cfg: TextConfig, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
@@ -98,3 +108,15 @@ class ModelCache:
         conv = 3 * cfg.linear_dim * (W - 1) * torch.empty((), dtype=dtype).element_size()
         rec = H * K * K * torch.empty((), dtype=state_dtype).element_size()
         return len(cfg.kda_layers) * (conv + rec)
+
+
+def pool_keys(cfg: TextConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """One full-indexer layer's pool-key cache [num_blocks, block_size // index_kpool, index_head_dim]."""
+    return torch.zeros(num_blocks, block_size // cfg.index_kpool, cfg.index_head_dim, dtype=dtype, device=device)
+
+
+def pool_key_bytes(cfg: TextConfig, tokens: int, dtype: torch.dtype) -> int:
+    """The pool-key cache's bytes for ``tokens`` tokens of every full-indexer layer (``tokens`` need not be a
+    multiple of ``index_kpool``: a fraction of a pool per token, for sizing)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return len(cfg.indexer_layers) * cfg.index_head_dim * size * tokens // cfg.index_kpool

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
 from flashinfra.kernels.batch_invariant import linear
+from flashinfra.kernels.dsa_pool_keys import compress_pools
 
 
 class Indexer(nn.Module):
@@ -62,9 +63,7 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:  # [L, N] bool
         N, L, kp = entries.shape[0], q.shape[0], self.kpool
         P = N // kp
-        keys, gates = entries[: P * kp].view(P, kp, 2 * self.Di).split(self.Di, dim=-1)
-        probs = torch.softmax(gates.float() + self.pool_ape.float()[None], dim=1).to(keys.dtype)
-        pool_keys = (probs * keys).sum(dim=1)  # [P, Di]
+        pool_keys = compress_pools(entries[: P * kp].view(P, kp, 2 * self.Di), self.pool_ape)  # [P, Di]
         scores = F.relu(torch.matmul(q.float(), pool_keys.float().t()) * self.Di**-0.5)  # [L, Hi, P]
         index_scores = torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)  # [L, P]
         q_pos = torch.arange(N - L, N, device=q.device)

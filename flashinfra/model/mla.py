@@ -92,10 +92,9 @@ class MLAttention(nn.Module):
             masks[self.layer] = self._select(x, q_resid, batch, cache)
             return
         ix = self.indexer
-        keys, qi, w = self._index_new_tokens(x, q_resid, batch, cache)
-        masks[self.layer] = dsa_select(keys, qi, w, ix.pool_ape, batch.block_tables_t, batch.seq_lens_t,
-                                       batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail,
-                                       cache.indexer_scale.get(self.layer))
+        qi, w = self._index_new_tokens(x, q_resid, batch, cache)
+        masks[self.layer] = dsa_select(cache.indexer_pool_keys[self.layer], qi, w, batch.block_tables_t,
+                                       batch.token_seq, batch.positions, ix.kpool, ix.topk, ix.keep_tail)
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
                masks: dict) -> torch.Tensor:
@@ -119,13 +118,14 @@ class MLAttention(nn.Module):
         return linear(out.flatten(1), self.o_proj, self.o_bias)
 
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
-        """Write the new tokens' indexer entries to the cache -> (paged entries, queries, head weights)."""
+        """Write the new tokens' indexer entries (and the pools they complete) to the cache -> (queries, head
+        weights)."""
         entries, q, w = self.indexer.project(x, q_resid)
-        write_index_entries(cache, self.layer, batch.slot_mapping, entries)
-        return cache.indexer_keys[self.layer], q, w
+        write_index_entries(cache, self.layer, batch.slot_mapping, entries, self.indexer.pool_ape)
+        return q, w
 
     def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:
-        _, q, w = self._index_new_tokens(x, q_resid, batch, cache)
+        q, w = self._index_new_tokens(x, q_resid, batch, cache)
         out = []
         for b, (bos, eos) in enumerate(zip(batch.cu_seqlens_list, batch.cu_seqlens_list[1:])):
             seq_entries = read_index_entries(cache, self.layer, batch.block_tables[b], batch.seq_lens[b], x.dtype)

@@ -31,7 +31,7 @@ import torch.nn as nn
 from flashinfra.config import INDEXED_ATTENTION, ModelConfig, TextConfig
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.norms import rms_norm
-from flashinfra.model.cache import ModelCache
+from flashinfra.model.cache import ModelCache, pool_keys
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.loader import (
     FP8_DTYPES, CheckpointError, TensorSource, _choose_form, dequantize_block_fp8, scale_name,
@@ -103,7 +103,8 @@ def allocate_mtp_cache(cfg: TextConfig, num_blocks: int, block_size: int, num_sl
 
     return ModelCache(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                       mla_latent={N: paged(cfg.kv_lora_rank)}, indexer_keys={N: paged(2 * cfg.index_head_dim)},
-                      conv_state={}, recurrent_state={})
+                      conv_state={}, recurrent_state={},
+                      indexer_pool_keys={N: pool_keys(cfg, num_blocks, block_size, dtype, device)})
 
 
 def mtp_weight_layout(cfg: TextConfig, params: dict[str, torch.Tensor], prefix: str) -> dict[str, list[Form]]:

@@ -112,7 +112,7 @@ class ContextParallelMLA(nn.Module):
         split, rank = batch.split, batch.rank
         if a.indexer is not None:
             write_index_entries(cache, a.layer, batch.full_slot_mapping,
-                                gather_tokens(self.comm, split, a.indexer.entries(x)))
+                                gather_tokens(self.comm, split, a.indexer.entries(x)), a.indexer.pool_ape)
         q, q_resid, latent = a.queries(x, batch, cache)
         a.index(x, q_resid, batch, cache, masks)
         need = latent_needs(split, rank, batch.base_context, masks[a.source], self.owner)

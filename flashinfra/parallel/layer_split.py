@@ -1,4 +1,4 @@
-"""Layer Split: each rank of a context-parallel group keeps the paged MLA cache (latent and indexer keys) of its
+"""Layer Split: each rank of a context-parallel group keeps the paged MLA cache (latent, indexer keys, pool keys) of its
 own block of MLA layers, plus one transient buffer; before an MLA layer runs, its owner's copy of the layer's
 blocks that the batch uses lands in every other rank's transient buffer, and the layer then reads and writes its
 cache as usual (the owner's writes land in its own cache, the others' in the transient buffer, which the next
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from flashinfra.config import TextConfig
-from flashinfra.model.cache import ModelCache
+from flashinfra.model.cache import ModelCache, pool_keys
 from flashinfra.parallel.collectives import Comm
 from flashinfra.parallel.context import ContextBatch
 
@@ -44,9 +44,10 @@ def layer_owner(mla_layers: tuple[int, ...], world: int, layer: int) -> int:
 def _widths(cfg: TextConfig, owned: tuple[int, ...]) -> tuple[int, int]:
     """(values per token this rank keeps for its layers, values per token of its transient buffers)."""
     index = set(cfg.indexer_layers)
-    own = sum(cfg.kv_lora_rank + (2 * cfg.index_head_dim if i in index else 0) for i in owned)
+    per_index = 2 * cfg.index_head_dim + cfg.index_head_dim // cfg.index_kpool  # entries + its share of a pool key
+    own = sum(cfg.kv_lora_rank + (per_index if i in index else 0) for i in owned)
     others = [i for i in cfg.mla_layers if i not in owned]
-    transient = (cfg.kv_lora_rank if others else 0) + (2 * cfg.index_head_dim if index - set(owned) else 0)
+    transient = (cfg.kv_lora_rank if others else 0) + (per_index if index - set(owned) else 0)
     return own, transient
 
 
@@ -79,10 +80,13 @@ def layer_split_cache(cfg: TextConfig, world: int, rank: int, num_blocks: int, b
         return torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
 
     transient_latent, transient_index = paged(cfg.kv_lora_rank), paged(2 * cfg.index_head_dim)
+    transient_pools = pool_keys(cfg, num_blocks, block_size, dtype, device)
     cache.num_blocks = num_blocks
     cache.mla_latent = {i: paged(cfg.kv_lora_rank) if i in owned else transient_latent for i in cfg.mla_layers}
     cache.indexer_keys = {i: paged(2 * cfg.index_head_dim) if i in owned else transient_index
                           for i in cfg.indexer_layers}
+    cache.indexer_pool_keys = {i: pool_keys(cfg, num_blocks, block_size, dtype, device) if i in owned
+                               else transient_pools for i in cfg.indexer_layers}
     return cache
 
 
@@ -105,7 +109,7 @@ class LayerSplitBroadcasts:
             return []
         blocks = torch.tensor(ids, dtype=torch.long)
         owner, issued = self.owners[layer], []
-        for paged in (cache.mla_latent[layer], cache.indexer_keys.get(layer)):
+        for paged in (cache.mla_latent[layer], cache.indexer_keys.get(layer), cache.indexer_pool_keys.get(layer)):
             if paged is None:
                 continue
             idx = blocks.to(paged.device)

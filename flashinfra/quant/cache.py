@@ -8,8 +8,9 @@ rows for the reference path; the Triton path reads the 8-bit cache directly (``k
 ``tokens_per_gib`` is the cache capacity that the choice buys.
 
 The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
-in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``; the Triton path reads
-them with ``kernels.dsa_indexer``), else in the model dtype.
+in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``), else in the model dtype.
+``write_index_entries`` also writes the key of every pool a new token completes into the layer's pool-key cache
+(model dtype, ``kernels.dsa_pool_keys``), which the Triton path scores (``kernels.dsa_indexer``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashinfra.kernels.dsa_pool_keys import dequant_entries, write_pool_keys
 from flashinfra.kernels.quant import quant_fp8_per_group, quant_int8_per_token
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
@@ -111,28 +113,29 @@ def index_bytes_per_token(head_dim: int, latent_dtype: torch.dtype, model_dtype:
     return 2 * head_dim * torch.empty((), dtype=model_dtype).element_size()
 
 
-def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor,
+                        pool_ape: torch.Tensor) -> None:
     """Store new indexer entries [T, 2 Di] (key | gate score), in e4m3 with a scale per half where the layer's
-    indexer cache is fp8."""
+    indexer cache is fp8, then the key of every pool a new token completes (``pool_ape`` [kpool, Di]: the
+    indexer's pool position bias) where the cache keeps pool keys for the layer."""
     keys = cache.indexer_keys[layer]
     flat = keys.view(-1, keys.shape[-1])
     if layer not in cache.indexer_scale:
         flat[slot_mapping] = entries.to(keys.dtype)
-        return
-    q, s = quant_fp8_per_group(entries, keys.shape[-1] // 2)
-    flat[slot_mapping] = q
-    cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
+    else:
+        q, s = quant_fp8_per_group(entries, keys.shape[-1] // 2)
+        flat[slot_mapping] = q
+        cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
+    if layer in cache.indexer_pool_keys:
+        write_pool_keys(keys, cache.indexer_scale.get(layer), pool_ape, slot_mapping, cache.indexer_pool_keys[layer])
 
 
 def read_index_entries(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``n`` indexer entries of one sequence in ``dtype`` -> [n, 2 Di]."""
     keys = cache.indexer_keys[layer]
     rows = keys[list(blocks)].flatten(0, 1)[:n]
-    if layer not in cache.indexer_scale:
-        return rows.to(dtype)
-    s = cache.indexer_scale[layer][list(blocks)].flatten(0, 1)[:n]  # [n, 2]
-    ct = torch.promote_types(dtype, torch.float32)
-    return (rows.to(ct).view(n, 2, -1) * s.to(ct)[:, :, None]).view(n, -1).to(dtype)
+    scale = cache.indexer_scale.get(layer)
+    return dequant_entries(rows, None if scale is None else scale[list(blocks)].flatten(0, 1)[:n], dtype)
 
 
 def write_latent(cache, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
@@ -165,14 +168,18 @@ def read_latent(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch
 
 
 def tokens_per_gib(cfg, spec: CacheSpec, model_dtype: torch.dtype) -> dict:
-    """Cache tokens one GiB holds for ``cfg`` (a ``TextConfig``): the paged part (MLA latents + indexer keys) per
-    token, and the KDA state bytes per sequence that come on top."""
+    """Cache tokens one GiB holds for ``cfg`` (a ``TextConfig``): the paged part (MLA latents + indexer entries + the
+    indexer's pool keys, a fraction of a pool per token) per token, and the KDA state bytes per sequence that come on
+    top."""
+    from flashinfra.model.cache import pool_key_bytes
+
     lat = spec.latent_dtypes(cfg.mla_layers, model_dtype)
     latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, d) for d in lat.values())
     index = sum(index_bytes_per_token(cfg.index_head_dim, lat[i], model_dtype) for i in cfg.indexer_layers)
     H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
     state = len(cfg.kda_layers) * (H * K * K * torch.empty((), dtype=spec.state_dtype).element_size()
                                    + 3 * cfg.linear_dim * (W - 1) * torch.empty((), dtype=model_dtype).element_size())
-    return dict(latent_bytes_per_token=latent, indexer_bytes_per_token=index,
-                latent_tokens_per_gib=2**30 // latent, paged_tokens_per_gib=2**30 // (latent + index),
+    pool = pool_key_bytes(cfg, 1, model_dtype)
+    return dict(latent_bytes_per_token=latent, indexer_bytes_per_token=index, pool_key_bytes_per_token=pool,
+                latent_tokens_per_gib=2**30 // latent, paged_tokens_per_gib=2**30 // (latent + index + pool),
                 kda_state_bytes_per_seq=state)

@@ -36,12 +36,13 @@ def test_owned_layers_are_contiguous_blocks(text):
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_cache_tokens_split_against_replicated(text, world):
     """Every MLA layer of the released model runs its own indexer: 512 latent + 256 indexer values per token and
-    layer, 1536 bytes in bf16. A rank keeps ceil(11 / world) layers plus one transient layer's buffers."""
+    layer, plus a quarter of a 128-value pool key (kpool 4), 1600 bytes in bf16. A rank keeps ceil(11 / world) layers
+    plus one transient layer's buffers."""
     assert text.indexer_layers == text.mla_layers
     budget = 40 * GIB
     fit = cache_tokens(text, world, budget, torch.bfloat16)
-    per_layer = 2 * (text.kv_lora_rank + 2 * text.index_head_dim)
-    assert per_layer == 1536
+    per_layer = 2 * (text.kv_lora_rank + 2 * text.index_head_dim + text.index_head_dim // text.index_kpool)
+    assert per_layer == 1600
     assert fit.bytes_per_token_replicated == 11 * per_layer == ModelCache.bytes_per_block(text, 1, torch.bfloat16)
     layers = -(-11 // world) + (world > 1)
     assert fit.bytes_per_token_split == layers * per_layer

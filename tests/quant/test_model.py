@@ -87,9 +87,10 @@ def test_tokens_per_gib_at_the_released_sizes():
     lat = CacheSpec("int8").latent_dtypes(cfg.mla_layers, torch.bfloat16)
     per_block = ModelCache.bytes_per_block(cfg, 16, torch.bfloat16, lat)
     r = tokens_per_gib(cfg, CacheSpec("int8"), torch.bfloat16)
-    # int8 latent + one scale, fp8 indexer entries + two scales, per MLA layer
+    # int8 latent + one scale, fp8 indexer entries + two scales, 1 / kpool of a bf16 pool key, per MLA layer
     assert r["latent_bytes_per_token"] == 2 * (512 + 4) and r["indexer_bytes_per_token"] == 2 * (256 + 8)
-    assert per_block == 16 * (r["latent_bytes_per_token"] + r["indexer_bytes_per_token"])
+    assert r["pool_key_bytes_per_token"] == 2 * 128 * 2 // cfg.index_kpool
+    assert per_block == 16 * (r["latent_bytes_per_token"] + r["indexer_bytes_per_token"] + r["pool_key_bytes_per_token"])
 
 
 def test_w8a8_checkpoint_round_trip(tmp_path):

@@ -1,0 +1,204 @@
+"""Check cases and benchmarks of the DSA indexer's pool-key cache and sliced selection
+(``kernels.dsa_pool_keys``, ``kernels.dsa_indexer``), beside the float cases of ``flashinfra.kernels.checks``.
+
+- ``select_over_entries``: what a case needs to run ``dsa_select`` over a filled entry cache: a pool-key cache
+  poisoned with NaN, then every complete pool's key written by the kernel.
+- ``pool_keys_write``: the write kernel against the float64 definition and the reference write, rows no token
+  completed left untouched (poisoned), bf16/float or e4m3 entries.
+- ``dsa_select_steps``: a request prefilled in chunks then decoded, and a second request hitting its prefix
+  (its first blocks, whose pools an earlier step wrote), through the model's own cache writes
+  (``quant.cache.write_index_entries``) into poisoned caches; each step's selection against ``Indexer.select``
+  (near-ties allowed as in ``checks.dsa_select``), and every pool key of the cache against the definition.
+- ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
+- ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
+  the tail last and first, poisoned output.
+
+Registered check ``hotpath.dsa_pool_keys``: the four cases at fixed sizes. Benchmarks: the decode step at long
+context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one 1024-token prefill chunk at 1M context,
+bytes and FLOPs as ``checks._dsa_bench`` derives them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from flashinfra.feedback.registry import CheckResult, compare, poison_
+from flashinfra.kernels import dsa_indexer
+from flashinfra.kernels.checks import HI, DI, KPOOL, _d, _dsa_bench, _gen, _not_near_tie, _registered, _verdict, \
+    paged_cache, quantized_cache, rnd, tol
+from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
+    write_pool_keys_ref
+
+
+def slots_of(tables: torch.Tensor, b: int, start: int, end: int, bs: int) -> torch.Tensor:
+    """Flat cache slots of positions ``start .. end - 1`` of sequence ``b``."""
+    pos = torch.arange(start, end, device=tables.device)
+    return tables[b].long()[pos // bs] * bs + pos % bs
+
+
+def select_over_entries(codes, scale, ape, q, w, tables, lens, token_seq, positions, kpool, topk):
+    """``dsa_select`` over an entry cache already holding ``lens[b]`` entries per sequence: every complete pool's
+    key written first (by the kernel, into a cache poisoned with NaN)."""
+    bs = codes.shape[1]
+    pool_keys = poison_(torch.empty(codes.shape[0], bs // kpool, ape.shape[1], dtype=q.dtype, device=q.device))
+    slots = torch.cat([slots_of(tables, b, 0, n, bs) for b, n in enumerate(lens)])
+    write_pool_keys_launch(codes, scale, ape, slots, pool_keys)
+    return dsa_indexer.dsa_select(pool_keys, q, w, tables, token_seq, positions, kpool, topk, True)
+
+
+def _pools_of(flat: torch.Tensor, scale, slots: torch.Tensor, kpool: int, ape, dtype) -> torch.Tensor:
+    """float64 keys of the pools whose last slots are ``slots`` (entries dequantized to ``dtype`` first)."""
+    rows = (slots[:, None] - (kpool - 1) + torch.arange(kpool, device=slots.device)).flatten()
+    e = dequant_entries(flat[rows], None if scale is None else scale.view(-1, 2)[rows], dtype)
+    return compress_pools(_d(e).view(-1, kpool, e.shape[-1]), _d(ape))
+
+
+def pool_keys_write(device: str, T: int, Di=16, kpool=4, bs=8, fp8=False, dtype=torch.float32,
+                    seed=0) -> list[CheckResult]:
+    gen = _gen(device, seed)
+    blocks = -(-2 * T // bs) + 2
+    cache = rnd(blocks, bs, 2 * Di, device=device, gen=gen, dtype=dtype)
+    scale = None
+    if fp8:
+        cache, scale, _ = quantized_cache(cache, "fp8", Di)
+    ape = rnd(kpool, Di, device=device, gen=gen, dtype=dtype)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(seed))[:T].to(device)
+    slots[::3] = -1  # padding: no token
+    out = poison_(torch.empty(blocks, bs // kpool, Di, dtype=dtype, device=device))
+    ref = poison_(torch.empty_like(out))
+    write_pool_keys_launch(cache, scale, ape, slots, out)
+    write_pool_keys_ref(cache, scale, ape, slots, ref)
+    done = slots[(slots >= 0) & ((slots + 1) % kpool == 0)]
+    flat_out, flat_ref = out.view(-1, Di), ref.view(-1, Di)
+    untouched = torch.ones(flat_out.shape[0], dtype=torch.bool, device=device)
+    untouched[done // kpool] = False
+    want = _pools_of(cache.view(-1, 2 * Di), scale, done, kpool, ape, dtype)
+    name = f"dsa_pool_keys.{'fp8' if fp8 else str(dtype).removeprefix('torch.')}"
+    return [compare(f"{name}.written", flat_out[done // kpool], want, **tol(dtype)),
+            compare(f"{name}.reference_write", flat_ref[done // kpool], want, **tol(dtype)),
+            _verdict(f"{name}.untouched", bool(flat_out[untouched].isnan().all()) and len(done) > 0,
+                     f"{int((~flat_out[untouched].isnan()).sum())} values written in pools no token completed, "
+                     f"{len(done)} pools completed")]
+
+
+def dsa_select_steps(device: str, steps: list[list[tuple[int, int, int]]], prefix_blocks: int, Hi=16, Di=16,
+                     kpool=4, topk=8, bs=8, fp8=False, dtype=torch.float32, seed=0) -> list[CheckResult]:
+    """``steps``: per step the (sequence, start, end) positions it computes; sequence 1 shares sequence 0's first
+    ``prefix_blocks`` blocks (a prefix-cache hit: its steps start at or after ``prefix_blocks * bs``)."""
+    from flashinfra.config import TextConfig
+    from flashinfra.model.indexer import Indexer
+    from flashinfra.quant.cache import read_index_entries, write_index_entries
+
+    gen = _gen(device, seed)
+    lens = [max(e for s in steps for b, _, e in s if b == seq) for seq in (0, 1)]
+    _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
+    tables[1, :prefix_blocks] = tables[0, :prefix_blocks]
+    entries = [rnd(n, 2 * Di, device=device, gen=gen, dtype=dtype) for n in lens]
+    entries[1][: prefix_blocks * bs] = entries[0][: prefix_blocks * bs]  # the same prompt tokens
+    blocks = int(tables.max()) + 1
+    cache = SimpleNamespace(indexer_keys={0: poison_(torch.empty(blocks, bs, 2 * Di, dtype=dtype, device=device))},
+                            indexer_scale={}, indexer_pool_keys={0: poison_(torch.empty(blocks, bs // kpool, Di,
+                                                                                        dtype=dtype, device=device))})
+    if fp8:
+        cache.indexer_keys[0] = torch.zeros(blocks, bs, 2 * Di, dtype=torch.float8_e4m3fn, device=device)
+        cache.indexer_scale[0] = poison_(torch.empty(blocks, bs, 2, device=device))
+    cfg = TextConfig(index_n_heads=Hi, index_head_dim=Di, index_kpool=kpool, index_topk=topk, hidden_size=32,
+                     q_lora_rank=16)
+    ix = Indexer(cfg, dtype).to(device)
+    ix.pool_ape.copy_(rnd(kpool, Di, device=device, gen=gen, dtype=dtype))
+    T_all, differ, unexplained = 0, 0, []
+    for step in steps:
+        slots = torch.cat([slots_of(tables, b, s, e, bs) for b, s, e in step])
+        write_index_entries(cache, 0, slots, torch.cat([entries[b][s:e] for b, s, e in step]), ix.pool_ape)
+        T = sum(e - s for _, s, e in step)
+        q, w = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype), rnd(T, Hi, device=device, gen=gen)
+        token_seq = torch.tensor([b for b, s, e in step for _ in range(s, e)], dtype=torch.int32, device=device)
+        positions = torch.tensor([p for _, s, e in step for p in range(s, e)], dtype=torch.int32, device=device)
+        sel = dsa_indexer.dsa_select(cache.indexer_pool_keys[0], q, w, tables, token_seq, positions, kpool, topk,
+                                     True)
+        at = 0
+        for b, s, e in step:
+            seen = read_index_entries(cache, 0, tuple(tables[b].tolist()), e, dtype)
+            mask = ix.select(seen, q[at:at + e - s], w[at:at + e - s])
+            for i in range(e - s):
+                got = sorted(p for p in sel[at + i].tolist() if p >= 0)
+                if got != torch.nonzero(mask[i]).flatten().tolist():
+                    differ += 1
+                    why = _not_near_tie(got, torch.nonzero(mask[i]).flatten().tolist(), seen, q[at + i],
+                                        w[at + i], ix, s + i, topk, kpool)
+                    if why:
+                        unexplained.append(why)
+            at += e - s
+        T_all += T
+    allowed = max(1, T_all // 50)
+    name = f"dsa_select.steps{'.fp8_cache' if fp8 else ''}"
+    results = [_verdict(f"{name}.positions", differ <= allowed and not unexplained,
+                        "; ".join([f"{differ} of {T_all} queries differ from Indexer.select (allowed {allowed}, "
+                                   "at near-ties only)", *unexplained[:4]]))]
+    flat = cache.indexer_pool_keys[0].view(-1, Di)
+    done = torch.cat([slots_of(tables, b, 0, n - n % kpool, bs)[kpool - 1::kpool] for b, n in enumerate(lens)])
+    want = _pools_of(cache.indexer_keys[0].view(-1, 2 * Di), cache.indexer_scale.get(0), done, kpool, ix.pool_ape,
+                     dtype)
+    results.append(compare(f"{name}.pool_keys", flat[done // kpool], want, **tol(dtype)))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+    untouched[done // kpool] = False
+    results.append(_verdict(f"{name}.untouched", bool(flat[untouched].isnan().all()),
+                            "pool rows no token completed keep their poison"))
+    return results
+
+
+def dsa_select_sliced(device: str, ctx: list[int], qlens: list[int], rows: int, Hi=16, Di=16, kpool=4, topk=8,
+                      bs=8, dtype=torch.float32, seed=0) -> list[CheckResult]:
+    """The selection with ``KEY_BUFFER_BYTES`` holding ``rows`` queries' sort keys equals the one-pass selection."""
+    gen = _gen(device, seed)
+    lens = [c + n for c, n in zip(ctx, qlens)]
+    cache, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
+    T = sum(qlens)
+    q, w = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype), rnd(T, Hi, device=device, gen=gen)
+    ape = rnd(kpool, Di, device=device, gen=gen, dtype=dtype)
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
+                             device=device)
+    args = (cache, None, ape, q, w, tables, lens, token_seq, positions, kpool, topk)
+    whole = select_over_entries(*args)
+    budget = dsa_indexer.KEY_BUFFER_BYTES
+    dsa_indexer.KEY_BUFFER_BYTES = rows * 8 * tables.shape[1] * bs // kpool
+    try:
+        sliced = select_over_entries(*args)
+    finally:
+        dsa_indexer.KEY_BUFFER_BYTES = budget
+    return [compare("dsa_select.sliced", sliced, whole, atol=0, rtol=0)]
+
+
+def dsa_positions(device: str, T: int, k: int, kpool=4, tail=3, seed=0) -> list[CheckResult]:
+    gen = _gen(device, seed)
+    positions = torch.randint(0, 4 * (k + 1) * kpool, (T,), generator=gen, device=device, dtype=torch.int32)
+    pools = torch.randint(0, 4 * k + 1, (T, k), generator=gen, device=device)
+    top = (torch.randint(-2**31, 2**31 - 1, (T, k), generator=gen, device=device) << 32) | pools  # any high word
+    out = []
+    for first in (False, True):
+        got = dsa_indexer.positions_launch(top, positions, kpool, k, tail, first,
+                                           out=torch.full((T, k * kpool + tail), -7, dtype=torch.int32, device=device))
+        want = dsa_indexer.positions_ref(top, positions, kpool, k, tail, first)
+        out.append(compare(f"dsa_positions.{'tail_first' if first else 'tail_last'}", got, want, atol=0, rtol=0))
+    return out
+
+
+@_registered("hotpath.dsa_pool_keys", __name__)
+def _dsa_pool_keys(dev, act, seed):
+    if dev == "cuda":
+        real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
+        steps = [[(0, 0, 301)], [(0, 301, 700)], [(0, 700, 701), (1, 640, 903)], [(0, 701, 702), (1, 903, 904)]]
+        return (pool_keys_write(dev, 1000, Di=DI, kpool=KPOOL, bs=64, dtype=act, seed=seed)
+                + dsa_select_steps(dev, steps, 10, topk=256, dtype=act, seed=seed, **real)
+                + dsa_select_sliced(dev, [0, 2100], [333, 1], 37, topk=512, dtype=act, seed=seed, **real)
+                + dsa_positions(dev, 300, 512, seed=seed))
+    steps = [[(0, 0, 13)], [(0, 13, 30)], [(0, 30, 31), (1, 24, 33)], [(0, 31, 32), (1, 33, 34)]]
+    return (pool_keys_write(dev, 29, seed=seed) + dsa_select_steps(dev, steps, 3, seed=seed)
+            + dsa_select_sliced(dev, [0, 30], [13, 7], 3, seed=seed) + dsa_positions(dev, 7, 5, seed=seed))
+
+
+for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
+    _dsa_bench(_B, _N, _T)

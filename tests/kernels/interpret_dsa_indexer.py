@@ -1,0 +1,41 @@
+"""The DSA indexer's pool-key cache and sliced selection under Triton's CPU interpreter, against the references
+(``flashinfra.kernels.dsa_indexer_cases``). Collected only through ``test_interpret.py``."""
+
+import pytest
+
+from flashinfra.feedback.registry import assert_passed
+from flashinfra.kernels import dsa_indexer_cases as cases
+
+# request 0: a prompt in two chunks, then decode steps; request 1 hits its first 3 blocks (24 tokens at bs 8)
+STEPS = [[(0, 0, 13)], [(0, 13, 30)], [(0, 30, 31), (1, 24, 33)], [(0, 31, 32), (1, 33, 34)],
+         [(1, 34, 35)], [(0, 32, 33), (1, 35, 36)]]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pool_keys_write(fp8):
+    assert_passed(cases.pool_keys_write("cpu", 29, fp8=fp8, seed=3))
+
+
+@pytest.mark.parametrize("kpool,bs", [(4, 8), (1, 4)])
+def test_pool_keys_write_kpool(kpool, bs):
+    assert_passed(cases.pool_keys_write("cpu", 17, kpool=kpool, bs=bs, seed=kpool))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_select_over_steps_and_a_prefix_hit(fp8):
+    assert_passed(cases.dsa_select_steps("cpu", STEPS, prefix_blocks=3, fp8=fp8, seed=5))
+
+
+def test_sliced_selection_equals_one_pass():
+    assert_passed(cases.dsa_select_sliced("cpu", [0, 5, 30], [13, 1, 7], rows=3, seed=2))
+
+
+def test_registered_check_passes():
+    from flashinfra.feedback.registry import checks
+
+    assert_passed(checks()["hotpath.dsa_pool_keys"].fn())
+
+
+@pytest.mark.parametrize("T,k,kpool,tail", [(7, 5, 4, 3), (1, 1, 4, 0), (9, 3, 1, 0), (3, 0, 4, 3), (5, 6, 16, 15)])
+def test_positions_kernel(T, k, kpool, tail):
+    assert_passed(cases.dsa_positions("cpu", T, k, kpool=kpool, tail=tail, seed=T))
