@@ -380,7 +380,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--connect-timeout", type=float, default=120.0,
                    help="seconds to wait for every server's /disagg/info at start-up")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one backend call may take")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="the router's log threshold")
     p.set_defaults(func=run)
 
 

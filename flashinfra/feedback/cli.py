@@ -120,11 +120,11 @@ def register(subparsers) -> None:
     p.add_argument("--bench", default=None, help="benchmark to trace")
     p.add_argument("--model", default=None, help="checkpoint to trace ('default' for the built-in model)")
     p.add_argument("--prompt-lens", default="32,17", help="model: comma-separated prompt lengths")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="model: forward steps traced")
     add_config_args(p, LoadConfig, only=("dtype", "device"))
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="benchmark: small sizes")
     p.add_argument("--out", default="trace", help="output prefix: PREFIX.json (Chrome trace), PREFIX.txt")
-    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--top", type=int, default=15, help="kernels listed in the summary, by time")
     p.set_defaults(func=_cmd_trace)
 
     p = subparsers.add_parser("events", help="runtime event streams")
@@ -132,7 +132,7 @@ def register(subparsers) -> None:
     s = sub.add_parser("summarize", help="timeline summary of a JSONL event file")
     s.add_argument("file")
     s.add_argument("--windows", type=int, default=10, help="timeline buckets")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.set_defaults(func=_cmd_events)
 
     p = subparsers.add_parser("ab", help="A/B experiment between two git revisions on one benchmark")
@@ -143,12 +143,12 @@ def register(subparsers) -> None:
     p.add_argument("--runs", type=int, default=None, help="timed calls per subprocess run")
     p.add_argument("--repo", default=".", help="git repository")
     add_config_args(p, LoadConfig, only=("dtype", "device"))
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="small sizes, few runs")
     p.add_argument("--provider", action="append", default=[], help="extra module registering benchmarks")
     p.add_argument("--no-default-providers", action="store_true",
                    help="load only the --provider modules, not flashinfra's own")
     p.add_argument("--min-effect", type=float, default=0.02, help="smallest relative change worth a verdict")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the verdict and its figures as JSON")
     p.set_defaults(func=_cmd_ab)
 
     p = subparsers.add_parser("goals", help="acceptance criteria from a TOML goals file")

@@ -50,11 +50,12 @@ def build_parser(prog: str = "flashinfra bench serve") -> argparse.ArgumentParse
     p = argparse.ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]),
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="the API the requests go to")
     p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: none)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in all")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight at most (default: no bound)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean arrivals per second (Poisson); inf sends all at once (bounded by --concurrency)")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (about, for text)")
@@ -65,11 +66,11 @@ def build_parser(prog: str = "flashinfra bench serve") -> argparse.ArgumentParse
                    help="send prompts as token ids (exact lengths; completions only)")
     p.add_argument("--vocab-size", type=int, default=400, help="token ids are drawn below this (--token-ids)")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict endpoints)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload (lengths and prompts)")
+    p.add_argument("--percentiles", default="50,90,99", help="latency percentiles reported, comma-separated")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--output", default=None, help="write the JSON report here")
+    p.add_argument("--output", default=None, help="write the JSON report here (default: stdout only)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
     return p

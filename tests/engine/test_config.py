@@ -49,6 +49,19 @@ def test_every_field_is_a_flag_with_its_default_and_help(command):
         assert action.help.replace("%%", "%").startswith(f.metadata["help"]), f.name
 
 
+def test_every_option_of_every_command_has_help():
+    """Help text is what makes argparse show an option's default: no option of any subcommand goes without."""
+    def missing(parser, path):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from missing(sub, [*path, name])
+            elif a.option_strings and a.help is None:
+                yield f"{' '.join(path)} {a.option_strings[0]}"
+
+    assert not list(missing(build_parser(), ["flashinfra"]))
+
+
 def test_serve_options_are_flags_and_only_on_serve():
     from flashinfra.server.cli import ServeOptions
 
