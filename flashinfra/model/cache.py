@@ -92,9 +92,9 @@ class ModelCache:
     @staticmethod
     def bytes_per_block(cfg: TextConfig, block_size: int, dtype: torch.dtype,
                         latent_dtypes: Mapping[int, torch.dtype] | None = None) -> int:
-        if latent_dtypes:
-            from flashinfra.quant.cache import index_bytes_per_token, latent_bytes_per_token
+        from flashinfra.quant.cache import index_bytes_per_token, latent_bytes_per_token, pool_key_bytes
 
+        if latent_dtypes:
             latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, latent_dtypes.get(i, dtype)) for i in cfg.mla_layers)
             index = sum(index_bytes_per_token(cfg.index_head_dim, latent_dtypes.get(i, dtype), dtype)
                         for i in cfg.indexer_layers)
@@ -113,10 +113,3 @@ class ModelCache:
 def pool_keys(cfg: TextConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
     """One full-indexer layer's pool-key cache [num_blocks, block_size // index_kpool, index_head_dim]."""
     return torch.zeros(num_blocks, block_size // cfg.index_kpool, cfg.index_head_dim, dtype=dtype, device=device)
-
-
-def pool_key_bytes(cfg: TextConfig, tokens: int, dtype: torch.dtype) -> int:
-    """The pool-key cache's bytes for ``tokens`` tokens of every full-indexer layer (``tokens`` need not be a
-    multiple of ``index_kpool``: a fraction of a pool per token, for sizing)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return len(cfg.indexer_layers) * cfg.index_head_dim * size * tokens // cfg.index_kpool

@@ -167,12 +167,17 @@ def read_latent(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch
     return (rows.to(ct) * s.to(ct)[:, None]).to(dtype)
 
 
+def pool_key_bytes(cfg, tokens: int, dtype: torch.dtype) -> int:
+    """The pool-key cache's bytes for ``tokens`` tokens of every full-indexer layer (``tokens`` need not be a
+    multiple of ``index_kpool``: a fraction of a pool per token, for sizing)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return len(cfg.indexer_layers) * cfg.index_head_dim * size * tokens // cfg.index_kpool
+
+
 def tokens_per_gib(cfg, spec: CacheSpec, model_dtype: torch.dtype) -> dict:
     """Cache tokens one GiB holds for ``cfg`` (a ``TextConfig``): the paged part (MLA latents + indexer entries + the
     indexer's pool keys, a fraction of a pool per token) per token, and the KDA state bytes per sequence that come on
     top."""
-    from flashinfra.model.cache import pool_key_bytes
-
     lat = spec.latent_dtypes(cfg.mla_layers, model_dtype)
     latent = sum(latent_bytes_per_token(cfg.kv_lora_rank, d) for d in lat.values())
     index = sum(index_bytes_per_token(cfg.index_head_dim, lat[i], model_dtype) for i in cfg.indexer_layers)
