@@ -21,6 +21,7 @@ from flashinfra.model.kda import KDAttention
 from flashinfra.model.mhc import HyperConnection
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import DenseMLP, MoE
+from flashinfra.quant.linear import rms_norm_for
 
 
 class DecoderLayer(nn.Module):
@@ -41,11 +42,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
         def attention(x):
-            x = rms_norm(x, self.input_norm, self.eps)
-            return self.attn(x, batch, cache) if self.is_kda else self.attn(x, batch, cache, masks)
+            if self.is_kda:
+                return self.attn(rms_norm_for(x, self.input_norm, self.eps, self.attn.in_proj, False), batch, cache)
+            # MLA's indexer reads the normed rows too
+            x = rms_norm_for(x, self.input_norm, self.eps, self.attn.qkv_a_proj, True)
+            return self.attn(x, batch, cache, masks)
+
+        def ffn(x):  # a dense MLP reads int8 rows where W8A8; the MoE's router reads the normed rows
+            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, getattr(self.mlp, "gate_up_proj", None),
+                                         False))
 
         streams = self.attn_hc(streams, attention)
-        return self.ffn_hc(streams, lambda x: self.mlp(rms_norm(x, self.post_attn_norm, self.eps)))
+        return self.ffn_hc(streams, ffn)
 
 
 class Glm5NextModel(nn.Module):

@@ -26,7 +26,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
 from flashinfra.quant.cache import read_index_entries, read_latent, write_index_entries, write_latent
-from flashinfra.quant.linear import linear
+from flashinfra.quant.linear import linear, normed, rms_norm_for
 
 
 def gather_seq(paged: torch.Tensor, blocks: tuple[int, ...], n: int) -> torch.Tensor:
@@ -69,8 +69,10 @@ class MLAttention(nn.Module):
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
         T = x.shape[0]
         q_a, kv_a = linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
-        q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
-        q = linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
+        x = normed(x)  # ``Int8Rows`` under W8A8 (DecoderLayer): the rows in the model dtype for the indexer
+        q_rows = rms_norm_for(q_a, self.q_a_norm, self.eps, self.q_b_proj, True)
+        q_resid = normed(q_rows)
+        q = linear(q_rows, self.q_b_proj).view(T, self.H, self.Dq)
         latent = cache.mla_latent[self.layer]
         write_latent(cache, self.layer, batch.slot_mapping, rms_norm(kv_a, self.kv_a_norm, self.eps))
         if use_triton(x, latent):

@@ -50,6 +50,10 @@ def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
     model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8")
 
 
+def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypatch):
+    model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cpu", kernels=True)
+
+
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])
 def test_dsa_select_quant(ctx, qlens):
     assert_passed(hotpath.dsa_select("cpu", ctx, qlens, fp8=True, seed=len(ctx)))

@@ -149,3 +149,37 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
     assert_passed([compare(f"quantized model ({quantization}, {kv_cache_dtype} cache, {kda_state_dtype} KDA state) "
                            f"step {i}", a, b, atol=atol,
                            rtol=atol) for i, (a, b) in enumerate(zip(out, ref))])
+
+
+def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool):
+    """A W8A8 model's logits (prefill, then decode steps) with the RMSNorms quantizing their output for the int8
+    projections (``quant.linear.rms_norm_for``) are those of the unfused path (the norm, then ``linear_8bit``'s own
+    activation quantization), bit for bit: the same codes and scales reach the same GEMMs. ``kernels``: the Triton
+    path (CUDA, or the CPU interpreter), else the references."""
+    from flashinfra.kernels import dispatch, norms
+    from flashinfra.model import glm5_next, mla
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.quant import linear as qlinear
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype="float32",
+                       device=device, quantization="w8a8")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: not kernels)
+    assert dispatch.use_triton(torch.empty(0, device=device)) == kernels
+    calls = []
+
+    def counted(*args):
+        calls.append(None if args[3] is None else qlinear.is_w8a8(args[3]))  # None: the MoE's norm
+        return qlinear.rms_norm_for(*args)
+
+    for module in (glm5_next, mla):
+        monkeypatch.setattr(module, "rms_norm_for", counted)
+    fused = _prefill_decode(model, prompts, 2)
+    assert True in calls and False not in calls, "every norm before a projection feeds a W8A8 one"
+    for module in (glm5_next, mla):
+        monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
+    unfused = _prefill_decode(model, prompts, 2)
+    for step, (a, b) in enumerate(zip(fused, unfused)):
+        assert torch.equal(a, b), f"step {step}: max difference {float((a - b).abs().max()):.3g}"

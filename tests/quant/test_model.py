@@ -74,6 +74,12 @@ def test_bf16_kda_state_on_the_references(base_logits):
     assert rel(m.logits(PROMPTS), base_logits) < 0.01
 
 
+def test_w8a8_norm_fusion_leaves_the_reference_logits_unchanged(tmp_path, monkeypatch):
+    from tests.kernels.model_cases import w8a8_norm_fusion_leaves_logits_unchanged
+
+    w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cpu", kernels=False)
+
+
 def test_tokens_per_gib_at_the_released_sizes():
     from flashinfra.config import resolve_config
 
