@@ -1,5 +1,6 @@
-"""Checks of the 8-bit kernels (activation quantization, alone and fused with the RMSNorm, W8A8 and block-FP8 linear, their fused MoE experts, sparse
-MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache), registered with ``flashinfra.feedback``.
+"""Checks of the 8-bit kernels (activation quantization, alone and fused with the RMSNorm, W8A8 and block-FP8
+linear, their fused MoE experts, sparse MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache),
+registered with ``flashinfra.feedback``.
 
 Checks (``flashinfra check quant``) run the cases of check_cases.py at fixed sizes: on CUDA when there is one
 (bf16 activations; the fp8 checks need sm_89+ and report a skip below it), else float32 on the CPU under Triton's

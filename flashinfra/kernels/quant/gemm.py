@@ -12,9 +12,10 @@ cores. One kernel; the weight format (``WEIGHTS``) is a constexpr read from the 
 
 Activations are quantized by ``act.quant_act`` (a small kernel before the GEMM: a token's scale needs its whole
 row, which a GEMM program that sees ``BK`` columns at a time does not have), or, for W8A8 rows that an RMSNorm
-produces, in the norm's epilogue (``norm_act.rms_norm_int8``), whose codes ``matmul_8bit`` takes as they are. ``matmul_8bit_ref`` is the same
-quantized arithmetic in float64 (int32 sums and e4m3 products are exact there); ``linear_8bit_ref`` adds the
-activation quantization reference in front. Float weights never come here: they run ``kernels.batch_invariant``.
+produces, in the norm's epilogue (``norm_act.rms_norm_int8``), whose codes ``matmul_8bit`` takes as they are.
+``matmul_8bit_ref`` is the same quantized arithmetic in float64 (int32 sums and e4m3 products are exact there);
+``linear_8bit_ref`` adds the activation quantization reference in front. Float weights never come here: they run
+``kernels.batch_invariant``.
 """
 
 from __future__ import annotations

@@ -63,8 +63,9 @@ def rms_norm_int8_kernel(x, w, y, q, s, stride_x, N, D, eps, BT: tl.constexpr, B
 def _outputs(x: torch.Tensor, N: int, D: int, keep_normed: bool, out):
     """The (y, q, s) buffers: fresh, or ``out``'s (the checks poison them first) after their shapes are checked."""
     if out is None:
-        return (torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_normed else None,
-                torch.empty(N, D, dtype=torch.int8, device=x.device), torch.empty(N, dtype=torch.float32, device=x.device))
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_normed else None
+        return y, torch.empty(N, D, dtype=torch.int8, device=x.device), torch.empty(N, dtype=torch.float32,
+                                                                                 device=x.device)
     y, q, s = out
     ok = (q.shape == (N, D) and q.dtype == torch.int8 and s.shape == (N,) and s.dtype == torch.float32
           and (y is None) != keep_normed and (y is None or (y.shape == x.shape and y.dtype == x.dtype)))
