@@ -41,16 +41,18 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
+        # The projection each norm feeds, for its W8A8 form (``rms_norm_for``); None where a parallel wrapper
+        # (flashinfra.parallel) replaced the module: plain rows then. MLA's indexer and the MoE's router read the
+        # normed rows too.
         def attention(x):
-            if self.is_kda:
-                return self.attn(rms_norm_for(x, self.input_norm, self.eps, self.attn.in_proj, False), batch, cache)
-            # MLA's indexer reads the normed rows too
-            x = rms_norm_for(x, self.input_norm, self.eps, self.attn.qkv_a_proj, True)
-            return self.attn(x, batch, cache, masks)
+            proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
+            x = rms_norm_for(x, self.input_norm, self.eps, proj, not self.is_kda)
+            return self.attn(x, batch, cache) if self.is_kda else self.attn(x, batch, cache, masks)
 
-        def ffn(x):  # a dense MLP reads int8 rows where W8A8; the MoE's router reads the normed rows
-            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, getattr(self.mlp, "gate_up_proj", None),
-                                         False))
+        def ffn(x):
+            moe = isinstance(self.mlp, MoE)
+            proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
+            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, proj, moe))
 
         streams = self.attn_hc(streams, attention)
         return self.ffn_hc(streams, ffn)

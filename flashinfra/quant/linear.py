@@ -13,8 +13,8 @@ in bf16; otherwise it runs as a dense SwiGLU MLP beside them.
 W8A8 projections fed by an RMSNorm (KDA's ``in_proj``, MLA's ``qkv_a_proj`` and ``q_b_proj``, a dense MLP's
 ``gate_up_proj``) read ``Int8Rows``: the norm's kernel quantizes its output per token in its epilogue
 (``kernels.quant.rms_norm_int8``) and the GEMM takes the codes as they are, with the same codes and scales as
-``linear_8bit`` would form from the normed rows, so the results are unchanged. The MoE's input is quantized inside
-``fused_moe``'s launches, as before.
+``linear_8bit`` would form from the normed rows, so the results are unchanged. So does the MoE's norm (its router
+reads the normed rows), whose codes ``fused_moe`` takes for its first GEMM.
 """
 
 from __future__ import annotations
@@ -81,12 +81,15 @@ def shared_is_grouped(w13: QuantizedWeight, shared_w13, shared_w2) -> bool:
 
 
 def moe_experts(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2) -> torch.Tensor:
-    """Routed experts plus the shared expert, as ``fused_moe``."""
+    """Routed experts plus the shared expert, as ``fused_moe``; ``x`` rows, or ``Int8Rows`` kept with their normed
+    rows (W8A8 experts)."""
+    rows, x = x, normed(x)
+    codes = (rows.q, rows.s) if isinstance(rows, Int8Rows) else None
     if not isinstance(w13, QuantizedWeight):
         return fused_moe(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
     if shared_is_grouped(w13, shared_w13, shared_w2):
         return fused_moe(x, w13.data, w2.data, topk_weights, topk_ids, limit, shared_w13.data, shared_w2.data,
-                         (w13.scale, w2.scale, shared_w13.scale, shared_w2.scale))
-    shared = linear(clamped_swiglu(linear(x, shared_w13), limit), shared_w2)
+                         (w13.scale, w2.scale, shared_w13.scale, shared_w2.scale), codes)
+    shared = linear(clamped_swiglu(linear(rows, shared_w13), limit), shared_w2)
     return fused_moe(x, w13.data, w2.data, topk_weights, topk_ids, limit, None, None,
-                     (w13.scale, w2.scale, None, None)) + shared
+                     (w13.scale, w2.scale, None, None), codes) + shared
