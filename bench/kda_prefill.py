@@ -53,7 +53,7 @@ SHAPES = {"T8192": [8192], "varlen16": VARLEN, "T65536": [65536]}
 ANCHORS_MTOK_S = {"T8192": 4.09, "T65536": 4.43, "varlen16": 4.35}  # FLA's chunk_kda, the stored anchors
 
 
-def inputs(lens: list[int], seed: int, device: str = "cuda") -> dict:
+def inputs(lens: list[int], seed: int, device: str = "cuda", state_dtype=torch.float32) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
     T = sum(lens)
 
@@ -65,7 +65,7 @@ def inputs(lens: list[int], seed: int, device: str = "cuda") -> dict:
     a["g"] = (LB * torch.sigmoid(torch.randn(T, H, K, device=device, generator=gen))).float()
     a["beta"] = torch.rand(T, H, device=device, generator=gen).bfloat16().float()  # exact for FLA's bf16 beta
     a["cu"] = [0] + list(itertools.accumulate(lens))
-    a["state"] = torch.randn(len(lens), H, K, V, device=device, generator=gen) * 0.1
+    a["state"] = (torch.randn(len(lens), H, K, V, device=device, generator=gen) * 0.1).to(state_dtype)
     return a
 
 
@@ -124,12 +124,12 @@ def host_us(fn, iters: int) -> float:
 
 def run_case(label: str, args, res: dict) -> dict:
     lens = SHAPES[label]
-    a = inputs(lens, seed=len(lens) + lens[0])
+    a = inputs(lens, seed=len(lens) + lens[0], state_dtype=getattr(torch, args.state_dtype))
     T, N = sum(lens), len(lens)
     slots, init = list(range(N)), [True] * N
     iters = args.iters or (5 if T > 20000 else 10)
-    s0 = a["state"].clone()
-    row = {"case": label, "T": T, "num_seqs": N, "iters": iters}
+    s0 = a["state"].to(torch.float32, copy=True)  # FLA's and the reference's initial state
+    row = {"case": label, "T": T, "num_seqs": N, "iters": iters, "state_dtype": args.state_dtype}
 
     def ours():
         return kda_prefill_launch(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["cu"], slots, init)
@@ -216,6 +216,8 @@ def main() -> int:
     ap.add_argument("--ref-heads", type=int, default=2, help="heads checked against float64 (0: none)")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its autotuning takes minutes)")
     ap.add_argument("--fla-fused", action="store_true", help="also FLA with the gate and beta in its kernel")
+    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="our kernels' state slots (--kda-state-dtype); FLA keeps float32 states")
     ap.add_argument("--name", default="kda_prefill", help="result file name in bench/results/")
     ap.add_argument("--out", help="also copy the JSON into this folder")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """8-bit weights and caches against bf16, in one run: accuracy, cache capacity, and speed.
 
 Modes (``MODES``): bf16; W8A8 INT8 weights; block-FP8 weights; an fp8 / int8 MLA latent cache; W8A8 with an int8
-cache; a bf16 KDA state (refused where the chunked-prefill kernels need float32 states: the refusal is recorded).
+cache; a bf16 KDA state (every KDA kernel reads and stores a bf16 state).
 
 1. accuracy, on the built-in default model (bf16 on the GPU; float32 on the CPU for ``--smoke``): perplexity on
    held-out text (``--text``, default ``tests/eval/data/heldout-slice.txt``; the README's 30,747-token
@@ -14,7 +14,9 @@ cache; a bf16 KDA state (refused where the chunked-prefill kernels need float32 
    (goal: >= 1.9x bf16 for the latent).
 3. speed (GPU; toy sizes on the CPU references for ``--smoke``): the int8 / fp8 / bf16 tensor-core peaks measured
    here (square 8192 products through torch), the slice's dense projections and its 288-expert MoE at 1, 32, 128
-   and 8192 tokens for each weight format (TFLOP/s and the fraction of that format's peak), and on the 4-layer
+   and 8192 tokens for each weight format (TFLOP/s and the fraction of that format's peak), the RMSNorm and the
+   projection it feeds at the same token counts (``norm_gemms``: bf16; W8A8 with the activation quantization a
+   kernel of its own; W8A8 with it in the norm's epilogue, as the model runs it), and on the 4-layer
    full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, random weights) decode steps at batch 1 / 32 / 128 with
    ``--context`` cached tokens (CUDA-graph replay, eager where capture fails) and a ``--prefill``-token prefill per
    mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
@@ -41,7 +43,8 @@ import torch.nn.functional as F
 from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
 from flashinfra.kernels.fused_moe import fused_moe
-from flashinfra.kernels.quant import linear_8bit
+from flashinfra.kernels.norms import rms_norm
+from flashinfra.kernels.quant import linear_8bit, matmul_8bit, rms_norm_int8
 from flashinfra.model.api import load_model, model_config_from, random_model
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch
@@ -218,6 +221,32 @@ def gemms(dev: str, cfg, tokens: tuple[int, ...], peak: dict, reps: int) -> list
     return rows
 
 
+def norm_gemms(dev: str, cfg, tokens: tuple[int, ...], reps: int) -> list[dict]:
+    """The input RMSNorm and the projection it feeds (KDA ``in_proj``, MLA ``qkv_a_proj``): bf16, W8A8 with the
+    separate activation quantization kernel (norm, quantize, GEMM: three launches), and W8A8 with the quantization
+    in the norm's epilogue (``rms_norm_int8``, then the GEMM on its codes: two launches)."""
+    H, K, D = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size
+    shapes = {"kda.in_proj": 3 * H * K + 2 * K + H, "mla.qkv_a_proj": cfg.q_lora_rank + cfg.kv_lora_rank}
+    nw = torch.ones(D, device=dev, dtype=torch.bfloat16)
+    rows = []
+    for name, N in shapes.items():
+        w = torch.randn(N, D, device=dev) * D**-0.5
+        wb, qi = w.bfloat16(), quantize_int8_per_channel(w)
+        for M in tokens:
+            x = torch.randn(M, D, device=dev).bfloat16()
+
+            def fused():
+                _, q, s = rms_norm_int8(x, nw, 1e-5, False)
+                return matmul_8bit(q, s, qi.data, qi.scale, out_dtype=torch.bfloat16)
+
+            runs = {"bf16": lambda: F.linear(rms_norm(x, nw, 1e-5), wb),
+                    "w8a8": lambda: linear_8bit(rms_norm(x, nw, 1e-5), qi.data, qi.scale),
+                    "w8a8_fused_norm": fused}
+            for fmt, fn in runs.items():
+                rows.append(dict(op=f"rms_norm + {name}", tokens=M, format=fmt, us=median_s(fn, dev, reps) * 1e6))
+    return rows
+
+
 def _expert_weights(E: int, N: int, K: int, dev: str):
     """Random [E, N, K] experts as bf16, int8 per channel and fp8 per block, made 32 experts at a time (the
     float32 temporaries of all 288 at once would take tens of GB)."""
@@ -368,6 +397,8 @@ def main() -> int:
     if "kernels" in parts:
         result["peak_tflops"] = peak = peaks(dev, 256 if smoke else 8192, reps)
         result["gemm"] = gemms(dev, text_cfg, tokens, peak, reps)
+        save()
+        result["norm_gemm"] = norm_gemms(dev, text_cfg, tokens, reps)
         save()
         result["moe"] = moes(dev, text_cfg, tokens, peak, reps)
         save()

@@ -23,8 +23,9 @@ Weight formats (``WEIGHTS``, a constexpr read from the weights' dtype), each wit
 
 - ``float``: bf16 (float32 in tests) weights and activations, float32 accumulators.
 - ``int8`` (W8A8): int8 weights with one scale per output channel; ``x`` and the intermediate are quantized per
-  row (``act.quant_act``: a row's scale needs the whole row, which no GEMM program sees), the
-  products sum exactly in int32 and both scales are applied once, in the epilogue.
+  row (``act.quant_act``: a row's scale needs the whole row, which no GEMM program sees; ``x``'s codes may come
+  from its producer instead, ``x_codes``: the RMSNorm's epilogue), the products sum exactly in int32 and both
+  scales are applied once, in the epilogue.
 - ``fp8``: e4m3 weights with one scale per 128 x 128 tile; ``x`` and the intermediate are quantized per row per
   128 channels, and each 128-wide K step's float32 product is scaled by its
   activation and weight block scales before it is accumulated (the DeepSeek-V3 recipe). The gate and up halves
@@ -71,13 +72,13 @@ def experts_ref(
     return out
 
 
-def experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float) -> torch.Tensor:
+def experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float, x_codes=None) -> torch.Tensor:
     """The 8-bit experts' arithmetic in float64: activations quantized as the kernels do, the intermediate
     rounded to x's dtype and quantized again, each weighted pair output rounded to x's dtype."""
     fmt = weight_format(w13)
     T, D = x.shape
     N = w13.shape[1] // 2
-    xq, sx = quant_act_ref(fmt, x)
+    xq, sx = quant_act_ref(fmt, x) if x_codes is None else x_codes
     out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == e)
@@ -89,7 +90,8 @@ def experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit: float) 
     return out.to(x.dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None,
+                  x_codes=None):
     """Routed experts plus the shared expert (none when ``shared_w13`` is None). 8-bit experts: the shared
     expert is one more pair per token with weight 1, as in the kernels."""
     if scales is None:
@@ -104,7 +106,7 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, 
         s13, s2 = torch.cat([s13, ss13[None]]), torch.cat([s2, ss2[None]])
         topk_ids = torch.cat([topk_ids.long(), torch.full((T, 1), E, dtype=torch.long, device=x.device)], 1)
         topk_weights = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1)
-    return experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit)
+    return experts_8bit_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, x_codes)
 
 
 @triton.jit
@@ -291,7 +293,7 @@ def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
     return delta // experts.element_size()
 
 
-def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
+def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales, x_codes):
     """Grouped GEMMs over the pairs ``ids`` [T, k'] (expert ``E`` = the shared expert): weighted pair outputs
     to ``out`` [T k', D]."""
     T, k = ids.shape
@@ -306,7 +308,7 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales):
     if fmt == "float":  # no scales: the weights stand in for the unused scale pointers
         a, sa, (sw13, sw2), soff13, soff2 = x, x, (w13, w2), 0, 0
     else:
-        a, sa = quant_act(fmt, x)
+        a, sa = quant_act(fmt, x) if x_codes is None else x_codes
         sw13, sw2, ss13, ss2 = scales
         soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
@@ -372,13 +374,18 @@ def _no_shared(w13, w2, scales=None):
             (scales[0], scales[1], torch.zeros_like(scales[0][0]), torch.zeros_like(scales[1][0])))
 
 
-def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None,
+                     x_codes=None):
     """Routed experts plus the shared expert: ``fused_moe_ref(...)`` in one pass of fused kernels. Float weights,
     or 8-bit ones (int8 or e4m3) with ``scales`` = (routed w13, routed w2, shared w13, shared w2) scales; a
-    shared expert of ``None`` is none."""
+    shared expert of ``None`` is none. ``x_codes``: int8 weights only, x's per-token codes and scales as
+    ``quant_act`` forms them, made by x's producer."""
     if shared_w13 is None:
         shared_w13, shared_w2, scales = _no_shared(w13, w2, scales)
     _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, scales)
+    if x_codes is not None and (weight_format(w13) != "int8" or x_codes[0].shape != x.shape
+                                or x_codes[1].shape != x.shape[:1]):
+        raise ValueError(f"fused_moe: x's codes fit int8 experts and x {tuple(x.shape)} only")
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, D = x.shape
     k = topk_ids.shape[1]
@@ -393,13 +400,13 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     pair_w = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1).contiguous()
     # pair outputs in the activation dtype: the reference rounds each weighted expert output there too
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
-    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales)
+    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales, x_codes)
     BD = min(1024, triton.next_power_of_2(D))
     fast(moe_sum_kernel)[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None, x_codes=None):
     if use_triton(x, w13, w2, topk_weights, topk_ids):
-        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales)
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales, x_codes)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales, x_codes)

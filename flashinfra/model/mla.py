@@ -30,7 +30,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
 from flashinfra.quant.cache import read_index_entries, read_latent, write_index_entries, write_latent
-from flashinfra.quant.linear import linear
+from flashinfra.quant.linear import linear, normed, rms_norm_for
 
 
 def gather_seq(paged: torch.Tensor, blocks: tuple[int, ...], n: int) -> torch.Tensor:
@@ -67,17 +67,19 @@ class MLAttention(nn.Module):
         """``masks`` maps a full-indexer layer to its selection; this layer adds its own. Reference path: a
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
         q, q_resid, _ = self.queries(x, batch, cache)
+        x = normed(x)  # ``Int8Rows`` under W8A8 (DecoderLayer): the rows in the model dtype for the indexer
         self.index(x, q_resid, batch, cache, masks)
         return self.attend(x, q, batch, cache, masks)
 
-    def queries(self, x: torch.Tensor, batch: ForwardBatch,
-                cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def queries(self, x, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new tokens' latent written to the cache -> (q [T, H, Dq], the indexer's query input [T, q_lora],
-        the latent [T, R]); one projection forms the latent together with q."""
+        the latent [T, R]); one projection forms the latent together with q. ``x``: the normed rows, or their
+        ``Int8Rows`` under W8A8."""
         T = x.shape[0]
         q_a, kv_a = linear(x, self.qkv_a_proj, self.qkv_a_bias).split([self.q_lora, self.R], dim=-1)
-        q_resid = rms_norm(q_a, self.q_a_norm, self.eps)
-        q = linear(q_resid, self.q_b_proj).view(T, self.H, self.Dq)
+        q_rows = rms_norm_for(q_a, self.q_a_norm, self.eps, self.q_b_proj, True)
+        q_resid = normed(q_rows)
+        q = linear(q_rows, self.q_b_proj).view(T, self.H, self.Dq)
         latent = rms_norm(kv_a, self.kv_a_norm, self.eps)
         write_latent(cache, self.layer, batch.slot_mapping, latent)
         return q, q_resid, latent

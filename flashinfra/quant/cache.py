@@ -5,7 +5,9 @@ token; the KDA recurrent state in float32 or bf16 (the conv state stays in the m
 ``first:bfloat16,last:bfloat16`` or ``3:bfloat16``). ``write_latent`` quantizes a layer's new latent rows on the way
 into the cache (scale ``amax / 127`` or ``amax / 448`` per token), ``read_latent`` dequantizes one sequence's
 rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.sparse_mla``).
-``tokens_per_gib`` is the cache capacity that the choice buys.
+``tokens_per_gib`` is the cache capacity that the choice buys. The KDA state's dtype is the allocation's
+(``ModelCache``): the kernels (decode, prefill, checkpoints, verify) and the references read it into float32 and
+round to it where they store.
 
 The DSA indexer keys (key | gate score per token) follow their layer's latent: where it is 8-bit they are stored
 in e4m3 with one float32 scale per half (``write_index_entries`` / ``read_index_entries``), else in the model dtype.
@@ -88,12 +90,9 @@ class CacheSpec:
 
     def check_device(self, device: torch.device | str, kernels: bool) -> None:
         """Refuse what the device's kernels cannot run. ``kernels``: the Triton path runs (CUDA, not forced onto the
-        references)."""
+        references). Either KDA state dtype runs everywhere: every KDA kernel reads a bf16 state into float32 and
+        rounds where it stores it."""
         device = torch.device(device)
-        if kernels and self.kda_state_dtype == "bfloat16":
-            raise CacheDtypeError(f"--kda-state-dtype bfloat16 on device {device}: the KDA decode kernels take a "
-                                  "bf16 state, but the chunked-prefill kernels (flashinfra/kernels/kda) keep float32 "
-                                  "states; use --kda-state-dtype float32 there (bfloat16 runs on the CPU references)")
         uses_fp8 = self.kv_cache_dtype in ("fp8", "int8") or any(d in ("fp8", "int8") for _, d in self.layer_overrides)
         if uses_fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise CacheDtypeError(f"an 8-bit cache (--kv-cache-dtype fp8 or int8: the indexer keys go to fp8 with "

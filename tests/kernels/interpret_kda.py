@@ -8,6 +8,7 @@ import torch
 from flashinfra.kernels.kda import prefill as kda_prefill
 from flashinfra.kernels.kda import decode as layer_decode
 from tests.kernels import kda_cases as cases
+from tests.kernels import model_cases
 
 
 @pytest.mark.parametrize("lens", [[63], [1, 17, 40, 2], [33, 16], [5, 0, 3]])
@@ -53,6 +54,19 @@ def test_prefill_chunk64_varlen(lens, dtype):
 @pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, True), (torch.float16, False)])
 def test_prefill_chunk64_checkpoints(dtype, gated):
     cases.prefill_checkpoints("cpu", *CHUNK64_CHECKPOINTS, dtype=dtype, gated=gated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_bfloat16_state(dtype):
+    """A bf16 state (--kda-state-dtype bfloat16) in either kernel family: read into float32, stored rounded."""
+    cases.prefill_varlen("cpu", [1, 70, 33], H=2, K=16, V=32, dtype=dtype, state_dtype=torch.bfloat16, seed=5)
+    cases.prefill_varlen("cpu", [21, 130], H=2, K=32, V=16, dtype=dtype, gated=True, state_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,gated", [(torch.float32, True), (torch.bfloat16, False)])
+def test_prefill_checkpoints_bfloat16_state(dtype, gated):
+    points = FP32_CHECKPOINTS if dtype == torch.float32 else CHUNK64_CHECKPOINTS
+    cases.prefill_checkpoints("cpu", *points, dtype=dtype, gated=gated, state_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -180,6 +194,15 @@ def test_dispatch_runs_triton_under_interpreter():
 
 def test_tiny_model_greedy_tokens_same_with_kernels_and_references(tmp_path, monkeypatch):
     cases.tiny_model_greedy_same(tmp_path, monkeypatch, "cpu")
+
+
+def test_tiny_model_bfloat16_state_kernels_match_references(tmp_path, monkeypatch):
+    """--kda-state-dtype bfloat16: the model's KDA prefill and decode kernels against the references, both rounding
+    the state to bf16 where they store it. The interpreter truncates to bf16 where torch rounds to nearest: a bias
+    toward zero at every decode step's store, which compounds (about 0.5% of the logits' norm per step here; a
+    layout or dtype slip would be of order 1), hence two decode steps and 3e-2."""
+    model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "none", "auto", steps=2,
+                                                     kda_state_dtype="bfloat16", atol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", HALF)

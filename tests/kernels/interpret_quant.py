@@ -5,6 +5,7 @@ kernels are tested here too; its float -> e4m3 conversion mis-rounds at exponent
 ``flashinfra.kernels.quant.check_cases.quant_act``), which the GPU tests check bit for bit."""
 
 import pytest
+import torch
 
 from flashinfra.feedback.registry import assert_passed
 from flashinfra.kernels import checks as hotpath
@@ -49,6 +50,16 @@ def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
     model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8")
 
 
+def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypatch):
+    model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cpu", kernels=True)
+
+
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])
 def test_dsa_select_quant(ctx, qlens):
     assert_passed(hotpath.dsa_select("cpu", ctx, qlens, fp8=True, seed=len(ctx)))
+
+
+@pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.float32), (7, 300, torch.bfloat16), (33, 1000, torch.float32),
+                                       (20, 130, torch.bfloat16)])
+def test_rms_norm_int8(T, D, dtype):
+    assert_passed(cases.norm_int8("cpu", T, D, dtype=dtype, seed=T))

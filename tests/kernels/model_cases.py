@@ -117,11 +117,12 @@ def _prefill_decode(model, prompts: list[list[int]], steps: int, bs: int = 16):
 
 
 def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
-                                         dtype="float32", steps: int = 3, atol=None):
+                                         dtype="float32", steps: int = 3, atol=None, kda_state_dtype="float32"):
     """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
     quantized arithmetic, so the logits agree to float32 rounding (a flipped int8 code at a rounding tie aside).
     ``atol`` (also the rtol) defaults to 2e-3 under the CPU interpreter, whose dots are float32, and to 2e-2 on
-    CUDA, where the float32 KDA path forms its in-chunk products in tf32 (10 mantissa bits)."""
+    CUDA, where the float32 KDA path forms its in-chunk products in tf32 (10 mantissa bits). ``kda_state_dtype``
+    bfloat16: both paths round the KDA state to bf16 where they store it (prefill, decode)."""
     from flashinfra.feedback.registry import assert_passed, compare
     from flashinfra.kernels import dispatch
     from flashinfra.model.api import load_model
@@ -129,7 +130,8 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
     from flashinfra.quant.cache import CacheSpec
 
     model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype=dtype, device=device,
-                       quantization=quantization, cache_spec=CacheSpec.from_flags(kv_cache_dtype))
+                       quantization=quantization,
+                       cache_spec=CacheSpec.from_flags(kv_cache_dtype, kda_state_dtype))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
@@ -144,5 +146,40 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
     out = _prefill_decode(model, prompts, steps)
     if atol is None:
         atol = 2e-3 if device == "cpu" else 2e-2
-    assert_passed([compare(f"quantized model ({quantization}, {kv_cache_dtype} cache) step {i}", a, b, atol=atol,
+    assert_passed([compare(f"quantized model ({quantization}, {kv_cache_dtype} cache, {kda_state_dtype} KDA state) "
+                           f"step {i}", a, b, atol=atol,
                            rtol=atol) for i, (a, b) in enumerate(zip(out, ref))])
+
+
+def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool):
+    """A W8A8 model's logits (prefill, then decode steps) with the RMSNorms quantizing their output for the int8
+    projections (``quant.linear.rms_norm_for``) are those of the unfused path (the norm, then ``linear_8bit``'s own
+    activation quantization), bit for bit: the same codes and scales reach the same GEMMs. ``kernels``: the Triton
+    path (CUDA, or the CPU interpreter), else the references."""
+    from flashinfra.kernels import dispatch, norms
+    from flashinfra.model import glm5_next, mla
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.quant import linear as qlinear
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype="float32",
+                       device=device, quantization="w8a8")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: not kernels)
+    assert dispatch.use_triton(torch.empty(0, device=device)) == kernels
+    calls = []
+
+    def counted(*args):
+        calls.append(qlinear.is_w8a8(args[3]))
+        return qlinear.rms_norm_for(*args)
+
+    for module in (glm5_next, mla):
+        monkeypatch.setattr(module, "rms_norm_for", counted)
+    fused = _prefill_decode(model, prompts, 2)
+    assert calls and all(calls), "every norm before a projection (MoE included) feeds a W8A8 one"
+    for module in (glm5_next, mla):
+        monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
+    unfused = _prefill_decode(model, prompts, 2)
+    for step, (a, b) in enumerate(zip(fused, unfused)):
+        assert torch.equal(a, b), f"step {step}: max difference {float((a - b).abs().max()):.3g}"

@@ -53,6 +53,15 @@ CHECKPOINT_LENS = [3000, 200]
 CHECKPOINTS = [(0, 1024), (0, 2048), (0, 2992), (0, 3000), (1, 16), (1, 128), (1, 130)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_bfloat16_state_real_size(dtype):
+    """--kda-state-dtype bfloat16: both kernel families read the bf16 slots into float32 and store rounded."""
+    cases.prefill_varlen("cuda", [1000, 63, 1, 300], H=8, K=128, V=128, dtype=dtype, gated=True,
+                         state_dtype=torch.bfloat16)
+    cases.prefill_checkpoints("cuda", CHECKPOINT_LENS, CHECKPOINTS, H=4, K=128, V=128, dtype=dtype,
+                              state_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype,gated", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
                                          (torch.float32, True)])
 def test_prefill_checkpoints_real_size(dtype, gated):

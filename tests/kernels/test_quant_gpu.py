@@ -22,6 +22,15 @@ def test_quant_act(T):
     assert_passed(cases.quant_act("cuda", T, 4096, dtype=BF16, seed=T))
 
 
+@pytest.mark.parametrize("T,D", [(1, 4096), (33, 1536), (1000, 4096), (7, 6144)])
+def test_rms_norm_int8(T, D):
+    assert_passed(cases.norm_int8("cuda", T, D, dtype=BF16, seed=T))
+
+
+def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypatch):
+    model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cuda", kernels=True)
+
+
 @pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
 def test_w8a8_linear(T, K, N):
     assert_passed(cases.linear("cuda", "w8a8", T, K, N, dtype=BF16, seed=T))

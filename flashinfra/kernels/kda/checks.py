@@ -47,7 +47,7 @@ def _sizes(device: str) -> dict:
 @register_check("kda.prefill", tags=TAGS)
 def check_prefill() -> list[CheckResult]:
     """float32 inputs (the 16-token kernels), then bf16 and fp16 inputs (the 64-token kernels), plain and with the
-    gate fused (the model's op), against float64 on the same (rounded) inputs."""
+    gate fused (the model's op), against float64 on the same (rounded) inputs; both families with a bf16 state."""
     def run(dev):
         sz = _sizes(dev)
         lens = [63, 3, 200] if dev == "cuda" else [63, 3, 20]
@@ -56,6 +56,9 @@ def check_prefill() -> list[CheckResult]:
             tag = str(dtype)[6:]
             out += named(tag, cases.prefill_varlen(dev, lens, V=sz["K"], dtype=dtype, **sz))
             out += named(f"{tag}.gated", cases.prefill_varlen(dev, lens, V=sz["K"], dtype=dtype, gated=True, **sz))
+        for dtype in (torch.float32, torch.bfloat16):
+            out += named(f"{str(dtype)[6:]}.bfloat16_state", cases.prefill_varlen(
+                dev, lens, V=sz["K"], dtype=dtype, gated=True, state_dtype=torch.bfloat16, **sz))
         return out
 
     return _run("kda.prefill", run)
@@ -96,6 +99,10 @@ def check_prefill_checkpoints() -> list[CheckResult]:
         return (named("float32", cases.prefill_checkpoints(dev, lens, points, H=H, K=K, V=K))
                 + named("bfloat16.gated", cases.prefill_checkpoints(dev, lens, points, H=H, K=K, V=K,
                                                                     dtype=torch.bfloat16, gated=True))
+                + named("bfloat16.bfloat16_state", cases.prefill_checkpoints(
+                    dev, lens, points, H=H, K=K, V=K, dtype=torch.bfloat16, state_dtype=torch.bfloat16))
+                + named("float32.bfloat16_state", cases.prefill_checkpoints(
+                    dev, lens, points, H=H, K=K, V=K, gated=True, state_dtype=torch.bfloat16))
                 + named("conv", cases.conv_checkpoints(dev, lens, points)))
 
     return _run("kda.prefill_checkpoints", run)

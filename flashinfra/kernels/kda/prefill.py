@@ -20,6 +20,10 @@ a float32 one's.
 Prefix checkpoints (checkpoints.py): the state pass of either family also stores the state after chosen chunks
 into spare slots, and a checkpoint inside a chunk takes one more short launch over the tokens after that chunk's
 start, for the whole batch at once.
+
+The state slots are float32 or bf16 (``--kda-state-dtype``): either family reads a slot into float32 and rounds
+to the slot's dtype where it stores (the final state and each checkpoint), so a bf16 state rounds once per
+prefill step, as the decode kernels round it once per token.
 """
 
 from __future__ import annotations

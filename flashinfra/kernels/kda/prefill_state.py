@@ -49,7 +49,8 @@ def kda_state_pass_kernel(
     SAVE: tl.constexpr = False,
 ):
     """``wqk``, ``u``, ``aqk`` and ``state`` are tensor descriptors over the scratch and the state slots viewed
-    as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V]: each tile moves between memory and shared
+    as [rows, K], [rows, 64], [rows, 64] and [slots * H * K, V] (the state float32 or bf16: read into float32,
+    rounded to its dtype at each store, the final state's and a checkpoint's): each tile moves between memory and shared
     memory by the copy engine, and no tensor of pointers stays live across the loop. CHAIN is 3 (bf16x3), 2
     (bf16x2) or 1 (bf16); ``wqk`` has NS slots per chunk and head, w's at 0, qg's at SQ, kd's at SKD, each lo
     half (where written) in the next slot; ``u`` holds u^T ([V, 64]) per chunk and head, ``aqk`` Aqk ([64, 64]
@@ -88,7 +89,7 @@ def kda_state_pass_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     # A fresh sequence ignores whatever its slot holds (NaN included).
     r_s = (slot * H + i_h) * K
-    b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]), 0.0))
+    b_z = tl.trans(tl.where(has_init, state.load([r_s, i_v * BV]).to(tl.float32), 0.0))
     nt = tl.cdiv(L, 64).to(tl.int32)
     if AIB:
         v_d = tl.make_tensor_descriptor(v + bos * stride_v + i_h * V + i_v * BV, [L.to(tl.int32), BV], [stride_v, 1],
@@ -158,5 +159,5 @@ def kda_state_pass_kernel(
         if SAVE:
             dst = tl.load(chunk_saves + c0 + i_t)
             if dst >= 0:
-                state.store([(dst * H + i_h) * K, i_v * BV], tl.trans(b_z))
-    state.store([r_s, i_v * BV], tl.trans(b_z))
+                state.store([(dst * H + i_h) * K, i_v * BV], tl.trans(b_z).to(state.dtype))
+    state.store([r_s, i_v * BV], tl.trans(b_z).to(state.dtype))

@@ -177,3 +177,53 @@ def moe(device: str, scheme: str, T: int, E: int, D: int, I: int, top_k: int, dt
                             w13[E].double(), w2[E].double())
     return res + [within(f"{scheme}_moe.quant_error", out, full, bound, "the unquantized experts"),
                   within(f"{scheme}_moe_ref.quant_error", ref, full, bound, "the unquantized experts")]
+
+
+def norm_int8(device: str, T: int, D: int, dtype=torch.float32, seed=0) -> list[CheckResult]:
+    """The RMSNorm fused with the int8 quantization of its output (``norm_act``), its outputs poisoned before the
+    run (NaN; codes -128, which the quantizer never writes): the normed rows against float64 of the same
+    arithmetic (rounded to ``dtype`` twice, as the norm rounds them: a rounding step apart at most), the scales and
+    codes against float64's quantization of those rows (codes one step apart at a rounding tie at most) and
+    within half a step of them; and every
+    output bit for bit the unfused pair's (``norms.rms_norm`` then ``act.quant_int8_per_token``), with the normed
+    rows kept and not."""
+    from flashinfra.kernels import norms
+    from flashinfra.kernels.quant import act as qa
+    from flashinfra.kernels.quant import norm_act as na
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = rnd(T, D, device=device, gen=gen, dtype=dtype, scale=3.0)
+    w = (1 + 0.5 * rnd(D, device=device, gen=gen)).to(dtype)
+    x[0] = 0  # an all-zero row: scale 1, zeros out
+    eps = 1e-5
+
+    def poisoned(keep: bool):
+        return (torch.full((T, D), float("nan"), dtype=dtype, device=device) if keep else None,
+                torch.full((T, D), -128, dtype=torch.int8, device=device),
+                torch.full((T,), float("nan"), device=device))
+
+    y, q, s = na.rms_norm_int8_launch(x, w, eps, True, out=poisoned(True))
+    xd = x.double()
+    n = (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps)).to(dtype)
+    y64 = (w.double() * n.double()).to(dtype).double()
+    # the quantization of the rows the kernel normed (a row one rounding step apart has its own codes)
+    amax = y.double().abs().amax(-1)
+    s64 = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    v = y.double() / s64[:, None]
+    q64 = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127)
+    ulp = torch.finfo(dtype).eps
+    res = [check("norm_int8.normed", y, y64, atol=1e-6, rtol=2 * ulp),
+           check("norm_int8.scales", s, s64, atol=0, rtol=1e-6)]
+    steps = (q.double() - q64).abs()
+    res.append(holds("norm_int8.codes", int(steps.max()) <= 1 and float((steps > 0).double().mean()) < 1e-3,
+                     f"largest code difference {int(steps.max())}, fraction differing "
+                     f"{float((steps > 0).double().mean()):.2e} (ties: 1, < 1e-3)"))
+    res.append(check("norm_int8.dequant", q.double() * s.double()[:, None], y.double(),
+                     atol=float(s.max()) * 0.5 + 1e-6, rtol=0))
+    yr = norms.rms_norm_launch(x, w, eps)
+    qr, sr = qa.quant_int8_per_token_launch(yr)
+    _, q2, s2 = na.rms_norm_int8_launch(x, w, eps, False, out=poisoned(False))
+    for name, a, b in (("normed", y, yr), ("codes", q, qr), ("scales", s, sr), ("codes, rows not kept", q2, qr),
+                       ("scales, rows not kept", s2, sr)):
+        res.append(holds(f"norm_int8.unfused_{name}", torch.equal(a, b), "bit for bit the unfused kernels'"))
+    return res

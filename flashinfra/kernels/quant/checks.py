@@ -1,5 +1,6 @@
-"""Checks of the 8-bit kernels (activation quantization, W8A8 and block-FP8 linear, their fused MoE experts, sparse
-MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache), registered with ``flashinfra.feedback``.
+"""Checks of the 8-bit kernels (activation quantization, alone and fused with the RMSNorm, W8A8 and block-FP8
+linear, their fused MoE experts, sparse MLA over an 8-bit latent, the DSA selection over an fp8 indexer cache),
+registered with ``flashinfra.feedback``.
 
 Checks (``flashinfra check quant``) run the cases of check_cases.py at fixed sizes: on CUDA when there is one
 (bf16 activations; the fp8 checks need sm_89+ and report a skip below it), else float32 on the CPU under Triton's
@@ -51,6 +52,13 @@ def check_act(dev, act):
     """Per-token int8 and per-group e4m3 activation quantization against their torch references."""
     T, K = (33, 4096) if dev == "cuda" else (7, 300)
     return cases.quant_act(dev, T, K, dtype=act, seed=1)
+
+
+@_checked("quant.norm_int8")
+def check_norm_int8(dev, act):
+    """RMSNorm fused with the int8 quantization of its output against float64, and bit for bit the unfused pair."""
+    T, D = (33, 6144) if dev == "cuda" else (7, 300)
+    return cases.norm_int8(dev, T, D, dtype=act, seed=6)
 
 
 @_checked("quant.w8a8_linear")

@@ -11,9 +11,11 @@ cores. One kernel; the weight format (``WEIGHTS``) is a constexpr read from the 
   are refused by the caller (``flashinfra.quant.model``).
 
 Activations are quantized by ``act.quant_act`` (a small kernel before the GEMM: a token's scale needs its whole
-row, which a GEMM program that sees ``BK`` columns at a time does not have). ``matmul_8bit_ref`` is the same
-quantized arithmetic in float64 (int32 sums and e4m3 products are exact there); ``linear_8bit_ref`` adds the
-activation quantization reference in front. Float weights never come here: they run ``kernels.batch_invariant``.
+row, which a GEMM program that sees ``BK`` columns at a time does not have), or, for W8A8 rows that an RMSNorm
+produces, in the norm's epilogue (``norm_act.rms_norm_int8``), whose codes ``matmul_8bit`` takes as they are.
+``matmul_8bit_ref`` is the same quantized arithmetic in float64 (int32 sums and e4m3 products are exact there);
+``linear_8bit_ref`` adds the activation quantization reference in front. Float weights never come here: they run
+``kernels.batch_invariant``.
 """
 
 from __future__ import annotations
@@ -139,3 +141,11 @@ def linear_8bit(x, wq, sw, bias=None, block=(GROUP, GROUP)):
     if use_triton(x, wq, sw):
         return linear_8bit_launch(x, wq, sw, bias, block)
     return linear_8bit_ref(x, wq, sw, bias, block)
+
+
+def matmul_8bit(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtype=torch.bfloat16):
+    """Activations already quantized (``xq`` [T, K] with ``sx``, as ``linear_8bit`` would quantize them) times the
+    8-bit weights -> [T, N] in ``out_dtype``."""
+    if use_triton(xq, wq, sw):
+        return matmul_8bit_launch(xq, sx, wq, sw, bias, block, out_dtype)
+    return matmul_8bit_ref(xq, sx, wq, sw, bias, block, out_dtype)
