@@ -14,6 +14,7 @@ memory budget into a number of blocks and slots.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import torch
@@ -24,6 +25,7 @@ from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.engine.sampler import SamplingRow, sample
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
@@ -72,6 +74,7 @@ class ModelRunner:
         # with graphs, one more block and slot that the scheduler never hands out: the padding rows' scratch
         self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
         self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
+        self.staging = HostStaging(self.device)  # every step's integer inputs, one copy to the device
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
@@ -90,12 +93,10 @@ class ModelRunner:
             self.generators[request_id] = g
         return g
 
-    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KDA conv and recurrent states from slot ``src`` to slot ``dst`` for every (src, dst)."""
-        if not pairs:
+    def _copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy KDA conv and recurrent states from slots ``src`` [N] to slots ``dst`` [N]."""
+        if not src.numel():
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         for states in (self.cache.conv_state, self.cache.recurrent_state):
             for t in states.values():
                 t[dst] = t[src]
@@ -119,26 +120,19 @@ class ModelRunner:
             return result
         sched = plan.scheduled
         feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
-        batch = ForwardBatch.build(
-            [len(f) for f in feeds],
-            [sr.context_len for sr in sched],
-            [sr.state_slot for sr in sched],
-            [sr.block_table for sr in sched],
-            self.block_size,
-            self.device,
-        )
+        batch, inputs = self._upload(sched, feeds)
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
         inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
                        if pos < sr.context_len + sr.num_new_tokens)
         if inside:
             batch = dataclasses.replace(batch, checkpoints=inside)
-        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-        self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
+        input_ids = inputs["input_ids"]
+        self._copy_states(inputs["load_src"], inputs["load_dst"])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
         # the rows whose logits are sampled: all a model computes for the step unless the speculator needs more
         picks = [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample]
-        rows = None if spec is not None else torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
+        rows = None if spec is not None else inputs["rows"]
         if embeds is not None:
             hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
         elif self.graphs is not None and self.graphs.can_run(batch):
@@ -147,18 +141,34 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
             rows = None  # already the picked rows
         if spec is not None:
-            return self._finish_speculative(sched, feeds, replay, batch, hidden, result)
-        self._copy_states(self._end_checkpoints(sched))
+            return self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs)
+        self._copy_states(inputs["save_src"], inputs["save_dst"])
         return self._sample(picks, hidden if rows is None else hidden[rows], result)
 
-    @staticmethod
-    def _end_checkpoints(sched) -> list[tuple[int, int]]:
-        """(state slot, checkpoint slot) of the checkpoints at the end of their row's step: the row's final state,
-        copied after the step (those inside the step went to their slots through ``ForwardBatch.checkpoints``)."""
-        return [(sr.state_slot, slot) for sr in sched for pos, slot in sr.save_states
-                if pos == sr.context_len + sr.num_new_tokens]
+    def _upload(self, sched, feeds) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
+        copied to the device in one packed copy."""
+        qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
+        slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
+        arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
+        ids = [t for f in feeds for t in f]
+        rows = list(itertools.accumulate(qlens))
+        rows = [e - 1 for sr, e in zip(sched, rows) if sr.sample]
+        loads = [(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None]
+        # checkpoints at the end of their row's step: the row's final state, copied after the step (those inside
+        # the step go to their slots through ``ForwardBatch.checkpoints``)
+        saves = [(sr.state_slot, slot) for sr in sched for pos, slot in sr.save_states
+                 if pos == sr.context_len + sr.num_new_tokens]
+        i64 = torch.int64
+        arrays += [("input_ids", i64, ids, (len(ids),)), ("rows", i64, rows, (len(rows),))]
+        for name, pairs in (("load", loads), ("save", saves)):
+            arrays += [(f"{name}_src", i64, [p[0] for p in pairs], (len(pairs),)),
+                       (f"{name}_dst", i64, [p[1] for p in pairs], (len(pairs),))]
+        views = self.staging.upload(arrays)
+        return ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views), views
 
-    def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult) -> StepResult:
+    def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult,
+                            inputs: dict[str, torch.Tensor]) -> StepResult:
         """Accept the draft rows, sample the others, fold the committed tokens into the KDA checkpoints
         (before any checkpoint is copied out for the prefix cache), and draft for the next step."""
         spec, cu = self.speculator, batch.cu_seqlens_list
@@ -182,7 +192,7 @@ class ModelRunner:
                     if sr.request_id in result.logprobs:
                         result.emitted_logprobs[sr.request_id] = [result.logprobs[sr.request_id]]
         spec.fold(sched, replay, committed)
-        self._copy_states(self._end_checkpoints(sched))
+        self._copy_states(inputs["save_src"], inputs["save_dst"])
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
