@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import dataclass, field
 import random
 
 import torch
 
 from flashinfra.engine.config import EngineConfig
-from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, StepResult
 from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
-from flashinfra.engine.sampler import SamplingRow, sample
+from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -60,6 +61,17 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
             f"each) and one block ({per_block} bytes); raise kv_cache_memory, lower max_num_seqs or prefix_cache_slots"
         )
     return max(1, min(left // max(per_block, 1), config.max_num_seqs * blocks_per_seq))
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its result so far (errors, tokens sampled on the host) and, when sampled on the device,
+    the samples on their way to the host (``sampled``; ``rows``: each request's row in ``sampled.tokens``)."""
+
+    result: StepResult
+    picks: list = field(default_factory=list)  # (ScheduledRequest, row of its hidden state)
+    sampled: DeviceSample | None = None
+    rows: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -103,10 +115,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepResult:
-        with dispatch.deterministic(self.deterministic):
-            return self._execute(plan)
+        return self.finish(self.launch(plan))
 
-    def _execute(self, plan: Plan) -> StepResult:
+    @torch.inference_mode()
+    def launch(self, plan: Plan, prev: StepHandle | None = None) -> StepHandle:
+        """Start the step on the device; its sampled tokens are copied to the host without waiting. ``prev``: the
+        step still in flight, whose sampled tokens are the inputs of this plan's placeholder tokens."""
+        with dispatch.deterministic(self.deterministic):
+            return self._launch(plan, prev)
+
+    def finish(self, handle: StepHandle) -> StepResult:
+        """Wait for a launched step's samples; its ``StepResult``."""
+        if handle.sampled is not None:
+            tokens, logprobs, errors = handle.sampled.result()
+            self._record(handle.picks, tokens, logprobs, errors, handle.result)
+            handle.sampled = None
+        return handle.result
+
+    def _launch(self, plan: Plan, prev: StepHandle | None) -> StepHandle:
         spec = self.speculator
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
@@ -117,10 +143,10 @@ class ModelRunner:
                 spec.drop(rid)
         result = StepResult()
         if plan.is_empty:
-            return result
+            return StepHandle(result)
         sched = plan.scheduled
         feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
-        batch, inputs = self._upload(sched, feeds)
+        batch, inputs = self._upload(sched, feeds, prev)
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
         inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
@@ -141,19 +167,21 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
             rows = None  # already the picked rows
         if spec is not None:
-            return self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs)
+            return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
         self._copy_states(inputs["save_src"], inputs["save_dst"])
         return self._sample(picks, hidden if rows is None else hidden[rows], result)
 
-    def _upload(self, sched, feeds) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+    def _upload(self, sched, feeds, prev: StepHandle | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
         """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
-        copied to the device in one packed copy."""
+        copied to the device in one packed copy; placeholder tokens then taken from ``prev``'s samples."""
         qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
         slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
         arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
         ids = [t for f in feeds for t in f]
-        rows = list(itertools.accumulate(qlens))
-        rows = [e - 1 for sr, e in zip(sched, rows) if sr.sample]
+        ends = list(itertools.accumulate(qlens))
+        rows = [e - 1 for sr, e in zip(sched, ends) if sr.sample]
+        # a placeholder is the last token of its row (one step in flight at most): the token ``prev`` samples
+        fill = [(e - 1, prev.rows[sr.request_id]) for sr, f, e in zip(sched, feeds, ends) if f[-1] == PLACEHOLDER_TOKEN]
         loads = [(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None]
         # checkpoints at the end of their row's step: the row's final state, copied after the step (those inside
         # the step go to their slots through ``ForwardBatch.checkpoints``)
@@ -164,7 +192,11 @@ class ModelRunner:
         for name, pairs in (("load", loads), ("save", saves)):
             arrays += [(f"{name}_src", i64, [p[0] for p in pairs], (len(pairs),)),
                        (f"{name}_dst", i64, [p[1] for p in pairs], (len(pairs),))]
+        arrays += [("fill_pos", i64, [p for p, _ in fill], (len(fill),)),
+                   ("fill_rows", i64, [r for _, r in fill], (len(fill),))]
         views = self.staging.upload(arrays)
+        if fill:
+            views["input_ids"][views["fill_pos"]] = prev.sampled.tokens[views["fill_rows"]]
         return ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views), views
 
     def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult,
@@ -183,7 +215,8 @@ class ModelRunner:
                     result.emitted_logprobs[sr.request_id] = lps
                 committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
-        self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long, device=self.device)], result)
+        self.finish(self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long,
+                                                            device=self.device)], result))
         for b, sr in enumerate(sched):
             if sr.request_id in result.sampled:
                 nexts[b] = result.sampled[sr.request_id]
@@ -196,10 +229,13 @@ class ModelRunner:
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
-    def _sample(self, picks, hidden, result: StepResult) -> StepResult:
-        """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states."""
+    def _sample(self, picks, hidden, result: StepResult) -> StepHandle:
+        """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states: on the
+        device, unless a row has a grammar or penalties (``sample``, which reads its tokens back at once to retry
+        failing rows alone)."""
+        handle = StepHandle(result, picks)
         if not picks:
-            return result
+            return handle
         grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs
         logits = self.model.compute_logits(hidden)
         rows = [
@@ -211,7 +247,15 @@ class ModelRunner:
             )
             for sr, _ in picks
         ]
-        tokens, logprobs, errors = sample(logits, rows, grammar)
+        if grammar is None and not any(sr.sampling.has_penalties for sr, _ in picks):
+            handle.sampled = sample_batch(logits, rows).start_copy()
+            handle.rows = {sr.request_id: i for i, (sr, _) in enumerate(picks)}
+            return handle
+        self._record(picks, *sample(logits, rows, grammar), result)
+        return handle
+
+    @staticmethod
+    def _record(picks, tokens, logprobs, errors, result: StepResult) -> None:
         for (sr, _), tok, lp, err in zip(picks, tokens, logprobs, errors):
             if err is not None:
                 result.errors[sr.request_id] = err
@@ -219,7 +263,6 @@ class ModelRunner:
             result.sampled[sr.request_id] = tok
             if lp is not None:
                 result.logprobs[sr.request_id] = lp
-        return result
 
     def _grammar_mask(self, scheduled: list):
         if self.grammars is None:

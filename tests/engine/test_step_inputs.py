@@ -61,15 +61,15 @@ def test_a_decode_step_makes_one_upload_and_no_other_device_tensor(llm, monkeypa
 
     monkeypatch.setattr(torch, "tensor", counting)
     steps = []
-    real_execute = runner.execute
+    real_launch = runner.launch
 
-    def execute(plan):
+    def launch(plan, prev=None):
         before, made_before = runner.staging.num_copies, len(made)
-        out = real_execute(plan)
+        out = real_launch(plan, prev)
         steps.append((plan, runner.staging.num_copies - before, len(made) - made_before))
         return out
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
     llm.generate([[5, 6, 7, 8, 9], [11, 12, 13]], [params, params])
     decodes = [(copies, tensors) for plan, copies, tensors in steps
                if all(sr.num_new_tokens == 1 and sr.context_len > 0 for sr in plan.scheduled)]

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import EngineStats, RequestOutput
-from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
+from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, ScheduledRequest, StepResult
 from flashinfra.engine.sched.request import Request, RequestStatus
 
 
@@ -60,13 +60,20 @@ class SchedulerConfig:
     max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
     speculative_tokens: int  # draft tokens per decode step (0: no speculation)
     deterministic: bool  # prefill pieces cut at multiples of DETERMINISTIC_ALIGN
+    # a step may be scheduled while the previous one runs (placeholder tokens); resolved: never with speculative
+    # decoding (a verify step's emitted tokens are not one per row), a disaggregated role (a finished export's
+    # cache is sent after its step) or several ranks (each rank would need the step in flight)
+    async_scheduling: bool
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "max_model_len"},
-                   max_model_len=max_model_len)
+        one_rank = config.tensor_parallel_size == config.expert_parallel_size == config.context_parallel_size == 1
+        ahead = config.async_scheduling and not config.speculative_tokens and config.role == "both" and one_rank
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)
+                      if f.name not in ("max_model_len", "async_scheduling")},
+                   max_model_len=max_model_len, async_scheduling=ahead)
 
 
 class Scheduler:
@@ -156,7 +163,19 @@ class Scheduler:
         return self._output(req, [first_token], None if req.sampling.logprobs is None else [first_logprob])
 
     # ---- one step ----
-    def schedule(self) -> Plan:
+    def can_schedule_ahead(self, prev: Plan) -> bool:
+        """Whether the next step may be scheduled before ``prev``'s result is known. Not after a preemption or a
+        prefix checkpoint (its prefix is registered with the result), nor while a row sampled in ``prev`` has a
+        grammar (its mask needs the token) or penalties (they count the tokens on the host)."""
+        return (self.config.async_scheduling and self.has_unfinished() and not prev.preempted_ids
+                and not any(sr.save_states for sr in prev.scheduled)
+                and not any(sr.sample and (sr.sampling.grammar is not None or sr.sampling.has_penalties)
+                            for sr in prev.scheduled))
+
+    def schedule(self, ahead: bool = False) -> Plan | None:
+        """The next step. With asynchronous scheduling every sampled row counts a placeholder output token until
+        ``update`` brings it; ``ahead``: a step in flight (see ``can_schedule_ahead``), so no request is preempted:
+        None, with no request advanced, where the cache would need it (the caller waits for the result)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_prefill_chunk or budget
@@ -167,12 +186,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
-            if n == 0:  # deterministic mode: too little budget left for an aligned piece; next step
+            if n == 0 or self._surely_finishes(req):  # deterministic mode: too little budget for an aligned piece
                 i += 1
                 continue
             drafts = self._num_drafts(req, n, budget)
             # cache room for the drafts, and as many positions again for the draft model's chained steps
             target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
+            if ahead and not self.cache.try_allocate(req, target):
+                return None  # blocks taken so far belong to requests that need them in the next step anyway
             while not self.cache.try_allocate(req, target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -218,6 +239,10 @@ class Scheduler:
             preempted_ids=preempted,
             finished_ids=freed,
         )
+        if cfg.async_scheduling:  # the step's progress counts from now: the next step may start before its result
+            for (req, *_), sr in zip(scheduled, plan.scheduled):
+                req.num_computed_tokens += sr.num_new_tokens
+                req.num_output_placeholders += sr.sample
         return plan
 
     def update(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
@@ -237,7 +262,10 @@ class Scheduler:
                 outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id],
                                                         result.emitted_logprobs.get(sr.request_id)))
                 continue
-            req.num_computed_tokens += sr.num_new_tokens
+            if self.config.async_scheduling:  # advanced when scheduled; the sampled token replaces a placeholder
+                req.num_output_placeholders -= sr.sample
+            else:
+                req.num_computed_tokens += sr.num_new_tokens
             if sr.request_id in result.errors:
                 self._finish(req, "error", result.errors[sr.request_id])
                 outputs.append(self._output(req, [], None))
@@ -275,6 +303,12 @@ class Scheduler:
         )
 
     # ---- internals ----
+    def _surely_finishes(self, req: Request) -> bool:
+        """A request whose placeholder tokens reach its length limits: the step in flight ends it."""
+        pending = req.num_output_placeholders
+        return bool(pending) and (req.num_output_tokens + pending >= req.sampling.max_tokens
+                                  or req.num_tokens + pending >= self.max_len)
+
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for a decoding request (one pending token after at least one output): the
         configured count, within the token budget and the length limits."""
@@ -336,13 +370,14 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, load: int | None, saves: tuple[tuple[int, int], ...],
                    drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n]
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=tokens + [PLACEHOLDER_TOKEN] * (n - len(tokens)),
             context_len=start,
             block_table=list(req.block_ids),
             state_slot=req.state_slot,
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens + req.num_output_placeholders,
             sampling=req.sampling,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
