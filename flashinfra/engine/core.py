@@ -20,7 +20,8 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.messages import EngineReady, EngineRequest, EngineStats, RequestOutput
 from flashinfra.engine.sched.plan import Plan, StepResult
 from flashinfra.engine.sched.request import Request
-from flashinfra.engine.sched.scheduler import DETERMINISTIC_ALIGN, Scheduler, SchedulerConfig
+from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN
+from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from flashinfra.engine.runner import StepHandle

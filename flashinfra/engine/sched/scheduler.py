@@ -19,13 +19,15 @@ Disaggregated serving: a request exported by a prefill-role engine keeps its blo
 finishes (``held``) until the decode side acknowledges the transfer (``release_held``); a decode-role
 engine admits a request whose prompt was computed elsewhere with ``admit_imported``.
 
-Deterministic mode (``EngineConfig.deterministic``): a prompt piece that stops short of the prompt's end stops
-at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk) and never leaves
-a single prompt token behind, so the KDA recurrence meets the same chunk boundaries whatever the token budget
-left to the request, and a 1-token piece on a cached state is always a generated token (decode arithmetic). A
-piece never crosses the prompt's end: a request recomputed after a preemption runs its prompt in aligned pieces,
-then its generated tokens one a step, each through the decode arithmetic it first ran through, so preemption
-changes no bit either.
+Deterministic mode (``EngineConfig.deterministic``) cuts prompt pieces as ``sched/aligned.py`` says.
+
+Asynchronous scheduling (``SchedulerConfig.async_scheduling``): a step's progress is counted when it is scheduled,
+and each row that samples adds a placeholder output token (``Request.num_output_placeholders``) until ``update``
+brings the token, so the next step can be scheduled while this one runs (``schedule(ahead=True)``): a placeholder
+is fed as ``PLACEHOLDER_TOKEN``, which the runner replaces on the device. A stop is then found one step late: the
+row the next step computed for a finished request is discarded (``update`` skips requests no longer running). A
+request whose placeholders reach its length limit is not scheduled again. A step ahead never preempts; the
+engine waits for the result instead, then schedules synchronously.
 
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
@@ -39,14 +41,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.sched.aligned import aligned_piece
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import EngineStats, RequestOutput
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, ScheduledRequest, StepResult
 from flashinfra.engine.sched.request import Request, RequestStatus
-
-
-# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it)
-DETERMINISTIC_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -338,21 +337,7 @@ class Scheduler:
     def _chunk(self, req: Request, limit: int) -> int:
         """Tokens ``req`` computes this step: up to ``limit`` (aligned in deterministic mode)."""
         n = min(req.num_pending_tokens, limit)
-        return self._aligned(req, req.num_computed_tokens, n) if self.config.deterministic else n
-
-    @staticmethod
-    def _aligned(req: Request, start: int, n: int) -> int:
-        """Deterministic mode: the tokens of a piece of at most ``n`` that meets the KDA recurrence as every other
-        run of the request does (see the module docstring)."""
-        prompt = req.num_prompt_tokens
-        if start >= prompt:  # generated tokens (recomputed after a preemption): one a step, as they first ran
-            return min(n, 1)
-        end = min(start + n, prompt)
-        if end < prompt:
-            end -= (end - start) % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix or an earlier cut
-            if prompt - end == 1:
-                end = max(start, end - DETERMINISTIC_ALIGN)
-        return end - start
+        return aligned_piece(req, req.num_computed_tokens, n) if self.config.deterministic else n
 
     def _save_slots(self, req: Request, n: int) -> tuple[tuple[int, int], ...]:
         """A checkpoint slot for each of ``req``'s checkpoint positions this step crosses, while slots last."""
