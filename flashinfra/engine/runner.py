@@ -7,16 +7,20 @@ until the scheduler reports the request finished (so a request preempted and rec
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model for the hidden
 states of the positions where a next token is sampled only (a context-parallel model gathers no others), computes
 their logits and samples them; requests with a grammar get
-their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``). ``size_cache`` turns a
-memory budget into a number of blocks and slots.
+their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``).
+``size_cache`` turns a memory budget into a number of blocks and slots.
+
+A step's integer inputs reach the device in one packed copy (``model/staging.py``). ``launch`` starts a step and
+``finish`` waits for its tokens (``execute`` does both): between them the engine may launch the next step, whose
+placeholder tokens (asynchronous scheduling) are gathered on the device from the samples of the step in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
 import random
+from dataclasses import dataclass, field
 
 import torch
 
