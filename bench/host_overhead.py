@@ -3,10 +3,12 @@
 For each batch size and mode the engine decodes ``batch`` requests (32-token prompts) and times ``--steps``
 steady decode steps: the step's wall time (between two ``EngineCore.step`` returns) and its host time, what the
 CPU spends scheduling (``Scheduler.schedule``) and preparing and launching (``ModelRunner.launch``: the packed
-input copy, the forward pass's launches, sampling's launches). Synchronously the device idles through the host
+input copy, the forward pass's launches, sampling's launches), with its parts: schedule, prepare (the inputs packed
+and copied, ``ModelRunner._upload``) and update (``Scheduler.update``, after the step). Synchronously the device idles through the host
 time of every step; with ``--async-scheduling`` the host prepares step N+1 while the device runs step N, so the
-wall time tends to max(host, device) instead of host + device. On a CPU the "device" is the same cores: the
-numbers there show the host cost, not the overlap.
+wall time tends to max(host, device) instead of host + device. On a CPU the "device" is the same cores and
+``launch`` computes the whole step: there only the parts (schedule, prepare, update) are host overhead, and
+nothing overlaps.
 
     python bench/host_overhead.py --device cpu --dtype float32                 # bench/results/host_overhead_cpu.json
     python bench/host_overhead.py --device cuda --out $OUT/host_overhead.json  # the H200 (bench/README.md)
@@ -52,26 +54,34 @@ def measure(config, model, batch: int, steps: int, warmup: int) -> dict:
         core.add_request(EngineRequest(f"b{i}", prompt, params, time.time()))
     schedule_s: list[float] = []
     launch_s: list[float] = []
+    prepare_s: list[float] = []
+    update_s: list[float] = []
     timed(core.scheduler, "schedule", schedule_s)
     timed(core.runner, "launch", launch_s)
+    timed(core.runner, "_upload", prepare_s)  # inside launch: the inputs packed and copied
+    timed(core.scheduler, "update", update_s)
     sync = _sync(config.device)
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()) or core.scheduler.waiting:
         core.step()  # prefill
     for _ in range(warmup):
         core.step()
     sync()
-    walls, hosts = [], []
+    walls, hosts, parts = [], [], {"schedule": [], "prepare": [], "update": []}
     last = time.perf_counter()
     for _ in range(steps):
-        del schedule_s[:], launch_s[:]
+        for sink in (schedule_s, launch_s, prepare_s, update_s):
+            del sink[:]
         core.step()
         now = time.perf_counter()
         walls.append(now - last)
         hosts.append(sum(schedule_s) + sum(launch_s))
+        for name, sink in (("schedule", schedule_s), ("prepare", prepare_s), ("update", update_s)):
+            parts[name].append(sum(sink))
         last = now
     sync()
     row = {"batch": batch, "async_scheduling": config.async_scheduling,
            "step_wall": summarize_times(walls), "host": summarize_times(hosts),
+           **{name: summarize_times(v) for name, v in parts.items()},
            "host_fraction_median": sorted(h / w for h, w in zip(hosts, walls))[len(walls) // 2]}
     core.close()
     return row
@@ -88,7 +98,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default=None, help="results JSON (default: bench/results/host_overhead[_cpu].json)")
     args = ap.parse_args()
@@ -111,8 +121,10 @@ def main() -> None:
                 model = EngineCore(config).model
             row = measure(config, model, batch, args.steps, args.warmup)
             rows.append(row)
-            print(f"batch {batch:3d} {'async' if mode else 'sync '}: step {row['step_wall']['median_s'] * 1e3:8.3f} ms"
-                  f"  host {row['host']['median_s'] * 1e3:8.3f} ms", flush=True)
+            ms = {k: row[k]["median_s"] * 1e3 for k in ("step_wall", "host", "schedule", "prepare", "update")}
+            print(f"batch {batch:3d} {'async' if mode else 'sync '}: step {ms['step_wall']:8.3f} ms  host "
+                  f"{ms['host']:8.3f} ms (schedule {ms['schedule']:.3f}, prepare {ms['prepare']:.3f}, update "
+                  f"{ms['update']:.3f})", flush=True)
     label = "cpu" if base.device == "cpu" else base.device
     results = {**timing.header(), "label": label, "dtype": base.dtype, "model": "built-in default model",
                "prompt_len": PROMPT_LEN, "steps": args.steps, "torch_threads": torch.get_num_threads(), "rows": rows}

@@ -150,3 +150,27 @@ def test_aborts_mid_stream(ckpt):
     assert stream(ahead, prompts, params, aborts) == want
     sched = ahead.engine.scheduler
     assert not sched.requests and sched.cache.num_free_slots == sched.cache.num_slots
+
+
+def test_a_failed_step_fails_only_its_requests(ckpt, monkeypatch):
+    """The second forward pass (the first step launched ahead) fails: its requests end in an error after the
+    token of the step before it, as synchronously; the engine goes on."""
+    ahead = flashinfra.LLM(ckpt, async_scheduling=True, **ENGINE)
+    model = ahead.engine.model
+    real, calls = model.forward, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = ahead.generate([[5, 6, 7], [8, 9]], params)
+    assert all(o.finish_reason == "error" and "device fault" in o.error and len(o.token_ids) == 1 for o in outs)
+    monkeypatch.setattr(model, "forward", real)
+    again = ahead.generate([[5, 6, 7]], params)[0]
+    assert again.finish_reason == "length" and again.token_ids[:1] == outs[0].token_ids
+    sched = ahead.engine.scheduler
+    assert not sched.requests and sched.cache.num_free_slots == sched.cache.num_slots
