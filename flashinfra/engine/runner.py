@@ -32,7 +32,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
-from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch
+from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch, sampling_columns
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -173,7 +173,7 @@ class ModelRunner:
         if spec is not None:
             return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
         self._copy_states(inputs["save_src"], inputs["save_dst"])
-        return self._sample(picks, hidden if rows is None else hidden[rows], result)
+        return self._sample(picks, hidden if rows is None else hidden[rows], result, inputs)
 
     def _upload(self, sched, feeds, prev: StepHandle | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
         """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
@@ -198,6 +198,7 @@ class ModelRunner:
                        (f"{name}_dst", i64, [p[1] for p in pairs], (len(pairs),))]
         arrays += [("fill_pos", i64, [p for p, _ in fill], (len(fill),)),
                    ("fill_rows", i64, [r for _, r in fill], (len(fill),))]
+        arrays += sampling_columns([sr.sampling for sr in sched if sr.sample])
         views = self.staging.upload(arrays)
         if fill:
             views["input_ids"][views["fill_pos"]] = prev.sampled.tokens[views["fill_rows"]]
@@ -233,10 +234,10 @@ class ModelRunner:
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
-    def _sample(self, picks, hidden, result: StepResult) -> StepHandle:
+    def _sample(self, picks, hidden, result: StepResult, columns: dict[str, torch.Tensor] | None = None) -> StepHandle:
         """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states: on the
         device, unless a row has a grammar or penalties (``sample``, which reads its tokens back at once to retry
-        failing rows alone)."""
+        failing rows alone). ``columns``: the picks' ``sampling_columns``, already on the device."""
         handle = StepHandle(result, picks)
         if not picks:
             return handle
@@ -252,7 +253,7 @@ class ModelRunner:
             for sr, _ in picks
         ]
         if grammar is None and not any(sr.sampling.has_penalties for sr, _ in picks):
-            handle.sampled = sample_batch(logits, rows).start_copy()
+            handle.sampled = sample_batch(logits, rows, columns=columns).start_copy()
             handle.rows = {sr.request_id: i for i, (sr, _) in enumerate(picks)}
             return handle
         self._record(picks, *sample(logits, rows, grammar), result)

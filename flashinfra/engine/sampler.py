@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+from flashinfra.model.staging import Array, HostStaging
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,27 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return torch.argmax(probs / noise, dim=-1)
 
 
-def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):
-    """(rows that ask, chosen [W], top values [W, k], top ids [W, k]) on the device; None if no row asks."""
+def sampling_columns(params: list[SamplingParams]) -> list[Array]:
+    """What sampling reads per row on the device, as ``HostStaging`` arrays (the runner packs them into its step's
+    one copy): the sampled (non-greedy) rows and their temperature, top-k, top-p and min-p; the logprob rows."""
+    rnd = [i for i, p in enumerate(params) if not p.greedy]
+    sel = [params[i] for i in rnd]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    f32, i64, n = torch.float32, torch.int64, (len(rnd),)
+    return [("random_rows", i64, rnd, n), ("temperature", f32, [p.temperature for p in sel], n),
+            ("top_k", i64, [p.top_k for p in sel], n), ("top_p", f32, [p.top_p for p in sel], n),
+            ("min_p", f32, [p.min_p for p in sel], n), ("logprob_rows", i64, want, (len(want),))]
+
+
+def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                     idx: torch.Tensor | None = None):
+    """(rows that ask, chosen [W], top values [W, k], top ids [W, k]) on the device; None if no row asks.
+    ``idx``: the rows that ask, already on the device."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return None
-    idx = torch.tensor(want, device=logits.device)
+    if idx is None:
+        idx = torch.tensor(want, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
     chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
     k = max(rows[i].params.logprobs for i in want)
@@ -168,34 +184,27 @@ class DeviceSample:
                 [nan if b else None for b in bad])
 
 
-def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None,
-                 batch_rows: list[int] | None = None) -> DeviceSample:
-    """Sample every row of ``logits`` [N, V] in one pass, without waiting for the device."""
+def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, batch_rows: list[int] | None = None,
+                 columns: dict[str, torch.Tensor] | None = None) -> DeviceSample:
+    """Sample every row of ``logits`` [N, V] in one pass, without waiting for the device. ``columns``: the device
+    views of ``sampling_columns`` of these rows (default: copied here, in one copy)."""
     raw = logits
     x = apply_penalties(logits.float().clone(), rows)
     if grammar is not None:
         grammar.apply(x, batch_rows)
     tokens = torch.argmax(x, dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if columns is None and (random_rows or any(r.params.logprobs is not None for r in rows)):
+        columns = HostStaging(logits.device).upload(sampling_columns([r.params for r in rows]))
     if random_rows:
-        idx = torch.tensor(random_rows, device=x.device)
-        ps = [rows[i].params for i in random_rows]
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=x.device)
-
-        probs = truncated_probs(
-            x[idx],
-            col([p.temperature for p in ps], torch.float32),
-            col([p.top_k for p in ps], torch.long),
-            col([p.top_p for p in ps], torch.float32),
-            col([p.min_p for p in ps], torch.float32),
-        )
+        idx = columns["random_rows"]
+        probs = truncated_probs(x[idx], columns["temperature"], columns["top_k"], columns["top_p"], columns["min_p"])
         generators = [rows[i].generator for i in random_rows]
         if any(g is None for g in generators):
             raise ValueError("a non-greedy row needs a generator")
         tokens[idx] = _draw(probs, generators)
-    return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), _logprob_tensors(raw, tokens, rows), rows)
+    lp = _logprob_tensors(raw, tokens, rows, None if columns is None else columns["logprob_rows"])
+    return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), lp, rows)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:

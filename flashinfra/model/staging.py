@@ -6,7 +6,8 @@ pageable memory each copy also waits for the host. Here every array is written i
 the device is a GPU), copied with one ``non_blocking`` copy into one device buffer, and handed out as views.
 
 Layout: the buffers are int32 words; an int64 array takes two words per value at an even word offset (so its
-view is 8-byte aligned). Arrays are given as ``(name, dtype, values, shape)`` with flat ``values``.
+view is 8-byte aligned), a float32 array one word per value (sampling parameters). Arrays are given as
+``(name, dtype, values, shape)`` with flat ``values``.
 
 Both buffers persist between steps and grow on demand. The device buffer is only written by the copy, which
 the stream orders after the previous step's kernels; the host buffer is rewritten only after the previous copy
@@ -19,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_WORDS = {torch.int32: 1, torch.int64: 2}
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
+_WORDS = {torch.int32: 1, torch.int64: 2, torch.float32: 1}
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
 

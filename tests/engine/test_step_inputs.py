@@ -1,6 +1,6 @@
 """A step's integer inputs reach the device in one packed copy: ``HostStaging`` round-trips every array bit for
 bit, and a decode step of the engine makes exactly one upload and no other ``torch.tensor`` on its way to the
-model."""
+model and through sampling (greedy, and seeded with top-p and logprobs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from flashinfra.model.staging import HostStaging
 def test_staging_round_trips_mixed_dtypes_and_reuses_its_buffers():
     staging = HostStaging("cpu")
     arrays = [("a", torch.int32, [1, -2, 3], (3,)), ("b", torch.int64, [2**40, -7], (2,)),
-              ("c", torch.int32, [5, 6, 7, 8, 9, 10], (2, 3)), ("d", torch.int64, [], (0,))]
+              ("c", torch.int32, [5, 6, 7, 8, 9, 10], (2, 3)), ("d", torch.int64, [], (0,)),
+              ("e", torch.float32, [0.5, -1.25], (2,))]
     views = staging.upload(arrays)
     for name, dtype, values, shape in arrays:
         assert views[name].dtype == dtype and tuple(views[name].shape) == shape
@@ -47,12 +48,14 @@ def llm():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True)])
+                                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True,
+                                                   logprobs=2)])
 def test_a_decode_step_makes_one_upload_and_no_other_device_tensor(llm, monkeypatch, params):
     runner = llm.engine.runner
-    made = []  # torch.tensor calls from the step's preparation (runner, batch, staging)
+    made = []  # torch.tensor calls from the step's preparation (runner, batch, staging) and sampling
     real_tensor = torch.tensor
-    prep = {"flashinfra.engine.runner", "flashinfra.model.forward_batch", "flashinfra.model.staging"}
+    prep = {"flashinfra.engine.runner", "flashinfra.model.forward_batch", "flashinfra.model.staging",
+            "flashinfra.engine.sampler"}
 
     def counting(*args, **kwargs):
         if sys._getframe(1).f_globals.get("__name__") in prep:
