@@ -157,7 +157,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
-            if n == 0 or self._surely_finishes(req):  # deterministic mode: too little budget for an aligned piece
+            # n == 0: deterministic mode, too little budget left for an aligned piece; next step
+            if n == 0 or self._surely_finishes(req):
                 i += 1
                 continue
             drafts = self._num_drafts(req, n, budget)
