@@ -186,8 +186,10 @@ class EngineCore:
                 self._inflight = (plan, self._launch(plan, None))
             (plan, handle), self._inflight = self._inflight, None
             ev.update(**_describe(plan), schedule_s=time.perf_counter() - start)
-            # a failed launch has no samples for the next step's placeholders
-            if not isinstance(handle, StepResult) and self.scheduler.can_schedule_ahead(plan):
+            # a failed launch has no samples for the next step's placeholders; what moves request states between
+            # steps (``self.disagg``: roles, remote encoders) sees every step's result before the next is scheduled
+            if (not isinstance(handle, StepResult) and self.disagg is None
+                    and self.scheduler.can_schedule_ahead(plan)):
                 ahead = self.scheduler.schedule(ahead=True)
                 if ahead is not None:
                     self._inflight = (ahead, self._launch(ahead, handle))
