@@ -143,16 +143,17 @@ def test_bad_input_is_refused_before_anything_runs(llm):
 def test_a_sampling_fault_fails_only_that_request(llm, mixed, monkeypatch):
     from flashinfra.engine import runner as model_runner
 
-    real = model_runner.sample
+    def poisoning(real):
+        def poisoned(logits, rows, *args, **kwargs):  # NaN logits for the rows of requests seeded 666
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.params.seed == 666:
+                    logits[i, 0] = float("nan")
+            return real(logits, rows, *args, **kwargs)
+        return poisoned
 
-    def poisoned(logits, rows, *args, **kwargs):  # NaN logits for the rows of requests seeded 666
-        logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.params.seed == 666:
-                logits[i, 0] = float("nan")
-        return real(logits, rows, *args, **kwargs)
-
-    monkeypatch.setattr(model_runner, "sample", poisoned)
+    for name in ("sample", "sample_batch"):  # sampled on the host, or on the device
+        monkeypatch.setattr(model_runner, name, poisoning(getattr(model_runner, name)))
     prompts, params, solo = (x[:3] for x in mixed)
     bad = SamplingParams(max_tokens=3, temperature=1.0, seed=666)
     outs = llm.generate(prompts + [[7, 8, 9]], params + [bad])

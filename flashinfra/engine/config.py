@@ -159,6 +159,10 @@ class EngineConfig(LoadConfig):
         True, "capture every decode CUDA graph and compile the prefill kernels at start-up, so no step while "
               "serving waits for them (off: each is made when first needed)")
     seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
+    async_scheduling: bool = option(
+        False, "schedule and prepare the next step while the device runs this one (its decode rows' input token "
+               "taken on the device from this step's samples); steps with a grammar, penalties, a preemption or a "
+               "prefix checkpoint run synchronously, as do speculative decoding and disaggregated roles")
     speculative_tokens: int = option(
         0, "draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (0: off)",
         min=0)

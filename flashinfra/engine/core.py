@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.messages import EngineReady, EngineRequest, EngineStats, RequestOutput
-from flashinfra.engine.sched.plan import StepResult
+from flashinfra.engine.sched.plan import Plan, StepResult
 from flashinfra.engine.sched.request import Request
-from flashinfra.engine.sched.scheduler import DETERMINISTIC_ALIGN, Scheduler, SchedulerConfig
+from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN
+from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from flashinfra.engine.runner import StepHandle
 
 
 def _prefill_budget(config: EngineConfig) -> int:
@@ -93,6 +97,7 @@ class EngineCore:
             self.warmup = warm_up(self.runner, config.max_num_seqs, max_model_len, _prefill_budget(config),
                                   num_blocks)
         self._pending: list[RequestOutput] = []
+        self._inflight: tuple[Plan, StepHandle | StepResult] | None = None  # launched, its result not applied
         self._last_step_s = 0.0
         self._last_tokens = 0
 
@@ -153,7 +158,8 @@ class EngineCore:
             self._pending.extend(self.disagg.abort(request_ids))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a step in flight (asynchronous scheduling) whose result is still to apply."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def close(self) -> None:
         """Stop what the engine runs beside its steps (the GIL probe)."""
@@ -166,32 +172,32 @@ class EngineCore:
         return self.has_unfinished() or bool(self._pending) or (self.disagg is not None and self.disagg.has_events())
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample once; the outputs of this step (plus any pending abort outputs)."""
+        """Schedule, run and sample once; the outputs of one step, in order (plus any pending abort outputs).
+
+        With asynchronous scheduling the step whose outputs come back is the one launched by the previous call:
+        the next is scheduled and launched first (when ``Scheduler.can_schedule_ahead`` allows it), so the host
+        prepares it while the device runs this one. Otherwise (and always without it) a step is scheduled,
+        launched and finished here."""
         outputs, self._pending = self._pending, []
         if self.disagg is not None:
             outputs.extend(self.disagg.poll())
-        if not self.scheduler.has_unfinished():
+        if self._inflight is None and not self.scheduler.has_unfinished():
             return outputs
         start = time.perf_counter()
         with self.events.span("step") as ev:
-            plan = self.scheduler.schedule()
-            decode = [sr for sr in plan.scheduled
-                      if sr.num_new_tokens == 1 and sr.context_len >= len(sr.prompt_token_ids)]
-            ev.update(
-                step=plan.step_id,
-                num_reqs=len(plan.scheduled),
-                num_prefill_tokens=plan.num_tokens - len(decode),
-                num_decode_tokens=len(decode),
-                num_prefill_reqs=len(plan.scheduled) - len(decode),
-                num_preempted=len(plan.preempted_ids),
-                schedule_s=time.perf_counter() - start,
-            )
-            try:
-                result = self.runner.execute(plan)
-            except Exception as e:  # the step's requests fail; the engine and other requests go on
-                msg = f"model step failed: {type(e).__name__}: {e}"
-                result = StepResult(errors={sr.request_id: msg for sr in plan.scheduled})
-            stepped = self.scheduler.update(plan, result)
+            if self._inflight is None:
+                plan = self.scheduler.schedule()
+                self._inflight = (plan, self._launch(plan, None))
+            (plan, handle), self._inflight = self._inflight, None
+            ev.update(**_describe(plan), schedule_s=time.perf_counter() - start)
+            # a failed launch has no samples for the next step's placeholders; what moves request states between
+            # steps (``self.disagg``: roles, remote encoders) sees every step's result before the next is scheduled
+            if (not isinstance(handle, StepResult) and self.disagg is None
+                    and self.scheduler.can_schedule_ahead(plan)):
+                ahead = self.scheduler.schedule(ahead=True)
+                if ahead is not None:
+                    self._inflight = (ahead, self._launch(ahead, handle))
+            stepped = self.scheduler.update(plan, self._finish(plan, handle))
             outputs.extend(stepped if self.disagg is None else self.disagg.after_step(stepped))
         self._last_step_s = time.perf_counter() - start
         self._last_tokens = plan.num_tokens
@@ -206,6 +212,21 @@ class EngineCore:
         )
         return outputs
 
+    def _launch(self, plan: Plan, prev: StepHandle | None) -> StepHandle | StepResult:
+        """The launched step, or the result failing its requests (the engine and other requests go on)."""
+        try:
+            return self.runner.launch(plan, prev)
+        except Exception as e:
+            return _failed(plan, e)
+
+    def _finish(self, plan: Plan, handle: StepHandle | StepResult) -> StepResult:
+        if isinstance(handle, StepResult):
+            return handle
+        try:
+            return self.runner.finish(handle)
+        except Exception as e:
+            return _failed(plan, e)
+
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats(self._last_step_s, self._last_tokens)
         if (embedder := self.runner.embedder) is not None:
@@ -218,6 +239,19 @@ class EngineCore:
             stats.num_transfers_total = self.disagg.num_total
             stats.num_transfer_failures_total = self.disagg.num_failures
         return stats
+
+
+def _describe(plan: Plan) -> dict[str, Any]:
+    """A step's ``step`` event fields."""
+    decode = [sr for sr in plan.scheduled if sr.num_new_tokens == 1 and sr.context_len >= len(sr.prompt_token_ids)]
+    return dict(step=plan.step_id, num_reqs=len(plan.scheduled), num_prefill_tokens=plan.num_tokens - len(decode),
+                num_decode_tokens=len(decode), num_prefill_reqs=len(plan.scheduled) - len(decode),
+                num_preempted=len(plan.preempted_ids))
+
+
+def _failed(plan: Plan, e: Exception) -> StepResult:
+    msg = f"model step failed: {type(e).__name__}: {e}"
+    return StepResult(errors={sr.request_id: msg for sr in plan.scheduled})
 
 
 def _start_gil_probe(threshold_ms: float | None, events: Any) -> Any:

@@ -7,25 +7,32 @@ until the scheduler reports the request finished (so a request preempted and rec
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model for the hidden
 states of the positions where a next token is sampled only (a context-parallel model gathers no others), computes
 their logits and samples them; requests with a grammar get
-their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``). ``size_cache`` turns a
-memory budget into a number of blocks and slots.
+their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``).
+``size_cache`` turns a memory budget into a number of blocks and slots.
+
+A step's integer inputs reach the device in one packed copy (``model/staging.py``). ``launch`` starts a step and
+``finish`` waits for its tokens (``execute`` does both): between them the engine may launch the next step, whose
+placeholder tokens (asynchronous scheduling) are gathered on the device from the samples of the step in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+from dataclasses import dataclass, field
 
 import torch
 
 from flashinfra.engine.config import EngineConfig
-from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, StepResult
 from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
-from flashinfra.engine.sampler import SamplingRow, sample
+from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch, sampling_columns
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -61,6 +68,17 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
     return max(1, min(left // max(per_block, 1), config.max_num_seqs * blocks_per_seq))
 
 
+@dataclass
+class StepHandle:
+    """A launched step: its result so far (errors, tokens sampled on the host) and, when sampled on the device,
+    the samples on their way to the host (``sampled``; ``rows``: each request's row in ``sampled.tokens``)."""
+
+    result: StepResult
+    picks: list = field(default_factory=list)  # (ScheduledRequest, row of its hidden state)
+    sampled: DeviceSample | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
                  num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
@@ -73,6 +91,7 @@ class ModelRunner:
         # with graphs, one more block and slot that the scheduler never hands out: the padding rows' scratch
         self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
         self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
+        self.staging = HostStaging(self.device)  # every step's integer inputs, one copy to the device
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
@@ -92,22 +111,34 @@ class ModelRunner:
             self.generators[request_id] = g
         return g
 
-    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KDA conv and recurrent states from slot ``src`` to slot ``dst`` for every (src, dst)."""
-        if not pairs:
+    def _copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy KDA conv and recurrent states from slots ``src`` [N] to slots ``dst`` [N]."""
+        if not src.numel():
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         for states in (self.cache.conv_state, self.cache.recurrent_state):
             for t in states.values():
                 t[dst] = t[src]
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepResult:
-        with dispatch.deterministic(self.deterministic):
-            return self._execute(plan)
+        return self.finish(self.launch(plan))
 
-    def _execute(self, plan: Plan) -> StepResult:
+    @torch.inference_mode()
+    def launch(self, plan: Plan, prev: StepHandle | None = None) -> StepHandle:
+        """Start the step on the device; its sampled tokens are copied to the host without waiting. ``prev``: the
+        step still in flight, whose sampled tokens are the inputs of this plan's placeholder tokens."""
+        with dispatch.deterministic(self.deterministic):
+            return self._launch(plan, prev)
+
+    def finish(self, handle: StepHandle) -> StepResult:
+        """Wait for a launched step's samples; its ``StepResult``."""
+        if handle.sampled is not None:
+            tokens, logprobs, errors = handle.sampled.result()
+            self._record(handle.picks, tokens, logprobs, errors, handle.result)
+            handle.sampled = None
+        return handle.result
+
+    def _launch(self, plan: Plan, prev: StepHandle | None) -> StepHandle:
         spec = self.speculator
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
@@ -118,29 +149,22 @@ class ModelRunner:
                 spec.drop(rid)
         result = StepResult()
         if plan.is_empty:
-            return result
+            return StepHandle(result)
         sched = plan.scheduled
         feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
-        batch = ForwardBatch.build(
-            [len(f) for f in feeds],
-            [sr.context_len for sr in sched],
-            [sr.state_slot for sr in sched],
-            [sr.block_table for sr in sched],
-            self.block_size,
-            self.device,
-        )
+        batch, inputs = self._upload(sched, feeds, prev)
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
         inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
                        if pos < sr.context_len + sr.num_new_tokens)
         if inside:
             batch = dataclasses.replace(batch, checkpoints=inside)
-        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-        self._copy_states([(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None])
+        input_ids = inputs["input_ids"]
+        self._copy_states(inputs["load_src"], inputs["load_dst"])
         embeds = self.embedder.embed(input_ids, sched) if self.embedder is not None else None
         # the rows whose logits are sampled: all a model computes for the step unless the speculator needs more
         picks = [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample]
-        rows = None if spec is not None else torch.tensor([i for _, i in picks], dtype=torch.long, device=self.device)
+        rows = None if spec is not None else inputs["rows"]
         if embeds is not None:
             hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
         elif self.graphs is not None and self.graphs.can_run(batch):
@@ -149,18 +173,41 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
             rows = None  # already the picked rows
         if spec is not None:
-            return self._finish_speculative(sched, feeds, replay, batch, hidden, result)
-        self._copy_states(self._end_checkpoints(sched))
-        return self._sample(picks, hidden if rows is None else hidden[rows], result)
+            return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
+        self._copy_states(inputs["save_src"], inputs["save_dst"])
+        return self._sample(picks, hidden if rows is None else hidden[rows], result, inputs)
 
-    @staticmethod
-    def _end_checkpoints(sched) -> list[tuple[int, int]]:
-        """(state slot, checkpoint slot) of the checkpoints at the end of their row's step: the row's final state,
-        copied after the step (those inside the step went to their slots through ``ForwardBatch.checkpoints``)."""
-        return [(sr.state_slot, slot) for sr in sched for pos, slot in sr.save_states
-                if pos == sr.context_len + sr.num_new_tokens]
+    def _upload(self, sched, feeds, prev: StepHandle | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
+        copied to the device in one packed copy; placeholder tokens then taken from ``prev``'s samples."""
+        qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
+        slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
+        arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
+        ids = [t for f in feeds for t in f]
+        ends = list(itertools.accumulate(qlens))
+        rows = [e - 1 for sr, e in zip(sched, ends) if sr.sample]
+        # a placeholder is the last token of its row (one step in flight at most): the token ``prev`` samples
+        fill = [(e - 1, prev.rows[sr.request_id]) for sr, f, e in zip(sched, feeds, ends) if f[-1] == PLACEHOLDER_TOKEN]
+        loads = [(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None]
+        # checkpoints at the end of their row's step: the row's final state, copied after the step (those inside
+        # the step go to their slots through ``ForwardBatch.checkpoints``)
+        saves = [(sr.state_slot, slot) for sr in sched for pos, slot in sr.save_states
+                 if pos == sr.context_len + sr.num_new_tokens]
+        i64 = torch.int64
+        arrays += [("input_ids", i64, ids, (len(ids),)), ("rows", i64, rows, (len(rows),))]
+        for name, pairs in (("load", loads), ("save", saves)):
+            arrays += [(f"{name}_src", i64, [p[0] for p in pairs], (len(pairs),)),
+                       (f"{name}_dst", i64, [p[1] for p in pairs], (len(pairs),))]
+        arrays += [("fill_pos", i64, [p for p, _ in fill], (len(fill),)),
+                   ("fill_rows", i64, [r for _, r in fill], (len(fill),))]
+        arrays += sampling_columns([sr.sampling for sr in sched if sr.sample])
+        views = self.staging.upload(arrays)
+        if fill:
+            views["input_ids"][views["fill_pos"]] = prev.sampled.tokens[views["fill_rows"]]
+        return ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views), views
 
-    def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult) -> StepResult:
+    def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult,
+                            inputs: dict[str, torch.Tensor]) -> StepResult:
         """Accept the draft rows, sample the others, fold the committed tokens into the KDA checkpoints
         (before any checkpoint is copied out for the prefix cache), and draft for the next step."""
         spec, cu = self.speculator, batch.cu_seqlens_list
@@ -175,7 +222,8 @@ class ModelRunner:
                     result.emitted_logprobs[sr.request_id] = lps
                 committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
-        self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long, device=self.device)], result)
+        self.finish(self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long,
+                                                            device=self.device)], result))
         for b, sr in enumerate(sched):
             if sr.request_id in result.sampled:
                 nexts[b] = result.sampled[sr.request_id]
@@ -184,14 +232,17 @@ class ModelRunner:
                     if sr.request_id in result.logprobs:
                         result.emitted_logprobs[sr.request_id] = [result.logprobs[sr.request_id]]
         spec.fold(sched, replay, committed)
-        self._copy_states(self._end_checkpoints(sched))
+        self._copy_states(inputs["save_src"], inputs["save_dst"])
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
-    def _sample(self, picks, hidden, result: StepResult) -> StepResult:
-        """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states."""
+    def _sample(self, picks, hidden, result: StepResult, columns: dict[str, torch.Tensor] | None = None) -> StepHandle:
+        """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states: on the
+        device, unless a row has a grammar or penalties (``sample``, which reads its tokens back at once to retry
+        failing rows alone). ``columns``: the picks' ``sampling_columns``, already on the device."""
+        handle = StepHandle(result, picks)
         if not picks:
-            return result
+            return handle
         grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs
         logits = self.model.compute_logits(hidden)
         rows = [
@@ -203,7 +254,15 @@ class ModelRunner:
             )
             for sr, _ in picks
         ]
-        tokens, logprobs, errors = sample(logits, rows, grammar)
+        if grammar is None and not any(sr.sampling.has_penalties for sr, _ in picks):
+            handle.sampled = sample_batch(logits, rows, columns=columns).start_copy()
+            handle.rows = {sr.request_id: i for i, (sr, _) in enumerate(picks)}
+            return handle
+        self._record(picks, *sample(logits, rows, grammar), result)
+        return handle
+
+    @staticmethod
+    def _record(picks, tokens, logprobs, errors, result: StepResult) -> None:
         for (sr, _), tok, lp, err in zip(picks, tokens, logprobs, errors):
             if err is not None:
                 result.errors[sr.request_id] = err
@@ -211,7 +270,6 @@ class ModelRunner:
             result.sampled[sr.request_id] = tok
             if lp is not None:
                 result.logprobs[sr.request_id] = lp
-        return result
 
     def _grammar_mask(self, scheduled: list):
         if self.grammars is None:

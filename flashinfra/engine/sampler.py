@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+from flashinfra.model.staging import Array, HostStaging
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     """Penalize ``logits`` [N, V] in place for the rows that ask for it (all such rows at once); returns
     ``logits``."""
     N, V = logits.shape
-    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
-           or r.params.presence_penalty != 0.0]
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
         return logits
     dev, sel = logits.device, [rows[i] for i in idx]
@@ -104,68 +104,124 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return torch.argmax(probs / noise, dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
-    """The logprob record of ``tokens`` [N] under the raw ``logits`` [N, V] for the rows that ask for one."""
+def sampling_columns(params: list[SamplingParams]) -> list[Array]:
+    """What sampling reads per row on the device, as ``HostStaging`` arrays (the runner packs them into its step's
+    one copy): the sampled (non-greedy) rows and their temperature, top-k, top-p and min-p; the logprob rows."""
+    rnd = [i for i, p in enumerate(params) if not p.greedy]
+    sel = [params[i] for i in rnd]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    f32, i64, n = torch.float32, torch.int64, (len(rnd),)
+    return [("random_rows", i64, rnd, n), ("temperature", f32, [p.temperature for p in sel], n),
+            ("top_k", i64, [p.top_k for p in sel], n), ("top_p", f32, [p.top_p for p in sel], n),
+            ("min_p", f32, [p.min_p for p in sel], n), ("logprob_rows", i64, want, (len(want),))]
+
+
+def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                     idx: torch.Tensor | None = None):
+    """(rows that ask, chosen [W], top values [W, k], top ids [W, k]) on the device; None if no row asks.
+    ``idx``: the rows that ask, already on the device."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(rows)
     if not want:
-        return out
-    idx = torch.tensor(want, device=logits.device)
+        return None
+    if idx is None:
+        idx = torch.tensor(want, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
-    chosen = lp.gather(1, tokens[idx][:, None])[:, 0].tolist()
+    chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
     k = max(rows[i].params.logprobs for i in want)
     top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return want, chosen, top_v, top_i
+
+
+def _logprob_records(tokens: list[int], parts, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    """The records of ``_logprob_tensors``' ``parts``, their tensors on the host."""
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if parts is None:
+        return out
+    want, chosen, top_v, top_i = parts
+    chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
     for j, i in enumerate(want):
         n = rows[i].params.logprobs
         out[i] = TokenLogprob(int(tokens[i]), chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
     return out
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow], grammar=None,
-                 batch_rows: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    """The logprob record of ``tokens`` [N] under the raw ``logits`` [N, V] for the rows that ask for one."""
+    return _logprob_records(tokens.tolist(), _logprob_tensors(logits, tokens, rows), rows)
+
+
+class DeviceSample:
+    """One batch's sampled tokens (``tokens`` [N] long), NaN rows and logprobs, still on the device.
+    ``start_copy`` begins their copy to the host without waiting (pinned memory on a GPU); ``result`` waits for it
+    and gives the tokens, logprob records and errors (a row with NaN logits fails alone)."""
+
+    def __init__(self, tokens: torch.Tensor, bad: torch.Tensor, logprobs, rows: list[SamplingRow]) -> None:
+        self.tokens, self.rows = tokens, rows
+        self._device = (tokens, bad, logprobs)
+        self._host = None
+        self._copied = None
+
+    def start_copy(self) -> "DeviceSample":
+        tokens, bad, lp = self._device
+        cuda = tokens.is_cuda
+        host = [t.to("cpu", non_blocking=cuda) for t in (tokens, bad, *(lp[1:] if lp else ()))]
+        self._host = (host[0], host[1], None if lp is None else (lp[0], *host[2:]))
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self
+
+    def result(self) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
+        if self._host is None:
+            self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, bad, lp = self._host
+        tokens, bad = tokens.tolist(), bad.tolist()
+        records = _logprob_records(tokens, lp, self.rows)
+        nan = "sampling failed: FloatingPointError: the model produced NaN logits"
+        return ([None if b else t for t, b in zip(tokens, bad)], [None if b else r for r, b in zip(records, bad)],
+                [nan if b else None for b in bad])
+
+
+def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, batch_rows: list[int] | None = None,
+                 columns: dict[str, torch.Tensor] | None = None) -> DeviceSample:
+    """Sample every row of ``logits`` [N, V] in one pass, without waiting for the device. ``columns``: the device
+    views of ``sampling_columns`` of these rows (default: copied here, in one copy)."""
     raw = logits
     x = apply_penalties(logits.float().clone(), rows)
     if grammar is not None:
         grammar.apply(x, batch_rows)
     tokens = torch.argmax(x, dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if columns is None and (random_rows or any(r.params.logprobs is not None for r in rows)):
+        columns = HostStaging(logits.device).upload(sampling_columns([r.params for r in rows]))
     if random_rows:
-        idx = torch.tensor(random_rows, device=x.device)
-        ps = [rows[i].params for i in random_rows]
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=x.device)
-
-        probs = truncated_probs(
-            x[idx],
-            col([p.temperature for p in ps], torch.float32),
-            col([p.top_k for p in ps], torch.long),
-            col([p.top_p for p in ps], torch.float32),
-            col([p.min_p for p in ps], torch.float32),
-        )
+        idx = columns["random_rows"]
+        probs = truncated_probs(x[idx], columns["temperature"], columns["top_k"], columns["top_p"], columns["min_p"])
         generators = [rows[i].generator for i in random_rows]
         if any(g is None for g in generators):
             raise ValueError("a non-greedy row needs a generator")
         tokens[idx] = _draw(probs, generators)
-    return tokens.tolist(), token_logprobs(raw, tokens, rows)
+    lp = _logprob_tensors(raw, tokens, rows, None if columns is None else columns["logprob_rows"])
+    return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), lp, rows)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
     """Next token, logprob record and error message for each row of ``logits`` [N, V].
 
-    The batch is sampled in one pass; if that raises, each row is retried alone so that only the rows that
-    fail by themselves are reported as errors (their token is None)."""
+    The batch is sampled in one pass; if that raises, or a row fails, each row is retried alone so that only the
+    rows that fail by themselves are reported as errors (their token is None)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(rows)} rows")
     if not rows:
         return [], [], []
     saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
     try:
-        bad = torch.isnan(logits).any(dim=-1).tolist()
-        if not any(bad) and not (grammar is not None and grammar.errors):
-            tokens, lps = _sample_rows(logits, rows, grammar)
-            return list(tokens), lps, [None] * len(rows)
+        if not (grammar is not None and grammar.errors):
+            tokens, lps, errors = sample_batch(logits, rows, grammar).result()
+            if not any(errors):
+                return tokens, lps, errors
     except Exception:
         pass
     for g, state in saved:  # a failed batch may have consumed some generators: rewind them
@@ -179,7 +235,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple
                 raise FloatingPointError("the model produced NaN logits")
             if grammar is not None and i in grammar.errors:
                 raise ValueError(grammar.errors[i])
-            t, lp = _sample_rows(logits[i : i + 1], [row], grammar, [i])
+            t, lp, _ = sample_batch(logits[i : i + 1], [row], grammar, [i]).result()
             tokens_out.append(t[0])
             lps_out.append(lp[0])
             errors.append(None)

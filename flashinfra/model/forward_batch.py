@@ -10,6 +10,9 @@ block_size, D]`` and a sequence's ``block_table`` lists its blocks in order; ``s
 flat slot (``block * block_size + offset``) where new token ``t`` is written. KDA states live in fixed
 slots, one per sequence: ``state_slots[b]``; ``checkpoints`` names spare slots that receive a sequence's KDA
 states at positions inside the step (prefix caching).
+
+The tensors reach the device in one packed copy (``model/staging.py``): ``host_arrays`` lists them, a caller
+adds its own arrays of the step to the same copy, and ``from_views`` makes the batch of the device views.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from flashinfra.model.staging import Array, HostStaging
+
+TENSOR_FIELDS = ("cu_seqlens", "slot_mapping", "state_slots_t", "block_tables_t", "seq_lens_t", "token_seq",
+                 "positions")
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,24 @@ class ForwardBatch:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        staging: HostStaging | None = None,
     ) -> "ForwardBatch":
+        """The batch, its tensors copied to ``device`` in one packed copy (through ``staging``, the caller's
+        persistent buffers, or one-off ones)."""
+        arrays = ForwardBatch.host_arrays(query_lens, context_lens, state_slots, block_tables, block_size)
+        views = (staging or HostStaging(device)).upload(arrays)
+        return ForwardBatch.from_views(query_lens, context_lens, state_slots, block_tables, block_size, views)
+
+    @staticmethod
+    def host_arrays(
+        query_lens: list[int],
+        context_lens: list[int],
+        state_slots: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> list[Array]:
+        """The batch's integer tensors as host arrays for ``HostStaging.upload`` (a caller adds its own, such as
+        the token ids, to the same copy)."""
         if not (len(query_lens) == len(context_lens) == len(state_slots) == len(block_tables)):
             raise ValueError("ForwardBatch.build: per-sequence lists differ in length")
         slots: list[int] = []
@@ -98,19 +123,35 @@ class ForwardBatch:
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
+        B, T = len(query_lens), len(slots)
         width = max((len(t) for t in block_tables), default=0)
-        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        padded = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+        i32, i64 = torch.int32, torch.int64
+        return [
+            ("cu_seqlens", i32, cu, (B + 1,)),
+            ("slot_mapping", i64, slots, (T,)),
+            ("state_slots_t", i64, list(state_slots), (B,)),
+            ("block_tables_t", i32, padded, (B, width)),
+            ("seq_lens_t", i32, [c + q for c, q in zip(context_lens, query_lens)], (B,)),
+            ("token_seq", i32, token_seq, (T,)),
+            ("positions", i32, positions, (T,)),
+        ]
+
+    @staticmethod
+    def from_views(
+        query_lens: list[int],
+        context_lens: list[int],
+        state_slots: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        views: dict[str, torch.Tensor],
+    ) -> "ForwardBatch":
+        """The batch whose tensors are the device ``views`` of ``host_arrays``' arrays."""
         return ForwardBatch(
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
             state_slots=tuple(state_slots),
             block_tables=tuple(tuple(t) for t in block_tables),
             block_size=block_size,
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            state_slots_t=torch.tensor(state_slots, dtype=torch.int64, device=device),
-            block_tables_t=torch.tensor(padded, dtype=torch.int32, device=device).view(len(block_tables), width),
-            seq_lens_t=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32, device=device),
-            token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
-            positions=torch.tensor(positions, dtype=torch.int32, device=device),
+            **{name: views[name] for name in TENSOR_FIELDS},
         )

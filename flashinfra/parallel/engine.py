@@ -38,7 +38,7 @@ import msgspec
 from flashinfra import env
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
-from flashinfra.engine.sched.plan import Plan, StepResult
+from flashinfra.engine.sched.plan import Plan
 from flashinfra.parallel.launch import (Launch, RankLost, config_world, exited, kill_workers, launch_of,
                                         resolve_world, start_workers, stop_workers, watched)
 
@@ -235,14 +235,16 @@ class PlanBroadcaster:
     def __getattr__(self, name):  # generators, embedder, cache...: the local runner's
         return getattr(self.runner, name)
 
-    def execute(self, plan: Plan) -> StepResult:
+    def launch(self, plan: Plan, prev=None):
+        """Send the plan, then launch it here (``finish`` is the local runner's: several ranks never schedule
+        ahead, see ``SchedulerConfig.async_scheduling``)."""
         if self.lost is None and (dead := exited(self.workers)):
             self.lost = "tensor-parallel worker lost: " + "; ".join(dead)
         if self.lost is not None:
             raise RankLost(self.lost)
         try:
             self.channel.send(PLAN_ENCODER.encode(plan))
-            return self.runner.execute(plan)
+            return self.runner.launch(plan, prev)
         except Exception as e:
             if "timed out" in str(e).lower() or "connection" in str(e).lower():
                 self.lost = f"tensor-parallel collective failed (a rank died or hung): {e}"

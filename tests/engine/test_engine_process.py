@@ -78,8 +78,10 @@ def req(rid: str, prompt: list[int], **kw) -> EngineRequest:
     return EngineRequest(rid, prompt, SamplingParams(**kw), time.time())
 
 
-def test_engine_process_round_trip(tmp_path, ckpt):
-    c = Client(tmp_path, EngineConfig(model=str(ckpt), num_blocks=64, block_size=4, max_num_seqs=4))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_process_round_trip(tmp_path, ckpt, async_scheduling):
+    c = Client(tmp_path, EngineConfig(model=str(ckpt), num_blocks=64, block_size=4, max_num_seqs=4,
+                                      async_scheduling=async_scheduling))
     try:
         ready = c.recv(120)
         assert isinstance(ready, EngineReady)

@@ -51,6 +51,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Temperatures this close to 0 are greedy: dividing logits by them would overflow."""
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: sampling reads the request's tokens on the host."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError`` naming the offending field if any parameter is out of range."""
 

@@ -11,11 +11,17 @@ from dataclasses import dataclass, field
 
 from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams, TokenLogprob
 
+# asynchronous scheduling: a token of a request's that the step in flight is still sampling; the runner feeds
+# that step's sampled token in its place, on the device
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the new tokens fed this step: all_token_ids[context_len : context_len + n]
+    # the new tokens fed this step: all_token_ids[context_len : context_len + n], the last one PLACEHOLDER_TOKEN
+    # while the step that samples it is in flight
+    token_ids: list[int]
     context_len: int  # tokens already in the cache (0: the request starts fresh in its KDA slot)
     block_table: list[int]  # every block the request owns, in order
     state_slot: int

@@ -28,6 +28,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # asynchronous scheduling: output tokens of steps scheduled (and counted in num_computed_tokens) whose result
+    # has not arrived yet
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
@@ -74,7 +77,7 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the cache (the whole prompt for a fresh or preempted request; 1 in decode)."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -19,13 +19,15 @@ Disaggregated serving: a request exported by a prefill-role engine keeps its blo
 finishes (``held``) until the decode side acknowledges the transfer (``release_held``); a decode-role
 engine admits a request whose prompt was computed elsewhere with ``admit_imported``.
 
-Deterministic mode (``EngineConfig.deterministic``): a prompt piece that stops short of the prompt's end stops
-at a multiple of ``DETERMINISTIC_ALIGN`` tokens from the sequence start (the KDA prefill's chunk) and never leaves
-a single prompt token behind, so the KDA recurrence meets the same chunk boundaries whatever the token budget
-left to the request, and a 1-token piece on a cached state is always a generated token (decode arithmetic). A
-piece never crosses the prompt's end: a request recomputed after a preemption runs its prompt in aligned pieces,
-then its generated tokens one a step, each through the decode arithmetic it first ran through, so preemption
-changes no bit either.
+Deterministic mode (``EngineConfig.deterministic``) cuts prompt pieces as ``sched/aligned.py`` says.
+
+Asynchronous scheduling (``SchedulerConfig.async_scheduling``): a step's progress is counted when it is scheduled,
+and each row that samples adds a placeholder output token (``Request.num_output_placeholders``) until ``update``
+brings the token, so the next step can be scheduled while this one runs (``schedule(ahead=True)``): a placeholder
+is fed as ``PLACEHOLDER_TOKEN``, which the runner replaces on the device. A stop is then found one step late: the
+row the next step computed for a finished request is discarded (``update`` skips requests no longer running). A
+request whose placeholders reach its length limit is not scheduled again. A step ahead never preempts; the
+engine waits for the result instead, then schedules synchronously.
 
 Pure Python: this module imports no torch (a test enforces it), so it can be reasoned about and tested
 without a model.
@@ -35,38 +37,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.sched.aligned import aligned_piece
 from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import EngineStats, RequestOutput
-from flashinfra.engine.sched.plan import Plan, ScheduledRequest, StepResult
+from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, ScheduledRequest, StepResult
 from flashinfra.engine.sched.request import Request, RequestStatus
-
-
-# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it)
-DETERMINISTIC_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's limits, derived from an ``EngineConfig`` by ``from_engine`` (which validated them);
-    no defaults of its own."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int  # resolved: the model's limit, or the config's if lower
-    max_prefill_chunk: int  # cap on the tokens one request takes in a step (0: none)
-    speculative_tokens: int  # draft tokens per decode step (0: no speculation)
-    deterministic: bool  # prefill pieces cut at multiples of DETERMINISTIC_ALIGN
-
-    @classmethod
-    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "max_model_len"},
-                   max_model_len=max_model_len)
+from flashinfra.engine.sched.scheduler_config import SchedulerConfig
 
 
 class Scheduler:
@@ -156,7 +134,19 @@ class Scheduler:
         return self._output(req, [first_token], None if req.sampling.logprobs is None else [first_logprob])
 
     # ---- one step ----
-    def schedule(self) -> Plan:
+    def can_schedule_ahead(self, prev: Plan) -> bool:
+        """Whether the next step may be scheduled before ``prev``'s result is known. Not after a preemption or a
+        prefix checkpoint (its prefix is registered with the result), nor while a row sampled in ``prev`` has a
+        grammar (its mask needs the token) or penalties (they count the tokens on the host)."""
+        return (self.config.async_scheduling and self.has_unfinished() and not prev.preempted_ids
+                and not any(sr.save_states for sr in prev.scheduled)
+                and not any(sr.sample and (sr.sampling.grammar is not None or sr.sampling.has_penalties)
+                            for sr in prev.scheduled))
+
+    def schedule(self, ahead: bool = False) -> Plan | None:
+        """The next step. With asynchronous scheduling every sampled row counts a placeholder output token until
+        ``update`` brings it; ``ahead``: a step in flight (see ``can_schedule_ahead``), so no request is preempted:
+        None, with no request advanced, where the cache would need it (the caller waits for the result)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk = cfg.max_prefill_chunk or budget
@@ -167,12 +157,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, min(budget, chunk))
-            if n == 0:  # deterministic mode: too little budget left for an aligned piece; next step
+            # n == 0: deterministic mode, too little budget left for an aligned piece; next step
+            if n == 0 or self._surely_finishes(req):
                 i += 1
                 continue
             drafts = self._num_drafts(req, n, budget)
             # cache room for the drafts, and as many positions again for the draft model's chained steps
             target = min(req.num_computed_tokens + n + 2 * drafts, self.max_len)
+            if ahead and not self.cache.try_allocate(req, target):
+                return None  # blocks taken so far belong to requests that need them in the next step anyway
             while not self.cache.try_allocate(req, target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -218,6 +211,10 @@ class Scheduler:
             preempted_ids=preempted,
             finished_ids=freed,
         )
+        if cfg.async_scheduling:  # the step's progress counts from now: the next step may start before its result
+            for (req, *_), sr in zip(scheduled, plan.scheduled):
+                req.num_computed_tokens += sr.num_new_tokens
+                req.num_output_placeholders += sr.sample
         return plan
 
     def update(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
@@ -237,7 +234,10 @@ class Scheduler:
                 outputs.extend(self._update_speculative(req, sr, result.emitted[sr.request_id],
                                                         result.emitted_logprobs.get(sr.request_id)))
                 continue
-            req.num_computed_tokens += sr.num_new_tokens
+            if self.config.async_scheduling:  # advanced when scheduled; the sampled token replaces a placeholder
+                req.num_output_placeholders -= sr.sample
+            else:
+                req.num_computed_tokens += sr.num_new_tokens
             if sr.request_id in result.errors:
                 self._finish(req, "error", result.errors[sr.request_id])
                 outputs.append(self._output(req, [], None))
@@ -275,6 +275,12 @@ class Scheduler:
         )
 
     # ---- internals ----
+    def _surely_finishes(self, req: Request) -> bool:
+        """A request whose placeholder tokens reach its length limits: the step in flight ends it."""
+        pending = req.num_output_placeholders
+        return bool(pending) and (req.num_output_tokens + pending >= req.sampling.max_tokens
+                                  or req.num_tokens + pending >= self.max_len)
+
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for a decoding request (one pending token after at least one output): the
         configured count, within the token budget and the length limits."""
@@ -304,21 +310,7 @@ class Scheduler:
     def _chunk(self, req: Request, limit: int) -> int:
         """Tokens ``req`` computes this step: up to ``limit`` (aligned in deterministic mode)."""
         n = min(req.num_pending_tokens, limit)
-        return self._aligned(req, req.num_computed_tokens, n) if self.config.deterministic else n
-
-    @staticmethod
-    def _aligned(req: Request, start: int, n: int) -> int:
-        """Deterministic mode: the tokens of a piece of at most ``n`` that meets the KDA recurrence as every other
-        run of the request does (see the module docstring)."""
-        prompt = req.num_prompt_tokens
-        if start >= prompt:  # generated tokens (recomputed after a preemption): one a step, as they first ran
-            return min(n, 1)
-        end = min(start + n, prompt)
-        if end < prompt:
-            end -= (end - start) % DETERMINISTIC_ALIGN  # start is aligned: 0, a cached prefix or an earlier cut
-            if prompt - end == 1:
-                end = max(start, end - DETERMINISTIC_ALIGN)
-        return end - start
+        return aligned_piece(req, req.num_computed_tokens, n) if self.config.deterministic else n
 
     def _save_slots(self, req: Request, n: int) -> tuple[tuple[int, int], ...]:
         """A checkpoint slot for each of ``req``'s checkpoint positions this step crosses, while slots last."""
@@ -336,13 +328,14 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, load: int | None, saves: tuple[tuple[int, int], ...],
                    drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n]
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=tokens + [PLACEHOLDER_TOKEN] * (n - len(tokens)),
             context_len=start,
             block_table=list(req.block_ids),
             state_slot=req.state_slot,
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens + req.num_output_placeholders,
             sampling=req.sampling,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,

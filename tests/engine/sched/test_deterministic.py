@@ -16,7 +16,7 @@ from tests.engine.sched.test_scheduler import VOCAB, SimRunner, expected_output,
 def test_deterministic_mode_cuts_prompts_at_kda_chunks():
     """Deterministic mode: every prompt piece starts at a multiple of the KDA chunk, ends at one or at the prompt's
     end, and a piece on a cached state has at least 2 prompt tokens, whatever the budget, prefix hits and batch."""
-    from flashinfra.engine.sched.scheduler import DETERMINISTIC_ALIGN as A
+    from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN as A
 
     pieces = []
 

@@ -1,0 +1,66 @@
+"""``HostStaging``: a step's small integer inputs reach the device in one packed copy.
+
+A step needs a dozen tiny integer arrays on the device (token ids, ``cu_seqlens``, slot mapping, block tables,
+the rows to sample...). One ``torch.tensor(..., device=cuda)`` each is one host-to-device copy each, and from
+pageable memory each copy also waits for the host. Here every array is written into one host buffer (pinned when
+the device is a GPU), copied with one ``non_blocking`` copy into one device buffer, and handed out as views.
+
+Layout: the buffers are int32 words; an int64 array takes two words per value at an even word offset (so its
+view is 8-byte aligned), a float32 array one word per value (sampling parameters). Arrays are given as
+``(name, dtype, values, shape)`` with flat ``values``.
+
+Both buffers persist between steps and grow on demand. The device buffer is only written by the copy, which
+the stream orders after the previous step's kernels; the host buffer is rewritten only after the previous copy
+out of it has completed (an event), since the device may not have read it yet when the host prepares the next
+step. What it leaves out: deciding what the arrays mean (``ForwardBatch``, the runner).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_WORDS = {torch.int32: 1, torch.int64: 2, torch.float32: 1}
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
+
+
+class HostStaging:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        self.host = torch.empty(0, dtype=torch.int32)
+        self.dev = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of ``host``
+        self.num_copies = 0
+
+    def _reserve(self, words: int) -> None:
+        if words > self.host.numel():
+            size = max(1024, 1 << (words - 1).bit_length())
+            self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.pinned)
+            self.dev = torch.empty(size, dtype=torch.int32, device=self.device)
+            self._copied = None  # a fresh host buffer: nothing reads it
+
+    def upload(self, arrays: list[Array]) -> dict[str, torch.Tensor]:
+        """Device views of ``arrays``, by name, after one host-to-device copy."""
+        offsets, words = [], 0
+        for _, dtype, values, _ in arrays:
+            w = _WORDS[dtype]
+            words += words % w  # align int64 arrays to two words
+            offsets.append(words)
+            words += w * len(values)
+        if self._copied is not None:
+            self._copied.synchronize()  # the device has read the previous step's inputs
+        self._reserve(words)
+        host = self.host.numpy()
+        for (_, dtype, values, _), off in zip(arrays, offsets):
+            if values:
+                host[off : off + _WORDS[dtype] * len(values)].view(_NUMPY[dtype])[:] = values
+        self.dev[:words].copy_(self.host[:words], non_blocking=self.pinned)
+        self.num_copies += 1
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return {name: self.dev[off : off + _WORDS[dtype] * len(values)].view(dtype).view(shape)
+                for (name, dtype, values, shape), off in zip(arrays, offsets)}
