@@ -7,7 +7,7 @@ kernels are tested here too; its float -> e4m3 conversion mis-rounds at exponent
 import pytest
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import checks as hotpath
+from flashinfra.kernels import check_cases as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 

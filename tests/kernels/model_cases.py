@@ -1,6 +1,6 @@
 """Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
 layer's accuracy with the kernels against the references, and a quantized model's logits with the 8-bit kernels
-against the references. The kernel cases live in ``flashinfra.kernels.checks`` and
+against the references. The kernel cases live in ``flashinfra.kernels.check_cases`` and
 ``flashinfra.kernels.quant.check_cases``."""
 
 from __future__ import annotations
