@@ -15,6 +15,7 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels.moe_align import moe_align as align
 
 
 def rnd(*shape, device, gen=None, dtype=torch.float32, scale=1.0):
@@ -108,7 +109,7 @@ def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=tor
 def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[CheckResult]:
     """Every pair appears once, each block holds pairs of one expert only, padding is the sentinel."""
     ids = torch.randint(0, E, (T, top_k), device=device, generator=_gen(device, seed))
-    sorted_ids, expert_ids, used = fm.moe_align(ids, E, BM)
+    sorted_ids, expert_ids, used = align(ids, E, BM)
     n = int(used)
     s = sorted_ids[:n].long().cpu()
     real = s[s < T * top_k]
