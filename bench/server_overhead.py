@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,37 +102,18 @@ def serve(port: int, step_s: float, profile: str | None) -> None:
         profiler.dump_stats(profile)
 
 
-def _wait_ready(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the echo server on port {port} did not become healthy in {timeout_s:.0f} s")
-
-
 def measure(concurrency: int, num_prompts: int, input_len: int, output_len: int, step_ms: float,
             port: int = 8790, profile: str | None = None) -> dict:
     """Start the echo server, run the serving benchmark against it, stop it; return the report."""
-    from flashinfra.server import bench_serve
+    from serve_runs import bench, repo_env, wait_healthy
 
     cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--step-ms", str(step_ms)]
     if profile:
         cmd += ["--profile", profile]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    server = subprocess.Popen(cmd, env=env)
+    server = subprocess.Popen(cmd, env=repo_env())
     try:
-        _wait_ready(port)
-        args = bench_serve.build_parser().parse_args([
-            "--base-url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency),
-            "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len", str(output_len),
-            "--token-ids", "--vocab-size", "4000", "--no-progress"])
-        import asyncio
-
-        return asyncio.run(bench_serve.run_benchmark(args))
+        wait_healthy(port, server, 120.0)
+        return bench(port, concurrency, num_prompts, input_len, output_len)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -15,23 +15,18 @@ The MTP block is not loaded (``--load-format random`` draws the trunk), so specu
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import re
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_server import _wait_healthy, summary  # noqa: E402
+from serve_runs import bench, log_tail, running, sweep  # noqa: E402
 
 from flashinfra.feedback.timing import header, write_results  # noqa: E402
 from flashinfra.model.factory import TINY_TEXT_CONFIG  # noqa: E402
 from flashinfra.parallel.plan import GLM_5_3_FLASH, plan, write_model_dir  # noqa: E402
-from flashinfra.server import bench_serve  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 PLAN_DTYPE = {"fp8": "fp8", "w8a8": "int8"}
 RANK_LINE = re.compile(r"flashinfra rank (\d+): ([\d.]+) GiB of weights \((\w+)\) loaded in ([\d.]+) s"
                        r"(?:, ([\d.]+) GiB allocated)?")
@@ -51,14 +46,6 @@ def serve_command(args, model_dir: Path) -> list[str]:
     if args.smoke:
         cmd += ["--device", "cpu", "--dtype", "float32", "--num-blocks", "256"]
     return cmd
-
-
-def bench(args, concurrency: int, prompts: int) -> dict:
-    parsed = bench_serve.build_parser().parse_args([
-        "--base-url", f"http://127.0.0.1:{args.port}", "--concurrency", str(concurrency), "--num-prompts",
-        str(prompts), "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--token-ids",
-        "--vocab-size", "4000", "--no-progress", "--timeout", "3600"])
-    return asyncio.run(bench_serve.run_benchmark(parsed))
 
 
 def main() -> None:
@@ -86,30 +73,19 @@ def main() -> None:
     cmd = serve_command(args, model_dir)
     results["serve_command"] = " ".join(cmd[1:])
     log_path = model_dir / "serve.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            results["startup_s"] = _wait_healthy(args.port, proc, 1800.0)
-            text = log_path.read_text(encoding="utf-8", errors="replace")
-            results["ranks"] = {int(m[1]): dict(weight_gib=float(m[2]), weights=m[3], load_s=float(m[4]),
-                                                device_allocated_gib=float(m[5]) if m[5] else None)
-                                for m in RANK_LINE.finditer(text)}
-            if cache := CACHE_LINE.search(text):
-                results["cache_tokens_per_rank"] = int(cache[1]) * int(cache[2])
-            bench(args, 1, 2)  # untimed: the first requests of a fresh server
-            results["serve"] = {}
-            for c in args.concurrency:
-                report = bench(args, c, max(4, args.prompts_per_slot * c))
-                results["serve"][str(c)] = dict(summary=summary(report), report=report)
-                print(f"serve c={c}: {summary(report)}", flush=True)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    results["log_tail"] = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-40:]
+    with running(cmd, args.port, log_path, timeout_s=1800.0, stop_timeout_s=120.0) as startup_s:
+        results["startup_s"] = startup_s
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        results["ranks"] = {int(m[1]): dict(weight_gib=float(m[2]), weights=m[3], load_s=float(m[4]),
+                                            device_allocated_gib=float(m[5]) if m[5] else None)
+                            for m in RANK_LINE.finditer(text)}
+        if cache := CACHE_LINE.search(text):
+            results["cache_tokens_per_rank"] = int(cache[1]) * int(cache[2])
+        # untimed: the first requests of a fresh server
+        bench(args.port, 1, 2, args.input_len, args.output_len, timeout_s=3600.0)
+        results["serve"] = sweep(args.port, args.concurrency, lambda c: max(4, args.prompts_per_slot * c),
+                                 args.input_len, args.output_len, timeout_s=3600.0)
+    results["log_tail"] = log_tail(log_path)
     name = "whole_model_smoke" if args.smoke else f"whole_model_{args.dtype}_{args.gpus}gpu"
     print(write_results(name, results, args.out))
 

@@ -1,5 +1,5 @@
 """Check cases and benchmarks of the DSA indexer's pool-key cache and sliced selection
-(``kernels.dsa_pool_keys``, ``kernels.dsa_indexer``), beside the float cases of ``flashinfra.kernels.checks``.
+(``kernels.dsa_pool_keys``, ``kernels.dsa_indexer``), beside the float cases of ``flashinfra.kernels.check_cases``.
 
 - ``select_over_entries``: what a case needs to run ``dsa_select`` over a filled entry cache: a pool-key cache
   poisoned with NaN, then every complete pool's key written by the kernel.
@@ -8,7 +8,7 @@
 - ``dsa_select_steps``: a request prefilled in chunks then decoded, and a second request hitting its prefix
   (its first blocks, whose pools an earlier step wrote), through the model's own cache writes
   (``quant.cache.write_index_entries``) into poisoned caches; each step's selection against ``Indexer.select``
-  (near-ties allowed as in ``checks.dsa_select``), and every pool key of the cache against the definition.
+  (near-ties allowed as in ``check_cases.dsa_select``), and every pool key of the cache against the definition.
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
@@ -26,8 +26,8 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer
-from flashinfra.kernels.checks import HI, DI, KPOOL, _d, _dsa_bench, _gen, _not_near_tie, _registered, _verdict, \
-    paged_cache, quantized_cache, rnd, tol
+from flashinfra.kernels.check_cases import _d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd, tol
+from flashinfra.kernels.checks import HI, DI, KPOOL, _dsa_bench, _registered
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
 

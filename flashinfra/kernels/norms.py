@@ -71,6 +71,14 @@ def _rows(x: torch.Tensor, D: int, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _output(x: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """``out``, checked to take the op's result in place (x's shape and dtype, contiguous), or a fresh one."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    return y
+
+
 def _block_rows(D: int) -> tuple[int, int]:
     BD = triton.next_power_of_2(D)
     return BD, max(1, min(16, 4096 // BD))
@@ -79,9 +87,7 @@ def _block_rows(D: int) -> tuple[int, int]:
 def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None):
     D = weight.shape[0]
     x2 = _rows(x, D, "rms_norm")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"rms_norm: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    y = _output(x, out, "rms_norm")
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
@@ -96,9 +102,7 @@ def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} != x {tuple(x.shape)}")
     x2, g2 = _rows(x, D, "gated_rms_norm"), _rows(gate, D, "gated_rms_norm")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"gated_rms_norm: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    y = _output(x, out, "gated_rms_norm")
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)

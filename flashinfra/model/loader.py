@@ -170,6 +170,40 @@ def _choose_form(forms: list[Form], names: set[str]) -> tuple[Form | None, list[
     return None, out
 
 
+def match_copies(layout: dict[str, list[Form]], names: set[str], reader: TensorSource
+                 ) -> tuple[list[tuple[str, Copy]], list[str], list[str], set[str]]:
+    """Each parameter's copies in the form the checkpoint holds, checked against their shapes and 8-bit scales ->
+    (plan: (parameter, copy) pairs, missing, mis-shaped, the names accounted for: the copies, their scales and the
+    present tensors of a form with some absent, which are missing, not unexpected)."""
+    missing: list[str] = []
+    misshaped: list[str] = []
+    plan: list[tuple[str, Copy]] = []
+    consumed: set[str] = set()
+    for pname, forms in layout.items():
+        form, absent = _choose_form(forms, names)
+        if form is None:
+            missing.extend(absent)
+            consumed.update(c.name for f in forms for c in f if c.name in names)
+            continue
+        for copy in form:
+            shape, dtype = reader.meta(copy.name)
+            if shape != copy.shape:
+                misshaped.append(f"{copy.name}: checkpoint {list(shape)}, model expects {list(copy.shape)}")
+            if dtype in FP8_DTYPES:
+                sname = scale_name(copy.name)
+                if sname not in names:
+                    missing.append(f"{sname} (scale of FP8 tensor {copy.name})")
+                consumed.add(sname)
+            elif dtype == "I8":
+                sname = w8a8_scale_name(copy.name)
+                if sname not in names:
+                    missing.append(f"{sname} (scale of int8 tensor {copy.name})")
+                consumed.add(sname)
+            consumed.add(copy.name)
+            plan.append((pname, copy))
+    return plan, missing, misshaped, consumed
+
+
 def _is_extra(name: str, cfg: ModelConfig) -> bool:
     mtp = f"{cfg.weight_prefix}layers.{cfg.text.num_hidden_layers}."
     return name.startswith(mtp) or name.startswith("model.visual.")
@@ -189,32 +223,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
     qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
     block = tuple(qcfg.get("weight_block_size", (128, 128)))
 
-    missing: list[str] = []
-    misshaped: list[str] = []
-    plan: list[tuple[str, Copy]] = []
-    consumed: set[str] = set()
-    for pname, forms in layout.items():
-        form, absent = _choose_form(forms, names)
-        if form is None:
-            missing.extend(absent)
-            consumed.update(c.name for f in forms for c in f if c.name in names)  # expected, not unexpected
-            continue
-        for copy in form:
-            shape, dtype = reader.meta(copy.name)
-            if shape != copy.shape:
-                misshaped.append(f"{copy.name}: checkpoint {list(shape)}, model expects {list(copy.shape)}")
-            if dtype in FP8_DTYPES:
-                sname = scale_name(copy.name)
-                if sname not in names:
-                    missing.append(f"{sname} (scale of FP8 tensor {copy.name})")
-                consumed.add(sname)
-            elif dtype == "I8":
-                sname = w8a8_scale_name(copy.name)
-                if sname not in names:
-                    missing.append(f"{sname} (scale of int8 tensor {copy.name})")
-                consumed.add(sname)
-            consumed.add(copy.name)
-            plan.append((pname, copy))
+    plan, missing, misshaped, consumed = match_copies(layout, names, reader)
     extra = {n: reader.files[n] for n in names - consumed if _is_extra(n, cfg)}
     unexpected = sorted(names - consumed - set(extra))
     if missing or misshaped or unexpected:

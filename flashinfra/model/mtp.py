@@ -33,9 +33,7 @@ from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.model.cache import ModelCache, pool_keys
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.model.loader import (
-    FP8_DTYPES, CheckpointError, TensorSource, _choose_form, dequantize_block_fp8, scale_name,
-)
+from flashinfra.model.loader import CheckpointError, TensorSource, match_copies, read_tensor
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import MoE
 from flashinfra.model.weights import Copy, Form, _mla, _mlp
@@ -138,23 +136,8 @@ def load_mtp(block: MTPBlock, cfg: ModelConfig, reader: TensorSource) -> int:
     names = {n for n in reader.names() if n.startswith(p)}
     qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
     fp8_block = tuple(qcfg.get("weight_block_size", (128, 128)))
-    missing, misshaped, plan = [], [], []
-    consumed = {p + s for s in SHARED_COPIES} & names
-    for pname, forms in layout.items():
-        form, absent = _choose_form(forms, names)
-        if form is None:
-            missing.extend(absent)
-            continue
-        for copy in form:
-            shape, dtype = reader.meta(copy.name)
-            if shape != copy.shape:
-                misshaped.append(f"{copy.name}: checkpoint {list(shape)}, model expects {list(copy.shape)}")
-            if dtype in FP8_DTYPES:
-                if scale_name(copy.name) not in names:
-                    missing.append(f"{scale_name(copy.name)} (scale of FP8 tensor {copy.name})")
-                consumed.add(scale_name(copy.name))
-            consumed.add(copy.name)
-            plan.append((pname, copy))
+    plan, missing, misshaped, consumed = match_copies(layout, names, reader)
+    consumed |= {p + s for s in SHARED_COPIES} & names
     unexpected = sorted(names - consumed)
     if missing or misshaped or unexpected:
         lines = ["checkpoint's MTP layer does not match the MTP block:"]
@@ -164,8 +147,5 @@ def load_mtp(block: MTPBlock, cfg: ModelConfig, reader: TensorSource) -> int:
         raise CheckpointError("\n".join(lines))
     for pname, copy in plan:
         dest = params[pname].data[copy.index] if copy.index else params[pname].data
-        t = reader.get(copy.name)
-        if reader.meta(copy.name)[1] in FP8_DTYPES:
-            t = dequantize_block_fp8(t, reader.get(scale_name(copy.name)), fp8_block)
-        dest.copy_(t.reshape(dest.shape))
+        dest.copy_(read_tensor(reader, copy.name, fp8_block)[0].reshape(dest.shape))
     return len(plan)

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 
 from flashinfra.generation_defaults import apply_defaults, load_generation_defaults
-from flashinfra.server.chat_output import MarkerDecoder, ParsedChatFormatter
+from flashinfra.server.chat_output import ChatFormatter, MarkerDecoder
 from flashinfra.server.chat_request import prepare_chat
 from flashinfra.server.disagg import attach_transfer, check_embeddable, install_disagg_routes
 from flashinfra.server.engine_client import ENGINE_UNAVAILABLE, EngineClient, EngineDeadError, EngineLauncher
@@ -176,9 +176,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             c.mm_items = chat.mm_items
         attach_transfer(choices, body.kv_transfer_params)
         check_embeddable(state, choices)
-        fmt = ParsedChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
-                                  body.return_token_ids, think_open=chat.think_open, tools=chat.tools,
-                                  tools_enabled=chat.tools_enabled)
+        fmt = ChatFormatter(request_id, body.model, state.tokenizer, body.logprobs, len(choices),
+                            body.return_token_ids, think_open=chat.think_open, tools=chat.tools,
+                            tools_enabled=chat.tools_enabled)
         queue = await submit(state, choices)
         return await _respond(state, request, choices, queue, fmt, body.stream, body.include_usage, arrival)
 

@@ -1,8 +1,8 @@
 """A chat choice's generated text -> OpenAI ``reasoning_content``, ``content`` and ``tool_calls``, streamed
 as deltas or returned as one message.
 
-Owns ``ChatOutputParser`` (reasoning split first, then GLM tool calls in what follows), ``ParsedChatFormatter``
-(the chat formatter whose deltas and final messages carry those fields; ``finish_reason`` becomes
+Owns ``ChatOutputParser`` (reasoning split first, then GLM tool calls in what follows), ``ChatFormatter``
+(the chat formatter, whose deltas and final messages carry those fields; ``finish_reason`` becomes
 ``tool_calls`` when a call was made) and ``MarkerDecoder``, the decoder the detokenizer uses for chat so
 that GLM's think/tool markers survive decoding while every other special token (EOS, role tokens) is
 dropped. When the output was all reasoning that never closed and the model stopped on its own, it is filed
@@ -12,7 +12,7 @@ already went out; the last chunk then carries the same text as ``content``.
 
 from __future__ import annotations
 
-from flashinfra.server.formatting import ChatFormatter, chat_logprobs_content, count_usage
+from flashinfra.server.formatting import CompletionFormatter, chat_logprobs_content, count_usage
 from flashinfra.server.reasoning import ReasoningParser
 from flashinfra.server.serving import Choice, ChoiceEvent
 from flashinfra.server.tokenizer import Tokenizer
@@ -121,13 +121,23 @@ class ChatOutputParser:
         return message
 
 
-class ParsedChatFormatter(ChatFormatter):
-    """``ChatFormatter`` whose choices go through a ``ChatOutputParser`` each."""
+class ChatFormatter(CompletionFormatter):
+    """Builds /v1/chat/completions responses and stream chunks for one request, each choice's text through a
+    ``ChatOutputParser`` of its own."""
 
-    def __init__(self, *args, think_open: bool, tools: list[dict] | None, tools_enabled: bool, **kwargs):
-        super().__init__(*args, **kwargs)
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tok: Tokenizer, want_logprobs: bool, num_choices: int,
+                 want_token_ids: bool = False, *, think_open: bool, tools: list[dict] | None, tools_enabled: bool):
+        super().__init__(request_id, model, tok, want_logprobs, want_token_ids=want_token_ids)
+        self.num_choices = num_choices
+        self._entries: dict[int, list[dict]] = {}
         self._parser_args = (think_open, tools, tools_enabled)
         self._parsers: dict[int, ChatOutputParser] = {}
+
+    def stream_start(self) -> list[dict]:
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], self.object_name) for i in range(self.num_choices)]
 
     def parser(self, index: int) -> ChatOutputParser:
         p = self._parsers.get(index)

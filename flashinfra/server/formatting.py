@@ -1,4 +1,5 @@
-"""OpenAI response shapes: completion and chat completion bodies, stream chunks, usage and logprobs.
+"""OpenAI response shapes: completion bodies, stream chunks, usage and logprobs (the chat formatter, built on
+``CompletionFormatter``, is ``chat_output.ChatFormatter``: its messages carry the parsed reasoning and tool calls).
 
 Owns JSON layout only (what the official ``openai`` client parses); the values come from ``serving.py``.
 Logprobs that are -inf (a token the sampler could never have picked) are written as -9999.0, because JSON
@@ -146,51 +147,5 @@ class CompletionFormatter:
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         body = self._envelope([], self.object_name)
-        body["usage"] = count_usage(choices)
-        return body
-
-
-class ChatFormatter(CompletionFormatter):
-    """Builds /v1/chat/completions responses and stream chunks for one request."""
-
-    object_name = "chat.completion.chunk"
-
-    def __init__(self, request_id: str, model: str, tok: Tokenizer, want_logprobs: bool, num_choices: int,
-                 want_token_ids: bool = False):
-        super().__init__(request_id, model, tok, want_logprobs, want_token_ids=want_token_ids)
-        self.num_choices = num_choices
-        self._entries: dict[int, list[dict]] = {}
-
-    def stream_start(self) -> list[dict]:
-        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], self.object_name) for i in range(self.num_choices)]
-
-    def chunk(self, event: ChoiceEvent) -> dict:
-        logprobs = None
-        if self.want_logprobs:
-            logprobs = {"content": chat_logprobs_content(self.tok, event.logprobs), "refusal": None}
-        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
-        choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": event.finish_reason}
-        return self._envelope([self._with_ids(choice, event.token_ids)], self.object_name)
-
-    def add(self, event: ChoiceEvent) -> None:
-        self._texts.setdefault(event.choice.index, []).append(event.text)
-        if self.want_logprobs:
-            self._entries.setdefault(event.choice.index, []).extend(
-                chat_logprobs_content(self.tok, event.logprobs))
-
-    def final(self, choices: list[Choice]) -> dict:
-        out = []
-        for c in sorted(choices, key=lambda c: c.index):
-            logprobs = None
-            if self.want_logprobs:
-                logprobs = {"content": self._entries.get(c.index, []), "refusal": None}
-            out.append(self._with_ids({"index": c.index,
-                                       "message": {"role": "assistant", "refusal": None,
-                                                   "content": "".join(self._texts.get(c.index, []))},
-                                       "logprobs": logprobs, "finish_reason": c.finish_reason},
-                                      c.detok.token_ids))
-        body = self._envelope(out, "chat.completion")
         body["usage"] = count_usage(choices)
         return body

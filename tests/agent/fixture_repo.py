@@ -164,7 +164,7 @@ FILES = {
             return BenchSpec(fn=_prefill_with_transfer, make_inputs=_prefill_inputs)
 
 
-        def _matrix(seed):  # tall and narrow: the per-row loop is ~50x a copy, far from the 3x criterion
+        def _matrix(seed):  # tall and narrow: the per-row loop is ~300x a copy, far from the 10x criterion
             return (torch.randn(8192, 128, generator=torch.Generator().manual_seed(seed)),)
 
 
@@ -211,20 +211,23 @@ GOALS = {
     "kernel": '''
         [campaign]
         name = "kernel"
-        goal = "kernel.rowsum must run within 3x the time of copying its input."
+        goal = "kernel.rowsum must run within 10x the time of copying its input."
         providers = ["engine.checks"]
         [evaluation]
         checks = ["transfer", "kernel", "scan.short"]
         benchmarks = ["kernel.rowsum", "kernel.copy"]
         rounds = 2
         repeats = 5
-        min_effect = 0.2  # the planted loop is ~50x; subprocess-to-subprocess drift of a few % is not a gain
+        # the fix is ~100x faster than the planted loop (a 0.99 change): only a 2x gain counts, which no no-op
+        # reaches by drift on a busy machine (A/A noise floors of 30-48% were seen there)
+        min_effect = 0.5
         [[target]]
         metric = "kernel.rowsum"
         direction = "lower"
         [[criterion]]
-        name = "rowsum within 3x of copy"
-        expr = "kernel.rowsum / kernel.copy <= 3"
+        # the loop is ~300x a copy, the fix ~2x: both far from the bound, whatever the load
+        name = "rowsum within 10x of copy"
+        expr = "kernel.rowsum / kernel.copy <= 10"
         [guardrails]
         editable = ["engine/**"]
         read_only = ["goals/**"]

@@ -35,7 +35,7 @@ def test_kernel_campaign(repo, api_key, listener, tmp_path, capsys):
         [("new_candidate", {"hypothesis": "len() is cheaper than shape[0]"}), _edit("c3", fixes["noop"]),
          ("submit_candidate", {"candidate": "c3"})],
         [("new_candidate", {"hypothesis": "relax the goal"}),
-         ("edit_file", {"candidate": "c4", "path": "goals/kernel.toml", "old_text": "<= 3", "new_text": "<= 300"}),
+         ("edit_file", {"candidate": "c4", "path": "goals/kernel.toml", "old_text": "<= 10", "new_text": "<= 1000"}),
          ("write_file", {"candidate": "c4", "path": "engine/checks.py", "content": "# no checks\n"}),
          ("apply_patch", {"candidate": "c4", "patch": "--- a/goals/kernel.toml\n+++ b/goals/kernel.toml\n"
                           "@@ -1 +1 @@\n-[campaign]\n+[campaign] \n"}),

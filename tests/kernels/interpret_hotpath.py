@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import checks as cases
+from flashinfra.kernels import check_cases as cases
 from tests.kernels import model_cases
 
 
@@ -69,6 +69,7 @@ def test_each_layer_as_accurate_as_the_references():
 
 
 def test_registered_checks_pass():
+    import flashinfra.kernels.checks  # noqa: F401  (registers them)
     from flashinfra.feedback.registry import checks
 
     for name in ("hotpath.norms", "hotpath.mhc", "hotpath.moe", "hotpath.dsa_select", "hotpath.sparse_mla"):

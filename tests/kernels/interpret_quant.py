@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import checks as hotpath
+from flashinfra.kernels import check_cases as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 

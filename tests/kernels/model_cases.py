@@ -1,6 +1,6 @@
 """Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
 layer's accuracy with the kernels against the references, and a quantized model's logits with the 8-bit kernels
-against the references. The kernel cases live in ``flashinfra.kernels.checks`` and
+against the references. The kernel cases live in ``flashinfra.kernels.check_cases`` and
 ``flashinfra.kernels.quant.check_cases``."""
 
 from __future__ import annotations
@@ -98,24 +98,6 @@ def layerwise(device: str, dtype: str, hi_dtype: torch.dtype, factor: float, flo
     return errors
 
 
-def _prefill_decode(model, prompts: list[list[int]], steps: int, bs: int = 16):
-    """Packed prefill, then ``steps`` decode steps fed the argmax; -> every step's logits."""
-    from flashinfra.model.forward_batch import ForwardBatch
-
-    dev = model.device
-    need = [-(-(len(p) + steps) // bs) for p in prompts]
-    tables = [list(range(sum(need[:i]), sum(need[:i + 1])))[::-1] for i in range(len(prompts))]
-    cache = model.allocate_cache(sum(need), bs, len(prompts) + 1)
-    slots = list(range(len(prompts), 0, -1))
-    batch = ForwardBatch.build([len(p) for p in prompts], [0] * len(prompts), slots, tables, bs, dev)
-    hidden = model.forward(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache)
-    logits = [model.compute_logits(hidden[torch.tensor(batch.last_token_indices, device=dev)])]
-    for i in range(steps):
-        batch = ForwardBatch.build([1] * len(prompts), [len(p) + i for p in prompts], slots, tables, bs, dev)
-        logits.append(model.compute_logits(model.forward(logits[-1].argmax(-1), batch, cache)))
-    return logits
-
-
 def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
                                          dtype="float32", steps: int = 3, atol=None, kda_state_dtype="float32"):
     """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
@@ -141,9 +123,9 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
 
         monkeypatch.setattr(quant_cache, "quant_fp8_per_group", quant_fp8_per_group_ref)
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: True)
-    ref = _prefill_decode(model, prompts, steps)
+    ref = batched_greedy(model, prompts, steps + 1)[1]
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
-    out = _prefill_decode(model, prompts, steps)
+    out = batched_greedy(model, prompts, steps + 1)[1]
     if atol is None:
         atol = 2e-3 if device == "cpu" else 2e-2
     assert_passed([compare(f"quantized model ({quantization}, {kv_cache_dtype} cache, {kda_state_dtype} KDA state) "

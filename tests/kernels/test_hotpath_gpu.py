@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import checks as cases
+from flashinfra.kernels import check_cases as cases
 from tests.kernels import model_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

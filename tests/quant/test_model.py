@@ -17,7 +17,7 @@ from flashinfra.model.api import load_model
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.factory import default_model_dir, write_tiny_checkpoint
 from flashinfra.quant.cache import CacheDtypeError, CacheSpec, tokens_per_gib
-from flashinfra.quant.model import QuantizationError, quantized_weights
+from flashinfra.quant.model import QuantizationError, quantized_weights, shared_is_stacked
 from flashinfra.quant.weights import QuantizedWeight, quantize_fp8_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,20 @@ def test_weight_modes_close_to_the_unquantized_model(base_logits, mode, max_rel,
     assert not isinstance(m.model.lm_head, QuantizedWeight) and m.model.layers[1].mlp.router_weight.dtype == torch.float32
     out = m.logits(PROMPTS)
     assert rel(out, base_logits) < max_rel and agree(out, base_logits) >= min_agree
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "fp8"])
+def test_shared_expert_stored_once_with_the_routed_experts(mode):
+    """A quantized MoE's shared expert is the stacked weights' last expert: views, no second copy."""
+    m = load_model(default_model_dir(), quantization=mode).model
+    moes = [layer.mlp for layer in m.layers if isinstance(getattr(layer.mlp, "w13", None), QuantizedWeight)]
+    assert moes
+    for moe in moes:
+        for shared, stacked in ((moe.shared.gate_up_proj, moe.w13), (moe.shared.down_proj, moe.w2)):
+            assert shared_is_stacked(stacked, shared)
+            for part in ("data", "scale"):
+                a, b = getattr(shared, part), getattr(stacked, part)
+                assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("kv,layers,max_rel", [("bfloat16", None, 1e-3), ("int8", None, 5e-3), ("fp8", None, 0.02),

@@ -68,11 +68,11 @@ def test_any_token_grouping(tok, name, steps):
 
 
 def test_formatter_message_and_stream_shapes(tok):
-    from flashinfra.server.chat_output import ParsedChatFormatter
+    from flashinfra.server.chat_output import ChatFormatter
     from flashinfra.server.serving import Choice, ChoiceEvent
     from flashinfra.engine.sched.messages import SamplingParams
 
-    fmt = ParsedChatFormatter("id", "m", tok, False, 1, think_open=True, tools=WEATHER_TOOLS, tools_enabled=True)
+    fmt = ChatFormatter("id", "m", tok, False, 1, think_open=True, tools=WEATHER_TOOLS, tools_enabled=True)
     choice = Choice(0, "r", [1], SamplingParams(), IncrementalDetokenizer(tok, [1]))
     chunks = [fmt.chunk(ChoiceEvent(choice, "why</thi")), fmt.chunk(ChoiceEvent(choice, "nk><tool_call>now</tool_"))]
     choice.finish_reason = "stop"
@@ -83,7 +83,7 @@ def test_formatter_message_and_stream_shapes(tok):
     call = deltas[2]["tool_calls"][0]
     assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "now", "arguments": "{}"})
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    final = ParsedChatFormatter("id", "m", tok, False, 1, think_open=True, tools=WEATHER_TOOLS, tools_enabled=True)
+    final = ChatFormatter("id", "m", tok, False, 1, think_open=True, tools=WEATHER_TOOLS, tools_enabled=True)
     final.add(ChoiceEvent(choice, "why</think><tool_call>now</tool_call>", finish_reason="stop"))
     body = final.final([choice])["choices"][0]
     assert body["finish_reason"] == "tool_calls"

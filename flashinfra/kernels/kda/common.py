@@ -49,6 +49,24 @@ def conv_slot(conv_state, slot, H: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
+def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
+    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
+    b_s = b_s * b_decay[:, None]
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], 0)
+
+
+@triton.jit
+def state_step_store(b_s, b_q, b_k, b_decay, b_beta, b_v, o_row, o_v, m_v):
+    """``state_step`` with its output stored at ``o_row + o_v``, rounded to the output's dtype, unnormalised: the
+    decode's and the verify's per-token epilogue. Returns the new block."""
+    b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
+    tl.store(o_row + o_v, b_o.to(o_row.dtype.element_ty), mask=m_v)
+    return b_s
+
+
+@triton.jit
 def chunk_rows(cu_seqlens, chunk_indices, i_c, t_sub):
     """First row (absolute) of sub-block t_sub of chunk i_c, and the number of its sequence's rows left
     from there."""

@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.dispatch import is_deterministic, register_cap, use_triton
-from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_tile
+from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_step_store, state_tile
 from flashinfra.kernels.kda.decode_prep import norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda.ref import kda_layer_decode_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
@@ -133,15 +133,6 @@ def store_state(p, b_s, m, MASKED: tl.constexpr = True):
 
 
 @triton.jit
-def state_step(b_s, b_q, b_k, b_decay, b_beta, b_v):
-    """One delta-rule step on a [K, BV] state block: the new block and its [BV] output."""
-    b_s = b_s * b_decay[:, None]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    return b_s, tl.sum(b_s * b_q[:, None], 0)
-
-
-@triton.jit
 def gate_apply(b_y, gate_row, norm_w, o_v, m_v):
     """The gated RMSNorm's last step on a normalised output block at columns ``o_v``: times the norm weight and
     sigmoid(gate)."""
@@ -193,8 +184,7 @@ def kda_layer_decode_block_kernel(
                                                 scale, H, K, W, BW, HAS_LOWER_BOUND)
     b_v = conv_silu(x_row, conv_w, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W)
     b_shift = conv_shift_load(x_row, cs_slot, 2 * H * K + i_h * V + o_v, m_v, W, BW)
-    b_s, b_o = state_step(b_s, b_q, b_k, b_decay, b_beta, b_v)
-    tl.store(out + i_bh * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    b_s = state_step_store(b_s, b_q, b_k, b_decay, b_beta, b_v, out + i_bh * V, o_v, m_v)
     store_state(p_s, b_s, m_s, not EVEN)
     tl.debug_barrier()  # every thread's reads of the v channels' slot are done
     conv_shift_store(cs_slot, 2 * H * K + i_h * V + o_v, m_v, b_shift, W, BW)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.common import conv_slot, state_tile
-from flashinfra.kernels.kda.decode import head_qk_norm, state_step
+from flashinfra.kernels.kda.common import conv_slot, state_step, state_tile
+from flashinfra.kernels.kda.decode import head_qk_norm
 from flashinfra.kernels.kda.verify import BV_VERIFY, VERIFY_WARPS
 
 BC_FOLD = 128  # channels per conv-shift program

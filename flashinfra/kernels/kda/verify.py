@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.kda.common import conv_slot, state_tile
-from flashinfra.kernels.kda.decode import gated_norm, head_gate_beta, head_qk_norm, state_step
+from flashinfra.kernels.kda.common import conv_slot, state_step_store, state_tile
+from flashinfra.kernels.kda.decode import gated_norm, head_gate_beta, head_qk_norm
 
 # the decode kernel's single-sequence block layout: [K, 32] state blocks on 2 warps
 BV_VERIFY, VERIFY_WARPS, NORM_WARPS = 32, 2, 4
@@ -87,9 +87,8 @@ def kda_layer_verify_kernel(
             tl.store(ring_g + (e * H + i_h) * K + o_k, b_g, mask=m_k)
             tl.store(ring_beta + e * H + i_h, b_beta)
         b_q, b_k = head_qk_norm(b_q, b_k, scale)
-        b_s, b_o = state_step(b_s, b_q, b_k, tl.exp(b_g), b_beta, b_v)
+        b_s = state_step_store(b_s, b_q, b_k, tl.exp(b_g), b_beta, b_v, out + (t * H + i_h) * V, o_v, m_v)
         b_s = b_s.to(state.dtype.element_ty).to(tl.float32)  # the decode kernel's store and reload
-        tl.store(out + (t * H + i_h) * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
