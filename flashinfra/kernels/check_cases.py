@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
-from flashinfra.kernels import fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels.dsa_pool_keys import write_pool_keys_launch
 from flashinfra.kernels.moe_align import moe_align as align
 
 
@@ -181,8 +182,6 @@ def dsa_select(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpoo
     codes, scale = cache, None
     if fp8:
         codes, scale, cache = quantized_cache(cache, "fp8", Di)
-    from flashinfra.kernels.dsa_indexer_cases import select_over_entries
-
     sel = select_over_entries(codes, scale, ix.pool_ape, q, w, tables, lens, token_seq, positions, kpool, topk)
     at, differ, unexplained = 0, 0, []
     for b, (c, n) in enumerate(zip(ctx, qlens)):
@@ -261,3 +260,19 @@ def sparse_mla(device: str, ctx: list[int], qlens: list[int], H=4, R=32, bs=4, S
     return [compare(f"sparse_mla.{cache}_cache", out, ref, **tol(dtype)),
             _verdict(f"sparse_mla.{cache}_cache_error", err < CACHE_REL[cache],
                      f"{err:.4f} from attention over the unquantized latent (bound {CACHE_REL[cache]:g})")]
+
+
+def slots_of(tables: torch.Tensor, b: int, start: int, end: int, bs: int) -> torch.Tensor:
+    """Flat cache slots of positions ``start .. end - 1`` of sequence ``b``."""
+    pos = torch.arange(start, end, device=tables.device)
+    return tables[b].long()[pos // bs] * bs + pos % bs
+
+
+def select_over_entries(codes, scale, ape, q, w, tables, lens, token_seq, positions, kpool, topk):
+    """``dsa_select`` over an entry cache already holding ``lens[b]`` entries per sequence: every complete pool's
+    key written first (by the kernel, into a cache poisoned with NaN)."""
+    bs = codes.shape[1]
+    pool_keys = poison_(torch.empty(codes.shape[0], bs // kpool, ape.shape[1], dtype=q.dtype, device=q.device))
+    slots = torch.cat([slots_of(tables, b, 0, n, bs) for b, n in enumerate(lens)])
+    write_pool_keys_launch(codes, scale, ape, slots, pool_keys)
+    return dsa_indexer.dsa_select(pool_keys, q, w, tables, token_seq, positions, kpool, topk, True)

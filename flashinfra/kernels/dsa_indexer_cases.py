@@ -26,26 +26,11 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer
-from flashinfra.kernels.check_cases import _d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd, tol
+from flashinfra.kernels.check_cases import (_d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd,
+                                             select_over_entries, slots_of, tol)
 from flashinfra.kernels.checks import HI, DI, KPOOL, _dsa_bench, _registered
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
-
-
-def slots_of(tables: torch.Tensor, b: int, start: int, end: int, bs: int) -> torch.Tensor:
-    """Flat cache slots of positions ``start .. end - 1`` of sequence ``b``."""
-    pos = torch.arange(start, end, device=tables.device)
-    return tables[b].long()[pos // bs] * bs + pos % bs
-
-
-def select_over_entries(codes, scale, ape, q, w, tables, lens, token_seq, positions, kpool, topk):
-    """``dsa_select`` over an entry cache already holding ``lens[b]`` entries per sequence: every complete pool's
-    key written first (by the kernel, into a cache poisoned with NaN)."""
-    bs = codes.shape[1]
-    pool_keys = poison_(torch.empty(codes.shape[0], bs // kpool, ape.shape[1], dtype=q.dtype, device=q.device))
-    slots = torch.cat([slots_of(tables, b, 0, n, bs) for b, n in enumerate(lens)])
-    write_pool_keys_launch(codes, scale, ape, slots, pool_keys)
-    return dsa_indexer.dsa_select(pool_keys, q, w, tables, token_seq, positions, kpool, topk, True)
 
 
 def _pools_of(flat: torch.Tensor, scale, slots: torch.Tensor, kpool: int, ape, dtype) -> torch.Tensor:
