@@ -31,7 +31,7 @@ def run_echo_engine(input_address: str, output_address: str, step_s: float, max_
     """Engine process entry point: one token per running request per step, ``step_s`` per step."""
     import zmq
 
-    from flashinfra.engine.sched.messages import (AbortRequest, EngineOutputs, EngineReady, EngineRequest,
+    from flashinfra.engine.sched.messages import (AbortRequest, EngineOutputs, EngineReady, EngineRequests,
                                                   EngineStats, RequestOutput, Shutdown, decode_server_message,
                                                   encode)
 
@@ -51,9 +51,10 @@ def run_echo_engine(input_address: str, output_address: str, step_s: float, max_
             if isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     running.pop(rid, None)
-            elif isinstance(msg, EngineRequest):
-                running[msg.request_id] = [msg.sampling.max_tokens, msg.prompt_token_ids[-1] % span,
-                                           len(msg.prompt_token_ids)]
+            else:
+                for req in msg.with_media() if isinstance(msg, EngineRequests) else [msg]:
+                    running[req.request_id] = [req.sampling.max_tokens, req.prompt_token_ids[-1] % span,
+                                               len(req.prompt_token_ids)]
         if not running:
             continue
         time.sleep(step_s)
