@@ -10,7 +10,7 @@ drafts verified at position j (the engine's ``Speculator`` counters). State byte
 layers, ``replay_bytes_per_slot`` (checkpoint + conv window + ring of k + 1) against
 ``copy_bytes_per_slot`` (a state and conv window per verified token).
 
-The checkpoint needs an MTP layer (``layers.N.*``); the built-in default model has none yet. ``--smoke``
+The checkpoint needs an MTP layer (``layers.N.*``); the built-in default model has one. ``--smoke``
 writes a tiny random checkpoint with one and runs CPU float32 at small sizes (the script's own test;
 its timings mean nothing).
 
