@@ -3,6 +3,8 @@ tower on the kernel path, beside the cases of ``flashinfra.kernels.checks``.
 
 - ``qk_norm_rope``: q/k normalised and rotated, v moved, into poisoned ``[S, H, L, hd]`` outputs, against the
   reference computed in float64 (v bit for bit).
+- ``add_rms_norm``: the residual add and the RMSNorm of the sum in one kernel, poisoned outputs, against
+  float64 (the sum bit for bit against the reference's add).
 - ``clamped_swiglu``: gate|up with values beyond the limit, poisoned output, against float64.
 - ``vision_tower``: a tiny tower (random weights, float32) on the kernel path against the same tower on the
   reference path, frames of one size (the fused attention prologue) and of mixed sizes.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
-from flashinfra.kernels import swiglu
+from flashinfra.kernels import norms, swiglu
 from flashinfra.kernels.checks import _d, _gen, _registered, rnd, tol
 from flashinfra.kernels.dispatch import kernel_path
 from flashinfra.kernels.qk_norm_rope import qk_norm_rope_launch, qk_norm_rope_ref
@@ -43,6 +45,17 @@ def qk_norm_rope(device: str, S: int, L: int, H: int, hd: int, dtype=torch.float
                for n, o, r in zip("qk", outs, ref)]
     results.append(compare("hotpath.vision.qk_norm_rope.v", outs[2], _sdpa_layout(qkv[:, 2], L), atol=0, rtol=0))
     return results
+
+
+def add_rms_norm(device: str, T: int, D: int, dtype=torch.float32, seed=0) -> list[CheckResult]:
+    gen = _gen(device, seed)
+    x, r = (rnd(T, D, device=device, gen=gen, dtype=dtype) for _ in range(2))
+    w = rnd(D, device=device, gen=gen, dtype=dtype)
+    s, y = (poison_(torch.empty_like(x)) for _ in range(2))
+    norms.add_rms_norm_launch(x, r, w, 1e-5, out=(s, y))
+    ref_s, ref_y = norms.add_rms_norm_ref(_d(x), _d(r), _d(w), 1e-5)
+    return [compare("hotpath.vision.add_rms_norm.sum", s, x + r, atol=0, rtol=0),
+            compare("hotpath.vision.add_rms_norm.norm", y, ref_y, **tol(dtype))]
 
 
 def clamped_swiglu(device: str, T: int, I: int, limit=10.0, dtype=torch.float32, seed=0) -> list[CheckResult]:
@@ -81,6 +94,7 @@ def vision_tower(device: str, grids, dtype=torch.float32, seed=0) -> list[CheckR
 def _vision(dev, act, seed):
     if dev == "cuda":
         return (qk_norm_rope(dev, 5, 196, 16, 64, dtype=act, seed=seed)
-                + clamped_swiglu(dev, 37, 4096, dtype=act, seed=seed))
-    return (qk_norm_rope(dev, 3, 7, 2, 8, seed=seed) + clamped_swiglu(dev, 5, 40, seed=seed)
+                + add_rms_norm(dev, 63, 1024, dtype=act, seed=seed) + clamped_swiglu(dev, 37, 4096, dtype=act, seed=seed))
+    return (qk_norm_rope(dev, 3, 7, 2, 8, seed=seed) + add_rms_norm(dev, 7, 100, seed=seed)
+            + clamped_swiglu(dev, 5, 40, seed=seed)
             + vision_tower(dev, [(1, 4, 4), (1, 4, 4)], seed=seed))

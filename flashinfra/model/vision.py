@@ -142,6 +142,10 @@ class _Block(nn.Module):
         self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size, cfg.attention_bias, cfg.hidden_act, cfg.swiglu_limit)
 
     def forward(self, x, cos, sin, segments):
+        if use_triton(x):  # the residual add written by the norm kernel that reads it
+            x, h = norms.add_rms_norm_launch(x, self.attn(self.norm1(x), cos, sin, segments), self.norm2.weight,
+                                             self.norm2.eps)
+            return x + self.mlp(h)
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 

@@ -26,3 +26,8 @@ def test_registered_check_passes():
     from flashinfra.feedback.registry import checks
 
     assert_passed(checks()["hotpath.vision"].fn())
+
+
+@pytest.mark.parametrize("T,D", [(7, 100), (18, 64)])
+def test_add_rms_norm(T, D):
+    assert_passed(cases.add_rms_norm("cpu", T, D, seed=T))
