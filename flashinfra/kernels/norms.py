@@ -115,9 +115,7 @@ def add_rms_norm_launch(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
     if r.shape != x.shape or r.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: r {tuple(r.shape)} {r.dtype} != x {tuple(x.shape)} {x.dtype}")
     x2, r2 = _rows(x, D, "add_rms_norm"), r.reshape(-1, D).contiguous()
-    s, y = out or (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
-    if any(t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() for t in (s, y)):
-        raise ValueError(f"add_rms_norm: out must be contiguous {tuple(x.shape)} {x.dtype}")
+    s, y = (_output(x, o, "add_rms_norm") for o in (out or (None, None)))
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)

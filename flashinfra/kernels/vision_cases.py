@@ -18,7 +18,8 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import norms, swiglu
-from flashinfra.kernels.checks import _d, _gen, _registered, rnd, tol
+from flashinfra.kernels.check_cases import _d, _gen, rnd, tol
+from flashinfra.kernels.checks import _registered
 from flashinfra.kernels.dispatch import kernel_path
 from flashinfra.kernels.qk_norm_rope import qk_norm_rope_launch, qk_norm_rope_ref
 
