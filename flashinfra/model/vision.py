@@ -33,13 +33,6 @@ ROPE_CACHE_SIZE = 64  # frame shapes whose rotary tables are kept
 _ACTS = {"silu": F.silu, "gelu": F.gelu}
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
 class _RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +40,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
-            return norms.rms_norm_launch(x, self.weight, self.eps)
-        return _rms_norm(x, self.weight, self.eps)
+        return norms.rms_norm(x, self.weight, self.eps)  # the reference is the tower's (and transformers') norm
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, act, limit: float) -> torch.Tensor:
