@@ -1,6 +1,8 @@
 """RMSNorm flavours of GLM-5.3-Flash: references and fused Triton kernels.
 
 - ``rms_norm``: normalise in float32, cast back, then scale by the weight (in the input dtype).
+- ``add_rms_norm``: the residual add ``x + r`` (in the input dtype) and ``rms_norm`` of the sum, both returned,
+  in one pass (the sum is written where the norm reads it).
 - ``gated_rms_norm``: the KDA output norm, entirely in float32, times ``sigmoid(gate)``, cast back.
 - ``unweighted_rms_norm``: the mHC input norm (no weight); its fused form lives in ``mhc.py``.
 
@@ -35,13 +37,24 @@ def unweighted_rms_norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float):
+    s = x + r
+    return s, rms_norm_ref(s, weight, eps)
+
+
 @triton.jit
-def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, BT: tl.constexpr, BD: tl.constexpr):
+def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, BT: tl.constexpr, BD: tl.constexpr,
+                    HAS_RES: tl.constexpr):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
     m = (o_t < N)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m, other=0.0)
+    if HAS_RES:  # r and s are contiguous [N, D]; the sum rounds to the input dtype as the reference's add does
+        p_rs = o_t[:, None].to(tl.int64) * D + o_d[None, :]
+        b_x = (b_x.to(tl.float32) + tl.load(r + p_rs, mask=m, other=0.0).to(tl.float32)).to(s.dtype.element_ty)
+        tl.store(s + p_rs, b_x, mask=m)
+    b_x = b_x.to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_n = (b_x * b_r[:, None]).to(y.dtype.element_ty)  # the reference rounds here
     b_w = tl.load(w + o_d, mask=o_d < D, other=0.0)
@@ -91,9 +104,24 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, BT=BT, BD=BD,
-                                                     num_warps=4 if BD <= 2048 else 8)
+        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, BT=BT, BD=BD,
+                                                     HAS_RES=False, num_warps=4 if BD <= 2048 else 8)
     return y
+
+
+def add_rms_norm_launch(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, out=None):
+    """-> (x + r, rms_norm(x + r)), both contiguous like ``x`` (``out``: the two tensors to write into)."""
+    D = weight.shape[0]
+    if r.shape != x.shape or r.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: r {tuple(r.shape)} {r.dtype} != x {tuple(x.shape)} {x.dtype}")
+    x2, r2 = _rows(x, D, "add_rms_norm"), r.reshape(-1, D).contiguous()
+    s, y = (_output(x, o, "add_rms_norm") for o in (out or (None, None)))
+    N = x2.shape[0]
+    if N:
+        BD, BT = _block_rows(D)
+        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, BT=BT, BD=BD,
+                                                     HAS_RES=True, num_warps=4 if BD <= 2048 else 8)
+    return s, y
 
 
 def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -8,6 +8,11 @@ one ``[t * h * w / m^2, out_hidden]`` embedding per item (the rows the language 
 take). Each frame attends within itself (transformers' ``cu_seqlens`` per frame); frames of equal size
 run as one batched ``scaled_dot_product_attention`` call.
 
+On the kernel path (``kernels.dispatch.use_triton``) the elementwise work runs fused: the Triton RMSNorm, the
+q/k norm + RoPE + attention layout in one kernel (``kernels.qk_norm_rope``, frames of one size), and the clamped
+SwiGLU over one gate|up GEMM (``kernels.swiglu``; the concatenated weight is made at load, the checkpoint keeps
+the release names). The float32 PyTorch path stays the exactness reference.
+
 What it leaves out: preprocessing (pixels -> patches) and where embeddings go in the prompt.
 """
 
@@ -18,18 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import VisionConfig
+from flashinfra.kernels import norms, swiglu
+from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.qk_norm_rope import qk_norm_rope_launch
 from flashinfra.model.loader import CheckpointError, TensorSource
 
 PREFIX = "model.visual."
 ROPE_CACHE_SIZE = 64  # frame shapes whose rotary tables are kept
 _ACTS = {"silu": F.silu, "gelu": F.gelu}
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
 
 
 class _RMSNorm(nn.Module):
@@ -39,7 +40,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return norms.rms_norm(x, self.weight, self.eps)  # the reference is the tower's (and transformers') norm
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, act, limit: float) -> torch.Tensor:
@@ -53,8 +54,26 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(dim, inner, bias=bias)
         self.down_proj = nn.Linear(inner, dim, bias=bias)
         self.act, self.limit = _ACTS[act], limit
+        self.fused_act = act == "silu"  # the kernel's activation
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * inner, dim], made by fuse()
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One [2 * inner, dim] weight for one gate|up GEMM (after the release-named weights are loaded); the
+        gate and up parameters become views of its halves, so no weight is held twice."""
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_proj.weight.data, self.up_proj.weight.data = self.gate_up_weight.chunk(2)
+        if self.gate_proj.bias is not None:
+            self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
+            self.gate_proj.bias.data, self.up_proj.bias.data = self.gate_up_bias.chunk(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act and use_triton(x):
+            if self.gate_up_weight is None:
+                self.fuse()
+            return self.down_proj(swiglu.clamped_swiglu_launch(
+                F.linear(x, self.gate_up_weight, self.gate_up_bias), self.limit))
         return self.down_proj(_clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.act, self.limit))
 
 
@@ -71,6 +90,12 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: list[tuple[int, list[int]]]) -> torch.Tensor:
         N = x.shape[0]
+        if len(segments) == 1 and len(segments[0][1]) * segments[0][0] == N and use_triton(x):
+            qkv = self.qkv(x).view(N, 3, self.num_heads, self.head_dim)
+            q, k, v = qk_norm_rope_launch(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                          self.q_norm.eps, segments[0][0])  # [S, H, L, hd] each
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            return self.proj(out.reshape(N, -1))
         q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, hd] each
         q, k = _rope(self.q_norm(q), cos, sin), _rope(self.k_norm(k), cos, sin)
         if len(segments) == 1 and len(segments[0][1]) * segments[0][0] == N:  # frames of one size: views
@@ -108,6 +133,10 @@ class _Block(nn.Module):
         self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size, cfg.attention_bias, cfg.hidden_act, cfg.swiglu_limit)
 
     def forward(self, x, cos, sin, segments):
+        if use_triton(x):  # the residual add written by the norm kernel that reads it
+            x, h = norms.add_rms_norm_launch(x, self.attn(self.norm1(x), cos, sin, segments), self.norm2.weight,
+                                             self.norm2.eps)
+            return x + self.mlp(h)
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -225,4 +254,6 @@ def load_vision_weights(tower: VisionTower, source: TensorSource) -> int:
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(source.get(PREFIX + n))
+    for block in tower.blocks:
+        block.mlp.fuse()
     return len(params)
