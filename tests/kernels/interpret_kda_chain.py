@@ -70,7 +70,7 @@ def test_segments_chained_equal_one_pass():
     s0 = torch.randn(H, K, K, generator=torch.Generator().manual_seed(7))
     state = s0[None].clone()
     want = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, state, [0, T], [0], [True])
-    got, final = kda_context_prefill(Comm(1), split_prompt(T, 1, zigzag=True), 0, q, k, v, g_raw, beta_logits, A_log,
+    got, final, _ = kda_context_prefill(Comm(1), split_prompt(T, 1, zigzag=True), 0, q, k, v, g_raw, beta_logits, A_log,
                                      dt_bias, lower_bound, s0)
     assert cases.rel_error(got, want) < 1e-5
     assert cases.rel_error(final, state[0]) < 1e-5

@@ -158,10 +158,10 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
 
     for module in (glm5_next, mla):
         monkeypatch.setattr(module, "rms_norm_for", counted)
-    fused = _prefill_decode(model, prompts, 2)
+    fused = batched_greedy(model, prompts, 3)[1]
     assert calls and all(calls), "every norm before a projection (MoE included) feeds a W8A8 one"
     for module in (glm5_next, mla):
         monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
-    unfused = _prefill_decode(model, prompts, 2)
+    unfused = batched_greedy(model, prompts, 3)[1]
     for step, (a, b) in enumerate(zip(fused, unfused)):
         assert torch.equal(a, b), f"step {step}: max difference {float((a - b).abs().max()):.3g}"
