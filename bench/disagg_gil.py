@@ -5,9 +5,10 @@
   ``EngineCore`` (the built-in model, or ``--model``) computing a ``--tokens``-token prompt.
 - bad transfer: a binding that keeps the GIL during its blocking wait (``ctypes.PyDLL`` usleep, as a
   C extension that forgets Py_BEGIN_ALLOW_THREADS would); the GIL probe finds it with its stack.
-- fixed transfer: the engines' own path, ``flashinfra.disagg.transport`` (a sender thread packing a
-  request's pages and KDA slot, pyzmq multipart with copy=False, a receiver thread, acks), moving
-  ``--mbytes`` per transfer, two at a time, for as long as the prefill runs.
+- fixed transfer: the engines' own paths, moving ``--mbytes`` per transfer, two at a time, for as long as the
+  prefill runs: ``flashinfra.disagg.transport`` (a sender thread packing a request's pages, pyzmq multipart
+  with copy=False, a receiver thread, acks) and ``flashinfra.disagg.ipc`` (the receiver's reader thread
+  copying the pages from the sender's cache in shared memory).
 
 The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
 best time alone, in one process: what the transfer threads cost the engine loop (GIL hand-offs and CPU),
@@ -30,7 +31,7 @@ import time
 
 import torch
 
-from flashinfra.disagg.layout import RequestState, describe, pack_request_state
+from flashinfra.disagg.layout import RequestPages, RequestState, describe, pack_request_state
 from flashinfra.disagg.transport import StateReceiver, StateSender
 from flashinfra.feedback.gil_probe import GilProbe
 from flashinfra.model.cache import ModelCache
@@ -54,21 +55,38 @@ def gil_holding_transfer(stop: threading.Event) -> None:
         _libc.usleep(20000)  # "waiting on the transport" while keeping the GIL
 
 
-def zmq_transfer(stop: threading.Event, mbytes: int) -> int:
-    """Move one request state of ``mbytes`` (one block of one paged tensor) back and forth until ``stop``.
-    The receiving side acknowledges from this thread, as the decode engine's loop would."""
-    block = mbytes << 20
-    cache = ModelCache(block_size=1, num_blocks=2, num_slots=1, mla_latent={0: torch.zeros(2, 1, block, dtype=torch.uint8)},
-                       indexer_keys={}, conv_state={}, recurrent_state={})
-    layout = describe(cache, "bench", "bench")
-    rx, tx = StateReceiver(layout), StateSender(layout)
-    acked, i = 0, 0
+def state_transfer(stop: threading.Event, mbytes: int, backend: str) -> int:
+    """Move one request state of ``mbytes`` (one block of one paged tensor) from a sender's cache to a
+    receiver's until ``stop``: as frames (``zmq``), or copied from the sender's cache in shared memory by the
+    receiver's reader thread (``ipc``). The receiving side acknowledges from this thread, as the decode
+    engine's loop would."""
+    from flashinfra.disagg.ipc import IpcReceiver, IpcSender
+
+    def cache():
+        return ModelCache(block_size=1, num_blocks=2, num_slots=1, indexer_keys={}, conv_state={},
+                          recurrent_state={}, mla_latent={0: torch.zeros(2, 1, mbytes << 20, dtype=torch.uint8)})
+
+    src, dst = cache(), cache()
+    layout = describe(src, "bench", "bench")
+    if backend == "ipc":
+        rx, tx = IpcReceiver(layout, dst), IpcSender(layout, src)
+    else:
+        rx, tx = StateReceiver(layout), StateSender(layout)
+    acked, i, arrived = 0, 0, {}
     while not stop.is_set():
         if tx.num_outstanding < 2:
-            tx.send(rx.address, RequestState(str(i), 1, 1, 0), functools.partial(pack_request_state, cache, [i % 2], None))
+            pages = (RequestPages(src, [i % 2], None) if backend == "ipc"
+                     else functools.partial(pack_request_state, src, [i % 2], None))
+            tx.send(rx.address, RequestState(str(i), 1, 1, 0), pages)
             i += 1
         for arrival in rx.poll():
-            rx.ack(arrival.peer, arrival.state.request_id)
+            if backend == "ipc":
+                arrived[arrival.state.request_id] = arrival
+                rx.read(arrival, dst, [int(arrival.state.request_id) % 2], None)
+            else:
+                rx.ack(arrival.peer, arrival.state.request_id)
+        for tid, _ in rx.poll_reads() if backend == "ipc" else []:
+            rx.ack(arrived.pop(tid).peer, tid)
         acked += len(tx.poll())
         time.sleep(0.002)
     tx.close()
@@ -132,8 +150,13 @@ def main() -> None:
     run_prefill()  # warm up
     alone, _ = measure(args, run_prefill)
     bad, bad_probe = measure(args, run_prefill, gil_holding_transfer)
-    moved = {}
-    good, good_probe = measure(args, run_prefill, lambda stop: moved.__setitem__("n", zmq_transfer(stop, args.mbytes)))
+    moved, transfers = {}, {}
+    for backend in ("zmq", "ipc"):
+        t, probe = measure(args, run_prefill,
+                           lambda stop, b=backend: moved.__setitem__(b, state_transfer(stop, args.mbytes, b)))
+        transfers[f"{backend}_transfer"] = {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
+                                            "max_stall_s": probe.max_s, "transfers_acked": moved.get(backend, 0),
+                                            "mbytes_each": args.mbytes}
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe.stalls else []
     result = {
         "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
@@ -144,9 +167,7 @@ def main() -> None:
         "prefill_alone_s": alone,
         "gil_holding_transfer": {"prefill_s": bad, "ratio": bad / alone, "stalls": bad_probe.count,
                                  "max_stall_s": bad_probe.max_s, "culprit": culprit[:6]},
-        "zmq_transfer": {"prefill_s": good, "ratio": good / alone, "stalls": good_probe.count,
-                         "max_stall_s": good_probe.max_s, "transfers_acked": moved.get("n", 0),
-                         "mbytes_each": args.mbytes},
+        **transfers,
     }
     text = json.dumps(result, indent=2)
     print(text)

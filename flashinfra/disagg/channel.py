@@ -26,6 +26,8 @@ HEARTBEAT_TIMEOUT_MS = 5000
 
 class Hello(msgspec.Struct, tag="hello"):
     layout: CacheLayout
+    backend: str = "zmq"  # how the peer moves bytes (``--transfer-backend``): both sides must use the same
+    extra: bytes = b""  # what the backend adds to the handshake (``disagg.ipc``: the sender's shared cache)
 
 
 class Reply(msgspec.Struct, tag="reply"):
@@ -72,6 +74,8 @@ class HandshakeServer:
     from accepted peers go to ``_handle``, those from a peer without a handshake (this side restarted) get
     ``_refuse``'s answer. Subclasses set their state up, then call ``__init__`` (which starts the thread)."""
 
+    backend = "zmq"  # the ``Hello.backend`` this side accepts
+
     def __init__(self, layout: CacheLayout, address: str, decode: Callable[[bytes], object], name: str) -> None:
         self.layout = layout
         self._ctx = zmq.Context.instance()
@@ -84,6 +88,10 @@ class HandshakeServer:
 
     def _on_wake(self) -> None:
         """Runs on the thread whenever it wakes, before the messages are read."""
+
+    def _accept(self, peer: bytes, hello: Hello) -> None:
+        """Runs on the thread for a peer whose layout matches, before it is answered; ``LayoutMismatch``
+        refuses it with its message."""
 
     def _refuse(self, msg) -> list:
         raise NotImplementedError
@@ -112,7 +120,11 @@ class HandshakeServer:
                 msg = self._decode(head.buffer)
                 if isinstance(msg, Hello):
                     try:
+                        if msg.backend != self.backend:
+                            raise LayoutMismatch(f"{msg.layout.name} moves bytes with --transfer-backend "
+                                                 f"{msg.backend}, {self.layout.name} with {self.backend}")
                         check_compatible(self.layout, msg.layout)
+                        self._accept(peer, msg)
                     except LayoutMismatch as e:
                         self._sock.send_multipart([peer, _enc.encode(Reply(False, str(e)))])
                         continue

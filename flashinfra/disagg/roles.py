@@ -20,7 +20,7 @@ scheduler, for the state sent under its transfer id. Once it is here and the bat
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
 them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
 the request decodes as if it had been prefilled here (its first output is the first token, with its
-logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake``) is read
+logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake|ipc``) is read
 straight into blocks and a slot taken for the request first, on the receiver's reader thread; the request
 joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
 for within that time is refused back to its sender.
@@ -88,6 +88,10 @@ class Exporter:
             from flashinfra.disagg.mooncake import MooncakeSender
 
             self.sender = MooncakeSender(self.layout, engine_caches(core), host=_host(config.transfer_address), **kw)
+        elif config.transfer_backend == "ipc":
+            from flashinfra.disagg.ipc import IpcSender
+
+            self.sender = IpcSender(self.layout, engine_caches(core), **kw)
         else:
             self.sender = StateSender(self.layout, **kw)
         self._held_outputs: dict[str, RequestOutput] = {}
@@ -186,14 +190,18 @@ class Importer:
 
             self.receiver = MooncakeReceiver(self.layout, engine_caches(core), config.transfer_address, self.wake,
                                              host=_host(config.transfer_address))
+        elif config.transfer_backend == "ipc":
+            from flashinfra.disagg.ipc import IpcReceiver
+
+            self.receiver = IpcReceiver(self.layout, engine_caches(core), config.transfer_address, self.wake)
         else:
             self.receiver = StateReceiver(self.layout, config.transfer_address, wake=self.wake)
         self.address = self.receiver.address
         self._waiting: dict[str, tuple[Request, float]] = {}  # transfer id -> (request, deadline)
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
         self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
-        # states read in place (Mooncake): the request holds blocks and a slot outside the batch from the read's
-        # start until it joins the batch; transfer id -> request, and -> the finished read's error (None: read)
+        # states read in place (``disagg.in_place``): the request holds blocks and a slot outside the batch from
+        # the read's start until it joins the batch; transfer id -> request, and -> the finished read's error (None: read)
         self._reading: dict[str, Request] = {}
         self._read: dict[str, str | None] = {}
         self.num_total = 0

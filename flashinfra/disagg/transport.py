@@ -43,9 +43,10 @@ class TransferError(RuntimeError):
 
 class _Transfer(msgspec.Struct, tag="transfer"):
     state: RequestState
-    # the state left in the sender's registered cache for the receiver to read in place (``disagg.mooncake``):
-    # per layout tensor (base address, bytes per block or slot), the request's blocks and slot there, on the
-    # sender's transfer-engine session; empty: the buffers follow as frames
+    # the state left in the sender's cache for the receiver to read in place (``disagg.in_place``): per layout
+    # tensor (its address in the sender's memory, or 0 where the receiver maps the sender's tensors; bytes per
+    # block or slot), the request's blocks and slot there, and the sender's session (its transfer engine, or
+    # its shared cache); empty: the buffers follow as frames
     remote: list[tuple[int, int]] = []
     blocks: list[int] = []
     slot: int | None = None
@@ -82,7 +83,7 @@ class Arrival(msgspec.Struct):
 class StateReceiver(HandshakeServer):
     """Accepts senders whose layout matches ``layout``; arrivals are taken with ``poll``."""
 
-    reads_in_place = False  # whether ``write`` can read a state left in the sender's cache
+    reads_in_place = False  # whether states stay in the sender's cache, read by ``read`` (``disagg.in_place``)
 
     def __init__(self, layout: CacheLayout, address: str = "tcp://127.0.0.1:*",
                  wake: Callable[[], None] | None = None):
@@ -116,12 +117,6 @@ class StateReceiver(HandshakeServer):
                                                        "restarted?)"))]
 
     def _handle(self, peer: bytes, msg: _Transfer, frames: list) -> None:
-        if msg.remote and not self.reads_in_place:
-            err = ("the decode engine could not receive the state: the state was left in the sender's memory, and "
-                   "this engine has no Mooncake transport to read it (start both sides with the same "
-                   "--transfer-backend)")
-            self._sock.send_multipart([peer, _enc.encode(_Ack(msg.state.request_id, err))])
-            return
         self._arrivals.append(Arrival(peer, msg.state, [f.buffer for f in frames], time.monotonic(), msg))
         if self._wake_owner is not None:
             self._wake_owner()
@@ -129,6 +124,8 @@ class StateReceiver(HandshakeServer):
 
 class StateSender:
     """Sends request states to decode engines from its own thread; ``poll`` gives (request id, error)."""
+
+    backend = "zmq"  # the receivers' ``backend`` this sender pairs with
 
     def __init__(self, layout: CacheLayout, timeout_s: float = 30.0, max_inflight: int = 256,
                  wake: Callable[[], None] | None = None):
@@ -177,8 +174,13 @@ class StateSender:
         if self._wake_owner is not None:
             self._wake_owner()
 
+    def _hello_extra(self) -> bytes:
+        """What this sender's backend adds to the handshake."""
+        return b""
+
     def _connect(self, peer: str, poller: zmq.Poller) -> tuple[zmq.Socket, zmq.Socket]:
-        return connect_peer(self._ctx, peer, _enc.encode(Hello(self.layout)), _to_sender.decode, Reply,
+        hello = Hello(self.layout, self.backend, self._hello_extra())
+        return connect_peer(self._ctx, peer, _enc.encode(hello), _to_sender.decode, Reply,
                             "the decode engine", poller, TransferError)
 
     def _loop(self) -> None:

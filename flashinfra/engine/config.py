@@ -216,9 +216,10 @@ class EngineConfig(LoadConfig):
     transfer_address: str = option("tcp://127.0.0.1:*", "decode/encode roles: where request states (or "
                                                         "images) are received (* picks a free port)", metavar="ADDR")
     transfer_backend: str = option(
-        "zmq", "prefill/decode roles: how cache bytes move: zmq (as frames over the control connection) or "
-               "mooncake (the Mooncake transfer engine, on the host of --transfer-address)",
-        choices=("zmq", "mooncake"))
+        "zmq", "prefill/decode roles: how cache bytes move: zmq (as frames over the control connection), "
+               "mooncake (the Mooncake transfer engine, on the host of --transfer-address) or ipc (one host: the "
+               "decode engine maps the prefill engine's cache, by CUDA IPC on GPUs, shared memory on CPUs)",
+        choices=("zmq", "mooncake", "ipc"))
     transfer_timeout_s: float = option(
         60.0, "prefill/decode roles: seconds a cache transfer may wait for its other side before the request "
               "fails", min=0.1)

@@ -1,7 +1,7 @@
 """Disaggregated serving end to end on the loopback, with the built-in model: a prefill-role server, a
 decode-role server and ``flashinfra router`` in front of them, against one ``--role both`` server.
 
-Every test runs over both transports (ZeroMQ, and Mooncake over TCP where its engine loads). Greedy outputs
+Every test runs over each transport (ZeroMQ; Mooncake over TCP where its engine loads; shared memory). Greedy outputs
 through the router equal the single server's (completions and chat, streamed and not, four
 requests at a time); 64 streams at once all finish; the prefill side holds no blocks once the decode side
 acknowledged; a router given a server of the wrong role refuses to start; killing the decode server mid-stream
@@ -65,9 +65,10 @@ def _mooncake_loads() -> bool:
 
 
 @pytest.fixture(scope="module", params=["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not _mooncake_loads(), reason="the Mooncake transfer engine does not load here"))])
+    not _mooncake_loads(), reason="the Mooncake transfer engine does not load here")), "ipc"])
 def cluster(request, tmp_path_factory):
-    """The servers, their request states moved by the ZeroMQ transport or by Mooncake (TCP on the loopback)."""
+    """The servers, their request states moved by the ZeroMQ transport, by Mooncake (TCP on the loopback) or
+    through the prefill server's cache in shared memory."""
     tmp = tmp_path_factory.mktemp(f"disagg-{request.param}")
     roles = ("--transfer-timeout-s", "60", "--transfer-backend", request.param)
     prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", *roles)

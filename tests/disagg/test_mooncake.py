@@ -64,14 +64,14 @@ def test_loopback_transfer_reads_the_cache_in_place(monkeypatch):
         rx.close()
 
 
-def test_a_zeromq_only_receiver_refuses_a_mooncake_transfer():
+def test_a_zeromq_only_receiver_refuses_a_mooncake_sender_at_the_handshake():
     cache = _cache()
     rx = StateReceiver(describe(cache, "fp", "decode"))
     tx = MooncakeSender(describe(cache, "fp", "prefill"), cache)
     try:
         tx.send(rx.address, _state(), RequestPages(cache, [1, 2, 3], slot=0))
         ((rid, error),) = _wait(tx.poll)
-        assert rid == "r1" and "no Mooncake transport" in error
+        assert rid == "r1" and "with --transfer-backend mooncake, decode with zmq" in error
     finally:
         tx.close()
         rx.close()
@@ -79,34 +79,9 @@ def test_a_zeromq_only_receiver_refuses_a_mooncake_transfer():
 
 @pytest.mark.parametrize("speculative_tokens", [0, 2], ids=["plain", "speculative"])
 def test_engines_exchange_through_mooncake(tmp_path, speculative_tokens):
-    from flashinfra.engine.core import EngineCore
-    from flashinfra.engine.sched.messages import SamplingParams, TransferParams
-    from flashinfra.model.factory import write_tiny_checkpoint
-    from tests.disagg.test_roles import PROMPTS, _config, _finished, _request, _run, _tokens
+    from tests.disagg.test_roles import exchange_equals_one_engine
 
-    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=0, num_hidden_layers=2,
-                                 layer_types=["linear_attention", "indexed_attention"],
-                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"],
-                                 num_nextn_predict_layers=1)
-    kw = dict(transfer_backend="mooncake", speculative_tokens=speculative_tokens)
-    cores = [EngineCore(_config(ckpt, **c)) for c in ({}, {"role": "prefill", **kw}, {"role": "decode", **kw})]
-    both, prefill, decode = cores
-    try:
-        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        ids = [f"r{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            both.add_request(_request(rid, prompt, sampling))
-        want = _run([both], _finished(ids))[-1]
-        peer = decode.ready_message().transfer_address
-        for rid, prompt in zip(ids, PROMPTS):
-            decode.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "import")))
-            prefill.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "export", peer)))
-        got = _run([prefill, decode], _finished(ids))[-1]
-        assert {r: _tokens(got[r]) for r in ids} == {r: _tokens(want[r]) for r in ids}
-        assert decode.disagg.receiver.num_reads == len(ids)
-    finally:
-        for core in cores:
-            core.close()
+    exchange_equals_one_engine(tmp_path, transfer_backend="mooncake", speculative_tokens=speculative_tokens)
 
 
 class _SlowEngine(_RecordingEngine):

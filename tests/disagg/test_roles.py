@@ -67,6 +67,33 @@ def _finished(ids):
     return lambda got: all(i in got and got[i][-1].finished for i in ids)
 
 
+def exchange_equals_one_engine(tmp_path, **kw) -> None:
+    """A prefill and a decode engine moving states with ``kw`` (``transfer_backend``, ``speculative_tokens``)
+    give one engine's greedy tokens, every state copied from the sender's cache in place."""
+    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=0, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "indexed_attention"],
+                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"],
+                                 num_nextn_predict_layers=1)
+    cores = [EngineCore(_config(ckpt, **c)) for c in ({}, {"role": "prefill", **kw}, {"role": "decode", **kw})]
+    both, prefill, decode = cores
+    try:
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        ids = [f"r{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(ids, PROMPTS):
+            both.add_request(_request(rid, prompt, sampling))
+        want = _run([both], _finished(ids))[-1]
+        peer = decode.ready_message().transfer_address
+        for rid, prompt in zip(ids, PROMPTS):
+            decode.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "import")))
+            prefill.add_request(_request(rid, prompt, sampling, TransferParams(f"t-{rid}", "export", peer)))
+        got = _run([prefill, decode], _finished(ids))[-1]
+        assert {r: _tokens(got[r]) for r in ids} == {r: _tokens(want[r]) for r in ids}
+        assert decode.disagg.receiver.num_reads == len(ids)
+    finally:
+        for core in cores:
+            core.close()
+
+
 @pytest.fixture(scope="module")
 def engines(ckpt):
     prefill = EngineCore(_config(ckpt, role="prefill", transfer_timeout_s=3.0))

@@ -1,0 +1,137 @@
+"""Mapped memory as the data plane of ``disagg.in_place`` (``--transfer-backend ipc``), for a prefill and a
+decode engine on one host: the decode engine maps the prefill engine's cache tensors into its own address
+space once, at the handshake, and copies each request's pages from there with ordinary tensor copies.
+
+GPU caches are shared by CUDA IPC (the memory handle of each tensor's allocation, ``cudaIpcOpenMemHandle``
+on the other side, also between two processes on one GPU); the copies run device to device on the reader
+thread's own stream, ordered after the engine's, and the thread waits for them with the GIL released. CPU
+caches move into POSIX shared memory when the sender starts (``/dev/shm``, named files kept by torch's
+shared-memory manager, so that an unrelated process can map them); the copies are ``memcpy`` with the GIL
+released. The handles travel in the handshake as plain data (never pickled), with each tensor's dtype, shape,
+strides and offset; the receiver checks them against its own layout.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+import msgspec
+import torch
+
+from flashinfra.disagg.in_place import InPlaceReceiver, InPlaceSender
+from flashinfra.disagg.layout import CacheLayout, Caches, LayoutMismatch, cache_tensors
+from flashinfra.disagg.transport import Arrival
+
+
+class SharedTensor(msgspec.Struct, array_like=True):
+    """One cache tensor as another process maps it: ``handle`` is the storage's sharing handle (CUDA:
+    ``UntypedStorage._share_cuda_()``'s fields; CPU: the shared-memory manager and file, and the size)."""
+
+    device: str
+    handle: list[int | bytes | bool | None]
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    offset: int
+
+
+class SharedCache(msgspec.Struct):
+    session: str  # one per sender: a receiver maps each sender's cache once
+    tensors: list[SharedTensor]
+
+
+def share(t: torch.Tensor) -> SharedTensor:
+    """The handle of ``t``'s storage for another process (a CPU storage moves into shared memory first: its
+    tensors keep working, at the new address)."""
+    storage = t.untyped_storage()
+    if t.is_cuda:
+        handle = list(storage._share_cuda_())
+    else:
+        handle = list(storage._share_filename_cpu_())
+    return SharedTensor(str(t.device), handle, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
+                        t.storage_offset())
+
+
+def open_shared(s: SharedTensor) -> torch.Tensor:
+    """The tensor ``s`` describes, mapped from its owner's memory."""
+    dtype = getattr(torch, s.dtype)
+    if s.device.startswith("cuda"):
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(*s.handle)
+    else:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(*s.handle)
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, s.offset, s.shape, s.stride)
+
+
+class IpcSender(InPlaceSender):
+    """Shares its cache tensors at start and sends their handles in every handshake."""
+
+    backend = "ipc"
+
+    def __init__(self, layout: CacheLayout, caches: Caches, **kw):
+        self.session = f"ipc-{uuid.uuid4().hex}"
+        shared = SharedCache(self.session, [share(t) for _, _, t in cache_tensors(caches)])
+        self._shared = msgspec.msgpack.encode(shared)
+        super().__init__(layout, caches, **kw)
+
+    def _hello_extra(self) -> bytes:
+        return self._shared
+
+    def _address(self, t) -> int:
+        return 0  # the receiver names the sender's tensors by their order in the handshake
+
+
+class IpcReceiver(InPlaceReceiver):
+    """Maps each sender's cache at its handshake; copies a request's runs from there into ``caches``."""
+
+    backend = "ipc"
+
+    def __init__(self, layout: CacheLayout, caches: Caches, address: str = "tcp://127.0.0.1:*",
+                 wake: Callable[[], None] | None = None):
+        self._local = [t for _, _, t in cache_tensors(caches)]
+        self._mapped: dict[str, list[torch.Tensor]] = {}  # sender session -> its cache tensors, mapped here
+        device = next((t.device for t in self._local if t.is_cuda), None)
+        self._stream = torch.cuda.Stream(device) if device is not None else None
+        super().__init__(layout, address, wake)
+
+    def _accept(self, peer: bytes, hello) -> None:
+        """Map the sender's cache (once per sender), checking each tensor against this engine's."""
+        try:
+            shared = msgspec.msgpack.decode(hello.extra, type=SharedCache)
+        except msgspec.DecodeError as e:
+            raise LayoutMismatch(f"the handshake of {hello.layout.name} carries no shared cache ({e})") from e
+        if shared.session in self._mapped:
+            return
+        if len(shared.tensors) != len(self._local):
+            raise LayoutMismatch(f"{hello.layout.name} shares {len(shared.tensors)} cache tensors, "
+                                 f"{self.layout.name} has {len(self._local)}")
+        for s, t in zip(shared.tensors, self._local):
+            if ((s.dtype, s.shape) != (str(t.dtype).removeprefix("torch."), list(t.shape))
+                    or s.device.split(":")[0] != t.device.type):
+                raise LayoutMismatch(f"shared cache tensor {s.dtype}{s.shape} on {s.device} vs {t.dtype}"
+                                     f"{list(t.shape)} on {t.device} here (one host, the same device kind)")
+        try:
+            self._mapped[shared.session] = [open_shared(s) for s in shared.tensors]
+        except RuntimeError as e:
+            raise LayoutMismatch(f"could not map the cache of {hello.layout.name} (same host? {e})") from e
+
+    def _plan(self, arrival: Arrival, runs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) views, one per run."""
+        mapped = self._mapped.get(arrival.source.session)
+        if mapped is None:
+            raise LayoutMismatch(f"no mapped cache for sender session {arrival.source.session}")
+        return [(t[dst:dst + n], mapped[i][src:src + n]) for i, t, _, tensor_runs in runs
+                for src, dst, n in tensor_runs]
+
+    def _copy(self, job: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+        if self._stream is None:
+            for dst, src in job:
+                dst.copy_(src)
+            return None
+        self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            for dst, src in job:
+                dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
+        return None
