@@ -2,15 +2,15 @@
 
 ``EncodeServer`` (``flashinfra serve --role encode``) holds only the vision tower (``load_tower``: the
 ``model.visual.*`` tensors, no language-model weights) behind a ZeroMQ ROUTER socket. ``EncodeClient``
-(``disagg.remote_encode``, in a prefill or both engine) connects one DEALER per encode engine and asks for the images/videos a request needs that
-its encoder cache lacks: one multipart message ``[header, *canvases]``; the answer is
-``[header, *embeddings]``, the rows of each item keyed by its content hash (the encoder cache's key), sent
-and read in place (``copy=False``). Through ``disagg.channel``'s handshake, the first message on a
-connection carries the client's layout (``embedding_layout``: the tower's fingerprint, its output width and dtype) and a
-mismatch is refused with both names; every socket belongs to one background thread, woken through an
-inproc socket, so the engine loop never waits on the network; an encode engine that dies fails its
-outstanding requests at once (socket monitor, heartbeats), one that does not answer fails them after
-``timeout_s``. Results are taken with ``EncodeClient.poll``.
+(``disagg.remote_encode``, in a prefill or both engine) connects one DEALER per encode engine and asks for the
+images/videos a request needs that its encoder cache lacks: one multipart message ``[header, *canvases]``; the
+answer is ``[header, *embeddings]``, the rows of each item keyed by its content hash (the encoder cache's key),
+sent and read in place (``copy=False``). Through ``disagg.channel``'s handshake, the first message on a connection
+carries the client's layout (``embedding_layout``: the tower's fingerprint, its output width and dtype) and a
+mismatch is refused with both names; every socket belongs to one background thread, woken through an inproc socket,
+so the engine loop never waits on the network; an encode engine that dies fails its outstanding requests at once
+(socket monitor, heartbeats), one that does not answer fails them after ``timeout_s``. Results are taken with
+``EncodeClient.poll``.
 
 The encode engine runs the tower on its socket thread, one message (one request's missing items) at a
 time, in runs of at most ``ENCODER_BATCH_PATCHES`` patches (``multimodal.encoder.encode_items``).

@@ -8,7 +8,8 @@ An engine's caches are its model cache plus, with speculative decoding, the MTP 
 block tables; its layer index follows the trunk's, so every (kind, layer) names one tensor).
 ``pack_request_state`` gathers one request's pages (by block id) and its KDA slot (conv window + recurrent
 state, the committed checkpoint when speculation is on) into contiguous per-tensor buffers;
-``unpack_request_state`` scatters them into the receiver's own block ids and slot. Buffers are raw bytes, so a transport can send them without Python touching them.
+``unpack_request_state`` scatters them into the receiver's own block ids and slot. Buffers are raw bytes, so a
+transport can send them without Python touching them.
 """
 
 from __future__ import annotations

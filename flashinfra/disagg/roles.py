@@ -22,8 +22,8 @@ them, the generator (and the speculator's hidden state and drafts) restored, the
 the request decodes as if it had been prefilled here (its first output is the first token, with its
 logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake|ipc``) is read
 straight into blocks and a slot taken for the request first, on the receiver's reader thread; the request
-joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks
-for within that time is refused back to its sender.
+joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most
+``transfer_timeout_s`` for its state; a state nobody asks for within that time is refused back to its sender.
 
 Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
 """
@@ -201,7 +201,8 @@ class Importer:
         self._arrived: dict[str, Any] = {}  # transfer id -> Arrival
         self._aborted: dict[str, float] = {}  # transfer id -> when its request was aborted
         # states read in place (``disagg.in_place``): the request holds blocks and a slot outside the batch from
-        # the read's start until it joins the batch; transfer id -> request, and -> the finished read's error (None: read)
+        # the read's start until it joins the batch; transfer id -> request, and -> the finished read's error
+        # (None: read)
         self._reading: dict[str, Request] = {}
         self._read: dict[str, str | None] = {}
         self.num_total = 0

@@ -1,10 +1,10 @@
 """Moving request states between engines over ZeroMQ/TCP, behind a layout handshake.
 
-``StateReceiver`` (decode side) binds a ROUTER socket (``channel.HandshakeServer``); ``StateSender``
-(prefill side) connects one DEALER per decode engine. Every socket belongs to one background thread per object, woken through an inproc
-socket, so the engine loop only puts work on a queue and takes results off another: it never waits on the
-network, and no Python thread holds the GIL while bytes move or while waiting (pyzmq's blocking calls
-release it; libzmq's I/O threads move the bytes).
+``StateReceiver`` (decode side) binds a ROUTER socket (``channel.HandshakeServer``); ``StateSender`` (prefill side)
+connects one DEALER per decode engine. Every socket belongs to one background thread per object, woken through an
+inproc socket, so the engine loop only puts work on a queue and takes results off another: it never waits on the
+network, and no Python thread holds the GIL while bytes move or while waiting (pyzmq's blocking calls release it;
+libzmq's I/O threads move the bytes).
 
 Handshake: the first message on a connection carries the sender's ``CacheLayout``; the receiver compares it
 with its own and answers ``ok`` or the mismatch message naming both sides, which fails the transfer (and

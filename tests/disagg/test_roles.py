@@ -67,13 +67,18 @@ def _finished(ids):
     return lambda got: all(i in got and got[i][-1].finished for i in ids)
 
 
-def exchange_equals_one_engine(tmp_path, **kw) -> None:
-    """A prefill and a decode engine moving states with ``kw`` (``transfer_backend``, ``speculative_tokens``)
-    give one engine's greedy tokens, every state copied from the sender's cache in place."""
-    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=0, num_hidden_layers=2,
+def two_layer_mtp_checkpoint(path):
+    """A KDA layer and an MLA layer (dense, then sparse MLP) and an MTP layer."""
+    return write_tiny_checkpoint(path, seed=0, num_hidden_layers=2,
                                  layer_types=["linear_attention", "indexed_attention"],
                                  mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"],
                                  num_nextn_predict_layers=1)
+
+
+def exchange_equals_one_engine(tmp_path, **kw) -> None:
+    """A prefill and a decode engine moving states with ``kw`` (``transfer_backend``, ``speculative_tokens``)
+    give one engine's greedy tokens, every state copied from the sender's cache in place."""
+    ckpt = two_layer_mtp_checkpoint(tmp_path / "m")
     cores = [EngineCore(_config(ckpt, **c)) for c in ({}, {"role": "prefill", **kw}, {"role": "decode", **kw})]
     both, prefill, decode = cores
     try:
@@ -200,7 +205,8 @@ def test_mismatched_layout_is_refused_with_both_names(engines, tmp_path):
                                      TransferParams("t-mm", "export", other.ready_message().transfer_address)))
         out = _run([prefill], _finished(["mm"]), errors_ok=True)[-1]["mm"][-1]
         assert out.finish_reason == "error"
-        assert "refused by the decode engine" in out.error and "cache layout mismatch between decode engine" in out.error
+        assert "refused by the decode engine" in out.error
+        assert "cache layout mismatch between decode engine" in out.error
         assert "and prefill engine" in out.error
         assert prefill.stats().num_blocks_free == prefill.stats().num_blocks_total
     finally:

@@ -10,16 +10,12 @@ import pytest
 
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import SamplingParams, TransferParams
-from flashinfra.model.factory import write_tiny_checkpoint
-from tests.disagg.test_roles import PROMPTS, _config, _finished, _request, _run, _tokens
+from tests.disagg.test_roles import PROMPTS, _config, _finished, _request, _run, _tokens, two_layer_mtp_checkpoint
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("mtp"), seed=0, num_hidden_layers=2,
-                                 layer_types=["linear_attention", "indexed_attention"],
-                                 mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"],
-                                 num_nextn_predict_layers=1)
+    return two_layer_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
 
 
 @pytest.mark.slow
