@@ -5,10 +5,12 @@
   at each ``--concurrency`` against the single server and against the router: TTFT and TPOT, both ways.
 - ``bandwidth``: one process sends request states of ``--mbytes`` (``--blocks`` cache blocks of one paged
   tensor) to another with each ``--backend``, two in flight, ``--count`` times; the rate from the first send
-  to the last ack, against the link's in the same run: a device-to-device copy of the same bytes (one GPU:
-  what CUDA IPC can reach), or a host memcpy (shared memory, the loopback).
+  to the last ack, against the link's in the same run: a copy of the same bytes from the sender's device to
+  the receiver's within one process (one GPU or two: what CUDA IPC can reach), or a host memcpy (shared
+  memory, the loopback).
 
     python bench/disagg.py --device cuda --out $OUT                    # both parts, zmq and ipc
+    python bench/disagg.py --device cuda:0 --decode-device cuda:1 --out $OUT   # two GPUs
     python bench/disagg.py --parts bandwidth --device cpu --out bench/results
 """
 
@@ -41,20 +43,23 @@ def _num_prompts(concurrency: int) -> int:
 def serve_rows(args, log_dir: Path) -> dict:
     from serve_runs import log_tail, running, sweep
 
-    engine = ["--device", args.device, "--max-num-seqs", str(max(args.concurrency)), "--log-level", "info"]
+    engine = ["--max-num-seqs", str(max(args.concurrency)), "--log-level", "info"]
     if args.model:
         engine += ["--model", args.model]
+    prefill_on, decode_on = ["--device", args.device], ["--device", args.decode_device or args.device]
     flashinfra = [sys.executable, "-m", "flashinfra"]
     out: dict = {}
-    with running([*flashinfra, "serve", "--port", str(PORT), *engine], PORT, log_dir / "both.log", 600, 90):
+    with running([*flashinfra, "serve", "--port", str(PORT), *prefill_on, *engine], PORT, log_dir / "both.log", 600,
+                 90):
         out["colocated"] = sweep(PORT, args.concurrency, _num_prompts, args.input_len, args.output_len)
     for i, backend in enumerate(args.backend):
         base = PORT + 10 * (i + 1)
         roles = ["--transfer-backend", backend, "--transfer-timeout-s", "120"]
         with ExitStack() as stack:
-            stack.enter_context(running([*flashinfra, "serve", "--port", str(base + 1), *engine, "--role", "prefill",
-                                         *roles], base + 1, log_dir / f"prefill-{backend}.log", 600, 90))
-            stack.enter_context(running([*flashinfra, "serve", "--port", str(base + 2), *engine, "--role", "decode",
+            stack.enter_context(running([*flashinfra, "serve", "--port", str(base + 1), *prefill_on, *engine, "--role",
+                                         "prefill", *roles], base + 1, log_dir / f"prefill-{backend}.log", 600, 90))
+            stack.enter_context(running([*flashinfra, "serve", "--port", str(base + 2), *decode_on, *engine, "--role",
+                                         "decode",
                                          "--transfer-address", f"tcp://127.0.0.1:{base + 5}", *roles], base + 2,
                                         log_dir / f"decode-{backend}.log", 600, 90))
             stack.enter_context(running([*flashinfra, "router", "--port", str(base), "--prefill",
@@ -120,7 +125,7 @@ def bandwidth_row(args, backend: str) -> dict:
     """Receive ``--count`` states from a sender process; its rate, and the receiver's copy time per state."""
     from flashinfra.disagg.layout import describe
 
-    cache = _cache(args.device, args.blocks, (args.mbytes << 20) // args.blocks)
+    cache = _cache(args.decode_device or args.device, args.blocks, (args.mbytes << 20) // args.blocks)
     _, receiver_cls = _classes(backend)
     kw = {} if backend == "zmq" else {"caches": cache}
     rx = receiver_cls(describe(cache, "bench", "decode"), **kw)
@@ -154,11 +159,14 @@ def bandwidth_row(args, backend: str) -> dict:
 
 
 def link_row(args) -> dict:
-    """The same bytes copied once, within this process: device to device, or host memcpy."""
+    """The same bytes copied once within this process, from the sender's device to the receiver's."""
     n = args.mbytes << 20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=args.device)
-    dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    dst = torch.empty(n, dtype=torch.uint8, device=args.decode_device or args.device)
+    def sync():
+        for t in (src, dst):
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
     for _ in range(3):
         dst.copy_(src)
     sync()
@@ -175,6 +183,8 @@ def main() -> None:
     p.add_argument("--parts", default="serve,bandwidth", help="comma-separated: serve, bandwidth")
     p.add_argument("--backend", nargs="+", default=["zmq", "ipc"], choices=("zmq", "ipc", "mooncake"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--decode-device", default=None,
+                   help="the decode side's device (default --device; cuda:1: prefill and decode on two GPUs)")
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--input-len", type=int, default=INPUT_LEN)
