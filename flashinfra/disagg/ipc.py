@@ -13,6 +13,7 @@ strides and offset; the receiver checks them against its own layout.
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Callable
 
@@ -21,7 +22,9 @@ import torch
 
 from flashinfra.disagg.in_place import InPlaceReceiver, InPlaceSender
 from flashinfra.disagg.layout import CacheLayout, Caches, LayoutMismatch, cache_tensors
-from flashinfra.disagg.transport import Arrival
+from flashinfra.disagg.transport import Arrival, TransferError
+
+SHM = "/dev/shm"
 
 
 class SharedTensor(msgspec.Struct, array_like=True):
@@ -70,8 +73,16 @@ class IpcSender(InPlaceSender):
     backend = "ipc"
 
     def __init__(self, layout: CacheLayout, caches: Caches, **kw):
+        tensors = [t for _, _, t in cache_tensors(caches)]
+        host_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors if not t.is_cuda}.values())
+        if host_bytes and os.path.isdir(SHM):
+            st = os.statvfs(SHM)
+            if st.f_bavail * st.f_frsize < host_bytes:
+                raise TransferError(f"--transfer-backend ipc puts the {host_bytes / 2**20:.0f} MiB CPU cache in "
+                                    f"{SHM}, which has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free (a smaller "
+                                    f"--num-blocks, a larger {SHM}, or another backend)")
         self.session = f"ipc-{uuid.uuid4().hex}"
-        shared = SharedCache(self.session, [share(t) for _, _, t in cache_tensors(caches)])
+        shared = SharedCache(self.session, [share(t) for t in tensors])
         self._shared = msgspec.msgpack.encode(shared)
         super().__init__(layout, caches, **kw)
 

@@ -120,3 +120,17 @@ def test_engines_exchange_through_mapped_memory(tmp_path, speculative_tokens):
     from tests.disagg.test_roles import exchange_equals_one_engine
 
     exchange_equals_one_engine(tmp_path, transfer_backend="ipc", speculative_tokens=speculative_tokens)
+
+
+def test_a_cpu_cache_larger_than_the_free_shared_memory_is_refused(monkeypatch):
+    import os
+
+    from flashinfra.disagg.transport import TransferError
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    cache = _cache()
+    with pytest.raises(TransferError, match=r"MiB free"):
+        IpcSender(describe(cache, "fp", "prefill"), cache)
