@@ -17,8 +17,8 @@ sent with its first event, so everything up to that event can be retried.
 ``GET /metrics`` (Prometheus text): requests in flight, requests sent and failures per engine, retries.
 
 At start-up the router asks every server for ``/disagg/info`` and refuses to start unless each has the
-role it was given and every prefill engine's cache layout matches every decode engine's (the message names
-both engines and the differences). Listens on 127.0.0.1 by default.
+role it was given and every prefill engine's cache layout and transfer backend match every decode engine's
+(the message names both engines and the differences). Listens on 127.0.0.1 by default.
 """
 
 import argparse
@@ -26,59 +26,15 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
 import uuid
-from dataclasses import dataclass
-
+from flashinfra.disagg.backends import Backend, discover
 from flashinfra.server.errors import error_body
 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 
 
-@dataclass
-class Backend:
-    url: str
-    role: str
-    transfer_address: str = ""
-    layout: dict | None = None
-    model: str = ""
-    in_flight: int = 0
-    num_requests: int = 0
-    num_failures: int = 0
-
-
 def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
-
-
-async def discover(client, backends: list[Backend], timeout_s: float) -> None:
-    """Fill in each backend's info (waiting up to ``timeout_s`` for it to answer); ``ValueError`` when a role
-    or a cache layout does not fit."""
-    from flashinfra.disagg.layout import CacheLayout, check_compatible
-
-    deadline = time.monotonic() + timeout_s
-    for b in backends:
-        while True:
-            try:
-                r = await client.get(f"{b.url}/disagg/info", timeout=5.0)
-                if r.status_code == 200:
-                    break
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            if time.monotonic() > deadline:
-                raise ValueError(f"{b.url} did not answer /disagg/info within {timeout_s:g} s")
-            await asyncio.sleep(0.2)
-        info = r.json()
-        if info["role"] != b.role:
-            raise ValueError(f"{b.url} is a {info['role']!r} server, given as --{b.role}")
-        b.transfer_address, b.layout, b.model = info["transfer_address"], info["cache_layout"], info["model"]
-    import msgspec
-
-    for p in (b for b in backends if b.role == "prefill"):
-        for d in (b for b in backends if b.role == "decode"):
-            mine = msgspec.convert({**p.layout, "name": f"prefill {p.url}"}, CacheLayout)
-            theirs = msgspec.convert({**d.layout, "name": f"decode {d.url}"}, CacheLayout)
-            check_compatible(mine, theirs)
 
 
 def _has_media(body: dict) -> bool:

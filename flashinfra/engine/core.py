@@ -117,6 +117,7 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             role=self.config.role,
             transfer_address=getattr(self.disagg, "address", ""),
+            transfer_backend=self.config.transfer_backend,
             cache_layout=None if self.disagg is None or self.disagg.layout is None
             else msgspec.to_builtins(self.disagg.layout),
             vision="tower" if self.model.vision is not None else "encoder" if self.runner.embedder is not None else "",

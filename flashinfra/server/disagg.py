@@ -51,6 +51,7 @@ def install_disagg_routes(app: FastAPI) -> None:
         if info is None or not state.client.healthy:
             return error_response(503, "the engine is not running", code="engine_unavailable")
         return {"role": info.role, "transfer_address": info.transfer_address, "cache_layout": info.cache_layout,
+                "transfer_backend": info.transfer_backend,
                 "model": state.model_name, "max_model_len": info.max_model_len, "vision": info.vision}
 
 

@@ -28,8 +28,8 @@ SENT: set[str] = set()  # transfer ids the stand-in prefill servers have answere
 
 
 class Stub:
-    def __init__(self, role: str, refuse: bool = False) -> None:
-        self.role, self.refuse = role, refuse
+    def __init__(self, role: str, refuse: bool = False, transfer_backend: str = "zmq") -> None:
+        self.role, self.refuse, self.transfer_backend = role, refuse, transfer_backend
         self.gate = threading.Semaphore(0)  # one release per event a decode stub streams
         self.num_requests = 0
         self.url = ""
@@ -45,7 +45,7 @@ class Stub:
         @app.get("/disagg/info")
         async def info():
             return {"role": self.role, "transfer_address": f"tcp://{self.role}", "cache_layout": LAYOUT,
-                    "model": "stub", "max_model_len": 64}
+                    "model": "stub", "max_model_len": 64, "transfer_backend": self.transfer_backend}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -195,3 +195,23 @@ def test_an_unreachable_prefill_server_is_left_out(cluster):
     assert m[f'flashinfra_router_failures_total{{engine="{stubs["p0"].url}",role="prefill"}}'] == 1
     assert m[f'flashinfra_router_requests_total{{engine="{stubs["p1"].url}",role="prefill"}}'] == 1
     assert m["flashinfra_router_retries_total"] == 1
+
+
+def test_engines_of_different_transfer_backends_are_refused_at_start():
+    from flashinfra.disagg.backends import Backend, discover
+
+    stubs = [Stub("prefill"), Stub("decode", transfer_backend="ipc")]
+    served = [_Served(stub.app()) for stub in stubs]
+    try:
+        backends = [Backend(s.url, stub.role) for s, stub in zip(served, stubs)]
+
+        async def check():
+            async with httpx.AsyncClient() as client:
+                await discover(client, backends, timeout_s=10)
+
+        with pytest.raises(ValueError, match=r"prefill http\S+ moves cache bytes with --transfer-backend zmq, "
+                                             r"decode http\S+ with ipc"):
+            asyncio.run(check())
+    finally:
+        for s in served:
+            s.stop()

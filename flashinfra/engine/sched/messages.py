@@ -243,6 +243,7 @@ class EngineReady(msgspec.Struct, tag=True):
     max_num_seqs: int = 0
     role: str = "both"  # disaggregated serving: "prefill" | "decode" | "both"
     transfer_address: str = ""  # decode role: where request states are received
+    transfer_backend: str = "zmq"  # prefill/decode roles: how cache bytes move (--transfer-backend)
     cache_layout: dict | None = None  # prefill/decode roles: the engine's CacheLayout (flashinfra.disagg.layout)
     vision: str = ""  # what makes image embeddings: "tower" (loaded here), "encoder" (an encode engine) or "" (none)
 
