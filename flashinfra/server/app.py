@@ -3,9 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (optionally SSE-streamed, with
 ``stream_options.include_usage``), ``GET /v1/models`` and ``GET /health`` (both 503 while the engine is
 gone), ``GET /metrics`` (Prometheus, with ``flashinfra_engine_up``). Bodies are size-limited
-(``server.limits``); the engine failure policy is ``server.supervisor``'s. With an API key set, every ``/v1/`` route needs ``Authorization: Bearer
-KEY``. Shutdown order (uvicorn's): stop accepting, let in-flight requests finish, then the lifespan exit
-stops the engine, so in-flight requests drain.
+(``server.limits``); the engine failure policy is ``server.supervisor``'s. With an API key set, every
+``/v1/`` route needs ``Authorization: Bearer KEY``. Shutdown order (uvicorn's): stop accepting, let in-flight
+requests finish, then the lifespan exit stops the engine, so in-flight requests drain.
 """
 
 from __future__ import annotations
