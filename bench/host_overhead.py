@@ -4,10 +4,10 @@ For each batch size and mode the engine decodes ``batch`` requests (32-token pro
 steady decode steps: the step's wall time (between two ``EngineCore.step`` returns) and its host time, what the
 CPU spends scheduling (``Scheduler.schedule``) and preparing and launching (``ModelRunner.launch``: the packed
 input copy, the forward pass's launches, sampling's launches), with its parts: schedule, prepare (the inputs packed
-and copied, ``ModelRunner._upload``) and update (``Scheduler.update``, after the step). Synchronously the device idles through the host
-time of every step; with ``--async-scheduling`` the host prepares step N+1 while the device runs step N, so the
-wall time tends to max(host, device) instead of host + device. On a CPU the "device" is the same cores and
-``launch`` computes the whole step: there only the parts (schedule, prepare, update) are host overhead, and
+and copied, ``ModelRunner._upload``) and update (``Scheduler.update``, after the step). Synchronously the device idles
+through the host time of every step; with ``--async-scheduling`` the host prepares step N+1 while the device runs
+step N, so the wall time tends to max(host, device) instead of host + device. On a CPU the "device" is the same cores
+and ``launch`` computes the whole step: there only the parts (schedule, prepare, update) are host overhead, and
 nothing overlaps.
 
     python bench/host_overhead.py --device cpu --dtype float32                 # bench/results/host_overhead_cpu.json

@@ -4,8 +4,8 @@ Runs the ``hotpath.*`` benchmarks registered by ``flashinfra.kernels.checks`` (b
 call derived in ``bench/notes/<op>.md``) through ``flashinfra.feedback.bench`` (fresh inputs per call, L2
 flushed, CUDA events; each call captured in a CUDA graph and its replay timed, so small batches show the
 kernels' time, not the host's launch cost: a decode step runs them from a graph too), with the copy
-bandwidth and matmul rate measured in the same run, and prints one row per kernel: median time, floor (the larger of bytes / bandwidth and FLOPs / matmul rate) and the
-fraction of the floor reached.
+bandwidth and matmul rate measured in the same run, and prints one row per kernel: median time, floor (the larger of
+bytes / bandwidth and FLOPs / matmul rate) and the fraction of the floor reached.
 
 usage: python bench/hotpath_kernels.py [PATTERN...] [--runs N] [--out bench/results/hotpath_kernels.json]
 """
@@ -45,8 +45,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/hotpath_kernels.json")
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
-    report = run_benchmarks(args.patterns, BenchContext(device="cuda", dtype="bfloat16"), runs=args.runs,
-                            ceilings=ceil, providers=("flashinfra.kernels.checks", "flashinfra.kernels.dsa_indexer_cases"), graph=True)
+    report = run_benchmarks(args.patterns, BenchContext(device="cuda", dtype="bfloat16"), runs=args.runs, ceilings=ceil,
+                            providers=("flashinfra.kernels.checks", "flashinfra.kernels.dsa_indexer_cases"),
+                            graph=True)
     report["command"] = "python bench/hotpath_kernels.py " + " ".join(args.patterns) + f" --runs {args.runs}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

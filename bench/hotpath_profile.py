@@ -1,8 +1,8 @@
 """Where a decode step of the 4-layer slice spends its GPU time: kernels of a CUDA-graph replay, per name.
 
 Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights through the loader), then
-for batch 1, 32 and 128 at context 4096: the step's time back to back (median of 3 timings of 10 replays enqueued, no host
-preparation between them), the synchronized wall time per step (host preparation of the graph's inputs
+for batch 1, 32 and 128 at context 4096: the step's time back to back (median of 3 timings of 10 replays enqueued, no
+host preparation between them), the synchronized wall time per step (host preparation of the graph's inputs
 included), and the torch profiler's per-kernel GPU time over 5 replays, largest first.
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json

@@ -195,7 +195,8 @@ def prefill_flops(lm: LoadedModel, T: int) -> int:
         if p.dim() == 2 and name not in ("embed_tokens", "lm_head") and "conv_weight" not in name \
                 and "kv_b_proj" not in name:
             dense += p.numel()
-    experts = len(cfg.kda_layers + cfg.mla_layers) * cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    experts = (len(cfg.kda_layers + cfg.mla_layers) * cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size
+               * cfg.hidden_size)
     kp, sel = cfg.index_kpool, cfg.index_topk + cfg.index_kpool - 1
     pairs = sum(min(t + 1, sel) for t in range(T))
     pool_pairs = sum((t + 1) // kp for t in range(T))

@@ -149,9 +149,11 @@ def summary(rows: list[dict]) -> None:
           f"{'eager fp32':>10}  (graph of one call)")
     for r in rows:
         print(f"{r['B']:>4} {r.get('ours_layer_fp32_graph_us', nan):8.2f} "
-              f"{100 * r.get('ours_layer_fp32_graph_frac_copy', nan):7.1f} {r.get('ours_layer_bf16_graph_us', nan):8.2f} "
+              f"{100 * r.get('ours_layer_fp32_graph_frac_copy', nan):7.1f} "
+              f"{r.get('ours_layer_bf16_graph_us', nan):8.2f} "
               f"{r.get('fla_recurrence_fp32_graph_us', nan):8.2f} "
-              f"{r.get('ours_layer_fp32_vs_fla_recurrence_fp32', nan):8.3f} {r.get('fla_layer_fp32_graph_us', nan):9.2f} "
+              f"{r.get('ours_layer_fp32_vs_fla_recurrence_fp32', nan):8.3f} "
+              f"{r.get('fla_layer_fp32_graph_us', nan):9.2f} "
               f"{r.get('ours_layer_fp32_eager_us', nan):10.1f}", flush=True)
 
 

@@ -14,7 +14,8 @@ occupancy, issue activity, registers, shared memory, and its three largest warp 
 
 With ``--metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,
 lts__t_bytes.sum`` instead of the sections, ``summarize`` reports instructions and DRAM / L2 bytes. With
-``--section SourceCounters --import-source yes``, ``lines`` sums each kernel's warp stall samples per source line (a load's latency shows on the line that first uses its value):
+``--section SourceCounters --import-source yes``, ``lines`` sums each kernel's warp stall samples per source line (a
+load's latency shows on the line that first uses its value):
 
     python3 bench/kda_ncu.py lines prefill.ncu-rep --name kda_prefill_ncu_lines [--top 16] [--out DIR]
 

@@ -97,7 +97,8 @@ def decode_case(regime: str, steps: int = 4096, B: int = 8, H: int = 64, K: int 
     slots = torch.arange(B, device="cuda")
     fixed = dict(conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, norm_weight=norm_weight,
                  eps=1e-5, state_slots=slots)
-    fixed64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in fixed.items()}
+    fixed64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+               for n, t in fixed.items()}
     launches = ("fp32", "bf16")
     states = {n: torch.zeros(B, H, K, K, device="cuda", dtype=torch.float32 if n == "fp32" else torch.bfloat16)
               for n in launches}

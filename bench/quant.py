@@ -294,7 +294,8 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
     dtype = "bfloat16" if dev == "cuda" else "float32"
     out, base_layers = {}, None
     vocab = model_config_from(cfg).text.vocab_size
-    prompt = torch.randint(0, vocab, (256 if dev == "cuda" else 16,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, vocab, (256 if dev == "cuda" else 16,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
     for mode in SLICE_MODES:
         q, spec = spec_of(mode)
         try:  # the same seeded weights each time, made tensor by tensor (peak memory: the model's)

@@ -81,7 +81,8 @@ class LLM:
             raise ValueError("stop strings need a tokenizer (this checkpoint has no tokenizer.json)")
         if sampling_params is None:
             sampling_params = apply_defaults(SamplingParams(), self.generation_defaults, include_max_tokens=True)
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         for name, media in (("images", images), ("videos", videos)):

@@ -4,8 +4,8 @@ The server binds two addresses (e.g. ``ipc://`` paths in a temp dir) and starts 
 ``start_engine_process(config, input_address, output_address)``; the engine connects a PULL socket to
 ``input_address`` (``EngineRequest`` / ``EngineRequests`` / ``AbortRequest`` / ``Shutdown`` from the
 server) and a PUSH socket to ``output_address`` (``EngineReady`` once loaded, or ``EngineError`` if loading failed; then
-``EngineOutputs`` after every step; ``EngineError`` if the loop itself fails). Messages are msgpack, never pickle; the config travels as msgpack
-too.
+``EngineOutputs`` after every step; ``EngineError`` if the loop itself fails). Messages are msgpack, never pickle; the
+config travels as msgpack too.
 
 Loop: take every message already waiting (never blocking while there is work), step once, send the step's
 outputs with stats. When idle it blocks on the input socket for a short while and sends stats about once

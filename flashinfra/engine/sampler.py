@@ -207,7 +207,8 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, ba
     return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), lp, rows)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
     """Next token, logprob record and error message for each row of ``logits`` [N, V].
 
     The batch is sampled in one pass; if that raises, or a row fails, each row is retried alone so that only the

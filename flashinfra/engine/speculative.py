@@ -10,9 +10,9 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    position (the counts include the drafts before it, which are the outputs there whenever the position's
    token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run rejection
    sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes
-   from the raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA checkpoint and shifts the
-   conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed length:
-   nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next
+   from the raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA
+   checkpoint and shifts the conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the
+   committed length: nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next
    step overwrites them, so a rejection is a cursor move.
 3. ``draft``: the MTP layer catches up over the committed positions (its entry at position ``i`` reads the
    target hidden at ``i`` and the token at ``i + 1``; the hidden of the previous step's last position is

@@ -261,8 +261,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(text)
         if "gil_stalls" in r:
             g = r["gil_stalls"]
-            lines.append(f"    GIL stalls over {g['threshold_s'] * 1e3:g} ms: {g['count']}, total {g['total_s'] * 1e3:.1f} ms, "
-                         f"longest {g['max_s'] * 1e3:.1f} ms")
+            lines.append(f"    GIL stalls over {g['threshold_s'] * 1e3:g} ms: {g['count']}, "
+                         f"total {g['total_s'] * 1e3:.1f} ms, longest {g['max_s'] * 1e3:.1f} ms")
             lines += [f"      {c}" for c in g["culprits"][:8]]
         for c in r.get("check", []):
             if not c["passed"]:

@@ -160,7 +160,8 @@ def format_text(s: dict[str, Any]) -> str:
     if "transfers" in s:
         t = s["transfers"]
         bw = f"{t['bytes_per_s'] / 1e9:.2f} GB/s" if t["bytes_per_s"] else "n/a"
-        ov = f", {100 * t['overlap_with_steps']:.0f}% overlapped with steps" if t["overlap_with_steps"] is not None else ""
+        ov = (f", {100 * t['overlap_with_steps']:.0f}% overlapped with steps"
+              if t["overlap_with_steps"] is not None else "")
         lines.append(f"transfers: {t['count']}, {t['bytes'] / 1e6:.1f} MB, {bw}{ov}; {_ms(t['duration_s'])}")
     if "gil_stalls" in s:
         lines.append(f"GIL stalls: {_ms(s['gil_stalls'])}, total {s['gil_stalls']['total'] * 1e3:.1f} ms")
@@ -169,6 +170,7 @@ def format_text(s: dict[str, Any]) -> str:
             lines.append(f"span {kind}: {_ms(stats)}")
     lines.append("timeline (window start s: steps, tokens, busy, preempt, transfers, GIL stall ms, queue waits):")
     for row in s["timeline"]:
-        lines.append(f"  {row['start_s']:8.3f}: {row['steps']:5d} {row['tokens']:8.0f} {100 * row['busy_fraction']:5.1f}% "
-                     f"{row['preemptions']:4d} {row['transfers']:4d} {row['gil_stall_s'] * 1e3:8.1f} {row['queue_waits']:4d}")
+        lines.append(f"  {row['start_s']:8.3f}: {row['steps']:5d} {row['tokens']:8.0f} "
+                     f"{100 * row['busy_fraction']:5.1f}% {row['preemptions']:4d} {row['transfers']:4d} "
+                     f"{row['gil_stall_s'] * 1e3:8.1f} {row['queue_waits']:4d}")
     return "\n".join(lines)

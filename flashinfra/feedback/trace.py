@@ -160,7 +160,8 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append("steps (CPU ms, GPU ms, kernels, GPU busy):")
     for r in s["steps"]:
         busy = f"{100 * r['gpu_busy_fraction']:.0f}%" if r["gpu_busy_fraction"] is not None else "-"
-        lines.append(f"  step {r['step']:>4}: {r['cpu_s'] * 1e3:9.3f} {r['gpu_s'] * 1e3:9.3f} {r['kernels']:6d} {busy:>5}")
+        lines.append(f"  step {r['step']:>4}: {r['cpu_s'] * 1e3:9.3f} {r['gpu_s'] * 1e3:9.3f} "
+                     f"{r['kernels']:6d} {busy:>5}")
     return "\n".join(lines)
 
 

@@ -97,7 +97,8 @@ def vision_tower(device: str, grids, dtype=torch.float32, seed=0) -> list[CheckR
 def _vision(dev, act, seed):
     if dev == "cuda":
         return (qk_norm_rope(dev, 5, 196, 16, 64, dtype=act, seed=seed)
-                + add_rms_norm(dev, 63, 1024, dtype=act, seed=seed) + clamped_swiglu(dev, 37, 4096, dtype=act, seed=seed))
+                + add_rms_norm(dev, 63, 1024, dtype=act, seed=seed)
+                + clamped_swiglu(dev, 37, 4096, dtype=act, seed=seed))
     return (qk_norm_rope(dev, 3, 7, 2, 8, seed=seed) + add_rms_norm(dev, 7, 100, seed=seed)
             + clamped_swiglu(dev, 5, 40, seed=seed)
             + vision_tower(dev, [(1, 4, 4), (1, 4, 4)], seed=seed))

@@ -74,7 +74,8 @@ class ModelCache:
             indexer_keys={i: paged(2 * cfg.index_head_dim, torch.float8_e4m3fn if i in fp8_index else dtype)
                           for i in cfg.indexer_layers},
             conv_state={
-                i: torch.zeros(num_slots, 3 * cfg.linear_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                i: torch.zeros(num_slots, 3 * cfg.linear_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
+                               device=device)
                 for i in cfg.kda_layers
             },
             recurrent_state={

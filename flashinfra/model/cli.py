@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     media = p.add_argument_group("media")
     media.add_argument("--image", action="append", default=[], metavar="FILE",
                        help="an image for the prompt (repeatable; placed at <|image|> marks, else before the text)")
-    media.add_argument("--video", action="append", default=[], metavar="FILE", help="a video file (repeatable; needs av)")
+    media.add_argument("--video", action="append", default=[], metavar="FILE",
+                       help="a video file (repeatable; needs av)")
     EngineConfig.add_args(p.add_argument_group("engine"))
     p.set_defaults(func=run)
 

@@ -48,4 +48,5 @@ class MoE(nn.Module):
             normed(x), self.router_weight, self.router_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )
-        return moe_experts(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj, self.shared.down_proj)
+        return moe_experts(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj,
+                           self.shared.down_proj)

@@ -122,7 +122,8 @@ def kda_layer_verify_ref(
         for i, t in enumerate(range(bos, eos)):
             x = qkv[t : t + 1]
             y = causal_conv1d_decode_ref(x, conv_weight, conv, zero)
-            q, k, v = y[:, : H * K].view(1, H, K), y[:, H * K : 2 * H * K].view(1, H, K), y[:, 2 * H * K :].view(1, H, V)
+            q, k, v = (y[:, : H * K].view(1, H, K), y[:, H * K : 2 * H * K].view(1, H, K),
+                       y[:, 2 * H * K :].view(1, H, V))
             g = kda_gate_ref(g_raw[t : t + 1].view(1, H, K), A_log, dt_bias, lower_bound)
             beta = torch.sigmoid(beta_logits[t : t + 1].float())
             o = kda_decode_ref(q, k, v, g, beta, S, zero)

@@ -123,7 +123,8 @@ def _mlp(p: str, cfg: TextConfig, params: dict[str, torch.Tensor], q: str, layer
     return out
 
 
-def weight_layout(cfg: TextConfig, params: dict[str, torch.Tensor], prefix: str, head_name: str | None) -> dict[str, list[Form]]:
+def weight_layout(cfg: TextConfig, params: dict[str, torch.Tensor], prefix: str,
+                  head_name: str | None) -> dict[str, list[Form]]:
     """Every parameter of ``Glm5NextModel`` -> its forms. ``params`` maps our names to tensors."""
     out: dict[str, list[Form]] = {
         "embed_tokens": [_whole(prefix + "embed_tokens.weight", params["embed_tokens"])],

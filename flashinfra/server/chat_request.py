@@ -58,7 +58,8 @@ def template_variables(body: ChatCompletionRequest) -> dict:
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest, defaults: dict) -> PreparedChat:
-    """``defaults``: the checkpoint's generation defaults (``generation_defaults``) for the fields the body leaves out."""
+    """``defaults``: the checkpoint's generation defaults (``generation_defaults``) for the fields the body leaves
+    out."""
     messages, variables = template_messages(body), template_variables(body)
     multimodal = await chat_prompt(state, body.messages, messages, body.add_generation_prompt, variables)
     if multimodal is None:

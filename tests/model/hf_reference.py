@@ -30,8 +30,9 @@ def build_hf_model(text: dict[str, Any], seed: int = 0, text_only: bool = False,
     if text_only:
         model = Glm5NextTextModel(Glm5NextTextConfig(**text))
     else:
-        model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=TINY_VISION,
-                                                                tie_word_embeddings=text.get("tie_word_embeddings", False)))
+        model = Glm5NextForConditionalGeneration(
+            Glm5NextConfig(text_config=text, vision_config=TINY_VISION,
+                           tie_word_embeddings=text.get("tie_word_embeddings", False)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(s in name for s in _SPREAD):

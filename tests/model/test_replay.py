@@ -13,7 +13,8 @@ C = H * (2 * K + V)
 
 
 def _params(g, dtype=torch.float32):
-    return dict(conv_weight=torch.randn(C, W, generator=g).to(dtype) / 2, A_log=torch.rand(H, generator=g).to(dtype) + 0.5,
+    return dict(conv_weight=torch.randn(C, W, generator=g).to(dtype) / 2,
+                A_log=torch.rand(H, generator=g).to(dtype) + 0.5,
                 dt_bias=0.1 * torch.randn(H * K, generator=g).to(dtype), lower_bound=-5.0,
                 norm_weight=1 + 0.1 * torch.randn(V, generator=g).to(dtype), eps=1e-5)
 
@@ -88,4 +89,5 @@ def test_rounds_of_verify_and_fold_track_the_float64_sequential_state():
 def test_replay_memory_below_copies():
     Hr, Kr = 64, 128
     for r in (2, 4, 6, 8):
-        assert replay_bytes_per_slot(Hr, Kr, Kr, 4, r, torch.bfloat16) < copy_bytes_per_slot(Hr, Kr, Kr, 4, r, torch.bfloat16) / 2
+        assert (replay_bytes_per_slot(Hr, Kr, Kr, 4, r, torch.bfloat16)
+                < copy_bytes_per_slot(Hr, Kr, Kr, 4, r, torch.bfloat16) / 2)

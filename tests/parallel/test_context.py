@@ -2,9 +2,9 @@
 ``ContextParallelModel``: the hidden states (all of them, or only the sampled row), every KDA layer's final
 recurrent and conv state, the states the prefill saves at its prefix checkpoints (at segment boundaries, inside
 segments, and closer to a segment's start than the conv window), the MLA caches and the next decode step's logits
-equal one rank's within float32 rounding, for a prefill that resumes a cached prefix; with Layer Split each rank keeps only its MLA layers' cache,
-and each layer's broadcast is issued while the MLA layer before it runs and waited for before its own layer
-runs."""
+equal one rank's within float32 rounding, for a prefill that resumes a cached prefix; with Layer Split each rank keeps
+only its MLA layers' cache, and each layer's broadcast is issued while the MLA layer before it runs and waited for
+before its own layer runs."""
 
 from __future__ import annotations
 

@@ -47,7 +47,8 @@ def test_weight_modes_close_to_the_unquantized_model(base_logits, mode, max_rel,
     q = quantized_weights(m.model)
     assert q and all(w.scheme == mode for w in q.values())
     assert isinstance(m.model.layers[1].mlp.w13, QuantizedWeight)
-    assert not isinstance(m.model.lm_head, QuantizedWeight) and m.model.layers[1].mlp.router_weight.dtype == torch.float32
+    assert (not isinstance(m.model.lm_head, QuantizedWeight)
+            and m.model.layers[1].mlp.router_weight.dtype == torch.float32)
     out = m.logits(PROMPTS)
     assert rel(out, base_logits) < max_rel and agree(out, base_logits) >= min_agree
 
@@ -110,7 +111,8 @@ def test_tokens_per_gib_at_the_released_sizes():
     # int8 latent + one scale, fp8 indexer entries + two scales, 1 / kpool of a bf16 pool key, per MLA layer
     assert r["latent_bytes_per_token"] == 2 * (512 + 4) and r["indexer_bytes_per_token"] == 2 * (256 + 8)
     assert r["pool_key_bytes_per_token"] == 2 * 128 * 2 // cfg.index_kpool
-    assert per_block == 16 * (r["latent_bytes_per_token"] + r["indexer_bytes_per_token"] + r["pool_key_bytes_per_token"])
+    assert per_block == 16 * (r["latent_bytes_per_token"] + r["indexer_bytes_per_token"]
+                              + r["pool_key_bytes_per_token"])
 
 
 def test_w8a8_checkpoint_round_trip(tmp_path):
@@ -128,7 +130,8 @@ def test_w8a8_checkpoint_round_trip(tmp_path):
     loaded = load_model(dst)  # auto: W8A8 as written
     assert loaded.quantization == "w8a8"
     direct = load_model(src, quantization="w8a8")
-    assert all(torch.equal(a, b) for a, b in zip(loaded.logits([[1, 2, 3, 4, 5, 6]]), direct.logits([[1, 2, 3, 4, 5, 6]])))
+    assert all(torch.equal(a, b)
+               for a, b in zip(loaded.logits([[1, 2, 3, 4, 5, 6]]), direct.logits([[1, 2, 3, 4, 5, 6]])))
     with pytest.raises(QuantizationError, match="W8A8.*--quantization is none"):
         load_model(dst, quantization="none")
     with pytest.raises(QuantizationError, match="W8A8.*--quantization is fp8"):

@@ -28,7 +28,8 @@ RECORDED = {
     "typed_values": (
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>123</arg_value>"
         "<arg_key>detail</arg_key><arg_value>true</arg_value><arg_key>hours</arg_key><arg_value>[1, 2]</arg_value>"
-        "<arg_key>where</arg_key><arg_value>{\"lat\": 1.5}</arg_value><arg_key>days</arg_key><arg_value>soon</arg_value>"
+        "<arg_key>where</arg_key><arg_value>{\"lat\": 1.5}</arg_value>"
+        "<arg_key>days</arg_key><arg_value>soon</arg_value>"
         "<arg_key>extra</arg_key><arg_value>null</arg_value></tool_call>",
         {"reasoning": "", "content": "", "calls": [("get_weather", {"city": "123", "detail": True, "hours": [1, 2],
                                                                   "where": {"lat": 1.5}, "days": "soon",

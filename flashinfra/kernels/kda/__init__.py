@@ -5,8 +5,8 @@
 - ``kda_layer_decode``: one decode token per sequence, the whole layer between its projections fused (``decode``).
 - ``causal_conv1d_prefill`` / ``causal_conv1d_decode``: the short causal conv over q|k|v with its state (``conv``);
   ``causal_conv1d_save_windows``: its state at prefix checkpoints inside a prefill (``checkpoints``).
-- ``kda_transition`` / ``kda_summary_gated``: the map ``M`` (and ``H``) of ``S_out = M S_in + H`` over a token range, which
-  context parallelism chains across ranks (``chain``).
+- ``kda_transition`` / ``kda_summary_gated``: the map ``M`` (and ``H``) of ``S_out = M S_in + H`` over a token range,
+  which context parallelism chains across ranks (``chain``).
 
 Each op runs its Triton kernels on CUDA (or under ``TRITON_INTERPRET=1``) and its pure-PyTorch reference
 elsewhere.

@@ -259,7 +259,8 @@ def prefill_checkpoints(device: str, lens: list[int], checkpoints: list[tuple[in
     has_initial = [bool(i % 2) for i in range(N)]
     q, k, v = (torch.randn(T, H, D, device=device, generator=gen).to(dtype) for D in (K, K, V))
     g_raw, b_raw = torch.randn(T, H, K, device=device, generator=gen), torch.randn(T, H, device=device, generator=gen)
-    A_log, dt_bias = torch.rand(H, device=device, generator=gen) * 2 - 1, torch.randn(H * K, device=device, generator=gen)
+    A_log, dt_bias = (torch.rand(H, device=device, generator=gen) * 2 - 1,
+                      torch.randn(H * K, device=device, generator=gen))
     g, beta = kda_ref.kda_gate_ref(g_raw, A_log, dt_bias, -5.0), b_raw.sigmoid()
     state = torch.full((num_slots, H, K, V), NAN, device=device, dtype=state_dtype)
     for slot, init in zip(slots, has_initial):

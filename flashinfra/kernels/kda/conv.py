@@ -142,7 +142,8 @@ def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
     if x.dim() != 2 or x.shape[1] != C or x.stride(1) != 1:
         raise ValueError(f"causal_conv1d: x must be [T, {C}] with contiguous channels, got {tuple(x.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (C, W - 1) or not conv_state.is_contiguous():
-        raise ValueError(f"causal_conv1d: conv_state must be contiguous [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
+        raise ValueError(f"causal_conv1d: conv_state must be contiguous [slots, {C}, {W - 1}], "
+                         f"got {tuple(conv_state.shape)}")
     if W < 2:
         raise ValueError(f"causal_conv1d: kernel width must be at least 2, got {W}")
     return C, W

@@ -174,7 +174,8 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
     second = []
     for i, r in enumerate(first):  # repeat each prompt, and continue each conversation
         again = Request(f"b{i}", list(r.prompt_token_ids), r.sampling, 0.0)
-        turn = Request(f"c{i}", r.prompt_token_ids + truth[r.request_id] + [11, 12, 13], SamplingParams(max_tokens=4), 0.0)
+        turn = Request(f"c{i}", r.prompt_token_ids + truth[r.request_id] + [11, 12, 13], SamplingParams(max_tokens=4),
+                       0.0)
         second += [again, turn]
     truth.update({r.request_id: expected_output(r) for r in second})
     cfg = sched_config(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
@@ -257,10 +258,12 @@ def test_chunked_prefill_respects_budget_and_chunk_cap():
     sched.add_request(long)
     sched.add_request(short)
     plan = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [("long", 40, False), ("short", 5, True)]
+    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [("long", 40, False),
+                                                                                    ("short", 5, True)]
     sched.update(plan, runner.execute(plan, cfg))
     plan = sched.schedule()
-    assert [(s.request_id, s.context_len, s.num_new_tokens) for s in plan.scheduled] == [("long", 40, 40), ("short", 5, 1)]
+    assert [(s.request_id, s.context_len, s.num_new_tokens) for s in plan.scheduled] == [("long", 40, 40),
+                                                                                         ("short", 5, 1)]
 
 
 def test_stop_tokens_eos_and_ignore_eos():
@@ -374,8 +377,9 @@ def test_events_hook_receives_queue_waits_and_preemptions():
 
 def test_scheduler_imports_no_torch():
     code = (
-        "import sys; import flashinfra.engine.sched.scheduler, flashinfra.engine.sched.cache_manager, flashinfra.engine.sched.plan, "
-        "flashinfra.engine.sched.request, flashinfra.engine.sched.messages, flashinfra.engine.config, flashinfra.engine.sched.checks; "
+        "import sys; import flashinfra.engine.sched.scheduler, flashinfra.engine.sched.cache_manager, "
+        "flashinfra.engine.sched.plan, flashinfra.engine.sched.request, flashinfra.engine.sched.messages, "
+        "flashinfra.engine.config, flashinfra.engine.sched.checks; "
         "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
