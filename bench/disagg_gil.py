@@ -11,9 +11,9 @@
   copying the pages from the sender's cache in shared memory).
 
 The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
-best time alone, in one process: what the transfer threads cost the engine loop (GIL hand-offs and CPU),
-not the transfer's own speed. Prints and writes JSON: both times, the ratios, the probe's stalls.
-``python bench/disagg_gil.py --out bench/results/disagg_gil_cpu.json``
+best time alone (timed first and again last), in one process: what the transfer threads cost the engine loop
+(GIL hand-offs and CPU), not the transfer's own speed. Prints and writes JSON: the times, the ratios, the
+probe's stalls. ``python bench/disagg_gil.py --reps 5 --out bench/results/disagg_gil_cpu.json``
 """
 
 from __future__ import annotations
@@ -50,16 +50,17 @@ def prefill(tokens: int, d: int, layers: int) -> float:
     return time.perf_counter() - t0
 
 
-def gil_holding_transfer(stop: threading.Event) -> None:
+def gil_holding_transfer(stop: threading.Event, ready: threading.Event) -> None:
+    ready.set()
     while not stop.is_set():
         _libc.usleep(20000)  # "waiting on the transport" while keeping the GIL
 
 
-def state_transfer(stop: threading.Event, mbytes: int, backend: str) -> int:
+def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, backend: str) -> int:
     """Move one request state of ``mbytes`` (one block of one paged tensor) from a sender's cache to a
     receiver's until ``stop``: as frames (``zmq``), or copied from the sender's cache in shared memory by the
     receiver's reader thread (``ipc``). The receiving side acknowledges from this thread, as the decode
-    engine's loop would."""
+    engine's loop would. ``ready`` is set once both ends are up (sharing the cache is start-up work)."""
     from flashinfra.disagg.ipc import IpcReceiver, IpcSender
 
     def cache():
@@ -73,6 +74,7 @@ def state_transfer(stop: threading.Event, mbytes: int, backend: str) -> int:
     else:
         rx, tx = StateReceiver(layout), StateSender(layout)
     acked, i, arrived = 0, 0, {}
+    ready.set()
     while not stop.is_set():
         if tx.num_outstanding < 2:
             pages = (RequestPages(src, [i % 2], None) if backend == "ipc"
@@ -108,7 +110,8 @@ def engine_prefill(args):
     def run(*_):
         count[0] += 1
         prompt = [(count[0] * 7919 + 31 * i) % 500 + 3 for i in range(args.tokens)]
-        core.add_request(EngineRequest(f"p{count[0]}", prompt, SamplingParams(max_tokens=1, temperature=0.0), time.time()))
+        core.add_request(EngineRequest(f"p{count[0]}", prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                       time.time()))
         t0 = time.perf_counter()
         while core.has_unfinished():
             core.step()
@@ -117,16 +120,18 @@ def engine_prefill(args):
 
 
 def measure(args, run_prefill, background=None) -> tuple[float, dict]:
-    stop = threading.Event()
-    th = threading.Thread(target=background, args=(stop,), daemon=True) if background else None
-    with GilProbe(threshold_s=0.05) as probe:
-        if th:
-            th.start()
-            time.sleep(0.05)
+    """The prefill's best time over ``args.reps`` (and the GIL probe's record) while ``background(stop, ready)``
+    runs on a thread, timed from when it is ready."""
+    stop, ready = threading.Event(), threading.Event()
+    th = threading.Thread(target=background, args=(stop, ready), daemon=True) if background else None
+    if th:
+        th.start()
+        ready.wait(60)
+    with GilProbe(threshold_s=0.01) as probe:  # the bad binding holds the GIL 20 ms at a time
         times = [run_prefill() for _ in range(args.reps)]
         stop.set()
-        if th:
-            th.join(5)
+    if th:
+        th.join(5)
     return min(times), probe
 
 
@@ -150,13 +155,16 @@ def main() -> None:
     run_prefill()  # warm up
     alone, _ = measure(args, run_prefill)
     bad, bad_probe = measure(args, run_prefill, gil_holding_transfer)
-    moved, transfers = {}, {}
+    moved, timed = {}, {}
     for backend in ("zmq", "ipc"):
-        t, probe = measure(args, run_prefill,
-                           lambda stop, b=backend: moved.__setitem__(b, state_transfer(stop, args.mbytes, b)))
-        transfers[f"{backend}_transfer"] = {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
-                                            "max_stall_s": probe.max_s, "transfers_acked": moved.get(backend, 0),
-                                            "mbytes_each": args.mbytes}
+        def transfer(stop, ready, b=backend):
+            moved[b] = state_transfer(stop, ready, args.mbytes, b)
+        timed[backend] = measure(args, run_prefill, transfer)
+    alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
+    transfers = {f"{b}_transfer": {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
+                                   "max_stall_s": probe.max_s, "transfers_acked": moved.get(b, 0),
+                                   "mbytes_each": args.mbytes}
+                 for b, (t, probe) in timed.items()}
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe.stalls else []
     result = {
         "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
