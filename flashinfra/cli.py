@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "flashinfra.eval.cli",
     "flashinfra.quant.cli",
     "flashinfra.parallel.plan",
-    "flashinfra.disagg.router",
+    "flashinfra.server.router",
 )
 
 

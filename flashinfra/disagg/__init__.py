@@ -1,1 +1,2 @@
-"""Disaggregated serving: describing, packing and checking a request's cache state between engines."""
+"""Disaggregated serving, the engine side: describing, packing and checking a request's cache state, moving it
+between engines (ZeroMQ, Mooncake, CUDA IPC / shared memory), and the prefill, decode and encode roles."""

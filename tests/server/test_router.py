@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flashinfra.disagg.router import create_router
+from flashinfra.server.router import create_router
 from tests.server.conftest import free_port
 
 LAYOUT = {"model_fingerprint": "stub", "block_size": 4, "tensors": []}
@@ -198,7 +198,7 @@ def test_an_unreachable_prefill_server_is_left_out(cluster):
 
 
 def test_engines_of_different_transfer_backends_are_refused_at_start():
-    from flashinfra.disagg.backends import Backend, discover
+    from flashinfra.server.router_engines import Backend, discover
 
     stubs = [Stub("prefill"), Stub("decode", transfer_backend="ipc")]
     served = [_Served(stub.app()) for stub in stubs]

@@ -27,8 +27,9 @@ import contextlib
 import json
 import sys
 import uuid
-from flashinfra.disagg.backends import Backend, discover
+
 from flashinfra.server.errors import error_body
+from flashinfra.server.router_engines import Backend, discover
 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 
