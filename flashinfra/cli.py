@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "flashinfra.model.cli",
+    "flashinfra.generate",
     "flashinfra.feedback.cli",
     "flashinfra.server.cli",
     "flashinfra.agent.cli",

@@ -107,7 +107,7 @@ def test_dtype_means_the_same_on_every_command():
 def test_no_command_declares_dtype_or_engine_flags_by_hand():
     """The flags come from the config: no module of a command spells them in an add_argument call."""
     engine = [flag_name(f.name) for f in dataclasses.fields(EngineConfig)]
-    for rel, names in (("flashinfra/server/cli.py", engine), ("flashinfra/model/cli.py", engine),
+    for rel, names in (("flashinfra/server/cli.py", engine), ("flashinfra/generate.py", engine),
                        ("flashinfra/eval/cli.py", engine), ("flashinfra/feedback/cli.py", ["--dtype", "--device"])):
         text = (ROOT / rel).read_text()
         for name in names:
