@@ -98,6 +98,9 @@ def _startup_lines(engine_config: EngineConfig, model_path, name: str, opts: Ser
                 f"{info.num_blocks} blocks x {info.block_size} tokens)")
     lines.append(ctx)
     lines.append(f"cache: {info.num_blocks} blocks of {info.block_size} tokens, {info.max_num_seqs} sequence slots")
+    if info.role in ("prefill", "decode"):
+        where = f", received at {info.transfer_address}" if info.role == "decode" else ""
+        lines.append(f"role: {info.role}; request states move by --transfer-backend {info.transfer_backend}{where}")
     if info.vision == "tower":
         lines.append("images: the vision tower is loaded")
     elif info.vision == "encoder":

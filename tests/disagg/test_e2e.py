@@ -72,7 +72,7 @@ def cluster(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"disagg-{request.param}")
     roles = ("--transfer-timeout-s", "60", "--transfer-backend", request.param)
     prefill = _spawn(tmp, "prefill", "serve", *ENGINE, "--role", "prefill", *roles)
-    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", *roles)
+    decode = _spawn(tmp, "decode", "serve", *ENGINE, "--role", "decode", *roles, "--log-level", "info")
     both = _spawn(tmp, "both", "serve", *ENGINE)
     router = _spawn(tmp, "router", "router", "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning")
     servers = {"prefill": prefill, "decode": decode, "both": both, "router": router}
@@ -116,6 +116,16 @@ def test_router_outputs_equal_a_single_server(cluster, stream):
         with ThreadPoolExecutor(4) as pool:  # concurrent requests share the engines' batches
             got = list(pool.map(lambda _: _text(cluster["router"].url, path, body), range(4)))
         assert got == [want] * 4
+
+
+def test_the_decode_server_says_what_runs(cluster):
+    """The start-up block names the model, device, dtype, context, cache, role and how states move."""
+    decode = cluster["decode"]
+    log, backend = decode.log(), decode.proc.args[decode.proc.args.index("--transfer-backend") + 1]
+    for line in ("model: default (", "device: cpu, dtype: float32", "context length: ", "cache: 256 blocks of ",
+                 f"role: decode; request states move by --transfer-backend {backend}, received at tcp://127.0.0.1:",
+                 "listening on http://127.0.0.1:"):
+        assert line in log, f"{line!r} not in the start-up log:\n{log}"
 
 
 def test_prefill_blocks_are_freed_after_the_ack(cluster):
