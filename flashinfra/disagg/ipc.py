@@ -14,6 +14,8 @@ strides and offset; the receiver checks them against its own layout.
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from typing import Callable
 
@@ -25,6 +27,7 @@ from flashinfra.disagg.layout import CacheLayout, Caches, LayoutMismatch, cache_
 from flashinfra.disagg.transport import Arrival, TransferError
 
 SHM = "/dev/shm"
+IDLE_UNMAP_S = 60.0  # a sender's cache mapped here but unused this long is unmapped (mapped again on use)
 
 
 class SharedTensor(msgspec.Struct, array_like=True):
@@ -94,26 +97,31 @@ class IpcSender(InPlaceSender):
 
 
 class IpcReceiver(InPlaceReceiver):
-    """Maps each sender's cache at its handshake; copies a request's runs from there into ``caches``."""
+    """Maps each sender's cache at its handshake; copies a request's runs from there into ``caches``.
+
+    A mapping keeps the sender's memory alive, also after the sender is gone (a prefill engine that restarted
+    shares a new cache under a new session): a sender's cache unused for ``IDLE_UNMAP_S`` is unmapped, and
+    mapped again from its handshake's handles when a transfer names it (which fails, naming the session, once
+    its owner has exited)."""
 
     backend = "ipc"
 
     def __init__(self, layout: CacheLayout, caches: Caches, address: str = "tcp://127.0.0.1:*",
                  wake: Callable[[], None] | None = None):
         self._local = [t for _, _, t in cache_tensors(caches)]
-        self._mapped: dict[str, list[torch.Tensor]] = {}  # sender session -> its cache tensors, mapped here
+        self._shared: dict[str, SharedCache] = {}  # sender session -> its handshake's handles
+        self._mapped: dict[str, tuple[list[torch.Tensor], float]] = {}  # session -> (tensors mapped here, last use)
+        self._lock = threading.Lock()  # the handshake thread maps, the engine's thread maps and unmaps
         device = next((t.device for t in self._local if t.is_cuda), None)
         self._stream = torch.cuda.Stream(device) if device is not None else None
         super().__init__(layout, address, wake)
 
     def _accept(self, peer: bytes, hello) -> None:
-        """Map the sender's cache (once per sender), checking each tensor against this engine's."""
+        """Check the sender's shared cache against this engine's and map it (once per sender)."""
         try:
             shared = msgspec.msgpack.decode(hello.extra, type=SharedCache)
         except msgspec.DecodeError as e:
             raise LayoutMismatch(f"the handshake of {hello.layout.name} carries no shared cache ({e})") from e
-        if shared.session in self._mapped:
-            return
         if len(shared.tensors) != len(self._local):
             raise LayoutMismatch(f"{hello.layout.name} shares {len(shared.tensors)} cache tensors, "
                                  f"{self.layout.name} has {len(self._local)}")
@@ -122,16 +130,36 @@ class IpcReceiver(InPlaceReceiver):
                     or s.device.split(":")[0] != t.device.type):
                 raise LayoutMismatch(f"shared cache tensor {s.dtype}{s.shape} on {s.device} vs {t.dtype}"
                                      f"{list(t.shape)} on {t.device} here (one host, the same device kind)")
+        self._shared[shared.session] = shared
         try:
-            self._mapped[shared.session] = [open_shared(s) for s in shared.tensors]
+            self._map(shared.session)
         except RuntimeError as e:
             raise LayoutMismatch(f"could not map the cache of {hello.layout.name} (same host? {e})") from e
 
+    def _map(self, session: str) -> list[torch.Tensor]:
+        """The session's tensors, mapped now if they are not; every other mapping idle too long is dropped (a
+        copy in flight holds its own views, so its memory stays until it is over)."""
+        now = time.monotonic()
+        with self._lock:
+            tensors = self._mapped[session][0] if session in self._mapped else None
+            if tensors is None:
+                tensors = [open_shared(s) for s in self._shared[session].tensors]
+            self._mapped[session] = (tensors, now)
+            for other, (_, used) in list(self._mapped.items()):
+                if other != session and now - used > IDLE_UNMAP_S:
+                    del self._mapped[other]
+        return tensors
+
     def _plan(self, arrival: Arrival, runs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) views, one per run."""
-        mapped = self._mapped.get(arrival.source.session)
-        if mapped is None:
-            raise LayoutMismatch(f"no mapped cache for sender session {arrival.source.session}")
+        session = arrival.source.session
+        if session not in self._shared:
+            raise LayoutMismatch(f"no handshake shared a cache as session {session}")
+        try:
+            mapped = self._map(session)
+        except RuntimeError as e:
+            raise LayoutMismatch(f"the cache of sender session {session} cannot be mapped any more (its engine "
+                                 f"exited?): {e}") from e
         return [(t[dst:dst + n], mapped[i][src:src + n]) for i, t, _, tensor_runs in runs
                 for src, dst, n in tensor_runs]
 

@@ -134,3 +134,27 @@ def test_a_cpu_cache_larger_than_the_free_shared_memory_is_refused(monkeypatch):
     cache = _cache()
     with pytest.raises(TransferError, match=r"MiB free"):
         IpcSender(describe(cache, "fp", "prefill"), cache)
+
+
+def test_an_idle_senders_cache_is_unmapped_and_mapped_again_on_use(monkeypatch):
+    """A restarted prefill engine shares a new cache under a new session: the old one, idle, is unmapped (its
+    memory no longer held here) and mapped again when a transfer names it."""
+    from flashinfra.disagg import ipc
+
+    monkeypatch.setattr(ipc, "IDLE_UNMAP_S", 0.0)
+    first, second, dst = _cache(seed=1), _cache(seed=3), _cache(seed=2)
+    rx = IpcReceiver(describe(dst, "fp", "decode"), dst)
+    senders = [IpcSender(describe(c, "fp", "prefill"), c) for c in (first, second)]
+    try:
+        for tx, src in (*zip(senders, (first, second)), (senders[0], first)):
+            untouched = {k: {i: t.clone() for i, t in getattr(dst, k).items()} for k in ("mla_latent", "conv_state")}
+            tx.send(rx.address, _state(), RequestPages(src, SRC_BLOCKS, slot=2))
+            _receive(rx, dst)
+            assert _wait(tx.poll) == [("r1", None)]
+            _check_copied(src, dst, untouched)
+            assert list(rx._mapped) == [tx.session]  # the other sender's cache is not held
+        assert rx.num_reads == 3
+    finally:
+        for tx in senders:
+            tx.close()
+        rx.close()
