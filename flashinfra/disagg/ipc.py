@@ -51,7 +51,9 @@ def share(t: torch.Tensor) -> SharedTensor:
     """The handle of ``t``'s storage for another process (a CPU storage moves into shared memory first: its
     tensors keep working, at the new address)."""
     storage = t.untyped_storage()
-    if t.is_cuda:
+    if not storage.nbytes():
+        handle = []  # nothing to map
+    elif t.is_cuda:
         handle = list(storage._share_cuda_())
     else:
         handle = list(storage._share_filename_cpu_())
@@ -62,6 +64,8 @@ def share(t: torch.Tensor) -> SharedTensor:
 def open_shared(s: SharedTensor) -> torch.Tensor:
     """The tensor ``s`` describes, mapped from its owner's memory."""
     dtype = getattr(torch, s.dtype)
+    if not s.handle:
+        return torch.empty(s.shape, dtype=dtype, device=s.device)
     if s.device.startswith("cuda"):
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(*s.handle)
@@ -77,7 +81,8 @@ class IpcSender(InPlaceSender):
 
     def __init__(self, layout: CacheLayout, caches: Caches, **kw):
         tensors = [t for _, _, t in cache_tensors(caches)]
-        host_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors if not t.is_cuda}.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_cuda}
+        host_bytes = sum(storages.values())
         if host_bytes and os.path.isdir(SHM):
             st = os.statvfs(SHM)
             if st.f_bavail * st.f_frsize < host_bytes:
