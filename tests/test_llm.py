@@ -161,18 +161,24 @@ def test_a_sampling_fault_fails_only_that_request(llm, mixed, monkeypatch):
     assert outs[3].finish_reason == "error" and "NaN" in outs[3].error and outs[3].token_ids == []
 
 
-def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(llm, monkeypatch):
-    model = llm.engine.model
+def fail_forward_call(monkeypatch, model, call: int):
+    """``model.forward`` raises "device fault" on its ``call``-th call from now; -> the real forward."""
     real = model.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == call:
             raise RuntimeError("device fault")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", flaky)
+    return real
+
+
+def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(llm, monkeypatch):
+    model = llm.engine.model
+    real = fail_forward_call(monkeypatch, model, 2)
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert all(o.finish_reason == "error" and "device fault" in o.error for o in outs)
     assert all(len(o.token_ids) == 1 for o in outs)
