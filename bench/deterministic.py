@@ -17,13 +17,13 @@ import statistics
 from pathlib import Path
 
 import torch
-from hotpath_slice import BS, fill_cache, random_release_state_dict, slice_config, timed
+from hotpath_slice import BS, fill_cache, slice_config, timed
 
 import hotpath_slice
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 from flashinfra.feedback.timing import header, write_results
 from flashinfra.kernels.dispatch import deterministic
-from flashinfra.model.api import LoadedModel, load_model_from_state_dict
+from flashinfra.model.api import LoadedModel, random_model
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.invariance import clone_cache
 
@@ -110,7 +110,7 @@ def main() -> None:
     report.update(goal_ratio=GOAL, context=args.context, prefill=args.prefill, cases=[])
     cfg = slice_config(args.smoke)
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    lm = load_model_from_state_dict(cfg, random_release_state_dict(cfg, dtype), dtype, dev, path="random-slice")
+    lm = random_model(cfg, dtype, dev)
     torch.manual_seed(0)
     cases = [lambda B=B: decode_case(lm, B, args.context, args.steps, graphs=False) for B in (1, 32, 128)]
     if dev == "cuda":

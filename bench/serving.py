@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from hotpath_slice import (cache_bytes, decode, free_memory, prefill, prefill_flops, random_release_state_dict,
-                           slice_config)
+from hotpath_slice import cache_bytes, decode, free_memory, prefill, prefill_flops, slice_config
 from serving_server import server_rows
 
 from flashinfra.engine.config import EngineConfig
@@ -35,7 +34,7 @@ from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 from flashinfra.feedback import ceilings
 from flashinfra.feedback.timing import header, write_results
-from flashinfra.model.api import load_model_from_state_dict
+from flashinfra.model.api import random_model
 from flashinfra.model.cache import ModelCache
 
 PROMPT_8K, CONTEXT_4K, PROMPT_1M = 8000, 4096, 1_048_544
@@ -227,8 +226,7 @@ def main() -> None:
     cfg = slice_config(False)
     if args.long:  # the slice's default position limit is below the 1M prompt (no position tables depend on it)
         cfg["max_position_embeddings"] = PROMPT_1M + 1024
-    lm = load_model_from_state_dict(cfg, random_release_state_dict(cfg, torch.bfloat16), torch.bfloat16, "cuda",
-                                    path="random-slice")
+    lm = random_model(cfg, torch.bfloat16, "cuda")
     free_memory()
     kernel_decode = decode(lm, 1, CONTEXT_4K, 10, ceil)
     kernel_prefill = prefill(lm, 8192, 3, ceil)

@@ -102,7 +102,7 @@ def slice_engine_factory(smoke: bool = False, max_num_batched_tokens: int = 8192
     fields."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hotpath_slice
-    from flashinfra.model.api import load_model_from_state_dict
+    from flashinfra.model.api import random_model
 
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     hotpath_slice.DEV = device
@@ -110,9 +110,7 @@ def slice_engine_factory(smoke: bool = False, max_num_batched_tokens: int = 8192
 
     def factory() -> EngineCore:
         if not loaded:
-            cfg = hotpath_slice.slice_config(smoke)
-            state_dict = hotpath_slice.random_release_state_dict(cfg, dtype)
-            loaded.append(load_model_from_state_dict(cfg, state_dict, dtype, device, path="random-slice"))
+            loaded.append(random_model(hotpath_slice.slice_config(smoke), dtype, device))
         config = EngineConfig(device=device, dtype="float32" if smoke else "bfloat16",
                               max_num_batched_tokens=max_num_batched_tokens, **engine_options)
         return EngineCore(config, model=loaded[0])
