@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from flashinfra.engine.cuda_graphs import graph_keys
+from flashinfra.kernels.dispatch import deterministic
 from flashinfra.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger("flashinfra.engine")
@@ -85,7 +86,8 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
     torch.cuda.reset_peak_memory_stats(device)
     shapes = prefill_shapes(budget, max_model_len, max_num_seqs, runner.block_size, num_blocks)
     model = runner.model
-    with torch.inference_mode():
+    # in the runner's mode: a graph captured here is what its decode steps replay (deterministic kernels or not)
+    with torch.inference_mode(), deterministic(runner.deterministic):
         for query_lens in shapes:
             batch = _prefill_batch(query_lens, runner.block_size, device)
             input_ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
