@@ -161,24 +161,41 @@ def test_a_sampling_fault_fails_only_that_request(llm, mixed, monkeypatch):
     assert outs[3].finish_reason == "error" and "NaN" in outs[3].error and outs[3].token_ids == []
 
 
-def fail_forward_call(monkeypatch, model, call: int):
-    """``model.forward`` raises "device fault" on its ``call``-th call from now; -> the real forward."""
+def fail_forward_call(monkeypatch, model, call: int, graphs=None):
+    """The ``call``-th forward pass from now raises "device fault"; -> the real ``model.forward``. ``graphs``: the
+    runner's ``DecodeGraphs`` (None on the CPU), whose replays are forward passes that do not call
+    ``model.forward`` (their graphs were captured at start-up)."""
     real = model.forward
-    calls = {"n": 0}
+    calls = {"n": 0, "in_graph": False}
 
     def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise RuntimeError("device fault")
+        if not calls["in_graph"]:  # a capture inside a replay call is that one pass
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise RuntimeError("device fault")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", flaky)
+    if graphs is not None:
+        replay = graphs.run
+
+        def flaky_replay(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise RuntimeError("device fault")
+            calls["in_graph"] = True
+            try:
+                return replay(*args, **kwargs)
+            finally:
+                calls["in_graph"] = False
+
+        monkeypatch.setattr(graphs, "run", flaky_replay)
     return real
 
 
 def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(llm, monkeypatch):
     model = llm.engine.model
-    real = fail_forward_call(monkeypatch, model, 2)
+    real = fail_forward_call(monkeypatch, model, 2, llm.engine.runner.graphs)
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert all(o.finish_reason == "error" and "device fault" in o.error for o in outs)
     assert all(len(o.token_ids) == 1 for o in outs)
