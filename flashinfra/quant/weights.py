@@ -23,6 +23,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
 SCHEMES = ("w8a8", "fp8")
+# a stacked [E, N, K] weight larger than this is quantized a few experts at a time, so that the float32 temporaries
+# stay small beside the model (a full-width MoE layer's w13 is 19 GB in float32)
+CHUNK_ELEMENTS = 1 << 27
 
 
 @dataclass
@@ -66,8 +69,23 @@ def round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
 
 
+def _chunk(w: torch.Tensor) -> int:
+    """Leading-dim entries (experts) of ``w`` [E, N, K] quantized at a time: 0 for all at once."""
+    if w.dim() < 3 or w.numel() <= CHUNK_ELEMENTS:
+        return 0
+    step = max(1, CHUNK_ELEMENTS // w[0].numel())
+    return step if step < w.shape[0] else 0
+
+
 def quantize_int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
     """``w`` [..., N, K] -> int8 with one scale per row (``amax / 127``, 1 for an all-zero row)."""
+    if step := _chunk(w):  # the same values, expert by expert (each expert's rows are its own)
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[:-1], dtype=torch.float32, device=w.device)
+        for i in range(0, w.shape[0], step):
+            part = quantize_int8_per_channel(w[i:i + step])
+            q[i:i + step], scale[i:i + step] = part.data, part.scale
+        return QuantizedWeight(q, scale, "w8a8")
     wf = w.float()
     amax = wf.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
@@ -87,6 +105,15 @@ def _blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int,
 
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> QuantizedWeight:
     """``w`` [..., N, K] -> e4m3 with one scale per ``block`` tile (``amax / 448``, 1 for an all-zero tile)."""
+    if step := _chunk(w):  # the same values, expert by expert (tiles never span experts)
+        N, K = w.shape[-2:]
+        q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+        scale = torch.empty(*w.shape[:-2], -(-N // block[0]), -(-K // block[1]), dtype=torch.float32,
+                            device=w.device)
+        for i in range(0, w.shape[0], step):
+            part = quantize_fp8_blocks(w[i:i + step], block)
+            q[i:i + step], scale[i:i + step] = part.data, part.scale
+        return QuantizedWeight(q, scale, "fp8", tuple(block))
     b, N, K = _blocks(w.float(), block)
     amax = b.abs().amax(dim=(-3, -1))  # [..., N/bn, K/bk]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
