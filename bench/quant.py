@@ -329,7 +329,8 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
                     row[f"decode_b{b}_graph_error"] = repr(e)[:300]
             row[f"decode_b{b}_ms"] = median_s(fn, dev, reps) * 1e3
             row[f"decode_b{b}_how"] = how
-        del cache
+        del cache, fn
+        graphs = None  # it holds the model and the cache: else this mode's model lives on beside the next one's
         free()
         pcache = model.allocate_cache(-(-prefill // bs), bs, 1)
         batch = ForwardBatch.build([prefill], [0], [0], [list(range(-(-prefill // bs)))], bs, model.device)
