@@ -14,6 +14,9 @@ from flashinfra.parallel.context import kda_context_prefill, split_prompt
 from tests.kernels import kda_chain_cases as cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# M's error is measured against at least float32's smallest normal: at the gate's bound a long sequence's map
+# (1e-196 after 1000 tokens) lies below what a float32 map can hold, and the kernel's 0 is right there
+F32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _launch(k, g, beta, gate, cu, precision):
@@ -33,7 +36,8 @@ def test_chain_kernel_real_size(decay):
     want = kda_transition_ref(k.double(), g.double(), beta.double(), cu, segment=512)
     got = _launch(k, g, beta, gate, cu, "tf32x3")
     for b in range(len(lens)):
-        assert cases.rel_error(got[b], want[b]) < 1e-5, (decay, lens[b], cases.rel_error(got[b], want[b]))
+        err = cases.rel_error(got[b], want[b], F32_TINY)
+        assert err < 1e-5, (decay, lens[b], err)
 
 
 @pytest.mark.parametrize("decay", ["slow", "bound"])
@@ -52,7 +56,7 @@ def test_summary_kernel_real_size(decay):
         g_raw, beta_logits, A_log, dt_bias, lower_bound = gate
         got_m, got_h = kda_summary_launch(k, v, g_raw, beta_logits, cu, (A_log, dt_bias, lower_bound))
     for b in range(len(lens)):
-        assert cases.rel_error(got_m[b], want_m[b]) < 1e-5, (decay, lens[b], "M")
+        assert cases.rel_error(got_m[b], want_m[b], F32_TINY) < 1e-5, (decay, lens[b], "M")
         assert cases.rel_error(got_h[b], want_h[b]) < 1e-5, (decay, lens[b], "H")
 
 
@@ -82,6 +86,6 @@ def test_segments_chained_equal_one_pass(zigzag):
     state = s0[None].clone()
     want = kda_prefill_gated(q, k, v, g_raw, beta_logits, A_log, dt_bias, -5.0, state, [0, T], [0], [True])
     split = split_prompt(T, 1, zigzag)
-    got, final = kda_context_prefill(Comm(1), split, 0, q, k, v, g_raw, beta_logits, A_log, dt_bias, -5.0, s0)
+    got, final, _ = kda_context_prefill(Comm(1), split, 0, q, k, v, g_raw, beta_logits, A_log, dt_bias, -5.0, s0)
     assert cases.rel_error(got.float(), want.float()) < 2e-2
     assert cases.rel_error(final, state[0]) < 1e-3
