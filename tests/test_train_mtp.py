@@ -53,7 +53,8 @@ def test_written_layer_loads_and_matches_the_training_module(tmp_path):
             p.copy_(p.to(torch.bfloat16).float())
         block.mlp.gate.e_score_correction_bias.copy_(block.mlp.gate.e_score_correction_bias.bfloat16().float())
     out = tmp_path / "with-mtp"
-    tm.write_checkpoint(src, out, tm.mtp_tensors(target, block))
+    prefix = f"model.language_model.layers.{target.config.text_config.num_hidden_layers}."
+    tm.write_checkpoint(src, out, tm.mtp_tensors(target, block), prefix)
 
     before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -71,3 +72,13 @@ def test_written_layer_loads_and_matches_the_training_module(tmp_path):
     batch = ForwardBatch.build([L], [0], [0], [[0, 1, 2]], 4, "cpu")
     got = engine(embeds[0], hidden[0], batch, cache)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    # retraining a checkpoint that has the layer replaces it, the target's tensors as they were
+    with torch.no_grad():
+        block.eh_proj.weight.mul_(-1)
+    again = tmp_path / "retrained"
+    tm.write_checkpoint(out, again, tm.mtp_tensors(target, block), prefix)
+    retrained = load_file(str(again / "model.safetensors"))
+    assert set(retrained) == set(after)
+    assert all(torch.equal(before[k], retrained[k]) for k in before)
+    assert torch.equal(retrained[prefix + "eh_proj.weight"], -after[prefix + "eh_proj.weight"])

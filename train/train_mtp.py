@@ -133,16 +133,15 @@ def mtp_tensors(target, block: MTPTrainBlock) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """The target's files with the MTP layer added (the target's tensors as they were)."""
+def write_checkpoint(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor], mtp_prefix: str) -> None:
+    """The target's files with the MTP layer (every tensor under ``mtp_prefix``) added, or replaced where the
+    target already has one (retraining); the target's own tensors as they were."""
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    clash = set(weights) & set(tensors)
-    if clash:
-        raise ValueError(f"the target already has MTP tensors: {sorted(clash)[:3]}")
+    weights = {k: v for k, v in load_file(str(model_dir / "model.safetensors")).items()
+               if not k.startswith(mtp_prefix)}
     save_file({**weights, **tensors}, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     cfg["text_config"]["num_nextn_predict_layers"] = 1
@@ -192,7 +191,8 @@ def train(args) -> dict:
             print(json.dumps(row), flush=True)
     train_s = time.perf_counter() - start
     after = heldout_metrics(target, block, heldout_ids, args.batch, args.eval_batches)
-    write_checkpoint(args.model, args.out, mtp_tensors(target, block))
+    N = target.model.language_model.config.num_hidden_layers
+    write_checkpoint(args.model, args.out, mtp_tensors(target, block), f"model.language_model.layers.{N}.")
     summary = {"steps": step, "train_s": round(train_s, 1), "tokens_seen": step * args.batch * MTP_CONTEXT,
                "before": before, "after": after, "checkpoint_bytes": (args.out / "model.safetensors").stat().st_size,
                "args": {k: str(v) for k, v in vars(args).items()}}
