@@ -46,7 +46,12 @@ def running(cmd: list[str], port: int, log_path: Path, timeout_s: float, stop_ti
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
-            yield wait_healthy(port, proc, timeout_s)
+            try:
+                healthy_s = wait_healthy(port, proc, timeout_s)
+            except RuntimeError as e:
+                log.flush()
+                raise RuntimeError(f"{e}; its log ({log_path}) ends:\n" + "\n".join(log_tail(log_path))) from None
+            yield healthy_s
         finally:
             proc.terminate()
             try:
