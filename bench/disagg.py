@@ -201,6 +201,7 @@ def main() -> None:
         return
     parts = set(args.parts.split(","))
     result = {**header(), "device_kind": args.device}
+    name = f"disagg_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
     if "bandwidth" in parts:
         result["link"] = link_row(args)
         result["bandwidth"] = {b: bandwidth_row(args, b) for b in args.backend}
@@ -208,6 +209,7 @@ def main() -> None:
             row["fraction_of_link"] = row["gb_s"] / result["link"]["gb_s"]
             print(f"bandwidth {b}: {row['gb_s']:.2f} GB/s ({row['fraction_of_link']:.0%} of the "
                   f"{result['link']['what']}, {result['link']['gb_s']:.1f} GB/s)", flush=True)
+        write_results(name, result, directory=args.out)  # kept if the serving part fails
     if "serve" in parts:
         with tempfile.TemporaryDirectory() as log_dir:
             result["serve"] = serve_rows(args, Path(log_dir))
@@ -218,7 +220,6 @@ def main() -> None:
                     print(f"{name:24s} c={c:>3}: TTFT p50 {s['ttft_p50_ms']:.1f} ms, "
                           f"TPOT p50 {s['tpot_p50_ms']:.2f} ms, p99 {s['tpot_p99_ms']:.2f} ms, "
                           f"{s['output_tok_s']:.0f} tok/s, failed {s['failed']}")
-    name = f"disagg_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
     print(write_results(name, result, directory=args.out))
 
 

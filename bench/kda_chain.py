@@ -147,12 +147,14 @@ def main() -> None:
             row = precision_case(T, args.ranks, regime)
             print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             results["precision"].append(row)
+            write_results(args.name, results, copy_to=args.out)  # after every case: a cut-off run keeps its rows
     results["cost"] = []
     if not args.no_cost:
         for T in lengths:
             row = cost_case(T, args.ranks)
             print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             results["cost"].append(row)
+            write_results(args.name, results, copy_to=args.out)
     print(write_results(args.name, results, copy_to=args.out))
 
 

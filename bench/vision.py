@@ -147,18 +147,20 @@ def main(argv=None) -> int:
     sizes = args.sizes or ([56, 112] if smoke else [448, 896, 1344])
     runs = args.runs or (2 if smoke else 5)
 
-    hf, ours = build_towers(SMOKE_VISION if smoke else {}, dtype, device)
-    rows = encoder_rows(hf, ours, sizes, batch, runs, dtype, device)
-    del hf, ours
     report = dict(
         benchmark="vision", command=" ".join([sys.executable, *sys.argv]),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, dtype=dtype_name, smoke=smoke, encoder=rows,
-        ttft=ttft(56 if smoke else 448, str(device), dtype_name),
+        torch=torch.__version__, dtype=dtype_name, smoke=smoke, encoder=[],
     )
     out = Path(args.out or f"bench/results/vision{'-smoke' if smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    hf, ours = build_towers(SMOKE_VISION if smoke else {}, dtype, device)
+    for size in sizes:  # written after every size: a cut-off run keeps the sizes it measured
+        report["encoder"] += encoder_rows(hf, ours, [size], batch, runs, dtype, device)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    del hf, ours
+    report["ttft"] = ttft(56 if smoke else 448, str(device), dtype_name)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
