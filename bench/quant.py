@@ -381,6 +381,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if parts != {"accuracy", "kernels", "slice"} and out.is_file():  # keep the other parts' last figures
         result = {**json.loads(out.read_text()), **result, "parts_run": sorted(parts)}
+    # where and when each part's figures were measured (a subset run keeps the other parts' own)
+    result["runs"] = {**result.get("runs", {}),
+                      **{part: {k: result[k] for k in ("device", "date", "command")} for part in sorted(parts)}}
 
     def save():
         out.write_text(json.dumps(result, indent=1))
