@@ -307,7 +307,7 @@ def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
     def state_pass():
         fast(kda_state_pass_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
-            cu_t if saves_t is None else saves_t,
+            cu_t if saves_t is None else saves_t, state,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, **slots, A_LO=a_lo, L2_AHEAD=0 if interpret else STATE_L2_AHEAD,
             AIB=aib_in_state, DOT_F32=interpret, SAVE=saves_t is not None, num_warps=STATE_WARPS,
             num_stages=STATE_STAGES,

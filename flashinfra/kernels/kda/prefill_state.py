@@ -42,7 +42,7 @@ def _parts(x, CHAIN: tl.constexpr):
 @triton.jit
 def kda_state_pass_kernel(
     wqk, u, aqk, egl, o, state, cu_seqlens, chunk_offsets, state_slots, has_initial_state, wqk_p, u_p, aqk_p,
-    v, stride_v, chunk_saves,
+    v, stride_v, chunk_saves, state_p,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, NS: tl.constexpr, SQ: tl.constexpr, SKD: tl.constexpr,
     A_LO: tl.constexpr, DOT_F32: tl.constexpr, L2_AHEAD: tl.constexpr = 0, AIB: tl.constexpr = False,
@@ -76,7 +76,10 @@ def kda_state_pass_kernel(
     in float32.
 
     With SAVE, ``chunk_saves`` [chunks] int32 names per chunk a state slot (or -1): the state after that chunk is
-    also stored there (prefix checkpoints inside the step, prefill.py)."""
+    also stored there (prefix checkpoints inside the step, prefill.py), through plain pointer stores into
+    ``state_p`` (the state slots as a tensor), as the float32 kernels store theirs: with a descriptor store under
+    that data-dependent branch inside the pipelined loop, the checkpoint tests failed on the H100 for this kernel
+    alone."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -157,7 +160,9 @@ def kda_state_pass_kernel(
         if CHAIN >= 2:
             b_z = mma_bf16(b_vl, b_kh, b_z, DOT_F32)
         if SAVE:
-            dst = tl.load(chunk_saves + c0 + i_t)
-            if dst >= 0:
-                state.store([(dst * H + i_h) * K, i_v * BV], tl.trans(b_z).to(state.dtype))
+            dst = tl.load(chunk_saves + c0 + i_t).to(tl.int64)
+            if dst >= 0:  # Z = S^T: element (v, k) goes to the slot's row k, column v
+                rows = (dst * H + i_h) * K + o_k
+                tl.store(state_p + rows[None, :] * V + o_v[:, None], b_z.to(state_p.dtype.element_ty),
+                         mask=(o_v < V)[:, None])
     state.store([r_s, i_v * BV], tl.trans(b_z).to(state.dtype))
