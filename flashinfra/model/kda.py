@@ -94,6 +94,11 @@ class KDAttention(nn.Module):
         from flashinfra.model.replay import kda_layer_verify
 
         conv_state, state = cache.conv_state[self.layer], cache.recurrent_state[self.layer]
+        if all(batch.replay):  # the batch's own rows and device tensors: nothing from the host (a CUDA graph's path)
+            return kda_layer_verify(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
+                                    self.lower_bound, self.o_norm, self.eps, state, cache.replay[self.layer],
+                                    list(batch.state_slots), batch.cu_seqlens_list,
+                                    device_rows=(batch.state_slots_t, batch.cu_seqlens))
         out = torch.empty(qkv.shape[0], self.H, self.K, dtype=qkv.dtype, device=qkv.device)
         idx, sub, slots = self._rows(batch, [i for i, r in enumerate(batch.replay) if r], qkv.device)
         out[idx] = kda_layer_verify(qkv[idx], self.conv_weight, conv_state, g_raw[idx], b[idx], gate[idx], self.A_log,

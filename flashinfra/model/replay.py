@@ -76,16 +76,21 @@ def copy_bytes_per_slot(H: int, K: int, V: int, W: int, R: int, dtype: torch.dty
 
 
 def kda_layer_verify(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
-                     norm_weight, eps, state, ring: ReplayRing, state_slots: list[int],
-                     cu_seqlens: list[int]) -> torch.Tensor:
+                     norm_weight, eps, state, ring: ReplayRing, state_slots: list[int], cu_seqlens: list[int],
+                     device_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Every token's output as decode run token by token from the checkpoint would give it, with the ring
-    entries written and the checkpoint (state and conv window) only read (``kda_layer_verify_ref``)."""
+    entries written and the checkpoint (state and conv window) only read (``kda_layer_verify_ref``).
+    ``device_rows``: ``state_slots`` and ``cu_seqlens`` already on the device, which the kernel then reads (nothing
+    copied from the host: a CUDA graph captures this)."""
     longest = max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
     if longest > ring.capacity:
         raise ValueError(f"kda_layer_verify: {longest} tokens exceed the ring's {ring.capacity} entries")
     if use_triton(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, state):
-        slots = torch.tensor(state_slots, dtype=torch.int32, device=qkv.device)
-        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=qkv.device)
+        if device_rows is not None:
+            slots, cu = device_rows
+        else:
+            slots = torch.tensor(state_slots, dtype=torch.int32, device=qkv.device)
+            cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=qkv.device)
         return kda_layer_verify_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias,
                                        lower_bound, norm_weight, eps, state, ring, slots, cu)
     return kda_layer_verify_ref(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, lower_bound,
