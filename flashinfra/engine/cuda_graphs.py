@@ -1,21 +1,43 @@
-"""CUDA graphs for decode steps: one captured model forward per (batch bucket, block-table width bucket).
+"""CUDA graphs for decode and speculative-verify steps: one captured model forward per (batch bucket, block-table
+width bucket, tokens per row ``q``).
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the launch gaps.
 The model's kernel path takes tensors only (no host sync, no per-sequence Python), so one capture serves
 every decode batch whose size rounds up to the same bucket and whose block tables fit the same width.
 
-Static buffers hold the inputs (token ids and the ``ForwardBatch`` tensors); each step copies the real
-batch into their first ``B`` rows. Rows past ``B`` are padding: they decode a dummy token of a dummy
+Static buffers (``StepBuffers``) hold the inputs (token ids and the ``ForwardBatch`` tensors); each step copies the
+real batch into their first ``B`` rows. Rows past ``B`` are padding: they decode a dummy token of a dummy
 sequence whose block table, cache slot and KDA state slot are the engine's scratch block and slot (which
 the scheduler never hands out), so they never touch a real sequence's cache. Every op in the step works
 row by row, so the padding rows cannot change the real rows' results.
 
+Verify steps (speculative decoding, ``engine/speculative.py``): a step whose every row takes the KDA layers' verify
+path (``batch.replay`` all set: the rows with drafts and the plain decode rows beside them) replays the graph of
+``q = verify_q`` (``k + 1``) tokens per row, whose static batch has every ``replay`` flag set; the KDA layers then
+read the batch's device tensors only (``KDAttention._forward_replay``: state slots and ``cu_seqlens``; a row's ring
+entries are its slot's first ones, so there is no cursor to read). A row with fewer tokens (fewer drafts: a
+request within ``k`` tokens of its ``max_tokens`` or of the context length, a step short of token budget, a
+plain decode row) is padded to ``q`` rather than the step run eagerly: in a serving batch some row is nearly always
+near its end, so a step of unequal rows is common, and a pad token costs only its share of the step's compute. A
+pad token follows its row's own tokens, writes its latent and indexer entries to the scratch slot, and sits at the
+row's last position (so whatever it reads lies within the row's table); in the KDA layers it runs the verify
+recurrence after the row's tokens into the row's ring entries past them, which the fold never reads (it folds the
+committed tokens, the row's own at most). Each op is causal within a row (the KDA recurrence, attention up to a
+token's position) or works token by token, so the pad tokens cannot change the row's own. Padding rows verify
+from the scratch slot into the scratch slot's ring entries (the runner's scratch slot is a slot of the cache, so
+``Speculator`` gives it a ring like every other). The step's hidden states come back in its own packing, its
+tokens' rows gathered on the device. A step mixing a prefill (or a prefix checkpoint) with its decode rows runs
+eagerly.
+
 What it leaves to the caller: choosing graph or eager (``can_run``), reserving the scratch block and
 slot when allocating the cache, and which keys to capture ahead of serving (``engine/warmup.py``; a key met
-later is still captured on first use).
+later is still captured on first use). The MTP layer's chained draft steps: ``engine/draft_graphs.py``, in the same
+memory pool (``GraphPool``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -75,9 +97,107 @@ def graph_keys(max_num_seqs: int, max_blocks_per_seq: int, num_blocks: int,
     return keys
 
 
+def step_key(batch: ForwardBatch, batch_buckets: tuple[int, ...], verify_q: int = 1) -> tuple[int, int, int] | None:
+    """The key (batch bucket, width bucket, q) of the graph that replays ``batch``, or None where it runs eagerly: a
+    decode batch replays a ``q = 1`` graph; a verify batch (every row in the verify path, none longer than
+    ``verify_q`` tokens) the ``q = verify_q`` graph (1: no verify graphs); anything else (a prefill or a prefix
+    checkpoint in the step, more rows than the largest bucket) runs eagerly."""
+    if batch.num_seqs > batch_buckets[-1] or batch.checkpoints:
+        return None
+    if batch.replay:
+        if verify_q < 2 or not all(batch.replay) or max(batch.query_lens) > verify_q:
+            return None
+        q = verify_q
+    elif batch.is_decode:
+        q = 1
+    else:
+        return None
+    return bucket(batch.num_seqs, batch_buckets), width_bucket(batch.block_tables_t.shape[1]), q
+
+
+class StepBuffers:
+    """The static inputs of one graph: ``bs`` rows of ``q`` tokens, block tables ``width`` blocks wide. Every row is
+    a padding row (one token at position 1 of the scratch block, its other ``q - 1`` pad tokens beside it, state
+    slot the scratch slot) until ``fill`` copies a step's rows in."""
+
+    def __init__(self, bs: int, width: int, q: int, block_size: int, scratch_block: int, scratch_slot: int,
+                 device: torch.device | str):
+        self.bs, self.q = bs, q
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
+        self.scratch_entry = scratch_block * block_size + 1  # the cache slot every pad token writes
+        T = bs * q
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=device)
+        self.batch = ForwardBatch(
+            query_lens=(q,) * bs, context_lens=(1,) * bs, state_slots=(scratch_slot,) * bs,
+            block_tables=((scratch_block,),) * bs, block_size=block_size, replay=(True,) * bs if q > 1 else (),
+            cu_seqlens=torch.arange(bs + 1, **i32) * q,
+            slot_mapping=torch.full((T,), self.scratch_entry, dtype=torch.long, device=device),
+            state_slots_t=torch.full((bs,), scratch_slot, dtype=torch.long, device=device),
+            block_tables_t=torch.full((bs, width), scratch_block, **i32),
+            seq_lens_t=torch.full((bs,), 2, **i32),
+            token_seq=torch.arange(bs, **i32).repeat_interleave(q),
+            positions=torch.ones(T, **i32),
+        )
+
+    def fill(self, input_ids: torch.Tensor, batch: ForwardBatch) -> slice | torch.Tensor:
+        """Copy ``batch`` (at most ``bs`` rows of at most ``q`` tokens) in, the rest padding; -> where its tokens lie
+        among the ``bs * q`` (a slice for decode, else an index on the device)."""
+        s, B, q = self.batch, batch.num_seqs, self.q
+        w = batch.block_tables_t.shape[1]
+        if q == 1:
+            at = slice(0, B)
+        else:  # row b's token i at b * q + i; the pad tokens after them at the row's last position, in the scratch
+            seq = batch.token_seq.long()
+            at = seq * q + torch.arange(input_ids.shape[0], device=seq.device) - batch.cu_seqlens.long()[seq]
+            self.input_ids[: B * q] = 0
+            s.slot_mapping[: B * q] = self.scratch_entry
+            s.positions.view(self.bs, q)[:B] = (batch.seq_lens_t - 1)[:, None]
+        self.input_ids[at] = input_ids
+        s.slot_mapping[at] = batch.slot_mapping
+        s.positions[at] = batch.positions
+        s.state_slots_t[:B].copy_(batch.state_slots_t)
+        s.block_tables_t[:B, :w].copy_(batch.block_tables_t)
+        s.block_tables_t[:B, w:] = 0
+        s.seq_lens_t[:B].copy_(batch.seq_lens_t)
+        # the padding rows, whatever an earlier step left there
+        self.input_ids[B * q :] = 0
+        s.slot_mapping[B * q :] = self.scratch_entry
+        s.positions[B * q :] = 1
+        s.state_slots_t[B:] = self.scratch_slot
+        s.block_tables_t[B:] = self.scratch_block
+        s.seq_lens_t[B:] = 2
+        return at
+
+
+class GraphPool:
+    """The memory pool every capture of an engine shares (its graphs replay one at a time, on one stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.handle = device, None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``fn`` run twice on a side stream (compiling its kernels and settling the allocator outside the capture),
+        then captured; -> the graph and ``fn``'s output, which each replay rewrites."""
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.handle):
+            out = fn()
+        self.handle = graph.pool()
+        return graph, out
+
+
 class DecodeGraphs:
+    """The step graphs of one model and cache: decode, and verify where ``verify_q`` (the tokens per row of the
+    verify graphs, ``k + 1``) is more than 1."""
+
     def __init__(self, model: LoadedModel, cache: ModelCache, scratch_block: int, scratch_slot: int,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, verify_q: int = 1):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs: CUDA graphs need a CUDA model")
         if not 0 <= scratch_block < cache.num_blocks or not 0 <= scratch_slot < cache.num_slots:
@@ -86,79 +206,41 @@ class DecodeGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.max_batch = self.batch_buckets[-1]
-        self.pool = None  # one memory pool shared by all captures
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, ForwardBatch, torch.Tensor]] = {}
+        self.verify_q = verify_q
+        self.pool = GraphPool(model.device)  # one memory pool shared by all captures
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepBuffers, torch.Tensor]] = {}
+
+    @property
+    def step_qs(self) -> tuple[int, ...]:
+        """The tokens per row of the graphs a step may replay: 1 (decode), and ``verify_q`` where verifying."""
+        return (1, self.verify_q) if self.verify_q > 1 else (1,)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.num_seqs <= self.max_batch
+        return step_key(batch, self.batch_buckets, self.verify_q) is not None
 
-    def _static(self, bs: int, width: int) -> tuple[dict, ForwardBatch]:
-        dev, block = self.model.device, self.cache.block_size
-        i32 = dict(dtype=torch.int32, device=dev)
-        buf = dict(
-            input_ids=torch.zeros(bs, dtype=torch.long, device=dev),
-            cu_seqlens=torch.arange(bs + 1, **i32),
-            slot_mapping=torch.full((bs,), self.scratch_block * block + 1, dtype=torch.long, device=dev),
-            state_slots_t=torch.full((bs,), self.scratch_slot, dtype=torch.long, device=dev),
-            block_tables_t=torch.full((bs, width), self.scratch_block, **i32),
-            seq_lens_t=torch.full((bs,), 2, **i32),
-            token_seq=torch.arange(bs, **i32),
-            positions=torch.ones(bs, **i32),
-        )
-        batch = ForwardBatch(
-            query_lens=(1,) * bs, context_lens=(1,) * bs, state_slots=(self.scratch_slot,) * bs,
-            block_tables=((self.scratch_block,),) * bs, block_size=block,
-            **{k: v for k, v in buf.items() if k != "input_ids"},
-        )
-        return buf, batch
-
-    def _capture(self, bs: int, width: int):
-        buf, batch = self._static(bs, width)
+    def _capture(self, bs: int, width: int, q: int):
+        buf = StepBuffers(bs, width, q, self.cache.block_size, self.scratch_block, self.scratch_slot,
+                          self.model.device)
         forward = self.model.forward
-        stream = torch.cuda.Stream(device=self.model.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compiles the kernels and settles the allocator outside the capture
-            for _ in range(2):
-                forward(buf["input_ids"], batch, self.cache)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward(buf["input_ids"], batch, self.cache)
-        self.pool = graph.pool()
-        return graph, buf, batch, hidden
+        graph, hidden = self.pool.capture(lambda: forward(buf.input_ids, buf.batch, self.cache))
+        return graph, buf, hidden
 
-    def capture(self, keys: list[tuple[int, int]]) -> int:
-        """Capture the graphs of ``keys`` not captured yet (start-up warm-up); returns how many were new."""
+    def capture(self, keys: list[tuple[int, int, int]]) -> int:
+        """Capture the graphs of ``keys`` (batch bucket, width bucket, q) not captured yet (start-up warm-up);
+        returns how many were new."""
         new = [key for key in keys if key not in self.graphs]
         for key in new:
             self.graphs[key] = self._capture(*key)
         return len(new)
 
-    def _reset_padding(self, buf: dict, B: int) -> None:
-        block = self.cache.block_size
-        buf["input_ids"][B:] = 0
-        buf["slot_mapping"][B:] = self.scratch_block * block + 1
-        buf["state_slots_t"][B:] = self.scratch_slot
-        buf["block_tables_t"][B:] = self.scratch_block
-        buf["seq_lens_t"][B:] = 2
-        buf["positions"][B:] = 1
-
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The decode step's hidden states ``[B, D]`` from a graph replay (capturing it on first use)."""
-        if not self.can_run(batch):
-            raise ValueError("DecodeGraphs.run: not a decode batch within the largest bucket")
-        B, w = batch.num_seqs, batch.block_tables_t.shape[1]
-        key = (bucket(B, self.batch_buckets), width_bucket(w))
+        """The step's hidden states ``[T, D]`` (its own packing) from a graph replay (capturing it on first use)."""
+        key = step_key(batch, self.batch_buckets, self.verify_q)
+        if key is None:
+            raise ValueError("DecodeGraphs.run: not a decode or verify batch within the largest bucket")
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
-        graph, buf, _, hidden = self.graphs[key]
-        buf["input_ids"][:B].copy_(input_ids)
-        buf["slot_mapping"][:B].copy_(batch.slot_mapping)
-        buf["state_slots_t"][:B].copy_(batch.state_slots_t)
-        buf["block_tables_t"][:B, :w].copy_(batch.block_tables_t)
-        buf["block_tables_t"][:B, w:] = 0
-        buf["seq_lens_t"][:B].copy_(batch.seq_lens_t)
-        buf["positions"][:B].copy_(batch.positions)
-        self._reset_padding(buf, B)
+        graph, buf, hidden = self.graphs[key]
+        at = buf.fill(input_ids, batch)
         graph.replay()
-        return hidden[:B].clone()
+        return hidden[at].clone() if isinstance(at, slice) else hidden[at]

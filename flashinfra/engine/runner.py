@@ -90,7 +90,8 @@ class ModelRunner:
         graphs = cuda_graphs and graphs_supported(model)
         # with graphs, one more block and slot that the scheduler never hands out: the padding rows' scratch
         self.cache = model.allocate_cache(num_blocks + graphs, block_size, num_slots + num_prefix_slots + graphs)
-        self.graphs = DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots) if graphs else None
+        self.graphs = (DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots,
+                                    verify_q=speculative_tokens + 1) if graphs else None)
         self.staging = HostStaging(self.device)  # every step's integer inputs, one copy to the device
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
@@ -101,7 +102,7 @@ class ModelRunner:
         if speculative_tokens:
             from flashinfra.engine.speculative import Speculator
 
-            self.speculator = Speculator(model, self.cache, speculative_tokens, block_size)
+            self.speculator = Speculator(model, self.cache, speculative_tokens, block_size, self.graphs)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)

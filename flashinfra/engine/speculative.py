@@ -20,6 +20,9 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    single-token MTP steps chain the rest (their cache entries beyond the committed length are
    overwritten later too).
 
+With CUDA graphs a verify step whose rows all decode replays a captured forward (``engine/cuda_graphs.py``), and
+so does the chain (``engine/draft_graphs.py``); the catch-up runs eagerly.
+
 Drafts are greedy (the MTP's argmax), so the draft distribution in rejection sampling is one-hot.
 """
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from flashinfra.engine.cuda_graphs import DecodeGraphs
+from flashinfra.engine.draft_graphs import DraftGraphs, chain_steps
 from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import ScheduledRequest
@@ -40,7 +45,10 @@ from flashinfra.model.replay import ReplayRing, kda_fold
 
 
 class Speculator:
-    def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int):
+    def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int,
+                 graphs: DecodeGraphs | None = None):
+        """``graphs``: the runner's step graphs, whose scratch block, slot and memory pool the chained draft steps'
+        graphs share (``engine/draft_graphs.py``); None: the chain runs eagerly."""
         text = model.config.text
         reader = CheckpointReader(model.path)
         if not has_mtp(model.config, reader.names()):
@@ -64,6 +72,7 @@ class Speculator:
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
+        self.graphs = DraftGraphs(self, graphs) if graphs is not None and num_tokens > 1 else None
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
@@ -154,24 +163,32 @@ class Speculator:
         if not live:
             return
         h = out[[last[i] for i in live]]
-        pos = [ctxs[i] + qlens[i] for i in live]  # the next chained entry's position
-        drafts: list[list[int]] = [[] for _ in live]
-        cur = live
+        pos = [ctxs[i] + qlens[i] for i in live]  # the first chained entry's position
+        live_tables = [tables[i] for i in live]
+        steps = chain_steps(pos, live_tables, self.num_tokens, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(len(live)):
+            drafts = self.graphs.run(h, pos, live_tables, steps)
+        else:
+            drafts = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
+        for i, d in zip(live, drafts):
+            self.drafts[sched[rows[i][0]].request_id] = d
+
+    def _chain(self, h: torch.Tensor, pos: list[int], slots: list[int], tables: list[list[int]],
+               steps: list[int]) -> list[list[int]]:
+        """The eager chain: the first draft of each row from ``h`` (the catch-up's last entry), then its ``steps``
+        single-token MTP steps (``chain_steps``), the rows that still go on in each."""
+        embed = self.model.model.embed_tokens
+        drafts: list[list[int]] = [[] for _ in pos]
+        cur = list(range(len(pos)))
         for j in range(self.num_tokens):
             tok = self.model.compute_logits(self.mtp.logits_hidden(h)).argmax(-1)
             for r, t in zip(cur, tok.tolist()):
-                drafts[live.index(r)].append(t)
-            if j + 1 == self.num_tokens:
-                break
-            keep = [x for x, r in enumerate(cur) if pos[live.index(r)] < len(tables[r]) * self.block_size]
-            if not keep:
+                drafts[r].append(t)
+            keep = [x for x, r in enumerate(cur) if steps[r] > j]
+            if j + 1 == self.num_tokens or not keep:
                 break
             cur, h, tok = [cur[x] for x in keep], h[keep], tok[keep]
-            ps = [pos[live.index(r)] for r in cur]
-            batch = ForwardBatch.build([1] * len(cur), ps, [slots[r] for r in cur], [tables[r] for r in cur],
-                                       self.block_size, self.device)
+            batch = ForwardBatch.build([1] * len(cur), [pos[r] + j for r in cur], [slots[r] for r in cur],
+                                       [tables[r] for r in cur], self.block_size, self.device)
             h = self.mtp(embed[tok], h, batch, self.mtp_cache)
-            for r in cur:
-                pos[live.index(r)] += 1
-        for i, d in zip(live, drafts):
-            self.drafts[sched[rows[i][0]].request_id] = d
+        return drafts

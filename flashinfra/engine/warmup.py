@@ -4,12 +4,15 @@ Without it the first step at a new shape pays for Triton compilation (kernels sp
 integer arguments they first meet) and for a graph capture, so that step runs seconds instead of
 milliseconds. ``warm_up`` captures the graphs of every (batch bucket, block-table width bucket) the
 configuration can reach (``cuda_graphs.graph_keys``) and runs a few prefill-shaped forward passes at the
-token budget (``prefill_shapes``), so kernels compile here and not in the middle of serving.
+token budget (``prefill_shapes``), so kernels compile here and not in the middle of serving. With speculative
+decoding the same (batch, width) pairs are captured again for the verify steps (``k + 1`` tokens per row, every
+row padded to that) and for the MTP layer's chained draft steps (``engine/draft_graphs.py``).
 
 The prefill passes write into the first cache blocks and KDA slots, which is harmless before any request
 exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
 they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
-once. What it leaves out: the vision tower and speculative (MTP) steps warm up on first use.
+once. What it leaves out: the vision tower and the MTP layer's catch-up step (an eager forward of the committed
+tokens) warm up on first use.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class WarmupReport:
     peak_bytes: int  # peak device memory allocated during the warm-up
 
     def line(self) -> str:
-        return (f"warm-up: {self.graphs_captured} decode graphs and {len(self.prefill_shapes)} prefill shapes "
+        return (f"warm-up: {self.graphs_captured} CUDA graphs and {len(self.prefill_shapes)} prefill shapes "
                 f"in {self.seconds:.1f} s; {self.memory_bytes / 2**20:.0f} MiB held, "
                 f"peak {self.peak_bytes / 2**30:.2f} GiB")
 
@@ -75,8 +78,24 @@ def _prefill_batch(query_lens: list[int], block_size: int, device) -> ForwardBat
     return ForwardBatch.build(query_lens, context_lens, list(range(len(query_lens))), tables, block_size, device)
 
 
+def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: int) -> int:
+    """Capture the graphs of every (batch bucket, width bucket) this configuration can reach: a decode graph each,
+    with speculative decoding a verify graph (``k + 1`` tokens per row) and a draft-chain graph (``k > 1``) each too;
+    returns how many were new."""
+    graphs = runner.graphs
+    if graphs is None:
+        return 0
+    pairs = graph_keys(max_num_seqs, -(-max_model_len // runner.block_size), num_blocks, graphs.batch_buckets)
+    captured = graphs.capture([(b, w, q) for q in graphs.step_qs for b, w in pairs])
+    drafts = runner.speculator.graphs if runner.speculator is not None else None
+    if drafts is not None:
+        captured += drafts.capture(pairs)
+    return captured
+
+
 def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int) -> WarmupReport | None:
-    """Capture the decode graphs and compile the prefill kernels of this configuration (CUDA only)."""
+    """Capture the decode (and verify and draft) graphs and compile the prefill kernels of this configuration
+    (CUDA only)."""
     device = runner.device
     if device.type != "cuda":
         return None
@@ -94,11 +113,7 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
             hidden = model.forward(input_ids, batch, runner.cache)
             last = torch.tensor(batch.last_token_indices, dtype=torch.long, device=device)
             model.compute_logits(hidden[last])
-        captured = 0
-        if runner.graphs is not None:
-            max_blocks = -(-max_model_len // runner.block_size)
-            captured = runner.graphs.capture(graph_keys(max_num_seqs, max_blocks, num_blocks,
-                                                             runner.graphs.batch_buckets))
+        captured = capture_graphs(runner, max_num_seqs, max_model_len, num_blocks)
     torch.cuda.synchronize(device)
     report = WarmupReport(seconds=time.perf_counter() - start, graphs_captured=captured,
                           prefill_shapes=tuple(tuple(s) for s in shapes),

@@ -22,4 +22,4 @@ def test_kernels_under_triton_interpreter(module):
 
 def test_every_interpreter_module_is_found():
     assert {"interpret_kda.py", "interpret_hotpath.py", "interpret_quant.py", "interpret_verify.py",
-            "interpret_batch_invariant.py", "interpret_kda_chain.py"} <= set(MODULES)
+            "interpret_batch_invariant.py", "interpret_kda_chain.py", "interpret_step_graphs.py"} <= set(MODULES)

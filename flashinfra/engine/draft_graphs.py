@@ -1,0 +1,152 @@
+"""CUDA graphs for the MTP layer's chained draft steps: the ``k - 1`` single-token steps of a draft, with the ``k``
+argmaxes between them, captured as one graph per (batch bucket, block-table width bucket).
+
+``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions in one
+eager forward (its rows are as long as the step committed: 1 to ``k + 1`` tokens, a whole prompt after a prefill,
+and its inputs are gathered per row from the verify step's hidden states) and takes the first draft from the last
+entry of each row that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's
+output hidden and its argmax back in. Which row takes which step is known on the host before the chain starts
+(``chain_steps``: a row goes on while its next position fits its block table), so the whole chain is one graph:
+its inputs are the catch-up's last hidden per row, the block tables, and per step each row's cache slot and
+position (``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads
+each step's tokens.
+
+A row whose table is full before its last step runs the steps past it writing the scratch slot, at the last
+position its table holds (its drafts from those steps are dropped); the padding rows (past the batch, up to its
+bucket) run from a zero hidden in the scratch block. The scratch block and slot, the buckets and the memory pool
+are the step graphs' (``engine/cuda_graphs.py``). Every op of the MTP block works row by row (attention reads a
+row's own table up to its position), so neither changes a real row's drafts. With ``k = 1`` there is no chained
+step and nothing to capture: the one draft is the argmax of the catch-up's last entry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashinfra.engine.cuda_graphs import DecodeGraphs, bucket, width_bucket
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.staging import HostStaging
+
+
+def chain_steps(positions: list[int], tables: list[list[int]], num_tokens: int, block_size: int) -> list[int]:
+    """The chained MTP steps of each row (0 to ``k - 1``): one per position from its next (``positions``) while
+    that position fits its block table."""
+    return [max(0, min(num_tokens - 1, len(t) * block_size - p)) for p, t in zip(positions, tables)]
+
+
+def chain_inputs(positions: list[int], tables: list[list[int]], steps: list[int], num_tokens: int,
+                 block_size: int, bs: int, scratch_entry: int) -> tuple[list[int], list[int]]:
+    """The cache slot and position of each row of a ``bs``-row chain at each of its ``k - 1`` steps, as flat
+    ``[k - 1, bs]`` lists: a row's own steps write its next positions; past them (a full table) it writes the
+    scratch slot at the last position its table holds, and a padding row writes it at position 1."""
+    slots, pos = [], []
+    for j in range(num_tokens - 1):
+        for r in range(bs):
+            if r >= len(positions):
+                slots.append(scratch_entry)
+                pos.append(1)
+                continue
+            table, cap = tables[r], len(tables[r]) * block_size
+            p = min(positions[r] + j, cap - 1)
+            own = j < steps[r]
+            slots.append(table[p // block_size] * block_size + p % block_size if own else scratch_entry)
+            pos.append(p)
+    return slots, pos
+
+
+class ChainBuffers:
+    """The static inputs and the body of one chain graph: ``bs`` rows, block tables ``width`` blocks wide (the
+    body runs eagerly too, from ``fill``'s inputs)."""
+
+    def __init__(self, spec, bs: int, width: int, scratch_block: int, scratch_slot: int):
+        self.spec, self.bs, self.width = spec, bs, width
+        self.scratch_block = scratch_block
+        self.scratch_entry = scratch_block * spec.block_size + 1
+        dev, steps = spec.device, spec.num_tokens - 1
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(bs, spec.model.config.text.hidden_size, dtype=spec.model.dtype, device=dev)
+        self.block_tables = torch.full((bs, width), scratch_block, **i32)
+        self.slot_mapping = torch.full((steps, bs), self.scratch_entry, dtype=torch.long, device=dev)
+        self.positions = torch.ones(steps, bs, **i32)
+        shared = dict(query_lens=(1,) * bs, context_lens=(1,) * bs, state_slots=(scratch_slot,) * bs,
+                      block_tables=((scratch_block,),) * bs, block_size=spec.block_size,
+                      cu_seqlens=torch.arange(bs + 1, **i32), block_tables_t=self.block_tables,
+                      state_slots_t=torch.full((bs,), scratch_slot, dtype=torch.long, device=dev),
+                      token_seq=torch.arange(bs, **i32))
+        self.seq_lens = self.positions + 1
+        self.batches = [ForwardBatch(slot_mapping=self.slot_mapping[j], positions=self.positions[j],
+                                     seq_lens_t=self.seq_lens[j], **shared) for j in range(steps)]
+
+    def fill(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]], steps: list[int],
+             staging: HostStaging) -> None:
+        """Copy a chain in: ``hidden`` [n, D] the catch-up's last entry per row, ``positions`` each row's next,
+        ``tables`` its block table, ``steps`` its chained steps (``chain_steps``)."""
+        n, w = len(positions), max(len(t) for t in tables)
+        s = self.spec
+        slots, pos = chain_inputs(positions, tables, steps, s.num_tokens, s.block_size, self.bs, self.scratch_entry)
+        shape = (s.num_tokens - 1, self.bs)
+        views = staging.upload([("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
+                                ("slot_mapping", torch.int64, slots, shape), ("positions", torch.int32, pos, shape)])
+        self.hidden[:n].copy_(hidden)
+        self.hidden[n:] = 0
+        self.block_tables[:n, :w].copy_(views["tables"])
+        self.block_tables[:n, w:] = 0
+        self.block_tables[n:] = self.scratch_block
+        self.slot_mapping.copy_(views["slot_mapping"])
+        self.positions.copy_(views["positions"])
+        torch.add(self.positions, 1, out=self.seq_lens)
+
+    @staticmethod
+    def drafts(out: torch.Tensor, steps: list[int]) -> list[list[int]]:
+        """Each row's drafts (``1 + steps[r]`` of them) of a chain's output [k, bs]."""
+        return [row[: 1 + n] for row, n in zip(out[:, : len(steps)].T.tolist(), steps)]
+
+    def chain(self) -> torch.Tensor:
+        """-> the drafts [k, bs]: the argmax of each step's hidden, fed to the next step with it."""
+        s = self.spec
+        embed, h, drafts = s.model.model.embed_tokens, self.hidden, []
+        for j in range(s.num_tokens):
+            tok = s.model.compute_logits(s.mtp.logits_hidden(h)).argmax(-1)
+            drafts.append(tok)
+            if j + 1 < s.num_tokens:
+                h = s.mtp(embed[tok], h, self.batches[j], s.mtp_cache)
+        return torch.stack(drafts)
+
+
+class DraftGraphs:
+    """The chain graphs of ``spec`` (a ``Speculator`` with ``k > 1``), beside the step graphs ``graphs``."""
+
+    def __init__(self, spec, graphs: DecodeGraphs):
+        if spec.num_tokens < 2:
+            raise ValueError("DraftGraphs: a draft of one token has no chained step")
+        self.spec = spec
+        self.scratch_block, self.scratch_slot = graphs.scratch_block, graphs.scratch_slot
+        self.batch_buckets, self.pool = graphs.batch_buckets, graphs.pool
+        self.staging = HostStaging(spec.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ChainBuffers, torch.Tensor]] = {}
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.batch_buckets[-1]
+
+    def _capture(self, bs: int, width: int):
+        buf = ChainBuffers(self.spec, bs, width, self.scratch_block, self.scratch_slot)
+        graph, drafts = self.pool.capture(buf.chain)
+        return graph, buf, drafts
+
+    def capture(self, keys: list[tuple[int, int]]) -> int:
+        """Capture the graphs of ``keys`` (batch bucket, width bucket) not captured yet; returns how many were new."""
+        new = [key for key in keys if key not in self.graphs]
+        for key in new:
+            self.graphs[key] = self._capture(*key)
+        return len(new)
+
+    def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]],
+            steps: list[int]) -> list[list[int]]:
+        """Each row's drafts (``1 + steps[r]`` of them) from a graph replay (capturing it on first use)."""
+        key = (bucket(len(positions), self.batch_buckets), width_bucket(max(len(t) for t in tables)))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, buf, drafts = self.graphs[key]
+        buf.fill(hidden, positions, tables, steps, self.staging)
+        graph.replay()
+        return buf.drafts(drafts, steps)

@@ -1,0 +1,88 @@
+"""The speculative steps' CUDA-graph inputs under Triton's CPU interpreter (the kernel path a graph captures, run
+eagerly): a verify step padded into a graph's static buffers gives its tokens the hidden states of the step run
+alone, writes no real row's cache or ring entry that the step alone does not, and folds to the same states; the
+draft chain's graph body gives the eager chain's drafts and cache entries."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from flashinfra.engine.cuda_graphs import StepBuffers
+from flashinfra.engine.draft_graphs import ChainBuffers, chain_steps
+from flashinfra.engine.speculative import Speculator
+from flashinfra.model.api import load_model
+from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.model.replay import kda_fold
+from flashinfra.model.staging import HostStaging
+from tests.disagg.test_roles import two_layer_mtp_checkpoint
+
+BS, K = 4, 3
+PROMPTS = (9, 3, 14)
+TABLES = [[0, 1, 2, 3], [4], [5, 6, 7, 8]]  # each prompt and its drafts fit; blocks 9-11 unused
+SCRATCH_BLOCK, SCRATCH_SLOT = 12, 3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = load_model(two_layer_mtp_checkpoint(tmp_path_factory.mktemp("m")))
+    cache = model.allocate_cache(SCRATCH_BLOCK + 1, BS, SCRATCH_SLOT + 1)
+    spec = Speculator(model, cache, K, BS)  # the rings: one per slot, the scratch slot's too
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 500, (sum(PROMPTS),), generator=gen)
+    batch = ForwardBatch.build(list(PROMPTS), [0] * 3, [0, 1, 2], TABLES, BS, "cpu")
+    model.forward(ids, batch, cache)
+    return model, cache, spec
+
+
+def test_padded_verify_step_equals_the_step_alone(setup):
+    model, cache, _ = setup
+    qlens = [4, 1, 2]  # 3, 0 and 1 drafts
+    batch = dataclasses.replace(ForwardBatch.build(qlens, list(PROMPTS), [0, 1, 2], TABLES, BS, "cpu"),
+                                replay=(True,) * 3)
+    ids = torch.randint(10, 500, (sum(qlens),), generator=torch.Generator().manual_seed(1))
+    alone, padded = copy.deepcopy(cache), copy.deepcopy(cache)
+    want = model.forward(ids, batch, alone)
+    buf = StepBuffers(4, 16, K + 1, BS, SCRATCH_BLOCK, SCRATCH_SLOT, "cpu")
+    at = buf.fill(ids, batch)
+    got = model.forward(buf.input_ids, buf.batch, padded)[at]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    for name in ("mla_latent", "indexer_keys", "indexer_pool_keys"):
+        for layer, t in getattr(alone, name).items():
+            assert torch.allclose(getattr(padded, name)[layer][:SCRATCH_BLOCK], t[:SCRATCH_BLOCK], atol=1e-6), name
+    for layer, ring in alone.replay.items():
+        other = padded.replay[layer]
+        for slot, q in enumerate(qlens):  # the row's own entries; past them the pad tokens' (never folded)
+            for f in ("x", "k", "v", "g", "beta"):
+                assert torch.allclose(getattr(other, f)[slot, :q], getattr(ring, f)[slot, :q], atol=1e-6), f
+        for c in (alone, padded):
+            kda_fold(c.replay[layer], c.conv_state[layer], c.recurrent_state[layer], [0, 1, 2], qlens)
+        for states in ("conv_state", "recurrent_state"):
+            a, b = getattr(alone, states)[layer][:3], getattr(padded, states)[layer][:3]
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), states
+
+
+def test_chain_body_equals_the_eager_chain(setup):
+    model, _, spec = setup
+    gen = torch.Generator().manual_seed(2)
+    for t in (*spec.mtp_cache.mla_latent.values(), *spec.mtp_cache.indexer_keys.values(),
+              *spec.mtp_cache.indexer_pool_keys.values()):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    pos = [13, 4, 15]  # the next position of each row: two chained steps, none (a full table), one
+    steps = chain_steps(pos, TABLES, K, BS)
+    assert steps == [2, 0, 1]
+    h = torch.randn(3, model.config.text.hidden_size, generator=gen)
+    start = spec.mtp_cache
+    spec.mtp_cache = eager_cache = copy.deepcopy(start)
+    want = spec._chain(h, pos, [0, 1, 2], TABLES, steps)
+    spec.mtp_cache = graph_cache = copy.deepcopy(start)
+    buf = ChainBuffers(spec, 4, 16, SCRATCH_BLOCK, SCRATCH_SLOT)
+    buf.fill(h, pos, TABLES, steps, HostStaging("cpu"))
+    got = buf.drafts(buf.chain(), steps)
+    spec.mtp_cache = start
+    assert got == want and [len(d) for d in got] == [3, 1, 2]
+    for name in ("mla_latent", "indexer_keys", "indexer_pool_keys"):
+        for layer, t in getattr(eager_cache, name).items():
+            other = getattr(graph_cache, name)[layer]
+            assert torch.allclose(other[:SCRATCH_BLOCK], t[:SCRATCH_BLOCK], atol=1e-6), name
