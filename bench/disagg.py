@@ -217,6 +217,9 @@ def main() -> None:
             if name.startswith(("colocated", "disaggregated")):
                 for c, run in runs.items():
                     s = run["summary"]
+                    if not s["completed"]:
+                        print(f"{name:24s} c={c:>3}: every request failed: {s['errors']}")
+                        continue
                     print(f"{name:24s} c={c:>3}: TTFT p50 {s['ttft_p50_ms']:.1f} ms, "
                           f"TPOT p50 {s['tpot_p50_ms']:.2f} ms, p99 {s['tpot_p99_ms']:.2f} ms, "
                           f"{s['output_tok_s']:.0f} tok/s, failed {s['failed']}")

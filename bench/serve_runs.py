@@ -79,7 +79,8 @@ def summary(report: dict) -> dict:
     return dict(output_tok_s=report["output_throughput_tok_s"], completed=report["completed"],
                 failed=report["failed"], ttft_p50_ms=report["ttft_ms"]["p50"], tpot_p50_ms=tpot["p50"],
                 tpot_p90_ms=tpot["p90"], tpot_p99_ms=tpot["p99"], itl_p50_ms=itl["p50"], itl_p99_ms=itl["p99"],
-                tpot_p99_over_p50=(tpot["p99"] / tpot["p50"]) if tpot["p50"] else None)
+                tpot_p99_over_p50=(tpot["p99"] / tpot["p50"]) if tpot["p50"] else None,
+                errors=report["errors"][:3])
 
 
 def sweep(port: int, concurrencies, num_prompts: Callable[[int], int], input_len: int, output_len: int,
