@@ -9,6 +9,7 @@ decode role (disaggregated serving) it exports or imports request states (``flas
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ from flashinfra.engine.sched.plan import Plan, StepResult
 from flashinfra.engine.sched.request import Request
 from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN
 from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("flashinfra.engine")
 
 if TYPE_CHECKING:
     from flashinfra.engine.runner import StepHandle
@@ -251,7 +254,9 @@ def _describe(plan: Plan) -> dict[str, Any]:
 
 
 def _failed(plan: Plan, e: Exception) -> StepResult:
+    """The step's requests fail with ``e``'s message; its traceback goes to the log."""
     msg = f"model step failed: {type(e).__name__}: {e}"
+    logger.error("%s (%d requests failed)", msg, len(plan.scheduled), exc_info=e)
     return StepResult(errors={sr.request_id: msg for sr in plan.scheduled})
 
 
