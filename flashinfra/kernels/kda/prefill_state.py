@@ -162,7 +162,7 @@ def kda_state_pass_kernel(
         if SAVE:
             dst = tl.load(chunk_saves + c0 + i_t).to(tl.int64)
             if dst >= 0:  # Z = S^T: element (v, k) goes to the slot's row k, column v
-                rows = (dst * H + i_h) * K + o_k
-                tl.store(state_p + rows[None, :] * V + o_v[:, None], b_z.to(state_p.dtype.element_ty),
+                slot_rows = (dst * H + i_h) * K + o_k
+                tl.store(state_p + slot_rows[None, :] * V + o_v[:, None], b_z.to(state_p.dtype.element_ty),
                          mask=(o_v < V)[:, None])
     state.store([r_s, i_v * BV], tl.trans(b_z).to(state.dtype))
