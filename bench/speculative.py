@@ -44,19 +44,14 @@ def _prompts(args, n: int, vocab: int, tokenizer=None) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
 
 
-def _generate(llm, prompts, params) -> None:
-    """One generation; a request that failed in the engine fails the benchmark with its error."""
-    errors = [o.error for o in llm.generate(prompts, params) if o.error]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed; the first: {errors[0]}")
-
-
 def _timed(llm, prompts, params, runs: int) -> float:
-    _generate(llm, prompts, params)
+    from flashinfra.feedback.timing import generated
+
+    generated(llm, prompts, params)
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        _generate(llm, prompts, params)
+        generated(llm, prompts, params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)

@@ -112,15 +112,16 @@ def ttft(size: int, device: str, dtype: str) -> dict:
     from PIL import Image
 
     from flashinfra import LLM, SamplingParams
+    from flashinfra.feedback.timing import generated
 
     llm = LLM(None, enable_vision=True, device=device, dtype=dtype, max_num_seqs=4)
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (size, size, 3), dtype=np.uint8))
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate("warm up", params, images=[[Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))]])
+    generated(llm, "warm up", params, images=[[Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))]])
     out = {}
     for name in ("cold", "cached"):
         t0 = time.perf_counter()
-        res = llm.generate("Describe the image.", params, images=[[image]])[0]
+        res = generated(llm, "Describe the image.", params, images=[[image]])[0]
         out[f"{name}_s"] = time.perf_counter() - t0
         out["prompt_tokens"] = len(res.prompt_token_ids)
     out["size"] = size

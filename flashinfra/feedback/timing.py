@@ -153,6 +153,16 @@ def relerr(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def generated(llm, prompts, params, **kwargs) -> list:
+    """``llm.generate(prompts, params, **kwargs)``, raising when a request failed in the engine: a benchmark times
+    generations, never failures."""
+    outputs = llm.generate(prompts, params, **kwargs)
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(outputs)} requests failed; the first: {errors[0]}")
+    return outputs
+
+
 def header(argv: list[str] | None = None) -> dict[str, Any]:
     """The first fields of a results JSON: device, the command that produced it, the UTC date, versions (torch,
     triton, fla-core where installed) and ``machine_info``."""
