@@ -12,7 +12,7 @@ from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, StepResult
 from flashinfra.engine.sched.scheduler import Scheduler
 
-from tests.engine.sched.test_scheduler import expected_output, make_request, next_token, sched_config
+from tests.engine.sched.sim import expected_output, make_request, next_token, sched_config
 
 
 class AheadRunner:

@@ -10,7 +10,7 @@ from flashinfra.engine.sched.cache_manager import HybridCacheManager
 from flashinfra.engine.sched.messages import SamplingParams
 from flashinfra.engine.sched.request import Request
 from flashinfra.engine.sched.scheduler import Scheduler
-from tests.engine.sched.test_scheduler import VOCAB, SimRunner, expected_output, make_request, run_all, sched_config
+from tests.engine.sched.sim import VOCAB, SimRunner, expected_output, make_request, run_all, sched_config
 
 
 def test_deterministic_mode_cuts_prompts_at_kda_chunks():
