@@ -186,8 +186,9 @@ def _dsa_bench(B: int, ctx_len: int, T: int):
         P = n // KPOOL
         pairs = t * P if t == b else b * sum(min(P, (n - t // b + j + 1) // KPOOL) for j in range(t // b))
         es = act.itemsize
+        select = dsa_indexer.select_bytes(t, P, min(topk // KPOOL, P))  # the scores, the top-k's traffic
         return BenchSpec(fn=step, make_inputs=inputs,
-                         bytes=b * P * di * es + t * (2 * di + di // KPOOL) * es + 2 * t * P * 8,
+                         bytes=b * P * di * es + t * (2 * di + di // KPOOL) * es + select,
                          flops=2 * pairs * hi * di,
                          description="DSA indexer: new pools' keys, scores over the pool-key cache, top-k, positions",
                          params=dict(B=b, context=n, T=t, Hi=hi, Di=di))

@@ -9,19 +9,20 @@ incomplete tail pool.
 The fast path takes tensors only (no per-sequence Python loop, no host sync), so a decode step can be
 captured in a CUDA graph:
 
-1. ``index_score_kernel``: per (query token, block of pools) the scores as int64 sort keys, reading the pool keys
-   ``[num_blocks, block_size // kpool, Di]`` through the block table: the float score's order-preserving bits in
-   the high word and the pool index in the low word, so one ``torch.topk`` over distinct keys reproduces the
-   reference's tie rule exactly (a zero score of either sign is +0, as the reference's sort sees them equal).
-   Pools the query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the
-   (padded) block table.
-2. ``torch.topk`` of each query's sort keys. The queries go through steps 1-2 in slices of at most
-   ``KEY_BUFFER_BYTES`` of sort keys (a 1024-token chunk at 1M context would otherwise write 2 GiB); a slice's
-   rows are the same bits as in one pass, since each row is its own top-k.
+1. ``index_score_kernel``: per (query token, block of pools) the scores as int32 order-preserving bits
+   (``dsa_topk.score_bits``: integer order is float order, a zero of either sign is +0, as the reference's sort sees
+   them equal), reading the pool keys ``[num_blocks, block_size // kpool, Di]`` through the block table. Pools the
+   query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
+   table.
+2. ``dsa_topk.topk_launch``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
+   order, by a radix select in Triton; the same values and order as ``torch.topk`` over those keys, i.e. the
+   reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices of at most
+   ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a slice's rows
+   are the same bits as in one pass, since each row is its own top-k.
 3. ``positions_kernel``: one launch from the top-k keys to the token list ``[T, k * kpool + kpool - 1]``
-   (-1 = nothing) that sparse MLA attends to: the selected pools' tokens, then the tail (in deterministic mode the
-   tail first, so that each position keeps its column whatever the batch's widest block table makes the pools'
-   width).
+   (-1 = nothing) that sparse MLA attends to: the selected pools' tokens in the keys' order, then the tail (in
+   deterministic mode the tail first, so that each position keeps its column whatever the batch's widest block
+   table makes the pools' width).
 
 Cache formats: the pool keys are in the query dtype whatever the entries' format (bf16 or e4m3 + scales), so
 scoring, top-k and the tail are one kernel for both.
@@ -34,10 +35,11 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic
+from flashinfra.kernels.dsa_topk import topk_bytes, topk_launch
 from flashinfra.kernels.launch import fast
 
 FMIN = torch.finfo(torch.float32).min
-# the most bytes of int64 sort keys one slice of queries writes before its top-k (1M context: 128 queries a slice)
+# the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
 KEY_BUFFER_BYTES = 256 << 20
 
 
@@ -50,10 +52,10 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
     m_p = o_p < P
     pos = tl.load(positions + i_t)
     visible = (o_p * KP + KP - 1 <= pos) & m_p
-    key_min = (tl.full([BP], -2139095040, tl.int32).to(tl.int64) << 32) | o_p.to(tl.int64)  # float32 min's order bits
+    bits_min = tl.full([BP], -2139095040, tl.int32)  # float32 min's order bits
     p_out = out + i_t.to(tl.int64) * P + o_p
     if i_p * BP * KP + KP - 1 > pos:  # no pool of this block is visible to the query
-        tl.store(p_out, key_min, mask=m_p)
+        tl.store(p_out, bits_min, mask=m_p)
         return
     b = tl.load(token_seq + i_t).to(tl.int64)
     o_h = tl.arange(0, HI)
@@ -72,8 +74,7 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | o_p.to(tl.int64)
-    tl.store(p_out, tl.where(visible, key, key_min), mask=m_p)
+    tl.store(p_out, tl.where(visible, ordered, bits_min), mask=m_p)
 
 
 @triton.jit
@@ -103,26 +104,38 @@ def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constex
         tl.store(p_out + tail_at + o_j, tl.where(tok <= pos, tok, -1).to(tl.int32), mask=o_j < TAIL)
 
 
-def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
-    """[T, k] int64: each query's ``k`` best sort keys (the pool in the low word; pools the query cannot see come
-    last), the queries in slices of at most ``KEY_BUFFER_BYTES`` of sort keys."""
+def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, out) -> torch.Tensor:
+    """out [T, P] int32 (P the block table's pool capacity): every query's score bits for every pool."""
     T, Hi, Di = q.shape
-    B, W = block_tables.shape
+    W = block_tables.shape[1]
     bs = pool_keys.shape[1] * kpool
-    P = W * bs // kpool
-    rows = max(1, min(T, KEY_BUFFER_BYTES // (8 * P)))
-    keys = torch.empty(rows, P, dtype=torch.int64, device=q.device)
-    top = torch.empty(T, k, dtype=torch.int64, device=q.device)
-    order = torch.empty(rows, k, dtype=torch.int64, device=q.device)
+    P = out.shape[1]
     BP = 64
+    fast(index_score_kernel)[(T, triton.cdiv(P, BP))](
+        q, w, pool_keys, block_tables, token_seq, positions, out, W, P, Di**-0.5, q.stride(0), w.stride(0),
+        KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
+    """[T, k] int64: each query's ``k`` best sort keys, best first (the pool in the low word; pools the query cannot
+    see come last), the queries in slices of at most ``KEY_BUFFER_BYTES`` of scores."""
+    T = q.shape[0]
+    P = block_tables.shape[1] * pool_keys.shape[1]
+    rows = max(1, min(T, KEY_BUFFER_BYTES // (4 * P)))
+    scores = torch.empty(rows, P, dtype=torch.int32, device=q.device)
+    top = torch.empty(T, k, dtype=torch.int64, device=q.device)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
-        fast(index_score_kernel)[(n, triton.cdiv(P, BP))](
-            q[t0:], w[t0:], pool_keys, block_tables, token_seq[t0:], positions[t0:], keys, W, P, Di**-0.5,
-            q.stride(0), w.stride(0), KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32,
-            num_warps=4)
-        torch.topk(keys[:n], k, dim=1, out=(top[t0:t0 + n], order[:n]))
+        s = slice(t0, t0 + n)
+        scores_launch(pool_keys, q[s], w[s], block_tables, token_seq[s], positions[s], kpool, scores[:n])
+        topk_launch(scores[:n], k, out=top[s])
     return top
+
+
+def select_bytes(T: int, P: int, k: int) -> int:
+    """Bytes of the selection beyond the pool keys: the scores written, the top-k's traffic."""
+    return 4 * T * P + topk_bytes(T, P, k)
 
 
 def dsa_select(

@@ -12,10 +12,18 @@
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
+- ``topk_select``: the radix select (``kernels.dsa_topk``) against ``torch.topk`` over the int64 sort keys, bit for bit
+  (values and order), on rows built to tie: a few score values with ±0 and ±inf, all equal, all zero, fewer
+  visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a query cannot see), equal
+  high bits with ties in the last digit, continuous scores, arbitrary bits; one stage or split into chunks.
+- ``dsa_select_topk``: the indexer's selection (scores, then the select) against ``torch.topk`` over the same
+  scores' keys, bit for bit.
 
-Registered check ``hotpath.dsa_pool_keys``: the four cases at fixed sizes. Benchmarks: the decode step at long
-context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``) and one 1024-token prefill chunk at 1M context,
-bytes and FLOPs as ``checks._dsa_bench`` derives them.
+Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last two), at
+fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
+and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
+alone (``hotpath.dsa_topk.*``) and ``torch.topk`` over the int64 keys at the same shapes
+(``hotpath.dsa_topk_torch.*``).
 """
 
 from __future__ import annotations
@@ -24,11 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
-from flashinfra.feedback.registry import CheckResult, compare, poison_
-from flashinfra.kernels import dsa_indexer
+from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, poison_
+from flashinfra.kernels import dsa_indexer, dsa_topk
 from flashinfra.kernels.check_cases import (_d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd,
                                              select_over_entries, slots_of, tol)
-from flashinfra.kernels.checks import HI, DI, KPOOL, _dsa_bench, _registered
+from flashinfra.kernels.checks import HI, DI, INDEX_TOPK, KPOOL, _bench, _bench_dev, _dsa_bench, _registered
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
 
@@ -136,7 +144,7 @@ def dsa_select_steps(device: str, steps: list[list[tuple[int, int, int]]], prefi
 
 def dsa_select_sliced(device: str, ctx: list[int], qlens: list[int], rows: int, Hi=16, Di=16, kpool=4, topk=8,
                       bs=8, dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """The selection with ``KEY_BUFFER_BYTES`` holding ``rows`` queries' sort keys equals the one-pass selection."""
+    """The selection with ``KEY_BUFFER_BYTES`` holding ``rows`` queries' scores equals the one-pass selection."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     cache, tables = paged_cache(device, gen, lens, bs, 2 * Di, dtype)
@@ -149,7 +157,7 @@ def dsa_select_sliced(device: str, ctx: list[int], qlens: list[int], rows: int, 
     args = (cache, None, ape, q, w, tables, lens, token_seq, positions, kpool, topk)
     whole = select_over_entries(*args)
     budget = dsa_indexer.KEY_BUFFER_BYTES
-    dsa_indexer.KEY_BUFFER_BYTES = rows * 8 * tables.shape[1] * bs // kpool
+    dsa_indexer.KEY_BUFFER_BYTES = rows * 4 * tables.shape[1] * bs // kpool
     try:
         sliced = select_over_entries(*args)
     finally:
@@ -171,6 +179,80 @@ def dsa_positions(device: str, T: int, k: int, kpool=4, tail=3, seed=0) -> list[
     return out
 
 
+def _tie_rows(device: str, gen, P: int, k: int) -> dict[str, torch.Tensor]:
+    """[P] int32 score bits per kind of row."""
+    fmin = torch.finfo(torch.float32).min
+    few = torch.tensor([0.0, -0.0, 0.5, 1.0, 2.5, -3.0, float("inf"), float("-inf")], device=device)
+    pick = torch.randint(0, len(few), (P,), generator=gen, device=device)
+    visible = torch.full((P,), fmin, device=device)
+    v = max(1, k // 2)  # fewer visible pools than k: the earliest, as a query's position leaves them
+    visible[:v] = few[pick[:v]]
+    one = dsa_topk.score_bits(torch.ones(1, device=device))
+    bits = torch.randint(-2**31, 2**31 - 1, (P,), generator=gen, device=device, dtype=torch.int64).to(torch.int32)
+    bits[: min(P, 2)] = torch.tensor([-2**31, 2**31 - 1], device=device, dtype=torch.int32)[: min(P, 2)]
+    return {"few_values": dsa_topk.score_bits(few[pick]),
+            "all_equal": one.expand(P).clone(),
+            "signed_zeros": dsa_topk.score_bits(torch.where(pick % 2 == 0, 0.0, -0.0)),
+            "few_visible": dsa_topk.score_bits(visible),
+            "last_digit": one + torch.randint(0, 3000, (P,), generator=gen, device=device, dtype=torch.int32),
+            "continuous": dsa_topk.score_bits(torch.randn(P, generator=gen, device=device).abs()),
+            "any_bits": bits}
+
+
+def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
+    rows = (got != want).any(1).nonzero().flatten().tolist()
+    return _verdict(name, got.shape == want.shape and not rows,
+                    f"{len(rows)} of {want.shape[0]} rows differ from torch.topk's keys (first: {rows[:4]})")
+
+
+def topk_select(device: str, P: int, k: int, rows_per_kind=1, chunk: int | None = None, block: int | None = None,
+             seed=0) -> list[CheckResult]:
+    """``dsa_topk.topk_launch`` on every kind of ``_tie_rows`` (``rows_per_kind`` fresh rows each) against
+    ``topk_ref``; ``chunk`` / ``block`` replace ``CHUNK`` / ``BLOCK`` to split small rows."""
+    gen = _gen(device, seed)
+    kinds = [_tie_rows(device, gen, P, k) for _ in range(rows_per_kind)]
+    names = list(kinds[0])
+    scores = torch.stack([row[n] for n in names for row in kinds])  # [kinds * rows_per_kind, P]
+    saved = dsa_topk.CHUNK, dsa_topk.BLOCK
+    dsa_topk.CHUNK, dsa_topk.BLOCK = chunk or saved[0], block or saved[1]
+    try:
+        got = dsa_topk.topk_launch(scores, k, out=poison_(torch.empty(len(scores), k, dtype=torch.int64,
+                                                                      device=device)))
+    finally:
+        dsa_topk.CHUNK, dsa_topk.BLOCK = saved
+    want = dsa_topk.topk_ref(scores, k)
+    split = "split" if P > max(chunk or saved[0], 4 * k) else "one_stage"
+    r = rows_per_kind
+    return [_same_keys(f"dsa_topk.{split}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
+            for i, n in enumerate(names)]
+
+
+def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
+                    chunk: int | None = None, dtype=torch.float32, seed=0) -> list[CheckResult]:
+    """``dsa_indexer.select_pools`` (scores, then the radix select) equals ``torch.topk`` over the int64 keys of the
+    scores the scoring kernel writes, bit for bit, over a random pool-key cache."""
+    gen = _gen(device, seed)
+    lens = [c + n for c, n in zip(ctx, qlens)]
+    _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
+    pool_keys = rnd(int(tables.max()) + 1, bs // kpool, Di, device=device, gen=gen, dtype=dtype)
+    T = sum(qlens)
+    q, w = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype), rnd(T, Hi, device=device, gen=gen)
+    token_seq = torch.tensor([b for b, n in enumerate(qlens) for _ in range(n)], dtype=torch.int32, device=device)
+    positions = torch.tensor([p for c, n in zip(ctx, qlens) for p in range(c, c + n)], dtype=torch.int32,
+                             device=device)
+    P = tables.shape[1] * bs // kpool
+    k = min(topk // kpool, P)
+    saved = dsa_topk.CHUNK
+    dsa_topk.CHUNK = chunk or saved
+    try:
+        got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
+    finally:
+        dsa_topk.CHUNK = saved
+    scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
+    dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
+    return [_same_keys("dsa_select.topk", got, dsa_topk.topk_ref(scores, k))]
+
+
 @_registered("hotpath.dsa_pool_keys", __name__)
 def _dsa_pool_keys(dev, act, seed):
     if dev == "cuda":
@@ -185,5 +267,42 @@ def _dsa_pool_keys(dev, act, seed):
             + dsa_select_sliced(dev, [0, 30], [13, 7], 3, seed=seed) + dsa_positions(dev, 7, 5, seed=seed))
 
 
+@_registered("hotpath.dsa_topk", __name__)
+def _dsa_topk(dev, act, seed):
+    if dev == "cuda":
+        real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
+        return (topk_select(dev, 262144, 512, seed=seed) + topk_select(dev, 16385, 512, seed=seed)
+                + topk_select(dev, 2048, 512, rows_per_kind=3, seed=seed)
+                + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
+    return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, chunk=64, block=16, seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], chunk=4, seed=seed))
+
+
+def _topk_bench(R: int, P: int, use_torch: bool):
+    """The select of ``R`` rows of ``P`` pools (scores ``|randn|``, as ReLU-weighted sums mostly are), or
+    ``torch.topk`` over their int64 keys."""
+    def make(ctx: BenchContext) -> BenchSpec:
+        dev, _ = _bench_dev(ctx)
+        r, p = (min(R, 2), min(P, 4096)) if ctx.quick else (R, P)
+        k = min(INDEX_TOPK // KPOOL, p)
+
+        def inputs(seed):
+            gen = torch.Generator(device=dev).manual_seed(seed)
+            bits = dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs())
+            return ((bits.long() << 32) | torch.arange(p, device=dev),) if use_torch else (bits,)
+
+        if use_torch:
+            return BenchSpec(fn=lambda keys: torch.topk(keys, k, dim=1), make_inputs=inputs, bytes=8 * r * p,
+                             description="torch.topk over int64 sort keys", params=dict(R=r, P=p, k=k))
+        return BenchSpec(fn=lambda bits: dsa_topk.topk_launch(bits, k), make_inputs=inputs,
+                         bytes=dsa_topk.topk_bytes(r, p, k), description="DSA top-k: radix select over score bits",
+                         params=dict(R=r, P=p, k=k))
+    _bench(f"hotpath.dsa_topk{'_torch' if use_torch else ''}.t{R}.p{P}", make)
+
+
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
     _dsa_bench(_B, _N, _T)
+
+for _R, _P in ((1, 262144), (256, 262144), (8192, 2048)):
+    _topk_bench(_R, _P, False)
+    _topk_bench(_R, _P, True)

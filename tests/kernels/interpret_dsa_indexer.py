@@ -1,5 +1,5 @@
-"""The DSA indexer's pool-key cache and sliced selection under Triton's CPU interpreter, against the references
-(``flashinfra.kernels.dsa_indexer_cases``). Collected only through ``test_interpret.py``."""
+"""The DSA indexer's pool-key cache, sliced selection and top-k select under Triton's CPU interpreter, against the
+references (``flashinfra.kernels.dsa_indexer_cases``). Collected only through ``test_interpret.py``."""
 
 import pytest
 
@@ -30,12 +30,26 @@ def test_sliced_selection_equals_one_pass():
     assert_passed(cases.dsa_select_sliced("cpu", [0, 5, 30], [13, 1, 7], rows=3, seed=2))
 
 
-def test_registered_check_passes():
+@pytest.mark.parametrize("name", ["hotpath.dsa_pool_keys", "hotpath.dsa_topk"])
+def test_registered_check_passes(name):
     from flashinfra.feedback.registry import checks
 
-    assert_passed(checks()["hotpath.dsa_pool_keys"].fn())
+    assert_passed(checks()[name].fn())
 
 
 @pytest.mark.parametrize("T,k,kpool,tail", [(7, 5, 4, 3), (1, 1, 4, 0), (9, 3, 1, 0), (3, 0, 4, 3), (5, 6, 16, 15)])
 def test_positions_kernel(T, k, kpool, tail):
     assert_passed(cases.dsa_positions("cpu", T, k, kpool=kpool, tail=tail, seed=T))
+
+
+# (P, k, chunk, block): one program per row (one block, several blocks), rows split into chunks (the last one
+# shorter than k, k = P), k = 1
+@pytest.mark.parametrize("P,k,chunk,block", [(37, 5, None, None), (300, 9, None, 64), (259, 5, 64, 16),
+                                             (200, 7, 16, 32), (40, 40, None, 16), (130, 1, 32, 16)])
+def test_topk_against_torch_topk(P, k, chunk, block):
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, chunk=chunk, block=block, seed=P + k))
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_selection_topk_equals_torch_topk(chunk):
+    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], chunk=chunk, seed=11))

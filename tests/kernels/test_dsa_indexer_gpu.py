@@ -1,5 +1,6 @@
-"""The DSA indexer's pool-key cache and sliced selection on a CUDA device at GLM-5.3-Flash sizes (32 heads x 128,
-kpool 4, block size 64), bf16 and e4m3 entries, against the references (``flashinfra.kernels.dsa_indexer_cases``)."""
+"""The DSA indexer's pool-key cache, sliced selection and top-k select on a CUDA device at GLM-5.3-Flash sizes (32
+heads x 128, kpool 4, block size 64, 512 pools of 262,144 at 1M context), bf16 and e4m3 entries, against the
+references (``flashinfra.kernels.dsa_indexer_cases``)."""
 
 import pytest
 import torch
@@ -33,3 +34,17 @@ def test_select_over_steps_and_a_prefix_hit(fp8, dtype):
 def test_sliced_selection_equals_one_pass():
     assert_passed(cases.dsa_select_sliced("cuda", [0, 2100, 700], [333, 1, 65], rows=37, topk=512, dtype=BF16,
                                           **REAL))
+
+
+@pytest.mark.parametrize("P", [262144, 16385, 2048])
+def test_topk_against_torch_topk(P):
+    assert_passed(cases.topk_select("cuda", P, 512, rows_per_kind=2, seed=P))
+
+
+def test_topk_kpool_1():  # index_topk 2048 pools of 1 token: k = 2048 over 1M pools
+    assert_passed(cases.topk_select("cuda", 1048576, 2048, seed=1))
+
+
+def test_selection_topk_at_1m_context():  # a decode row and a prefill slice over 262,144 pools
+    assert_passed(cases.dsa_select_topk("cuda", [1048575, 1047552], [1, 1024], topk=2048, dtype=BF16, seed=3,
+                                        **REAL))
