@@ -6,8 +6,8 @@ ends at one, as the plan says) and one ``torch.Generator`` per request that samp
 until the scheduler reports the request finished (so a request preempted and recomputed continues its
 random stream where it stopped). It packs the plan into one ``ForwardBatch``, runs the model for the hidden
 states of the positions where a next token is sampled only (a context-parallel model gathers no others), computes
-their logits and samples them; requests with a grammar get
-their token bitmask filled on the CPU while the device runs the forward pass (``flashinfra.engine.grammar``).
+their logits and samples them; requests with a grammar get their token bitmask filled on the CPU, started before the
+forward pass is launched and waited for only when the logits are sampled (``flashinfra.engine.grammar``).
 ``size_cache`` turns a memory budget into a number of blocks and slots.
 
 A step's integer inputs reach the device in one packed copy (``model/staging.py``). ``launch`` starts a step and
@@ -152,6 +152,8 @@ class ModelRunner:
         if plan.is_empty:
             return StepHandle(result)
         sched = plan.scheduled
+        # the fill runs on its own thread while this one prepares and launches the step
+        grammar = self._grammar_mask([sr for sr in sched if sr.sample]) if spec is None else None
         feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
         batch, inputs = self._upload(sched, feeds, prev)
         if replay:
@@ -176,7 +178,7 @@ class ModelRunner:
         if spec is not None:
             return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
         self._copy_states(inputs["save_src"], inputs["save_dst"])
-        return self._sample(picks, hidden if rows is None else hidden[rows], result, inputs)
+        return self._sample(picks, hidden if rows is None else hidden[rows], result, grammar, inputs)
 
     def _upload(self, sched, feeds, prev: StepHandle | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
         """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
@@ -223,8 +225,9 @@ class ModelRunner:
                     result.emitted_logprobs[sr.request_id] = lps
                 committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
+        grammar = self._grammar_mask([sr for sr, _ in plain])
         self.finish(self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long,
-                                                            device=self.device)], result))
+                                                            device=self.device)], result, grammar))
         for b, sr in enumerate(sched):
             if sr.request_id in result.sampled:
                 nexts[b] = result.sampled[sr.request_id]
@@ -237,14 +240,15 @@ class ModelRunner:
         spec.draft(sched, feeds, cu, hidden, committed, nexts)
         return result
 
-    def _sample(self, picks, hidden, result: StepResult, columns: dict[str, torch.Tensor] | None = None) -> StepHandle:
+    def _sample(self, picks, hidden, result: StepResult, grammar,
+                columns: dict[str, torch.Tensor] | None = None) -> StepHandle:
         """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states: on the
         device, unless a row has a grammar or penalties (``sample``, which reads its tokens back at once to retry
-        failing rows alone). ``columns``: the picks' ``sampling_columns``, already on the device."""
+        failing rows alone). ``grammar``: the picks' ``GrammarMask`` (being filled) or None; ``columns``: the
+        picks' ``sampling_columns``, already on the device."""
         handle = StepHandle(result, picks)
         if not picks:
             return handle
-        grammar = self._grammar_mask([sr for sr, _ in picks])  # CPU work while the forward runs
         logits = self.model.compute_logits(hidden)
         rows = [
             SamplingRow(
@@ -273,11 +277,12 @@ class ModelRunner:
                 result.logprobs[sr.request_id] = lp
 
     def _grammar_mask(self, scheduled: list):
+        """The ``GrammarMask`` of the rows ``scheduled`` sample, its fill started; None when no row has a grammar."""
         if self.grammars is None:
             if all(sr.sampling.grammar is None for sr in scheduled):
                 return None
             from flashinfra.engine.grammar import GrammarRuntime
 
             text = self.model.config.text
-            self.grammars = GrammarRuntime.for_model(self.model.path, text.vocab_size, text.eos_token_id)
+            self.grammars = GrammarRuntime.for_model(self.model.path, text.vocab_size, text.eos_token_id, self.device)
         return self.grammars.prepare([(sr.request_id, sr.sampling.grammar, sr.output_token_ids) for sr in scheduled])

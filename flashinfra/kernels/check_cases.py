@@ -1,12 +1,13 @@
-"""Correctness cases of the hot-path kernels (norms, mHC, MoE routing and fused MoE, DSA indexer, sparse MLA),
-shared by the registered checks (checks.py, fixed sizes) and the tests (``tests/kernels/interpret_hotpath.py`` at
-the interpreter's small odd sizes, ``tests/kernels/test_hotpath_gpu.py`` at the GPU's real ones, through
-``assert_passed``). The 8-bit caches' cases are these with a cache format (``sparse_mla``, ``dsa_select``).
+"""Correctness cases of the hot-path kernels (norms, mHC, MoE routing and fused MoE, DSA indexer, sparse MLA, the
+grammar's token bitmask), shared by the registered checks (checks.py, fixed sizes) and the tests
+(``tests/kernels/interpret_hotpath.py`` and ``interpret_token_bitmask.py`` at the interpreter's small odd sizes,
+``tests/kernels/test_hotpath_gpu.py`` at the GPU's real ones, through ``assert_passed``). The 8-bit caches' cases
+are these with a cache format (``sparse_mla``, ``dsa_select``).
 
-Each case (``norms``, ``mhc``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``) takes the
-device, the sizes, the dtype and a seed; it draws fresh random inputs, poisons the outputs with NaN where the
-launcher takes them, compares with the reference computed in float64 and returns ``list[CheckResult]``, failed
-ones included, instead of raising.
+Each case (``norms``, ``mhc``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``,
+``token_bitmask``) takes the device, the sizes, the dtype and a seed; it draws fresh random inputs, poisons the
+outputs with NaN where the launcher takes them, compares with the reference computed in float64 and returns
+``list[CheckResult]``, failed ones included, instead of raising.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
 from flashinfra.kernels.dsa_pool_keys import write_pool_keys_launch
 from flashinfra.kernels.moe_align import moe_align as align
+from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch, apply_token_bitmask_ref
 
 
 def rnd(*shape, device, gen=None, dtype=torch.float32, scale=1.0):
@@ -276,3 +278,28 @@ def select_over_entries(codes, scale, ape, q, w, tables, lens, token_seq, positi
     slots = torch.cat([slots_of(tables, b, 0, n, bs) for b, n in enumerate(lens)])
     write_pool_keys_launch(codes, scale, ape, slots, pool_keys)
     return dsa_indexer.dsa_select(pool_keys, q, w, tables, token_seq, positions, kpool, topk, True)
+
+
+def token_bitmask(device: str, N: int, V: int, R: int, vocab_size: int | None = None, dtype=torch.float32,
+                  seed=0) -> list[CheckResult]:
+    """The bitmask of ``R`` of ``N`` rows (drawn in shuffled order) applied in place to logits [N, V], bit for bit
+    against the reference computed in float64: the rows left free, and the columns from ``vocab_size`` on, are
+    poisoned with NaN and must come back unchanged; the bitmask rows past ``R`` (a buffer's unused rows) are 0s,
+    which would mask every token if read."""
+    vocab_size = V if vocab_size is None else vocab_size
+    gen = _gen(device, seed)
+    W = -(-vocab_size // 32)
+    logits = rnd(N, V, device=device, gen=gen, dtype=dtype)
+    rows = torch.randperm(N, device=device, generator=gen)[:R].to(torch.int32)
+    free = torch.ones(N, dtype=torch.bool, device=device)
+    free[rows.long()] = False
+    logits[free] = float("nan")
+    logits[:, vocab_size:] = float("nan")
+    buf = torch.zeros(R + 2, W, dtype=torch.int32, device=device)
+    buf[:R] = torch.randint(-2**31, 2**31 - 1, (R, W), dtype=torch.int32, device=device, generator=gen)
+    ref64 = apply_token_bitmask_ref(_d(logits), buf[:R], rows, vocab_size)
+    ref = ref64.to(dtype)
+    ref[ref64.isnan()] = float("nan")  # the poison's own bits (a cast from float64 may give another NaN)
+    out = apply_token_bitmask_launch(logits, buf[:R], rows, vocab_size)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    return [compare(f"hotpath.token_bitmask.n{N}.r{R}", out.view(bits), ref.view(bits), atol=0, rtol=0)]

@@ -1,5 +1,5 @@
 """Checks and benchmarks of the hot-path kernels (norms, mHC, MoE routing and fused MoE, DSA indexer,
-sparse MLA), registered with ``flashinfra.feedback``.
+sparse MLA, the grammar's token bitmask), registered with ``flashinfra.feedback``.
 
 The registered checks (``flashinfra check hotpath``) run the cases of check_cases.py at fixed sizes: on CUDA in
 bf16 when there is one, else in float32 under Triton's CPU interpreter in a child process. Benchmarks
@@ -15,13 +15,16 @@ import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
-from flashinfra.kernels.check_cases import dsa_select, fused_moe, mhc, moe_align, norms, rnd, route, sparse_mla
+from flashinfra.kernels.check_cases import (dsa_select, fused_moe, mhc, moe_align, norms, rnd, route, sparse_mla,
+                                            token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
 
 TAGS = ("kernel", "hotpath", "triton")
 # GLM-5.3-Flash sizes
 D, N_HC, E, TOPK, I_MOE = 4096, 4, 288, 8, 2048
 H, R, HI, DI, KPOOL, INDEX_TOPK = 64, 512, 32, 128, 4, 2048
+VOCAB = 154880
 
 
 # ---- registered checks --------------------------------------------------------------------------------
@@ -76,6 +79,13 @@ def _sparse_mla(dev, act, seed):
     if dev == "cuda":
         return sparse_mla(dev, [2999, 66, 899], [1, 1, 1], H=H, R=R, bs=64, S=2051, dtype=act, seed=seed)
     return sparse_mla(dev, [39, 8, 12], [1, 1, 1], seed=seed)
+
+
+@_registered("hotpath.token_bitmask")
+def _token_bitmask(dev, act, seed):
+    if dev == "cuda":  # a batch of 64 rows, 37 under a grammar, over GLM-5.3-Flash's vocabulary
+        return token_bitmask(dev, 64, VOCAB, 37, dtype=torch.float32, seed=seed)
+    return token_bitmask(dev, 9, 1030, 4, vocab_size=1000, seed=seed)
 
 
 # ---- benchmarks -------------------------------------------------------------------------------------------
@@ -221,6 +231,25 @@ def _mla_bench(B: int, ctx_len: int, T: int):
     _bench(f"hotpath.sparse_mla.b{B}.n{ctx_len}.t{T}", make)
 
 
+def _token_bitmask_bench(B: int, R: int):
+    def make(ctx: BenchContext) -> BenchSpec:
+        dev, _ = _bench_dev(ctx)
+        n, r, v = (min(B, 8), min(R, 4), 4096) if ctx.quick else (B, R, VOCAB)
+        W = -(-v // 32)
+
+        def inputs(seed):
+            gen = torch.Generator(device=dev).manual_seed(seed)
+            rows = torch.randperm(n, device=dev, generator=gen)[:r].to(torch.int32)
+            bitmask = torch.randint(-2**31, 2**31 - 1, (r, W), dtype=torch.int32, device=dev, generator=gen)
+            return torch.randn(n, v, device=dev, generator=gen), bitmask, rows
+
+        return BenchSpec(fn=lambda logits, bitmask, rows: apply_token_bitmask_launch(logits, bitmask, rows, v),
+                         make_inputs=inputs, bytes=r * W * 4 + r * v * 4 // 2,
+                         description="grammar token bitmask on the constrained rows' float32 logits (half masked)",
+                         params=dict(B=n, rows=r, V=v))
+    _bench(f"hotpath.token_bitmask.b{B}.r{R}", make)
+
+
 for _T in (1, 128, 8192):
     _norm_bench(_T)
     _mhc_bench(_T)
@@ -231,3 +260,4 @@ for _B in (1, 32, 128):
     _mla_bench(_B, 4096, _B)
 _dsa_bench(1, 8192, 8192)
 _mla_bench(1, 8192, 8192)
+_token_bitmask_bench(64, 64)
