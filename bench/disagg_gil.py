@@ -101,6 +101,7 @@ def engine_prefill(args):
     from flashinfra.engine.config import EngineConfig
     from flashinfra.engine.core import EngineCore
     from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
+    from flashinfra.feedback.timing import checked_step
 
     core = EngineCore(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, prefix_cache_slots=0,
                                    max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 8,
@@ -114,7 +115,7 @@ def engine_prefill(args):
                                        time.time()))
         t0 = time.perf_counter()
         while core.has_unfinished():
-            core.step()
+            checked_step(core)
         return time.perf_counter() - t0
     return run
 

@@ -46,6 +46,7 @@ def measure(config, model, batch: int, steps: int, warmup: int) -> dict:
     from flashinfra.engine.core import EngineCore
     from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
     from flashinfra.feedback.bench import summarize_times
+    from flashinfra.feedback.timing import checked_step
 
     core = EngineCore(config, model=model)
     params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0.0, ignore_eos=True)
@@ -62,16 +63,16 @@ def measure(config, model, batch: int, steps: int, warmup: int) -> dict:
     timed(core.scheduler, "update", update_s)
     sync = _sync(config.device)
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()) or core.scheduler.waiting:
-        core.step()  # prefill
+        checked_step(core)  # prefill
     for _ in range(warmup):
-        core.step()
+        checked_step(core)
     sync()
     walls, hosts, parts = [], [], {"schedule": [], "prepare": [], "update": []}
     last = time.perf_counter()
     for _ in range(steps):
         for sink in (schedule_s, launch_s, prepare_s, update_s):
             del sink[:]
-        core.step()
+        checked_step(core)
         now = time.perf_counter()
         walls.append(now - last)
         hosts.append(sum(schedule_s) + sum(launch_s))

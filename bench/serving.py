@@ -33,7 +33,7 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 from flashinfra.feedback import ceilings
-from flashinfra.feedback.timing import header, write_results
+from flashinfra.feedback.timing import checked_step, header, write_results
 from flashinfra.model.api import random_model
 from flashinfra.model.cache import ModelCache
 
@@ -69,7 +69,7 @@ def run_steps(core: EngineCore) -> list[tuple[float, int]]:
     steps = []
     while core.has_work():
         t = time.perf_counter()
-        outputs = core.step()
+        outputs = checked_step(core)
         steps.append((time.perf_counter() - t, sum(len(o.new_token_ids) for o in outputs)))
     return steps
 

@@ -27,6 +27,7 @@ import torch
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
+from flashinfra.feedback.timing import checked_step
 
 PREFILL_8K_TOKENS = 8000
 PREFILL_8K_GOAL_MS = 70.0
@@ -45,7 +46,7 @@ def _prefill_once(engine: EngineCore, prompt: list[int], request_id: str) -> tup
                                                                          ignore_eos=True), time.time()))
     steps = 0
     while engine.has_unfinished():
-        engine.step()
+        checked_step(engine)
         steps += 1
     _sync(engine)
     return time.perf_counter() - start, steps

@@ -163,6 +163,16 @@ def generated(llm, prompts, params, **kwargs) -> list:
     return outputs
 
 
+def checked_step(engine) -> list:
+    """``engine.step()`` (an ``EngineCore``), raising when a request failed in it: a benchmark times steps, never
+    failures."""
+    outputs = engine.step()
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in an engine step; the first: {errors[0]}")
+    return outputs
+
+
 def header(argv: list[str] | None = None) -> dict[str, Any]:
     """The first fields of a results JSON: device, the command that produced it, the UTC date, versions (torch,
     triton, fla-core where installed) and ``machine_info``."""

@@ -55,6 +55,9 @@ LOCAL_PRECISION, SOLVE_PRECISION = "tf32", "bf16x3"
 # the state pass: [K, 64] value blocks on 4 warps, its tiles two steps deep (the bf16x3 chain's tile slots fill the
 # shared memory at two), each step asking the L2 for the next step's tiles
 STATE_BV, STATE_WARPS, STATE_STAGES, STATE_L2_AHEAD = 64, 4, 2, 1
+# a step that saves prefix checkpoints converts Z's [BV, K] float32 tile through shared memory for the pointer store
+# (32 KB), which with two stages of bf16x3 tiles passes sm_90's 227 KB: one stage there
+STATE_SAVE_STAGES = 1
 # the diagonal blocks: K slices of 32 on 2 warps, at most 128 registers (eight programs per SM)
 DIAG_KS, DIAG_WARPS, DIAG_MAXNREG = 32, 2, 128
 # the off-diagonal blocks: K slices of 32 by the copy engine, two deep
@@ -310,7 +313,7 @@ def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
             cu_t if saves_t is None else saves_t, state,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, **slots, A_LO=a_lo, L2_AHEAD=0 if interpret else STATE_L2_AHEAD,
             AIB=aib_in_state, DOT_F32=interpret, SAVE=saves_t is not None, num_warps=STATE_WARPS,
-            num_stages=STATE_STAGES,
+            num_stages=STATE_STAGES if saves_t is None else STATE_SAVE_STAGES,
         )
 
     yield "state", state_pass
