@@ -60,6 +60,14 @@ def tiny(tmp_path_factory):
     return tm, target, block, src, out, prefix
 
 
+def test_every_weight_of_the_block_trains_beside_a_frozen_target(tiny):
+    """The block copies its attention and MoE from the frozen target: the copies must train too."""
+    tm, target, block, *_ = tiny
+    assert not any(p.requires_grad for p in target.parameters())
+    frozen = [n for n, p in tm.MTPTrainBlock(target).named_parameters() if not p.requires_grad]
+    assert not frozen, f"frozen block weights: {frozen[:5]}"
+
+
 def test_written_layer_loads_reads_back_and_matches_the_training_module(tiny, tmp_path):
     from flashinfra.model.api import load_model
     from flashinfra.model.forward_batch import ForwardBatch

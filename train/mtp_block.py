@@ -77,6 +77,9 @@ class MTPTrainBlock(nn.Module):
         nn.init.normal_(self.eh_proj.weight, std=cfg.initializer_range)
         source = lm.layers[last]  # the last attention layer: an indexed MLA layer with an MoE
         self.self_attn, self.mlp = copy.deepcopy(source.self_attn), copy.deepcopy(source.mlp)
+        # the copies carry the frozen target's flags: every weight of the block trains (the router's correction bias
+        # is a buffer, moved by the load balance, not by gradients)
+        self.requires_grad_(True)
         self.template = last
 
     def chain(self, embed: nn.Embedding, x: torch.Tensor, h: torch.Tensor, steps: int) -> list[torch.Tensor]:
