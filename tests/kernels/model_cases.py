@@ -135,21 +135,30 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
 
 def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool):
     """A W8A8 model's logits (prefill, then decode steps) with the RMSNorms quantizing their output for the int8
-    projections (``quant.linear.rms_norm_for``) are those of the unfused path (the norm, then ``linear_8bit``'s own
-    activation quantization), bit for bit: the same codes and scales reach the same GEMMs. ``kernels``: the Triton
-    path (CUDA, or the CPU interpreter), else the references."""
+    projections (``quant.linear.rms_norm_for``) against those of the unfused path (the norm, then ``linear_8bit``'s
+    own activation quantization): the same arithmetic in the same order, so bit for bit on the CPU (references or
+    the interpreter). ``kernels``: the Triton path (CUDA, or the CPU interpreter), else the references.
+
+    On CUDA the fused kernel and ``norms.rms_norm`` each sum a row's squares in the order of the register layout the
+    compiler picks for that kernel (the fused one stores int8 codes too, which changes it), so a norm differs in
+    its last float32 bit and, rarely, an int8 code at a rounding tie flips. There the fused logits must move by
+    less than a quarter of what W8A8 itself moves them (the same checkpoint unquantized, fed the same tokens)."""
     from flashinfra.kernels import dispatch, norms
     from flashinfra.model import glm5_next, mla
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
     from flashinfra.quant import linear as qlinear
 
-    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False), dtype="float32",
-                       device=device, quantization="w8a8")
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False)
+    model = load_model(checkpoint, dtype="float32", device=device, quantization="w8a8")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: not kernels)
     assert dispatch.use_triton(torch.empty(0, device=device)) == kernels
+    for module in (glm5_next, mla):
+        monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
+    tokens, unfused = batched_greedy(model, prompts, 3)
+    again = batched_greedy(model, prompts, 3, feed=tokens)[1]  # the run-to-run noise, named in a failure's message
     calls = []
 
     def counted(*args):
@@ -158,12 +167,16 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
 
     for module in (glm5_next, mla):
         monkeypatch.setattr(module, "rms_norm_for", counted)
-    fused = batched_greedy(model, prompts, 3)[1]
+    fused = batched_greedy(model, prompts, 3, feed=tokens)[1]
     assert calls and all(calls), "every norm before a projection (MoE included) feeds a W8A8 one"
-    for module in (glm5_next, mla):
-        monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
-    unfused = batched_greedy(model, prompts, 3)[1]
-    again = batched_greedy(model, prompts, 3)[1]  # the run-to-run noise, named in a failure's message
-    for step, (a, b, c) in enumerate(zip(fused, unfused, again)):
-        assert torch.equal(a, b), (f"step {step}: max difference {float((a - b).abs().max()):.3g}; the unfused path "
-                                   f"against itself: {float((b - c).abs().max()):.3g}")
+    noise = [float((b - c).abs().max()) for b, c in zip(unfused, again)]
+    if device == "cpu":
+        for step, (a, b) in enumerate(zip(fused, unfused)):
+            assert torch.equal(a, b), (f"step {step}: max difference {float((a - b).abs().max()):.3g}; the unfused "
+                                       f"path against itself: {noise[step]:.3g}")
+        return
+    plain = batched_greedy(load_model(checkpoint, dtype="float32", device=device), prompts, 3, feed=tokens)[1]
+    for step, (a, b, r) in enumerate(zip(fused, unfused, plain)):
+        moved, quant = float((a - b).abs().max()), float((b - r).abs().max())
+        assert moved <= 0.25 * quant, (f"step {step}: fusion moved the logits by {moved:.3g}, W8A8 itself by "
+                                       f"{quant:.3g}; the unfused path against itself: {noise[step]:.3g}")
