@@ -5,7 +5,9 @@
 dtype (None unless ``keep_normed``: only where a consumer other than an int8 projection reads it, the router or
 the indexer), ``q`` int8 [T, D] and ``s`` float32 [T] the int8 codes and scales of ``y`` exactly as
 ``quant_int8_per_token(y)`` forms them. The arithmetic is the two ops' own in their order (``y`` rounded to x's
-dtype, then the scale from its amax), so the fused op's results are those of the pair, bit for bit.
+dtype, then the scale from its amax), so the fused op's results are those of the pair, bit for bit, on the
+CPU; compiled for a GPU, each kernel sums a row's squares in its own register layout's order, so a norm may differ
+in its last float32 bit there (and, rarely, a code at a rounding tie).
 
 Why in the norm's epilogue and not in the GEMM's prologue: the norm already holds each whole row in registers
 (a row of the model width sits in one program), so the row's amax costs nothing there, while a GEMM program sees
