@@ -213,14 +213,14 @@ def main() -> None:
     if "serve" in parts:
         with tempfile.TemporaryDirectory() as log_dir:
             result["serve"] = serve_rows(args, Path(log_dir))
-        for name, runs in result["serve"].items():
-            if name.startswith(("colocated", "disaggregated")):
+        for setup, runs in result["serve"].items():
+            if setup.startswith(("colocated", "disaggregated")):
                 for c, run in runs.items():
                     s = run["summary"]
                     if not s["completed"]:
-                        print(f"{name:24s} c={c:>3}: every request failed: {s['errors']}")
+                        print(f"{setup:24s} c={c:>3}: every request failed: {s['errors']}")
                         continue
-                    print(f"{name:24s} c={c:>3}: TTFT p50 {s['ttft_p50_ms']:.1f} ms, "
+                    print(f"{setup:24s} c={c:>3}: TTFT p50 {s['ttft_p50_ms']:.1f} ms, "
                           f"TPOT p50 {s['tpot_p50_ms']:.2f} ms, p99 {s['tpot_p99_ms']:.2f} ms, "
                           f"{s['output_tok_s']:.0f} tok/s, failed {s['failed']}")
     print(write_results(name, result, directory=args.out))

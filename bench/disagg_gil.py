@@ -155,12 +155,15 @@ def main() -> None:
         run_prefill = functools.partial(prefill, args.tokens, args.d, args.layers)
     run_prefill()  # warm up
     alone, _ = measure(args, run_prefill)
+    print(f"prefill alone {alone * 1e3:.2f} ms", flush=True)  # each phase as it ends: a crash shows where it was
     bad, bad_probe = measure(args, run_prefill, gil_holding_transfer)
+    print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
     moved, timed = {}, {}
     for backend in ("zmq", "ipc"):
         def transfer(stop, ready, b=backend):
             moved[b] = state_transfer(stop, ready, args.mbytes, b)
         timed[backend] = measure(args, run_prefill, transfer)
+        print(f"beside {backend} transfers {timed[backend][0] * 1e3:.2f} ms", flush=True)
     alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
     transfers = {f"{b}_transfer": {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
                                    "max_stall_s": probe.max_s, "transfers_acked": moved.get(b, 0),
