@@ -66,14 +66,16 @@ def run(args) -> dict:
     for c in args.concurrency:
         for k in args.ks:
             llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
-                      max_num_seqs=max(c, 1), **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
+                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1),
+                      **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
             text = llm.engine.model.config.text
             prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
             full = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
             first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             t_full = _timed(llm, prompts, full, args.runs)
             t_first = _timed(llm, prompts, first, args.runs)
-            row = {"concurrency": c, "k": k, "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
+            row = {"concurrency": c, "k": k, "max_batch": args.max_batch,
+                   "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
                    "generate_s": t_full, "prefill_s": t_first}
             spec = llm.engine.runner.speculator
             if spec is not None:
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="--speculative-max-batch: draft only while at most this many requests decode (0: always)")
     p.add_argument("--text", help="a text file whose tokens make the prompts (acceptance on real text)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)

@@ -150,3 +150,56 @@ def test_built_in_mtp_layer_drafts_real_text():
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     spec = llm.engine.runner.speculator
     assert spec.num_drafted > 40 and sum(spec.num_accepted_at) / spec.num_drafted > 0.15
+
+
+def test_drafting_pauses_above_max_batch_and_resumes_with_the_same_drafts(monkeypatch):
+    """``speculative_max_batch=2``: while more than two requests decode no step drafts (plain decode steps, the MTP
+    layer's catch-up deferred); as requests finish, one catch-up over the deferred positions resumes drafting, and
+    the hidden it drafts from (the catch-up's last entry, attending over every deferred one) is the one a run that
+    never paused computes, at the same request and position, to float32 rounding; so are the drafts. Greedy output
+    equals decoding without drafts. The built-in model: its trained MTP layer gives drafts with margins."""
+    from pathlib import Path
+
+    import torch
+
+    from flashinfra.engine.speculative import Speculator
+
+    text = (Path(__file__).parent / "eval" / "data" / "heldout-slice.txt").read_text()
+    base = flashinfra.LLM()
+    ids = base.tokenizer.encode(text).ids
+    prompts = [ids[i : i + 40] for i in (0, 70, 140, 210)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 20, 28)]
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    drafted, paused, chained = {}, [], []
+    draft, chain = Speculator.draft, Speculator._chain
+
+    def chain_seen(spec, h, pos, *args):
+        chained.append((h.clone(), list(pos)))
+        return chain(spec, h, pos, *args)
+
+    def recorded(spec, sched, feeds, cu, hidden, committed, nexts):
+        chained.clear()
+        draft(spec, sched, feeds, cu, hidden, committed, nexts)
+        if spec.max_batch:
+            paused.append(bool(spec.deferred))
+        for b, sr in enumerate(sched):
+            pos = sr.context_len + committed[b]
+            if sr.request_id in spec.drafts:
+                h, where = chained[0]
+                drafted.setdefault(spec.max_batch, {})[(tuple(sr.prompt_token_ids), pos)] = (
+                    spec.drafts[sr.request_id], h[where.index(pos)])
+
+    monkeypatch.setattr(Speculator, "draft", recorded)
+    monkeypatch.setattr(Speculator, "_chain", chain_seen)
+    for max_batch in (0, 2):
+        llm = flashinfra.LLM(speculative_tokens=2, speculative_max_batch=max_batch)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    always, sometimes = drafted[0], drafted[2]
+    assert True in paused and not paused[-1], "steps deferred the catch-up, and drafting resumed"
+    # the positions both runs drafted at (accepted drafts make each run skip positions of its own)
+    resumed = [k for k in sometimes if k in always]
+    assert len(resumed) >= 10
+    for k in resumed:
+        torch.testing.assert_close(sometimes[k][1], always[k][1], rtol=1e-4, atol=1e-4)
+    same = sum(always[k][0] == sometimes[k][0] for k in resumed)
+    assert same >= 0.9 * len(resumed), (same, len(resumed))

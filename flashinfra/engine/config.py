@@ -166,6 +166,9 @@ class EngineConfig(LoadConfig):
     speculative_tokens: int = option(
         0, "draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (0: off)",
         min=0)
+    speculative_max_batch: int = option(
+        0, "with speculative decoding, draft only while a step leaves at most this many requests decoding; past it "
+           "the steps decode plainly and the MTP layer's catch-up waits (0: always draft)", min=0)
     events_path: str | None = option(
         None, "write the engine's runtime events here, as JSONL (default: not written)", metavar="FILE")
     gil_probe_ms: float | None = option(

@@ -82,7 +82,8 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
                  num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
-                 speculative_tokens: int = 0, deterministic: bool = False, remote_encoder: bool = False) -> None:
+                 speculative_tokens: int = 0, deterministic: bool = False, remote_encoder: bool = False,
+                 speculative_max_batch: int = 0) -> None:
         self.model = model
         self.deterministic = deterministic
         self.device = model.device
@@ -102,7 +103,8 @@ class ModelRunner:
         if speculative_tokens:
             from flashinfra.engine.speculative import Speculator
 
-            self.speculator = Speculator(model, self.cache, speculative_tokens, block_size, self.graphs)
+            self.speculator = Speculator(model, self.cache, speculative_tokens, block_size, self.graphs,
+                                          speculative_max_batch)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)

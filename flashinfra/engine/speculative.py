@@ -24,6 +24,14 @@ With CUDA graphs a verify step whose rows all decode replays a captured forward 
 so does the chain (``engine/draft_graphs.py``); the catch-up runs eagerly.
 
 Drafts are greedy (the MTP's argmax), so the draft distribution in rejection sampling is one-hot.
+
+Drafting pays while the batch is small: a verify step feeds ``k + 1`` tokens per row, and once the step is
+bound by its rows rather than by its launches, the accepted drafts no longer cover that. With
+``max_batch`` (``--speculative-max-batch``), a step that leaves more rows going on than that drafts nothing for the
+next: the MTP layer's catch-up is deferred too (each row keeps its target hiddens and tokens since its last
+catch-up, ``deferred``), so the next step is a plain decode step, replayed from the decode graphs; when the batch
+shrinks again, one catch-up covers every deferred position and drafting resumes. A row defers at most
+``MAX_DEFERRED`` positions; past that its catch-up runs (without drafts for the row's next step).
 """
 
 from __future__ import annotations
@@ -43,12 +51,15 @@ from flashinfra.model.loader import CheckpointReader
 from flashinfra.model.mtp import MTPBlock, allocate_mtp_cache, has_mtp, load_mtp
 from flashinfra.model.replay import ReplayRing, kda_fold
 
+MAX_DEFERRED = 1024  # positions a row's catch-up may wait while drafting is off: 1024 x hidden size per row
+
 
 class Speculator:
     def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, max_batch: int = 0):
         """``graphs``: the runner's step graphs, whose scratch block, slot and memory pool the chained draft steps'
-        graphs share (``engine/draft_graphs.py``); None: the chain runs eagerly."""
+        graphs share (``engine/draft_graphs.py``); None: the chain runs eagerly. ``max_batch``: draft only while a
+        step leaves at most this many rows going on (0: always)."""
         text = model.config.text
         reader = CheckpointReader(model.path)
         if not has_mtp(model.config, reader.names()):
@@ -68,6 +79,10 @@ class Speculator:
         cache.replay.update({i: ReplayRing.allocate(cache.num_slots, self.capacity, H, K, K, model.dtype, model.device)
                              for i in text.kda_layers})
         self.hidden: dict[str, torch.Tensor] = {}  # request -> target hidden [D] at its last committed position
+        # request -> (hiddens [j, D] at positions c - 1 - j .. c - 2, the tokens at c - j .. c - 1) whose MTP entries
+        # wait for drafting to resume (c: the request's context at its next step)
+        self.deferred: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        self.max_batch = max_batch
         self.drafts: dict[str, list[int]] = {}
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
@@ -76,6 +91,7 @@ class Speculator:
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
+        self.deferred.pop(request_id, None)
         self.drafts.pop(request_id, None)
 
     def feeds(self, sched: list[ScheduledRequest]) -> tuple[list[list[int]], tuple[bool, ...]]:
@@ -133,6 +149,8 @@ class Speculator:
         """Catch the MTP layer up over each row's committed positions and draft for the rows that go on."""
         embed = self.model.model.embed_tokens
         rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
+        going_on = sum(1 for b in range(len(sched)) if committed[b] and nexts[b] is not None)
+        defer = 0 < self.max_batch < going_on
         for b, sr in enumerate(sched):
             rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
             if m == 0:
@@ -140,17 +158,23 @@ class Speculator:
             h_rows = hidden[cu[b] : cu[b] + m]
             tokens = feeds[b][:m] + ([nxt] if nxt is not None else [])
             prev = self.hidden.get(rid) if c > 0 else None
-            hs = ([prev[None]] if prev is not None else []) + [h_rows[: len(tokens) - 1]]
-            tk = tokens if prev is not None else tokens[1:]
             self.hidden[rid] = h_rows[m - 1].clone()
             self.drafts.pop(rid, None)
+            waiting_h, waiting_t = self.deferred.pop(rid, (None, [])) if prev is not None else (None, [])
+            if defer and prev is not None and nxt is not None and len(waiting_t) + m <= MAX_DEFERRED:
+                parts = ([waiting_h] if waiting_h is not None else []) + [prev[None], h_rows[: m - 1]]
+                self.deferred[rid] = (torch.cat(parts), waiting_t + feeds[b][:m])
+                continue
+            hs = ([waiting_h] if waiting_h is not None else []) + ([prev[None]] if prev is not None else [])
+            hs.append(h_rows[: len(tokens) - 1])
+            tk = waiting_t + (tokens if prev is not None else tokens[1:])
             if not tk:
                 continue
-            rows.append((b, nxt is not None))
+            rows.append((b, nxt is not None and not defer))
             hid.append(torch.cat(hs))
             toks.extend(tk)
             qlens.append(len(tk))
-            ctxs.append(c - 1 if prev is not None else c)
+            ctxs.append(c - 1 - len(waiting_t) if prev is not None else c)
             slots.append(sr.state_slot)
             tables.append(list(sr.block_table))
         if not rows:
