@@ -32,6 +32,7 @@ import torch
 
 from flashinfra.engine.sched.messages import GrammarSpec
 from flashinfra.kernels.token_bitmask import apply_token_bitmask
+from flashinfra.model.staging import StagingBuffers
 
 # GLM's markers stay matchable (a tool-call grammar names them); every other special token is blanked
 # in the grammar's vocabulary, so no grammar can produce it as text.
@@ -129,43 +130,12 @@ class _Tracked:
     num_scanned: int = 0  # output tokens searched for </think> so far
 
 
-class _MaskBuffers:
-    """One step's bitmask [n, W] at word 0 and the logits row of each of its rows at word ``n * W``, in one int32 host
-    buffer (pinned on a GPU) and one device buffer; both grow on demand. The host buffer is rewritten only after the
-    previous copy out of it has completed. On the CPU the two are one."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
-        self.host = self.dev = torch.empty(0, dtype=torch.int32)
-        self._copied: torch.cuda.Event | None = None
-
-    def reserve(self, words: int) -> torch.Tensor:
-        """The host buffer, free to write and holding at least ``words`` words."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        if words > self.host.numel():
-            size = max(4096, 1 << (words - 1).bit_length())
-            self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.pinned)
-            self.dev = torch.empty(size, dtype=torch.int32, device=self.device) if self.pinned else self.host
-        self._copied = None
-        return self.host
-
-    def upload(self, words: int) -> torch.Tensor:
-        """The device buffer, its first ``words`` words copied from the host buffer (asynchronously on a GPU)."""
-        if self.pinned:
-            self.dev[:words].copy_(self.host[:words], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.device))
-        return self.dev
-
-
 class GrammarMask:
     """One step's constraint, filled in the background from ``GrammarRuntime.prepare`` on: ``rows``, the batch rows
     under a grammar in bitmask order (the others are free), ``errors``, the batch rows whose matcher failed and why;
     both wait for the fill. It lives in its runtime's buffers: valid until the runtime's next ``prepare``."""
 
-    def __init__(self, fill: Future, buffers: _MaskBuffers, capacity: int, words: int, vocab_size: int) -> None:
+    def __init__(self, fill: Future, buffers: StagingBuffers, capacity: int, words: int, vocab_size: int) -> None:
         self._fill, self._buffers = fill, buffers
         self._capacity, self._words, self.vocab_size = capacity, words, vocab_size
         self._rows, self._errors = None, {}
@@ -246,7 +216,7 @@ class GrammarRuntime:
         self._tracked: dict[str, _Tracked] = {}
         # one single-threaded xgrammar BatchGrammarMatcher per chunk of the fill, the first on the fill thread
         self._fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(FILL_THREADS_MAX)]
-        self._buffers = _MaskBuffers(device)
+        self._buffers = StagingBuffers(device, share_on_cpu=True)  # [n, W] bitmask words, then n logits rows
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
         self._helpers = ThreadPoolExecutor(max_workers=FILL_THREADS_MAX - 1, thread_name_prefix="grammar-fill-chunk")
         self._pending: Future | None = None

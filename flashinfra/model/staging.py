@@ -12,7 +12,8 @@ view is 8-byte aligned), a float32 array one word per value (sampling parameters
 Both buffers persist between steps and grow on demand. The device buffer is only written by the copy, which
 the stream orders after the previous step's kernels; the host buffer is rewritten only after the previous copy
 out of it has completed (an event), since the device may not have read it yet when the host prepares the next
-step. What it leaves out: deciding what the arrays mean (``ForwardBatch``, the runner).
+step. ``StagingBuffers`` is that pair of buffers alone; the grammar's bitmask travels in one too
+(``engine/grammar.py``). What it leaves out: deciding what the arrays mean (``ForwardBatch``, the runner).
 """
 
 from __future__ import annotations
@@ -26,21 +27,46 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
 
 
-class HostStaging:
-    def __init__(self, device: torch.device | str) -> None:
+class StagingBuffers:
+    """A host buffer (pinned when the device is a GPU) and a device buffer of int32 words, both grown on demand.
+    ``reserve`` hands the host buffer out for writing only after the device has read the last copy out of it (an
+    event); ``upload`` copies its first words over (asynchronously from pinned memory). ``share_on_cpu``: on a CPU
+    device the two are one buffer and ``upload`` copies nothing (for a caller that consumes the words before it
+    reserves again)."""
+
+    def __init__(self, device: torch.device | str, share_on_cpu: bool = False) -> None:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        self.shared = share_on_cpu and self.device.type == "cpu"
         self.host = torch.empty(0, dtype=torch.int32)
-        self.dev = torch.empty(0, dtype=torch.int32, device=self.device)
+        self.dev = self.host if self.shared else torch.empty(0, dtype=torch.int32, device=self.device)
         self._copied: torch.cuda.Event | None = None  # the last copy out of ``host``
-        self.num_copies = 0
 
-    def _reserve(self, words: int) -> None:
+    def reserve(self, words: int) -> torch.Tensor:
+        """The host buffer, free to write, of at least ``words`` words."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the device has read the previous copy
+            self._copied = None
         if words > self.host.numel():
             size = max(1024, 1 << (words - 1).bit_length())
             self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.pinned)
-            self.dev = torch.empty(size, dtype=torch.int32, device=self.device)
-            self._copied = None  # a fresh host buffer: nothing reads it
+            self.dev = self.host if self.shared else torch.empty(size, dtype=torch.int32, device=self.device)
+        return self.host
+
+    def upload(self, words: int) -> torch.Tensor:
+        """The device buffer, its first ``words`` words copied from the host buffer."""
+        if not self.shared:
+            self.dev[:words].copy_(self.host[:words], non_blocking=self.pinned)
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+        return self.dev
+
+
+class HostStaging:
+    def __init__(self, device: torch.device | str) -> None:
+        self.buffers = StagingBuffers(device)
+        self.num_copies = 0
 
     def upload(self, arrays: list[Array]) -> dict[str, torch.Tensor]:
         """Device views of ``arrays``, by name, after one host-to-device copy."""
@@ -50,17 +76,11 @@ class HostStaging:
             words += words % w  # align int64 arrays to two words
             offsets.append(words)
             words += w * len(values)
-        if self._copied is not None:
-            self._copied.synchronize()  # the device has read the previous step's inputs
-        self._reserve(words)
-        host = self.host.numpy()
+        host = self.buffers.reserve(words).numpy()
         for (_, dtype, values, _), off in zip(arrays, offsets):
             if values:
                 host[off : off + _WORDS[dtype] * len(values)].view(_NUMPY[dtype])[:] = values
-        self.dev[:words].copy_(self.host[:words], non_blocking=self.pinned)
+        dev = self.buffers.upload(words)
         self.num_copies += 1
-        if self.pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return {name: self.dev[off : off + _WORDS[dtype] * len(values)].view(dtype).view(shape)
+        return {name: dev[off : off + _WORDS[dtype] * len(values)].view(dtype).view(shape)
                 for (name, dtype, values, shape), off in zip(arrays, offsets)}

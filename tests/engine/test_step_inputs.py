@@ -24,9 +24,9 @@ def test_staging_round_trips_mixed_dtypes_and_reuses_its_buffers():
     for name, dtype, values, shape in arrays:
         assert views[name].dtype == dtype and tuple(views[name].shape) == shape
         assert views[name].flatten().tolist() == values
-    buffer = staging.dev
+    buffer = staging.buffers.dev
     again = staging.upload([("x", torch.int64, [3, 4], (2,))])
-    assert again["x"].tolist() == [3, 4] and staging.dev is buffer and staging.num_copies == 2
+    assert again["x"].tolist() == [3, 4] and staging.buffers.dev is buffer and staging.num_copies == 2
 
 
 def test_build_matches_the_per_field_tensors():
