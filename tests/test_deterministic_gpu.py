@@ -97,13 +97,17 @@ def test_48_prompts_same_tokens_batched_alone_prefix_hit_no_prefix_cache_and_pre
     prompts = forty_eight_prompts()
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="bfloat16", device="cuda", kv_cache_memory="8GiB", max_num_seqs=48)
+    # the rerun hits only if the prompts' checkpoints are still cached: the tiny model's prompts (up to 1,294
+    # tokens) register up to 2 each (at 1024 tokens and at the end), more than 48 slots hold, and a rerun in the
+    # same order then evicts each prompt's entries just before it needs them (on the CPU: 0 hit tokens)
+    hit_slots = 2 * len(prompts)
 
     def tokens(llm, ps):
         return [o.token_ids for o in llm.generate(ps, params)]
 
     counts = {}
     for det in (False, True):
-        llm = flashinfra.LLM(model_dir, deterministic=det, **kw)
+        llm = flashinfra.LLM(model_dir, deterministic=det, prefix_cache_slots=hit_slots, **kw)
         batched = tokens(llm, prompts)
         rerun = tokens(llm, prompts)
         assert llm.engine.stats().num_prefix_hit_tokens_total > 0

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from flashinfra.engine.config import LoadConfig, add_config_args
+from flashinfra.engine.config import EngineConfig, LoadConfig, add_config_args
+from flashinfra.feedback.trace import TRACE_ENGINE_OPTIONS
 
 
 def _print_json(obj) -> None:
@@ -122,6 +123,9 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-lens", default="32,17", help="model: comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=3, help="model: forward steps traced")
     add_config_args(p, LoadConfig, only=("dtype", "device"))
+    add_config_args(p, EngineConfig, only=TRACE_ENGINE_OPTIONS)
+    p.set_defaults(max_num_seqs=None)  # None: as many as the prompts, at least 4
+    p.add_argument("--warmup", type=int, default=1, help="model: engine steps run before the traced ones")
     p.add_argument("--quick", action="store_true", help="benchmark: small sizes")
     p.add_argument("--out", default="trace", help="output prefix: PREFIX.json (Chrome trace), PREFIX.txt")
     p.add_argument("--top", type=int, default=15, help="kernels listed in the summary, by time")

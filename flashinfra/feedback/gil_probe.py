@@ -4,14 +4,17 @@ stacks of all threads at that moment.
 
 How: a heartbeat thread wakes every ``interval_s``; to run it needs the GIL, so when it wakes late by more
 than ``threshold_s`` every Python thread was starved for that long (a CPU oversubscribed by other
-processes looks the same, and is worth knowing too). The stacks are taken *during* the stall by
-``faulthandler``'s watchdog, a native thread that needs no GIL: each heartbeat re-arms it to fire
-``interval_s + threshold_s`` later, so it fires only when the heartbeat is late. If it did not fire (a
-stall just over the threshold), the stacks come from ``sys._current_frames()`` right after the stall;
-those are kept as ``stacks_after`` in any case.
+processes looks the same, and is worth knowing too). The stacks are ``sys._current_frames()`` right after the
+stall (``source == "after"``), which names a holder stuck in one C call or looping on a blocking one.
 
-``faulthandler`` has one such timer per process: while a probe runs it owns it (``native_stacks=False``
-leaves it alone). A re-arm is cheap next to the default 10 ms interval, so the probe costs little CPU.
+With ``native_stacks=True`` they are taken *during* the stall by ``faulthandler``'s watchdog, a native thread
+that needs no GIL: each heartbeat re-arms it to fire ``interval_s + threshold_s`` later, so it fires only when the
+heartbeat is late (a stall just over the threshold falls back to the stacks after it; those are kept as
+``stacks_after`` in any case). It is opt-in because ``faulthandler`` walks the other threads' frames without the
+GIL, which races with a holder that is running Python code rather than sitting in one C call: on CPython 3.12
+that crashed a process running the engine (``bench/disagg_gil.py --engine``, a segmentation fault within the first
+stalls). ``faulthandler`` has one such timer per process: while a probe with native stacks runs it owns it. A
+re-arm is cheap next to the default 10 ms interval, so the probe costs little CPU.
 Stalls go to ``stalls`` and, when an ``EventLog`` is given, out as ``gil_stall`` events.
 """
 
@@ -82,7 +85,7 @@ class GilProbe:
 
     THREAD_NAME = "flashinfra-gil-probe"
 
-    def __init__(self, threshold_s: float = 0.05, interval_s: float = 0.01, native_stacks: bool = True,
+    def __init__(self, threshold_s: float = 0.05, interval_s: float = 0.01, native_stacks: bool = False,
                  events=None, on_stall: Callable[[Stall], None] | None = None, max_stalls: int = 1000):
         if threshold_s <= 0 or interval_s <= 0:
             raise ValueError("threshold_s and interval_s must be positive")

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 STEP_PREFIX = "flashinfra.step "
+# the engine settings ``trace --model`` takes (its flags), to profile the steps of the path they select
+TRACE_ENGINE_OPTIONS = ("max_num_seqs", "async_scheduling", "speculative_tokens", "speculative_max_batch",
+                        "deterministic", "quantization", "kv_cache_dtype", "startup_warmup")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -187,16 +190,17 @@ def _bench_step(name: str, device: str, dtype: str | None, quick: bool, steps: i
 
 
 def _engine_step(model: str | None, device: str, dtype: str | None, prompt_lens: list[int],
-                 max_tokens: int) -> Callable[[int], Any]:
-    """Engine steps over requests with random prompts; a finished batch is replaced by a new one."""
+                 max_tokens: int, options: dict[str, Any]) -> Callable[[int], Any]:
+    """Engine steps over requests with random prompts; a finished batch is replaced by a new one. ``options``:
+    further ``EngineConfig`` settings (speculative decoding, asynchronous scheduling, ...)."""
     import random
 
     from flashinfra.engine.config import EngineConfig
     from flashinfra.engine.core import EngineCore
     from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 
-    engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype or "auto",
-                                     max_num_seqs=max(4, len(prompt_lens))))
+    options = {"max_num_seqs": max(4, len(prompt_lens)), **options}
+    engine = EngineCore(EngineConfig(model=model, device=device, dtype=dtype or "auto", **options))
     vocab = engine.model.config.text.vocab_size
     rng = random.Random(0)
     batch = [0]
@@ -230,12 +234,14 @@ def cli_main(args) -> int:
             lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
             if not lens or min(lens) < 1:
                 raise ValueError("--prompt-lens needs positive integers")
+            options = {name: getattr(args, name) for name in TRACE_ENGINE_OPTIONS
+                       if getattr(args, name, None) is not None}
             step = _engine_step(None if args.model == "default" else args.model, device, args.dtype, lens,
-                                max_tokens=max(2, args.steps))
+                                max_tokens=max(2, args.warmup + args.steps), options=options)
     except (KeyError, ValueError, OSError) as exc:
         print(f"error: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 2
-    path = profile_steps(step, args.steps, device, args.out)
+    path = profile_steps(step, args.steps, device, args.out, warmup=args.warmup if args.model else 1)
     summary = summarize_trace(path, top=args.top)
     text = format_text(summary)
     Path(f"{args.out}.txt").write_text(text + "\n")

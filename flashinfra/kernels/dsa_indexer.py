@@ -14,8 +14,8 @@ captured in a CUDA graph:
    them equal), reading the pool keys ``[num_blocks, block_size // kpool, Di]`` through the block table. Pools the
    query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
    table.
-2. ``dsa_topk.topk_launch``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
-   order, by a radix select in Triton; the same values and order as ``torch.topk`` over those keys, i.e. the
+2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
+   order (``torch.topk`` over those keys, or the Triton radix select where it is faster: the same bits), i.e. the
    reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices of at most
    ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a slice's rows
    are the same bits as in one pass, since each row is its own top-k.
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic
-from flashinfra.kernels.dsa_topk import topk_bytes, topk_launch
+from flashinfra.kernels.dsa_topk import select, topk_bytes
 from flashinfra.kernels.launch import fast
 
 FMIN = torch.finfo(torch.float32).min
@@ -129,7 +129,7 @@ def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int
         n = min(rows, T - t0)
         s = slice(t0, t0 + n)
         scores_launch(pool_keys, q[s], w[s], block_tables, token_seq[s], positions[s], kpool, scores[:n])
-        topk_launch(scores[:n], k, out=top[s])
+        select(scores[:n], k, top[s])
     return top
 
 

@@ -288,13 +288,14 @@ def _topk_bench(R: int, P: int, use_torch: bool):
 
         def inputs(seed):
             gen = torch.Generator(device=dev).manual_seed(seed)
-            bits = dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs())
-            return ((bits.long() << 32) | torch.arange(p, device=dev),) if use_torch else (bits,)
+            return dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs()), torch.empty(
+                r, k, dtype=torch.int64, device=dev)
 
         if use_torch:
-            return BenchSpec(fn=lambda keys: torch.topk(keys, k, dim=1), make_inputs=inputs, bytes=8 * r * p,
-                             description="torch.topk over int64 sort keys", params=dict(R=r, P=p, k=k))
-        return BenchSpec(fn=lambda bits: dsa_topk.topk_launch(bits, k), make_inputs=inputs,
+            return BenchSpec(fn=lambda bits, out: dsa_topk.topk_ref(bits, k, out=out), make_inputs=inputs,
+                             bytes=4 * r * p + 8 * r * k, description="torch.topk over the int64 sort keys made "
+                             "from the score bits", params=dict(R=r, P=p, k=k))
+        return BenchSpec(fn=lambda bits, out: dsa_topk.topk_launch(bits, k, out=out), make_inputs=inputs,
                          bytes=dsa_topk.topk_bytes(r, p, k), description="DSA top-k: radix select over score bits",
                          params=dict(R=r, P=p, k=k))
     _bench(f"hotpath.dsa_topk{'_torch' if use_torch else ''}.t{R}.p{P}", make)
@@ -303,6 +304,6 @@ def _topk_bench(R: int, P: int, use_torch: bool):
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
     _dsa_bench(_B, _N, _T)
 
-for _R, _P in ((1, 262144), (256, 262144), (8192, 2048)):
+for _R, _P in ((1, 1024), (128, 1024), (1, 32768), (1, 262144), (256, 262144), (8192, 2048)):
     _topk_bench(_R, _P, False)
     _topk_bench(_R, _P, True)

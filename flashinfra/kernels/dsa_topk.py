@@ -155,7 +155,20 @@ def score_bits(score: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: ``torch.topk`` over the int64 keys ``score_bits << 32 | pool`` (distinct, so one answer)."""
     pools = torch.arange(scores.shape[1], device=scores.device)
-    return torch.topk((scores.long() << 32) | pools, k, dim=1).values
+    top = torch.topk((scores.long() << 32) | pools, k, dim=1).values
+    return top if out is None else out.copy_(top)
+
+
+# Rows of at most this many pools take the radix select, longer ones ``torch.topk`` over the keys (measured on an
+# H100, ``bench/notes/dsa_indexer.md``: torch.topk is 3-5x faster at 2,048 and 262,144 pools).
+RADIX_MAX_POOLS = 0
+
+
+def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """``topk_ref``'s keys into ``out``, by whichever of the two is faster at this row length."""
+    if scores.shape[1] <= RADIX_MAX_POOLS:
+        return topk_launch(scores, k, out=out)
+    return topk_ref(scores, k, out=out)

@@ -14,7 +14,7 @@ def hold_the_gil(delay_s=0.0):
 
 def test_probe_reports_gil_holder_with_its_stack(tmp_path):
     log = EventLog(tmp_path / "ev.jsonl")
-    with GilProbe(threshold_s=0.2, interval_s=0.01, events=log) as probe:
+    with GilProbe(threshold_s=0.2, interval_s=0.01, events=log, native_stacks=True) as probe:
         hog = threading.Thread(target=hold_the_gil, args=(0.05,), name="hog")
         time.sleep(0.05)
         t0 = time.perf_counter()
@@ -49,8 +49,8 @@ def test_threads_that_release_the_gil_are_not_reported():
     assert probe.count == 0, probe.format_text()
 
 
-def test_stacks_after_the_stall_without_native_dump():
-    with GilProbe(threshold_s=0.2, interval_s=0.01, native_stacks=False) as probe:
+def test_stacks_after_the_stall_by_default():
+    with GilProbe(threshold_s=0.2, interval_s=0.01) as probe:  # the default: no native dump
         hold_the_gil()
         time.sleep(0.05)
     assert probe.count >= 1
