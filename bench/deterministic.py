@@ -7,13 +7,14 @@ both alike. Ratio = deterministic time / default time; goal: at most 1.25.
 Each case also records whether deterministic mode kept the first sequence's logits the same bits alone as inside the
 batch (decode: the same cache contents; prefill: the same prompt), next to whether the default path did.
 
-usage: python bench/deterministic.py --out bench/results/deterministic.json [--smoke]
+usage: python bench/deterministic.py --out bench/results/deterministic.json [--smoke] [--kernels]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -85,6 +86,27 @@ def prefill_case(lm: LoadedModel, lengths: list[int], reps: int) -> dict:
     return _ratio(out, times, "prefill")
 
 
+def prefill_kernels(lm: LoadedModel, n: int, top: int = 12) -> dict:
+    """Where the prefill's time goes in each mode: one ``n``-token prefill under the profiler, its top kernels (the
+    GPU time per kernel name, ``feedback.trace``)."""
+    from flashinfra.feedback.trace import profile_steps, summarize_trace
+
+    dev = lm.device
+    batch = ForwardBatch.build([n], [0], [0], [list(range(-(-n // BS)))], BS, dev)
+    cache = lm.allocate_cache(-(-n // BS), BS, 1)
+    ids = torch.randint(1, 1000, (n,), device=dev)
+    out = {}
+    for det in (False, True):
+        with deterministic(det), tempfile.TemporaryDirectory() as tmp:
+            path = profile_steps(lambda i: lm.forward(ids, batch, cache), 2, str(dev), Path(tmp) / "prefill")
+            s = summarize_trace(path, top=top)
+        out["deterministic" if det else "default"] = {
+            "gpu_busy_s_per_prefill": s["gpu_busy_s"] / 2,
+            "top_kernels": [{"name": k["name"][:90], "s_per_prefill": k["total_s"] / 2, "count": k["count"] // 2}
+                            for k in s["top_kernels"]]}
+    return out
+
+
 def _ratio(out: dict, times: dict, kind: str) -> dict:
     base, det = statistics.median(times[False]), statistics.median(times[True])
     out.update(kind=kind, default_median_s=base, deterministic_median_s=det, ratio=det / base,
@@ -100,6 +122,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--smoke", action="store_true", help="toy width on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--kernels", action="store_true", help="also profile one prefill in each mode: its top kernels")
     args = ap.parse_args()
     if args.smoke:
         hotpath_slice.DEV = "cpu"
@@ -122,6 +145,13 @@ def main() -> None:
         print(report["cases"][-1], flush=True)
         report["worst_ratio"] = max(c["ratio"] for c in report["cases"])
         report["all_within_goal"] = all(c["within_goal"] for c in report["cases"])
+        write_results(out.stem, report, directory=out.parent)
+    if args.kernels:
+        report["prefill_kernels"] = prefill_kernels(lm, args.prefill)
+        for mode, k in report["prefill_kernels"].items():
+            print(f"{mode}: {k['gpu_busy_s_per_prefill'] * 1e3:.2f} ms of kernels per prefill")
+            for row in k["top_kernels"]:
+                print(f"  {row['s_per_prefill'] * 1e3:8.3f} ms  x{row['count']:<4} {row['name']}")
         write_results(out.stem, report, directory=out.parent)
 
 

@@ -96,6 +96,27 @@ def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, b
     return acked
 
 
+def long_enough(model: str | None, length: int) -> str:
+    """``model`` (default: the built-in one), or a copy of it whose ``max_position_embeddings`` admits ``length``
+    tokens (the built-in model's 4,096 is below an 8k prompt; the step's cost is what is timed, not its text)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from flashinfra.model.factory import default_model_dir
+
+    src = Path(model) if model else default_model_dir()
+    config = json.loads((src / "config.json").read_text())
+    text = config.get("text_config", config)
+    if text["max_position_embeddings"] >= length:
+        return str(src)
+    dst = Path(tempfile.mkdtemp(prefix="disagg-gil-model-"))
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    text["max_position_embeddings"] = length
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dst)
+
+
 def engine_prefill(args):
     """A function that times one prefill step of a real engine on a fresh ``args.tokens``-token prompt."""
     from flashinfra.engine.config import EngineConfig
@@ -103,7 +124,8 @@ def engine_prefill(args):
     from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
     from flashinfra.feedback.timing import checked_step
 
-    core = EngineCore(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, prefix_cache_slots=0,
+    core = EngineCore(EngineConfig(model=long_enough(args.model, args.tokens + 8), device=args.device, max_num_seqs=1,
+                                   prefix_cache_slots=0,
                                    max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 8,
                                    num_blocks=args.tokens // 16 + 2))
     count = [0]

@@ -218,14 +218,16 @@ class ModelRunner:
         spec, cu = self.speculator, batch.cu_seqlens_list
         committed = [len(f) for f in feeds]
         nexts: list[int | None] = [None] * len(sched)
-        for b, sr in enumerate(sched):
-            if len(feeds[b]) > sr.num_new_tokens:
-                gen = None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed)
-                out, lps = spec.accept(sr, feeds[b], hidden[cu[b] : cu[b + 1]], gen)
-                result.emitted[sr.request_id] = out
-                if lps is not None:
-                    result.emitted_logprobs[sr.request_id] = lps
-                committed[b], nexts[b] = len(out), out[-1]
+        drafted = [b for b, sr in enumerate(sched) if len(feeds[b]) > sr.num_new_tokens]
+        accepted = spec.accept_rows([(sched[b], feeds[b], cu[b], cu[b + 1]) for b in drafted], hidden,
+                                    lambda sr: None if sr.sampling.greedy else self._generator(sr.request_id,
+                                                                                               sr.sampling.seed))
+        for b, (out, lps) in zip(drafted, accepted):
+            rid = sched[b].request_id
+            result.emitted[rid] = out
+            if lps is not None:
+                result.emitted_logprobs[rid] = lps
+            committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
         grammar = self._grammar_mask([sr for sr, _ in plain])
         self.finish(self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long,

@@ -6,7 +6,7 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    appended to its fed token; when any row carries drafts, the batch's ``replay`` flags send those rows
    (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
    layers' verify path: the checkpoint is read, the ring written.
-2. ``accept``: logits at every fed position of a draft row, penalised as the sampler would at that
+2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows), penalised as the sampler would at that
    position (the counts include the drafts before it, which are the outputs there whenever the position's
    token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run rejection
    sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes
@@ -103,6 +103,36 @@ class Speculator:
         return feeds, tuple(len(f) > sr.num_new_tokens or (len(f) == 1 and sr.context_len > 0)
                             for f, sr in zip(feeds, sched))
 
+    def accept_rows(self, rows: list[tuple[ScheduledRequest, list[int], int, int]], hidden: torch.Tensor,
+                    generator) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+        """Each draft row ``(request, fed tokens, first, end)`` (its rows ``first:end`` of ``hidden``) -> its emitted
+        tokens and logprob records. The greedy rows without penalties or logprobs share one logits product and one
+        read-back; the others go through ``accept`` one by one (``generator(request)``: a sampled row's)."""
+        plain = [r for r in rows if r[0].sampling.greedy and not r[0].sampling.has_penalties
+                 and r[0].sampling.logprobs is None]
+        out: dict[int, tuple[list[int], None]] = {}
+        if plain:
+            spans = [(lo, hi) for _, _, lo, hi in plain]
+            contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            h = (hidden[spans[0][0] : spans[-1][1]] if contiguous else hidden[torch.tensor(
+                [i for lo, hi in spans for i in range(lo, hi)], dtype=torch.long, device=hidden.device)])
+            targets = torch.argmax(self.model.compute_logits(h), -1).tolist()
+            at = 0
+            for sr, fed, lo, hi in plain:
+                drafts = fed[sr.num_new_tokens:]
+                out[id(sr)] = (self._count(greedy_accept(targets[at : at + hi - lo], drafts), drafts), None)
+                at += hi - lo
+        return [out[id(sr)] if id(sr) in out else self.accept(sr, fed, hidden[lo:hi], generator(sr))
+                for sr, fed, lo, hi in rows]
+
+    def _count(self, out: list[int], drafts: list[int]) -> list[int]:
+        self.num_drafted += len(drafts)
+        for j in range(len(drafts)):
+            self.num_drafted_at[j] += 1
+        for j in range(len(out) - 1):
+            self.num_accepted_at[j] += 1
+        return out
+
     def accept(self, sr: ScheduledRequest, fed: list[int], hidden: torch.Tensor,
                generator: torch.Generator | None) -> tuple[list[int], list[TokenLogprob] | None]:
         """hidden [len(fed), D] of a draft row -> the emitted tokens and, if the request asks, their logprob
@@ -124,11 +154,7 @@ class Speculator:
             probs = truncated_probs(logits.float(), col(s.temperature, torch.float32), col(s.top_k, torch.long),
                                     col(s.top_p, torch.float32), col(s.min_p, torch.float32))
             out = rejection_accept(probs, drafts, None, generator)
-        self.num_drafted += len(drafts)
-        for j in range(len(drafts)):
-            self.num_drafted_at[j] += 1
-        for j in range(len(out) - 1):
-            self.num_accepted_at[j] += 1
+        self._count(out, drafts)
         if s.logprobs is None:
             return out, None
         n = len(out)
