@@ -1,5 +1,5 @@
-"""Top-k of the DSA indexer's scores per query: a radix select in Triton, in place of ``torch.topk`` over int64 sort
-keys.
+"""Top-k of the DSA indexer's scores per query: a radix select in Triton for short rows (``select``), ``torch.topk``
+over the int64 sort keys for long ones.
 
 Input: ``scores [R, P]`` int32, the order-preserving bits of each (query, pool) float score as
 ``index_score_kernel`` writes them (``score_bits``: a float's bits, the negative ones' magnitude bits flipped, so
@@ -163,8 +163,9 @@ def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
 
 
 # Rows of at most this many pools take the radix select, longer ones ``torch.topk`` over the keys (measured on an
-# H100, ``bench/notes/dsa_indexer.md``: torch.topk is 3-5x faster at 2,048 and 262,144 pools).
-RADIX_MAX_POOLS = 0
+# H100, ``bench/notes/dsa_indexer.md``: the radix select is 10-18% faster at 1,024 pools, torch.topk 2.3-3.7x
+# faster at 2,048, 32,768 and 262,144).
+RADIX_MAX_POOLS = 1024
 
 
 def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
