@@ -6,9 +6,10 @@
 - bad transfer: a binding that keeps the GIL during its blocking wait (``ctypes.PyDLL`` usleep, as a
   C extension that forgets Py_BEGIN_ALLOW_THREADS would); the GIL probe finds it with its stack.
 - fixed transfer: the engines' own paths, moving ``--mbytes`` per transfer, two at a time, for as long as the
-  prefill runs: ``flashinfra.disagg.transport`` (a sender thread packing a request's pages, pyzmq multipart
-  with copy=False, a receiver thread, acks) and ``flashinfra.disagg.ipc`` (the receiver's reader thread
-  copying the pages from the sender's cache in shared memory).
+  prefill runs, to a receiver in another process (the decode engine's side): ``flashinfra.disagg.transport`` (a
+  sender thread packing a request's pages, pyzmq multipart with copy=False, a receiver thread, acks) and
+  ``flashinfra.disagg.ipc`` (the receiver's reader thread copying the pages from the sender's cache in shared
+  memory, or through CUDA IPC when the caches are on the GPU: ``--engine --device cuda``).
 
 The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
 best time alone (timed first and again last), in one process: what the transfer threads cost the engine loop
@@ -56,31 +57,23 @@ def gil_holding_transfer(stop: threading.Event, ready: threading.Event) -> None:
         _libc.usleep(20000)  # "waiting on the transport" while keeping the GIL
 
 
-def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, backend: str) -> int:
-    """Move one request state of ``mbytes`` (one block of one paged tensor) from a sender's cache to a
-    receiver's until ``stop``: as frames (``zmq``), or copied from the sender's cache in shared memory by the
-    receiver's reader thread (``ipc``). The receiving side acknowledges from this thread, as the decode
-    engine's loop would. ``ready`` is set once both ends are up (sharing the cache is start-up work)."""
-    from flashinfra.disagg.ipc import IpcReceiver, IpcSender
+def _cache(mbytes: int, device: str) -> ModelCache:
+    """A cache of two blocks of one paged tensor, ``mbytes`` each."""
+    return ModelCache(block_size=1, num_blocks=2, num_slots=1, indexer_keys={}, conv_state={}, recurrent_state={},
+                      mla_latent={0: torch.zeros(2, 1, mbytes << 20, dtype=torch.uint8, device=device)})
 
-    def cache():
-        return ModelCache(block_size=1, num_blocks=2, num_slots=1, indexer_keys={}, conv_state={},
-                          recurrent_state={}, mla_latent={0: torch.zeros(2, 1, mbytes << 20, dtype=torch.uint8)})
 
-    src, dst = cache(), cache()
-    layout = describe(src, "bench", "bench")
-    if backend == "ipc":
-        rx, tx = IpcReceiver(layout, dst), IpcSender(layout, src)
-    else:
-        rx, tx = StateReceiver(layout), StateSender(layout)
-    acked, i, arrived = 0, 0, {}
-    ready.set()
+def receiver_process(conn, stop, mbytes: int, backend: str, device: str) -> None:
+    """The decode side, in its own process as in serving: a receiver that takes each state (the ``ipc`` reader
+    copying it from the sender's cache) and acknowledges it, until ``stop``."""
+    from flashinfra.disagg.ipc import IpcReceiver
+
+    dst = _cache(mbytes, device)
+    layout = describe(dst, "bench", "bench")
+    rx = IpcReceiver(layout, dst) if backend == "ipc" else StateReceiver(layout)
+    conn.send(rx.address)
+    arrived = {}
     while not stop.is_set():
-        if tx.num_outstanding < 2:
-            pages = (RequestPages(src, [i % 2], None) if backend == "ipc"
-                     else functools.partial(pack_request_state, src, [i % 2], None))
-            tx.send(rx.address, RequestState(str(i), 1, 1, 0), pages)
-            i += 1
         for arrival in rx.poll():
             if backend == "ipc":
                 arrived[arrival.state.request_id] = arrival
@@ -89,10 +82,42 @@ def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, b
                 rx.ack(arrival.peer, arrival.state.request_id)
         for tid, _ in rx.poll_reads() if backend == "ipc" else []:
             rx.ack(arrived.pop(tid).peer, tid)
+        time.sleep(0.002)
+    rx.close()
+
+
+def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, backend: str, device: str) -> int:
+    """The prefill side's sender, moving one request state of ``mbytes`` (one block of one paged tensor) from its
+    cache to a receiver in another process until ``stop``, two in flight: as frames (``zmq``), or copied from the
+    sender's cache by the receiver's reader (``ipc``: shared memory on a CPU, CUDA IPC on a GPU). This thread plays
+    the prefill engine loop's part (send, then poll the acknowledgements); ``ready`` is set once both ends are up
+    (start-up work). Returns the transfers acknowledged."""
+    import multiprocessing as mp
+
+    from flashinfra.disagg.ipc import IpcSender
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    halt = ctx.Event()
+    proc = ctx.Process(target=receiver_process, args=(child, halt, mbytes, backend, device), daemon=True)
+    proc.start()
+    src = _cache(mbytes, device)
+    layout = describe(src, "bench", "bench")
+    tx = IpcSender(layout, src) if backend == "ipc" else StateSender(layout)
+    address = parent.recv()
+    acked, i = 0, 0
+    ready.set()
+    while not stop.is_set():
+        if tx.num_outstanding < 2:
+            pages = (RequestPages(src, [i % 2], None) if backend == "ipc"
+                     else functools.partial(pack_request_state, src, [i % 2], None))
+            tx.send(address, RequestState(str(i), 1, 1, 0), pages)
+            i += 1
         acked += len(tx.poll())
         time.sleep(0.002)
     tx.close()
-    rx.close()
+    halt.set()
+    proc.join(10)
     return acked
 
 
@@ -183,7 +208,7 @@ def main() -> None:
     moved, timed = {}, {}
     for backend in ("zmq", "ipc"):
         def transfer(stop, ready, b=backend):
-            moved[b] = state_transfer(stop, ready, args.mbytes, b)
+            moved[b] = state_transfer(stop, ready, args.mbytes, b, args.device if args.engine else "cpu")
         timed[backend] = measure(args, run_prefill, transfer)
         print(f"beside {backend} transfers {timed[backend][0] * 1e3:.2f} ms", flush=True)
     alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
