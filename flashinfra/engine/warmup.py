@@ -33,6 +33,10 @@ logger = logging.getLogger("flashinfra.engine")
 _MIXED_DECODE_ROWS = 3
 # A short prompt, of an odd length, for the specialisations of a length that no power of two divides.
 _SHORT_PROMPT = 17
+# A step of this many prompts of (at most) this many tokens each, for the specialisations of a sequence count
+# divisible by 16.
+_MANY_PROMPTS = 16
+_MANY_PROMPT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class WarmupReport:
 def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_size: int,
                    num_blocks: int) -> list[list[int]]:
     """Query lengths of the prefill warm-up steps (one list per step; a ``1`` is a decode row): the whole
-    token budget as one prompt, a budget step shared with decode rows, and a short odd-length prompt.
+    token budget as one prompt, a budget step shared with decode rows, a short odd-length prompt, and 16 short
+    prompts together.
     Each step fits the context length, the sequence count and the cache blocks."""
     longest = min(budget, max_model_len - 1, num_blocks * block_size)
     shapes = [[longest]]
@@ -64,6 +69,12 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
     short = min(_SHORT_PROMPT, longest)
     if short not in (s[0] for s in shapes):
         shapes.append([short])
+    # many prompts at once: Triton specialises an integer argument on its divisibility by 16, so a step of 16
+    # sequences compiles variants that 1 or 4 sequences never meet (an H100 saw a first 32-prompt step at 18x its
+    # steady time after the warm-up without it)
+    per = min(_MANY_PROMPT_TOKENS, longest // _MANY_PROMPTS, max_model_len - 1)
+    if max_num_seqs >= _MANY_PROMPTS and per >= 1 and _MANY_PROMPTS * -(-per // block_size) <= num_blocks:
+        shapes.append([per] * _MANY_PROMPTS)
     return shapes
 
 

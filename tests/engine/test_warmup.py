@@ -53,6 +53,8 @@ def test_prefill_shapes_fit_the_configuration(budget, max_len, seqs, block_size,
         assert len(used) == sum(len(t) for t in batch.block_tables) and max(used) < num_blocks
     if seqs > 1 and num_blocks * block_size >= 2 * min(budget, max_len):
         assert any(1 in s for s in shapes)  # a step with decode rows beside the prefill
+    if seqs >= 16 and num_blocks >= 16 * 4:
+        assert any(len(s) == 16 for s in shapes)  # a step of 16 prompts
 
 
 def test_warm_up_is_a_no_op_on_the_cpu(tmp_path):
