@@ -221,18 +221,24 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
 
 # deterministic mode: one block shape per operand width whatever the token count, so that a pair's row of each
 # GEMM is reduced in the same order (and by the same MMA instruction) alone or in any batch
+# Deterministic mode: a pair's sums follow the K loop alone (BK, no split), not BM / BN / the warps, as long as every
+# tile is wide enough for Hopper's wgmma (64 rows): so 16-bit and 8-bit operands take a 64-row tile while experts see a
+# few rows each and the default's 128 x 128 past that, the same K step in both; float32 keeps one tile.
 DETERMINISTIC_CONFIG = {1: dict(BM=64, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=3),
                         2: dict(BM=64, BN1=64, BN2=64, BK=64, num_warps=4, num_stages=3),
                         4: dict(BM=32, BN1=32, BN2=32, BK=32, num_warps=4, num_stages=2)}
+DETERMINISTIC_WIDE = {1: dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3),
+                      2: dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)}
 
 
 def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
     """Block shapes: thin M blocks while experts see a few tokens each (decode), square-ish ones after;
     float32 tiles are twice the bytes, so their large shape is halved to fit shared memory. 8-bit weights
     step through K by the fp8 scales' block (``GROUP``)."""
-    if is_deterministic():
-        return DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     per_expert = num_pairs / max(num_experts, 1)
+    if is_deterministic():
+        wide = per_expert > 64 and elem_bytes in DETERMINISTIC_WIDE
+        return DETERMINISTIC_WIDE[elem_bytes] if wide else DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     if elem_bytes == 1:
         if num_pairs <= 64 or per_expert <= 16:
             return dict(BM=16, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)

@@ -76,7 +76,7 @@ def test_head_products_rows_same_bits_whatever_m():
 
 def test_moe_rows_same_bits_whatever_t():
     gen = torch.Generator(device="cuda").manual_seed(1)
-    T, E, D, I, k = 300, 64, 1024, 256, 8
+    T, E, D, I, k = 1200, 64, 1024, 256, 8  # 150 pairs an expert: the wide tile; the slices below the narrow one
     x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
     w13 = (torch.randn(E, 2 * I, D, device="cuda", generator=gen) * D**-0.5).bfloat16()
     w2 = (torch.randn(E, D, I, device="cuda", generator=gen) * I**-0.5).bfloat16()
@@ -86,5 +86,5 @@ def test_moe_rows_same_bits_whatever_t():
     wts = torch.rand(T, k, device="cuda", generator=gen)
     with deterministic(True):
         full = fused_moe(x, w13, w2, wts, ids, 10.0, s13, s2)
-        for lo, hi in [(0, 1), (7, 8), (0, 33), (100, 300)]:
+        for lo, hi in [(0, 1), (7, 8), (0, 33), (100, 300), (0, 700), (500, 1200)]:
             assert torch.equal(fused_moe(x[lo:hi], w13, w2, wts[lo:hi], ids[lo:hi], 10.0, s13, s2), full[lo:hi])
