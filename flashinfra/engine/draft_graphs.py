@@ -1,29 +1,35 @@
-"""CUDA graphs for the MTP layer's chained draft steps: the ``k - 1`` single-token steps of a draft, with the ``k``
-argmaxes between them, captured as one graph per (batch bucket, block-table width bucket).
+"""CUDA graphs for the MTP layer's draft: its catch-up over the committed tokens and the ``k - 1`` chained
+single-token steps, with the ``k`` argmaxes between them, captured per (batch bucket, block-table width bucket).
 
-``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions in one
-eager forward (its rows are as long as the step committed: 1 to ``k + 1`` tokens, a whole prompt after a prefill,
-and its inputs are gathered per row from the verify step's hidden states) and takes the first draft from the last
-entry of each row that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's
-output hidden and its argmax back in. Which row takes which step is known on the host before the chain starts
-(``chain_steps``: a row goes on while its next position fits its block table), so the whole chain is one graph:
-its inputs are the catch-up's last hidden per row, the block tables, and per step each row's cache slot and
-position (``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads
-each step's tokens.
+``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions (its
+rows are as long as the step committed: 1 to ``k + 1`` tokens, a whole prompt after a prefill, and its inputs are
+gathered per row from the verify step's hidden states) and takes the first draft from the last entry of each row
+that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's output hidden and
+its argmax back in. Which row takes which step is known on the host before the chain starts (``chain_steps``: a row
+goes on while its next position fits its block table), so the whole chain is one graph: its inputs are the
+catch-up's last hidden per row, the block tables, and per step each row's cache slot and position
+(``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each
+step's tokens.
+
+When every row goes on and none committed more than ``k + 1`` tokens (every decode step's draft), the catch-up is
+in the graph too (``CatchupBuffers``): its rows padded to ``k + 1`` tokens as a verify step's are
+(``cuda_graphs.StepBuffers``: a pad token sits at its row's last position and writes the scratch slot), each row's
+last real entry gathered on the device into the chain's input. Otherwise (after a prompt, or over deferred
+positions) the catch-up runs eagerly and the chain from its own graph.
 
 A row whose table is full before its last step runs the steps past it writing the scratch slot, at the last
 position its table holds (its drafts from those steps are dropped); the padding rows (past the batch, up to its
 bucket) run from a zero hidden in the scratch block. The scratch block and slot, the buckets and the memory pool
-are the step graphs' (``engine/cuda_graphs.py``). Every op of the MTP block works row by row (attention reads a
-row's own table up to its position), so neither changes a real row's drafts. With ``k = 1`` there is no chained
-step and nothing to capture: the one draft is the argmax of the catch-up's last entry.
+are the step graphs' (``engine/cuda_graphs.py``). Every op of the MTP block works row by row and causally (attention
+reads a row's own table up to its position), so neither kind of padding changes a real row's drafts. With ``k = 1``
+there is no chained step: the one draft is the argmax of the catch-up's last entry.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashinfra.engine.cuda_graphs import DecodeGraphs, bucket, width_bucket
+from flashinfra.engine.cuda_graphs import DecodeGraphs, StepBuffers, bucket, width_bucket
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 
@@ -77,18 +83,19 @@ class ChainBuffers:
         self.batches = [ForwardBatch(slot_mapping=self.slot_mapping[j], positions=self.positions[j],
                                      seq_lens_t=self.seq_lens[j], **shared) for j in range(steps)]
 
-    def fill(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]], steps: list[int],
+    def fill(self, hidden: torch.Tensor | None, positions: list[int], tables: list[list[int]], steps: list[int],
              staging: HostStaging) -> None:
-        """Copy a chain in: ``hidden`` [n, D] the catch-up's last entry per row, ``positions`` each row's next,
-        ``tables`` its block table, ``steps`` its chained steps (``chain_steps``)."""
+        """Copy a chain in: ``hidden`` [n, D] the catch-up's last entry per row (None: the catch-up graph writes it),
+        ``positions`` each row's next, ``tables`` its block table, ``steps`` its chained steps (``chain_steps``)."""
         n, w = len(positions), max(len(t) for t in tables)
         s = self.spec
         slots, pos = chain_inputs(positions, tables, steps, s.num_tokens, s.block_size, self.bs, self.scratch_entry)
         shape = (s.num_tokens - 1, self.bs)
         views = staging.upload([("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
                                 ("slot_mapping", torch.int64, slots, shape), ("positions", torch.int32, pos, shape)])
-        self.hidden[:n].copy_(hidden)
-        self.hidden[n:] = 0
+        if hidden is not None:
+            self.hidden[:n].copy_(hidden)
+            self.hidden[n:] = 0
         self.block_tables[:n, :w].copy_(views["tables"])
         self.block_tables[:n, w:] = 0
         self.block_tables[n:] = self.scratch_block
@@ -113,40 +120,101 @@ class ChainBuffers:
         return torch.stack(drafts)
 
 
+class CatchupBuffers:
+    """The static inputs and the body of one catch-up graph: the MTP layer's forward over ``bs`` rows of up to
+    ``k + 1`` committed tokens each (``StepBuffers``' padding: a pad token sits at its row's last position and writes
+    the scratch slot), each row's last entry taken on the device, then the chain from those (``ChainBuffers``)."""
+
+    def __init__(self, spec, bs: int, width: int, scratch_block: int, scratch_slot: int):
+        self.spec, self.bs, self.q = spec, bs, spec.num_tokens + 1
+        dev = spec.device
+        self.step = StepBuffers(bs, width, self.q, spec.block_size, scratch_block, scratch_slot, dev)
+        self.hidden = torch.zeros(bs * self.q, spec.model.config.text.hidden_size, dtype=spec.model.dtype, device=dev)
+        self.last = torch.arange(bs, dtype=torch.long, device=dev) * self.q  # each row's last real entry
+        self.chain = ChainBuffers(spec, bs, width, scratch_block, scratch_slot)
+
+    def fill(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
+             tables: list[list[int]], steps: list[int], staging: HostStaging) -> None:
+        """Copy a catch-up in: ``ids`` / ``hidden`` its tokens and target hiddens in ``batch``'s packing (each row at
+        most ``k + 1`` tokens), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``)."""
+        at = self.step.fill(ids, batch)
+        self.hidden.zero_()
+        self.hidden[at] = hidden
+        B = batch.num_seqs
+        self.last[:B] = at[batch.cu_seqlens[1:].long() - 1]
+        self.last[B:] = torch.arange(B, self.bs, dtype=torch.long, device=self.last.device) * self.q
+        self.chain.fill(None, positions, tables, steps, staging)
+
+    def body(self) -> torch.Tensor:
+        """-> the drafts [k, bs]: the catch-up's forward, each row's last entry into the chain, the chain."""
+        s = self.spec
+        out = s.mtp(s.model.model.embed_tokens[self.step.input_ids], self.hidden, self.step.batch, s.mtp_cache)
+        self.chain.hidden.copy_(out[self.last])
+        return self.chain.chain()
+
+
 class DraftGraphs:
-    """The chain graphs of ``spec`` (a ``Speculator`` with ``k > 1``), beside the step graphs ``graphs``."""
+    """The draft graphs of ``spec`` (a ``Speculator``), beside the step graphs ``graphs``: per (batch bucket, width
+    bucket) a catch-up graph (the catch-up and the chain), and with ``k > 1`` a chain graph for the steps whose
+    catch-up runs eagerly (a row longer than ``k + 1`` tokens: after a prompt, or deferred positions)."""
 
     def __init__(self, spec, graphs: DecodeGraphs):
-        if spec.num_tokens < 2:
-            raise ValueError("DraftGraphs: a draft of one token has no chained step")
         self.spec = spec
         self.scratch_block, self.scratch_slot = graphs.scratch_block, graphs.scratch_slot
         self.batch_buckets, self.pool = graphs.batch_buckets, graphs.pool
         self.staging = HostStaging(spec.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ChainBuffers, torch.Tensor]] = {}
+        self.catchups: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, CatchupBuffers, torch.Tensor]] = {}
 
     def can_run(self, n: int) -> bool:
         return n <= self.batch_buckets[-1]
+
+    def can_catch_up(self, qlens: list[int]) -> bool:
+        return len(qlens) <= self.batch_buckets[-1] and max(qlens) <= self.spec.num_tokens + 1
 
     def _capture(self, bs: int, width: int):
         buf = ChainBuffers(self.spec, bs, width, self.scratch_block, self.scratch_slot)
         graph, drafts = self.pool.capture(buf.chain)
         return graph, buf, drafts
 
+    def _capture_catchup(self, bs: int, width: int):
+        buf = CatchupBuffers(self.spec, bs, width, self.scratch_block, self.scratch_slot)
+        graph, drafts = self.pool.capture(buf.body)
+        return graph, buf, drafts
+
     def capture(self, keys: list[tuple[int, int]]) -> int:
         """Capture the graphs of ``keys`` (batch bucket, width bucket) not captured yet; returns how many were new."""
-        new = [key for key in keys if key not in self.graphs]
-        for key in new:
-            self.graphs[key] = self._capture(*key)
-        return len(new)
+        new = 0
+        for key in keys:
+            if key not in self.catchups:
+                self.catchups[key] = self._capture_catchup(*key)
+                new += 1
+            if self.spec.num_tokens > 1 and key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+                new += 1
+        return new
+
+    def _key(self, positions: list[int], tables: list[list[int]]) -> tuple[int, int]:
+        return bucket(len(positions), self.batch_buckets), width_bucket(max(len(t) for t in tables))
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]],
             steps: list[int]) -> list[list[int]]:
-        """Each row's drafts (``1 + steps[r]`` of them) from a graph replay (capturing it on first use)."""
-        key = (bucket(len(positions), self.batch_buckets), width_bucket(max(len(t) for t in tables)))
+        """Each row's drafts (``1 + steps[r]`` of them) from a chain graph replay (capturing it on first use)."""
+        key = self._key(positions, tables)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, drafts = self.graphs[key]
         buf.fill(hidden, positions, tables, steps, self.staging)
         graph.replay()
         return buf.drafts(drafts, steps)
+
+    def run_catchup(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
+                    tables: list[list[int]], steps: list[int]) -> list[list[int]]:
+        """Each row's drafts from a catch-up graph replay (``can_catch_up``; capturing it on first use)."""
+        key = self._key(positions, tables)
+        if key not in self.catchups:
+            self.catchups[key] = self._capture_catchup(*key)
+        graph, buf, drafts = self.catchups[key]
+        buf.fill(ids, hidden, batch, positions, tables, steps, self.staging)
+        graph.replay()
+        return ChainBuffers.drafts(drafts, steps)

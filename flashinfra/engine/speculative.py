@@ -21,7 +21,9 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    overwritten later too).
 
 With CUDA graphs a verify step whose rows all decode replays a captured forward (``engine/cuda_graphs.py``), and
-so does the chain (``engine/draft_graphs.py``); the catch-up runs eagerly.
+so do the catch-up and the chain, as one graph, when every row goes on and committed at most ``k + 1`` tokens
+(``engine/draft_graphs.py``); a longer catch-up (after a prompt, or over deferred positions) runs eagerly, then the
+chain's own graph.
 
 Drafts are greedy (the MTP's argmax), so the draft distribution in rejection sampling is one-hot.
 
@@ -87,7 +89,7 @@ class Speculator:
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
-        self.graphs = DraftGraphs(self, graphs) if graphs is not None and num_tokens > 1 else None
+        self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
@@ -207,6 +209,13 @@ class Speculator:
             return
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
         batch = ForwardBatch.build(qlens, ctxs, slots, tables, self.block_size, self.device)
+        if self.graphs is not None and all(go for _, go in rows) and self.graphs.can_catch_up(qlens):
+            pos = [c + q for c, q in zip(ctxs, qlens)]
+            drafts = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables,
+                                             chain_steps(pos, tables, self.num_tokens, self.block_size))
+            for (b, _), d in zip(rows, drafts):
+                self.drafts[sched[b].request_id] = d
+            return
         out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
         last = [batch.cu_seqlens_list[i + 1] - 1 for i in range(len(rows))]
         live = [i for i, (_, go) in enumerate(rows) if go]
@@ -216,7 +225,7 @@ class Speculator:
         pos = [ctxs[i] + qlens[i] for i in live]  # the first chained entry's position
         live_tables = [tables[i] for i in live]
         steps = chain_steps(pos, live_tables, self.num_tokens, self.block_size)
-        if self.graphs is not None and self.graphs.can_run(len(live)):
+        if self.graphs is not None and self.num_tokens > 1 and self.graphs.can_run(len(live)):
             drafts = self.graphs.run(h, pos, live_tables, steps)
         else:
             drafts = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)

@@ -6,13 +6,13 @@ milliseconds. ``warm_up`` captures the graphs of every (batch bucket, block-tabl
 configuration can reach (``cuda_graphs.graph_keys``) and runs a few prefill-shaped forward passes at the
 token budget (``prefill_shapes``), so kernels compile here and not in the middle of serving. With speculative
 decoding the same (batch, width) pairs are captured again for the verify steps (``k + 1`` tokens per row, every
-row padded to that) and for the MTP layer's chained draft steps (``engine/draft_graphs.py``).
+row padded to that) and for the MTP layer's draft, its catch-up and chained steps (``engine/draft_graphs.py``).
 
 The prefill passes write into the first cache blocks and KDA slots, which is harmless before any request
 exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
 they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
-once. What it leaves out: the vision tower and the MTP layer's catch-up step (an eager forward of the committed
-tokens) warm up on first use.
+once. What it leaves out: the vision tower and the MTP layer's catch-up after a prompt (an eager forward of the
+prompt's tokens) warm up on first use.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The speculative steps' CUDA-graph inputs under Triton's CPU interpreter (the kernel path a graph captures, run
 eagerly): a verify step padded into a graph's static buffers gives its tokens the hidden states of the step run
 alone, writes no real row's cache or ring entry that the step alone does not, and folds to the same states; the
-draft chain's graph body gives the eager chain's drafts and cache entries."""
+draft chain's graph body gives the eager chain's drafts and cache entries, and so does the catch-up graph's body (the
+catch-up padded to k + 1 tokens a row, then the chain) against the eager catch-up and chain."""
 
 import copy
 import dataclasses
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from flashinfra.engine.cuda_graphs import StepBuffers
-from flashinfra.engine.draft_graphs import ChainBuffers, chain_steps
+from flashinfra.engine.draft_graphs import CatchupBuffers, ChainBuffers, chain_steps
 from flashinfra.engine.speculative import Speculator
 from flashinfra.model.api import load_model
 from flashinfra.model.forward_batch import ForwardBatch
@@ -86,3 +87,35 @@ def test_chain_body_equals_the_eager_chain(setup):
         for layer, t in getattr(eager_cache, name).items():
             other = getattr(graph_cache, name)[layer]
             assert torch.allclose(other[:SCRATCH_BLOCK], t[:SCRATCH_BLOCK], atol=1e-6), name
+
+
+def test_catchup_body_equals_the_eager_catchup_and_chain(setup):
+    model, _, spec = setup
+    gen = torch.Generator().manual_seed(3)
+    for t in (*spec.mtp_cache.mla_latent.values(), *spec.mtp_cache.indexer_keys.values(),
+              *spec.mtp_cache.indexer_pool_keys.values()):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    qlens, ctxs = [4, 1, 2], [8, 2, 13]  # committed 4 (3 drafts kept), 1 and 2 tokens after contexts 9, 3, 14
+    batch = ForwardBatch.build(qlens, ctxs, [0, 1, 2], TABLES, BS, "cpu")
+    ids = torch.randint(10, 500, (sum(qlens),), generator=gen)
+    hidden = torch.randn(sum(qlens), model.config.text.hidden_size, generator=gen)
+    pos = [c + q for c, q in zip(ctxs, qlens)]
+    steps = chain_steps(pos, TABLES, K, BS)
+    assert steps == [2, 1, 1]
+    embed = model.model.embed_tokens
+    start = spec.mtp_cache
+    spec.mtp_cache = eager_cache = copy.deepcopy(start)
+    out = spec.mtp(embed[ids], hidden, batch, spec.mtp_cache)
+    last = out[[n - 1 for n in batch.cu_seqlens_list[1:]]]
+    want = spec._chain(last, pos, [0, 1, 2], TABLES, steps)
+    spec.mtp_cache = graph_cache = copy.deepcopy(start)
+    buf = CatchupBuffers(spec, 4, 16, SCRATCH_BLOCK, SCRATCH_SLOT)
+    buf.fill(ids, hidden, batch, pos, TABLES, steps, HostStaging("cpu"))
+    got = ChainBuffers.drafts(buf.body(), steps)
+    spec.mtp_cache = start
+    assert float((buf.chain.hidden[:3] - last).norm() / last.norm()) < 1e-5
+    assert got == want and [len(d) for d in got] == [3, 2, 2]
+    for name in ("mla_latent", "indexer_keys", "indexer_pool_keys"):
+        for layer, t in getattr(eager_cache, name).items():
+            other = getattr(graph_cache, name)[layer]
+            assert torch.allclose(other[:SCRATCH_BLOCK], t[:SCRATCH_BLOCK], atol=1e-5), name
