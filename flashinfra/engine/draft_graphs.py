@@ -11,11 +11,12 @@ catch-up's last hidden per row, the block tables, and per step each row's cache 
 (``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each
 step's tokens.
 
-When every row goes on and none committed more than ``k + 1`` tokens (every decode step's draft), the catch-up is
-in the graph too (``CatchupBuffers``): its rows padded to ``k + 1`` tokens as a verify step's are
-(``cuda_graphs.StepBuffers``: a pad token sits at its row's last position and writes the scratch slot), each row's
-last real entry gathered on the device into the chain's input. Otherwise (after a prompt, or over deferred
-positions) the catch-up runs eagerly and the chain from its own graph.
+When no row committed more than ``k + 1`` tokens (every decode step's draft), the catch-up is in the graph too
+(``CatchupBuffers``): its rows padded to ``k + 1`` tokens as a verify step's are (``cuda_graphs.StepBuffers``: a pad
+token sits at its row's last position and writes the scratch slot), each row's last real entry gathered on the
+device into the chain's input. A row that stops at this step (finished) drafts for nothing: its chain stays within
+its table or writes the scratch slot. Otherwise (after a prompt, or over deferred positions) the catch-up runs
+eagerly and the chain from its own graph.
 
 A row whose table is full before its last step runs the steps past it writing the scratch slot, at the last
 position its table holds (its drafts from those steps are dropped); the padding rows (past the batch, up to its

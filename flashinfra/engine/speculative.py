@@ -21,7 +21,7 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    overwritten later too).
 
 With CUDA graphs a verify step whose rows all decode replays a captured forward (``engine/cuda_graphs.py``), and
-so do the catch-up and the chain, as one graph, when every row goes on and committed at most ``k + 1`` tokens
+so do the catch-up and the chain, as one graph, when every row committed at most ``k + 1`` tokens
 (``engine/draft_graphs.py``); a longer catch-up (after a prompt, or over deferred positions) runs eagerly, then the
 chain's own graph.
 
@@ -209,12 +209,13 @@ class Speculator:
             return
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
         batch = ForwardBatch.build(qlens, ctxs, slots, tables, self.block_size, self.device)
-        if self.graphs is not None and all(go for _, go in rows) and self.graphs.can_catch_up(qlens):
+        if self.graphs is not None and self.graphs.can_catch_up(qlens):  # a row that stops drafts for nothing
             pos = [c + q for c, q in zip(ctxs, qlens)]
             drafts = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables,
                                              chain_steps(pos, tables, self.num_tokens, self.block_size))
-            for (b, _), d in zip(rows, drafts):
-                self.drafts[sched[b].request_id] = d
+            for (b, go), d in zip(rows, drafts):
+                if go:
+                    self.drafts[sched[b].request_id] = d
             return
         out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
         last = [batch.cu_seqlens_list[i + 1] - 1 for i in range(len(rows))]
