@@ -52,6 +52,7 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.loader import CheckpointReader
 from flashinfra.model.mtp import MTPBlock, allocate_mtp_cache, has_mtp, load_mtp
 from flashinfra.model.replay import ReplayRing, kda_fold
+from flashinfra.model.staging import HostStaging
 
 MAX_DEFERRED = 1024  # positions a row's catch-up may wait while drafting is off: 1024 x hidden size per row
 
@@ -81,15 +82,16 @@ class Speculator:
         cache.replay.update({i: ReplayRing.allocate(cache.num_slots, self.capacity, H, K, K, model.dtype, model.device)
                              for i in text.kda_layers})
         self.hidden: dict[str, torch.Tensor] = {}  # request -> target hidden [D] at its last committed position
-        # request -> (hiddens [j, D] at positions c - 1 - j .. c - 2, the tokens at c - j .. c - 1) whose MTP entries
-        # wait for drafting to resume (c: the request's context at its next step)
-        self.deferred: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        # request -> (hiddens at positions c - 1 - j .. c - 2 in parts [*, D], the tokens at c - j .. c - 1) whose MTP
+        # entries wait for drafting to resume (c: the request's context at its next step)
+        self.deferred: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
         self.max_batch = max_batch
         self.drafts: dict[str, list[int]] = {}
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
+        self.staging = HostStaging(model.device)  # the draft's own inputs, copied without a host sync
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
@@ -179,6 +181,9 @@ class Speculator:
         rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
         going_on = sum(1 for b in range(len(sched)) if committed[b] and nexts[b] is not None)
         defer = 0 < self.max_batch < going_on
+        # every row's last committed hidden in one gather (kept per request as a view: no copy per row)
+        ends = [cu[b] + committed[b] - 1 for b in range(len(sched)) if committed[b]]
+        lasts = iter(hidden[self.staging.upload([("ends", torch.int64, ends, (len(ends),))])["ends"]] if ends else ())
         for b, sr in enumerate(sched):
             rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
             if m == 0:
@@ -186,20 +191,20 @@ class Speculator:
             h_rows = hidden[cu[b] : cu[b] + m]
             tokens = feeds[b][:m] + ([nxt] if nxt is not None else [])
             prev = self.hidden.get(rid) if c > 0 else None
-            self.hidden[rid] = h_rows[m - 1].clone()
+            self.hidden[rid] = next(lasts)
             self.drafts.pop(rid, None)
-            waiting_h, waiting_t = self.deferred.pop(rid, (None, [])) if prev is not None else (None, [])
+            waiting_h, waiting_t = self.deferred.pop(rid, ([], [])) if prev is not None else ([], [])
             if defer and prev is not None and nxt is not None and len(waiting_t) + m <= MAX_DEFERRED:
-                parts = ([waiting_h] if waiting_h is not None else []) + [prev[None], h_rows[: m - 1]]
-                self.deferred[rid] = (torch.cat(parts), waiting_t + feeds[b][:m])
+                # parts, concatenated once when drafting resumes (a copy of this step's rows only after drafts)
+                parts = waiting_h + [prev[None]] + ([h_rows[: m - 1].clone()] if m > 1 else [])
+                self.deferred[rid] = (parts, waiting_t + feeds[b][:m])
                 continue
-            hs = ([waiting_h] if waiting_h is not None else []) + ([prev[None]] if prev is not None else [])
-            hs.append(h_rows[: len(tokens) - 1])
+            hs = waiting_h + ([prev[None]] if prev is not None else []) + [h_rows[: len(tokens) - 1]]
             tk = waiting_t + (tokens if prev is not None else tokens[1:])
             if not tk:
                 continue
             rows.append((b, nxt is not None and not defer))
-            hid.append(torch.cat(hs))
+            hid.extend(hs)
             toks.extend(tk)
             qlens.append(len(tk))
             ctxs.append(c - 1 - len(waiting_t) if prev is not None else c)
