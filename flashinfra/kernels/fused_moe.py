@@ -219,16 +219,15 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
-# deterministic mode: one block shape per operand width whatever the token count, so that a pair's row of each
-# GEMM is reduced in the same order (and by the same MMA instruction) alone or in any batch
+# Long prefills: 128 x 128 tiles in both GEMMs, the most reuse of each loaded weight tile (16-bit and 8-bit operands).
+LARGE_TILES = {1: dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3),
+               2: dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)}
 # Deterministic mode: a pair's sums follow the K loop alone (BK, no split), not BM / BN / the warps, as long as every
-# tile is wide enough for Hopper's wgmma (64 rows): so 16-bit and 8-bit operands take a 64-row tile while experts see a
-# few rows each and the default's 128 x 128 past that, the same K step in both; float32 keeps one tile.
+# tile is wide enough for Hopper's wgmma (64 rows): so 16-bit and 8-bit operands take these 64-row tiles while experts
+# see a few rows each and ``LARGE_TILES`` past that, the same K step in both; float32 keeps one tile.
 DETERMINISTIC_CONFIG = {1: dict(BM=64, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=3),
                         2: dict(BM=64, BN1=64, BN2=64, BK=64, num_warps=4, num_stages=3),
                         4: dict(BM=32, BN1=32, BN2=32, BK=32, num_warps=4, num_stages=2)}
-DETERMINISTIC_WIDE = {1: dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3),
-                      2: dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)}
 
 
 def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
@@ -237,14 +236,14 @@ def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
     step through K by the fp8 scales' block (``GROUP``)."""
     per_expert = num_pairs / max(num_experts, 1)
     if is_deterministic():
-        wide = per_expert > 64 and elem_bytes in DETERMINISTIC_WIDE
-        return DETERMINISTIC_WIDE[elem_bytes] if wide else DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
+        large = per_expert > 64 and elem_bytes in LARGE_TILES
+        return LARGE_TILES[elem_bytes] if large else DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     if elem_bytes == 1:
         if num_pairs <= 64 or per_expert <= 16:
             return dict(BM=16, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
         if per_expert <= 64:
             return dict(BM=32, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
-        return dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3)
+        return LARGE_TILES[1]
     wide = elem_bytes <= 2
     if num_pairs <= 64 or (per_expert <= 16 and not wide):  # a few experts streamed by many thin programs
         return dict(BM=16, BN1=64, BN2=64, BK=128, num_warps=4, num_stages=4)
@@ -254,8 +253,7 @@ def _config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
         return dict(BM=32, BN1=64, BN2=64, BK=64, num_warps=8, num_stages=4)
     if not wide:
         return dict(BM=64, BN1=64, BN2=128, BK=64, num_warps=8, num_stages=3)
-    # long prefills: 128x128 tiles in both GEMMs, the most reuse of each loaded weight tile
-    return dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)
+    return LARGE_TILES[2]
 
 
 def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
