@@ -181,9 +181,7 @@ class Speculator:
         rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
         going_on = sum(1 for b in range(len(sched)) if committed[b] and nexts[b] is not None)
         defer = 0 < self.max_batch < going_on
-        # every row's last committed hidden in one gather (kept per request as a view: no copy per row)
-        ends = [cu[b] + committed[b] - 1 for b in range(len(sched)) if committed[b]]
-        lasts = iter(hidden[self.staging.upload([("ends", torch.int64, ends, (len(ends),))])["ends"]] if ends else ())
+        kept, ends = [], []  # each row's last committed position, gathered once below (a view per request)
         for b, sr in enumerate(sched):
             rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
             if m == 0:
@@ -191,7 +189,8 @@ class Speculator:
             h_rows = hidden[cu[b] : cu[b] + m]
             tokens = feeds[b][:m] + ([nxt] if nxt is not None else [])
             prev = self.hidden.get(rid) if c > 0 else None
-            self.hidden[rid] = next(lasts)
+            kept.append(rid)
+            ends.append(cu[b] + m - 1)
             self.drafts.pop(rid, None)
             waiting_h, waiting_t = self.deferred.pop(rid, ([], [])) if prev is not None else ([], [])
             if defer and prev is not None and nxt is not None and len(waiting_t) + m <= MAX_DEFERRED:
@@ -210,10 +209,16 @@ class Speculator:
             ctxs.append(c - 1 - len(waiting_t) if prev is not None else c)
             slots.append(sr.state_slot)
             tables.append(list(sr.block_table))
+        # one packed copy: the rows' last positions, and the catch-up's batch and tokens
+        arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size) if rows else []
+        views = self.staging.upload(arrays + [("ends", torch.int64, ends, (len(ends),)),
+                                              ("ids", torch.int64, toks, (len(toks),))])
+        if ends:
+            self.hidden.update(zip(kept, hidden[views["ends"]]))
         if not rows:
             return
-        ids = torch.tensor(toks, dtype=torch.long, device=self.device)
-        batch = ForwardBatch.build(qlens, ctxs, slots, tables, self.block_size, self.device)
+        ids = views["ids"]
+        batch = ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views)
         if self.graphs is not None and self.graphs.can_catch_up(qlens):  # a row that stops drafts for nothing
             pos = [c + q for c, q in zip(ctxs, qlens)]
             drafts = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables,
