@@ -230,8 +230,9 @@ class ModelRunner:
             committed[b], nexts[b] = len(out), out[-1]
         plain = [(sr, cu[b + 1] - 1) for b, sr in enumerate(sched) if sr.sample and sr.request_id not in result.emitted]
         grammar = self._grammar_mask([sr for sr, _ in plain])
-        self.finish(self._sample(plain, hidden[torch.tensor([i for _, i in plain], dtype=torch.long,
-                                                            device=self.device)], result, grammar))
+        if plain:
+            rows = hidden[torch.tensor([i for _, i in plain], dtype=torch.long, device=self.device)]
+            self.finish(self._sample(plain, rows, result, grammar))
         for b, sr in enumerate(sched):
             if sr.request_id in result.sampled:
                 nexts[b] = result.sampled[sr.request_id]

@@ -92,6 +92,7 @@ class Speculator:
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
         self.staging = HostStaging(model.device)  # the draft's own inputs, copied without a host sync
+        self.fold_staging = HostStaging(model.device)  # the fold's slots and counts, one copy for every layer
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
@@ -170,8 +171,11 @@ class Speculator:
         if not rows:
             return
         slots, ns = [sched[b].state_slot for b in rows], [committed[b] for b in rows]
+        i32 = torch.int32
+        views = self.fold_staging.upload([("slots", i32, slots, (len(rows),)), ("ns", i32, ns, (len(rows),))])
         for layer, ring in self.cache.replay.items():
-            kda_fold(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, ns)
+            kda_fold(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, ns,
+                     (views["slots"], views["ns"]))
 
     @torch.inference_mode()
     def draft(self, sched: list[ScheduledRequest], feeds: list[list[int]], cu: list[int], hidden: torch.Tensor,

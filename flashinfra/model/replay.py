@@ -139,15 +139,17 @@ def kda_layer_verify_ref(
 
 
 def kda_fold(ring: ReplayRing, conv_state: torch.Tensor, state: torch.Tensor, state_slots: list[int],
-             num_accepted: list[int]) -> None:
+             num_accepted: list[int], on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Fold each slot's first ``num_accepted`` ring entries into its checkpoint: the decode step replayed
-    (bit for bit what decode would have written), and the conv window shifted by the accepted count."""
+    (bit for bit what decode would have written), and the conv window shifted by the accepted count.
+    ``on_device``: the two lists already on the state's device as int32 (one copy shared by every layer)."""
     if max(num_accepted, default=0) > ring.capacity:
         raise ValueError(f"kda_fold: {max(num_accepted)} accepted tokens exceed the ring's {ring.capacity} entries")
     if use_triton(state, conv_state, ring.k):
         dev = state.device
-        kda_fold_launch(ring, conv_state, state, torch.tensor(state_slots, dtype=torch.int32, device=dev),
-                        torch.tensor(num_accepted, dtype=torch.int32, device=dev))
+        slots_d, ns_d = on_device or (torch.tensor(state_slots, dtype=torch.int32, device=dev),
+                                      torch.tensor(num_accepted, dtype=torch.int32, device=dev))
+        kda_fold_launch(ring, conv_state, state, slots_d, ns_d)
         return
     kda_fold_ref(ring, conv_state, state, state_slots, num_accepted)
 
