@@ -199,23 +199,24 @@ class DraftGraphs:
         return bucket(len(positions), self.batch_buckets), width_bucket(max(len(t) for t in tables))
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]],
-            steps: list[int]) -> list[list[int]]:
-        """Each row's drafts (``1 + steps[r]`` of them) from a chain graph replay (capturing it on first use)."""
+            steps: list[int]) -> torch.Tensor:
+        """A chain graph replayed (captured on first use) -> its drafts [k, bs] on the device (``ChainBuffers.drafts``
+        reads row r's ``1 + steps[r]``)."""
         key = self._key(positions, tables)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, drafts = self.graphs[key]
         buf.fill(hidden, positions, tables, steps, self.staging)
         graph.replay()
-        return buf.drafts(drafts, steps)
+        return drafts
 
     def run_catchup(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
-                    tables: list[list[int]], steps: list[int]) -> list[list[int]]:
-        """Each row's drafts from a catch-up graph replay (``can_catch_up``; capturing it on first use)."""
+                    tables: list[list[int]], steps: list[int]) -> torch.Tensor:
+        """A catch-up graph replayed (``can_catch_up``; captured on first use) -> its drafts [k, bs] on the device."""
         key = self._key(positions, tables)
         if key not in self.catchups:
             self.catchups[key] = self._capture_catchup(*key)
         graph, buf, drafts = self.catchups[key]
         buf.fill(ids, hidden, batch, positions, tables, steps, self.staging)
         graph.replay()
-        return ChainBuffers.drafts(drafts, steps)
+        return drafts

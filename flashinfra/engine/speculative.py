@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
-from flashinfra.engine.draft_graphs import DraftGraphs, chain_steps
+from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, chain_steps
 from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import ScheduledRequest
@@ -86,13 +86,42 @@ class Speculator:
         # entries wait for drafting to resume (c: the request's context at its next step)
         self.deferred: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
         self.max_batch = max_batch
-        self.drafts: dict[str, list[int]] = {}
+        self._drafts: dict[str, list[int]] = {}
+        # the last draft graph's drafts on their way back: (pinned [k, bs] copy, its event, (request or None, steps)
+        # per row)
+        self._pending: tuple[torch.Tensor, torch.cuda.Event, list[tuple[str | None, int]]] | None = None
+        self._pinned = torch.empty(0, dtype=torch.long)
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
         self.staging = HostStaging(model.device)  # the draft's own inputs, copied without a host sync
         self.fold_staging = HostStaging(model.device)  # the fold's slots and counts, one copy for every layer
+
+    @property
+    def drafts(self) -> dict[str, list[int]]:
+        """Each request's drafts for its next step. A draft graph's come back in a copy started after its replay
+        and waited for here, when first read (the next step's ``feeds``): the host schedules the next step while
+        the device drafts."""
+        if self._pending is not None:
+            host, copied, rows = self._pending
+            self._pending = None
+            copied.synchronize()
+            for (rid, _), d in zip(rows, ChainBuffers.drafts(host, [n for _, n in rows])):
+                if rid is not None:  # a row whose request stops here drafts for nothing
+                    self._drafts[rid] = d
+        return self._drafts
+
+    def _read_back(self, out: torch.Tensor, rows: list[tuple[str | None, int]]) -> None:
+        """Start copying a draft graph's drafts ``out`` [k, bs] to the host for ``rows`` (request, chained steps)."""
+        self.drafts  # noqa: B018 - the previous copy is read out of the buffer first
+        if self._pinned.numel() < out.numel():
+            self._pinned = torch.empty(max(1024, out.numel()), dtype=torch.long, pin_memory=True)
+        host = self._pinned[: out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending = (host, copied, rows)
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
@@ -225,11 +254,9 @@ class Speculator:
         batch = ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views)
         if self.graphs is not None and self.graphs.can_catch_up(qlens):  # a row that stops drafts for nothing
             pos = [c + q for c, q in zip(ctxs, qlens)]
-            drafts = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables,
-                                             chain_steps(pos, tables, self.num_tokens, self.block_size))
-            for (b, go), d in zip(rows, drafts):
-                if go:
-                    self.drafts[sched[b].request_id] = d
+            steps = chain_steps(pos, tables, self.num_tokens, self.block_size)
+            out = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables, steps)
+            self._read_back(out, [(sched[b].request_id if go else None, n) for (b, go), n in zip(rows, steps)])
             return
         out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
         last = [batch.cu_seqlens_list[i + 1] - 1 for i in range(len(rows))]
@@ -241,9 +268,10 @@ class Speculator:
         live_tables = [tables[i] for i in live]
         steps = chain_steps(pos, live_tables, self.num_tokens, self.block_size)
         if self.graphs is not None and self.num_tokens > 1 and self.graphs.can_run(len(live)):
-            drafts = self.graphs.run(h, pos, live_tables, steps)
-        else:
-            drafts = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
+            out = self.graphs.run(h, pos, live_tables, steps)
+            self._read_back(out, [(sched[rows[i][0]].request_id, n) for i, n in zip(live, steps)])
+            return
+        drafts = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
         for i, d in zip(live, drafts):
             self.drafts[sched[rows[i][0]].request_id] = d
 
