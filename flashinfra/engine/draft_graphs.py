@@ -2,8 +2,8 @@
 single-token steps, with the ``k`` argmaxes between them, captured per (batch bucket, block-table width bucket).
 
 ``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions (its
-rows are as long as the step committed: 1 to ``k + 1`` tokens, a whole prompt after a prefill, and its inputs are
-gathered per row from the verify step's hidden states) and takes the first draft from the last entry of each row
+rows are the previous step's last position and the positions the step committed: 2 to ``k + 2`` entries, a whole
+prompt after a prefill, and its inputs are gathered per row from the verify step's hidden states) and takes the first draft from the last entry of each row
 that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's output hidden and
 its argmax back in. Which row takes which step is known on the host before the chain starts (``chain_steps``: a row
 goes on while its next position fits its block table), so the whole chain is one graph: its inputs are the
@@ -11,12 +11,14 @@ catch-up's last hidden per row, the block tables, and per step each row's cache 
 (``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each
 step's tokens.
 
-When no row committed more than ``k + 1`` tokens (every decode step's draft), the catch-up is in the graph too
-(``CatchupBuffers``): its rows padded to ``k + 1`` tokens as a verify step's are (``cuda_graphs.StepBuffers``: a pad
+When no row has more than ``k + 2`` entries (every decode step's draft), the catch-up is in the graph too
+(``CatchupBuffers``): its rows padded to ``k + 2`` tokens as a verify step's are to ``k + 1`` (``cuda_graphs.StepBuffers``: a pad
 token sits at its row's last position and writes the scratch slot), each row's last real entry gathered on the
 device into the chain's input. A row that stops at this step (finished) drafts for nothing: its chain stays within
 its table or writes the scratch slot. Otherwise (after a prompt, or over deferred positions) the catch-up runs
 eagerly and the chain from its own graph.
+
+The ReplaySSM fold of every KDA layer (two launches a layer) is one graph per batch bucket too (``FoldGraphs``).
 
 A row whose table is full before its last step runs the steps past it writing the scratch slot, at the last
 position its table holds (its drafts from those steps are dropped); the padding rows (past the batch, up to its
@@ -31,6 +33,8 @@ from __future__ import annotations
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs, StepBuffers, bucket, width_bucket
+from flashinfra.kernels.kda.fold import kda_fold_launch
+from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 
@@ -123,11 +127,11 @@ class ChainBuffers:
 
 class CatchupBuffers:
     """The static inputs and the body of one catch-up graph: the MTP layer's forward over ``bs`` rows of up to
-    ``k + 1`` committed tokens each (``StepBuffers``' padding: a pad token sits at its row's last position and writes
+    ``k + 2`` entries each (``StepBuffers``' padding: a pad token sits at its row's last position and writes
     the scratch slot), each row's last entry taken on the device, then the chain from those (``ChainBuffers``)."""
 
     def __init__(self, spec, bs: int, width: int, scratch_block: int, scratch_slot: int):
-        self.spec, self.bs, self.q = spec, bs, spec.num_tokens + 1
+        self.spec, self.bs, self.q = spec, bs, spec.num_tokens + 2
         dev = spec.device
         self.step = StepBuffers(bs, width, self.q, spec.block_size, scratch_block, scratch_slot, dev)
         self.hidden = torch.zeros(bs * self.q, spec.model.config.text.hidden_size, dtype=spec.model.dtype, device=dev)
@@ -137,7 +141,7 @@ class CatchupBuffers:
     def fill(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
              tables: list[list[int]], steps: list[int], staging: HostStaging) -> None:
         """Copy a catch-up in: ``ids`` / ``hidden`` its tokens and target hiddens in ``batch``'s packing (each row at
-        most ``k + 1`` tokens), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``)."""
+        most ``k + 2`` entries), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``)."""
         at = self.step.fill(ids, batch)
         self.hidden.zero_()
         self.hidden[at] = hidden
@@ -157,7 +161,7 @@ class CatchupBuffers:
 class DraftGraphs:
     """The draft graphs of ``spec`` (a ``Speculator``), beside the step graphs ``graphs``: per (batch bucket, width
     bucket) a catch-up graph (the catch-up and the chain), and with ``k > 1`` a chain graph for the steps whose
-    catch-up runs eagerly (a row longer than ``k + 1`` tokens: after a prompt, or deferred positions)."""
+    catch-up runs eagerly (a row longer than ``k + 2`` entries: after a prompt, or deferred positions)."""
 
     def __init__(self, spec, graphs: DecodeGraphs):
         self.spec = spec
@@ -171,7 +175,7 @@ class DraftGraphs:
         return n <= self.batch_buckets[-1]
 
     def can_catch_up(self, qlens: list[int]) -> bool:
-        return len(qlens) <= self.batch_buckets[-1] and max(qlens) <= self.spec.num_tokens + 1
+        return len(qlens) <= self.batch_buckets[-1] and max(qlens) <= self.spec.num_tokens + 2
 
     def _capture(self, bs: int, width: int):
         buf = ChainBuffers(self.spec, bs, width, self.scratch_block, self.scratch_slot)
@@ -220,3 +224,40 @@ class DraftGraphs:
         buf.fill(ids, hidden, batch, positions, tables, steps, self.staging)
         graph.replay()
         return drafts
+
+
+class FoldGraphs:
+    """The fold of every KDA layer's accepted ring entries into its checkpoint (``kda_fold_launch``), captured per
+    batch bucket: the rows' slots and accepted counts go into static buffers, the padding rows with a count of zero
+    (which leaves a slot untouched)."""
+
+    def __init__(self, cache: ModelCache, graphs: DecodeGraphs):
+        self.cache, self.batch_buckets, self.pool = cache, graphs.batch_buckets, graphs.pool
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.batch_buckets[-1]
+
+    def _capture(self, bs: int):
+        dev = next(iter(self.cache.recurrent_state.values())).device
+        slots, counts = (torch.zeros(bs, dtype=torch.int32, device=dev) for _ in range(2))
+
+        def body():
+            for layer, ring in self.cache.replay.items():
+                kda_fold_launch(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, counts)
+
+        graph, _ = self.pool.capture(body)
+        return graph, slots, counts
+
+    def run(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Fold ``counts[r]`` entries into slot ``slots[r]`` of every layer (int32 device tensors of ``can_run``'s
+        size) from a replay (capturing the bucket's graph on first use: its counts zero, so nothing changes)."""
+        n = slots.numel()
+        key = bucket(n, self.batch_buckets)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, static_slots, static_counts = self.graphs[key]
+        static_slots[:n].copy_(slots)
+        static_counts[:n].copy_(counts)
+        static_counts[n:] = 0
+        graph.replay()

@@ -21,9 +21,9 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    overwritten later too).
 
 With CUDA graphs a verify step whose rows all decode replays a captured forward (``engine/cuda_graphs.py``), and
-so do the catch-up and the chain, as one graph, when every row committed at most ``k + 1`` tokens
-(``engine/draft_graphs.py``); a longer catch-up (after a prompt, or over deferred positions) runs eagerly, then the
-chain's own graph.
+so do the catch-up and the chain, as one graph (``engine/draft_graphs.py``), when every row's catch-up is at most
+``k + 2`` entries (the previous step's last position and the ``k + 1`` it may commit); a longer catch-up (after a
+prompt, or over deferred positions) runs eagerly, then the chain's own graph.
 
 Drafts are greedy (the MTP's argmax), so the draft distribution in rejection sampling is one-hot.
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
-from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, chain_steps
+from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, FoldGraphs, chain_steps
 from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import ScheduledRequest
@@ -95,6 +95,7 @@ class Speculator:
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
+        self.fold_graphs = FoldGraphs(cache, graphs) if graphs is not None and cache.replay else None
         self.staging = HostStaging(model.device)  # the draft's own inputs, copied without a host sync
         self.fold_staging = HostStaging(model.device)  # the fold's slots and counts, one copy for every layer
 
@@ -202,6 +203,9 @@ class Speculator:
         slots, ns = [sched[b].state_slot for b in rows], [committed[b] for b in rows]
         i32 = torch.int32
         views = self.fold_staging.upload([("slots", i32, slots, (len(rows),)), ("ns", i32, ns, (len(rows),))])
+        if self.fold_graphs is not None and self.fold_graphs.can_run(len(rows)) and max(ns) <= self.capacity:
+            self.fold_graphs.run(views["slots"], views["ns"])
+            return
         for layer, ring in self.cache.replay.items():
             kda_fold(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, ns,
                      (views["slots"], views["ns"]))

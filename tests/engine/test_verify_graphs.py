@@ -187,7 +187,7 @@ def _run(path, dtype, k, graphs, prompts, params, want, monkeypatch):
 
         monkeypatch.setattr(runner.graphs, "run", recorded)
     else:
-        runner.graphs = runner.speculator.graphs = None
+        runner.graphs = runner.speculator.graphs = runner.speculator.fold_graphs = None
     spec, real, by_prompt, mtp_drafts = runner.speculator, runner.speculator.draft, dict(want), []
 
     def oracle(sched, feeds, cu, hidden, committed, nexts):
@@ -212,7 +212,7 @@ def _run(path, dtype, k, graphs, prompts, params, want, monkeypatch):
 def test_speculative_graphs_give_the_eager_tokens(tmp_path, monkeypatch, model, dtype, k):
     """``LLM(speculative_tokens=k)`` with CUDA graphs gives the tokens it gives without, over a batch whose rows
     accept different numbers of drafts and carry different numbers near their ends (verify rows padded to k + 1);
-    the verify graphs, the draft catch-up graphs (and the draft-chain graphs, k > 1) are replayed. bfloat16 runs the trained default model,
+    the verify graphs, the fold graphs, the draft catch-up graphs (and the draft-chain graphs, k > 1) are replayed. bfloat16 runs the trained default model,
     whose greedy choices have margins that the rounding differences of a padded batch (its GEMMs and attention
     splits chosen by the token count) cannot flip, where a random model's often do not; float32 runs both. The MTP
     layer's own drafts (they change the speed, not the tokens) agree exactly in float32, and in bfloat16 but for a
@@ -246,6 +246,7 @@ def test_speculative_graphs_give_the_eager_tokens(tmp_path, monkeypatch, model, 
     assert verify == len(padded) > 0, "the verify steps replayed a graph"
     assert any(padded), "some verify step padded its shorter rows"
     assert sum(replays[id(g)] for g, _, _ in spec.graphs.catchups.values()) > 0, "the catch-up replayed a graph"
+    assert sum(replays[id(g)] for g, _, _ in spec.fold_graphs.graphs.values()) > 0, "the fold replayed a graph"
     if k > 1:
         assert sum(replays[id(g)] for g, _, _ in spec.graphs.graphs.values()) > 0, "the draft chain replayed a graph"
     assert spec.num_accepted_at[k - 1] > 0 and spec.num_drafted > sum(spec.num_accepted_at), "acceptance varies"

@@ -2,7 +2,7 @@
 eagerly): a verify step padded into a graph's static buffers gives its tokens the hidden states of the step run
 alone, writes no real row's cache or ring entry that the step alone does not, and folds to the same states; the
 draft chain's graph body gives the eager chain's drafts and cache entries, and so does the catch-up graph's body (the
-catch-up padded to k + 1 tokens a row, then the chain) against the eager catch-up and chain."""
+catch-up padded to k + 2 tokens a row, then the chain) against the eager catch-up and chain."""
 
 import copy
 import dataclasses
@@ -95,7 +95,8 @@ def test_catchup_body_equals_the_eager_catchup_and_chain(setup):
     for t in (*spec.mtp_cache.mla_latent.values(), *spec.mtp_cache.indexer_keys.values(),
               *spec.mtp_cache.indexer_pool_keys.values()):
         t.copy_(torch.randn(t.shape, generator=gen))
-    qlens, ctxs = [4, 1, 2], [8, 2, 13]  # committed 4 (3 drafts kept), 1 and 2 tokens after contexts 9, 3, 14
+    # catch-ups of 5 entries (k + 2: the previous step's last position, the fed token and 3 kept drafts), 1 and 2
+    qlens, ctxs = [5, 1, 2], [8, 2, 13]
     batch = ForwardBatch.build(qlens, ctxs, [0, 1, 2], TABLES, BS, "cpu")
     ids = torch.randint(10, 500, (sum(qlens),), generator=gen)
     hidden = torch.randn(sum(qlens), model.config.text.hidden_size, generator=gen)
