@@ -7,21 +7,32 @@ both alike. Ratio = deterministic time / default time; goal: at most 1.25.
 Each case also records whether deterministic mode kept the first sequence's logits the same bits alone as inside the
 batch (decode: the same cache contents; prefill: the same prompt), next to whether the default path did.
 
-usage: python bench/deterministic.py --out bench/results/deterministic.json [--smoke] [--kernels]
+``--generate``: the 48-prompt experiment of ``tests/test_deterministic_gpu.py`` on the slice, through an engine
+(``EngineCore`` on the loaded slice): 48 prompts of 5 to 400 random tokens, 64 greedy tokens each, as one batch, one
+at a time, rerun on the prefix cache, with prefix caching off and in a cache small enough to preempt; per mode, how
+many of the 48 outputs differ from the batch's.
+
+usage: python bench/deterministic.py --out bench/results/deterministic.json [--smoke] [--kernels] [--generate]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from hotpath_slice import BS, fill_cache, slice_config, timed
 
 import hotpath_slice
+from flashinfra.engine.config import EngineConfig
+from flashinfra.engine.core import EngineCore
 from flashinfra.engine.cuda_graphs import DecodeGraphs
+from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 from flashinfra.feedback.timing import header, write_results
 from flashinfra.kernels.dispatch import deterministic
 from flashinfra.model.api import LoadedModel, random_model
@@ -107,6 +118,59 @@ def prefill_kernels(lm: LoadedModel, n: int, top: int = 12) -> dict:
     return out
 
 
+_request_ids = itertools.count()
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens, the prompts queued together."""
+    ids = [f"g{next(_request_ids)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        core.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                       time.time()))
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    while core.has_work():
+        for o in core.step():
+            if o.error:
+                raise RuntimeError(o.error)
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[rid] for rid in ids]
+
+
+def generate_case(lm: LoadedModel, max_tokens: int = 64) -> dict:
+    """The 48-prompt experiment on the slice in each mode: outputs differing from the batch of 48's."""
+    rng = random.Random(48)
+    vocab = lm.config.text.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(5 + 395 * i // 47)] for i in range(48)]
+    counts = {}
+    for det in (False, True):
+        def core(**kw):
+            return EngineCore(EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=48, max_model_len=1024,
+                                           kv_cache_memory=4 << 30, deterministic=det, startup_warmup=False,
+                                           **kw), model=lm)
+
+        hits = core(prefix_cache_slots=2 * len(prompts))
+        batched = _generate(hits, prompts, max_tokens)
+        rerun = _generate(hits, prompts, max_tokens)
+        hit_tokens = hits.stats().num_prefix_hit_tokens_total
+        del hits
+        cold = core(prefix_cache_slots=0)
+        alone = [_generate(cold, [p], max_tokens)[0] for p in prompts]
+        no_prefix = _generate(cold, prompts, max_tokens)
+        del cold
+        small = core(prefix_cache_slots=0, num_blocks=300)
+        preempted = _generate(small, prompts, max_tokens)
+        preemptions = small.stats().num_preemptions_total
+        del small
+        torch.cuda.empty_cache()
+        counts["deterministic" if det else "default"] = dict(
+            {name: sum(a != b for a, b in zip(batched, other))
+             for name, other in (("alone", alone), ("prefix hit", rerun), ("no prefix cache", no_prefix),
+                                 ("preempted", preempted))}, prefix_hit_tokens=hit_tokens, preemptions=preemptions)
+    return dict(kind="generate", prompts=len(prompts), max_tokens=max_tokens, differing_outputs=counts,
+                deterministic_all_equal=all(v == 0 for k, v in counts["deterministic"].items()
+                                            if k not in ("prefix_hit_tokens", "preemptions")))
+
+
 def _ratio(out: dict, times: dict, kind: str) -> dict:
     base, det = statistics.median(times[False]), statistics.median(times[True])
     out.update(kind=kind, default_median_s=base, deterministic_median_s=det, ratio=det / base,
@@ -123,6 +187,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--smoke", action="store_true", help="toy width on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--kernels", action="store_true", help="also profile one prefill in each mode: its top kernels")
+    ap.add_argument("--generate", action="store_true", help="only the 48-prompt experiment on the slice (GPU)")
     args = ap.parse_args()
     if args.smoke:
         hotpath_slice.DEV = "cpu"
@@ -135,6 +200,11 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     lm = random_model(cfg, dtype, dev)
     torch.manual_seed(0)
+    if args.generate:
+        report["generate"] = generate_case(lm)
+        print(report["generate"], flush=True)
+        write_results(out.stem, report, directory=out.parent)
+        return
     cases = [lambda B=B: decode_case(lm, B, args.context, args.steps, graphs=False) for B in (1, 32, 128)]
     if dev == "cuda":
         cases += [lambda B=B: decode_case(lm, B, args.context, args.steps, graphs=True) for B in (1, 32, 128)]
