@@ -10,7 +10,6 @@ checkpoint's ``generation_config.json`` defaults apply.
 from __future__ import annotations
 
 import itertools
-import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +52,14 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _await_engine(self) -> bool:
-        """Wait for the engine's background work (an encode engine's embeddings, with ``encoder_address``) to
-        need a step; False when the engine has none, so nothing can finish the remaining requests."""
-        fd = getattr(self.engine, "wake_fd", None)
-        if fd is None:
+        """Wait (a second at most) for the engine's background work (an encode engine's embeddings, with
+        ``encoder_address``; a cache transfer's ack, with a prefill role) to need a step; False when the engine has
+        none, so nothing can finish the remaining requests."""
+        if self.engine.wake_fd is None:
             return False
-        select.select([fd], [], [], 1.0)
+        from flashinfra.disagg.wake import LoopPoller
+
+        LoopPoller(self.engine).poll(1000)
         return True
 
     def generate(

@@ -1,11 +1,14 @@
 """The ZeroMQ plumbing the disaggregated transports share (request states in ``disagg.transport``, image
 embeddings in ``disagg.encode``).
 
-Every socket belongs to one background thread, woken through an inproc socket (``Waker``). A ROUTER side
-(``HandshakeServer``) binds where peers connect; a peer's DEALER (``connect_peer``) opens with a ``Hello``
-that carries its layout, answered by a ``Reply``: ok, or the mismatch naming both sides. libzmq's heartbeats
-(``HEARTBEAT_IVL_MS``, answered by the I/O threads even while an engine is busy) turn a silent peer (a host
-gone without closing its sockets) into a disconnect, which a socket monitor reports (``disconnected``).
+A ROUTER side (``HandshakeServer``) binds where peers connect; a peer's DEALER (``open_peer``) opens with a
+``Hello`` that carries its layout, answered by a ``Reply``: ok, or the mismatch naming both sides
+(``refusal``). The servers and the encode client own their sockets on one background thread each, woken
+through an inproc socket (``Waker``), and wait for a handshake's answer there (``connect_peer``); the state
+sender has no thread (``disagg.transport``, where the GIL says why): the engine loop takes the answer with its
+next poll. libzmq's heartbeats (``HEARTBEAT_IVL_MS``, answered by the I/O threads even while an engine is busy)
+turn a silent peer (a host gone without closing its sockets) into a disconnect, which a socket monitor reports
+(``disconnected``).
 """
 
 from __future__ import annotations
@@ -171,25 +174,43 @@ def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
     return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def connect_peer(ctx: zmq.Context, peer: str, hello: bytes, read_reply: Callable[[bytes], object], reply_type: type,
-                 what: str, poller: zmq.Poller, error: type[Exception]) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER to ``peer`` (``what`` names it in errors) that sent ``hello`` and got a ``reply_type`` with
-    ``ok`` back (else ``LayoutMismatch``; no answer: ``error``), and the monitor socket that reports its
-    disconnection, both registered with ``poller``. Heartbeats make a silent peer count as lost."""
+def open_peer(ctx: zmq.Context, peer: str, hello: bytes) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to ``peer`` that has queued ``hello`` (returns at once: its answer is the first message the
+    socket receives, ``refusal`` tells it), and the monitor socket that reports its disconnection. Heartbeats
+    make a silent peer count as lost."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(peer)
-    sock.send(hello)
+    sock.send(hello, zmq.NOBLOCK)  # queued on the pipe connect made: never blocks
+    return sock, monitor
+
+
+def refusal(reply: object, reply_type: type) -> str | None:
+    """None when ``reply`` accepts the handshake, else why not (the mismatch naming both sides)."""
+    if isinstance(reply, reply_type) and reply.ok:
+        return None
+    return getattr(reply, "error", "") or "unexpected handshake answer"
+
+
+def no_answer(what: str, peer: str) -> str:
+    return f"no answer from {what} at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s"
+
+
+def connect_peer(ctx: zmq.Context, peer: str, hello: bytes, read_reply: Callable[[bytes], object], reply_type: type,
+                 what: str, poller: zmq.Poller, error: type[Exception]) -> tuple[zmq.Socket, zmq.Socket]:
+    """``open_peer``, waiting for the answer: a ``reply_type`` with ``ok`` (else ``LayoutMismatch``; no answer:
+    ``error``, ``what`` naming the peer); the socket and its monitor are registered with ``poller``."""
+    sock, monitor = open_peer(ctx, peer, hello)
     if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
         close_peer(sock, monitor)
-        raise error(f"no answer from {what} at {peer} within {HANDSHAKE_TIMEOUT_S:.0f} s")
-    reply = read_reply(sock.recv())
-    if not isinstance(reply, reply_type) or not reply.ok:
+        raise error(no_answer(what, peer))
+    problem = refusal(read_reply(sock.recv()), reply_type)
+    if problem is not None:
         close_peer(sock, monitor)
-        raise LayoutMismatch(getattr(reply, "error", "unexpected handshake answer"))
+        raise LayoutMismatch(problem)
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     return sock, monitor

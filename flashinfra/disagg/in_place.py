@@ -5,10 +5,13 @@ hosts) and mapped memory (``disagg.ipc``: CUDA IPC or shared memory, on one host
 
 The control plane stays ZeroMQ (``disagg.transport``: handshake, headers, acks). The sender's header names,
 per layout tensor, where the tensor lies and its bytes per block (or slot), and the request's block ids and
-slot there; the pages stay put, held by the prefill scheduler until the ack. Once the decode engine has taken
-blocks and a slot for the request (``read``; the request joins the batch only when the copy is over), the
-receiver's reader thread copies every run of pages consecutive on both sides, of every tensor, and reports
-it through ``poll_reads``; no Python thread holds the GIL while the bytes move or while it waits.
+slot there; the pages stay put, held by the prefill scheduler until the ack. The sender has no thread: the
+prefill engine's loop sends the header and polls the ack between its steps, since a Python thread that woke
+during a step (a launch-bound prefill takes and releases the GIL at every torch call) would stall it. Once the
+decode engine has taken blocks and a slot for the request (``read``; the request joins the batch only when the
+copy is over), the receiver's reader thread copies every run of pages consecutive on both sides, of every
+tensor, and reports it through ``poll_reads``; no Python thread holds the GIL while the bytes move or while it
+waits.
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ class InPlaceSender(StateSender):
     def _address(self, t) -> int:
         return t.data_ptr()
 
-    def _message(self, state: RequestState, pages: RequestPages) -> list:
+    def _message(self, state: RequestState, pages: RequestPages) -> tuple[list, None]:
+        """The header alone, ready at once: nothing is copied on this side."""
         if not isinstance(pages, RequestPages):
             raise TransferError(f"--transfer-backend {self.backend} sends a request's pages from the cache "
                                 f"(RequestPages), not packed buffers")
         remote = [(self._address(t), row_bytes(t)) for t in self.tensors]
         return [_enc.encode(_Transfer(state, remote=remote, blocks=list(pages.block_ids), slot=pages.slot,
-                                      session=self.session))]
+                                      session=self.session))], None
 
 
 class InPlaceReceiver(StateReceiver):

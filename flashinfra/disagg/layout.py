@@ -7,13 +7,15 @@ their handshake; ``check_compatible`` refuses any mismatch with a message naming
 An engine's caches are its model cache plus, with speculative decoding, the MTP layer's paged cache (same
 block tables; its layer index follows the trunk's, so every (kind, layer) names one tensor).
 ``pack_request_state`` gathers one request's pages (by block id) and its KDA slot (conv window + recurrent
-state, the committed checkpoint when speculation is on) into contiguous per-tensor buffers;
+state, the committed checkpoint when speculation is on) into contiguous per-tensor buffers (on a GPU, on a side
+stream when the caller must not wait for the device);
 ``unpack_request_state`` scatters them into the receiver's own block ids and slot. Buffers are raw bytes, so a
 transport can send them without Python touching them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
 from collections.abc import Sequence
@@ -136,8 +138,13 @@ class RequestPages:
     block_ids: list[int]
     slot: int | None
 
-    def __call__(self) -> list[torch.Tensor]:
-        return pack_request_state(self.caches, self.block_ids, self.slot)
+    @property
+    def device(self) -> torch.device | None:
+        """The GPU the caches lie on (None: the CPU)."""
+        return next((t.device for _, _, t in cache_tensors(self.caches) if t.is_cuda), None)
+
+    def __call__(self, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        return pack_request_state(self.caches, self.block_ids, self.slot, stream)
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -164,26 +171,35 @@ def _rows(kind: str, block_ids: list[int], slot: int | None) -> list[int]:
     return list(block_ids) if kind in PAGED else [] if slot is None else [slot]
 
 
-def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None) -> list[torch.Tensor]:
+def pack_request_state(cache: Caches, block_ids: list[int], slot: int | None,
+                       stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
     """One CPU byte buffer per layout tensor, all views of a single allocation (pinned when the cache is on a
     GPU): the pages of ``block_ids``, then the slot. Each run of consecutive blocks is one copy straight from
-    the cache (device to host on a GPU), so every byte is copied once, and no gathered copy is made first."""
+    the cache (device to host on a GPU), so every byte is copied once, and no gathered copy is made first.
+
+    On a GPU the copies run on the current stream, which is waited for before this returns; or, given
+    ``stream`` (a side stream of the cache's device), on that stream after the work queued so far on the
+    current one, not waited for: the buffers hold the state once an event recorded on ``stream`` after this
+    call is done."""
     items = [(t, _rows(kind, block_ids, slot)) for kind, _, t in cache_tensors(cache)]
     sizes = [len(rows) * row_bytes(t) for t, rows in items]
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
-    devices = {t.device for t, _ in items if t.is_cuda}
-    buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=bool(devices))
+    device = next((t.device for t, _ in items if t.is_cuda), None)
+    buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=device is not None)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the pages as the engine's steps left them
     out = []
-    for (t, rows), size, start in zip(items, sizes, starts):
-        part = buf[start : start + size]
-        if size:
-            dst = part.view(t.dtype).view(len(rows), *t.shape[1:])
-            for src, at, n in page_runs(rows, range(len(rows))):
-                dst[at : at + n].copy_(t[src : src + n], non_blocking=bool(devices))
-        out.append(part)
-    for device in devices:  # the copies ran on this thread's stream: done before the buffers are sent
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for (t, rows), size, start in zip(items, sizes, starts):
+            part = buf[start : start + size]
+            if size:
+                dst = part.view(t.dtype).view(len(rows), *t.shape[1:])
+                for src, at, n in page_runs(rows, range(len(rows))):
+                    dst[at : at + n].copy_(t[src : src + n], non_blocking=device is not None)
+            out.append(part)
+    if device is not None and stream is None:  # done before the buffers are sent
         torch.cuda.current_stream(device).synchronize()
     return out
 

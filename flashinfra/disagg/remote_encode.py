@@ -132,6 +132,12 @@ class EncodedColocated:
     def has_events(self) -> bool:
         return self.wake.pending()
 
+    def wake_sockets(self) -> list:
+        return []  # the encode client's thread wakes the loop through ``wake``
+
+    def wake_deadline(self) -> float | None:
+        return None
+
     def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         return outputs
 

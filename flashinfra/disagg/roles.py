@@ -1,19 +1,19 @@
 """What a prefill-role or decode-role engine does beside its steps (disaggregated serving).
 
 Prefill role (``Exporter``): a request submitted with ``TransferParams(role="export")`` runs like any other,
-limited to one output token. When that first token is sampled the scheduler holds the request's blocks
-and state slot (``Scheduler.held``) and the exporter sends its state to the decode engine named by
-``peer``: the pages and KDA slot (packed on the sender's thread, from the held blocks), the first token and
-the sampling generator's state; with speculative decoding also the MTP layer's pages, the target's last
-hidden state and the drafts made after the first token, so that the decode engine drafts from its first
-step as a colocated engine would. Both roles need ``--speculative-tokens``: the MTP layer attends over its
-own cache entries at every prompt position, which only a prefill that runs it writes (a decode engine
-speculating alone would stay correct, its drafts being verified, but draft from entries never written), so
-the MTP cache is part of the compared layout. The request's final output is held back until the decode side
-acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged
-transfer frees the cache too and ends the request with an error that says why. A request with images
-served by an encode engine (``TransferParams.encoder``, else ``--encoder-address``) first waits for their
-embeddings (``disagg.remote_encode``); then it runs, and its prefill reads them instead of running a tower.
+limited to one output token. When that first token is sampled the scheduler holds the request's blocks and state
+slot (``Scheduler.held``) and the exporter sends its state to the decode engine named by ``peer``: the pages and
+KDA slot (packed from the held blocks as the transfer starts: on a GPU by a copy on a side stream, sent once it
+is over), the first token and the sampling generator's state; with speculative decoding also the MTP layer's
+pages, the target's last hidden state and the drafts made after the first token, so that the decode engine drafts
+from its first step as a colocated engine would. Both roles need ``--speculative-tokens``: the MTP layer attends
+over its own cache entries at every prompt position, which only a prefill that runs it writes (a decode engine
+speculating alone would stay correct, its drafts being verified, but draft from entries never written), so the
+MTP cache is part of the compared layout. The request's final output is held back until the decode side
+acknowledges; then the cache is freed and the output released. A refused, failed or unacknowledged transfer frees
+the cache too and ends the request with an error that says why. A request with images served by an encode engine
+(``TransferParams.encoder``, else ``--encoder-address``) first waits for their embeddings
+(``disagg.remote_encode``); then it runs, and its prefill reads them instead of running a tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
 scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
@@ -25,7 +25,10 @@ straight into blocks and a slot taken for the request first, on the receiver's r
 joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most
 ``transfer_timeout_s`` for its state; a state nobody asks for within that time is refused back to its sender.
 
-Both wake the engine loop through ``wake_fd``, a pipe the loop polls beside its input socket.
+The threads behind both (the receiver's, an encode client's) wake the engine loop through ``wake_fd``, a pipe
+the loop polls beside its input socket. The sender has no thread (a Python thread waking during a step stalls
+the loop at its next torch call, for the GIL): the loop polls its sockets (``wake_sockets``) and wakes by its
+deadlines (``wake_deadline``).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class Exporter:
         self.core = core
         self.wake = Wake()
         self.layout = engine_layout(core, "prefill")
-        kw = dict(timeout_s=config.transfer_timeout_s, max_inflight=config.max_num_seqs * 4, wake=self.wake)
+        kw = dict(timeout_s=config.transfer_timeout_s, max_inflight=config.max_num_seqs * 4)
         if config.transfer_backend == "mooncake":
             from flashinfra.disagg.mooncake import MooncakeSender
 
@@ -114,8 +117,16 @@ class Exporter:
         return self.encoding.admit(req, req.transfer.encoder)
 
     def has_events(self) -> bool:
-        """Whether ``poll`` has something to do (a transfer finished)."""
-        return self.wake.pending()
+        """Whether ``poll`` has something to do (a transfer to send or finished, embeddings arrived)."""
+        return self.wake.pending() or self.sender.has_events()
+
+    def wake_sockets(self) -> list:
+        """The sockets that, once readable, need ``poll`` (the sender's)."""
+        return self.sender.wait_sockets()
+
+    def wake_deadline(self) -> float | None:
+        """When ``poll`` has something to do even if nothing woke the loop (the sender's next deadline)."""
+        return self.sender.next_deadline()
 
     def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Start the transfer of every request this step finished with its first token; hold its output."""
@@ -225,6 +236,12 @@ class Importer:
         now = time.monotonic()
         return (any(d < now for _, d in self._waiting.values())
                 or any(now - a.time > self.timeout_s for a in self._arrived.values()))
+
+    def wake_sockets(self) -> list:
+        return []  # its threads wake the loop through ``wake``
+
+    def wake_deadline(self) -> float | None:
+        return None
 
     def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         return outputs

@@ -132,6 +132,16 @@ class EngineCore:
         """A file descriptor that becomes readable when a transfer needs the engine loop (else None)."""
         return None if self.disagg is None else self.disagg.wake.fd
 
+    def wake_sockets(self) -> list:
+        """ZeroMQ sockets that, once readable, need the engine loop (a state sender's connections: handshake
+        answers, acks, disconnections); they change as peers come and go."""
+        return [] if self.disagg is None else self.disagg.wake_sockets()
+
+    def wake_deadline(self) -> float | None:
+        """When (``time.monotonic()``) the engine loop must look even if nothing woke it (a transfer's timeout,
+        a packing copy to check), or None."""
+        return None if self.disagg is None else self.disagg.wake_deadline()
+
     def add_request(self, request: EngineRequest) -> None:
         """Queue ``request``; raises ``ValueError`` (and admits nothing) if it is invalid."""
         request.sampling.validate(self.max_model_len)

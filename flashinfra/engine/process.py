@@ -8,9 +8,10 @@ server) and a PUSH socket to ``output_address`` (``EngineReady`` once loaded, or
 config travels as msgpack too.
 
 Loop: take every message already waiting (never blocking while there is work), step once, send the step's
-outputs with stats. When idle it blocks on the input socket for a short while and sends stats about once
-a second. An invalid request is answered by an ``error`` output for it alone. The process ignores SIGINT
-(the server shuts it down with ``Shutdown`` after draining) and exits if its parent dies.
+outputs with stats. When idle it blocks on the input socket for a short while (and on what disaggregated
+serving wakes it by: ``disagg.wake.LoopPoller``) and sends stats about once a second. An invalid request is
+answered by an ``error`` output for it alone. The process ignores SIGINT (the server shuts it down with
+``Shutdown`` after draining) and exits if its parent dies.
 """
 
 from __future__ import annotations
@@ -89,17 +90,14 @@ def run_engine(config: bytes | EngineConfig, input_address: str, output_address:
 
 
 def _serve(core, inp, out, parent: int) -> None:
-    import zmq
+    from flashinfra.disagg.wake import LoopPoller
 
     last_sent = time.monotonic()
-    poller = zmq.Poller()
-    poller.register(inp, zmq.POLLIN)
-    if getattr(core, "wake_fd", None) is not None:  # a cache transfer that needs the loop wakes it
-        poller.register(core.wake_fd, zmq.POLLIN)
+    poller = LoopPoller(core, inp)  # a cache transfer that needs the loop wakes it too
     while True:
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         rejected: list[RequestOutput] = []
-        while inp in dict(poller.poll(timeout)):
+        while inp in poller.poll(timeout):
             timeout = 0
             try:
                 msg = decode_server_message(inp.recv())

@@ -4,7 +4,6 @@ each byte of the request's state once, straight from the cache into one buffer t
 of (one copy per run of consecutive blocks); the decode side copies each byte once, straight from the
 received frames into its cache, with no Python-level copy of them."""
 
-import threading
 import tracemalloc
 
 import pytest
@@ -45,17 +44,12 @@ def test_each_side_copies_every_byte_once():
     state_bytes += sum(row_bytes(t) for t in (*src.conv_state.values(), *src.recurrent_state.values()))
     rx = StateReceiver(describe(dst, "fp", "decode"))
     tx = StateSender(describe(src, "fp", "prefill"))
-    sent, packed = _Copies(), []
-
-    def pack():  # on the sender's thread, under its own count
-        assert threading.current_thread() is not threading.main_thread()
-        with sent:
-            packed.extend(RequestPages(src, blocks, slot)())
-        return packed
-
+    sent = _Copies()
     try:
-        tx.send(rx.address, _state(), pack)
-        (arrival,) = _wait(rx.poll)
+        with sent:  # a CPU cache: packed on the caller's thread, as it sends
+            packed = RequestPages(src, blocks, slot)()
+        tx.send(rx.address, _state(), packed)
+        (arrival,) = _wait(rx.poll, sender=tx)
         received = _Copies()
         tracemalloc.start()
         with received:

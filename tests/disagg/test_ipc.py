@@ -36,11 +36,12 @@ def _check_copied(src, dst, untouched) -> None:
     assert torch.equal(dst.conv_state[1][[0, 2]].cpu(), untouched["conv_state"][1][[0, 2]])
 
 
-def _receive(rx: IpcReceiver, dst) -> None:
-    (arrival,) = _wait(rx.poll)
+def _receive(rx: IpcReceiver, dst, tx: IpcSender | None = None) -> None:
+    """Take the state, read it, ack it; ``tx``: the sender, when in this process (polled meanwhile)."""
+    (arrival,) = _wait(rx.poll, sender=tx)
     assert arrival.state == _state() and arrival.buffers == []  # only the header came over ZeroMQ
     rx.read(arrival, dst, DST_BLOCKS, slot=1)
-    assert _wait(rx.poll_reads) == [("r1", None)]
+    assert _wait(rx.poll_reads, sender=tx) == [("r1", None)]
     rx.ack(arrival.peer, arrival.state.request_id)
 
 
@@ -53,7 +54,7 @@ def test_one_process_copies_the_runs_from_the_mapped_cache():
     try:
         assert torch.equal(src.mla_latent[0], before)  # moved into shared memory, same values
         tx.send(rx.address, _state(), RequestPages(src, SRC_BLOCKS, slot=2))
-        _receive(rx, dst)
+        _receive(rx, dst, tx)
         assert _wait(tx.poll) == [("r1", None)]
         _check_copied(src, dst, untouched)
         assert rx.num_reads == 1
@@ -149,7 +150,7 @@ def test_an_idle_senders_cache_is_unmapped_and_mapped_again_on_use(monkeypatch):
         for tx, src in (*zip(senders, (first, second)), (senders[0], first)):
             untouched = {k: {i: t.clone() for i, t in getattr(dst, k).items()} for k in ("mla_latent", "conv_state")}
             tx.send(rx.address, _state(), RequestPages(src, SRC_BLOCKS, slot=2))
-            _receive(rx, dst)
+            _receive(rx, dst, tx)
             assert _wait(tx.poll) == [("r1", None)]
             _check_copied(src, dst, untouched)
             assert list(rx._mapped) == [tx.session]  # the other sender's cache is not held

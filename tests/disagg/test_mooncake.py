@@ -38,10 +38,10 @@ def test_loopback_transfer_reads_the_cache_in_place(monkeypatch):
     monkeypatch.setattr(rx._mem, "engine", recording)
     try:
         tx.send(rx.address, _state(), RequestPages(src, [5, 6, 1, 3], slot=2))
-        (arrival,) = _wait(rx.poll)
+        (arrival,) = _wait(rx.poll, sender=tx)
         assert arrival.state == _state() and arrival.buffers == []  # only the header came over ZeroMQ
         rx.read(arrival, dst, [0, 1, 7, 4], slot=1)
-        assert _wait(rx.poll_reads) == [("r1", None)]
+        assert _wait(rx.poll_reads, sender=tx) == [("r1", None)]
         rx.ack(arrival.peer, arrival.state.request_id)
         assert _wait(tx.poll) == [("r1", None)]
         for kind in ("mla_latent", "indexer_keys"):

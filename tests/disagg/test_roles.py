@@ -6,6 +6,7 @@ layout is refused by name, the first token's logprobs reach the decode side."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -179,8 +180,9 @@ def test_killed_receiver_fails_the_transfer_at_once_and_frees_the_blocks(engines
         assert address.startswith("tcp://"), address
         prefill.add_request(_request("dead", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0),
                                      TransferParams("t-dead", "export", address)))
-        got = _run([prefill], lambda _: prefill.stats().num_transfers_held > 0, errors_ok=True)
-        assert proc.stdout.readline().strip() == "arrived"
+        # the engine loop sends the state once the handshake is answered: step it until the receiver has it
+        got = _run([prefill], lambda _: bool(select.select([proc.stdout], [], [], 0)[0]), errors_ok=True)
+        assert proc.stdout.readline().strip() == "arrived" and prefill.stats().num_transfers_held > 0
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         out = _run([prefill], _finished(["dead"]), timeout_s=20, errors_ok=True, got=got)[-1]["dead"][-1]
