@@ -5,14 +5,17 @@
   ``EngineCore`` (the built-in model, or ``--model``) computing a ``--tokens``-token prompt.
 - bad transfer: a binding that keeps the GIL during its blocking wait (``ctypes.PyDLL`` usleep, as a
   C extension that forgets Py_BEGIN_ALLOW_THREADS would); the GIL probe finds it with its stack.
-- fixed transfer: the engines' own paths, moving ``--mbytes`` per transfer, two at a time, for as long as the
-  prefill runs, to a receiver in another process (the decode engine's side): ``flashinfra.disagg.transport`` (a
-  sender thread packing a request's pages, pyzmq multipart with copy=False, a receiver thread, acks) and
-  ``flashinfra.disagg.ipc`` (the receiver's reader thread copying the pages from the sender's cache in shared
-  memory, or through CUDA IPC when the caches are on the GPU: ``--engine --device cuda``).
+- fixed transfer: the engines' own paths, moving ``--mbytes`` per transfer, two at a time, to a receiver in
+  another process (the decode engine's side): ``flashinfra.disagg.transport`` (a request's pages packed as it is
+  sent, pyzmq multipart with copy=False, a receiver thread, acks) and ``flashinfra.disagg.ipc`` (the receiver's
+  reader thread copying the pages from the sender's cache in shared memory, or through CUDA IPC when the caches
+  are on the GPU: ``--engine --device cuda``). The sender has no thread: the prefill's own thread plays the
+  engine loop's part, polling and sending between repetitions, so the states move while the next prefill runs
+  (a zmq state packed from a GPU cache by a side-stream copy is sent by the first poll after the copy, as in
+  the engine: it moves during the prefill after the one that its copy overlapped).
 
 The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
-best time alone (timed first and again last), in one process: what the transfer threads cost the engine loop
+best time alone (timed first and again last), in one process: what the transfers cost the engine loop
 (GIL hand-offs and CPU), not the transfer's own speed. Prints and writes JSON: the times, the ratios, the
 probe's stalls. ``python bench/disagg_gil.py --reps 5 --out bench/results/disagg_gil_cpu.json``
 """
@@ -32,7 +35,7 @@ import time
 
 import torch
 
-from flashinfra.disagg.layout import RequestPages, RequestState, describe, pack_request_state
+from flashinfra.disagg.layout import RequestPages, RequestState, describe
 from flashinfra.disagg.transport import StateReceiver, StateSender
 from flashinfra.feedback.gil_probe import GilProbe
 from flashinfra.model.cache import ModelCache
@@ -86,39 +89,52 @@ def receiver_process(conn, stop, mbytes: int, backend: str, device: str) -> None
     rx.close()
 
 
-def state_transfer(stop: threading.Event, ready: threading.Event, mbytes: int, backend: str, device: str) -> int:
-    """The prefill side's sender, moving one request state of ``mbytes`` (one block of one paged tensor) from its
-    cache to a receiver in another process until ``stop``, two in flight: as frames (``zmq``), or copied from the
-    sender's cache by the receiver's reader (``ipc``: shared memory on a CPU, CUDA IPC on a GPU). This thread plays
-    the prefill engine loop's part (send, then poll the acknowledgements); ``ready`` is set once both ends are up
-    (start-up work). Returns the transfers acknowledged."""
-    import multiprocessing as mp
+class StateTransfers:
+    """The prefill side's sender, moving request states of ``mbytes`` (one block of one paged tensor) from its
+    cache to a receiver in another process, two in flight: as frames (``zmq``), or copied from the sender's cache
+    by the receiver's reader (``ipc``: shared memory on a CPU, CUDA IPC on a GPU). The sender has no thread: the
+    prefill's own thread drives it as the engine loop does, ``between`` prefills (poll the acknowledgements, then
+    send states up to two in flight, which move while the next prefill runs). Start-up work (the connection, the
+    handshake, the ``ipc`` receiver's mapping) is over, two states acknowledged, before it returns."""
 
-    from flashinfra.disagg.ipc import IpcSender
+    def __init__(self, mbytes: int, backend: str, device: str) -> None:
+        import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    halt = ctx.Event()
-    proc = ctx.Process(target=receiver_process, args=(child, halt, mbytes, backend, device), daemon=True)
-    proc.start()
-    src = _cache(mbytes, device)
-    layout = describe(src, "bench", "bench")
-    tx = IpcSender(layout, src) if backend == "ipc" else StateSender(layout)
-    address = parent.recv()
-    acked, i = 0, 0
-    ready.set()
-    while not stop.is_set():
-        if tx.num_outstanding < 2:
-            pages = (RequestPages(src, [i % 2], None) if backend == "ipc"
-                     else functools.partial(pack_request_state, src, [i % 2], None))
-            tx.send(address, RequestState(str(i), 1, 1, 0), pages)
-            i += 1
-        acked += len(tx.poll())
-        time.sleep(0.002)
-    tx.close()
-    halt.set()
-    proc.join(10)
-    return acked
+        from flashinfra.disagg.ipc import IpcSender
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._halt = ctx.Event()
+        self._proc = ctx.Process(target=receiver_process, args=(child, self._halt, mbytes, backend, device),
+                                 daemon=True)
+        self._proc.start()
+        self._src = _cache(mbytes, device)
+        layout = describe(self._src, "bench", "bench")
+        self.tx = IpcSender(layout, self._src) if backend == "ipc" else StateSender(layout)
+        self._address = parent.recv()
+        self.acked, self._sent = 0, 0
+        deadline = time.monotonic() + 60
+        while self.acked < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{backend}: no state acknowledged within 60 s of the start")
+            self.between()
+            time.sleep(0.002)
+        self.acked = 0  # the transfers acknowledged while prefills ran
+
+    def between(self) -> None:
+        for rid, error in self.tx.poll():
+            if error is not None:
+                raise RuntimeError(f"transfer {rid} failed: {error}")
+            self.acked += 1
+        while self.tx.num_outstanding < 2:
+            i = self._sent
+            self.tx.send(self._address, RequestState(str(i), 1, 1, 0), RequestPages(self._src, [i % 2], None))
+            self._sent += 1
+
+    def close(self) -> None:
+        self.tx.close()
+        self._halt.set()
+        self._proc.join(10)
 
 
 def long_enough(model: str | None, length: int) -> str:
@@ -167,16 +183,23 @@ def engine_prefill(args):
     return run
 
 
-def measure(args, run_prefill, background=None) -> tuple[float, dict]:
+def measure(args, run_prefill, background=None, between=None) -> tuple[float, dict]:
     """The prefill's best time over ``args.reps`` (and the GIL probe's record) while ``background(stop, ready)``
-    runs on a thread, timed from when it is ready."""
+    runs on a thread, timed from when it is ready; ``between()`` runs on this thread before each repetition and
+    after the last."""
     stop, ready = threading.Event(), threading.Event()
     th = threading.Thread(target=background, args=(stop, ready), daemon=True) if background else None
     if th:
         th.start()
         ready.wait(60)
+    times = []
     with GilProbe(threshold_s=0.01) as probe:  # the bad binding holds the GIL 20 ms at a time
-        times = [run_prefill() for _ in range(args.reps)]
+        for _ in range(args.reps):
+            if between:
+                between()
+            times.append(run_prefill())
+        if between:
+            between()
         stop.set()
     if th:
         th.join(5)
@@ -207,9 +230,12 @@ def main() -> None:
     print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
     moved, timed = {}, {}
     for backend in ("zmq", "ipc"):
-        def transfer(stop, ready, b=backend):
-            moved[b] = state_transfer(stop, ready, args.mbytes, b, args.device if args.engine else "cpu")
-        timed[backend] = measure(args, run_prefill, transfer)
+        transfers = StateTransfers(args.mbytes, backend, args.device if args.engine else "cpu")
+        try:
+            timed[backend] = measure(args, run_prefill, between=transfers.between)
+        finally:
+            transfers.close()
+        moved[backend] = transfers.acked
         print(f"beside {backend} transfers {timed[backend][0] * 1e3:.2f} ms", flush=True)
     alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
     transfers = {f"{b}_transfer": {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
@@ -224,6 +250,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "prefill": "engine step" if args.engine else "torch stand-in", "tokens": args.tokens,
         "prefill_alone_s": alone,
+        "transfers_driven_by": "the prefill's thread between repetitions, as the engine loop (no sender thread)",
         "gil_holding_transfer": {"prefill_s": bad, "ratio": bad / alone, "stalls": bad_probe.count,
                                  "max_stall_s": bad_probe.max_s, "culprit": culprit[:6]},
         **transfers,
