@@ -92,15 +92,41 @@ def decode_row(core: EngineCore, context: int, seed: int) -> dict:
                 max_step_s=max(decode_steps), steps=decode_steps)
 
 
+class CompiledKernels:
+    """``with CompiledKernels() as c: ...`` -> ``c.names``: the Triton kernels compiled meanwhile (a new
+    specialisation each: what the warm-up left for serving to pay)."""
+
+    def __enter__(self):
+        import triton
+
+        self.names: list[str] = []
+        self._runtime = triton.knobs.runtime
+        self._before = self._runtime.jit_cache_hook
+
+        def hook(*args, **kw):
+            if not kw.get("already_compiled", False):
+                fn = kw.get("fn")
+                self.names.append(getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+            return False
+
+        self._runtime.jit_cache_hook = hook
+        return self
+
+    def __exit__(self, *exc):
+        self._runtime.jit_cache_hook = self._before
+
+
 def batch_shape_row(core: EngineCore, batch: int, seed: int) -> dict:
-    """``batch`` requests decoding together for the first time: first decode steps against the steady ones."""
+    """``batch`` requests decoding together for the first time: first decode steps against the steady ones, and the
+    kernels that compiled on the way."""
     for i in range(batch):
         add(core, 256, 24, seed + i)
-    steps = run_steps(core)
+    with CompiledKernels() as compiled:
+        steps = run_steps(core)
     decode = [s for s, n in steps if n == batch] or [s for s, _ in steps]
     steady = statistics.median(decode[len(decode) // 2:])
     return dict(batch=batch, max_step_s=max(decode), steady_step_s=steady, ratio=max(decode) / steady,
-                steps=[s for s, _ in steps])
+                steps=[s for s, _ in steps], compiled_kernels=compiled.names)
 
 
 def first_prompt_row(core: EngineCore, tokens: int, seed: int) -> dict:

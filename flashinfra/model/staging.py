@@ -5,9 +5,12 @@ the rows to sample...). One ``torch.tensor(..., device=cuda)`` each is one host-
 pageable memory each copy also waits for the host. Here every array is written into one host buffer (pinned when
 the device is a GPU), copied with one ``non_blocking`` copy into one device buffer, and handed out as views.
 
-Layout: the buffers are int32 words; an int64 array takes two words per value at an even word offset (so its
-view is 8-byte aligned), a float32 array one word per value (sampling parameters). Arrays are given as
-``(name, dtype, values, shape)`` with flat ``values``.
+Layout: the buffers are int32 words; an int64 array takes two words per value, an int32 or float32 array (sampling
+parameters) one. Every array starts at a multiple of ``ALIGN_WORDS`` words (16 bytes), whatever the lengths before
+it: Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so views whose alignment
+followed the batch's composition compiled a new variant of every kernel reading them at the first batch of a new
+make-up (seconds, in the middle of serving). Arrays are given as ``(name, dtype, values, shape)`` with flat
+``values``.
 
 Both buffers persist between steps and grow on demand. The device buffer is only written by the copy, which
 the stream orders after the previous step's kernels; the host buffer is rewritten only after the previous copy
@@ -25,6 +28,7 @@ _WORDS = {torch.int32: 1, torch.int64: 2, torch.float32: 1}
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
+ALIGN_WORDS = 4  # each array's start: 16 bytes, the alignment Triton specialises pointer arguments on
 
 
 class StagingBuffers:
@@ -73,7 +77,7 @@ class HostStaging:
         offsets, words = [], 0
         for _, dtype, values, _ in arrays:
             w = _WORDS[dtype]
-            words += words % w  # align int64 arrays to two words
+            words = -(-words // ALIGN_WORDS) * ALIGN_WORDS
             offsets.append(words)
             words += w * len(values)
         host = self.buffers.reserve(words).numpy()
