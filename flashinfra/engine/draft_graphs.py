@@ -1,22 +1,22 @@
 """CUDA graphs for the MTP layer's draft: its catch-up over the committed tokens and the ``k - 1`` chained
 single-token steps, with the ``k`` argmaxes between them, captured per (batch bucket, block-table width bucket).
 
-``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions (its
-rows are the previous step's last position and the positions the step committed: 2 to ``k + 2`` entries, a whole
-prompt after a prefill, and its inputs are gathered per row from the verify step's hidden states) and takes the first draft from the last entry of each row
-that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's output hidden and
-its argmax back in. Which row takes which step is known on the host before the chain starts (``chain_steps``: a row
-goes on while its next position fits its block table), so the whole chain is one graph: its inputs are the
-catch-up's last hidden per row, the block tables, and per step each row's cache slot and position
-(``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each
-step's tokens.
+``Speculator.draft`` (``engine/speculative.py``) catches the MTP layer up over each row's committed positions (its rows
+are the previous step's last position and the positions the step committed: 2 to ``k + 2`` entries, a whole prompt after
+a prefill, and its inputs are gathered per row from the verify step's hidden states) and takes the first draft from the
+last entry of each row that goes on. The rest is a chain: ``k - 1`` steps of one token per row, each feeding the block's
+output hidden and its argmax back in. Which row takes which step is known on the host before the chain starts
+(``chain_steps``: a row goes on while its next position fits its block table), so the whole chain is one graph: its
+inputs are the catch-up's last hidden per row, the block tables, and per step each row's cache slot and position
+(``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each step's
+tokens.
 
 When no row has more than ``k + 2`` entries (every decode step's draft), the catch-up is in the graph too
-(``CatchupBuffers``): its rows padded to ``k + 2`` tokens as a verify step's are to ``k + 1`` (``cuda_graphs.StepBuffers``: a pad
-token sits at its row's last position and writes the scratch slot), each row's last real entry gathered on the
-device into the chain's input. A row that stops at this step (finished) drafts for nothing: its chain stays within
-its table or writes the scratch slot. Otherwise (after a prompt, or over deferred positions) the catch-up runs
-eagerly and the chain from its own graph.
+(``CatchupBuffers``): its rows padded to ``k + 2`` tokens as a verify step's are to ``k + 1``
+(``cuda_graphs.StepBuffers``: a pad token sits at its row's last position and writes the scratch slot), each row's last
+real entry gathered on the device into the chain's input. A row that stops at this step (finished) drafts for nothing:
+its chain stays within its table or writes the scratch slot. Otherwise (after a prompt, or over deferred positions) the
+catch-up runs eagerly and the chain from its own graph.
 
 The ReplaySSM fold of every KDA layer (two launches a layer) is one graph per batch bucket too (``FoldGraphs``).
 

@@ -6,14 +6,14 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    appended to its fed token; when any row carries drafts, the batch's ``replay`` flags send those rows
    (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
    layers' verify path: the checkpoint is read, the ring written.
-2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows), penalised as the sampler would at that
-   position (the counts include the drafts before it, which are the outputs there whenever the position's
-   token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run rejection
-   sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes
-   from the raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA
-   checkpoint and shifts the conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the
-   committed length: nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next
-   step overwrites them, so a rejection is a cursor move.
+2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows),
+   penalised as the sampler would at that position (the counts include the drafts before it, which are the outputs there
+   whenever the position's token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run
+   rejection sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes from the
+   raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA checkpoint
+   and shifts the conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed
+   length: nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next step
+   overwrites them, so a rejection is a cursor move.
 3. ``draft``: the MTP layer catches up over the committed positions (its entry at position ``i`` reads the
    target hidden at ``i`` and the token at ``i + 1``; the hidden of the previous step's last position is
    kept per request), the last entry (with the token just emitted) gives the first draft, and ``k - 1``
@@ -96,26 +96,30 @@ class Speculator:
         self.num_accepted_at: list[int] = [0] * num_tokens  # accepted drafts per draft position
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
         self.fold_graphs = FoldGraphs(cache, graphs) if graphs is not None and cache.replay else None
-        self.staging = HostStaging(model.device)  # the draft's own inputs, copied without a host sync
-        self.fold_staging = HostStaging(model.device)  # the fold's slots and counts, one copy for every layer
+        self.staging = HostStaging(model.device)  # the fold's and the draft's inputs, copied without a host sync
 
     @property
     def drafts(self) -> dict[str, list[int]]:
         """Each request's drafts for its next step. A draft graph's come back in a copy started after its replay
         and waited for here, when first read (the next step's ``feeds``): the host schedules the next step while
         the device drafts."""
-        if self._pending is not None:
-            host, copied, rows = self._pending
-            self._pending = None
-            copied.synchronize()
-            for (rid, _), d in zip(rows, ChainBuffers.drafts(host, [n for _, n in rows])):
-                if rid is not None:  # a row whose request stops here drafts for nothing
-                    self._drafts[rid] = d
+        self._take_pending()
         return self._drafts
+
+    def _take_pending(self) -> None:
+        """Wait for the draft graph's copy back, if one is under way, and file its rows' drafts."""
+        if self._pending is None:
+            return
+        host, copied, rows = self._pending
+        self._pending = None
+        copied.synchronize()
+        for (rid, _), d in zip(rows, ChainBuffers.drafts(host, [n for _, n in rows])):
+            if rid is not None:  # a row whose request stops here drafts for nothing
+                self._drafts[rid] = d
 
     def _read_back(self, out: torch.Tensor, rows: list[tuple[str | None, int]]) -> None:
         """Start copying a draft graph's drafts ``out`` [k, bs] to the host for ``rows`` (request, chained steps)."""
-        self.drafts  # noqa: B018 - the previous copy is read out of the buffer first
+        self._take_pending()  # the previous copy is read out of the pinned buffer first
         if self._pinned.numel() < out.numel():
             self._pinned = torch.empty(max(1024, out.numel()), dtype=torch.long, pin_memory=True)
         host = self._pinned[: out.numel()].view(out.shape)
@@ -202,7 +206,7 @@ class Speculator:
             return
         slots, ns = [sched[b].state_slot for b in rows], [committed[b] for b in rows]
         i32 = torch.int32
-        views = self.fold_staging.upload([("slots", i32, slots, (len(rows),)), ("ns", i32, ns, (len(rows),))])
+        views = self.staging.upload([("slots", i32, slots, (len(rows),)), ("ns", i32, ns, (len(rows),))])
         if self.fold_graphs is not None and self.fold_graphs.can_run(len(rows)) and max(ns) <= self.capacity:
             self.fold_graphs.run(views["slots"], views["ns"])
             return
