@@ -10,6 +10,7 @@ import pytest
 import flashinfra
 from flashinfra import SamplingParams
 from flashinfra.model.factory import write_tiny_checkpoint
+from tests.spec_oracle import plant_drafts
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +93,7 @@ def test_oracle_drafts_fold_accepted_prefixes(ckpt, reference, monkeypatch):
 
     def oracle(sched, feeds, cu, hidden, committed, nexts):
         real(sched, feeds, cu, hidden, committed, nexts)
-        for b, sr in enumerate(sched):
-            if nexts[b] is None:
-                continue
-            out = list(sr.output_token_ids) + feeds[b][sr.num_new_tokens : committed[b]] + [nexts[b]]
-            full = by_prompt[tuple(sr.prompt_token_ids)]
-            d = full[len(out) : len(out) + 4]
-            spec.drafts[sr.request_id] = [t if (len(out) + j) % 5 != 4 else (t + 1) % 512 for j, t in enumerate(d)]
+        plant_drafts(spec, sched, feeds, committed, nexts, by_prompt, 4, 512)
 
     monkeypatch.setattr(spec, "draft", oracle)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want

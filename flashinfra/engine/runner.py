@@ -36,6 +36,8 @@ from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
+# tokens of a step that are still on the device: (source, [(position in the step's flat tokens, index into source)])
+Fill = tuple[torch.Tensor, list[tuple[int, int]]]
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
 
 
@@ -156,8 +158,11 @@ class ModelRunner:
         sched = plan.scheduled
         # the fill runs on its own thread while this one prepares and launches the step
         grammar = self._grammar_mask([sr for sr in sched if sr.sample]) if spec is None else None
-        feeds, replay = spec.feeds(sched) if spec is not None else ([sr.token_ids for sr in sched], ())
-        batch, inputs = self._upload(sched, feeds, prev)
+        if spec is not None:
+            feeds, replay, fill = spec.feeds(sched)
+        else:
+            feeds, replay, fill = [sr.token_ids for sr in sched], (), self._placeholders(sched, prev)
+        batch, inputs = self._upload(sched, feeds, fill)
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
         inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
@@ -182,17 +187,26 @@ class ModelRunner:
         self._copy_states(inputs["save_src"], inputs["save_dst"])
         return self._sample(picks, hidden if rows is None else hidden[rows], result, grammar, inputs)
 
-    def _upload(self, sched, feeds, prev: StepHandle | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+    @staticmethod
+    def _placeholders(sched, prev: StepHandle | None) -> Fill | None:
+        """Where the placeholder tokens of asynchronous scheduling are filled from: ``prev``'s samples (a placeholder
+        is the last token of its row, with one step in flight at most)."""
+        ends = list(itertools.accumulate(len(sr.token_ids) for sr in sched))
+        fill = [(e - 1, prev.rows[sr.request_id]) for sr, e in zip(sched, ends)
+                if sr.token_ids[-1] == PLACEHOLDER_TOKEN]
+        return (prev.sampled.tokens, fill) if fill else None
+
+    def _upload(self, sched, feeds, fill: Fill | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
         """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
-        copied to the device in one packed copy; placeholder tokens then taken from ``prev``'s samples."""
+        copied to the device in one packed copy; then the tokens still on the device (``fill``: a source and
+        ``(position, index)`` pairs) gathered into the token ids."""
         qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
         slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
         arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
         ids = [t for f in feeds for t in f]
         ends = list(itertools.accumulate(qlens))
         rows = [e - 1 for sr, e in zip(sched, ends) if sr.sample]
-        # a placeholder is the last token of its row (one step in flight at most): the token ``prev`` samples
-        fill = [(e - 1, prev.rows[sr.request_id]) for sr, f, e in zip(sched, feeds, ends) if f[-1] == PLACEHOLDER_TOKEN]
+        pairs = fill[1] if fill is not None else []
         loads = [(sr.load_state_from, sr.state_slot) for sr in sched if sr.load_state_from is not None]
         # checkpoints at the end of their row's step: the row's final state, copied after the step (those inside
         # the step go to their slots through ``ForwardBatch.checkpoints``)
@@ -200,15 +214,15 @@ class ModelRunner:
                  if pos == sr.context_len + sr.num_new_tokens]
         i64 = torch.int64
         arrays += [("input_ids", i64, ids, (len(ids),)), ("rows", i64, rows, (len(rows),))]
-        for name, pairs in (("load", loads), ("save", saves)):
-            arrays += [(f"{name}_src", i64, [p[0] for p in pairs], (len(pairs),)),
-                       (f"{name}_dst", i64, [p[1] for p in pairs], (len(pairs),))]
-        arrays += [("fill_pos", i64, [p for p, _ in fill], (len(fill),)),
-                   ("fill_rows", i64, [r for _, r in fill], (len(fill),))]
+        for name, copies in (("load", loads), ("save", saves)):
+            arrays += [(f"{name}_src", i64, [p[0] for p in copies], (len(copies),)),
+                       (f"{name}_dst", i64, [p[1] for p in copies], (len(copies),))]
+        arrays += [("fill_pos", i64, [p for p, _ in pairs], (len(pairs),)),
+                   ("fill_rows", i64, [r for _, r in pairs], (len(pairs),))]
         arrays += sampling_columns([sr.sampling for sr in sched if sr.sample])
         views = self.staging.upload(arrays)
-        if fill:
-            views["input_ids"][views["fill_pos"]] = prev.sampled.tokens[views["fill_rows"]]
+        if pairs:
+            views["input_ids"][views["fill_pos"]] = fill[0][views["fill_rows"]]
         return ForwardBatch.from_views(qlens, ctxs, slots, tables, self.block_size, views), views
 
     def _finish_speculative(self, sched, feeds, replay, batch: ForwardBatch, hidden, result: StepResult,
@@ -216,6 +230,7 @@ class ModelRunner:
         """Accept the draft rows, sample the others, fold the committed tokens into the KDA checkpoints
         (before any checkpoint is copied out for the prefix cache), and draft for the next step."""
         spec, cu = self.speculator, batch.cu_seqlens_list
+        spec.resolve(sched, feeds)
         committed = [len(f) for f in feeds]
         nexts: list[int | None] = [None] * len(sched)
         drafted = [b for b, sr in enumerate(sched) if len(feeds[b]) > sr.num_new_tokens]

@@ -3,7 +3,10 @@
 Per step (``ModelRunner.execute`` calls these around the target's forward pass):
 
 1. ``feeds``: each row scheduled with ``num_draft > 0`` gets up to that many drafts from the previous step
-   appended to its fed token; when any row carries drafts, the batch's ``replay`` flags send those rows
+   appended to its fed token. The drafts stay on the device: the host feeds placeholders, the device gathers the
+   drafts into the step's tokens, and the host learns their values (``resolve``) only for the acceptance, after the
+   step is launched, so it never waits for the draft to schedule and launch the next step. When any row carries
+   drafts, the batch's ``replay`` flags send those rows
    (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
    layers' verify path: the checkpoint is read, the ring written.
 2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows),
@@ -38,13 +41,15 @@ shrinks again, one catch-up covers every deferred position and drafting resumes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, FoldGraphs, chain_steps
 from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
 from flashinfra.engine.sched.messages import TokenLogprob
-from flashinfra.engine.sched.plan import ScheduledRequest
+from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, ScheduledRequest
 from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
@@ -53,6 +58,9 @@ from flashinfra.model.loader import CheckpointReader
 from flashinfra.model.mtp import MTPBlock, allocate_mtp_cache, has_mtp, load_mtp
 from flashinfra.model.replay import ReplayRing, kda_fold
 from flashinfra.model.staging import HostStaging
+
+if TYPE_CHECKING:
+    from flashinfra.engine.runner import Fill
 
 MAX_DEFERRED = 1024  # positions a row's catch-up may wait while drafting is off: 1024 x hidden size per row
 
@@ -86,10 +94,12 @@ class Speculator:
         # entries wait for drafting to resume (c: the request's context at its next step)
         self.deferred: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
         self.max_batch = max_batch
-        self._drafts: dict[str, list[int]] = {}
-        # the last draft graph's drafts on their way back: (pinned [k, bs] copy, its event, (request or None, steps)
-        # per row)
-        self._pending: tuple[torch.Tensor, torch.cuda.Event, list[tuple[str | None, int]]] | None = None
+        self._drafts: dict[str, list[int]] = {}  # request -> its drafts for its next step, on the host
+        # the last drafts on their way to the host: (device [k, n], its host copy, the copy's event or None, each
+        # column's (request or None, chained steps)), and request -> (its column, its number of drafts) while they
+        # are: the next step feeds them from the device before they arrive
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None, list] | None = None
+        self._columns: dict[str, tuple[int, int]] = {}
         self._pinned = torch.empty(0, dtype=torch.long)
         self.num_drafted = 0
         self.num_drafted_at: list[int] = [0] * num_tokens  # drafts verified per draft position
@@ -100,47 +110,76 @@ class Speculator:
 
     @property
     def drafts(self) -> dict[str, list[int]]:
-        """Each request's drafts for its next step. A draft graph's come back in a copy started after its replay
-        and waited for here, when first read (the next step's ``feeds``): the host schedules the next step while
-        the device drafts."""
+        """Each request's drafts for its next step, on the host (waits for the last ones to arrive; the engine's steps
+        read them from the device instead, ``feeds``)."""
         self._take_pending()
         return self._drafts
 
     def _take_pending(self) -> None:
-        """Wait for the draft graph's copy back, if one is under way, and file its rows' drafts."""
+        """Wait for the last drafts' copy to the host, if one is under way, and file them per request."""
         if self._pending is None:
             return
-        host, copied, rows = self._pending
+        _, host, copied, rows = self._pending
         self._pending = None
-        copied.synchronize()
+        if copied is not None:
+            copied.synchronize()
         for (rid, _), d in zip(rows, ChainBuffers.drafts(host, [n for _, n in rows])):
-            if rid is not None:  # a row whose request stops here drafts for nothing
+            if rid in self._columns:  # not dropped since
                 self._drafts[rid] = d
+        self._columns = {}
 
     def _read_back(self, out: torch.Tensor, rows: list[tuple[str | None, int]]) -> None:
-        """Start copying a draft graph's drafts ``out`` [k, bs] to the host for ``rows`` (request, chained steps)."""
-        self._take_pending()  # the previous copy is read out of the pinned buffer first
-        if self._pinned.numel() < out.numel():
-            self._pinned = torch.empty(max(1024, out.numel()), dtype=torch.long, pin_memory=True)
-        host = self._pinned[: out.numel()].view(out.shape)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._pending = (host, copied, rows)
+        """Keep the drafts ``out`` [k, n] (column r: ``rows[r]``, its request or None and its chained steps) on the
+        device for the next step's feeds, and start their copy to the host (for the acceptance)."""
+        self._take_pending()
+        host, copied = out, None
+        if out.is_cuda:
+            if self._pinned.numel() < out.numel():
+                self._pinned = torch.empty(max(1024, out.numel()), dtype=torch.long, pin_memory=True)
+            host = self._pinned[: out.numel()].view(out.shape)
+            host.copy_(out, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._pending = (out, host, copied, rows)
+        self._columns = {rid: (col, 1 + n) for col, (rid, n) in enumerate(rows) if rid is not None}
 
     def drop(self, request_id: str) -> None:
         self.hidden.pop(request_id, None)
         self.deferred.pop(request_id, None)
-        self.drafts.pop(request_id, None)
+        self._drafts.pop(request_id, None)
+        self._columns.pop(request_id, None)
 
-    def feeds(self, sched: list[ScheduledRequest]) -> tuple[list[list[int]], tuple[bool, ...]]:
-        """Tokens fed per row (drafts appended) and the batch's replay flags (empty: no row has drafts)."""
-        feeds = [list(sr.token_ids) + (self.drafts.get(sr.request_id, [])[: sr.num_draft] if sr.num_draft else [])
-                 for sr in sched]
+    def feeds(self, sched: list[ScheduledRequest]) -> tuple[list[list[int]], tuple[bool, ...], Fill | None]:
+        """Tokens fed per row (drafts appended), the batch's replay flags (empty: no row has drafts) and the drafts
+        still on the device: ``PLACEHOLDER_TOKEN`` in the feeds, filled on the device from ``(source, [(position
+        in the step's flat tokens, index into source)])`` and on the host by ``resolve``."""
+        feeds, at, fill = [], 0, []
+        for sr in sched:
+            f, rid = list(sr.token_ids), sr.request_id
+            if sr.num_draft and rid in self._columns:
+                col, n = self._columns[rid]
+                bs = self._pending[0].shape[1]
+                fill.extend((at + len(f) + j, j * bs + col) for j in range(min(n, sr.num_draft)))
+                f += [PLACEHOLDER_TOKEN] * min(n, sr.num_draft)
+            elif sr.num_draft:
+                f += self._drafts.get(rid, [])[: sr.num_draft]
+            feeds.append(f)
+            at += len(f)
+        source = (self._pending[0].view(-1), fill) if fill else None
         if all(len(f) == sr.num_new_tokens for f, sr in zip(feeds, sched)):
-            return feeds, ()
+            return feeds, (), source
         return feeds, tuple(len(f) > sr.num_new_tokens or (len(f) == 1 and sr.context_len > 0)
-                            for f, sr in zip(feeds, sched))
+                            for f, sr in zip(feeds, sched)), source
+
+    def resolve(self, sched: list[ScheduledRequest], feeds: list[list[int]]) -> None:
+        """Replace the placeholder drafts in ``feeds`` by their values, once their copy to the host has arrived."""
+        if not any(sr.request_id in self._columns for sr, f in zip(sched, feeds) if len(f) > sr.num_new_tokens):
+            return
+        self._take_pending()
+        for sr, f in zip(sched, feeds):
+            n = sr.num_new_tokens
+            if len(f) > n and f[n] == PLACEHOLDER_TOKEN:
+                f[n:] = self._drafts[sr.request_id][: len(f) - n]
 
     def accept_rows(self, rows: list[tuple[ScheduledRequest, list[int], int, int]], hidden: torch.Tensor,
                     generator) -> list[tuple[list[int], list[TokenLogprob] | None]]:
@@ -232,7 +271,7 @@ class Speculator:
             prev = self.hidden.get(rid) if c > 0 else None
             kept.append(rid)
             ends.append(cu[b] + m - 1)
-            self.drafts.pop(rid, None)
+            self._drafts.pop(rid, None)
             waiting_h, waiting_t = self.deferred.pop(rid, ([], [])) if prev is not None else ([], [])
             if defer and prev is not None and nxt is not None and len(waiting_t) + m <= MAX_DEFERRED:
                 # parts, concatenated once when drafting resumes (a copy of this step's rows only after drafts)
@@ -277,23 +316,21 @@ class Speculator:
         steps = chain_steps(pos, live_tables, self.num_tokens, self.block_size)
         if self.graphs is not None and self.num_tokens > 1 and self.graphs.can_run(len(live)):
             out = self.graphs.run(h, pos, live_tables, steps)
-            self._read_back(out, [(sched[rows[i][0]].request_id, n) for i, n in zip(live, steps)])
-            return
-        drafts = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
-        for i, d in zip(live, drafts):
-            self.drafts[sched[rows[i][0]].request_id] = d
+        else:
+            out = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
+        self._read_back(out, [(sched[rows[i][0]].request_id, n) for i, n in zip(live, steps)])
 
     def _chain(self, h: torch.Tensor, pos: list[int], slots: list[int], tables: list[list[int]],
-               steps: list[int]) -> list[list[int]]:
-        """The eager chain: the first draft of each row from ``h`` (the catch-up's last entry), then its ``steps``
-        single-token MTP steps (``chain_steps``), the rows that still go on in each."""
+               steps: list[int]) -> torch.Tensor:
+        """The eager chain -> the drafts [k, n]: the first of each row from ``h`` (the catch-up's last entry), then its
+        ``steps`` single-token MTP steps (``chain_steps``), the rows that still go on in each (a row's column past its
+        steps stays 0, as a graph's holds what its scratch steps drew: ``_read_back`` keeps ``1 + steps``)."""
         embed = self.model.model.embed_tokens
-        drafts: list[list[int]] = [[] for _ in pos]
+        drafts = torch.zeros(self.num_tokens, len(pos), dtype=torch.long, device=self.device)
         cur = list(range(len(pos)))
         for j in range(self.num_tokens):
             tok = self.model.compute_logits(self.mtp.logits_hidden(h)).argmax(-1)
-            for r, t in zip(cur, tok.tolist()):
-                drafts[r].append(t)
+            drafts[j, cur] = tok
             keep = [x for x, r in enumerate(cur) if steps[r] > j]
             if j + 1 == self.num_tokens or not keep:
                 break

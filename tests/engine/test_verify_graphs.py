@@ -14,6 +14,7 @@ from flashinfra.engine.cuda_graphs import StepBuffers, graph_keys, step_key
 from flashinfra.engine.draft_graphs import chain_inputs, chain_steps
 from flashinfra.engine.warmup import capture_graphs
 from flashinfra.model.forward_batch import ForwardBatch
+from tests.spec_oracle import plant_drafts
 
 BS = 4  # block size of the host tests
 SCRATCH_BLOCK, SCRATCH_SLOT = 9, 5
@@ -193,12 +194,7 @@ def _run(path, dtype, k, graphs, prompts, params, want, monkeypatch):
     def oracle(sched, feeds, cu, hidden, committed, nexts):
         real(sched, feeds, cu, hidden, committed, nexts)
         mtp_drafts.append([spec.drafts.get(sr.request_id) for b, sr in enumerate(sched) if nexts[b] is not None])
-        for b, sr in enumerate(sched):
-            if nexts[b] is None:
-                continue
-            out = list(sr.output_token_ids) + feeds[b][sr.num_new_tokens : committed[b]] + [nexts[b]]
-            d = by_prompt[tuple(sr.prompt_token_ids)][len(out) : len(out) + k]
-            spec.drafts[sr.request_id] = [t if (len(out) + j) % 5 != 4 else (t + 1) % 500 for j, t in enumerate(d)]
+        plant_drafts(spec, sched, feeds, committed, nexts, by_prompt, k, 500)
 
     monkeypatch.setattr(spec, "draft", oracle)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
