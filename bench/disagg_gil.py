@@ -13,6 +13,9 @@
   engine loop's part, polling and sending between repetitions, so the states move while the next prefill runs
   (a zmq state packed from a GPU cache by a side-stream copy is sent by the first poll after the copy, as in
   the engine: it moves during the prefill after the one that its copy overlapped).
+- on a GPU, the control of the ``ipc`` row (``gpu_neighbour``): another process copying as many bytes within its own
+  GPU memory at the same times, with no transfer: with both engines on one GPU, the decode side's copies share the
+  GPU with the prefill (time-sliced between the two processes), which no transfer path can avoid.
 
 The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
 best time alone (timed first and again last), in one process: what the transfers cost the engine loop
@@ -137,6 +140,42 @@ class StateTransfers:
         self._proc.join(10)
 
 
+def neighbour_process(conn, stop, mbytes: int, device: str) -> None:
+    """The control of the ``ipc`` row on one GPU: a process that copies as many bytes within its own memory as the
+    ``ipc`` reader copies out of the sender's cache, two ``mbytes`` copies whenever the prefill's thread asks,
+    with no transfer at all: what sharing the GPU with another process's copies costs the prefill by itself."""
+    src, dst = (torch.zeros(mbytes << 20, dtype=torch.uint8, device=device) for _ in range(2))
+    conn.send("ready")
+    while not stop.is_set():
+        if conn.poll(0.002):
+            for _ in range(conn.recv()):
+                dst.copy_(src)
+            torch.cuda.synchronize() if dst.is_cuda else None
+
+
+class GpuNeighbour:
+    """Drives ``neighbour_process`` as ``StateTransfers`` drives a receiver: two copies asked ``between`` prefills."""
+
+    def __init__(self, mbytes: int, device: str) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._halt = ctx.Event()
+        self._proc = ctx.Process(target=neighbour_process, args=(child, self._halt, mbytes, device), daemon=True)
+        self._proc.start()
+        self._conn.recv()
+        self.acked = 0
+
+    def between(self) -> None:
+        self._conn.send(2)
+        self.acked += 2
+
+    def close(self) -> None:
+        self._halt.set()
+        self._proc.join(10)
+
+
 def long_enough(model: str | None, length: int) -> str:
     """``model`` (default: the built-in one), or a copy of it whose ``max_position_embeddings`` admits ``length``
     tokens (the built-in model's 4,096 is below an 8k prompt; the step's cost is what is timed, not its text)."""
@@ -216,6 +255,7 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="time a real engine's prefill step")
     ap.add_argument("--model", default=None, help="with --engine: checkpoint (default: the built-in model)")
     ap.add_argument("--device", default="cpu", help="with --engine: the engine's device (cpu, cuda)")
+    ap.add_argument("--skip-gil-holding", action="store_true", help="leave out the GIL-holding binding's row")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -226,11 +266,14 @@ def main() -> None:
     run_prefill()  # warm up
     alone, _ = measure(args, run_prefill)
     print(f"prefill alone {alone * 1e3:.2f} ms", flush=True)  # each phase as it ends: a crash shows where it was
-    bad, bad_probe = measure(args, run_prefill, gil_holding_transfer)
-    print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
+    bad, bad_probe = (None, None) if args.skip_gil_holding else measure(args, run_prefill, gil_holding_transfer)
+    if bad is not None:
+        print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
     moved, timed = {}, {}
-    for backend in ("zmq", "ipc"):
-        transfers = StateTransfers(args.mbytes, backend, args.device if args.engine else "cpu")
+    device = args.device if args.engine else "cpu"
+    for backend in ("zmq", "ipc") + (("gpu_neighbour",) if device.startswith("cuda") else ()):
+        transfers = (GpuNeighbour(args.mbytes, device) if backend == "gpu_neighbour"
+                     else StateTransfers(args.mbytes, backend, device))
         try:
             timed[backend] = measure(args, run_prefill, between=transfers.between)
         finally:
@@ -238,11 +281,10 @@ def main() -> None:
         moved[backend] = transfers.acked
         print(f"beside {backend} transfers {timed[backend][0] * 1e3:.2f} ms", flush=True)
     alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
-    transfers = {f"{b}_transfer": {"prefill_s": t, "ratio": t / alone, "stalls": probe.count,
-                                   "max_stall_s": probe.max_s, "transfers_acked": moved.get(b, 0),
-                                   "mbytes_each": args.mbytes}
-                 for b, (t, probe) in timed.items()}
-    culprit = bad_probe.stalls[0].culprit_lines() if bad_probe.stalls else []
+    transfers = {(b if b == "gpu_neighbour" else f"{b}_transfer"): {
+        "prefill_s": t, "ratio": t / alone, "stalls": probe.count, "max_stall_s": probe.max_s,
+        "transfers_acked": moved.get(b, 0), "mbytes_each": args.mbytes} for b, (t, probe) in timed.items()}
+    culprit = bad_probe.stalls[0].culprit_lines() if bad_probe is not None and bad_probe.stalls else []
     result = {
         "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cpus, torch threads 1)"),
@@ -251,8 +293,9 @@ def main() -> None:
         "prefill": "engine step" if args.engine else "torch stand-in", "tokens": args.tokens,
         "prefill_alone_s": alone,
         "transfers_driven_by": "the prefill's thread between repetitions, as the engine loop (no sender thread)",
-        "gil_holding_transfer": {"prefill_s": bad, "ratio": bad / alone, "stalls": bad_probe.count,
-                                 "max_stall_s": bad_probe.max_s, "culprit": culprit[:6]},
+        "gil_holding_transfer": None if bad is None else {
+            "prefill_s": bad, "ratio": bad / alone, "stalls": bad_probe.count, "max_stall_s": bad_probe.max_s,
+            "culprit": culprit[:6]},
         **transfers,
     }
     text = json.dumps(result, indent=2)
