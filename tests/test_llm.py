@@ -53,8 +53,9 @@ def test_greedy_alone_equals_in_a_mixed_batch(llm, mixed):
 def test_greedy_is_unchanged_when_a_tiny_cache_forces_preemption(mixed, ckpt, tmp_path):
     prompts, params, solo = mixed
     events = tmp_path / "events.jsonl"
+    # scheduled synchronously: a step ahead never preempts (``test_async_scheduling`` covers preemption there)
     small = flashinfra.LLM(ckpt, num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
-                           events_path=str(events))
+                           events_path=str(events), async_scheduling=False)
     batch = small.generate(prompts, params)
     assert [o.token_ids for o in batch] == solo
     stats = small.engine.stats()

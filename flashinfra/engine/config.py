@@ -160,7 +160,7 @@ class EngineConfig(LoadConfig):
               "serving waits for them (off: each is made when first needed)")
     seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
     async_scheduling: bool = option(
-        False, "schedule and prepare the next step while the device runs this one (its decode rows' input token "
+        True, "schedule and prepare the next step while the device runs this one (its decode rows' input token "
                "taken on the device from this step's samples); steps with a grammar, penalties, a preemption or a "
                "prefix checkpoint run synchronously, as do speculative decoding and disaggregated roles")
     speculative_tokens: int = option(

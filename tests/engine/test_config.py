@@ -123,7 +123,7 @@ def test_scheduler_config_is_derived_without_defaults_of_its_own():
     sched = SchedulerConfig.from_engine(cfg, max_model_len=300)
     assert sched == SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, max_model_len=300,
                                     max_prefill_chunk=33, speculative_tokens=0, deterministic=False,
-                                    async_scheduling=False)
+                                    async_scheduling=True)
     default = SchedulerConfig.from_engine(EngineConfig(), max_model_len=300)
     for f in fields:
         if f.name != "max_model_len":

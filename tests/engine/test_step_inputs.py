@@ -78,6 +78,6 @@ def test_a_decode_step_makes_one_upload_and_no_other_device_tensor(llm, monkeypa
     monkeypatch.setattr(runner, "launch", launch)
     llm.generate([[5, 6, 7, 8, 9], [11, 12, 13]], [params, params])
     decodes = [(copies, tensors) for plan, copies, tensors in steps
-               if all(sr.num_new_tokens == 1 and sr.context_len > 0 for sr in plan.scheduled)]
+               if plan.scheduled and all(sr.num_new_tokens == 1 and sr.context_len > 0 for sr in plan.scheduled)]
     assert len(decodes) >= 3
-    assert all(copies == 1 and tensors == 0 for copies, tensors in decodes)
+    assert all(copies == 1 and tensors == 0 for copies, tensors in decodes), decodes
