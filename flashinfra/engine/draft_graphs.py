@@ -65,6 +65,24 @@ def chain_inputs(positions: list[int], tables: list[list[int]], steps: list[int]
     return slots, pos
 
 
+def chain_inputs_device(positions: torch.Tensor, caps: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+                        block_size: int, bs: int, scratch_entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chain_inputs`` from each row's next position on the device (``positions`` [n], known on the host only after
+    the step): ``caps`` [n] each row's table capacity in tokens, ``block_tables`` [>= n, w]; -> slots [k - 1, bs]
+    (int64) and positions [k - 1, bs] (int32)."""
+    n, dev = positions.shape[0], positions.device
+    pos, caps = positions.long(), caps.long()
+    steps = (caps - pos).clamp(min=0, max=num_tokens - 1)
+    j = torch.arange(num_tokens - 1, device=dev)[:, None]
+    p = torch.minimum(pos[None, :] + j, caps[None, :] - 1)  # [k - 1, n]
+    blocks = block_tables[:n].long().gather(1, (p // block_size).T).T
+    slots = torch.full((num_tokens - 1, bs), scratch_entry, dtype=torch.long, device=dev)
+    out_pos = torch.ones(num_tokens - 1, bs, dtype=torch.int32, device=dev)
+    slots[:, :n] = torch.where(j < steps[None, :], blocks * block_size + p % block_size, scratch_entry)
+    out_pos[:, :n] = p.int()
+    return slots, out_pos
+
+
 class ChainBuffers:
     """The static inputs and the body of one chain graph: ``bs`` rows, block tables ``width`` blocks wide (the
     body runs eagerly too, from ``fill``'s inputs)."""
@@ -108,6 +126,21 @@ class ChainBuffers:
         self.positions.copy_(views["positions"])
         torch.add(self.positions, 1, out=self.seq_lens)
 
+    def fill_from_device(self, positions: torch.Tensor, tables: list[list[int]], staging: HostStaging) -> None:
+        """``fill`` for a catch-up graph whose rows' next positions (``positions`` [n]) are known on the device only
+        (``chain_inputs_device``)."""
+        n, w, s = len(tables), max(len(t) for t in tables), self.spec
+        views = staging.upload([("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
+                                ("caps", torch.int32, [len(t) * s.block_size for t in tables], (n,))])
+        self.block_tables[:n, :w].copy_(views["tables"])
+        self.block_tables[:n, w:] = 0
+        self.block_tables[n:] = self.scratch_block
+        slots, pos = chain_inputs_device(positions, views["caps"], self.block_tables, s.num_tokens, s.block_size,
+                                         self.bs, self.scratch_entry)
+        self.slot_mapping.copy_(slots)
+        self.positions.copy_(pos)
+        torch.add(self.positions, 1, out=self.seq_lens)
+
     @staticmethod
     def drafts(out: torch.Tensor, steps: list[int]) -> list[list[int]]:
         """Each row's drafts (``1 + steps[r]`` of them) of a chain's output [k, bs]."""
@@ -138,17 +171,23 @@ class CatchupBuffers:
         self.last = torch.arange(bs, dtype=torch.long, device=dev) * self.q  # each row's last real entry
         self.chain = ChainBuffers(spec, bs, width, scratch_block, scratch_slot)
 
-    def fill(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
-             tables: list[list[int]], steps: list[int], staging: HostStaging) -> None:
+    def fill(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int] | torch.Tensor,
+             tables: list[list[int]], steps: list[int] | None, staging: HostStaging,
+             ends: torch.Tensor | None = None) -> None:
         """Copy a catch-up in: ``ids`` / ``hidden`` its tokens and target hiddens in ``batch``'s packing (each row at
-        most ``k + 2`` entries), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``)."""
+        most ``k + 2`` entries), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``). With
+        ``ends`` (each row's last real entry in ``batch``'s packing, on the device; the entries after it are the
+        row's rejected positions, causal to it and overwritten later), ``positions`` are on the device too."""
         at = self.step.fill(ids, batch)
         self.hidden.zero_()
         self.hidden[at] = hidden
         B = batch.num_seqs
-        self.last[:B] = at[batch.cu_seqlens[1:].long() - 1]
+        self.last[:B] = at[ends if ends is not None else batch.cu_seqlens[1:].long() - 1]
         self.last[B:] = torch.arange(B, self.bs, dtype=torch.long, device=self.last.device) * self.q
-        self.chain.fill(None, positions, tables, steps, staging)
+        if ends is not None:
+            self.chain.fill_from_device(positions, tables, staging)
+        else:
+            self.chain.fill(None, positions, tables, steps, staging)
 
     def body(self) -> torch.Tensor:
         """-> the drafts [k, bs]: the catch-up's forward, each row's last entry into the chain, the chain."""
@@ -199,14 +238,15 @@ class DraftGraphs:
                 new += 1
         return new
 
-    def _key(self, positions: list[int], tables: list[list[int]]) -> tuple[int, int]:
-        return bucket(len(positions), self.batch_buckets), width_bucket(max(len(t) for t in tables))
+    def _key(self, tables: list[list[int]]) -> tuple[int, int]:
+        """The (batch bucket, width bucket) of a draft over rows with these block tables."""
+        return bucket(len(tables), self.batch_buckets), width_bucket(max(len(t) for t in tables))
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]],
             steps: list[int]) -> torch.Tensor:
         """A chain graph replayed (captured on first use) -> its drafts [k, bs] on the device (``ChainBuffers.drafts``
         reads row r's ``1 + steps[r]``)."""
-        key = self._key(positions, tables)
+        key = self._key(tables)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, drafts = self.graphs[key]
@@ -214,14 +254,16 @@ class DraftGraphs:
         graph.replay()
         return drafts
 
-    def run_catchup(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int],
-                    tables: list[list[int]], steps: list[int]) -> torch.Tensor:
-        """A catch-up graph replayed (``can_catch_up``; captured on first use) -> its drafts [k, bs] on the device."""
-        key = self._key(positions, tables)
+    def run_catchup(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                    positions: list[int] | torch.Tensor, tables: list[list[int]], steps: list[int] | None,
+                    ends: torch.Tensor | None = None) -> torch.Tensor:
+        """A catch-up graph replayed (``can_catch_up``; captured on first use) -> its drafts [k, bs] on the device
+        (``ends``: see ``CatchupBuffers.fill``)."""
+        key = self._key(tables)
         if key not in self.catchups:
             self.catchups[key] = self._capture_catchup(*key)
         graph, buf, drafts = self.catchups[key]
-        buf.fill(ids, hidden, batch, positions, tables, steps, self.staging)
+        buf.fill(ids, hidden, batch, positions, tables, steps, self.staging, ends)
         graph.replay()
         return drafts
 

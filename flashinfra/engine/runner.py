@@ -26,6 +26,7 @@ import torch
 
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, StepResult
+from flashinfra.engine.spec_overlap import PendingAccept
 from flashinfra.kernels import dispatch
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
@@ -73,12 +74,14 @@ def size_cache(model: LoadedModel, config: EngineConfig, max_model_len: int, per
 @dataclass
 class StepHandle:
     """A launched step: its result so far (errors, tokens sampled on the host) and, when sampled on the device,
-    the samples on their way to the host (``sampled``; ``rows``: each request's row in ``sampled.tokens``)."""
+    the samples on their way to the host (``sampled``; ``rows``: each request's row in ``sampled.tokens``), or an
+    overlapped speculative step's (``speculative``, ``engine/spec_overlap.py``)."""
 
     result: StepResult
     picks: list = field(default_factory=list)  # (ScheduledRequest, row of its hidden state)
     sampled: DeviceSample | None = None
     rows: dict[str, int] = field(default_factory=dict)
+    speculative: PendingAccept | None = None  # an overlapped speculative step's tokens on their way
 
 
 class ModelRunner:
@@ -141,6 +144,9 @@ class ModelRunner:
             tokens, logprobs, errors = handle.sampled.result()
             self._record(handle.picks, tokens, logprobs, errors, handle.result)
             handle.sampled = None
+        if handle.speculative is not None:
+            self.speculator.overlap.finish(handle.speculative, handle.result)
+            handle.speculative = None
         return handle.result
 
     def _launch(self, plan: Plan, prev: StepHandle | None) -> StepHandle:
@@ -182,6 +188,10 @@ class ModelRunner:
         else:
             hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
             rows = None  # already the picked rows
+        if spec is not None and spec.overlap.can_run(sched, feeds, replay):
+            pending = spec.overlap.launch(sched, feeds, batch.cu_seqlens_list, hidden, input_ids)
+            self._copy_states(inputs["save_src"], inputs["save_dst"])  # after the fold, on the stream
+            return StepHandle(result, speculative=pending)
         if spec is not None:
             return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
         self._copy_states(inputs["save_src"], inputs["save_dst"])

@@ -51,6 +51,7 @@ from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logpro
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, ScheduledRequest
 from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
+from flashinfra.engine.spec_overlap import OverlappedStep
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -107,6 +108,7 @@ class Speculator:
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
         self.fold_graphs = FoldGraphs(cache, graphs) if graphs is not None and cache.replay else None
         self.staging = HostStaging(model.device)  # the fold's and the draft's inputs, copied without a host sync
+        self.overlap = OverlappedStep(self)  # steps whose acceptance, fold and draft all run on the device
 
     @property
     def drafts(self) -> dict[str, list[int]]:
@@ -131,6 +133,12 @@ class Speculator:
     def _read_back(self, out: torch.Tensor, rows: list[tuple[str | None, int]]) -> None:
         """Keep the drafts ``out`` [k, n] (column r: ``rows[r]``, its request or None and its chained steps) on the
         device for the next step's feeds, and start their copy to the host (for the acceptance)."""
+        self.keep_drafts(out)
+        self.file_drafts(rows)
+
+    def keep_drafts(self, out: torch.Tensor) -> None:
+        """Keep the drafts ``out`` [k, n] on the device for the next step's feeds and start their copy to the host;
+        which request each column drafts for follows (``file_drafts``)."""
         self._take_pending()
         host, copied = out, None
         if out.is_cuda:
@@ -140,6 +148,11 @@ class Speculator:
             host.copy_(out, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
+        self._pending = (out, host, copied, [])
+
+    def file_drafts(self, rows: list[tuple[str | None, int]]) -> None:
+        """The kept drafts' columns: ``rows[r]`` (request or None, chained steps) for column r."""
+        out, host, copied, _ = self._pending
         self._pending = (out, host, copied, rows)
         self._columns = {rid: (col, 1 + n) for col, (rid, n) in enumerate(rows) if rid is not None}
 
@@ -198,12 +211,13 @@ class Speculator:
             at = 0
             for sr, fed, lo, hi in plain:
                 drafts = fed[sr.num_new_tokens:]
-                out[id(sr)] = (self._count(greedy_accept(targets[at : at + hi - lo], drafts), drafts), None)
+                out[id(sr)] = (self.count(greedy_accept(targets[at : at + hi - lo], drafts), drafts), None)
                 at += hi - lo
         return [out[id(sr)] if id(sr) in out else self.accept(sr, fed, hidden[lo:hi], generator(sr))
                 for sr, fed, lo, hi in rows]
 
-    def _count(self, out: list[int], drafts: list[int]) -> list[int]:
+    def count(self, out: list[int], drafts: list[int]) -> list[int]:
+        """Count a row's verified and accepted drafts (``out``: its emitted tokens); -> ``out``."""
         self.num_drafted += len(drafts)
         for j in range(len(drafts)):
             self.num_drafted_at[j] += 1
@@ -232,7 +246,7 @@ class Speculator:
             probs = truncated_probs(logits.float(), col(s.temperature, torch.float32), col(s.top_k, torch.long),
                                     col(s.top_p, torch.float32), col(s.min_p, torch.float32))
             out = rejection_accept(probs, drafts, None, generator)
-        self._count(out, drafts)
+        self.count(out, drafts)
         if s.logprobs is None:
             return out, None
         n = len(out)

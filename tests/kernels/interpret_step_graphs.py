@@ -6,6 +6,7 @@ catch-up padded to k + 2 tokens a row, then the chain) against the eager catch-u
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,3 +121,100 @@ def test_catchup_body_equals_the_eager_catchup_and_chain(setup):
         for layer, t in getattr(eager_cache, name).items():
             other = getattr(graph_cache, name)[layer]
             assert torch.allclose(other[:SCRATCH_BLOCK], t[:SCRATCH_BLOCK], atol=1e-5), name
+
+
+class _EagerGraph:
+    """A captured graph's stand-in: each replay runs the body again into the first run's output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        out = self.fn()
+        if self.out is not None:
+            self.out.copy_(out)
+
+
+class _EagerPool:
+    def capture(self, fn):
+        out = fn()
+        return _EagerGraph(fn, out), out
+
+
+def _engine_with_eager_graphs(ckpt, overlap: bool, want: dict | None = None):
+    """An engine drafting k = 3 whose draft and fold "graphs" run their bodies eagerly (the scratch block and slot:
+    the last of each, which these few short requests never take); ``overlap``: the overlapped step allowed. After each
+    step it records the MTP layer's drafts by (prompt, tokens emitted so far) and, given ``want`` (prompt -> greedy
+    output), replaces them where they are kept on the device by that continuation, every fifth token wrong, so rows
+    accept different numbers of drafts. -> the engine, the drafts recorded, the overlapped launches' row counts."""
+    import flashinfra
+    from flashinfra.engine.cuda_graphs import BATCH_BUCKETS
+    from flashinfra.engine.draft_graphs import DraftGraphs, FoldGraphs
+
+    llm = flashinfra.LLM(str(ckpt), num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+                         prefix_cache_slots=0, speculative_tokens=K)
+    runner = llm.engine.runner
+    spec, cache = runner.speculator, runner.cache
+    fake = SimpleNamespace(scratch_block=cache.num_blocks - 1, scratch_slot=cache.num_slots - 1,
+                           batch_buckets=BATCH_BUCKETS, pool=_EagerPool())
+    spec.graphs, spec.fold_graphs = DraftGraphs(spec, fake), FoldGraphs(cache, fake)
+    real_can_run, real_launch, real_step_launch, real_finish = (spec.overlap.can_run, spec.overlap.launch,
+                                                                 runner.launch, llm.engine._finish)
+    spec.overlap.can_run = lambda *a: overlap and real_can_run(*a)
+    launched, prompts, emitted, drafts = [], {}, {}, {}
+
+    def overlap_launch(sched, *a):
+        launched.append(len(sched))
+        return real_launch(sched, *a)
+
+    def step_launch(plan, prev=None):
+        for sr in plan.scheduled:
+            assert fake.scratch_block not in sr.block_table and sr.state_slot != fake.scratch_slot
+            prompts[sr.request_id] = tuple(sr.prompt_token_ids)
+        return real_step_launch(plan, prev)
+
+    def finish(plan, handle):  # the engine's: the runner's own finish also runs inside a plain speculative step
+        result = real_finish(plan, handle)
+        for rid, toks in result.emitted.items():
+            emitted.setdefault(rid, []).extend(toks)
+        for rid, tok in result.sampled.items():
+            if rid not in result.emitted:
+                emitted.setdefault(rid, []).append(tok)
+        if spec._pending is not None:  # on a CPU the kept drafts and their host copy are one tensor
+            out = spec._pending[0]
+            for rid, (col, n) in spec._columns.items():
+                done = len(emitted.get(rid, []))
+                drafts[(prompts[rid], done)] = out[:n, col].tolist()
+                if want is not None:
+                    d = [t if (done + j) % 5 != 4 else (t + 1) % 500
+                         for j, t in enumerate(want[prompts[rid]][done : done + n])]
+                    with torch.inference_mode():
+                        out[: len(d), col] = torch.tensor(d, dtype=out.dtype)
+        return result
+
+    spec.overlap.launch, runner.launch, llm.engine._finish = overlap_launch, step_launch, finish
+    return llm, drafts, launched
+
+
+def test_overlapped_step_gives_the_plain_steps_tokens_and_drafts(tmp_path):
+    """Acceptance, fold and catch-up launched on the device before the host reads anything (``spec_overlap``) give
+    the greedy tokens (rows accepting 0 to k drafts, planted) and, at every position both runs draft from, the MTP
+    layer's own drafts of the plain step, which reads the argmax first."""
+    from flashinfra import SamplingParams
+
+    ckpt = two_layer_mtp_checkpoint(tmp_path / "m")
+    prompts = [[11, 12, 13, 14, 15], [40, 41, 42]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 7)]
+    llm, plain_drafts, launched = _engine_with_eager_graphs(ckpt, overlap=False)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert not launched
+    llm, drafts, launched = _engine_with_eager_graphs(ckpt, overlap=True,
+                                                      want={tuple(p): w for p, w in zip(prompts, want)})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    spec = llm.engine.runner.speculator
+    assert launched and spec.num_accepted_at[K - 1] > 0 and spec.num_drafted > sum(spec.num_accepted_at), (spec.num_accepted_at, spec.num_drafted_at)
+    common = [key for key in drafts if key in plain_drafts]
+    assert len(common) >= 5
+    for key in common:
+        n = min(len(drafts[key]), len(plain_drafts[key]))
+        assert drafts[key][:n] == plain_drafts[key][:n], key
