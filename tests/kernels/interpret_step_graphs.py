@@ -19,6 +19,7 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.replay import kda_fold
 from flashinfra.model.staging import HostStaging
 from tests.disagg.test_roles import two_layer_mtp_checkpoint
+from tests.spec_oracle import plant_drafts
 
 BS, K = 4, 3
 PROMPTS = (9, 3, 14)
@@ -143,10 +144,9 @@ class _EagerPool:
 
 def _engine_with_eager_graphs(ckpt, overlap: bool, want: dict | None = None):
     """An engine drafting k = 3 whose draft and fold "graphs" run their bodies eagerly (the scratch block and slot:
-    the last of each, which these few short requests never take); ``overlap``: the overlapped step allowed. After each
-    step it records the MTP layer's drafts by (prompt, tokens emitted so far) and, given ``want`` (prompt -> greedy
-    output), replaces them where they are kept on the device by that continuation, every fifth token wrong, so rows
-    accept different numbers of drafts. -> the engine, the drafts recorded, the overlapped launches' row counts."""
+    the last of each, which these few short requests never take); ``overlap``: the overlapped step allowed; drafts
+    recorded and, given ``want``, planted (``tests/spec_oracle.py``). -> the engine, the MTP layer's drafts, the
+    overlapped launches' row counts."""
     import flashinfra
     from flashinfra.engine.cuda_graphs import BATCH_BUCKETS
     from flashinfra.engine.draft_graphs import DraftGraphs, FoldGraphs
@@ -158,42 +158,21 @@ def _engine_with_eager_graphs(ckpt, overlap: bool, want: dict | None = None):
     fake = SimpleNamespace(scratch_block=cache.num_blocks - 1, scratch_slot=cache.num_slots - 1,
                            batch_buckets=BATCH_BUCKETS, pool=_EagerPool())
     spec.graphs, spec.fold_graphs = DraftGraphs(spec, fake), FoldGraphs(cache, fake)
-    real_can_run, real_launch, real_step_launch, real_finish = (spec.overlap.can_run, spec.overlap.launch,
-                                                                 runner.launch, llm.engine._finish)
+    real_can_run, real_launch, real_step_launch = spec.overlap.can_run, spec.overlap.launch, runner.launch
     spec.overlap.can_run = lambda *a: overlap and real_can_run(*a)
-    launched, prompts, emitted, drafts = [], {}, {}, {}
+    launched = []
 
     def overlap_launch(sched, *a):
         launched.append(len(sched))
         return real_launch(sched, *a)
 
     def step_launch(plan, prev=None):
-        for sr in plan.scheduled:
-            assert fake.scratch_block not in sr.block_table and sr.state_slot != fake.scratch_slot
-            prompts[sr.request_id] = tuple(sr.prompt_token_ids)
+        assert all(fake.scratch_block not in sr.block_table and sr.state_slot != fake.scratch_slot
+                   for sr in plan.scheduled)
         return real_step_launch(plan, prev)
 
-    def finish(plan, handle):  # the engine's: the runner's own finish also runs inside a plain speculative step
-        result = real_finish(plan, handle)
-        for rid, toks in result.emitted.items():
-            emitted.setdefault(rid, []).extend(toks)
-        for rid, tok in result.sampled.items():
-            if rid not in result.emitted:
-                emitted.setdefault(rid, []).append(tok)
-        if spec._pending is not None:  # on a CPU the kept drafts and their host copy are one tensor
-            out = spec._pending[0]
-            for rid, (col, n) in spec._columns.items():
-                done = len(emitted.get(rid, []))
-                drafts[(prompts[rid], done)] = out[:n, col].tolist()
-                if want is not None:
-                    d = [t if (done + j) % 5 != 4 else (t + 1) % 500
-                         for j, t in enumerate(want[prompts[rid]][done : done + n])]
-                    with torch.inference_mode():
-                        out[: len(d), col] = torch.tensor(d, dtype=out.dtype)
-        return result
-
-    spec.overlap.launch, runner.launch, llm.engine._finish = overlap_launch, step_launch, finish
-    return llm, drafts, launched
+    spec.overlap.launch, runner.launch = overlap_launch, step_launch
+    return llm, plant_drafts(llm, want, 500), launched
 
 
 def test_overlapped_step_gives_the_plain_steps_tokens_and_drafts(tmp_path):
