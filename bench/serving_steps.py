@@ -1,0 +1,71 @@
+"""``flashinfra serve`` (the built-in model) under ``bench serve`` at one concurrency, twice on the same server, with
+the engine's runtime events: per run the client's figures, and for the second run the engine's steps by make-up
+(mixed prefill + decode, prefill only, decode only: count, median and max time) and the gaps between steps. Extra
+arguments after ``--`` go to ``serve`` (e.g. ``--async-scheduling``). The first run shows what a fresh server
+pays once (kernels compiled, graphs met late), the second its steady state.
+
+usage: python bench/serving_steps.py --out bench/results/serving_steps.json [--concurrency 128] [-- SERVE_ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from serve_runs import bench, running, summary
+
+PORT = 8791
+INPUT_LEN, OUTPUT_LEN = 256, 128
+
+
+def _steps(events: list[dict]) -> dict:
+    """The step events' times by the step's make-up, and the gaps between consecutive steps."""
+    groups = {"mixed": [e for e in events if e["num_prefill_tokens"] and e["num_decode_tokens"]],
+              "prefill": [e for e in events if e["num_prefill_tokens"] and not e["num_decode_tokens"]],
+              "decode": [e for e in events if not e["num_prefill_tokens"]]}
+    out = {k: dict(count=len(v), median_ms=1e3 * statistics.median(e["duration_s"] for e in v),
+                   max_ms=1e3 * max(e["duration_s"] for e in v), total_s=sum(e["duration_s"] for e in v),
+                   median_reqs=statistics.median(e["num_reqs"] for e in v))
+           for k, v in groups.items() if v}
+    gaps = [b["start"] - a["end"] for a, b in zip(events, events[1:])]
+    out["gaps"] = dict(median_ms=1e3 * statistics.median(gaps), total_s=sum(gaps)) if gaps else {}
+    out["span_s"] = events[-1]["end"] - events[0]["start"] if events else 0.0
+    return out
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    serve_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    c, n = args.concurrency, max(4 * args.concurrency, 32)
+    log_dir = Path(tempfile.mkdtemp(prefix="serving-steps-"))
+    events = log_dir / "events.jsonl"
+    cmd = [sys.executable, "-m", "flashinfra", "serve", "--port", str(PORT), "--max-num-seqs", str(c),
+           "--events-path", str(events), *serve_args]
+    with running(cmd, PORT, log_dir / "serve.log", timeout_s=600.0, stop_timeout_s=60.0) as startup_s:
+        bench(PORT, 8, 32, INPUT_LEN, OUTPUT_LEN)  # untimed: the first requests of a fresh server
+        first = bench(PORT, c, n, INPUT_LEN, OUTPUT_LEN)
+        seen = sum(1 for _ in open(events))
+        second = bench(PORT, c, n, INPUT_LEN, OUTPUT_LEN)
+    steps = [e for i, line in enumerate(open(events)) if i >= seen and (e := json.loads(line))["kind"] == "step"]
+    result = dict(command=" ".join([sys.executable, *sys.argv]), serve=" ".join(cmd[1:]),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  concurrency=c, num_prompts=n, startup_s=startup_s, first_run=summary(first),
+                  second_run=summary(second), second_run_steps=_steps(steps))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
