@@ -23,6 +23,9 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    single-token MTP steps chain the rest (their cache entries beyond the committed length are
    overwritten later too).
 
+A verify step whose rows are all greedy and draft from graphs runs steps 2 and 3 on the device before the host
+reads a token (``engine/spec_overlap.py``); the host then files its tokens while the device folds and drafts.
+
 With CUDA graphs a verify step whose rows all decode replays a captured forward (``engine/cuda_graphs.py``), and
 so do the catch-up and the chain, as one graph (``engine/draft_graphs.py``), when every row's catch-up is at most
 ``k + 2`` entries (the previous step's last position and the ``k + 1`` it may commit); a longer catch-up (after a
