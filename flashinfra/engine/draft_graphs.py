@@ -45,31 +45,13 @@ def chain_steps(positions: list[int], tables: list[list[int]], num_tokens: int, 
     return [max(0, min(num_tokens - 1, len(t) * block_size - p)) for p, t in zip(positions, tables)]
 
 
-def chain_inputs(positions: list[int], tables: list[list[int]], steps: list[int], num_tokens: int,
-                 block_size: int, bs: int, scratch_entry: int) -> tuple[list[int], list[int]]:
-    """The cache slot and position of each row of a ``bs``-row chain at each of its ``k - 1`` steps, as flat
-    ``[k - 1, bs]`` lists: a row's own steps write its next positions; past them (a full table) it writes the
-    scratch slot at the last position its table holds, and a padding row writes it at position 1."""
-    slots, pos = [], []
-    for j in range(num_tokens - 1):
-        for r in range(bs):
-            if r >= len(positions):
-                slots.append(scratch_entry)
-                pos.append(1)
-                continue
-            table, cap = tables[r], len(tables[r]) * block_size
-            p = min(positions[r] + j, cap - 1)
-            own = j < steps[r]
-            slots.append(table[p // block_size] * block_size + p % block_size if own else scratch_entry)
-            pos.append(p)
-    return slots, pos
-
-
-def chain_inputs_device(positions: torch.Tensor, caps: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
-                        block_size: int, bs: int, scratch_entry: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chain_inputs`` from each row's next position on the device (``positions`` [n], known on the host only after
-    the step): ``caps`` [n] each row's table capacity in tokens, ``block_tables`` [>= n, w]; -> slots [k - 1, bs]
-    (int64) and positions [k - 1, bs] (int32)."""
+def chain_inputs(positions: torch.Tensor, caps: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+                 block_size: int, bs: int, scratch_entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot and position of each row of a ``bs``-row chain at each of its ``k - 1`` steps, ``[k - 1, bs]``
+    (int64, int32), computed where the rows' next positions are (``positions`` [n]; a step that accepts on the
+    device knows them only there): a row's own steps (``chain_steps``) write its next positions; past them (a full
+    table) it writes the scratch slot at the last position its table holds (``caps`` [n]: each row's table capacity
+    in tokens; ``block_tables`` [>= n, w]), and a padding row writes it at position 1."""
     n, dev = positions.shape[0], positions.device
     pos, caps = positions.long(), caps.long()
     steps = (caps - pos).clamp(min=0, max=num_tokens - 1)
@@ -106,37 +88,25 @@ class ChainBuffers:
         self.batches = [ForwardBatch(slot_mapping=self.slot_mapping[j], positions=self.positions[j],
                                      seq_lens_t=self.seq_lens[j], **shared) for j in range(steps)]
 
-    def fill(self, hidden: torch.Tensor | None, positions: list[int], tables: list[list[int]], steps: list[int],
+    def fill(self, hidden: torch.Tensor | None, positions: list[int] | torch.Tensor, tables: list[list[int]],
              staging: HostStaging) -> None:
         """Copy a chain in: ``hidden`` [n, D] the catch-up's last entry per row (None: the catch-up graph writes it),
-        ``positions`` each row's next, ``tables`` its block table, ``steps`` its chained steps (``chain_steps``)."""
-        n, w = len(positions), max(len(t) for t in tables)
-        s = self.spec
-        slots, pos = chain_inputs(positions, tables, steps, s.num_tokens, s.block_size, self.bs, self.scratch_entry)
-        shape = (s.num_tokens - 1, self.bs)
-        views = staging.upload([("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
-                                ("slot_mapping", torch.int64, slots, shape), ("positions", torch.int32, pos, shape)])
+        ``positions`` each row's next (on the host, or on the device where the step accepted there), ``tables`` its
+        block table; each step's slots and positions follow on the device (``chain_inputs``)."""
+        n, w, s = len(tables), max(len(t) for t in tables), self.spec
+        arrays = [("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
+                  ("caps", torch.int32, [len(t) * s.block_size for t in tables], (n,))]
+        if not isinstance(positions, torch.Tensor):
+            arrays.append(("next", torch.int64, positions, (n,)))
+        views = staging.upload(arrays)
         if hidden is not None:
             self.hidden[:n].copy_(hidden)
             self.hidden[n:] = 0
         self.block_tables[:n, :w].copy_(views["tables"])
         self.block_tables[:n, w:] = 0
         self.block_tables[n:] = self.scratch_block
-        self.slot_mapping.copy_(views["slot_mapping"])
-        self.positions.copy_(views["positions"])
-        torch.add(self.positions, 1, out=self.seq_lens)
-
-    def fill_from_device(self, positions: torch.Tensor, tables: list[list[int]], staging: HostStaging) -> None:
-        """``fill`` for a catch-up graph whose rows' next positions (``positions`` [n]) are known on the device only
-        (``chain_inputs_device``)."""
-        n, w, s = len(tables), max(len(t) for t in tables), self.spec
-        views = staging.upload([("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
-                                ("caps", torch.int32, [len(t) * s.block_size for t in tables], (n,))])
-        self.block_tables[:n, :w].copy_(views["tables"])
-        self.block_tables[:n, w:] = 0
-        self.block_tables[n:] = self.scratch_block
-        slots, pos = chain_inputs_device(positions, views["caps"], self.block_tables, s.num_tokens, s.block_size,
-                                         self.bs, self.scratch_entry)
+        slots, pos = chain_inputs(views["next"] if "next" in views else positions, views["caps"], self.block_tables,
+                                  s.num_tokens, s.block_size, self.bs, self.scratch_entry)
         self.slot_mapping.copy_(slots)
         self.positions.copy_(pos)
         torch.add(self.positions, 1, out=self.seq_lens)
@@ -172,22 +142,18 @@ class CatchupBuffers:
         self.chain = ChainBuffers(spec, bs, width, scratch_block, scratch_slot)
 
     def fill(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, positions: list[int] | torch.Tensor,
-             tables: list[list[int]], steps: list[int] | None, staging: HostStaging,
-             ends: torch.Tensor | None = None) -> None:
+             tables: list[list[int]], staging: HostStaging, ends: torch.Tensor | None = None) -> None:
         """Copy a catch-up in: ``ids`` / ``hidden`` its tokens and target hiddens in ``batch``'s packing (each row at
-        most ``k + 2`` entries), ``positions`` / ``tables`` / ``steps`` the chain's (``ChainBuffers.fill``). With
-        ``ends`` (each row's last real entry in ``batch``'s packing, on the device; the entries after it are the
-        row's rejected positions, causal to it and overwritten later), ``positions`` are on the device too."""
+        most ``k + 2`` entries), ``positions`` / ``tables`` the chain's (``ChainBuffers.fill``). ``ends``: each row's
+        last real entry in ``batch``'s packing, on the device (default: the row's last; the entries after it are the
+        row's rejected positions, causal to it and overwritten before they are read)."""
         at = self.step.fill(ids, batch)
         self.hidden.zero_()
         self.hidden[at] = hidden
         B = batch.num_seqs
         self.last[:B] = at[ends if ends is not None else batch.cu_seqlens[1:].long() - 1]
         self.last[B:] = torch.arange(B, self.bs, dtype=torch.long, device=self.last.device) * self.q
-        if ends is not None:
-            self.chain.fill_from_device(positions, tables, staging)
-        else:
-            self.chain.fill(None, positions, tables, steps, staging)
+        self.chain.fill(None, positions, tables, staging)
 
     def body(self) -> torch.Tensor:
         """-> the drafts [k, bs]: the catch-up's forward, each row's last entry into the chain, the chain."""
@@ -242,28 +208,27 @@ class DraftGraphs:
         """The (batch bucket, width bucket) of a draft over rows with these block tables."""
         return bucket(len(tables), self.batch_buckets), width_bucket(max(len(t) for t in tables))
 
-    def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]],
-            steps: list[int]) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """A chain graph replayed (captured on first use) -> its drafts [k, bs] on the device (``ChainBuffers.drafts``
-        reads row r's ``1 + steps[r]``)."""
+        reads row r's ``1 + chain_steps[r]``)."""
         key = self._key(tables)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, drafts = self.graphs[key]
-        buf.fill(hidden, positions, tables, steps, self.staging)
+        buf.fill(hidden, positions, tables, self.staging)
         graph.replay()
         return drafts
 
     def run_catchup(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                    positions: list[int] | torch.Tensor, tables: list[list[int]], steps: list[int] | None,
+                    positions: list[int] | torch.Tensor, tables: list[list[int]],
                     ends: torch.Tensor | None = None) -> torch.Tensor:
         """A catch-up graph replayed (``can_catch_up``; captured on first use) -> its drafts [k, bs] on the device
-        (``ends``: see ``CatchupBuffers.fill``)."""
+        (``CatchupBuffers.fill``)."""
         key = self._key(tables)
         if key not in self.catchups:
             self.catchups[key] = self._capture_catchup(*key)
         graph, buf, drafts = self.catchups[key]
-        buf.fill(ids, hidden, batch, positions, tables, steps, self.staging, ends)
+        buf.fill(ids, hidden, batch, positions, tables, self.staging, ends)
         graph.replay()
         return drafts
 

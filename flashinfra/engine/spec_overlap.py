@@ -12,7 +12,7 @@ host in between. When every row of a verify step is greedy (no penalties, logpro
   each fed position with the argmax after it as its token, which is the committed token wherever it counts). The
   entries past a row's ``m``-th are its rejected positions: causal to the real ones, so they change nothing, and
   overwritten by the chain or the next catch-up before anything reads them (``CatchupBuffers.fill``, ``ends``); the
-  chain starts from the ``m``-th, at position ``context + m`` (``chain_inputs_device``).
+  chain starts from the ``m``-th, at position ``context + m`` (``chain_inputs``, on the device).
 
 The argmax comes back in a copy whose event is recorded before the fold and the draft, so the host waits for the
 verify only, and files the step's tokens (``greedy_accept`` on the same argmax and drafts gives the device's ``m``)
@@ -104,7 +104,7 @@ class OverlappedStep:
         hid = torch.cat([hidden[:T], prev])[views["gather"]]
         batch = ForwardBatch.from_views(qlens, [c - 1 for c in ctxs], slots, tables, bsz, views)
         last = batch.cu_seqlens[:-1].long() + m  # each row's m-th entry
-        out = s.graphs.run_catchup(ids, hid, batch, views["ctxs"] + m, tables, None, ends=last)
+        out = s.graphs.run_catchup(ids, hid, batch, views["ctxs"] + m, tables, ends=last)
         s.keep_drafts(out)
         kept = hidden[views["starts"] + m - 1]  # each row's last committed position: the next catch-up's first
         s.hidden.update((sr.request_id, kept[b]) for b, sr in enumerate(sched))

@@ -319,7 +319,7 @@ class Speculator:
         if self.graphs is not None and self.graphs.can_catch_up(qlens):  # a row that stops drafts for nothing
             pos = [c + q for c, q in zip(ctxs, qlens)]
             steps = chain_steps(pos, tables, self.num_tokens, self.block_size)
-            out = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables, steps)
+            out = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables)
             self._read_back(out, [(sched[b].request_id if go else None, n) for (b, go), n in zip(rows, steps)])
             return
         out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
@@ -332,7 +332,7 @@ class Speculator:
         live_tables = [tables[i] for i in live]
         steps = chain_steps(pos, live_tables, self.num_tokens, self.block_size)
         if self.graphs is not None and self.num_tokens > 1 and self.graphs.can_run(len(live)):
-            out = self.graphs.run(h, pos, live_tables, steps)
+            out = self.graphs.run(h, pos, live_tables)
         else:
             out = self._chain(h, pos, [slots[i] for i in live], live_tables, steps)
         self._read_back(out, [(sched[rows[i][0]].request_id, n) for i, n in zip(live, steps)])

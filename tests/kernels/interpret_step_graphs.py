@@ -81,7 +81,7 @@ def test_chain_body_equals_the_eager_chain(setup):
     want = spec._chain(h, pos, [0, 1, 2], TABLES, steps)
     spec.mtp_cache = graph_cache = copy.deepcopy(start)
     buf = ChainBuffers(spec, 4, 16, SCRATCH_BLOCK, SCRATCH_SLOT)
-    buf.fill(h, pos, TABLES, steps, HostStaging("cpu"))
+    buf.fill(h, pos, TABLES, HostStaging("cpu"))
     got, want = buf.drafts(buf.chain(), steps), buf.drafts(want, steps)
     spec.mtp_cache = start
     assert got == want and [len(d) for d in got] == [3, 1, 2]
@@ -113,7 +113,7 @@ def test_catchup_body_equals_the_eager_catchup_and_chain(setup):
     want = spec._chain(last, pos, [0, 1, 2], TABLES, steps)
     spec.mtp_cache = graph_cache = copy.deepcopy(start)
     buf = CatchupBuffers(spec, 4, 16, SCRATCH_BLOCK, SCRATCH_SLOT)
-    buf.fill(ids, hidden, batch, pos, TABLES, steps, HostStaging("cpu"))
+    buf.fill(ids, hidden, batch, pos, TABLES, HostStaging("cpu"))
     got, want = ChainBuffers.drafts(buf.body(), steps), ChainBuffers.drafts(want, steps)
     spec.mtp_cache = start
     assert float((buf.chain.hidden[:3] - last).norm() / last.norm()) < 1e-5
