@@ -1,6 +1,7 @@
 """``flashinfra serve`` (the built-in model) under ``bench serve`` at one concurrency, twice on the same server, with
 the engine's runtime events: per run the client's figures, and for the second run the engine's steps by make-up
-(mixed prefill + decode, prefill only, decode only: count, median and max time) and the gaps between steps. Extra
+(mixed prefill + decode, prefill only, decode only: count, median and max time) and the gaps between steps, and
+every Triton compilation after start-up (``kernel_compile`` events: a specialisation the warm-up missed) by part. Extra
 arguments after ``--`` go to ``serve`` (e.g. ``--async-scheduling``). The first run shows what a fresh server
 pays once (kernels compiled, graphs met late), the second its steady state.
 
@@ -50,16 +51,24 @@ def main() -> None:
     events = log_dir / "events.jsonl"
     cmd = [sys.executable, "-m", "flashinfra", "serve", "--port", str(PORT), "--max-num-seqs", str(c),
            "--events-path", str(events), *serve_args]
+    marks = []  # event lines written before each part
     with running(cmd, PORT, log_dir / "serve.log", timeout_s=600.0, stop_timeout_s=60.0) as startup_s:
+        marks.append(sum(1 for _ in open(events)))
         bench(PORT, 8, 32, INPUT_LEN, OUTPUT_LEN)  # untimed: the first requests of a fresh server
+        marks.append(sum(1 for _ in open(events)))
         first = bench(PORT, c, n, INPUT_LEN, OUTPUT_LEN)
-        seen = sum(1 for _ in open(events))
+        marks.append(sum(1 for _ in open(events)))
         second = bench(PORT, c, n, INPUT_LEN, OUTPUT_LEN)
-    steps = [e for i, line in enumerate(open(events)) if i >= seen and (e := json.loads(line))["kind"] == "step"]
+    lines = [json.loads(line) for line in open(events)]
+    parts = dict(zip(("first_requests", "first_run", "second_run"), zip(marks, [*marks[1:], len(lines)])))
+    steps = [e for e in lines[marks[2]:] if e["kind"] == "step"]
+    compiles = {name: [dict(kernel=e["kernel"], spec=e["spec"], duration_s=e["duration_s"])
+                       for e in lines[a:b] if e["kind"] == "kernel_compile"] for name, (a, b) in parts.items()}
     result = dict(command=" ".join([sys.executable, *sys.argv]), serve=" ".join(cmd[1:]),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   concurrency=c, num_prompts=n, startup_s=startup_s, first_run=summary(first),
-                  second_run=summary(second), second_run_steps=_steps(steps))
+                  second_run=summary(second), second_run_steps=_steps(steps),
+                  kernel_compiles_after_startup=compiles)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

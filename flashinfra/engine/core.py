@@ -23,6 +23,7 @@ from flashinfra.engine.sched.plan import Plan, StepResult
 from flashinfra.engine.sched.request import Request
 from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN
 from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
+from flashinfra.feedback.compiles import CompileWatch
 
 logger = logging.getLogger("flashinfra.engine")
 
@@ -100,6 +101,8 @@ class EngineCore:
 
             self.warmup = warm_up(self.runner, config.max_num_seqs, max_model_len, _prefill_budget(config),
                                   num_blocks)
+        # every Triton compilation from here on is a specialisation the warm-up missed: a ``kernel_compile`` event
+        self.compiles = CompileWatch(self.events).start() if model.device.type == "cuda" else None
         self._pending: list[RequestOutput] = []
         self._inflight: tuple[Plan, StepHandle | StepResult] | None = None  # launched, its result not applied
         self._last_step_s = 0.0
@@ -177,9 +180,11 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     def close(self) -> None:
-        """Stop what the engine runs beside its steps (the GIL probe)."""
+        """Stop what the engine runs beside its steps (the GIL probe, the compile watch)."""
         if self.gil_probe is not None:
             self.gil_probe.stop()
+        if self.compiles is not None:
+            self.compiles.stop()
         if self.disagg is not None:
             self.disagg.close()
 

@@ -33,6 +33,7 @@ from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
+from flashinfra.engine.penalties import PenaltyRows, PenaltyStep
 from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch, sampling_columns
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
@@ -100,6 +101,7 @@ class ModelRunner:
                                     verify_q=speculative_tokens + 1) if graphs else None)
         self.staging = HostStaging(self.device)  # every step's integer inputs, one copy to the device
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties = PenaltyRows(model.config.text.vocab_size, self.device)
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
         # None unless the vision tower is loaded or an encode engine (``remote_encoder``) makes the embeddings
@@ -153,6 +155,7 @@ class ModelRunner:
         spec = self.speculator
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
+        self.penalties.release((*plan.finished_ids, *plan.preempted_ids))
         if self.grammars is not None:
             self.grammars.release(plan.finished_ids)
         if spec is not None:
@@ -168,7 +171,8 @@ class ModelRunner:
             feeds, replay, fill = spec.feeds(sched)
         else:
             feeds, replay, fill = [sr.token_ids for sr in sched], (), self._placeholders(sched, prev)
-        batch, inputs = self._upload(sched, feeds, fill)
+        # penalties from the counts on the device, except where ``sample`` or the speculator samples on the host
+        batch, inputs = self._upload(sched, feeds, fill, penalties=grammar is None and spec is None)
         if replay:
             batch = dataclasses.replace(batch, replay=replay)
         inside = tuple((b, pos - sr.context_len, slot) for b, sr in enumerate(sched) for pos, slot in sr.save_states
@@ -206,10 +210,12 @@ class ModelRunner:
                 if sr.token_ids[-1] == PLACEHOLDER_TOKEN]
         return (prev.sampled.tokens, fill) if fill else None
 
-    def _upload(self, sched, feeds, fill: Fill | None) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
-        """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies), all
-        copied to the device in one packed copy; then the tokens still on the device (``fill``: a source and
-        ``(position, index)`` pairs) gathered into the token ids."""
+    def _upload(self, sched, feeds, fill: Fill | None,
+                penalties: bool = False) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """The step's ``ForwardBatch`` and its other integer inputs (token ids, rows to sample, state copies, sampling
+        parameters and, with ``penalties``, the ``PenaltyRows`` columns), all copied to the device in one packed copy;
+        then the tokens still on the device (``fill``: a source and ``(position, index)`` pairs) gathered into the
+        token ids."""
         qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
         slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
         arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
@@ -230,6 +236,8 @@ class ModelRunner:
         arrays += [("fill_pos", i64, [p for p, _ in pairs], (len(pairs),)),
                    ("fill_rows", i64, [r for _, r in pairs], (len(pairs),))]
         arrays += sampling_columns([sr.sampling for sr in sched if sr.sample])
+        if penalties:
+            arrays += self.penalties.columns([sr for sr in sched if sr.sample])
         views = self.staging.upload(arrays)
         if pairs:
             views["input_ids"][views["fill_pos"]] = fill[0][views["fill_rows"]]
@@ -273,9 +281,9 @@ class ModelRunner:
     def _sample(self, picks, hidden, result: StepResult, grammar,
                 columns: dict[str, torch.Tensor] | None = None) -> StepHandle:
         """Sample the ``picks`` (request, row) from ``hidden`` [len(picks), D], their rows' hidden states: on the
-        device, unless a row has a grammar or penalties (``sample``, which reads its tokens back at once to retry
-        failing rows alone). ``grammar``: the picks' ``GrammarMask`` (being filled) or None; ``columns``: the
-        picks' ``sampling_columns``, already on the device."""
+        device, unless a row has a grammar or its penalties are not in ``columns`` (then ``sample``, which reads its
+        tokens back at once to retry failing rows alone). ``grammar``: the picks' ``GrammarMask`` (being filled) or
+        None; ``columns``: the picks' ``sampling_columns`` and ``PenaltyRows`` columns, already on the device."""
         handle = StepHandle(result, picks)
         if not picks:
             return handle
@@ -289,8 +297,9 @@ class ModelRunner:
             )
             for sr, _ in picks
         ]
-        if grammar is None and not any(sr.sampling.has_penalties for sr, _ in picks):
-            handle.sampled = sample_batch(logits, rows, columns=columns).start_copy()
+        penalties = None if columns is None else PenaltyStep.of(self.penalties, columns)
+        if grammar is None and (penalties is not None or not any(sr.sampling.has_penalties for sr, _ in picks)):
+            handle.sampled = sample_batch(logits, rows, columns=columns, penalties=penalties).start_copy()
             handle.rows = {sr.request_id: i for i, (sr, _) in enumerate(picks)}
             return handle
         self._record(picks, *sample(logits, rows, grammar), result)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashinfra.engine.penalties import PenaltyStep, penalize
 from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
 from flashinfra.model.staging import Array, HostStaging
 
@@ -43,8 +44,8 @@ def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Penalize ``logits`` [N, V] in place for the rows that ask for it (all such rows at once); returns
-    ``logits``."""
+    """Penalize ``logits`` [N, V] in place for the rows that ask for it (all such rows at once), from their token
+    lists; returns ``logits``. (The runner's steps keep the counts on the device instead: ``engine/penalties.py``.)"""
     N, V = logits.shape
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
@@ -55,23 +56,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             raise ValueError(f"token ids must lie in [0, {V}) for penalties")
     # column V is the padding sink, dropped after the scatter
     out = _padded([r.output_token_ids for r in sel], V, dev)
-    counts = torch.zeros(len(sel), V + 1, dtype=logits.dtype, device=dev)
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=logits.dtype))
-    counts = counts[:, :V]
-    seen = torch.zeros(len(sel), V + 1, dtype=torch.bool, device=dev)
-    seen.scatter_(1, _padded([r.prompt_token_ids for r in sel], V, dev), True)
-    seen = seen[:, :V] | (counts > 0)
+    counts = torch.zeros(len(sel), V + 1, dtype=torch.int32, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
+    prompt = torch.zeros(len(sel), V + 1, dtype=torch.bool, device=dev)
+    prompt.scatter_(1, _padded([r.prompt_token_ids for r in sel], V, dev), True)
 
     def col(values):
         return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
 
-    rep = col([r.params.repetition_penalty for r in sel])
-    freq = col([r.params.frequency_penalty for r in sel])
-    pres = col([r.params.presence_penalty for r in sel])
     rows_t = torch.tensor(idx, dtype=torch.long, device=dev)
-    x = logits[rows_t]
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - freq * counts - pres * (counts > 0).to(logits.dtype)
+    x = penalize(logits[rows_t], prompt[:, :V], counts[:, :V], col([r.params.repetition_penalty for r in sel]),
+                 col([r.params.frequency_penalty for r in sel]), col([r.params.presence_penalty for r in sel]))
     logits[rows_t] = x
     return logits
 
@@ -185,11 +180,16 @@ class DeviceSample:
 
 
 def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, batch_rows: list[int] | None = None,
-                 columns: dict[str, torch.Tensor] | None = None) -> DeviceSample:
+                 columns: dict[str, torch.Tensor] | None = None, penalties: PenaltyStep | None = None) -> DeviceSample:
     """Sample every row of ``logits`` [N, V] in one pass, without waiting for the device. ``columns``: the device
-    views of ``sampling_columns`` of these rows (default: copied here, in one copy)."""
+    views of ``sampling_columns`` of these rows (default: copied here, in one copy); ``penalties``: the step's
+    penalized rows from counts on the device, which count the sampled tokens too (default: from the rows' lists)."""
     raw = logits
-    x = apply_penalties(logits.float().clone(), rows)
+    x = logits.float().clone()
+    if penalties is not None:
+        penalties.apply(x)
+    else:
+        apply_penalties(x, rows)
     if grammar is not None:
         grammar.apply(x, batch_rows)
     tokens = torch.argmax(x, dim=-1)
@@ -203,6 +203,8 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, ba
         if any(g is None for g in generators):
             raise ValueError("a non-greedy row needs a generator")
         tokens[idx] = _draw(probs, generators)
+    if penalties is not None:
+        penalties.count(tokens)
     lp = _logprob_tensors(raw, tokens, rows, None if columns is None else columns["logprob_rows"])
     return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), lp, rows)
 

@@ -99,6 +99,15 @@ def summarize(source: str | os.PathLike | list[dict[str, Any]], windows: int = 1
     stalls = [_num(e, "duration_s") for e in events if e["kind"] == "gil_stall"]
     if stalls:
         out["gil_stalls"] = _pct(stalls)
+    compiles = [e for e in events if e["kind"] == "kernel_compile"]
+    if compiles:
+        by_kernel: dict[str, dict[str, float]] = {}
+        for e in compiles:
+            k = by_kernel.setdefault(str(e.get("kernel")), {"count": 0, "seconds": 0.0})
+            k["count"] += 1
+            k["seconds"] += _num(e, "duration_s")
+        out["kernel_compiles"] = {"count": len(compiles), "seconds": sum(k["seconds"] for k in by_kernel.values()),
+                                  "by_kernel": by_kernel}
     out["timeline"] = _timeline(events, t0, wall, windows)
     return out
 
@@ -165,6 +174,11 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append(f"transfers: {t['count']}, {t['bytes'] / 1e6:.1f} MB, {bw}{ov}; {_ms(t['duration_s'])}")
     if "gil_stalls" in s:
         lines.append(f"GIL stalls: {_ms(s['gil_stalls'])}, total {s['gil_stalls']['total'] * 1e3:.1f} ms")
+    if "kernel_compiles" in s:
+        c = s["kernel_compiles"]
+        worst = sorted(c["by_kernel"].items(), key=lambda kv: -kv[1]["seconds"])[:5]
+        lines.append(f"kernel compilations after start-up: {c['count']}, {c['seconds']:.2f} s; "
+                     + ", ".join(f"{name} {k['count']} ({k['seconds']:.2f} s)" for name, k in worst))
     for kind, stats in sorted(s["spans"].items()):
         if kind not in ("step", "transfer"):
             lines.append(f"span {kind}: {_ms(stats)}")

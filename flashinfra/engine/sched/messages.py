@@ -53,7 +53,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def has_penalties(self) -> bool:
-        """Repetition, frequency or presence penalties: sampling reads the request's tokens on the host."""
+        """Repetition, frequency or presence penalties: sampling reads the counts of the request's tokens."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self, max_model_len: int) -> None:

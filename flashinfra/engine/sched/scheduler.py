@@ -137,11 +137,10 @@ class Scheduler:
     def can_schedule_ahead(self, prev: Plan) -> bool:
         """Whether the next step may be scheduled before ``prev``'s result is known. Not after a preemption or a
         prefix checkpoint (its prefix is registered with the result), nor while a row sampled in ``prev`` has a
-        grammar (its mask needs the token) or penalties (they count the tokens on the host)."""
+        grammar (its mask needs the token). (Penalties count the tokens on the device: ``engine/penalties.py``.)"""
         return (self.config.async_scheduling and self.has_unfinished() and not prev.preempted_ids
                 and not any(sr.save_states for sr in prev.scheduled)
-                and not any(sr.sample and (sr.sampling.grammar is not None or sr.sampling.has_penalties)
-                            for sr in prev.scheduled))
+                and not any(sr.sample and sr.sampling.grammar is not None for sr in prev.scheduled))
 
     def schedule(self, ahead: bool = False) -> Plan | None:
         """The next step. With asynchronous scheduling every sampled row counts a placeholder output token until

@@ -1,0 +1,58 @@
+"""Triton compilations after start-up, as runtime events: which kernel, at which specialisation, and how long.
+
+A Triton kernel compiles once per specialisation of its arguments (dtypes, 16-byte alignment, an integer's
+divisibility by 16 or equality to 1, the constexprs); the engine's warm-up (``engine/warmup.py``) runs the shapes it
+can foresee, and any specialisation it missed compiles in the middle of serving, where a step then takes tens to
+hundreds of milliseconds instead of a few. ``CompileWatch`` installs Triton's JIT hooks (chaining any already
+installed) and emits one ``kernel_compile`` event per compilation: ``kernel``, ``spec`` (Triton's description of
+the specialisation) and ``duration_s`` (from the lookup that missed to the compiled kernel; a kernel found in
+Triton's on-disk cache takes milliseconds, a fresh one seconds). ``count`` and ``seconds`` total them. Launches
+through ``kernels/launch.py`` reach Triton's compiler the same way, on their first call per specialisation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class CompileWatch:
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self.count, self.seconds = 0, 0.0
+        self._started: dict[Any, float] = {}
+        self._lock = threading.Lock()
+        self._saved: tuple | None = None
+
+    def start(self) -> "CompileWatch":
+        import triton
+
+        runtime = triton.knobs.runtime
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        self._saved = (before, after)
+
+        def on_miss(**kw):
+            self._started[kw["key"]] = time.perf_counter()
+            return before(**kw) if before is not None else False
+
+        def on_compiled(**kw):
+            t0 = self._started.pop(kw["key"], None)
+            duration = time.perf_counter() - t0 if t0 is not None else 0.0
+            with self._lock:
+                self.count += 1
+                self.seconds += duration
+            fn = kw.get("fn")
+            self.events.emit("kernel_compile", kernel=getattr(fn, "name", str(fn)), spec=str(kw.get("repr", "")),
+                             duration_s=duration)
+            return after(**kw) if after is not None else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled
+        return self
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            import triton
+
+            triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = self._saved
+            self._saved = None

@@ -1,0 +1,65 @@
+"""``CompileWatch``: one ``kernel_compile`` event per Triton compilation, with the hooks installed before it still
+called and put back on stop; on a GPU, a kernel met at a new specialisation after the watch starts is reported
+and one met again is not; and the events summary totals them by kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashinfra.feedback.compiles import CompileWatch
+from flashinfra.feedback.events import EventLog, read_events
+from flashinfra.feedback.events_summary import format_text, summarize
+
+
+class Info:
+    name = "some_kernel"
+
+
+def test_each_compilation_is_one_event_and_earlier_hooks_still_run(tmp_path, monkeypatch):
+    runtime = triton.knobs.runtime
+    calls = []
+    monkeypatch.setattr(runtime, "jit_cache_hook", lambda **kw: calls.append(("miss", kw["key"])) or False)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda **kw: calls.append(("done", kw["key"])))
+    before = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    log = EventLog(tmp_path / "events.jsonl")
+    watch = CompileWatch(log).start()
+    for key in ("a", "b"):
+        assert runtime.jit_cache_hook(key=key, repr=f"some_kernel[{key}]", fn=Info()) is False  # Triton compiles on
+        runtime.jit_post_compile_hook(key=key, repr=f"some_kernel[{key}]", fn=Info())
+    watch.stop()
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == before
+    assert calls == [("miss", "a"), ("done", "a"), ("miss", "b"), ("done", "b")]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e["kernel"], e["spec"]) for e in events] == [("some_kernel", "some_kernel[a]"),
+                                                          ("some_kernel", "some_kernel[b]")]
+    assert watch.count == 2 and all(e["duration_s"] >= 0 for e in events)
+    s = summarize(events)
+    assert s["kernel_compiles"]["by_kernel"]["some_kernel"]["count"] == 2
+    assert "kernel compilations after start-up: 2" in format_text(s)
+
+
+@triton.jit
+def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_new_specialisation_on_the_gpu_is_reported(tmp_path):
+    x = torch.zeros(64, device="cuda")
+    _add_one[(1,)](x, 64, BLOCK=64)  # n % 16 == 0: compiled before the watch
+    log = EventLog(tmp_path / "events.jsonl")
+    watch = CompileWatch(log).start()
+    try:
+        _add_one[(1,)](x, 64, BLOCK=64)  # met before: no compilation
+        _add_one[(1,)](x, 63, BLOCK=64)  # n % 16 != 0: a new specialisation
+    finally:
+        watch.stop()
+    torch.cuda.synchronize()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["kernel"].rsplit(".", 1)[-1] for e in events] == ["_add_one"]
+    assert x[:63].eq(3).all() and x[63].item() == 2
