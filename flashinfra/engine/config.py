@@ -159,10 +159,11 @@ class EngineConfig(LoadConfig):
         True, "capture every decode CUDA graph and compile the prefill kernels at start-up, so no step while "
               "serving waits for them (off: each is made when first needed)")
     seed: int = option(0, "seeds the sampling of requests that give no seed of their own")
-    async_scheduling: bool = option(
-        False, "schedule and prepare the next step while the device runs this one (its decode rows' input token "
-               "taken on the device from this step's samples); steps with a grammar, penalties, a preemption or a "
-               "prefix checkpoint run synchronously, as do speculative decoding and disaggregated roles")
+    async_scheduling: bool | None = option(
+        None, "schedule and prepare the next step while the device runs this one (its decode rows' input token "
+              "taken on the device from this step's samples); steps with a grammar, a preemption or a prefix "
+              "checkpoint run synchronously, as do speculative decoding and disaggregated roles (default: on "
+              "with a GPU; off on a CPU, where launching a step computes it, so nothing overlaps)")
     speculative_tokens: int = option(
         0, "draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (0: off)",
         min=0)
@@ -290,9 +291,10 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             raise TypeError(f"{cls.__name__}.{f.name} has no metadata['help']: every setting is documented")
         kind = _scalar_type(cls, f.name)
         text = f.metadata["help"].replace("%", "%%")
-        if kind is bool:  # --flag / --no-flag
+        if kind is bool:  # --flag / --no-flag (a None default is explained by the help text itself)
             parser.add_argument(flag_name(f.name), default=f.default, dest=f.name,
-                                action=argparse.BooleanOptionalAction, help=text + " (default: %(default)s)")
+                                action=argparse.BooleanOptionalAction,
+                                help=text + (" (default: %(default)s)" if f.default is not None else ""))
             continue
         if f.default is not None:  # a None default is explained by the help text itself
             text += " (default: %(default)s)"

@@ -100,7 +100,7 @@ class EngineCore:
             from flashinfra.engine.warmup import warm_up
 
             self.warmup = warm_up(self.runner, config.max_num_seqs, max_model_len, _prefill_budget(config),
-                                  num_blocks)
+                                  num_blocks, checkpoint_slot=config.max_num_seqs if prefix_slots else None)
         # every Triton compilation from here on is a specialisation the warm-up missed: a ``kernel_compile`` event
         self.compiles = CompileWatch(self.events).start() if model.device.type == "cuda" else None
         self._pending: list[RequestOutput] = []

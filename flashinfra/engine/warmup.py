@@ -8,8 +8,8 @@ token budget (``prefill_shapes``), so kernels compile here and not in the middle
 decoding the same (batch, width) pairs are captured again for the verify steps (``k + 1`` tokens per row, every
 row padded to that) and for the MTP layer's draft, its catch-up and chained steps (``engine/draft_graphs.py``).
 
-The prefill passes write into the first cache blocks and KDA slots, which is harmless before any request
-exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
+The prefill passes write into the first cache blocks and KDA slots (and, with prefix caching, the first
+checkpoint slot), which is harmless before any request exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
 they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
 once. What it leaves out: the vision tower and the MTP layer's catch-up after a prompt (an eager forward of the
 prompt's tokens) warm up on first use.
@@ -17,6 +17,7 @@ prompt's tokens) warm up on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -78,6 +79,17 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
     return shapes
 
 
+def _passes(shapes: list[list[int]], checkpoint_slot: int | None):
+    """Each shape without prefix checkpoints, then (with ``checkpoint_slot``) with one halfway through its first
+    prompt, as a step crossing a checkpoint position has it (``ForwardBatch.checkpoints``)."""
+    for query_lens in shapes:
+        yield query_lens, ()
+    if checkpoint_slot is not None:
+        for query_lens in shapes:
+            if query_lens[0] > 1:
+                yield query_lens, ((0, query_lens[0] // 2, checkpoint_slot),)
+
+
 def _prefill_batch(query_lens: list[int], block_size: int, device) -> ForwardBatch:
     """Prompts start at context 0; decode rows have one token in the cache. Blocks are handed out in order."""
     context_lens = [0 if q > 1 else 1 for q in query_lens]
@@ -104,9 +116,11 @@ def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: in
     return captured
 
 
-def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int) -> WarmupReport | None:
+def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int,
+            checkpoint_slot: int | None = None) -> WarmupReport | None:
     """Capture the decode (and verify and draft) graphs and compile the prefill kernels of this configuration
-    (CUDA only)."""
+    (CUDA only). ``checkpoint_slot``: a prefix checkpoint slot (prefix caching on), so that each prefill shape runs a
+    second time with a checkpoint inside its first prompt: the kernels that write one compile other variants."""
     device = runner.device
     if device.type != "cuda":
         return None
@@ -118,8 +132,8 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
     model = runner.model
     # in the runner's mode: a graph captured here is what its decode steps replay (deterministic kernels or not)
     with torch.inference_mode(), deterministic(runner.deterministic):
-        for query_lens in shapes:
-            batch = _prefill_batch(query_lens, runner.block_size, device)
+        for query_lens, inside in _passes(shapes, checkpoint_slot):
+            batch = dataclasses.replace(_prefill_batch(query_lens, runner.block_size, device), checkpoints=inside)
             input_ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
             hidden = model.forward(input_ids, batch, runner.cache)
             last = torch.tensor(batch.last_token_indices, dtype=torch.long, device=device)

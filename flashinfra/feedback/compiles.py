@@ -4,8 +4,8 @@ A Triton kernel compiles once per specialisation of its arguments (dtypes, 16-by
 divisibility by 16 or equality to 1, the constexprs); the engine's warm-up (``engine/warmup.py``) runs the shapes it
 can foresee, and any specialisation it missed compiles in the middle of serving, where a step then takes tens to
 hundreds of milliseconds instead of a few. ``CompileWatch`` installs Triton's JIT hooks (chaining any already
-installed) and emits one ``kernel_compile`` event per compilation: ``kernel``, ``spec`` (Triton's description of
-the specialisation) and ``duration_s`` (from the lookup that missed to the compiled kernel; a kernel found in
+installed) and emits one ``kernel_compile`` event per compilation: ``kernel``, ``spec`` (the launch options, the
+constexpr values, integers equal to 1 among them, and the arguments specialised as divisible by 16) and ``duration_s`` (from the lookup that missed to the compiled kernel; a kernel found in
 Triton's on-disk cache takes milliseconds, a fresh one seconds). ``count`` and ``seconds`` total them. Launches
 through ``kernels/launch.py`` reach Triton's compiler the same way, on their first call per specialisation.
 """
@@ -43,7 +43,7 @@ class CompileWatch:
                 self.count += 1
                 self.seconds += duration
             fn = kw.get("fn")
-            self.events.emit("kernel_compile", kernel=getattr(fn, "name", str(fn)), spec=str(kw.get("repr", "")),
+            self.events.emit("kernel_compile", kernel=getattr(fn, "name", str(fn)), spec=describe(kw),
                              duration_s=duration)
             return after(**kw) if after is not None else None
 
@@ -56,3 +56,19 @@ class CompileWatch:
 
             triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = self._saved
             self._saved = None
+
+
+def describe(kw: dict) -> str:
+    """The specialisation a JIT hook's arguments name: the launch options, the constexprs (by name) and the
+    arguments Triton takes as divisible by 16."""
+    head = str(kw.get("repr", "")).split("(", 1)[0]
+    compiled = kw.get("compile") or {}
+    names = list(compiled.get("signature") or ())
+
+    def name(path) -> str:
+        return names[path[0]] if isinstance(path, tuple) and path and path[0] < len(names) else str(path)
+
+    constants = {name(p): v for p, v in (compiled.get("constants") or {}).items()}
+    attrs = (compiled.get("configs") or [{}])[0] or {}
+    div16 = sorted(name(p) for p, a in attrs.items() if "divisibility" in str(a))
+    return f"{head} constexprs {constants} divisible by 16 {div16}"

@@ -126,8 +126,13 @@ def test_scheduler_config_is_derived_without_defaults_of_its_own():
                                     async_scheduling=False)
     default = SchedulerConfig.from_engine(EngineConfig(), max_model_len=300)
     for f in fields:
-        if f.name != "max_model_len":
+        if f.name not in ("max_model_len", "async_scheduling"):
             assert getattr(default, f.name) == getattr(EngineConfig(), f.name), f.name
+    # asynchronous scheduling: by default where a GPU runs the steps, or as asked
+    for device, asked, ahead in (("cpu", None, False), ("cuda", None, True), ("cpu", True, True),
+                                 ("cuda", False, False)):
+        cfg = EngineConfig(device=device, async_scheduling=asked)
+        assert SchedulerConfig.from_engine(cfg, max_model_len=300).async_scheduling is ahead
 
 
 def test_every_engine_setting_is_used():

@@ -113,7 +113,9 @@ def test_generation_equals_penalties_from_the_lists(ckpt, monkeypatch, engine):
     with monkeypatch.context() as m:  # the lists' path is synchronous: a host-sampled step cannot be run ahead of
         from_lists(m)
         want = flashinfra.LLM(ckpt, **{**args, "async_scheduling": False}).generate(prompts, params)
-    assert_same(got, want)
+    # on a GPU a row's float32 logits move with the batch beside it by more than on a CPU (TF32 matmuls), and the
+    # asynchronous engine batches differently
+    assert_same(got, want, logprob_abs=1e-4 if llm.engine.model.device.type == "cpu" else 3e-2)
     llm.generate([[1, 2]], SamplingParams(max_tokens=1))  # its step frees the rows of the requests done before it
     assert not llm.engine.runner.penalties.held
     if engine.get("num_blocks") == 24:

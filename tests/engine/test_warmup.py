@@ -6,7 +6,7 @@ import random
 import pytest
 
 from flashinfra.engine.cuda_graphs import BATCH_BUCKETS, FIRST_WIDTH, bucket, graph_keys, width_bucket
-from flashinfra.engine.warmup import _prefill_batch, prefill_shapes, warm_up
+from flashinfra.engine.warmup import _passes, _prefill_batch, prefill_shapes, warm_up
 
 
 def test_width_bucket_rounds_up_in_coarse_steps():
@@ -65,3 +65,14 @@ def test_warm_up_is_a_no_op_on_the_cpu(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "tiny", seed=4, tokenizer=False)
     runner = ModelRunner(load_model(path), num_blocks=8, block_size=16, num_slots=2)
     assert warm_up(runner, max_num_seqs=2, max_model_len=128, budget=64, num_blocks=8) is None
+
+
+def test_with_prefix_caching_every_prompt_shape_also_runs_with_a_checkpoint_inside():
+    shapes = prefill_shapes(2048, 4096, 64, 16, 14632)
+    assert [(q, c) for q, c in _passes(shapes, None)] == [(q, ()) for q in shapes]
+    passes = list(_passes(shapes, 70))
+    assert passes[: len(shapes)] == [(q, ()) for q in shapes]
+    inside = passes[len(shapes):]
+    assert [q for q, _ in inside] == [q for q in shapes if q[0] > 1]
+    for query_lens, ckpts in inside:
+        assert len(ckpts) == 1 and ckpts[0][0] == 0 and 0 < ckpts[0][1] < query_lens[0] and ckpts[0][2] == 70

@@ -28,7 +28,10 @@ class SchedulerConfig:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         one_rank = config.tensor_parallel_size == config.expert_parallel_size == config.context_parallel_size == 1
-        ahead = config.async_scheduling and not config.speculative_tokens and config.role == "both" and one_rank
+        wanted = config.async_scheduling
+        if wanted is None:  # on where a launched step runs on a GPU while the host goes on (a resolved device)
+            wanted = config.device.startswith("cuda")
+        ahead = wanted and not config.speculative_tokens and config.role == "both" and one_rank
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)
                       if f.name not in ("max_model_len", "async_scheduling")},
                    max_model_len=max_model_len, async_scheduling=ahead)
