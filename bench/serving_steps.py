@@ -62,12 +62,14 @@ def main() -> None:
     lines = [json.loads(line) for line in open(events)]
     parts = dict(zip(("first_requests", "first_run", "second_run"), zip(marks, [*marks[1:], len(lines)])))
     steps = [e for e in lines[marks[2]:] if e["kind"] == "step"]
+    startup = [e for e in lines[: marks[0]] if e["kind"] == "kernel_compile"]
     compiles = {name: [dict(kernel=e["kernel"], spec=e["spec"], duration_s=e["duration_s"])
-                       for e in lines[a:b] if e["kind"] == "kernel_compile"] for name, (a, b) in parts.items()}
+                       for e in lines[a:b] if e["kind"] == "kernel_compile" and e.get("phase") == "serving"] for name, (a, b) in parts.items()}
     result = dict(command=" ".join([sys.executable, *sys.argv]), serve=" ".join(cmd[1:]),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   concurrency=c, num_prompts=n, startup_s=startup_s, first_run=summary(first),
                   second_run=summary(second), second_run_steps=_steps(steps),
+                  kernel_compiles_at_startup=dict(count=len(startup), seconds=sum(e["duration_s"] for e in startup)),
                   kernel_compiles_after_startup=compiles)
     text = json.dumps(result, indent=1)
     print(text)

@@ -95,14 +95,16 @@ class EngineCore:
             from flashinfra.disagg.roles import make_role
 
             self.disagg = make_role(self, config)
+        # every Triton compilation is a ``kernel_compile`` event; those after the warm-up are specialisations it missed
+        self.compiles = CompileWatch(self.events).start() if model.device.type == "cuda" else None
         self.warmup = None
         if config.startup_warmup:
             from flashinfra.engine.warmup import warm_up
 
             self.warmup = warm_up(self.runner, config.max_num_seqs, max_model_len, _prefill_budget(config),
                                   num_blocks, checkpoint_slot=config.max_num_seqs if prefix_slots else None)
-        # every Triton compilation from here on is a specialisation the warm-up missed: a ``kernel_compile`` event
-        self.compiles = CompileWatch(self.events).start() if model.device.type == "cuda" else None
+        if self.compiles is not None:
+            self.compiles.phase = "serving"
         self._pending: list[RequestOutput] = []
         self._inflight: tuple[Plan, StepHandle | StepResult] | None = None  # launched, its result not applied
         self._last_step_s = 0.0

@@ -20,6 +20,7 @@ from typing import Any
 class CompileWatch:
     def __init__(self, events: Any) -> None:
         self.events = events
+        self.phase = "start-up"  # the owner names the phase the next compilations belong to
         self.count, self.seconds = 0, 0.0
         self._started: dict[Any, float] = {}
         self._lock = threading.Lock()
@@ -44,7 +45,7 @@ class CompileWatch:
                 self.seconds += duration
             fn = kw.get("fn")
             self.events.emit("kernel_compile", kernel=getattr(fn, "name", str(fn)), spec=describe(kw),
-                             duration_s=duration)
+                             duration_s=duration, phase=self.phase)
             return after(**kw) if after is not None else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled

@@ -18,8 +18,8 @@ Kinds the engine emits (``summarize`` understands them; any other kind is counte
 - ``cache``: ``used_blocks``, ``total_blocks``, ``used_slots``, ``total_slots``
 - ``transfer`` span: ``request_id``, ``bytes``, ``src``, ``dst``
 - ``gil_stall``: ``duration_s``, ``thread_stacks`` (from ``flashinfra.feedback.gil_probe``)
-- ``kernel_compile``: ``kernel``, ``spec``, ``duration_s`` (a Triton compilation after start-up, from
-  ``flashinfra.feedback.compiles``)
+- ``kernel_compile``: ``kernel``, ``spec``, ``phase``, ``duration_s`` (a Triton compilation, at start-up or while
+  serving, from ``flashinfra.feedback.compiles``)
 
 Prometheus (``prometheus=True``): ``flashinfra_events_total{kind}``, ``flashinfra_span_seconds{kind}``
 (histogram) and ``flashinfra_event_field_total{kind,field}`` summing the numeric fields in

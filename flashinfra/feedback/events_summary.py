@@ -99,7 +99,7 @@ def summarize(source: str | os.PathLike | list[dict[str, Any]], windows: int = 1
     stalls = [_num(e, "duration_s") for e in events if e["kind"] == "gil_stall"]
     if stalls:
         out["gil_stalls"] = _pct(stalls)
-    compiles = [e for e in events if e["kind"] == "kernel_compile"]
+    compiles = [e for e in events if e["kind"] == "kernel_compile" and e.get("phase", "serving") == "serving"]
     if compiles:
         by_kernel: dict[str, dict[str, float]] = {}
         for e in compiles:

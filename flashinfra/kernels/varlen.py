@@ -50,6 +50,16 @@ def _stream_key(device: torch.device) -> int:
     return driver.active.get_current_stream(torch.cuda.current_device() if device.index is None else device.index)
 
 
+# Every tensor made here starts at a multiple of 16 bytes (4 int32) of its copy: Triton specialises a pointer argument
+# on its 16-byte alignment, so views at offsets that depend on the batch's sizes would compile other variants of a
+# kernel for other batches, in the middle of serving.
+_ALIGN = 4
+
+
+def _padded(values: list[int]) -> list[int]:
+    return values + [0] * (-len(values) % _ALIGN)
+
+
 @functools.lru_cache(maxsize=64)
 def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
     pairs, offsets = [], []
@@ -57,15 +67,18 @@ def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
         offsets.append(len(pairs) // 2)
         for i in range(triton.cdiv(cu[n + 1] - cu[n], chunk)):
             pairs += (n, i)
-    both = device_ints(pairs + offsets, device)  # one copy
-    return both[: len(pairs)], both[len(pairs):], len(pairs) // 2
+    start = len(_padded(pairs))
+    both = device_ints(_padded(pairs) + offsets, device)  # one copy
+    return both[: len(pairs)], both[start : start + len(offsets)], len(pairs) // 2
 
 
 @functools.lru_cache(maxsize=64)
 def _ints_split(sizes: tuple, values: tuple, device: torch.device, stream: int) -> tuple[torch.Tensor, ...]:
-    t = device_ints(values, device)
     bounds = [0, *itertools.accumulate(sizes)]
-    return tuple(t[a:b] for a, b in zip(bounds, bounds[1:]))
+    lists = [_padded(list(values[a:b])) for a, b in zip(bounds, bounds[1:])]
+    t = device_ints([v for x in lists for v in x], device)
+    starts = [0, *itertools.accumulate(len(x) for x in lists)]
+    return tuple(t[a : a + n] for a, n in zip(starts, sizes))
 
 
 def cached_int_lists(lists: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:

@@ -76,3 +76,8 @@ def test_with_prefix_caching_every_prompt_shape_also_runs_with_a_checkpoint_insi
     assert [q for q, _ in inside] == [q for q in shapes if q[0] > 1]
     for query_lens, ckpts in inside:
         assert len(ckpts) == 1 and ckpts[0][0] == 0 and 0 < ckpts[0][1] < query_lens[0] and ckpts[0][2] == 70
+
+
+def test_prefill_shapes_hold_a_prompt_of_each_power_of_two_below_the_budget():
+    shapes = prefill_shapes(2048, 4096, 64, 16, 14632)
+    assert [s[0] for s in shapes if len(s) == 1 and s[0] & (s[0] - 1) == 0] == [2048, 32, 64, 128, 256, 512, 1024]

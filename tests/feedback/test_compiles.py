@@ -26,11 +26,12 @@ def test_each_compilation_is_one_event_and_earlier_hooks_still_run(tmp_path, mon
     before = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
     log = EventLog(tmp_path / "events.jsonl")
     watch = CompileWatch(log).start()
+    watch.phase = "serving"
     for key in ("a", "b"):
         compiled = {"signature": {"x": "*fp32", "n": "i32", "BLOCK": "constexpr"}, "constants": {(2,): 64},
                     "configs": [{(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]} if key == "a"
                                 else {(0,): [["tt.divisibility", 16]]}]}
-        hook = dict(key=key, repr=f"some_kernel[num_warps=4](x: *fp32, n: i32)", fn=Info(), compile=compiled)
+        hook = dict(key=key, repr="some_kernel[num_warps=4](x: *fp32, n: i32)", fn=Info(), compile=compiled)
         assert runtime.jit_cache_hook(**hook) is False  # Triton compiles on
         runtime.jit_post_compile_hook(**hook)
     watch.stop()
@@ -40,7 +41,7 @@ def test_each_compilation_is_one_event_and_earlier_hooks_still_run(tmp_path, mon
     assert [(e["kernel"], e["spec"]) for e in events] == [
         ("some_kernel", "some_kernel[num_warps=4] constexprs {'BLOCK': 64} divisible by 16 ['n', 'x']"),
         ("some_kernel", "some_kernel[num_warps=4] constexprs {'BLOCK': 64} divisible by 16 ['x']")]
-    assert watch.count == 2 and all(e["duration_s"] >= 0 for e in events)
+    assert watch.count == 2 and all(e["duration_s"] >= 0 and e["phase"] == "serving" for e in events)
     s = summarize(events)
     assert s["kernel_compiles"]["by_kernel"]["some_kernel"]["count"] == 2
     assert "kernel compilations after start-up: 2" in format_text(s)

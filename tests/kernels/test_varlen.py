@@ -84,3 +84,15 @@ def test_capture_is_refused():
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 varlen.cached_ints(values, "cuda")
     assert varlen.cached_ints(cu, "cuda") is eager and eager.tolist() == cu
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 3), (3, 0, 5, 4), (4, 4), (7,)])
+def test_every_tensor_starts_on_16_bytes(sizes):
+    """Triton specialises pointers on their 16-byte alignment: a view's offset must not depend on the batch."""
+    values = [list(range(10 * i, 10 * i + n)) for i, n in enumerate(sizes)]
+    views = varlen.cached_int_lists(values, "cpu")
+    assert [v.tolist() for v in views] == values
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    cu = [0, *[sum(sizes[: i + 1]) * 37 for i in range(len(sizes))]]
+    idx, offsets, _ = varlen.chunk_tables(cu, 64, "cpu")
+    assert idx.data_ptr() % 16 == 0 and offsets.data_ptr() % 16 == 0
