@@ -11,14 +11,16 @@ usage: python bench/serving_steps.py --out bench/results/serving_steps.json [--c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import torch  # noqa: F401  (names the GPU in the header)
 from serve_runs import bench, running, summary
+
+from flashinfra.feedback.timing import header, write_results
 
 PORT = 8791
 INPUT_LEN, OUTPUT_LEN = 256, 128
@@ -63,19 +65,17 @@ def main() -> None:
     parts = dict(zip(("first_requests", "first_run", "second_run"), zip(marks, [*marks[1:], len(lines)])))
     steps = [e for e in lines[marks[2]:] if e["kind"] == "step"]
     startup = [e for e in lines[: marks[0]] if e["kind"] == "kernel_compile"]
-    compiles = {name: [dict(kernel=e["kernel"], spec=e["spec"], duration_s=e["duration_s"])
-                       for e in lines[a:b] if e["kind"] == "kernel_compile" and e.get("phase") == "serving"] for name, (a, b) in parts.items()}
-    result = dict(command=" ".join([sys.executable, *sys.argv]), serve=" ".join(cmd[1:]),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  concurrency=c, num_prompts=n, startup_s=startup_s, first_run=summary(first),
-                  second_run=summary(second), second_run_steps=_steps(steps),
+    compiles = {name: [dict(kernel=e["kernel"], spec=e["spec"], duration_s=e["duration_s"]) for e in lines[a:b]
+                       if e["kind"] == "kernel_compile" and e.get("phase") == "serving"]
+                 for name, (a, b) in parts.items()}
+    # the host's CPU is in ``machine``: at concurrency 128 the built-in model's steps are host work
+    result = dict(header(), serve=" ".join(cmd[1:]), concurrency=c, num_prompts=n, startup_s=startup_s,
+                  first_run=summary(first), second_run=summary(second), second_run_steps=_steps(steps),
                   kernel_compiles_at_startup=dict(count=len(startup), seconds=sum(e["duration_s"] for e in startup)),
                   kernel_compiles_after_startup=compiles)
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        write_results(Path(args.out).stem, result, directory=Path(args.out).parent)
 
 
 if __name__ == "__main__":
