@@ -17,10 +17,13 @@
   GPU memory at the same times, with no transfer: with both engines on one GPU, the decode side's copies share the
   GPU with the prefill (time-sliced between the two processes), which no transfer path can avoid.
 
-The ratio is the prefill's best time over ``--reps`` with the transfers running beside it, divided by its
-best time alone (timed first and again last), in one process: what the transfers cost the engine loop
-(GIL hand-offs and CPU), not the transfer's own speed. Prints and writes JSON: the times, the ratios, the
-probe's stalls. ``python bench/disagg_gil.py --reps 5 --out bench/results/disagg_gil_cpu.json``
+The ratio is the prefill's best time with the transfers running beside it, divided by its best time alone, in one
+process: what the transfers cost the engine loop (GIL hand-offs and CPU), not the transfer's own speed. The
+transports are timed in paired rounds (``--rounds``; each round times alone and every transport in a random order,
+``paired_rounds``), so each also has the median over rounds of its time / that round's alone time, the figure
+that a drifting machine does not bias (a GPU's clocks, other processes). The GIL-holding binding is timed over
+``--reps`` on its own. Prints and writes JSON: the times, the ratios, the probe's stalls.
+``python bench/disagg_gil.py --reps 5 --rounds 7 --out bench/results/disagg_gil_cpu.json``
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import functools
 import json
 import os
 import platform
+import random
+import statistics
 import sys
 import threading
 import time
@@ -245,12 +250,39 @@ def measure(args, run_prefill, background=None, between=None) -> tuple[float, di
     return min(times), probe
 
 
+def paired_rounds(args, run_prefill, drivers: dict) -> list[dict]:
+    """``args.rounds`` rounds; in each, every driver in a fresh random order gets a block of two prefills with its
+    transfers driven ``between`` them (None: alone): the first lets the previous block's transfers drain and its own
+    start, the second is timed, under a GIL probe of its own. Slow drifts of the machine (clocks, neighbours) hit
+    a round's blocks alike, so a round's ratio to its own ``alone`` is the figure to trust on a noisy host."""
+    rng = random.Random(0)
+    rounds = []
+    for _ in range(args.rounds):
+        order = list(drivers)
+        rng.shuffle(order)
+        row = {}
+        for name in order:
+            between = drivers[name].between if drivers[name] is not None else None
+            for timed in (False, True):
+                if between:
+                    between()
+                if not timed:
+                    run_prefill()
+                    continue
+                with GilProbe(threshold_s=0.01) as probe:
+                    t = run_prefill()
+                row[name] = {"prefill_s": t, "stalls": probe.count, "max_stall_s": probe.max_s}
+        rounds.append(row)
+    return rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds of the transports against alone")
     ap.add_argument("--mbytes", type=int, default=16)
     ap.add_argument("--engine", action="store_true", help="time a real engine's prefill step")
     ap.add_argument("--model", default=None, help="with --engine: checkpoint (default: the built-in model)")
@@ -269,21 +301,29 @@ def main() -> None:
     bad, bad_probe = (None, None) if args.skip_gil_holding else measure(args, run_prefill, gil_holding_transfer)
     if bad is not None:
         print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
-    moved, timed = {}, {}
     device = args.device if args.engine else "cpu"
-    for backend in ("zmq", "ipc") + (("gpu_neighbour",) if device.startswith("cuda") else ()):
-        transfers = (GpuNeighbour(args.mbytes, device) if backend == "gpu_neighbour"
-                     else StateTransfers(args.mbytes, backend, device))
-        try:
-            timed[backend] = measure(args, run_prefill, between=transfers.between)
-        finally:
-            transfers.close()
-        moved[backend] = transfers.acked
-        print(f"beside {backend} transfers {timed[backend][0] * 1e3:.2f} ms", flush=True)
-    alone = min(alone, measure(args, run_prefill)[0])  # alone again at the end: the best of both
-    transfers = {(b if b == "gpu_neighbour" else f"{b}_transfer"): {
-        "prefill_s": t, "ratio": t / alone, "stalls": probe.count, "max_stall_s": probe.max_s,
-        "transfers_acked": moved.get(b, 0), "mbytes_each": args.mbytes} for b, (t, probe) in timed.items()}
+    names = ("zmq", "ipc") + (("gpu_neighbour",) if device.startswith("cuda") else ())
+    drivers = {}
+    try:
+        for backend in names:
+            drivers[backend] = (GpuNeighbour(args.mbytes, device) if backend == "gpu_neighbour"
+                                else StateTransfers(args.mbytes, backend, device))
+        rounds = paired_rounds(args, run_prefill, {"alone": None, **drivers})
+    finally:
+        for d in drivers.values():
+            d.close()
+    alone = min(alone, min(r["alone"]["prefill_s"] for r in rounds))
+    transfers = {}
+    for b in names:
+        mine = [r[b] for r in rounds]
+        best = min(m["prefill_s"] for m in mine)
+        transfers[b if b == "gpu_neighbour" else f"{b}_transfer"] = {
+            "prefill_s": best, "ratio": best / alone,
+            "paired_ratio_median": statistics.median(r[b]["prefill_s"] / r["alone"]["prefill_s"] for r in rounds),
+            "stalls": sum(m["stalls"] for m in mine), "max_stall_s": max(m["max_stall_s"] for m in mine),
+            "transfers_acked": drivers[b].acked, "mbytes_each": args.mbytes}
+        print(f"beside {b}: best {best * 1e3:.2f} ms, paired ratio (median of {len(rounds)}) "
+              f"{transfers[b if b == 'gpu_neighbour' else f'{b}_transfer']['paired_ratio_median']:.3f}", flush=True)
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe is not None and bad_probe.stalls else []
     result = {
         "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
