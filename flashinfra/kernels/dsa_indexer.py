@@ -77,7 +77,7 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
     tl.store(p_out, tl.where(visible, ordered, bits_min), mask=m_p)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k", "S"])  # sizes that vary with the context: one compilation for all
 def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr,
                      BT: tl.constexpr, TAIL_FIRST: tl.constexpr):
     """Per query its row of positions: the ``k`` chosen pools' tokens (-1 for a pool it cannot see) and the tail's

@@ -78,7 +78,7 @@ def _digit_pass(src, i_t, i_c, n, P, k, C, pre, need, SHIFT: tl.constexpr, WIDTH
     return (pre << WIDTH) | b.to(tl.uint32), need - above, tl.sum(tl.where(o_b == b, hist, 0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "k", "C"])  # sizes that vary with the context: one compilation for all
 def topk_kernel(src, out, P, k, C, FROM_SCORES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 NB: tl.constexpr):
     """Program (row, chunk): the chunk's top ``min(k, n)`` keys, sorted descending, at ``out`` row ``row * nc +

@@ -78,7 +78,7 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "SPLIT", "iters"])  # the step's token count: one compilation for all
 def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
                   N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr):
     i_t = tl.program_id(0)
