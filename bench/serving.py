@@ -33,6 +33,7 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 from flashinfra.feedback import ceilings
+from flashinfra.feedback.compiles import CompileWatch
 from flashinfra.feedback.timing import checked_step, header, write_results
 from flashinfra.model.api import random_model
 from flashinfra.model.cache import ModelCache
@@ -92,28 +93,11 @@ def decode_row(core: EngineCore, context: int, seed: int) -> dict:
                 max_step_s=max(decode_steps), steps=decode_steps)
 
 
-class CompiledKernels:
-    """``with CompiledKernels() as c: ...`` -> ``c.names``: the Triton kernels compiled meanwhile (a new
-    specialisation each: what the warm-up left for serving to pay)."""
+class _Kept(list):
+    """An event sink that keeps each event's fields (for ``CompileWatch``)."""
 
-    def __enter__(self):
-        import triton
-
-        self.names: list[str] = []
-        self._runtime = triton.knobs.runtime
-        self._before = self._runtime.jit_cache_hook
-
-        def hook(*args, **kw):
-            if not kw.get("already_compiled", False):
-                fn = kw.get("fn")
-                self.names.append(getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
-            return False
-
-        self._runtime.jit_cache_hook = hook
-        return self
-
-    def __exit__(self, *exc):
-        self._runtime.jit_cache_hook = self._before
+    def emit(self, kind: str, **fields) -> None:
+        self.append(fields)
 
 
 def batch_shape_row(core: EngineCore, batch: int, seed: int) -> dict:
@@ -121,12 +105,16 @@ def batch_shape_row(core: EngineCore, batch: int, seed: int) -> dict:
     kernels that compiled on the way."""
     for i in range(batch):
         add(core, 256, 24, seed + i)
-    with CompiledKernels() as compiled:
+    compiled = _Kept()
+    watch = CompileWatch(compiled).start()  # the Triton kernels compiled meanwhile: what the warm-up left to serving
+    try:
         steps = run_steps(core)
+    finally:
+        watch.stop()
     decode = [s for s, n in steps if n == batch] or [s for s, _ in steps]
     steady = statistics.median(decode[len(decode) // 2:])
     return dict(batch=batch, max_step_s=max(decode), steady_step_s=steady, ratio=max(decode) / steady,
-                steps=[s for s, _ in steps], compiled_kernels=compiled.names)
+                steps=[s for s, _ in steps], compiled_kernels=[f"{e['kernel']}: {e['spec']}" for e in compiled])
 
 
 def first_prompt_row(core: EngineCore, tokens: int, seed: int) -> dict:
