@@ -98,6 +98,13 @@ class PenaltyRows:
                 ("pen_prompt_tokens", i64, prompt_tok, (len(prompt_tok),)),
                 ("pen_add_rows", i64, add_at, (len(add_at),)), ("pen_add_tokens", i64, add_tok, (len(add_tok),))]
 
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count ``tokens`` [n] in ``rows`` [n] (repeats add up): one atomic scatter into the flat counts
+        (``index_put_`` with ``accumulate`` sorts its indices first, which took longer than the rest of the
+        penalties on the GPU)."""
+        flat = rows * self.vocab_size + tokens
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
     def _take(self) -> int:
         if not self.free:
             old = self.counts.shape[0]
@@ -129,8 +136,7 @@ class PenaltyStep:
         if v["pen_prompt_rows"].numel():
             state.prompt[v["pen_prompt_rows"], v["pen_prompt_tokens"]] = True
         if v["pen_add_rows"].numel():
-            state.counts.index_put_((v["pen_add_rows"], v["pen_add_tokens"]),
-                                    torch.ones_like(v["pen_add_rows"], dtype=torch.int32), accumulate=True)
+            state.add(v["pen_add_rows"], v["pen_add_tokens"])
         rows, index = v["pen_rows"], v["pen_index"]
         x[index] = penalize(x[index], state.prompt[rows], state.counts[rows], v["pen_rep"], v["pen_freq"],
                             v["pen_pres"])
@@ -138,5 +144,4 @@ class PenaltyStep:
     def count(self, tokens: torch.Tensor) -> None:
         """Count the penalized rows' sampled ``tokens`` (the step's [N]) in their rows."""
         v = self.views
-        self.rows.counts.index_put_((v["pen_rows"], tokens[v["pen_index"]]),
-                                    torch.ones_like(v["pen_rows"], dtype=torch.int32), accumulate=True)
+        self.rows.add(v["pen_rows"], tokens[v["pen_index"]])
