@@ -17,8 +17,8 @@ row knows how many output tokens precede it (``context_len + num_new_tokens - pr
 step in flight included), so the difference is what to add. A row that has counted more than that (a request whose
 output was cut back) is rebuilt from the host's lists. A row is freed when its request finishes or is preempted.
 
-``penalize`` is the one formula, used both here and by ``sampler.apply_penalties`` (rows given as token lists:
-the speculative verify, grammar rows, the checks).
+The penalties themselves are one kernel (``flashinfra.kernels.penalties``), whose reference ``sampler.apply_penalties``
+also uses for rows given as token lists (the speculative verify, grammar rows, the checks).
 """
 
 from __future__ import annotations
@@ -28,20 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN
+from flashinfra.kernels.penalties import penalize
 from flashinfra.model.staging import Array
 
 _FIRST_ROWS = 16  # rows allocated on the first penalized request; doubled when they run out
-
-
-def penalize(x: torch.Tensor, prompt: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor, freq: torch.Tensor,
-             pres: torch.Tensor) -> torch.Tensor:
-    """``x`` [N, V] penalized: ``prompt`` [N, V] bool, ``counts`` [N, V] (the output's), ``rep`` / ``freq`` /
-    ``pres`` [N, 1]. Repetition divides a positive logit of a token seen in the prompt or output and multiplies a
-    negative one; frequency subtracts its count x the penalty; presence subtracts the penalty once."""
-    counts = counts.to(x.dtype)
-    seen = prompt | (counts > 0)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - freq * counts - pres * (counts > 0).to(x.dtype)
 
 
 class PenaltyRows:
@@ -137,9 +127,8 @@ class PenaltyStep:
             state.prompt[v["pen_prompt_rows"], v["pen_prompt_tokens"]] = True
         if v["pen_add_rows"].numel():
             state.add(v["pen_add_rows"], v["pen_add_tokens"])
-        rows, index = v["pen_rows"], v["pen_index"]
-        x[index] = penalize(x[index], state.prompt[rows], state.counts[rows], v["pen_rep"], v["pen_freq"],
-                            v["pen_pres"])
+        penalize(x, v["pen_index"], v["pen_rows"], state.counts, state.prompt, v["pen_rep"], v["pen_freq"],
+                 v["pen_pres"])
 
     def count(self, tokens: torch.Tensor) -> None:
         """Count the penalized rows' sampled ``tokens`` (the step's [N]) in their rows."""

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashinfra.engine.penalties import PenaltyStep, penalize
+from flashinfra.engine.penalties import PenaltyStep
 from flashinfra.engine.sched.messages import SamplingParams, TokenLogprob
+from flashinfra.kernels.penalties import penalize_ref
 from flashinfra.model.staging import Array, HostStaging
 
 
@@ -65,7 +66,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
 
     rows_t = torch.tensor(idx, dtype=torch.long, device=dev)
-    x = penalize(logits[rows_t], prompt[:, :V], counts[:, :V], col([r.params.repetition_penalty for r in sel]),
+    x = penalize_ref(logits[rows_t], prompt[:, :V], counts[:, :V], col([r.params.repetition_penalty for r in sel]),
                  col([r.params.frequency_penalty for r in sel]), col([r.params.presence_penalty for r in sel]))
     logits[rows_t] = x
     return logits

@@ -16,6 +16,7 @@ import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels import penalties as pen
 from flashinfra.kernels.dsa_pool_keys import write_pool_keys_launch
 from flashinfra.kernels.moe_align import moe_align as align
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch, apply_token_bitmask_ref
@@ -303,3 +304,26 @@ def token_bitmask(device: str, N: int, V: int, R: int, vocab_size: int | None = 
     out = apply_token_bitmask_launch(logits, buf[:R], rows, vocab_size)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     return [compare(f"hotpath.token_bitmask.n{N}.r{R}", out.view(bits), ref.view(bits), atol=0, rtol=0)]
+
+
+def penalties(device: str, N: int, V: int, P: int, S: int, seed=0) -> list[CheckResult]:
+    """``P`` of ``N`` rows (shuffled) penalized in place from ``P`` of ``S`` state rows (shuffled, counts mostly 0),
+    against the reference in float64; the other rows are poisoned with NaN and must come back bit for bit."""
+    gen = _gen(device, seed)
+    x = rnd(N, V, device=device, gen=gen, scale=3.0)
+    index = torch.randperm(N, device=device, generator=gen)[:P]
+    rows = torch.randperm(S, device=device, generator=gen)[:P].to(torch.int32)
+    counts = torch.randint(0, 4, (S, V), device=device, generator=gen, dtype=torch.int32)
+    counts *= torch.rand(S, V, device=device, generator=gen) < 0.1
+    prompt = torch.rand(S, V, device=device, generator=gen) < 0.05
+    rep = 0.5 + 1.5 * torch.rand(P, 1, device=device, generator=gen)
+    freq, pres = (torch.rand(P, 1, device=device, generator=gen) * 2 - 1 for _ in range(2))
+    free = torch.ones(N, dtype=torch.bool, device=device)
+    free[index] = False
+    x[free] = float("nan")
+    before = x.clone()
+    ref = pen.penalize_ref(_d(x[index]), prompt[rows.long()], counts[rows.long()], _d(rep), _d(freq), _d(pres))
+    out = pen.penalize_launch(x, index, rows, counts, prompt, rep, freq, pres)
+    kept = torch.equal(out[free].view(torch.int32), before[free].view(torch.int32))
+    return [compare(f"hotpath.penalties.n{N}.p{P}.v{V}", out[index], ref, atol=1e-5, rtol=1e-6),
+            _verdict(f"hotpath.penalties.n{N}.p{P}.v{V}.others", kept, "rows without penalties left as they were")]

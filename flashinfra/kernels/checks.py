@@ -15,8 +15,8 @@ import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
-from flashinfra.kernels.check_cases import (dsa_select, fused_moe, mhc, moe_align, norms, rnd, route, sparse_mla,
-                                            token_bitmask)
+from flashinfra.kernels.check_cases import (dsa_select, fused_moe, mhc, moe_align, norms, penalties, rnd, route,
+                                            sparse_mla, token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
 
@@ -86,6 +86,13 @@ def _token_bitmask(dev, act, seed):
     if dev == "cuda":  # a batch of 64 rows, 37 under a grammar, over GLM-5.3-Flash's vocabulary
         return token_bitmask(dev, 64, VOCAB, 37, dtype=torch.float32, seed=seed)
     return token_bitmask(dev, 9, 1030, 4, vocab_size=1000, seed=seed)
+
+
+@_registered("hotpath.penalties")
+def _penalties(dev, act, seed):
+    if dev == "cuda":  # 128 rows, 96 penalized, over GLM-5.3-Flash's vocabulary
+        return penalties(dev, 128, VOCAB, 96, 160, seed=seed)
+    return penalties(dev, 9, 1030, 5, 12, seed=seed)
 
 
 # ---- benchmarks -------------------------------------------------------------------------------------------
