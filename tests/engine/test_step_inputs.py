@@ -32,6 +32,15 @@ def test_staging_round_trips_mixed_dtypes_and_reuses_its_buffers():
     assert again["x"].tolist() == [3, 4] and staging.buffers.dev is buffer and staging.num_copies == 2
 
 
+def test_a_repeated_layout_reuses_its_views_with_the_new_values():
+    staging = HostStaging("cpu")
+    first = staging.upload([("ids", torch.int64, [5, 6, 7], (3,)), ("w", torch.float32, [0.5], (1, 1))])
+    again = staging.upload([("ids", torch.int64, [8, 9, 10], (3,)), ("w", torch.float32, [1.5], (1, 1))])
+    assert again is first and again["ids"].tolist() == [8, 9, 10] and again["w"].tolist() == [[1.5]]
+    other = staging.upload([("ids", torch.int64, [1, 2], (2,)), ("w", torch.float32, [2.5], (1, 1))])
+    assert other is not first and other["ids"].tolist() == [1, 2] and other["w"].tolist() == [[2.5]]
+
+
 def test_build_matches_the_per_field_tensors():
     q, c, slots, tables = [3, 1, 2], [0, 5, 4], [2, 0, 1], [[4], [1, 2], [3, 5, 6]]
     batch = ForwardBatch.build(q, c, slots, tables, 4, "cpu")

@@ -2,12 +2,14 @@
 
 ``Plan``: what to compute in one step (which requests, how many new tokens each, where their cache lives).
 ``StepResult``: what the runner produced (one sampled token per request that reached its end, with
-logprobs; or an error confined to that request). Pure Python; no torch.
+logprobs; or an error confined to that request). Pure Python (and msgspec); no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams, TokenLogprob
 
@@ -16,8 +18,10 @@ from flashinfra.engine.sched.messages import MultiModalItem, SamplingParams, Tok
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, frozen=True):
+    """One request's part of a step (made per running request per step: a struct, whose construction costs a fifth
+    of a frozen dataclass's)."""
+
     request_id: str
     # the new tokens fed this step: all_token_ids[context_len : context_len + n], the last one PLACEHOLDER_TOKEN
     # while the step that samples it is in flight
