@@ -19,9 +19,15 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+# the tests below compare a request alone with it in a batch: on the CPU every op is batch-invariant already, on a
+# GPU that is what ``deterministic`` provides (bf16 kernels otherwise pick their splits by the batch)
+INVARIANT = dict(deterministic=True) if torch.cuda.is_available() else {}
+
+
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return flashinfra.LLM(ckpt, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    return flashinfra.LLM(ckpt, num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                          **INVARIANT)
 
 
 def mixed_prompts(seed: int, n: int, max_len: int = 45, vocab: int = 512):
@@ -55,7 +61,7 @@ def test_greedy_is_unchanged_when_a_tiny_cache_forces_preemption(mixed, ckpt, tm
     events = tmp_path / "events.jsonl"
     # scheduled synchronously: a step ahead never preempts (``test_async_scheduling`` covers preemption there)
     small = flashinfra.LLM(ckpt, num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
-                           events_path=str(events), async_scheduling=False)
+                           events_path=str(events), async_scheduling=False, **INVARIANT)
     batch = small.generate(prompts, params)
     assert [o.token_ids for o in batch] == solo
     stats = small.engine.stats()
@@ -81,7 +87,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm, ckpt, tmp_path):
     # continues its own random stream
     events = tmp_path / "events.jsonl"
     small = flashinfra.LLM(ckpt, num_blocks=5, block_size=4, max_num_seqs=4, prefix_cache_slots=0,
-                           events_path=str(events))
+                           events_path=str(events), **INVARIANT)
     outs = small.generate(prompts[1:] + prompts[:1], others + [seeded])
     assert outs[-1].token_ids == solo
     small.engine.events.close()
