@@ -24,7 +24,8 @@ class CompileWatch:
         self.count, self.seconds = 0, 0.0
         self._started: dict[Any, float] = {}
         self._lock = threading.Lock()
-        self._saved: tuple | None = None
+        self._saved: tuple | None = None  # the hooks found at ``start``; None once stopped
+        self._hooks: tuple | None = None
 
     def start(self) -> "CompileWatch":
         import triton
@@ -34,10 +35,13 @@ class CompileWatch:
         self._saved = (before, after)
 
         def on_miss(**kw):
-            self._started[kw["key"]] = time.perf_counter()
+            if self._saved is not None:
+                self._started[kw["key"]] = time.perf_counter()
             return before(**kw) if before is not None else False
 
         def on_compiled(**kw):
+            if self._saved is None:  # stopped while a later watch chained onto it: only pass the call on
+                return after(**kw) if after is not None else None
             t0 = self._started.pop(kw["key"], None)
             duration = time.perf_counter() - t0 if t0 is not None else 0.0
             with self._lock:
@@ -49,13 +53,18 @@ class CompileWatch:
             return after(**kw) if after is not None else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled
+        self._hooks = (on_miss, on_compiled)
         return self
 
     def stop(self) -> None:
+        """Report nothing more; put the hooks found at ``start`` back if this watch's are still the installed ones
+        (a watch started later keeps calling this one's, which then only pass the call on)."""
         if self._saved is not None:
             import triton
 
-            triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = self._saved
+            runtime = triton.knobs.runtime
+            if (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == self._hooks:
+                runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._saved
             self._saved = None
 
 

@@ -69,3 +69,22 @@ def test_a_new_specialisation_on_the_gpu_is_reported(tmp_path):
     events = read_events(tmp_path / "events.jsonl")
     assert [e["kernel"].rsplit(".", 1)[-1] for e in events] == ["_add_one"]
     assert x[:63].eq(3).all() and x[63].item() == 2
+
+
+def test_watches_stopped_out_of_order_leave_working_hooks(tmp_path, monkeypatch):
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", None)
+    first, second = EventLog(tmp_path / "a.jsonl"), EventLog(tmp_path / "b.jsonl")
+    a = CompileWatch(first).start()
+    b = CompileWatch(second).start()
+    a.stop()  # b's hooks stay installed and call a's, which now only pass the call on
+    hook = dict(key="k", repr="k[]", fn=Info(), compile={})
+    runtime.jit_cache_hook(**hook)
+    runtime.jit_post_compile_hook(**hook)
+    assert a.count == 0 and b.count == 1
+    b.stop()
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) != b._hooks  # b put back what it found: a's
+    runtime.jit_cache_hook(**hook)
+    runtime.jit_post_compile_hook(**hook)
+    assert a.count == 0 and b.count == 1
