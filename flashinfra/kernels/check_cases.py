@@ -118,6 +118,7 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[
     s = sorted_ids[:n].long().cpu()
     real = s[s < T * top_k]
     flat = ids.reshape(-1).cpu()
+    want = sum(-(-int(c) // BM) * BM for c in torch.bincount(flat, minlength=E))
     mixed = []
     for b in range(n // BM):
         blk = s[b * BM:(b + 1) * BM]
@@ -129,7 +130,8 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[
             _verdict("hotpath.moe_align.blocks", not mixed,
                      f"{len(mixed)} of {n // BM} blocks empty or of several experts {mixed[:8] or ''}"),
             _verdict("hotpath.moe_align.padding", n % BM == 0 and n <= sorted_ids.numel(),
-                     f"{n} entries used of {sorted_ids.numel()}, blocks of {BM}")]
+                     f"{n} entries used of {sorted_ids.numel()}, blocks of {BM}"),
+            _verdict("hotpath.moe_align.used", n == want, f"{n} rows used, each expert's run padded to {BM}: {want}")]
 
 
 def paged_cache(device, gen, lens: list[int], bs: int, width: int, dtype):
