@@ -2,8 +2,8 @@
 in runs padded to the GEMMs' ``BM``-row blocks, with the expert of each block. A counting sort on the device, with
 no host sync, so that it can be captured in a CUDA graph: two launches, one program counting the pairs per expert
 (a histogram), laying out the padded runs (a prefix sum), naming each block's expert and setting every row to the
-padding sentinel, then one placing each pair in its expert's run. (As a dozen tensor ops it was a dozen launches
-per MoE layer: host time in an eager step, a graph node each in a decode step.)
+padding sentinel, then one placing each pair in its expert's run (tensor ops would take a dozen launches per MoE
+layer: host time in an eager step, a graph node each in a decode step).
 """
 
 from __future__ import annotations
