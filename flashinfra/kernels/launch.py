@@ -23,6 +23,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashinfra.kernels.dispatch import interpreting
 
+# Triton specialises a pointer argument on whether its address is a multiple of this many bytes: a tensor handed to a
+# kernel whose start moves with a batch's sizes compiles a second variant of that kernel for the batches it misses
+# (the packed step inputs, ``model/staging.py``, and the varlen index tensors, ``kernels/varlen.py``, align to it).
+POINTER_ALIGN_BYTES = 16
+
 
 class FastKernel:
     """``fn[grid](*args, **kwargs)`` with the compiled kernel kept per specialisation. Runtime arguments are given

@@ -25,6 +25,8 @@ import torch
 import triton
 from triton.runtime.driver import driver
 
+from flashinfra.kernels.launch import POINTER_ALIGN_BYTES
+
 
 def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """``values`` as an int32 tensor on ``device``, copied asynchronously to a CUDA device."""
@@ -50,10 +52,9 @@ def _stream_key(device: torch.device) -> int:
     return driver.active.get_current_stream(torch.cuda.current_device() if device.index is None else device.index)
 
 
-# Every tensor made here starts at a multiple of 16 bytes (4 int32) of its copy: Triton specialises a pointer argument
-# on its 16-byte alignment, so views at offsets that depend on the batch's sizes would compile other variants of a
-# kernel for other batches, in the middle of serving.
-_ALIGN = 4
+# Every tensor made here starts at a multiple of ``POINTER_ALIGN_BYTES`` of its copy (``launch.py``): views at offsets
+# that depend on the batch's sizes would compile other variants of a kernel for other batches, in the middle of serving.
+_ALIGN = POINTER_ALIGN_BYTES // 4  # int32 values
 
 
 def _padded(values: list[int]) -> list[int]:

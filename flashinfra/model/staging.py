@@ -24,11 +24,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flashinfra.kernels.launch import POINTER_ALIGN_BYTES
+
 _WORDS = {torch.int32: 1, torch.int64: 2, torch.float32: 1}
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
-ALIGN_WORDS = 4  # each array's start: 16 bytes, the alignment Triton specialises pointer arguments on
+ALIGN_WORDS = POINTER_ALIGN_BYTES // 4  # each array's start, in int32 words
 
 
 class StagingBuffers:
