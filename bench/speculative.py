@@ -8,7 +8,9 @@ text). TPOT = (time of the full generation - time of the same prompts with max_t
 the median of ``--runs`` runs after a warm-up. Acceptance per position j = accepted drafts at position j /
 drafts verified at position j (the engine's ``Speculator`` counters). State bytes: per request over all KDA
 layers, ``replay_bytes_per_slot`` (checkpoint + conv window + ring of k + 1) against
-``copy_bytes_per_slot`` (a state and conv window per verified token).
+``copy_bytes_per_slot`` (a state and conv window per verified token). Each row also counts the Triton compilations
+after the engine's start-up (its ``kernel_compile`` runtime events in the serving phase, by kernel): a specialisation
+the warm-up missed, paid in the untimed first generation (or, if a timed run meets a new shape, in the figure).
 
 The checkpoint needs an MTP layer (``layers.N.*``); the built-in default model has one. ``--smoke``
 writes a tiny random checkpoint with one and runs CPU float32 at small sizes (the script's own test;
@@ -58,15 +60,27 @@ def _timed(llm, prompts, params, runs: int) -> float:
     return statistics.median(out)
 
 
+def _compiles(events: Path) -> dict:
+    """The engine's Triton compilations after its start-up: how many, their seconds, and per kernel."""
+    found = [e for e in map(json.loads, events.read_text().splitlines())
+             if e["kind"] == "kernel_compile" and e.get("phase") == "serving"]
+    kernels: dict[str, int] = {}
+    for e in found:
+        kernels[e["kernel"]] = kernels.get(e["kernel"], 0) + 1
+    return {"count": len(found), "seconds": sum(e["duration_s"] for e in found), "kernels": kernels}
+
+
 def run(args) -> dict:
     from flashinfra import LLM, SamplingParams
     from flashinfra.model.replay import copy_bytes_per_slot, replay_bytes_per_slot
 
     rows = []
+    events_dir = Path(tempfile.mkdtemp())
     for c in args.concurrency:
         for k in args.ks:
+            events = events_dir / f"c{c}_k{k}.jsonl"
             llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
-                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1),
+                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1), events_path=str(events),
                       **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
             text = llm.engine.model.config.text
             prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
@@ -76,7 +90,9 @@ def run(args) -> dict:
             t_first = _timed(llm, prompts, first, args.runs)
             row = {"concurrency": c, "k": k, "max_batch": args.max_batch,
                    "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
-                   "generate_s": t_full, "prefill_s": t_first}
+                   "generate_s": t_full, "prefill_s": t_first,
+                   "startup_s": getattr(llm.engine.warmup, "seconds", None),
+                   "compiles_after_startup": _compiles(events)}
             spec = llm.engine.runner.speculator
             if spec is not None:
                 row["acceptance_per_position"] = [a / d if d else None

@@ -256,6 +256,13 @@ class FoldGraphs:
         graph, _ = self.pool.capture(body)
         return graph, slots, counts
 
+    def capture(self, buckets: list[int]) -> int:
+        """Capture the graphs of these batch buckets not captured yet (start-up warm-up); returns how many were new."""
+        new = [b for b in buckets if b not in self.graphs]
+        for b in new:
+            self.graphs[b] = self._capture(b)
+        return len(new)
+
     def run(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """Fold ``counts[r]`` entries into slot ``slots[r]`` of every layer (int32 device tensors of ``can_run``'s
         size) from a replay (capturing the bucket's graph on first use: its counts zero, so nothing changes)."""

@@ -6,13 +6,14 @@ milliseconds. ``warm_up`` captures the graphs of every (batch bucket, block-tabl
 configuration can reach (``cuda_graphs.graph_keys``) and runs a few prefill-shaped forward passes at the
 token budget (``prefill_shapes``), so kernels compile here and not in the middle of serving. With speculative
 decoding the same (batch, width) pairs are captured again for the verify steps (``k + 1`` tokens per row, every
-row padded to that) and for the MTP layer's draft, its catch-up and chained steps (``engine/draft_graphs.py``).
+row padded to that), for the MTP layer's draft, its catch-up and chained steps (``engine/draft_graphs.py``) and for
+the fold of each batch bucket; the eager paths of speculation run once too: the MTP layer's catch-up after each
+prompt shape, and a prompt sharing its step with verify rows (``_mixed_verify_steps``).
 
 The prefill passes write into the first cache blocks and KDA slots (and, with prefix caching, the first
 checkpoint slot), which is harmless before any request exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
 they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
-once. What it leaves out: the vision tower and the MTP layer's catch-up after a prompt (an eager forward of the
-prompt's tokens) warm up on first use.
+once. What it leaves out: the vision tower warms up on first use.
 """
 
 from __future__ import annotations
@@ -98,29 +99,49 @@ def _passes(shapes: list[list[int]], checkpoint_slot: int | None):
                 yield query_lens, ((0, query_lens[0] // 2, checkpoint_slot),)
 
 
-def _prefill_batch(query_lens: list[int], block_size: int, device) -> ForwardBatch:
-    """Prompts start at context 0; decode rows have one token in the cache. Blocks are handed out in order."""
-    context_lens = [0 if q > 1 else 1 for q in query_lens]
+# Verify rows beside a prompt in the speculative warm-up's mixed steps: one, a few, and a multiple of 16 (the sizes
+# Triton specialises an integer argument on).
+_MIXED_VERIFY_ROWS = (1, 3, 16)
+
+
+def _prefill_batch(query_lens: list[int], block_size: int, device, verify: int = 0) -> ForwardBatch:
+    """Prompts start at context 0; decode rows, and the last ``verify`` rows (verify rows of a speculative step,
+    ``replay``), have one token in the cache. Blocks are handed out in order."""
+    B = len(query_lens)
+    context_lens = [0 if q > 1 and b < B - verify else 1 for b, q in enumerate(query_lens)]
     tables, next_block = [], 0
     for q, c in zip(query_lens, context_lens):
         n = -(-(q + c) // block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    return ForwardBatch.build(query_lens, context_lens, list(range(len(query_lens))), tables, block_size, device)
+    batch = ForwardBatch.build(query_lens, context_lens, list(range(B)), tables, block_size, device)
+    return dataclasses.replace(batch, replay=tuple(b >= B - verify for b in range(B))) if verify else batch
+
+
+def _mixed_verify_steps(runner, longest: int, max_num_seqs: int, num_blocks: int):
+    """The query lengths of eager speculative steps: a prompt sharing its step with ``_MIXED_VERIFY_ROWS`` verify
+    rows of ``k + 1`` tokens each, as ``(query_lens, verify rows)``, the whole within ``longest`` tokens."""
+    k = runner.speculator.num_tokens
+    for rows in _MIXED_VERIFY_ROWS:
+        prompt = longest - rows * (k + 1)
+        if rows < max_num_seqs and prompt > 1 and -(-prompt // runner.block_size) + rows <= num_blocks:
+            yield [prompt] + [k + 1] * rows, rows
 
 
 def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: int) -> int:
     """Capture the graphs of every (batch bucket, width bucket) this configuration can reach: a decode graph each,
-    with speculative decoding a verify graph (``k + 1`` tokens per row) and a draft-chain graph (``k > 1``) each too;
-    returns how many were new."""
+    with speculative decoding a verify graph (``k + 1`` tokens per row) and a draft-chain graph (``k > 1``) each too,
+    and a fold graph per batch bucket; returns how many were new."""
     graphs = runner.graphs
     if graphs is None:
         return 0
     pairs = graph_keys(max_num_seqs, -(-max_model_len // runner.block_size), num_blocks, graphs.batch_buckets)
     captured = graphs.capture([(b, w, q) for q in graphs.step_qs for b, w in pairs])
-    drafts = runner.speculator.graphs if runner.speculator is not None else None
-    if drafts is not None:
-        captured += drafts.capture(pairs)
+    spec = runner.speculator
+    if spec is not None and spec.graphs is not None:
+        captured += spec.graphs.capture(pairs)
+    if spec is not None and spec.fold_graphs is not None:
+        captured += spec.fold_graphs.capture(sorted({b for b, _ in pairs}))
     return captured
 
 
@@ -139,6 +160,7 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
     shapes = prefill_shapes(budget, max_model_len, max_num_seqs, runner.block_size, num_blocks)
     model = runner.model
     # in the runner's mode: a graph captured here is what its decode steps replay (deterministic kernels or not)
+    spec = runner.speculator
     with torch.inference_mode(), deterministic(runner.deterministic):
         for query_lens, inside in _passes(shapes, checkpoint_slot):
             batch = dataclasses.replace(_prefill_batch(query_lens, runner.block_size, device), checkpoints=inside)
@@ -146,6 +168,12 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
             hidden = model.forward(input_ids, batch, runner.cache)
             last = torch.tensor(batch.last_token_indices, dtype=torch.long, device=device)
             model.compute_logits(hidden[last])
+            if spec is not None and not inside:  # the MTP layer's catch-up after these prompts: eager, as long
+                spec.mtp(model.model.embed_tokens[input_ids], hidden, batch, spec.mtp_cache)
+        if spec is not None:
+            for query_lens, verify in _mixed_verify_steps(runner, shapes[0][0], max_num_seqs, num_blocks):
+                batch = _prefill_batch(query_lens, runner.block_size, device, verify)
+                model.forward(torch.zeros(sum(query_lens), dtype=torch.long, device=device), batch, runner.cache)
         captured = capture_graphs(runner, max_num_seqs, max_model_len, num_blocks)
     torch.cuda.synchronize(device)
     report = WarmupReport(seconds=time.perf_counter() - start, graphs_captured=captured,

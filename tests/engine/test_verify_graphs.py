@@ -120,7 +120,7 @@ def test_chain_inputs_write_own_slots_then_the_scratch():
                          6, 11, 11, 1]
 
 
-def test_warm_up_captures_decode_verify_and_draft_keys():
+def test_warm_up_captures_decode_verify_draft_and_fold_keys():
     got = {}
 
     def recorder(name):
@@ -130,14 +130,16 @@ def test_warm_up_captures_decode_verify_and_draft_keys():
         got.clear()
         graphs = SimpleNamespace(batch_buckets=(1, 2, 4, 8), step_qs=(1, k + 1) if k else (1,),
                                  capture=recorder("steps"))
-        spec = SimpleNamespace(graphs=SimpleNamespace(capture=recorder("drafts")) if draft else None) if k else None
+        spec = SimpleNamespace(graphs=SimpleNamespace(capture=recorder("drafts")) if draft else None,
+                               fold_graphs=SimpleNamespace(capture=recorder("folds"))) if k else None
         runner = SimpleNamespace(graphs=graphs, speculator=spec, block_size=16)
         pairs = graph_keys(6, 512 // 16, 100, (1, 2, 4, 8))
         n = capture_graphs(runner, max_num_seqs=6, max_model_len=512, num_blocks=100)
         want = [(b, w, 1) for b, w in pairs] + ([(b, w, k + 1) for b, w in pairs] if k else [])
         assert got["steps"] == want
         assert got.get("drafts") == (pairs if draft else None)
-        assert n == len(want) + (len(pairs) if draft else 0)
+        assert got.get("folds") == (sorted({b for b, _ in pairs}) if k else None)  # one fold graph per batch bucket
+        assert n == len(want) + (len(pairs) if draft else 0) + (len(got["folds"]) if k else 0)
     assert capture_graphs(SimpleNamespace(graphs=None), 6, 512, 100) == 0
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from flashinfra.engine.cuda_graphs import BATCH_BUCKETS, FIRST_WIDTH, bucket, graph_keys, width_bucket
-from flashinfra.engine.warmup import _passes, _prefill_batch, prefill_shapes, warm_up
+from flashinfra.engine.warmup import _mixed_verify_steps, _passes, _prefill_batch, prefill_shapes, warm_up
 
 
 def test_width_bucket_rounds_up_in_coarse_steps():
@@ -81,3 +81,23 @@ def test_with_prefix_caching_every_prompt_shape_also_runs_with_a_checkpoint_insi
 def test_prefill_shapes_hold_a_prompt_of_each_power_of_two_below_the_budget():
     shapes = prefill_shapes(2048, 4096, 64, 16, 14632)
     assert [s[0] for s in shapes if len(s) == 1 and s[0] & (s[0] - 1) == 0] == [2048, 32, 64, 128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("longest,seqs,num_blocks,k,want_rows", [(2048, 64, 1000, 3, [1, 3, 16]), (2048, 4, 1000, 3, [1, 3]),
+                                                                  (40, 64, 1000, 3, [1, 3]), (2048, 64, 129, 1, [1])])
+def test_speculative_warm_up_mixes_a_prompt_with_verify_rows(longest, seqs, num_blocks, k, want_rows):
+    """With speculative decoding the warm-up also runs a prompt beside 1, 3 and 16 verify rows of k + 1 tokens (the
+    eager step of a request's prompt among others' drafts), each step within the token budget, the batch size and
+    the cache, its verify rows in the replay path with one token cached and its prompt starting at 0."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(speculator=SimpleNamespace(num_tokens=k), block_size=16)
+    steps = list(_mixed_verify_steps(runner, longest, seqs, num_blocks))
+    assert [rows for _, rows in steps] == want_rows
+    for query_lens, rows in steps:
+        assert sum(query_lens) == longest and len(query_lens) == rows + 1 <= seqs
+        assert query_lens[1:] == [k + 1] * rows
+        batch = _prefill_batch(query_lens, 16, "cpu", rows)
+        assert batch.replay == (False,) + (True,) * rows
+        assert batch.context_lens == (0,) + (1,) * rows
+        assert max(b for t in batch.block_tables for b in t) < num_blocks
