@@ -61,13 +61,15 @@ def _timed(llm, prompts, params, runs: int) -> float:
 
 
 def _compiles(events: Path) -> dict:
-    """The engine's Triton compilations after its start-up: how many, their seconds, and per kernel."""
+    """The engine's Triton compilations after its start-up: how many, their seconds, per kernel, and each one's
+    specialisation (what the warm-up would have to run to cover it)."""
     found = [e for e in map(json.loads, events.read_text().splitlines())
              if e["kind"] == "kernel_compile" and e.get("phase") == "serving"]
     kernels: dict[str, int] = {}
     for e in found:
         kernels[e["kernel"]] = kernels.get(e["kernel"], 0) + 1
-    return {"count": len(found), "seconds": sum(e["duration_s"] for e in found), "kernels": kernels}
+    return {"count": len(found), "seconds": sum(e["duration_s"] for e in found), "kernels": kernels,
+            "specs": [{"kernel": e["kernel"], "spec": e["spec"]} for e in found]}
 
 
 def run(args) -> dict:
