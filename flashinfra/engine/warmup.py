@@ -40,7 +40,7 @@ _SHORT_PROMPT = 17
 _MANY_PROMPTS = 16
 _MANY_PROMPT_TOKENS = 64
 # The shortest of the power-of-two prompts.
-_SMALLEST_POWER = 32
+_SMALLEST_POWER = 16
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
                    num_blocks: int) -> list[list[int]]:
     """Query lengths of the prefill warm-up steps (one list per step; a ``1`` is a decode row): the whole
     token budget as one prompt, a budget step shared with decode rows, a short odd-length prompt, a prompt of each
-    power-of-two length below the budget, and 16 short prompts together.
+    power-of-two length below the budget and one of a token less, and 16 short prompts together.
     Each step fits the context length, the sequence count and the cache blocks."""
     longest = min(budget, max_model_len - 1, num_blocks * block_size)
     shapes = [[longest]]
@@ -73,11 +73,14 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
     short = min(_SHORT_PROMPT, longest)
     if short not in (s[0] for s in shapes):
         shapes.append([short])
-    # a prompt of each power-of-two length below the budget: kernels choose tile sizes and split factors by the
-    # step's token count or context (the mHC mix's split, the indexer's top-k block), in power-of-two classes
+    # a prompt of each power-of-two length below the budget, and one token shorter: kernels choose tile sizes and
+    # split factors by the step's token count or context (the mHC mix's split, the indexer's top-k block, the fused
+    # MoE's tiles), in power-of-two classes, and within each class Triton specialises a count on its divisibility by
+    # 16 (an H100 compiled the MoE GEMMs after start-up for a 16-token prompt tail after a prefix hit, and for 16 such
+    # tails of a length no 16 divides)
     length = _SMALLEST_POWER
     while length < longest:
-        shapes.append([length])
+        shapes.extend([[length - 1], [length]] if length - 1 != short else [[length]])
         length *= 2
     # many prompts at once: Triton specialises an integer argument on its divisibility by 16, so a step of 16
     # sequences compiles variants that 1 or 4 sequences never meet (an H100 saw a first 32-prompt step at 18x its

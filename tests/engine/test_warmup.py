@@ -78,9 +78,12 @@ def test_with_prefix_caching_every_prompt_shape_also_runs_with_a_checkpoint_insi
         assert len(ckpts) == 1 and ckpts[0][0] == 0 and 0 < ckpts[0][1] < query_lens[0] and ckpts[0][2] == 70
 
 
-def test_prefill_shapes_hold_a_prompt_of_each_power_of_two_below_the_budget():
+def test_prefill_shapes_hold_a_prompt_of_each_power_of_two_below_the_budget_and_one_a_token_shorter():
     shapes = prefill_shapes(2048, 4096, 64, 16, 14632)
-    assert [s[0] for s in shapes if len(s) == 1 and s[0] & (s[0] - 1) == 0] == [2048, 32, 64, 128, 256, 512, 1024]
+    powers = [16, 32, 64, 128, 256, 512, 1024]
+    assert [s[0] for s in shapes if len(s) == 1 and s[0] & (s[0] - 1) == 0] == [2048, *powers]
+    singles = [s[0] for s in shapes if len(s) == 1]
+    assert all(p - 1 in singles for p in powers)  # a count no 16 divides, in every power-of-two class
 
 
 @pytest.mark.parametrize("longest,seqs,num_blocks,k,want_rows", [(2048, 64, 1000, 3, [1, 3, 16]), (2048, 4, 1000, 3, [1, 3]),
