@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.graph_inputs import fill_step
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -139,35 +140,21 @@ class StepBuffers:
             token_seq=torch.arange(bs, **i32).repeat_interleave(q),
             positions=torch.ones(T, **i32),
         )
+        self.at = torch.zeros(T, dtype=torch.long, device=device)  # where ``fill``'s tokens went
+        # an empty step: every row padding, and the fill kernel compiled here (at capture: the start-up warm-up)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        self.fill(none, ForwardBatch.build([], [], [], [], block_size, device))
 
     def fill(self, input_ids: torch.Tensor, batch: ForwardBatch) -> slice | torch.Tensor:
-        """Copy ``batch`` (at most ``bs`` rows of at most ``q`` tokens) in, the rest padding; -> where its tokens lie
-        among the ``bs * q`` (a slice for decode, else an index on the device)."""
-        s, B, q = self.batch, batch.num_seqs, self.q
-        w = batch.block_tables_t.shape[1]
-        if q == 1:
-            at = slice(0, B)
-        else:  # row b's token i at b * q + i; the pad tokens after them at the row's last position, in the scratch
-            seq = batch.token_seq.long()
-            at = seq * q + torch.arange(input_ids.shape[0], device=seq.device) - batch.cu_seqlens.long()[seq]
-            self.input_ids[: B * q] = 0
-            s.slot_mapping[: B * q] = self.scratch_entry
-            s.positions.view(self.bs, q)[:B] = (batch.seq_lens_t - 1)[:, None]
-        self.input_ids[at] = input_ids
-        s.slot_mapping[at] = batch.slot_mapping
-        s.positions[at] = batch.positions
-        s.state_slots_t[:B].copy_(batch.state_slots_t)
-        s.block_tables_t[:B, :w].copy_(batch.block_tables_t)
-        s.block_tables_t[:B, w:] = 0
-        s.seq_lens_t[:B].copy_(batch.seq_lens_t)
-        # the padding rows, whatever an earlier step left there
-        self.input_ids[B * q :] = 0
-        s.slot_mapping[B * q :] = self.scratch_entry
-        s.positions[B * q :] = 1
-        s.state_slots_t[B:] = self.scratch_slot
-        s.block_tables_t[B:] = self.scratch_block
-        s.seq_lens_t[B:] = 2
-        return at
+        """Copy ``batch`` (at most ``bs`` rows of at most ``q`` tokens) in, the rest padding, in one launch
+        (``kernels/graph_inputs.py``); -> where its tokens lie among the ``bs * q`` (a slice for decode, else an index
+        on the device, valid until the next fill)."""
+        s = self.batch
+        fill_step((input_ids, batch.cu_seqlens, batch.slot_mapping, batch.positions, batch.state_slots_t,
+                   batch.block_tables_t, batch.seq_lens_t),
+                  (self.input_ids, s.slot_mapping, s.positions, s.state_slots_t, s.block_tables_t, s.seq_lens_t,
+                   self.at), self.q, (self.scratch_entry, self.scratch_slot, self.scratch_block))
+        return slice(0, batch.num_seqs) if self.q == 1 else self.at[: input_ids.shape[0]]
 
 
 class GraphPool:

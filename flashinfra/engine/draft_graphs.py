@@ -8,7 +8,7 @@ last entry of each row that goes on. The rest is a chain: ``k - 1`` steps of one
 output hidden and its argmax back in. Which row takes which step is known on the host before the chain starts
 (``chain_steps``: a row goes on while its next position fits its block table), so the whole chain is one graph: its
 inputs are the catch-up's last hidden per row, the block tables, and per step each row's cache slot and position
-(``chain_inputs``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each step's
+(``kernels/graph_inputs.fill_chain``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each step's
 tokens.
 
 When no row has more than ``k + 2`` entries (every decode step's draft), the catch-up is in the graph too
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs, StepBuffers, bucket, width_bucket
+from flashinfra.kernels.graph_inputs import fill_chain
 from flashinfra.kernels.kda.fold import kda_fold_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -43,26 +44,6 @@ def chain_steps(positions: list[int], tables: list[list[int]], num_tokens: int, 
     """The chained MTP steps of each row (0 to ``k - 1``): one per position from its next (``positions``) while
     that position fits its block table."""
     return [max(0, min(num_tokens - 1, len(t) * block_size - p)) for p, t in zip(positions, tables)]
-
-
-def chain_inputs(positions: torch.Tensor, caps: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
-                 block_size: int, bs: int, scratch_entry: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slot and position of each row of a ``bs``-row chain at each of its ``k - 1`` steps, ``[k - 1, bs]``
-    (int64, int32), computed where the rows' next positions are (``positions`` [n]; a step that accepts on the
-    device knows them only there): a row's own steps (``chain_steps``) write its next positions; past them (a full
-    table) it writes the scratch slot at the last position its table holds (``caps`` [n]: each row's table capacity
-    in tokens; ``block_tables`` [>= n, w]), and a padding row writes it at position 1."""
-    n, dev = positions.shape[0], positions.device
-    pos, caps = positions.long(), caps.long()
-    steps = (caps - pos).clamp(min=0, max=num_tokens - 1)
-    j = torch.arange(num_tokens - 1, device=dev)[:, None]
-    p = torch.minimum(pos[None, :] + j, caps[None, :] - 1)  # [k - 1, n]
-    blocks = block_tables[:n].long().gather(1, (p // block_size).T).T
-    slots = torch.full((num_tokens - 1, bs), scratch_entry, dtype=torch.long, device=dev)
-    out_pos = torch.ones(num_tokens - 1, bs, dtype=torch.int32, device=dev)
-    slots[:, :n] = torch.where(j < steps[None, :], blocks * block_size + p % block_size, scratch_entry)
-    out_pos[:, :n] = p.int()
-    return slots, out_pos
 
 
 class ChainBuffers:
@@ -87,12 +68,17 @@ class ChainBuffers:
         self.seq_lens = self.positions + 1
         self.batches = [ForwardBatch(slot_mapping=self.slot_mapping[j], positions=self.positions[j],
                                      seq_lens_t=self.seq_lens[j], **shared) for j in range(steps)]
+        # no row: every row padding, and the fill kernel compiled here (at capture: the start-up warm-up)
+        none = torch.zeros(0, dtype=torch.int32, device=dev)  # the next positions come as int64, as in use
+        fill_chain((none.long(), none, none.view(0, 0)),
+                   (self.block_tables, self.slot_mapping, self.positions, self.seq_lens), spec.block_size,
+                   (self.scratch_entry, self.scratch_block))
 
     def fill(self, hidden: torch.Tensor | None, positions: list[int] | torch.Tensor, tables: list[list[int]],
              staging: HostStaging) -> None:
         """Copy a chain in: ``hidden`` [n, D] the catch-up's last entry per row (None: the catch-up graph writes it),
         ``positions`` each row's next (on the host, or on the device where the step accepted there), ``tables`` its
-        block table; each step's slots and positions follow on the device (``chain_inputs``)."""
+        block table; each step's slots and positions follow on the device (``fill_chain``, one launch)."""
         n, w, s = len(tables), max(len(t) for t in tables), self.spec
         arrays = [("tables", torch.int32, [b for t in tables for b in (*t, *[0] * (w - len(t)))], (n, w)),
                   ("caps", torch.int32, [len(t) * s.block_size for t in tables], (n,))]
@@ -102,14 +88,9 @@ class ChainBuffers:
         if hidden is not None:
             self.hidden[:n].copy_(hidden)
             self.hidden[n:] = 0
-        self.block_tables[:n, :w].copy_(views["tables"])
-        self.block_tables[:n, w:] = 0
-        self.block_tables[n:] = self.scratch_block
-        slots, pos = chain_inputs(views["next"] if "next" in views else positions, views["caps"], self.block_tables,
-                                  s.num_tokens, s.block_size, self.bs, self.scratch_entry)
-        self.slot_mapping.copy_(slots)
-        self.positions.copy_(pos)
-        torch.add(self.positions, 1, out=self.seq_lens)
+        fill_chain((views["next"] if "next" in views else positions, views["caps"], views["tables"]),
+                   (self.block_tables, self.slot_mapping, self.positions, self.seq_lens), s.block_size,
+                   (self.scratch_entry, self.scratch_block))
 
     @staticmethod
     def drafts(out: torch.Tensor, steps: list[int]) -> list[list[int]]:

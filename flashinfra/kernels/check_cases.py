@@ -5,7 +5,7 @@ grammar's token bitmask), shared by the registered checks (checks.py, fixed size
 are these with a cache format (``sparse_mla``, ``dsa_select``).
 
 Each case (``norms``, ``mhc``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``,
-``token_bitmask``) takes the device, the sizes, the dtype and a seed; it draws fresh random inputs, poisons the
+``token_bitmask``, ``penalties``, ``graph_inputs``) takes the device, the sizes, the dtype and a seed; it draws fresh random inputs, poisons the
 outputs with NaN where the launcher takes them, compares with the reference computed in float64 and returns
 ``list[CheckResult]``, failed ones included, instead of raising.
 """
@@ -17,6 +17,7 @@ import torch
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
 from flashinfra.kernels import penalties as pen
+from flashinfra.kernels.graph_inputs import fill_chain_launch, fill_chain_ref, fill_step_launch, fill_step_ref
 from flashinfra.kernels.dsa_pool_keys import write_pool_keys_launch
 from flashinfra.kernels.moe_align import moe_align as align
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch, apply_token_bitmask_ref
@@ -329,3 +330,41 @@ def penalties(device: str, N: int, V: int, P: int, S: int, seed=0) -> list[Check
     kept = torch.equal(out[free].view(torch.int32), before[free].view(torch.int32))
     return [compare(f"hotpath.penalties.n{N}.p{P}.v{V}", out[index], ref, atol=1e-5, rtol=1e-6),
             _verdict(f"hotpath.penalties.n{N}.p{P}.v{V}.others", kept, "rows without penalties left as they were")]
+
+
+def graph_inputs(device: str, bs: int, q: int, B: int, w: int, W: int, seed=0) -> list[CheckResult]:
+    """A step of ``B`` rows (1 to ``q`` tokens each, tables ``w`` wide) copied into a graph's ``bs`` rows of ``q``
+    tokens (tables ``W`` wide), every destination poisoned first, against the tensor-op reference: equal exactly,
+    and so is where each token went."""
+    gen = _gen(device, seed)
+    lens = torch.randint(1, q + 1, (B,), device=device, generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), lens.cumsum(0).int()])
+    T = int(cu[-1])
+
+    def ints(n, dtype, hi=1 << 20, *shape):
+        return torch.randint(0, hi, (n, *shape), device=device, generator=gen, dtype=dtype)
+
+    src = (ints(T, torch.int64), cu, ints(T, torch.int64), ints(T, torch.int32), ints(B, torch.int64),
+           ints(B, torch.int32, 1 << 20, w), ints(B, torch.int32))
+    shapes = ((bs * q, torch.int64), (bs * q, torch.int64), (bs * q, torch.int32), (bs, torch.int64),
+              ((bs, W), torch.int32), (bs, torch.int32), (bs * q, torch.int64))
+    dst = tuple(torch.full(n if isinstance(n, tuple) else (n,), -7, dtype=dt, device=device) for n, dt in shapes)
+    ref = tuple(t.clone() for t in dst)
+    scratch = (12345, 77, 99)
+    fill_step_launch(src, dst, q, scratch)
+    fill_step_ref(src, ref, q, scratch)
+    names = ("input_ids", "slot_mapping", "positions", "state_slots", "block_tables", "seq_lens")
+    tag = f"hotpath.graph_inputs.bs{bs}.q{q}.b{B}.w{w}"
+    out = [compare(f"{tag}.{n}", o, r, atol=0, rtol=0) for n, o, r in zip(names, dst, ref)]
+    out.append(compare(f"{tag}.at", dst[6][:T], ref[6][:T], atol=0, rtol=0))
+    # the chain of q - 1 steps over the same rows: next positions around their tables' ends (some past them)
+    caps = ((src[5][:, 0] % w + 1) * 16).contiguous() if w else torch.zeros(B, dtype=torch.int32, device=device)
+    tables = (src[5] % 1000).contiguous()
+    nxt = (caps.long() - torch.randint(-2, 2 * q, (B,), device=device, generator=gen)).clamp(min=0)
+    chain = (torch.full((bs, W), -7, dtype=torch.int32, device=device), torch.full((q - 1, bs), -7, device=device),
+             *(torch.full((q - 1, bs), -7, dtype=torch.int32, device=device) for _ in range(2)))
+    chain_ref = tuple(t.clone() for t in chain)
+    fill_chain_launch((nxt, caps, tables), chain, 16, (12345, 99))
+    fill_chain_ref((nxt, caps, tables), chain_ref, 16, (12345, 99))
+    names = ("block_tables", "slot_mapping", "positions", "seq_lens")
+    return out + [compare(f"{tag}.chain.{n}", o, r, atol=0, rtol=0) for n, o, r in zip(names, chain, chain_ref)]

@@ -15,8 +15,8 @@ import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
-from flashinfra.kernels.check_cases import (dsa_select, fused_moe, mhc, moe_align, norms, penalties, rnd, route,
-                                            sparse_mla, token_bitmask)
+from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, mhc, moe_align, norms, penalties, rnd,
+                                            route, sparse_mla, token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
 
@@ -93,6 +93,13 @@ def _penalties(dev, act, seed):
     if dev == "cuda":  # 128 rows, 96 penalized, over GLM-5.3-Flash's vocabulary
         return penalties(dev, 128, VOCAB, 96, 160, seed=seed)
     return penalties(dev, 9, 1030, 5, 12, seed=seed)
+
+
+@_registered("hotpath.graph_inputs")
+def _graph_inputs(dev, act, seed):
+    if dev == "cuda":  # a verify step of 100 rows into the 128-row graph, 4 tokens a row, a 1k-block table width
+        return graph_inputs(dev, 128, 4, 100, 700, 1024, seed=seed)
+    return graph_inputs(dev, 8, 5, 5, 9, 300, seed=seed)
 
 
 # ---- benchmarks -------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """CUDA graphs of speculative decoding: which steps replay which graph (``step_key``), how a verify step's rows are
 padded into a graph's static buffers (``StepBuffers``), the draft chain's per-step inputs (``chain_steps``,
-``chain_inputs``), which graphs the warm-up captures; on a GPU, ``LLM(speculative_tokens=k)`` gives the same tokens
+``kernels/graph_inputs.fill_chain``), which graphs the warm-up captures; on a GPU, ``LLM(speculative_tokens=k)`` gives the same tokens
 with the graphs as without, the verify and draft graphs replayed."""
 
 import collections
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flashinfra.engine.cuda_graphs import StepBuffers, graph_keys, step_key
-from flashinfra.engine.draft_graphs import chain_inputs, chain_steps
+from flashinfra.engine.draft_graphs import chain_steps
+from flashinfra.kernels.graph_inputs import fill_chain_ref
 from flashinfra.engine.warmup import capture_graphs
 from flashinfra.model.forward_batch import ForwardBatch
 from tests.spec_oracle import plant_drafts
@@ -102,22 +103,27 @@ def test_chain_steps_stop_where_the_table_ends():
     assert chain_steps([5, 10], tables[:2], 4, BS) == [3, 2]
 
 
-def test_chain_inputs_write_own_slots_then_the_scratch():
+def test_chain_fill_writes_own_slots_then_the_scratch():
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     pos = [5, 11, 12]
     steps = chain_steps(pos, tables, 3, BS)
-    caps = torch.tensor([len(t) * BS for t in tables])
-    slots, positions = chain_inputs(torch.tensor(pos), caps, torch.tensor(tables), 3, BS, 4, E)
-    slots, positions = slots.flatten().tolist(), positions.flatten().tolist()
+    i32 = torch.int32
+    caps = torch.tensor([len(t) * BS for t in tables], dtype=i32)
+    dst = (torch.full((4, 5), -7, dtype=i32), torch.full((2, 4), -7), torch.full((2, 4), -7, dtype=i32),
+           torch.full((2, 4), -7, dtype=i32))
+    fill_chain_ref((torch.tensor(pos), caps, torch.tensor(tables, dtype=i32)), dst, BS, (E, 99))
+    table, slots, positions, lengths = (t.tolist() for t in dst)
     assert steps == [2, 1, 0]  # what chain_steps tells the host of the same rows
 
     def at(table, p):
         return table[p // BS] * BS + p % BS
 
-    assert slots == [at(tables[0], 5), at(tables[1], 11), E, E,  # the full row's steps write the scratch slot
-                     at(tables[0], 6), E, E, E]
-    assert positions == [5, 11, 11, 1,  # at the last position its table holds; a padding row at 1
-                         6, 11, 11, 1]
+    assert sum(slots, []) == [at(tables[0], 5), at(tables[1], 11), E, E,  # the full row's steps write the scratch
+                              at(tables[0], 6), E, E, E]
+    assert sum(positions, []) == [5, 11, 11, 1,  # at the last position its table holds; a padding row at 1
+                                  6, 11, 11, 1]
+    assert lengths == [[p + 1 for p in row] for row in positions]
+    assert table == [t + [0, 0] for t in tables] + [[99] * 5]  # the tables, then the padding row's scratch block
 
 
 def test_warm_up_captures_decode_verify_draft_and_fold_keys():
