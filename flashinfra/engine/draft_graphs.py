@@ -8,8 +8,8 @@ last entry of each row that goes on. The rest is a chain: ``k - 1`` steps of one
 output hidden and its argmax back in. Which row takes which step is known on the host before the chain starts
 (``chain_steps``: a row goes on while its next position fits its block table), so the whole chain is one graph: its
 inputs are the catch-up's last hidden per row, the block tables, and per step each row's cache slot and position
-(``kernels/graph_inputs.fill_chain``); its output is the ``k`` drafts of every row, read back once where the eager chain reads each step's
-tokens.
+(``kernels/graph_inputs.fill_chain``); its output is the ``k`` drafts of every row, read back once where the eager
+chain reads each step's tokens.
 
 When no row has more than ``k + 2`` entries (every decode step's draft), the catch-up is in the graph too
 (``CatchupBuffers``): its rows padded to ``k + 2`` tokens as a verify step's are to ``k + 1``

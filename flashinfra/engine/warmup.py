@@ -11,8 +11,9 @@ the fold of each batch bucket; the eager paths of speculation run once too: the 
 prompt shape, and a prompt sharing its step with verify rows (``_mixed_verify_steps``).
 
 The prefill passes write into the first cache blocks and KDA slots (and, with prefix caching, the first
-checkpoint slot), which is harmless before any request exists: a sequence starting at context 0 never reads its slot's old state, and blocks are written before
-they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
+checkpoint slot; with speculation, the first slots' ReplaySSM rings and the MTP layer's first blocks), which is
+harmless before any request exists: a sequence starting at context 0 never reads its slot's old state, and blocks
+and ring entries are written before they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
 once. What it leaves out: the vision tower warms up on first use.
 """
 

@@ -12,8 +12,8 @@ block tables and, per chained step ``j < k - 1``, each row's cache slot and posi
 while that fits its table (``caps``: the table's capacity in tokens), past it the scratch entry at the table's last
 position; a padding row writes the scratch entry at position 1 from a table of the scratch block.
 
-In tensor ops each of these is some twenty launches, each a few microseconds of host time in a step whose host time is the
-bottleneck (a speculative step fills two such buffers); here one program per graph row does it all.
+In tensor ops each of these is some twenty launches, each a few microseconds of host time in a step whose host
+time is the bottleneck (a speculative step fills two such buffers); here one program per graph row does it all.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CUDA graphs of speculative decoding: which steps replay which graph (``step_key``), how a verify step's rows are
 padded into a graph's static buffers (``StepBuffers``), the draft chain's per-step inputs (``chain_steps``,
-``kernels/graph_inputs.fill_chain``), which graphs the warm-up captures; on a GPU, ``LLM(speculative_tokens=k)`` gives the same tokens
-with the graphs as without, the verify and draft graphs replayed."""
+``kernels/graph_inputs.fill_chain``), which graphs the warm-up captures; on a GPU, ``LLM(speculative_tokens=k)``
+gives the same tokens with the graphs as without, the verify and draft graphs replayed."""
 
 import collections
 import dataclasses

@@ -86,8 +86,9 @@ def test_prefill_shapes_hold_a_prompt_of_each_power_of_two_below_the_budget_and_
     assert all(p - 1 in singles for p in powers)  # a count no 16 divides, in every power-of-two class
 
 
-@pytest.mark.parametrize("longest,seqs,num_blocks,k,want_rows", [(2048, 64, 1000, 3, [1, 3, 16]), (2048, 4, 1000, 3, [1, 3]),
-                                                                  (40, 64, 1000, 3, [1, 3]), (2048, 64, 129, 1, [1])])
+@pytest.mark.parametrize("longest,seqs,num_blocks,k,want_rows",
+                         [(2048, 64, 1000, 3, [1, 3, 16]), (2048, 4, 1000, 3, [1, 3]), (40, 64, 1000, 3, [1, 3]),
+                          (2048, 64, 129, 1, [1])])
 def test_speculative_warm_up_mixes_a_prompt_with_verify_rows(longest, seqs, num_blocks, k, want_rows):
     """With speculative decoding the warm-up also runs a prompt beside 1, 3 and 16 verify rows of k + 1 tokens (the
     eager step of a request's prompt among others' drafts), each step within the token budget, the batch size and
