@@ -9,8 +9,9 @@ the median of ``--runs`` runs after a warm-up. Acceptance per position j = accep
 drafts verified at position j (the engine's ``Speculator`` counters). State bytes: per request over all KDA
 layers, ``replay_bytes_per_slot`` (checkpoint + conv window + ring of k + 1) against
 ``copy_bytes_per_slot`` (a state and conv window per verified token). Each row also counts the Triton compilations
-after the engine's start-up (its ``kernel_compile`` runtime events in the serving phase, by kernel): a specialisation
-the warm-up missed, paid in the untimed first generation (or, if a timed run meets a new shape, in the figure).
+after the engine's start-up, by kernel (a ``CompileWatch`` of the script's own, so the engine writes no runtime
+events while it is timed): a specialisation the warm-up missed, paid in the untimed first generation (or, if a timed
+run meets a new shape, in the figure).
 
 The checkpoint needs an MTP layer (``layers.N.*``); the built-in default model has one. ``--smoke``
 writes a tiny random checkpoint with one and runs CPU float32 at small sizes (the script's own test;
@@ -60,41 +61,49 @@ def _timed(llm, prompts, params, runs: int) -> float:
     return statistics.median(out)
 
 
-def _compiles(events: Path) -> dict:
-    """The engine's Triton compilations after its start-up: how many, their seconds, per kernel, and each one's
-    specialisation (what the warm-up would have to run to cover it)."""
-    found = [e for e in map(json.loads, events.read_text().splitlines())
-             if e["kind"] == "kernel_compile" and e.get("phase") == "serving"]
-    kernels: dict[str, int] = {}
-    for e in found:
-        kernels[e["kernel"]] = kernels.get(e["kernel"], 0) + 1
-    return {"count": len(found), "seconds": sum(e["duration_s"] for e in found), "kernels": kernels,
-            "specs": [{"kernel": e["kernel"], "spec": e["spec"]} for e in found]}
+class _Compiles(list):
+    """The Triton compilations seen by a ``CompileWatch`` started after an engine's start-up (an event sink that
+    keeps them: the engine itself writes no events, so its steps pay for none)."""
+
+    def emit(self, kind: str, **fields) -> None:
+        self.append(fields)
+
+    def summary(self) -> dict:
+        """How many, their seconds, per kernel, and each one's specialisation (what the warm-up would have to run to
+        cover it)."""
+        kernels: dict[str, int] = {}
+        for e in self:
+            kernels[e["kernel"]] = kernels.get(e["kernel"], 0) + 1
+        return {"count": len(self), "seconds": sum(e["duration_s"] for e in self), "kernels": kernels,
+                "specs": [{"kernel": e["kernel"], "spec": e["spec"]} for e in self]}
 
 
 def run(args) -> dict:
     from flashinfra import LLM, SamplingParams
+    from flashinfra.feedback.compiles import CompileWatch
     from flashinfra.model.replay import copy_bytes_per_slot, replay_bytes_per_slot
 
     rows = []
-    events_dir = Path(tempfile.mkdtemp())
     for c in args.concurrency:
         for k in args.ks:
-            events = events_dir / f"c{c}_k{k}.jsonl"
             llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
-                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1), events_path=str(events),
+                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1),
                       **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
+            compiles = _Compiles()
+            watch = CompileWatch(compiles).start() if args.device.startswith("cuda") else None
             text = llm.engine.model.config.text
             prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
             full = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
             first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             t_full = _timed(llm, prompts, full, args.runs)
             t_first = _timed(llm, prompts, first, args.runs)
+            if watch is not None:
+                watch.stop()
             row = {"concurrency": c, "k": k, "max_batch": args.max_batch,
                    "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
                    "generate_s": t_full, "prefill_s": t_first,
                    "startup_s": getattr(llm.engine.warmup, "seconds", None),
-                   "compiles_after_startup": _compiles(events)}
+                   "compiles_after_startup": compiles.summary()}
             spec = llm.engine.runner.speculator
             if spec is not None:
                 row["acceptance_per_position"] = [a / d if d else None
