@@ -47,7 +47,9 @@ def kda_chunk_one_ref(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [L, H, V], final state [H, K, V]
     L, H, K = k.shape
-    BT = chunk_size
+    # a sequence shorter than a chunk is one chunk either way: padded to the next power of two (at least 16), not
+    # to the chunk, the same sums over fewer zero rows
+    BT = chunk_size if L >= chunk_size else min(chunk_size, max(16, 1 << (L - 1).bit_length()))
     pad = (BT - L % BT) % BT
     # [H, N, BT, *]
     q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(H, -1, BT, x.shape[-1]) for x in (q, k, v, g))
@@ -60,9 +62,8 @@ def kda_chunk_one_ref(
     # decay[i, j] = exp(g_i - g_j) for j <= i, per channel
     decay = (g[..., :, None, :] - g[..., None, :, :]).masked_fill(strict_upper[..., None], float("-inf")).exp()
     A = -(k_beta[..., :, None, :] * k[..., None, :, :] * decay).sum(-1).masked_fill(upper, 0)
-    for i in range(1, BT):  # forward substitution: (I - A)^-1, row by row
-        A[..., i, :i] = A[..., i, :i].clone() + (A[..., i, :i, None].clone() * A[..., :i, :i].clone()).sum(-2)
-    A = A + torch.eye(BT, dtype=A.dtype, device=A.device)
+    eye = torch.eye(BT, dtype=A.dtype, device=A.device).expand_as(A)
+    A = torch.linalg.solve_triangular(eye - A, eye, upper=False, unitriangular=True)  # (I - A)^-1
     u = A @ v_beta  # [H, N, BT, V]
     w = A @ (k_beta * g.exp())  # [H, N, BT, K]
     o = torch.empty_like(u)
