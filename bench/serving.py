@@ -33,7 +33,7 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.engine.sched.messages import EngineRequest, SamplingParams
 from flashinfra.feedback import ceilings
-from flashinfra.feedback.compiles import CompileWatch
+from flashinfra.feedback.compiles import CompileWatch, KeptCompiles
 from flashinfra.feedback.timing import checked_step, header, write_results
 from flashinfra.model.api import random_model
 from flashinfra.model.cache import ModelCache
@@ -98,18 +98,11 @@ def decode_row(core: EngineCore, context: int, seed: int) -> dict:
                 max_step_s=max(decode_steps), steps=decode_steps)
 
 
-class _Kept(list):
-    """An event sink that keeps each event's fields (for ``CompileWatch``)."""
-
-    def emit(self, kind: str, **fields) -> None:
-        self.append(fields)
-
-
 def batch_shape_row(core: EngineCore, batch: int, seed: int) -> dict:
     """``batch`` requests of 256-token prompts decoding together for the first time, then a second such batch: the
     first batch's prefill step against the second's (the same shape again), its first decode steps against the
     steady ones, and the kernels that compiled on the way. The row's ratio is the larger of the two."""
-    compiled, parts = _Kept(), []
+    compiled, parts = KeptCompiles(), []
     for again in (0, 1):
         for i in range(batch):
             add(core, 256, 24, seed + 1000 * again + i)

@@ -61,26 +61,9 @@ def _timed(llm, prompts, params, runs: int) -> float:
     return statistics.median(out)
 
 
-class _Compiles(list):
-    """The Triton compilations seen by a ``CompileWatch`` started after an engine's start-up (an event sink that
-    keeps them: the engine itself writes no events, so its steps pay for none)."""
-
-    def emit(self, kind: str, **fields) -> None:
-        self.append(fields)
-
-    def summary(self) -> dict:
-        """How many, their seconds, per kernel, and each one's specialisation (what the warm-up would have to run to
-        cover it)."""
-        kernels: dict[str, int] = {}
-        for e in self:
-            kernels[e["kernel"]] = kernels.get(e["kernel"], 0) + 1
-        return {"count": len(self), "seconds": sum(e["duration_s"] for e in self), "kernels": kernels,
-                "specs": [{"kernel": e["kernel"], "spec": e["spec"]} for e in self]}
-
-
 def run(args) -> dict:
     from flashinfra import LLM, SamplingParams
-    from flashinfra.feedback.compiles import CompileWatch
+    from flashinfra.feedback.compiles import CompileWatch, KeptCompiles
     from flashinfra.model.replay import copy_bytes_per_slot, replay_bytes_per_slot
 
     rows = []
@@ -89,7 +72,7 @@ def run(args) -> dict:
             llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
                       speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1),
                       **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
-            compiles = _Compiles()
+            compiles = KeptCompiles()
             watch = CompileWatch(compiles).start() if args.device.startswith("cuda") else None
             text = llm.engine.model.config.text
             prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)

@@ -5,9 +5,12 @@ divisibility by 16 or equality to 1, the constexprs); the engine's warm-up (``en
 can foresee, and any specialisation it missed compiles in the middle of serving, where a step then takes tens to
 hundreds of milliseconds instead of a few. ``CompileWatch`` installs Triton's JIT hooks (chaining any already
 installed) and emits one ``kernel_compile`` event per compilation: ``kernel``, ``spec`` (the launch options, the
-constexpr values, integers equal to 1 among them, and the arguments specialised as divisible by 16) and ``duration_s`` (from the lookup that missed to the compiled kernel; a kernel found in
-Triton's on-disk cache takes milliseconds, a fresh one seconds). ``count`` and ``seconds`` total them. Launches
-through ``kernels/launch.py`` reach Triton's compiler the same way, on their first call per specialisation.
+constexpr values, integers equal to 1 among them, and the arguments specialised as divisible by 16) and
+``duration_s`` (from the lookup that missed to the compiled kernel; a kernel found in Triton's on-disk cache takes
+milliseconds, a fresh one seconds). ``count`` and ``seconds`` total them. Launches through ``kernels/launch.py``
+reach Triton's compiler the same way, on their first call per specialisation. A benchmark that watches an engine
+without making it write events keeps them in a ``KeptCompiles``; ``totals`` adds them up, for it and for the events
+summary.
 """
 
 from __future__ import annotations
@@ -66,6 +69,30 @@ class CompileWatch:
             if (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == self._hooks:
                 runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._saved
             self._saved = None
+
+
+class KeptCompiles(list):
+    """An event sink for a ``CompileWatch`` of a benchmark's own, keeping each compilation's fields (``kernel``,
+    ``spec``, ``duration_s``, ``phase``): the engine it watches need not write runtime events while it is timed."""
+
+    def emit(self, kind: str, **fields) -> None:
+        self.append(fields)
+
+    def summary(self) -> dict:
+        """``totals`` of the compilations kept, and each one's specialisation (what a warm-up would have to run to
+        cover it)."""
+        return {**totals(self), "specs": [{"kernel": e["kernel"], "spec": e["spec"]} for e in self]}
+
+
+def totals(compiles: list[dict]) -> dict:
+    """Compilations (``kernel_compile`` events' fields) totalled: how many and their seconds, overall and per
+    kernel."""
+    by_kernel: dict[str, dict[str, float]] = {}
+    for e in compiles:
+        k = by_kernel.setdefault(str(e.get("kernel")), {"count": 0, "seconds": 0.0})
+        k["count"] += 1
+        k["seconds"] += float(e.get("duration_s", 0.0))
+    return {"count": len(compiles), "seconds": sum(k["seconds"] for k in by_kernel.values()), "by_kernel": by_kernel}
 
 
 def describe(kw: dict) -> str:

@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from typing import Any
 
+from flashinfra.feedback.compiles import totals
 from flashinfra.feedback.events import read_events
 
 
@@ -101,13 +102,7 @@ def summarize(source: str | os.PathLike | list[dict[str, Any]], windows: int = 1
         out["gil_stalls"] = _pct(stalls)
     compiles = [e for e in events if e["kind"] == "kernel_compile" and e.get("phase", "serving") == "serving"]
     if compiles:
-        by_kernel: dict[str, dict[str, float]] = {}
-        for e in compiles:
-            k = by_kernel.setdefault(str(e.get("kernel")), {"count": 0, "seconds": 0.0})
-            k["count"] += 1
-            k["seconds"] += _num(e, "duration_s")
-        out["kernel_compiles"] = {"count": len(compiles), "seconds": sum(k["seconds"] for k in by_kernel.values()),
-                                  "by_kernel": by_kernel}
+        out["kernel_compiles"] = totals(compiles)
     out["timeline"] = _timeline(events, t0, wall, windows)
     return out
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.feedback.compiles import CompileWatch
+from flashinfra.feedback.compiles import CompileWatch, KeptCompiles
 from flashinfra.feedback.events import EventLog, read_events
 from flashinfra.feedback.events_summary import format_text, summarize
 
@@ -45,6 +45,16 @@ def test_each_compilation_is_one_event_and_earlier_hooks_still_run(tmp_path, mon
     s = summarize(events)
     assert s["kernel_compiles"]["by_kernel"]["some_kernel"]["count"] == 2
     assert "kernel compilations after start-up: 2" in format_text(s)
+
+
+def test_a_benchmark_keeps_compilations_without_an_event_log():
+    kept = KeptCompiles()  # what a CompileWatch emits into it
+    for kernel, spec, seconds in (("k_a", "spec a", 0.25), ("k_b", "spec b", 0.5), ("k_a", "spec c", 1.0)):
+        kept.emit("kernel_compile", kernel=kernel, spec=spec, duration_s=seconds, phase="serving")
+    s = kept.summary()
+    assert (s["count"], s["seconds"]) == (3, 1.75)
+    assert s["by_kernel"] == {"k_a": {"count": 2, "seconds": 1.25}, "k_b": {"count": 1, "seconds": 0.5}}
+    assert [x["spec"] for x in s["specs"]] == ["spec a", "spec b", "spec c"]
 
 
 @triton.jit
