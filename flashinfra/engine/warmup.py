@@ -13,8 +13,8 @@ prompt shape, and a prompt sharing its step with verify rows (``_mixed_verify_st
 The prefill passes write into the first cache blocks and KDA slots (and, with prefix caching, the first
 checkpoint slot; with speculation, the first slots' ReplaySSM rings and the MTP layer's first blocks), which is
 harmless before any request exists: a sequence starting at context 0 never reads its slot's old state, and blocks
-and ring entries are written before they are read. On a CPU (no graphs, reference kernels) there is nothing to warm and ``warm_up`` returns at
-once. What it leaves out: the vision tower warms up on first use.
+and ring entries are written before they are read. On a CPU (no graphs, reference kernels) there is nothing to
+warm and ``warm_up`` returns at once. What it leaves out: the vision tower warms up on first use.
 """
 
 from __future__ import annotations
