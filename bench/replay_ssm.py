@@ -132,7 +132,8 @@ def main() -> None:
     result = dict(header(), layer=dict(H=H, K=K, V=K, conv_width=W, activations="bfloat16", state="float32"),
                   copy_GBps=gbps, rows=rows)
     if args.out:
-        write_results(os.path.splitext(os.path.basename(args.out))[0], result, directory=os.path.dirname(args.out) or ".")
+        write_results(os.path.splitext(os.path.basename(args.out))[0], result,
+                      directory=os.path.dirname(args.out) or ".")
     print("| batch | k | ReplaySSM | copy per draft | copies / replay | state bytes per request (replay / copies) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -6,8 +6,9 @@ are these with a cache format (``sparse_mla``, ``dsa_select``).
 
 Each case (``norms``, ``mhc``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``,
 ``token_bitmask``, ``penalties``, ``graph_inputs``) takes the device, the sizes, the dtype and a seed; it draws
-fresh random inputs, poisons the outputs with NaN where the launcher takes them, compares with the reference computed in float64 and returns
-``list[CheckResult]``, failed ones included, instead of raising.
+fresh random inputs, poisons the outputs with NaN where the launcher takes them, compares with the reference
+computed in float64 (integer outputs: exactly) and returns ``list[CheckResult]``, failed ones included, instead of
+raising.
 """
 
 from __future__ import annotations
