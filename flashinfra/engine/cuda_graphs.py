@@ -127,19 +127,21 @@ class StepBuffers:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         self.scratch_entry = scratch_block * block_size + 1  # the cache slot every pad token writes
         T = bs * q
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
-        self.input_ids = torch.empty(T, **i64)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=device)
         self.batch = ForwardBatch(
             query_lens=(q,) * bs, context_lens=(1,) * bs, state_slots=(scratch_slot,) * bs,
             block_tables=((scratch_block,),) * bs, block_size=block_size, replay=(True,) * bs if q > 1 else (),
-            cu_seqlens=torch.arange(bs + 1, **i32) * q, slot_mapping=torch.empty(T, **i64),
-            state_slots_t=torch.empty(bs, **i64), block_tables_t=torch.empty(bs, width, **i32),
-            seq_lens_t=torch.empty(bs, **i32), token_seq=torch.arange(bs, **i32).repeat_interleave(q),
-            positions=torch.empty(T, **i32),
+            cu_seqlens=torch.arange(bs + 1, **i32) * q,
+            slot_mapping=torch.full((T,), self.scratch_entry, dtype=torch.long, device=device),
+            state_slots_t=torch.full((bs,), scratch_slot, dtype=torch.long, device=device),
+            block_tables_t=torch.full((bs, width), scratch_block, **i32),
+            seq_lens_t=torch.full((bs,), 2, **i32),
+            token_seq=torch.arange(bs, **i32).repeat_interleave(q),
+            positions=torch.ones(T, **i32),
         )
-        self.at = torch.zeros(T, **i64)  # where ``fill``'s tokens went
-        # an empty step: every row padding (as ``fill`` writes it), the fill kernel compiled here (at capture: the
-        # start-up warm-up)
+        self.at = torch.zeros(T, dtype=torch.long, device=device)  # where ``fill``'s tokens went
+        # an empty step: every row padding, and the fill kernel compiled here (at capture: the start-up warm-up)
         none = torch.zeros(0, dtype=torch.long, device=device)
         self.fill(none, ForwardBatch.build([], [], [], [], block_size, device))
 

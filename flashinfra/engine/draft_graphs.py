@@ -57,18 +57,18 @@ class ChainBuffers:
         dev, steps = spec.device, spec.num_tokens - 1
         i32 = dict(dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(bs, spec.model.config.text.hidden_size, dtype=spec.model.dtype, device=dev)
-        self.block_tables = torch.empty(bs, width, **i32)
-        self.slot_mapping = torch.empty(steps, bs, dtype=torch.long, device=dev)
-        self.positions = torch.empty(steps, bs, **i32)
+        self.block_tables = torch.full((bs, width), scratch_block, **i32)
+        self.slot_mapping = torch.full((steps, bs), self.scratch_entry, dtype=torch.long, device=dev)
+        self.positions = torch.ones(steps, bs, **i32)
         shared = dict(query_lens=(1,) * bs, context_lens=(1,) * bs, state_slots=(scratch_slot,) * bs,
                       block_tables=((scratch_block,),) * bs, block_size=spec.block_size,
                       cu_seqlens=torch.arange(bs + 1, **i32), block_tables_t=self.block_tables,
                       state_slots_t=torch.full((bs,), scratch_slot, dtype=torch.long, device=dev),
                       token_seq=torch.arange(bs, **i32))
-        self.seq_lens = torch.empty(steps, bs, **i32)
+        self.seq_lens = self.positions + 1
         self.batches = [ForwardBatch(slot_mapping=self.slot_mapping[j], positions=self.positions[j],
                                      seq_lens_t=self.seq_lens[j], **shared) for j in range(steps)]
-        # no row: every row padding (as ``fill`` writes it), the fill kernel compiled here (at capture: the warm-up)
+        # no row: every row padding, and the fill kernel compiled here (at capture: the start-up warm-up)
         none = torch.zeros(0, dtype=torch.int32, device=dev)  # the next positions come as int64, as in use
         fill_chain((none.long(), none, none.view(0, 0)),
                    (self.block_tables, self.slot_mapping, self.positions, self.seq_lens), spec.block_size,
