@@ -318,7 +318,7 @@ class Importer:
                 self.receiver.write(arrival, engine_caches(self.core), req.block_ids, req.state_slot)
             if runner.speculator is not None and state.hidden and not req.is_finished:
                 hidden = torch.frombuffer(bytearray(state.hidden), dtype=torch.uint8)
-                runner.speculator.hidden[req.request_id] = hidden.view(runner.model.dtype).to(runner.device)
+                runner.speculator.hidden.set(req.request_id, req.state_slot, hidden.view(runner.model.dtype))
                 runner.speculator.drafts[req.request_id] = list(state.drafts)
             if state.generator_state and not req.is_finished:
                 gen = torch.Generator(device=runner.device)

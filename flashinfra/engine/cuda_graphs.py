@@ -38,6 +38,7 @@ memory pool (``GraphPool``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -141,9 +142,13 @@ class StepBuffers:
             positions=torch.ones(T, **i32),
         )
         self.at = torch.zeros(T, dtype=torch.long, device=device)  # where ``fill``'s tokens went
-        # an empty step: every row padding, and the fill kernel compiled here (at capture: the start-up warm-up)
-        none = torch.zeros(0, dtype=torch.long, device=device)
-        self.fill(none, ForwardBatch.build([], [], [], [], block_size, device))
+        self.clear()  # the fill kernel compiled here (at capture: the start-up warm-up)
+
+    def clear(self) -> None:
+        """Every row padding (an empty step)."""
+        device = self.input_ids.device
+        self.fill(torch.zeros(0, dtype=torch.long, device=device),
+                  ForwardBatch.build([], [], [], [], self.batch.block_size, device))
 
     def fill(self, input_ids: torch.Tensor, batch: ForwardBatch) -> slice | torch.Tensor:
         """Copy ``batch`` (at most ``bs`` rows of at most ``q`` tokens) in, the rest padding, in one launch
@@ -185,8 +190,6 @@ class DecodeGraphs:
 
     def __init__(self, model: LoadedModel, cache: ModelCache, scratch_block: int, scratch_slot: int,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, verify_q: int = 1):
-        if model.device.type != "cuda":
-            raise ValueError("DecodeGraphs: CUDA graphs need a CUDA model")
         if not 0 <= scratch_block < cache.num_blocks or not 0 <= scratch_slot < cache.num_slots:
             raise ValueError(f"DecodeGraphs: scratch block {scratch_block} / slot {scratch_slot} outside the cache")
         self.model, self.cache = model, cache
@@ -203,7 +206,11 @@ class DecodeGraphs:
         return (1, self.verify_q) if self.verify_q > 1 else (1,)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return step_key(batch, self.batch_buckets, self.verify_q) is not None
+        return self.key(batch) is not None
+
+    def key(self, batch: ForwardBatch) -> tuple[int, int, int] | None:
+        """The key of the graph that replays ``batch`` (``step_key``), or None."""
+        return step_key(batch, self.batch_buckets, self.verify_q)
 
     def _capture(self, bs: int, width: int, q: int):
         buf = StepBuffers(bs, width, q, self.cache.block_size, self.scratch_block, self.scratch_slot,
@@ -220,14 +227,34 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(*key)
         return len(new)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The step's hidden states ``[T, D]`` (its own packing) from a graph replay (capturing it on first use)."""
-        key = step_key(batch, self.batch_buckets, self.verify_q)
+    def replay(self, input_ids: torch.Tensor, batch: ForwardBatch) -> Replayed:
+        """The step copied into its graph's static inputs and the graph replayed (captured on first use)."""
+        key = self.key(batch)
         if key is None:
-            raise ValueError("DecodeGraphs.run: not a decode or verify batch within the largest bucket")
+            raise ValueError("DecodeGraphs.replay: not a decode or verify batch within the largest bucket")
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, buf, hidden = self.graphs[key]
         at = buf.fill(input_ids, batch)
         graph.replay()
-        return hidden[at].clone() if isinstance(at, slice) else hidden[at]
+        return Replayed(key, buf, hidden, at)
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The step's hidden states ``[T, D]`` (its own packing) from a graph replay."""
+        return self.replay(input_ids, batch).hidden()
+
+
+@dataclass
+class Replayed:
+    """A replayed step graph: its key, its static inputs (``buf``, the step in its first rows) and output hidden
+    states ``[bs * q, D]`` (``out``), both rewritten by the next replay of the same key, and where the step's tokens
+    lie in them (``at``)."""
+
+    key: tuple[int, int, int]
+    buf: StepBuffers
+    out: torch.Tensor
+    at: slice | torch.Tensor
+
+    def hidden(self) -> torch.Tensor:
+        """The step's hidden states ``[T, D]`` in its own packing (a copy)."""
+        return self.out[self.at].clone() if isinstance(self.at, slice) else self.out[self.at]

@@ -214,6 +214,13 @@ class DraftGraphs:
         return drafts
 
 
+def fold_layers(cache: ModelCache, slots: torch.Tensor, counts: torch.Tensor) -> None:
+    """Fold ``counts[r]`` ring entries into slot ``slots[r]`` of every KDA layer (int32 device tensors; a count of 0
+    leaves its slot alone)."""
+    for layer, ring in cache.replay.items():
+        kda_fold_launch(ring, cache.conv_state[layer], cache.recurrent_state[layer], slots, counts)
+
+
 class FoldGraphs:
     """The fold of every KDA layer's accepted ring entries into its checkpoint (``kda_fold_launch``), captured per
     batch bucket: the rows' slots and accepted counts go into static buffers, the padding rows with a count of zero
@@ -230,11 +237,7 @@ class FoldGraphs:
         dev = next(iter(self.cache.recurrent_state.values())).device
         slots, counts = (torch.zeros(bs, dtype=torch.int32, device=dev) for _ in range(2))
 
-        def body():
-            for layer, ring in self.cache.replay.items():
-                kda_fold_launch(ring, self.cache.conv_state[layer], self.cache.recurrent_state[layer], slots, counts)
-
-        graph, _ = self.pool.capture(body)
+        graph, _ = self.pool.capture(lambda: fold_layers(self.cache, slots, counts))
         return graph, slots, counts
 
     def capture(self, buckets: list[int]) -> int:

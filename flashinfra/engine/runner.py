@@ -185,17 +185,22 @@ class ModelRunner:
         # the rows whose logits are sampled: all a model computes for the step unless the speculator needs more
         picks = [(sr, i) for sr, i in zip(sched, batch.last_token_indices) if sr.sample]
         rows = None if spec is not None else inputs["rows"]
+        replayed = None
         if embeds is not None:
             hidden = self.model.model(input_ids, batch, self.cache, inputs_embeds=embeds)
         elif self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(input_ids, batch)
+            if spec is not None:  # a verify graph's tail is captured while its inputs can be cleared
+                spec.overlap.capture(self.graphs, [self.graphs.key(batch)])
+            replayed = self.graphs.replay(input_ids, batch)
         else:
             hidden = self.model.forward(input_ids, batch, self.cache, rows=rows)
             rows = None  # already the picked rows
-        if spec is not None and spec.overlap.can_run(sched, feeds, replay):
-            pending = spec.overlap.launch(sched, feeds, batch.cu_seqlens_list, hidden, input_ids)
+        if spec is not None and spec.overlap.can_run(sched, feeds, replayed):
+            pending = spec.overlap.launch(sched, feeds, replayed, inputs["table_caps"])
             self._copy_states(inputs["save_src"], inputs["save_dst"])  # after the fold, on the stream
             return StepHandle(result, speculative=pending)
+        if replayed is not None:
+            hidden = replayed.hidden()
         if spec is not None:
             return StepHandle(self._finish_speculative(sched, feeds, replay, batch, hidden, result, inputs))
         self._copy_states(inputs["save_src"], inputs["save_dst"])
@@ -236,6 +241,8 @@ class ModelRunner:
         arrays += [("fill_pos", i64, [p for p, _ in pairs], (len(pairs),)),
                    ("fill_rows", i64, [r for _, r in pairs], (len(pairs),))]
         arrays += sampling_columns([sr.sampling for sr in sched if sr.sample])
+        if self.speculator is not None:  # where each row's drafts must stop
+            arrays.append(("table_caps", torch.int32, [len(t) * self.block_size for t in tables], (len(tables),)))
         if penalties:
             arrays += self.penalties.columns([sr for sr in sched if sr.sample])
         views = self.staging.upload(arrays)

@@ -1,22 +1,25 @@
-"""The overlapped speculative step: acceptance, fold and draft launched on the device before the host reads a token.
+"""The overlapped speculative step: acceptance, fold and draft replayed on the device before the host reads a token.
 
 In the plain speculative step (``Speculator.accept_rows``, ``fold``, ``draft``) the host reads the target's tokens
 back after the verify, accepts, and only then launches the fold and the MTP layer's draft: the device waits for the
 host in between. When every row of a verify step is greedy (no penalties, logprobs or grammar), has drafted before
-(its last hidden kept, none deferred) and the draft runs from graphs, all of it can go to the device at once:
+(its last hidden kept, none deferred) and the verify replays its graph, all of it runs from two more graphs per
+verify graph (``VerifyTail``), which read the verify graph's static inputs and output where its replay left them:
 
-- acceptance: the argmax at every fed position, compared with the drafts in the step's own input tokens (where the
-  device put them): each row commits ``m = 1 + (drafts equal to the argmax before them)`` of its fed tokens;
-- the fold of those ``m`` into every KDA checkpoint (``FoldGraphs`` reads the counts from the device);
-- the catch-up over all ``1 + n`` entries a row can commit (``n`` fed tokens: the previous step's last position, then
-  each fed position with the argmax after it as its token, which is the committed token wherever it counts). The
-  entries past a row's ``m``-th are its rejected positions: causal to the real ones, so they change nothing, and
-  overwritten by the chain or the next catch-up before anything reads them (``CatchupBuffers.fill``, ``ends``); the
-  chain starts from the ``m``-th, at position ``context + m`` (``chain_inputs``, on the device).
+- ``argmax``: the target's argmax at every fed position (the padded layout: row ``b``'s tokens at ``b * q``);
+- ``body``: acceptance, each row committing ``m = 1 + (drafts equal to the argmax before them)`` of its fed tokens
+  (a row's fed tokens are its entries whose cache slot is not the scratch one); the fold of those ``m`` into every
+  KDA checkpoint; the MTP layer's catch-up over all ``1 + q`` entries a row can commit (the previous step's last
+  position, with its kept hidden, then each fed position with the argmax after it as its token, which is the
+  committed token wherever it counts), padded as ``CatchupBuffers`` pads; the entries past a row's ``m``-th are
+  its rejected positions: causal to the real ones, so they change nothing, and overwritten by the chain or the next
+  catch-up before anything reads them; the chain from the ``m``-th entry, at position ``context + m``; and each
+  row's last committed hidden kept in its state slot's row (``LastHidden``).
 
-The argmax comes back in a copy whose event is recorded before the fold and the draft, so the host waits for the
-verify only, and files the step's tokens (``greedy_accept`` on the same argmax and drafts gives the device's ``m``)
-while the device folds and drafts. The step's emitted tokens are what the plain step emits.
+The host's part of a step is the verify graph's fill and three replays. The argmax comes back in a copy whose event
+is recorded before the body, so the host waits for the verify only and files the step's tokens (``greedy_accept``
+on the same argmax and drafts gives the device's ``m``) while the device folds and drafts. The step's emitted
+tokens are what the plain step emits.
 """
 
 from __future__ import annotations
@@ -25,90 +28,135 @@ from dataclasses import dataclass
 
 import torch
 
-from flashinfra.engine.draft_graphs import chain_steps
+from flashinfra.engine.cuda_graphs import Replayed, StepBuffers
+from flashinfra.engine.draft_graphs import CatchupBuffers, chain_steps, fold_layers
 from flashinfra.engine.sched.plan import ScheduledRequest, StepResult
 from flashinfra.engine.spec_accept import greedy_accept
-from flashinfra.model.forward_batch import ForwardBatch
+from flashinfra.kernels.graph_inputs import fill_chain
 
 
 @dataclass
 class PendingAccept:
-    """An overlapped step launched: its rows with their fed tokens, and the argmax at every fed position on its
-    way to the host (``copied``: its event; None on a CPU)."""
+    """An overlapped step launched: its rows with their fed tokens, and the argmax at every position of its verify
+    graph (``q`` a row) on its way to the host (``copied``: its event; None on a CPU)."""
 
     rows: list[tuple[ScheduledRequest, list[int]]]
-    cu: list[int]
+    q: int
     targets: torch.Tensor
     copied: torch.cuda.Event | None
+
+
+class VerifyTail:
+    """The graphs replayed after one verify graph (its static inputs ``verify`` and output ``out``): the argmax, and
+    the acceptance, fold, catch-up and chain (the module's docstring)."""
+
+    def __init__(self, spec, verify: StepBuffers, out: torch.Tensor, width: int):
+        self.spec, self.verify, self.out = spec, verify, out
+        bs, dev = verify.bs, out.device
+        self.targets = torch.zeros(bs * verify.q, dtype=torch.long, device=dev)
+        self.caps = torch.zeros(bs, dtype=torch.int32, device=dev)  # each row's block table, in tokens
+        self.catchup = CatchupBuffers(spec, bs, width, verify.scratch_block, verify.scratch_slot)
+
+    def argmax(self) -> torch.Tensor:
+        self.targets.copy_(self.spec.model.compute_logits(self.out).argmax(-1))
+        return self.targets
+
+    def body(self) -> torch.Tensor:
+        """-> the drafts [k, bs]."""
+        s, v, c = self.spec, self.verify, self.catchup
+        vb, cb, bsz = v.batch, c.step.batch, s.block_size
+        bs, q, k = v.bs, v.q, s.num_tokens
+        slots = vb.slot_mapping.view(bs, q)
+        real = slots != v.scratch_entry
+        ns = real.sum(1)  # each row's fed tokens; 0: a padding row
+        live = ns > 0
+        fed, tgt = v.input_ids.view(bs, q), self.targets.view(bs, q)
+        m = 1 + ((tgt[:, :k] == fed[:, 1:]) & real[:, 1:]).long().cumprod(1).sum(1)
+        fold_layers(s.cache, vb.state_slots_t.int(), torch.where(live, m, 0).int())
+        ctx = vb.seq_lens_t.long() - ns  # the rows' context before the step
+        ids = c.step.input_ids.view(bs, q + 1)
+        ids[:, 0], ids[:, 1:] = fed[:, 0], tgt
+        hidden = c.hidden.view(bs, q + 1, -1)
+        hidden[:, 0], hidden[:, 1:] = s.hidden.rows[vb.state_slots_t], self.out.view(bs, q, -1)
+        e = torch.arange(q + 1, device=ns.device)
+        cb.positions.view(bs, q + 1).copy_(ctx[:, None] - 1 + torch.minimum(e[None, :], ns[:, None]))
+        prev = (ctx - 1).clamp(min=0)  # the previous step's last position
+        first = vb.block_tables_t.gather(1, (prev // bsz)[:, None])[:, 0].long() * bsz + prev % bsz
+        mapping = cb.slot_mapping.view(bs, q + 1)
+        mapping[:, 0], mapping[:, 1:] = torch.where(live, first, v.scratch_entry), slots
+        cb.seq_lens_t.copy_(vb.seq_lens_t)
+        cb.block_tables_t.copy_(vb.block_tables_t)
+        cb.state_slots_t.copy_(vb.state_slots_t)
+        rows = torch.arange(bs, device=ns.device)
+        c.last.copy_(rows * (q + 1) + m)  # each row's m-th entry
+        # the chain from position context + m; a padding row at position 1 of the scratch block, as ChainBuffers pads
+        ch = c.chain
+        fill_chain((torch.where(live, ctx + m, 1), torch.where(live, self.caps, 2), vb.block_tables_t),
+                   (ch.block_tables, ch.slot_mapping, ch.positions, ch.seq_lens), bsz,
+                   (ch.scratch_entry, ch.scratch_block))
+        drafts = c.body()
+        s.hidden.rows[vb.state_slots_t] = self.out.view(bs, q, -1)[rows, m - 1]
+        return drafts
 
 
 class OverlappedStep:
     def __init__(self, spec) -> None:
         self.spec = spec
+        self.tails: dict[tuple[int, int, int], tuple[object, VerifyTail, object, torch.Tensor]] = {}
         self._pinned = torch.empty(0, dtype=torch.long)
 
-    def can_run(self, sched: list[ScheduledRequest], feeds: list[list[int]], replay: tuple[bool, ...]) -> bool:
+    def can_run(self, sched: list[ScheduledRequest], feeds: list[list[int]], replayed: Replayed | None) -> bool:
         """Whether this verify step can run overlapped (see the module's docstring)."""
         s = self.spec
-        if (s.graphs is None or s.fold_graphs is None or not replay or not all(replay)
-                or not s.graphs.can_run(len(sched)) or not s.fold_graphs.can_run(len(sched))
-                or 0 < s.max_batch < len(sched)):
+        if (replayed is None or replayed.key not in self.tails or 0 < s.max_batch < len(sched)):
             return False
         for sr, f in zip(sched, feeds):
             p = sr.sampling
             if (not sr.sample or not p.greedy or p.has_penalties or p.logprobs is not None or p.grammar is not None
                     or sr.num_new_tokens != 1 or sr.context_len == 0 or sr.request_id not in s.hidden
-                    or sr.request_id in s.deferred or len(f) > s.num_tokens + 1):
+                    or sr.request_id in s.deferred):
                 return False
         return True
 
-    def launch(self, sched: list[ScheduledRequest], feeds: list[list[int]], cu: list[int], hidden: torch.Tensor,
-               input_ids: torch.Tensor) -> PendingAccept:
-        """Accept, fold and draft on the device for a verify step (``can_run``): ``hidden`` [T, D] and ``input_ids``
-        [T] its fed positions' hidden states and tokens in ``cu``'s packing."""
+    def capture(self, graphs, keys: list[tuple[int, int, int]] | None = None) -> int:
+        """Capture the tails of ``graphs``' (``DecodeGraphs``) verify graphs that have none (of ``keys``; default: all
+        it holds), each with its verify graph's inputs cleared first, so that the capture's runs touch only the
+        scratch block and slot; -> how many were new."""
+        q = self.spec.num_tokens + 1
+        keys = [key for key in (keys if keys is not None else graphs.graphs)
+                if key[2] == q and key not in self.tails]
+        graphs.capture(keys)
+        for key in keys:
+            _, buf, out = graphs.graphs[key]
+            buf.clear()
+            tail = VerifyTail(self.spec, buf, out, key[1])
+            argmax, _ = graphs.pool.capture(tail.argmax)
+            body, drafts = graphs.pool.capture(tail.body)
+            self.tails[key] = (argmax, tail, body, drafts)
+        return len(keys)
+
+    def launch(self, sched: list[ScheduledRequest], feeds: list[list[int]], replayed: Replayed,
+               caps: torch.Tensor) -> PendingAccept:
+        """Accept, fold and draft on the device for a verify step (``can_run``) whose graph ``replayed`` has just
+        replayed, its tail captured (``capture``, before that replay); ``caps`` its rows' block tables in tokens, on
+        the device."""
         s = self.spec
         s.resolve(sched, feeds)  # the previous drafts' copy is over: its pinned buffer takes this step's
-        k, B, T, bsz = s.num_tokens, len(sched), cu[-1], s.block_size
-        ns = [len(f) for f in feeds]
-        ctxs = [sr.context_len for sr in sched]
-        tables = [list(sr.block_table) for sr in sched]
-        slots = [sr.state_slot for sr in sched]
-        # row b's argmax at its fed positions (the last repeated) and its drafts (where absent, masked)
-        tgt = [cu[b] + min(j, ns[b] - 1) for b in range(B) for j in range(k + 1)]
-        drf = [cu[b] + min(1 + j, ns[b] - 1) for b in range(B) for j in range(k)]
-        # the catch-up's 1 + n entries per row, from [argmax at the T positions, the rows' fed tokens] and
-        # [the T hidden states, the rows' last hiddens]
-        gather = [i for b in range(B) for i in (T + b, *range(cu[b], cu[b] + ns[b]))]
-        qlens = [n + 1 for n in ns]
-        i32, i64 = torch.int32, torch.int64
-        arrays = ForwardBatch.host_arrays(qlens, [c - 1 for c in ctxs], slots, tables, bsz)
-        views = s.staging.upload(arrays + [
-            ("tgt", i64, tgt, (B, k + 1)), ("drf", i64, drf, (B, k)), ("ns", i64, ns, (B,)),
-            ("gather", i64, gather, (len(gather),)), ("fed0", i64, [f[0] for f in feeds], (B,)),
-            ("fold_slots", i32, slots, (B,)), ("starts", i64, cu[:-1], (B,)), ("ctxs", i64, ctxs, (B,))])
-        targets = torch.argmax(s.model.compute_logits(hidden[:T]), -1)
-        host, copied = targets, None
-        if targets.is_cuda:
+        argmax, tail, body, drafts = self.tails[replayed.key]
+        tail.caps[: len(sched)].copy_(caps)
+        argmax.replay()
+        host, copied = tail.targets, None
+        if host.is_cuda:
+            T = host.numel()
             if self._pinned.numel() < T:
                 self._pinned = torch.empty(max(1024, T), dtype=torch.long, pin_memory=True)
             host = self._pinned[:T]
-            host.copy_(targets, non_blocking=True)
+            host.copy_(tail.targets, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        valid = torch.arange(k, device=targets.device)[None, :] < views["ns"][:, None] - 1  # the row's drafts
-        eq = (targets[views["tgt"]][:, :k] == input_ids[views["drf"]]) & valid
-        m = 1 + eq.long().cumprod(1).sum(1)  # the fed tokens each row commits
-        s.fold_graphs.run(views["fold_slots"], m.int())
-        prev = torch.stack([s.hidden[sr.request_id] for sr in sched])
-        ids = torch.cat([targets, views["fed0"]])[views["gather"]]
-        hid = torch.cat([hidden[:T], prev])[views["gather"]]
-        batch = ForwardBatch.from_views(qlens, [c - 1 for c in ctxs], slots, tables, bsz, views)
-        last = batch.cu_seqlens[:-1].long() + m  # each row's m-th entry
-        out = s.graphs.run_catchup(ids, hid, batch, views["ctxs"] + m, tables, ends=last)
-        s.keep_drafts(out)
-        kept = hidden[views["starts"] + m - 1]  # each row's last committed position: the next catch-up's first
-        s.hidden.update((sr.request_id, kept[b]) for b, sr in enumerate(sched))
-        return PendingAccept([(sr, f) for sr, f in zip(sched, feeds)], cu, host, copied)
+        body.replay()
+        s.keep_drafts(drafts)
+        return PendingAccept([(sr, f) for sr, f in zip(sched, feeds)], replayed.buf.q, host, copied)
 
     def finish(self, p: PendingAccept, result: StepResult) -> None:
         """The step's tokens into ``result`` once the argmax is on the host; the kept drafts' rows filed."""
@@ -119,8 +167,8 @@ class OverlappedStep:
         rows = []
         for b, (sr, fed) in enumerate(p.rows):
             drafts = fed[1:]
-            out = s.count(greedy_accept(targets[p.cu[b] : p.cu[b + 1]], drafts), drafts) if drafts else [
-                targets[p.cu[b]]]
+            at = targets[b * p.q : b * p.q + len(fed)]
+            out = s.count(greedy_accept(at, drafts), drafts) if drafts else at[:1]
             rid = sr.request_id
             if drafts or sr.num_draft:  # the scheduler reads a drafting row's tokens from ``emitted``
                 result.emitted[rid] = out

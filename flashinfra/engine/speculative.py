@@ -69,6 +69,36 @@ if TYPE_CHECKING:
 MAX_DEFERRED = 1024  # positions a row's catch-up may wait while drafting is off: 1024 x hidden size per row
 
 
+class LastHidden:
+    """Each drafting request's target hidden state at its last committed position (the MTP layer's next catch-up
+    starts from it), kept in the row of the request's KDA state slot, so that a step's graphs gather and write them
+    by the batch's state slots."""
+
+    def __init__(self, num_slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.rows = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
+        self.slots: dict[str, int] = {}  # request -> its row
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.slots
+
+    def get(self, request_id: str) -> torch.Tensor | None:
+        """The request's hidden state [D] (a view of its row, which the request's next step rewrites), or None."""
+        slot = self.slots.get(request_id)
+        return None if slot is None else self.rows[slot]
+
+    def put(self, kept: list[tuple[str, int]], slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """``hidden[i]`` for ``kept[i]`` (a request and its state slot), ``slots`` those slots on the device."""
+        self.rows[slots] = hidden
+        self.slots.update(kept)
+
+    def set(self, request_id: str, slot: int, hidden: torch.Tensor) -> None:
+        self.rows[slot].copy_(hidden)
+        self.slots[request_id] = slot
+
+    def pop(self, request_id: str) -> None:
+        self.slots.pop(request_id, None)
+
+
 class Speculator:
     def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int,
                  graphs: DecodeGraphs | None = None, max_batch: int = 0):
@@ -93,7 +123,7 @@ class Speculator:
         H, K = text.linear_num_heads, text.linear_head_dim
         cache.replay.update({i: ReplayRing.allocate(cache.num_slots, self.capacity, H, K, K, model.dtype, model.device)
                              for i in text.kda_layers})
-        self.hidden: dict[str, torch.Tensor] = {}  # request -> target hidden [D] at its last committed position
+        self.hidden = LastHidden(cache.num_slots, text.hidden_size, model.dtype, model.device)
         # request -> (hiddens at positions c - 1 - j .. c - 2 in parts [*, D], the tokens at c - j .. c - 1) whose MTP
         # entries wait for drafting to resume (c: the request's context at its next step)
         self.deferred: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
@@ -160,7 +190,7 @@ class Speculator:
         self._columns = {rid: (col, 1 + n) for col, (rid, n) in enumerate(rows) if rid is not None}
 
     def drop(self, request_id: str) -> None:
-        self.hidden.pop(request_id, None)
+        self.hidden.pop(request_id)
         self.deferred.pop(request_id, None)
         self._drafts.pop(request_id, None)
         self._columns.pop(request_id, None)
@@ -278,7 +308,7 @@ class Speculator:
         rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
         going_on = sum(1 for b in range(len(sched)) if committed[b] and nexts[b] is not None)
         defer = 0 < self.max_batch < going_on
-        kept, ends = [], []  # each row's last committed position, gathered once below (a view per request)
+        kept, ends = [], []  # each row's (request, slot) and last committed position, gathered once below
         for b, sr in enumerate(sched):
             rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
             if m == 0:
@@ -286,13 +316,13 @@ class Speculator:
             h_rows = hidden[cu[b] : cu[b] + m]
             tokens = feeds[b][:m] + ([nxt] if nxt is not None else [])
             prev = self.hidden.get(rid) if c > 0 else None
-            kept.append(rid)
+            kept.append((rid, sr.state_slot))
             ends.append(cu[b] + m - 1)
             self._drafts.pop(rid, None)
             waiting_h, waiting_t = self.deferred.pop(rid, ([], [])) if prev is not None else ([], [])
             if defer and prev is not None and nxt is not None and len(waiting_t) + m <= MAX_DEFERRED:
                 # parts, concatenated once when drafting resumes (a copy of this step's rows only after drafts)
-                parts = waiting_h + [prev[None]] + ([h_rows[: m - 1].clone()] if m > 1 else [])
+                parts = waiting_h + [prev[None].clone()] + ([h_rows[: m - 1].clone()] if m > 1 else [])
                 self.deferred[rid] = (parts, waiting_t + feeds[b][:m])
                 continue
             hs = waiting_h + ([prev[None]] if prev is not None else []) + [h_rows[: len(tokens) - 1]]
@@ -309,9 +339,11 @@ class Speculator:
         # one packed copy: the rows' last positions, and the catch-up's batch and tokens
         arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size) if rows else []
         views = self.staging.upload(arrays + [("ends", torch.int64, ends, (len(ends),)),
+                                              ("kept", torch.int64, [slot for _, slot in kept], (len(kept),)),
                                               ("ids", torch.int64, toks, (len(toks),))])
+        hid = torch.cat(hid) if rows else None  # before the kept rows overwrite the last hiddens it reads
         if ends:
-            self.hidden.update(zip(kept, hidden[views["ends"]]))
+            self.hidden.put(kept, views["kept"], hidden[views["ends"]])
         if not rows:
             return
         ids = views["ids"]
@@ -319,10 +351,10 @@ class Speculator:
         if self.graphs is not None and self.graphs.can_catch_up(qlens):  # a row that stops drafts for nothing
             pos = [c + q for c, q in zip(ctxs, qlens)]
             steps = chain_steps(pos, tables, self.num_tokens, self.block_size)
-            out = self.graphs.run_catchup(ids, torch.cat(hid), batch, pos, tables)
+            out = self.graphs.run_catchup(ids, hid, batch, pos, tables)
             self._read_back(out, [(sched[b].request_id if go else None, n) for (b, go), n in zip(rows, steps)])
             return
-        out = self.mtp(embed[ids], torch.cat(hid), batch, self.mtp_cache)
+        out = self.mtp(embed[ids], hid, batch, self.mtp_cache)
         last = [batch.cu_seqlens_list[i + 1] - 1 for i in range(len(rows))]
         live = [i for i, (_, go) in enumerate(rows) if go]
         if not live:

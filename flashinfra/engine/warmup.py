@@ -143,7 +143,7 @@ def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: in
     captured = graphs.capture([(b, w, q) for q in graphs.step_qs for b, w in pairs])
     spec = runner.speculator
     if spec is not None and spec.graphs is not None:
-        captured += spec.graphs.capture(pairs)
+        captured += spec.graphs.capture(pairs) + spec.overlap.capture(graphs)
     if spec is not None and spec.fold_graphs is not None:
         captured += spec.fold_graphs.capture(sorted({b for b, _ in pairs}))
     return captured

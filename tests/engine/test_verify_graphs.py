@@ -137,7 +137,9 @@ def test_warm_up_captures_decode_verify_draft_and_fold_keys():
         graphs = SimpleNamespace(batch_buckets=(1, 2, 4, 8), step_qs=(1, k + 1) if k else (1,),
                                  capture=recorder("steps"))
         spec = SimpleNamespace(graphs=SimpleNamespace(capture=recorder("drafts")) if draft else None,
-                               fold_graphs=SimpleNamespace(capture=recorder("folds"))) if k else None
+                               fold_graphs=SimpleNamespace(capture=recorder("folds")),
+                               overlap=SimpleNamespace(capture=lambda g: got.setdefault("tails", g) and 5),
+                               ) if k else None
         runner = SimpleNamespace(graphs=graphs, speculator=spec, block_size=16)
         pairs = graph_keys(6, 512 // 16, 100, (1, 2, 4, 8))
         n = capture_graphs(runner, max_num_seqs=6, max_model_len=512, num_blocks=100)
@@ -145,7 +147,8 @@ def test_warm_up_captures_decode_verify_draft_and_fold_keys():
         assert got["steps"] == want
         assert got.get("drafts") == (pairs if draft else None)
         assert got.get("folds") == (sorted({b for b, _ in pairs}) if k else None)  # one fold graph per batch bucket
-        assert n == len(want) + (len(pairs) if draft else 0) + (len(got["folds"]) if k else 0)
+        assert got.get("tails") is (graphs if draft else None)  # the tails of the verify graphs just captured
+        assert n == len(want) + (len(pairs) + 5 if draft else 0) + (len(got["folds"]) if k else 0)
     assert capture_graphs(SimpleNamespace(graphs=None), 6, 512, 100) == 0
 
 
@@ -191,18 +194,18 @@ def _run(path, dtype, k, graphs, prompts, params, want, monkeypatch):
     assert runner.graphs is not None and runner.speculator.graphs is not None
     padded, overlapped = [], []
     if graphs:
-        run, launch = runner.graphs.run, runner.speculator.overlap.launch
+        replay, launch = runner.graphs.replay, runner.speculator.overlap.launch
 
         def recorded(input_ids, batch):
             if batch.replay:
                 padded.append(len(set(batch.query_lens)) > 1)
-            return run(input_ids, batch)
+            return replay(input_ids, batch)
 
         def counted(*a):
             overlapped.append(1)
             return launch(*a)
 
-        monkeypatch.setattr(runner.graphs, "run", recorded)
+        monkeypatch.setattr(runner.graphs, "replay", recorded)
         monkeypatch.setattr(runner.speculator.overlap, "launch", counted)
     else:
         runner.graphs = runner.speculator.graphs = runner.speculator.fold_graphs = None
@@ -253,8 +256,10 @@ def test_speculative_graphs_give_the_eager_tokens(tmp_path, monkeypatch, model, 
     assert verify == len(padded) > 0, "the verify steps replayed a graph"
     assert any(padded), "some verify step padded its shorter rows"
     assert overlapped > 0, "verify steps ran overlapped"
-    assert sum(replays[id(g)] for g, _, _ in spec.graphs.catchups.values()) > 0, "the catch-up replayed a graph"
-    assert sum(replays[id(g)] for g, _, _ in spec.fold_graphs.graphs.values()) > 0, "the fold replayed a graph"
+    tails = sum(replays[id(body)] for _, _, body, _ in spec.overlap.tails.values())
+    assert tails == overlapped, "each overlapped step replayed its verify graph's tail"
+    assert tails + sum(replays[id(g)] for g, _, _ in spec.graphs.catchups.values()) > 0, "the catch-up replayed"
+    assert tails + sum(replays[id(g)] for g, _, _ in spec.fold_graphs.graphs.values()) > 0, "the fold replayed"
     if k > 1:
         assert sum(replays[id(g)] for g, _, _ in spec.graphs.graphs.values()) > 0, "the draft chain replayed a graph"
     assert spec.num_accepted_at[k - 1] > 0 and spec.num_drafted > sum(spec.num_accepted_at), "acceptance varies"

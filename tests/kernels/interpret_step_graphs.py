@@ -6,7 +6,6 @@ catch-up padded to k + 2 tokens a row, then the chain) against the eager catch-u
 
 import copy
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,21 +142,22 @@ class _EagerPool:
 
 
 def _engine_with_eager_graphs(ckpt, overlap: bool, want: dict | None = None):
-    """An engine drafting k = 3 whose draft and fold "graphs" run their bodies eagerly (the scratch block and slot:
-    the last of each, which these few short requests never take); ``overlap``: the overlapped step allowed; drafts
-    recorded and, given ``want``, planted (``tests/spec_oracle.py``). -> the engine, the MTP layer's drafts, the
-    overlapped launches' row counts."""
+    """An engine drafting k = 3 whose step, draft and fold "graphs" run their bodies eagerly (the scratch block and
+    slot: the last of each, which these few short requests never take); ``overlap``: the overlapped step allowed;
+    drafts recorded and, given ``want``, planted (``tests/spec_oracle.py``). -> the engine, the MTP layer's drafts,
+    the overlapped launches' row counts."""
     import flashinfra
-    from flashinfra.engine.cuda_graphs import BATCH_BUCKETS
+    from flashinfra.engine.cuda_graphs import DecodeGraphs
     from flashinfra.engine.draft_graphs import DraftGraphs, FoldGraphs
 
     llm = flashinfra.LLM(str(ckpt), num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
                          prefix_cache_slots=0, speculative_tokens=K)
     runner = llm.engine.runner
     spec, cache = runner.speculator, runner.cache
-    fake = SimpleNamespace(scratch_block=cache.num_blocks - 1, scratch_slot=cache.num_slots - 1,
-                           batch_buckets=BATCH_BUCKETS, pool=_EagerPool())
-    spec.graphs, spec.fold_graphs = DraftGraphs(spec, fake), FoldGraphs(cache, fake)
+    graphs = DecodeGraphs(runner.model, cache, cache.num_blocks - 1, cache.num_slots - 1, verify_q=K + 1)
+    graphs.pool = _EagerPool()
+    runner.graphs = graphs
+    spec.graphs, spec.fold_graphs = DraftGraphs(spec, graphs), FoldGraphs(cache, graphs)
     real_can_run, real_launch, real_step_launch = spec.overlap.can_run, spec.overlap.launch, runner.launch
     spec.overlap.can_run = lambda *a: overlap and real_can_run(*a)
     launched = []
@@ -167,7 +167,7 @@ def _engine_with_eager_graphs(ckpt, overlap: bool, want: dict | None = None):
         return real_launch(sched, *a)
 
     def step_launch(plan, prev=None):
-        assert all(fake.scratch_block not in sr.block_table and sr.state_slot != fake.scratch_slot
+        assert all(graphs.scratch_block not in sr.block_table and sr.state_slot != graphs.scratch_slot
                    for sr in plan.scheduled)
         return real_step_launch(plan, prev)
 
@@ -191,7 +191,8 @@ def test_overlapped_step_gives_the_plain_steps_tokens_and_drafts(tmp_path):
                                                       want={tuple(p): w for p, w in zip(prompts, want)})
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     spec = llm.engine.runner.speculator
-    assert launched and spec.num_accepted_at[K - 1] > 0 and spec.num_drafted > sum(spec.num_accepted_at), (spec.num_accepted_at, spec.num_drafted_at)
+    assert launched and spec.num_accepted_at[K - 1] > 0 and spec.num_drafted > sum(spec.num_accepted_at), (
+        spec.num_accepted_at, spec.num_drafted_at)
     common = [key for key in drafts if key in plain_drafts]
     assert len(common) >= 5
     for key in common:
