@@ -15,8 +15,8 @@ captured in a CUDA graph:
    query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
    table.
 2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
-   order (``torch.topk`` over those keys, or the Triton radix select where it is faster: the same bits), i.e. the
-   reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices of at most
+   order (a sort of the row in Triton for short rows, ``torch.topk`` over those keys for long ones: the same
+   bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices of at most
    ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a slice's rows
    are the same bits as in one pass, since each row is its own top-k.
 3. ``positions_kernel``: one launch from the top-k keys to the token list ``[T, k * kpool + kpool - 1]``

@@ -12,22 +12,25 @@
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
-- ``topk_select``: the radix select (``kernels.dsa_topk``) against ``torch.topk`` over the int64 sort keys, bit for bit
-  (values and order), on rows built to tie: a few score values with ±0 and ±inf, all equal, all zero, fewer
-  visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a query cannot see), equal
-  high bits with ties in the last digit, continuous scores, arbitrary bits; one stage or split into chunks.
-- ``dsa_select_topk``: the indexer's selection (scores, then the select) against ``torch.topk`` over the same
-  scores' keys, bit for bit.
+- ``topk_select``: the radix select or the sort (``kernels.dsa_topk``) against ``torch.topk`` over the int64 sort
+  keys, bit for bit (values and order), on rows built to tie: a few score values with ±0 and ±inf, all equal, all
+  zero, fewer visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a query cannot
+  see), equal high bits with ties in the last digit, continuous scores, arbitrary bits; the radix select in one
+  stage or split into chunks.
+- ``dsa_select_topk``: the indexer's selection (scores, then ``dsa_topk.select`` on whichever path the row length
+  or the replaced sizes give) against ``torch.topk`` over the same scores' keys, bit for bit.
 
 Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last two), at
 fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
 and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
-alone (``hotpath.dsa_topk.*``) and ``torch.topk`` over the int64 keys at the same shapes
-(``hotpath.dsa_topk_torch.*``).
+alone, the radix select (``hotpath.dsa_topk.*``) and at decode sizes the sort (``hotpath.dsa_topk_sort.*``), with
+``torch.topk`` over the int64 keys at the same shapes (``hotpath.dsa_topk_torch.*``); names end in ``.k<k>`` where
+``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -205,32 +208,46 @@ def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
                     f"{len(rows)} of {want.shape[0]} rows differ from torch.topk's keys (first: {rows[:4]})")
 
 
+@contextmanager
+def _topk_sizes(**sizes: int | None):
+    """``dsa_topk``'s module sizes (``CHUNK``, ``BLOCK``, ``SORT_MAX_POOLS``) replaced by those of ``sizes`` that are
+    not ``None`` inside the block."""
+    saved = {name: getattr(dsa_topk, name) for name in sizes}
+    for name, value in sizes.items():
+        if value is not None:
+            setattr(dsa_topk, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(dsa_topk, name, value)
+
+
 def topk_select(device: str, P: int, k: int, rows_per_kind=1, chunk: int | None = None, block: int | None = None,
-             seed=0) -> list[CheckResult]:
-    """``dsa_topk.topk_launch`` on every kind of ``_tie_rows`` (``rows_per_kind`` fresh rows each) against
-    ``topk_ref``; ``chunk`` / ``block`` replace ``CHUNK`` / ``BLOCK`` to split small rows."""
+                sort=False, seed=0) -> list[CheckResult]:
+    """``dsa_topk.topk_launch`` (``sort``: ``dsa_topk.sort_launch``) on every kind of ``_tie_rows``
+    (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``; ``chunk`` / ``block`` replace
+    ``CHUNK`` / ``BLOCK`` to split small rows in the radix select."""
     gen = _gen(device, seed)
     kinds = [_tie_rows(device, gen, P, k) for _ in range(rows_per_kind)]
     names = list(kinds[0])
     scores = torch.stack([row[n] for n in names for row in kinds])  # [kinds * rows_per_kind, P]
-    saved = dsa_topk.CHUNK, dsa_topk.BLOCK
-    dsa_topk.CHUNK, dsa_topk.BLOCK = chunk or saved[0], block or saved[1]
-    try:
-        got = dsa_topk.topk_launch(scores, k, out=poison_(torch.empty(len(scores), k, dtype=torch.int64,
-                                                                      device=device)))
-    finally:
-        dsa_topk.CHUNK, dsa_topk.BLOCK = saved
+    out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
+    with _topk_sizes(CHUNK=chunk, BLOCK=block):
+        got = (dsa_topk.sort_launch if sort else dsa_topk.topk_launch)(scores, k, out=out)
+        path = "sort" if sort else "split" if P > max(dsa_topk.CHUNK, 4 * k) else "one_stage"
     want = dsa_topk.topk_ref(scores, k)
-    split = "split" if P > max(chunk or saved[0], 4 * k) else "one_stage"
     r = rows_per_kind
-    return [_same_keys(f"dsa_topk.{split}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
+    return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
             for i, n in enumerate(names)]
 
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
-                    chunk: int | None = None, dtype=torch.float32, seed=0) -> list[CheckResult]:
-    """``dsa_indexer.select_pools`` (scores, then the radix select) equals ``torch.topk`` over the int64 keys of the
-    scores the scoring kernel writes, bit for bit, over a random pool-key cache."""
+                    chunk: int | None = None, sort_max: int | None = None, dtype=torch.float32,
+                    seed=0) -> list[CheckResult]:
+    """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
+    the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``chunk`` / ``sort_max``
+    replace ``CHUNK`` / ``SORT_MAX_POOLS`` (0: short rows take the radix select)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
@@ -242,12 +259,8 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
                              device=device)
     P = tables.shape[1] * bs // kpool
     k = min(topk // kpool, P)
-    saved = dsa_topk.CHUNK
-    dsa_topk.CHUNK = chunk or saved
-    try:
+    with _topk_sizes(CHUNK=chunk, SORT_MAX_POOLS=sort_max):
         got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
-    finally:
-        dsa_topk.CHUNK = saved
     scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
     dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
     return [_same_keys("dsa_select.topk", got, dsa_topk.topk_ref(scores, k))]
@@ -273,37 +286,53 @@ def _dsa_topk(dev, act, seed):
         real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
         return (topk_select(dev, 262144, 512, seed=seed) + topk_select(dev, 16385, 512, seed=seed)
                 + topk_select(dev, 2048, 512, rows_per_kind=3, seed=seed)
-                + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
+                + topk_select(dev, 1024, 512, rows_per_kind=3, sort=True, seed=seed)
+                + topk_select(dev, 300, 32, rows_per_kind=2, sort=True, seed=seed)
+                + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
+                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
     return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, chunk=64, block=16, seed=seed)
-            + dsa_select_topk(dev, [40, 3], [1, 6], chunk=4, seed=seed))
+            + topk_select(dev, 37, 5, sort=True, seed=seed) + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], chunk=4, sort_max=0, seed=seed))
 
 
-def _topk_bench(R: int, P: int, use_torch: bool):
-    """The select of ``R`` rows of ``P`` pools (scores ``|randn|``, as ReLU-weighted sums mostly are), or
-    ``torch.topk`` over their int64 keys."""
+# benchmark family -> (the select, its description)
+_TOPK_BENCHES = {
+    "dsa_topk": (dsa_topk.topk_launch, "DSA top-k: radix select over score bits"),
+    "dsa_topk_sort": (dsa_topk.sort_launch, "DSA top-k: one sort per row of the int64 sort keys made from the score "
+                      "bits"),
+    "dsa_topk_torch": (dsa_topk.topk_ref, "torch.topk over the int64 sort keys made from the score bits"),
+}
+
+
+def _topk_bench(R: int, P: int, family: str, k: int | None = None):
+    """``family``'s select (``_TOPK_BENCHES``) of the top ``k`` (default the model's ``INDEX_TOPK // KPOOL``, capped
+    at ``P``) of ``R`` rows of ``P`` pools, scores ``|randn|`` as ReLU-weighted sums mostly are."""
+    fn, description = _TOPK_BENCHES[family]
+
     def make(ctx: BenchContext) -> BenchSpec:
         dev, _ = _bench_dev(ctx)
         r, p = (min(R, 2), min(P, 4096)) if ctx.quick else (R, P)
-        k = min(INDEX_TOPK // KPOOL, p)
+        kk = min(k or INDEX_TOPK // KPOOL, p)
 
         def inputs(seed):
             gen = torch.Generator(device=dev).manual_seed(seed)
             return dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs()), torch.empty(
-                r, k, dtype=torch.int64, device=dev)
+                r, kk, dtype=torch.int64, device=dev)
 
-        if use_torch:
-            return BenchSpec(fn=lambda bits, out: dsa_topk.topk_ref(bits, k, out=out), make_inputs=inputs,
-                             bytes=4 * r * p + 8 * r * k, description="torch.topk over the int64 sort keys made "
-                             "from the score bits", params=dict(R=r, P=p, k=k))
-        return BenchSpec(fn=lambda bits, out: dsa_topk.topk_launch(bits, k, out=out), make_inputs=inputs,
-                         bytes=dsa_topk.topk_bytes(r, p, k), description="DSA top-k: radix select over score bits",
-                         params=dict(R=r, P=p, k=k))
-    _bench(f"hotpath.dsa_topk{'_torch' if use_torch else ''}.t{R}.p{P}", make)
+        # the radix select's candidates, where it splits a row, beside the scores read once and the keys written
+        moved = dsa_topk.topk_bytes(r, p, kk) if family == "dsa_topk" else 4 * r * p + 8 * r * kk
+        return BenchSpec(fn=lambda bits, out: fn(bits, kk, out=out), make_inputs=inputs, bytes=moved,
+                         description=description, params=dict(R=r, P=p, k=kk))
+    _bench(f"hotpath.{family}.t{R}.p{P}{f'.k{k}' if k else ''}", make)
 
 
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
     _dsa_bench(_B, _N, _T)
 
-for _R, _P in ((1, 1024), (128, 1024), (1, 32768), (1, 262144), (256, 262144), (8192, 2048)):
-    _topk_bench(_R, _P, False)
-    _topk_bench(_R, _P, True)
+# (rows, pools, k if not the model's); the decode sizes, up to SORT_MAX_POOLS, also take the sort
+for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None)):
+    for _family in _TOPK_BENCHES:
+        _topk_bench(_R, _P, _family, _K)
+for _R, _P in ((1, 32768), (1, 262144), (256, 262144), (8192, 2048)):
+    _topk_bench(_R, _P, "dsa_topk")
+    _topk_bench(_R, _P, "dsa_topk_torch")

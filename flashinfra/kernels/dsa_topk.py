@@ -1,14 +1,22 @@
-"""Top-k of the DSA indexer's scores per query: a radix select in Triton for short rows (``select``), ``torch.topk``
-over the int64 sort keys for long ones.
+"""Top-k of the DSA indexer's scores per query, by row length (``select``): a sort of the whole row in Triton up to
+``SORT_MAX_POOLS`` pools (``sort_launch``), a radix select in Triton up to ``RADIX_MAX_POOLS`` (``topk_launch``),
+``torch.topk`` over the int64 sort keys above (``topk_ref``).
 
 Input: ``scores [R, P]`` int32, the order-preserving bits of each (query, pool) float score as
 ``index_score_kernel`` writes them (``score_bits``: a float's bits, the negative ones' magnitude bits flipped, so
 integer order is float order; ±0 is +0). Output: ``[R, k]`` int64 sort keys ``score_bits << 32 | pool``, per row the
 ``k`` largest in descending order: bit for bit what ``torch.topk`` returns on those keys (``topk_ref``), so ties of
 score go to the more recent (larger) pool, and the order is the same. The order matters downstream: the positions
-list keeps it, and sparse MLA sums over the positions in that order.
+list keeps it, and sparse MLA sums over the positions in that order. Every path gives these bits: the keys are
+distinct (the pool in the low word), so the top ``k`` and their descending order are unique.
 
-One program selects the top ``kk = min(k, n)`` of a sequence of ``n`` keys, streamed in blocks of ``BN``:
+Sort (``sort_kernel``, rows of at most ``SORT_MAX_POOLS`` pools): one program per row loads the row's ``P`` keys as
+one block of ``BN`` (``P`` rounded up to a power of two; the lanes past ``P`` hold the int64 minimum, which no key is
+below, so they sort last), sorts it descending (``tl.sort``) and stores the first ``k``. One pass over the scores
+and one sort of ``BN`` keys, whatever ``k``.
+
+Radix select (``topk_kernel``): one program selects the top ``kk = min(k, n)`` of a sequence of ``n`` keys,
+streamed in blocks of ``BN``:
 
 1. three histogram passes over the score bits (as unsigned: bits 31-21, 20-10, 9-0; 2048 bins), each over the
    keys that share the prefix found so far, find the ``kk``-th largest score ``thr`` and how many keys equal to it
@@ -116,18 +124,50 @@ def topk_kernel(src, out, P, k, C, FROM_SCORES: tl.constexpr, BN: tl.constexpr, 
     tl.store(p_out + o_k, b_top, mask=o_k < kk)
 
 
+@triton.jit(do_not_specialize=["P", "k"])  # sizes that vary with the context: one compilation per BN
+def sort_kernel(scores, out, P, k, BN: tl.constexpr):
+    """Program ``row``: the top ``k`` keys of row ``row`` of ``scores [R, P]`` (``P <= BN``), sorted descending, at
+    ``out [R, k]`` row ``row``."""
+    i_t = tl.program_id(0)
+    o = tl.arange(0, BN)
+    _, key, m = _keys(scores, i_t, 0, o, P, P, k, P, True)  # chunk 0 of P pools: the whole row
+    key = tl.sort(tl.where(m, key, -9223372036854775808), 0, descending=True)
+    tl.store(out + i_t.to(tl.int64) * k + o, key, mask=o < k)
+
+
 def _launch(src, out, grid, P: int, k: int, C: int, n: int, from_scores: bool) -> None:
     BN = min(BLOCK, triton.next_power_of_2(n))
     fast(topk_kernel)[grid](src, out, P, k, C, FROM_SCORES=from_scores, BN=BN, BK=triton.next_power_of_2(k), NB=NB,
                             num_warps=8 if BN >= 1024 else 4)
 
 
-def topk_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit."""
+def _output(name: str, scores: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, or a new ``[R, k]`` int64 tensor, once ``scores`` and ``k`` are checked for a launch."""
     R, P = scores.shape
     if not 1 <= k <= P or scores.dtype != torch.int32 or scores.stride() != (P, 1):
-        raise ValueError(f"topk_launch: k={k} of {tuple(scores.shape)} {scores.dtype} strides {scores.stride()}")
-    out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
+        raise ValueError(f"{name}: k={k} of {tuple(scores.shape)} {scores.dtype} strides {scores.stride()}")
+    return torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
+
+
+def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, by
+    one program per row that holds all ``P`` keys at once (short rows: ``select`` takes it up to
+    ``SORT_MAX_POOLS``)."""
+    out = _output("sort_launch", scores, k, out)
+    R, P = scores.shape
+    if R == 0:
+        return out
+    BN = triton.next_power_of_2(P)
+    # num_warps: a guess, not measured
+    fast(sort_kernel)[(R,)](scores, out, P, k, BN=BN, num_warps=4 if BN <= 256 else 8)
+    return out
+
+
+def topk_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, by
+    the radix select."""
+    out = _output("topk_launch", scores, k, out)
+    R, P = scores.shape
     if R == 0:
         return out
     C = max(CHUNK, 4 * k)
@@ -162,14 +202,19 @@ def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
     return top if out is None else out.copy_(top)
 
 
-# Rows of at most this many pools take the radix select, longer ones ``torch.topk`` over the keys (measured on an
-# H100, ``bench/notes/dsa_indexer.md``: the radix select is 10-18% faster at 1,024 pools, torch.topk 2.3-3.7x
-# faster at 2,048, 32,768 and 262,144).
+# Rows of at most SORT_MAX_POOLS pools take the sort, those of at most RADIX_MAX_POOLS the radix select, longer ones
+# ``torch.topk`` over the keys (bench/notes/dsa_indexer.md: the radix select measured faster than ``torch.topk`` at
+# 1,024 pools, slower from 2,048; SORT_MAX_POOLS is a guess until the sort is measured there against both). While
+# the two are equal, no row of ``select`` takes the radix select.
+SORT_MAX_POOLS = 1024
 RADIX_MAX_POOLS = 1024
 
 
 def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """``topk_ref``'s keys into ``out``, by whichever of the two is faster at this row length."""
-    if scores.shape[1] <= RADIX_MAX_POOLS:
+    """``topk_ref``'s keys into ``out``, by whichever of the three is faster at this row length."""
+    P = scores.shape[1]
+    if P <= SORT_MAX_POOLS:
+        return sort_launch(scores, k, out=out)
+    if P <= RADIX_MAX_POOLS:
         return topk_launch(scores, k, out=out)
     return topk_ref(scores, k, out=out)

@@ -50,6 +50,14 @@ def test_topk_against_torch_topk(P, k, chunk, block):
     assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, chunk=chunk, block=block, seed=P + k))
 
 
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_selection_topk_equals_torch_topk(chunk):
-    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], chunk=chunk, seed=11))
+# (P, k): P not a power of two, P = k (a power of two or not), k = 1, one pool, the model's decode row (k = 512 of
+# 1,024 pools)
+@pytest.mark.parametrize("P,k", [(37, 5), (64, 64), (40, 40), (130, 1), (1, 1), (1024, 512)])
+def test_topk_sort_against_torch_topk(P, k):
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, sort=True, seed=P + k))
+
+
+# (chunk, sort_max): the sort, the radix select in one program, the radix select split into chunks
+@pytest.mark.parametrize("chunk,sort_max", [(None, None), (None, 0), (4, 0)])
+def test_selection_topk_equals_torch_topk(chunk, sort_max):
+    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], chunk=chunk, sort_max=sort_max, seed=11))
