@@ -16,9 +16,9 @@ captured in a CUDA graph:
    table.
 2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
    order (a sort of the row in Triton for short rows, ``torch.topk`` over those keys for long ones: the same
-   bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices of at most
-   ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a slice's rows
-   are the same bits as in one pass, since each row is its own top-k.
+   bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices
+   of at most ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a
+   slice's rows are the same bits as in one pass, since each row is its own top-k.
 3. ``positions_kernel``: one launch from the top-k keys to the token list ``[T, k * kpool + kpool - 1]``
    (-1 = nothing) that sparse MLA attends to: the selected pools' tokens in the keys' order, then the tail (in
    deterministic mode the tail first, so that each position keeps its column whatever the batch's widest block
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic
-from flashinfra.kernels.dsa_topk import select, topk_bytes
+from flashinfra.kernels.dsa_topk import select
 from flashinfra.kernels.launch import fast
 
 FMIN = torch.finfo(torch.float32).min
@@ -134,8 +134,9 @@ def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int
 
 
 def select_bytes(T: int, P: int, k: int) -> int:
-    """Bytes of the selection beyond the pool keys: the scores written, the top-k's traffic."""
-    return 4 * T * P + topk_bytes(T, P, k)
+    """Bytes of the selection beyond the pool keys: the scores written, then read once by the top-k, which writes
+    the keys (the sort's traffic)."""
+    return 4 * T * P + 4 * T * P + 8 * T * k
 
 
 def dsa_select(

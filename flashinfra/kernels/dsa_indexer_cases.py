@@ -12,25 +12,26 @@
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
-- ``topk_select``: the radix select or the sort (``kernels.dsa_topk``) against ``torch.topk`` over the int64 sort
-  keys, bit for bit (values and order), on rows built to tie: a few score values with ±0 and ±inf, all equal, all
-  zero, fewer visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a query cannot
-  see), equal high bits with ties in the last digit, continuous scores, arbitrary bits; the radix select in one
-  stage or split into chunks.
+- ``topk_select``: the sort (``dsa_topk.sort_launch``) or ``dsa_topk.select`` (the sort or ``torch.topk``, by row
+  length) against ``torch.topk`` over the int64 sort keys, bit for bit (values and order), on rows built to tie: a
+  few score values with ±0 and ±inf, all equal, all zero, fewer visible pools than ``k`` (the rest at the float32
+  minimum, as the scorer writes pools a query cannot see), equal high bits with ties in the low bits, continuous
+  scores, arbitrary bits.
 - ``dsa_select_topk``: the indexer's selection (scores, then ``dsa_topk.select`` on whichever path the row length
-  or the replaced sizes give) against ``torch.topk`` over the same scores' keys, bit for bit.
+  or the replaced ``SORT_MAX_POOLS`` gives) against ``torch.topk`` over the same scores' keys, bit for bit.
 
 Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last two), at
 fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
 and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
-alone, the radix select (``hotpath.dsa_topk.*``) and at decode sizes the sort (``hotpath.dsa_topk_sort.*``), with
-``torch.topk`` over the int64 keys at the same shapes (``hotpath.dsa_topk_torch.*``); names end in ``.k<k>`` where
-``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
+alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools past
+``SORT_MAX_POOLS``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes, and
+``torch.topk`` alone at longer rows; names end in ``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL``
+(capped at the row length).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -197,7 +198,7 @@ def _tie_rows(device: str, gen, P: int, k: int) -> dict[str, torch.Tensor]:
             "all_equal": one.expand(P).clone(),
             "signed_zeros": dsa_topk.score_bits(torch.where(pick % 2 == 0, 0.0, -0.0)),
             "few_visible": dsa_topk.score_bits(visible),
-            "last_digit": one + torch.randint(0, 3000, (P,), generator=gen, device=device, dtype=torch.int32),
+            "low_bits": one + torch.randint(0, 3000, (P,), generator=gen, device=device, dtype=torch.int32),
             "continuous": dsa_topk.score_bits(torch.randn(P, generator=gen, device=device).abs()),
             "any_bits": bits}
 
@@ -209,33 +210,32 @@ def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
 
 
 @contextmanager
-def _topk_sizes(**sizes: int | None):
-    """``dsa_topk``'s module sizes (``CHUNK``, ``BLOCK``, ``SORT_MAX_POOLS``) replaced by those of ``sizes`` that are
-    not ``None`` inside the block."""
-    saved = {name: getattr(dsa_topk, name) for name in sizes}
-    for name, value in sizes.items():
-        if value is not None:
-            setattr(dsa_topk, name, value)
+def _sort_max(pools: int):
+    """``dsa_topk.SORT_MAX_POOLS`` replaced by ``pools`` inside the block."""
+    saved = dsa_topk.SORT_MAX_POOLS
+    dsa_topk.SORT_MAX_POOLS = pools
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(dsa_topk, name, value)
+        dsa_topk.SORT_MAX_POOLS = saved
 
 
-def topk_select(device: str, P: int, k: int, rows_per_kind=1, chunk: int | None = None, block: int | None = None,
-                sort=False, seed=0) -> list[CheckResult]:
-    """``dsa_topk.topk_launch`` (``sort``: ``dsa_topk.sort_launch``) on every kind of ``_tie_rows``
-    (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``; ``chunk`` / ``block`` replace
-    ``CHUNK`` / ``BLOCK`` to split small rows in the radix select."""
+def topk_select(device: str, P: int, k: int, rows_per_kind=1, sort=True, sort_max: int | None = None,
+                seed=0) -> list[CheckResult]:
+    """``dsa_topk.sort_launch`` (not ``sort``: ``dsa_topk.select``, with ``sort_max`` replacing ``SORT_MAX_POOLS``)
+    on every kind of ``_tie_rows`` (``rows_per_kind`` fresh rows each) into a poisoned output, against
+    ``topk_ref``."""
     gen = _gen(device, seed)
     kinds = [_tie_rows(device, gen, P, k) for _ in range(rows_per_kind)]
     names = list(kinds[0])
     scores = torch.stack([row[n] for n in names for row in kinds])  # [kinds * rows_per_kind, P]
     out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
-    with _topk_sizes(CHUNK=chunk, BLOCK=block):
-        got = (dsa_topk.sort_launch if sort else dsa_topk.topk_launch)(scores, k, out=out)
-        path = "sort" if sort else "split" if P > max(dsa_topk.CHUNK, 4 * k) else "one_stage"
+    if sort:
+        got, path = dsa_topk.sort_launch(scores, k, out=out), "sort"
+    else:
+        with nullcontext() if sort_max is None else _sort_max(sort_max):
+            got = dsa_topk.select(scores, k, out)
+            path = "select_sort" if P <= dsa_topk.SORT_MAX_POOLS else "select_torch"
     want = dsa_topk.topk_ref(scores, k)
     r = rows_per_kind
     return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
@@ -243,11 +243,10 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, chunk: int | None 
 
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
-                    chunk: int | None = None, sort_max: int | None = None, dtype=torch.float32,
-                    seed=0) -> list[CheckResult]:
+                    sort_max: int | None = None, dtype=torch.float32, seed=0) -> list[CheckResult]:
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
-    the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``chunk`` / ``sort_max``
-    replace ``CHUNK`` / ``SORT_MAX_POOLS`` (0: short rows take the radix select)."""
+    the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` replaces
+    ``SORT_MAX_POOLS`` (0: every row takes ``torch.topk``)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
@@ -259,7 +258,7 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
                              device=device)
     P = tables.shape[1] * bs // kpool
     k = min(topk // kpool, P)
-    with _topk_sizes(CHUNK=chunk, SORT_MAX_POOLS=sort_max):
+    with nullcontext() if sort_max is None else _sort_max(sort_max):
         got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
     scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
     dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
@@ -284,20 +283,21 @@ def _dsa_pool_keys(dev, act, seed):
 def _dsa_topk(dev, act, seed):
     if dev == "cuda":
         real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
-        return (topk_select(dev, 262144, 512, seed=seed) + topk_select(dev, 16385, 512, seed=seed)
-                + topk_select(dev, 2048, 512, rows_per_kind=3, seed=seed)
-                + topk_select(dev, 1024, 512, rows_per_kind=3, sort=True, seed=seed)
-                + topk_select(dev, 300, 32, rows_per_kind=2, sort=True, seed=seed)
+        return (topk_select(dev, 1024, 512, rows_per_kind=3, seed=seed)
+                + topk_select(dev, 300, 32, rows_per_kind=2, seed=seed)
+                + topk_select(dev, 1024, 512, sort=False, seed=seed)
+                + topk_select(dev, 2048, 512, rows_per_kind=3, sort=False, seed=seed)
+                + topk_select(dev, 262144, 512, sort=False, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
-    return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, chunk=64, block=16, seed=seed)
-            + topk_select(dev, 37, 5, sort=True, seed=seed) + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
-            + dsa_select_topk(dev, [40, 3], [1, 6], chunk=4, sort_max=0, seed=seed))
+    return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, sort=False, seed=seed)
+            + topk_select(dev, 259, 5, sort=False, sort_max=64, seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed))
 
 
 # benchmark family -> (the select, its description)
 _TOPK_BENCHES = {
-    "dsa_topk": (dsa_topk.topk_launch, "DSA top-k: radix select over score bits"),
     "dsa_topk_sort": (dsa_topk.sort_launch, "DSA top-k: one sort per row of the int64 sort keys made from the score "
                       "bits"),
     "dsa_topk_torch": (dsa_topk.topk_ref, "torch.topk over the int64 sort keys made from the score bits"),
@@ -319,8 +319,7 @@ def _topk_bench(R: int, P: int, family: str, k: int | None = None):
             return dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs()), torch.empty(
                 r, kk, dtype=torch.int64, device=dev)
 
-        # the radix select's candidates, where it splits a row, beside the scores read once and the keys written
-        moved = dsa_topk.topk_bytes(r, p, kk) if family == "dsa_topk" else 4 * r * p + 8 * r * kk
+        moved = 4 * r * p + 8 * r * kk  # the scores read once, the keys written
         return BenchSpec(fn=lambda bits, out: fn(bits, kk, out=out), make_inputs=inputs, bytes=moved,
                          description=description, params=dict(R=r, P=p, k=kk))
     _bench(f"hotpath.{family}.t{R}.p{P}{f'.k{k}' if k else ''}", make)
@@ -329,10 +328,12 @@ def _topk_bench(R: int, P: int, family: str, k: int | None = None):
 for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
     _dsa_bench(_B, _N, _T)
 
-# (rows, pools, k if not the model's); the decode sizes, up to SORT_MAX_POOLS, also take the sort
-for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None)):
+# (rows, pools, k if not the model's), the sort beside torch.topk: the decode sizes up to SORT_MAX_POOLS, then rows
+# past it (a decode at 8k and 16k context, an 8k prefill), where select takes torch.topk, to decide that limit
+for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None), (1, 2048, None),
+                   (1, 4096, None), (8192, 2048, None)):
     for _family in _TOPK_BENCHES:
         _topk_bench(_R, _P, _family, _K)
-for _R, _P in ((1, 32768), (1, 262144), (256, 262144), (8192, 2048)):
-    _topk_bench(_R, _P, "dsa_topk")
+# longer rows: torch.topk alone, select's path there
+for _R, _P in ((1, 32768), (1, 262144), (256, 262144)):
     _topk_bench(_R, _P, "dsa_topk_torch")

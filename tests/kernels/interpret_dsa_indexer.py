@@ -42,22 +42,20 @@ def test_positions_kernel(T, k, kpool, tail):
     assert_passed(cases.dsa_positions("cpu", T, k, kpool=kpool, tail=tail, seed=T))
 
 
-# (P, k, chunk, block): one program per row (one block, several blocks), rows split into chunks (the last one
-# shorter than k, k = P), k = 1
-@pytest.mark.parametrize("P,k,chunk,block", [(37, 5, None, None), (300, 9, None, 64), (259, 5, 64, 16),
-                                             (200, 7, 16, 32), (40, 40, None, 16), (130, 1, 32, 16)])
-def test_topk_against_torch_topk(P, k, chunk, block):
-    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, chunk=chunk, block=block, seed=P + k))
-
-
 # (P, k): P not a power of two, P = k (a power of two or not), k = 1, one pool, the model's decode row (k = 512 of
 # 1,024 pools)
 @pytest.mark.parametrize("P,k", [(37, 5), (64, 64), (40, 40), (130, 1), (1, 1), (1024, 512)])
 def test_topk_sort_against_torch_topk(P, k):
-    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, sort=True, seed=P + k))
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, seed=P + k))
 
 
-# (chunk, sort_max): the sort, the radix select in one program, the radix select split into chunks
-@pytest.mark.parametrize("chunk,sort_max", [(None, None), (None, 0), (4, 0)])
-def test_selection_topk_equals_torch_topk(chunk, sort_max):
-    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], chunk=chunk, sort_max=sort_max, seed=11))
+# (P, k, sort_max): select through the sort (below and at SORT_MAX_POOLS) and through torch.topk (above it)
+@pytest.mark.parametrize("P,k,sort_max", [(300, 9, None), (200, 7, 200), (201, 7, 200), (259, 5, 64)])
+def test_topk_select_against_torch_topk(P, k, sort_max):
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, sort=False, sort_max=sort_max, seed=P + k))
+
+
+# sort_max: the sort (the default), torch.topk (0)
+@pytest.mark.parametrize("sort_max", [None, 0])
+def test_selection_topk_equals_torch_topk(sort_max):
+    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], sort_max=sort_max, seed=11))
