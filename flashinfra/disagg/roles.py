@@ -362,7 +362,11 @@ class Importer:
                 del self._waiting[tid]
                 if tid in self._read:  # read, not in the batch yet: free its blocks now
                     self._release(tid, "the request was aborted on the decode engine")
-                elif tid not in self._reading:  # a read under way frees them when it is over
+                elif tid in self._reading:  # a read under way frees them when it is over
+                    pass
+                elif tid in self._arrived:  # arrived, not imported: the sender frees its blocks on this answer
+                    self.receiver.ack(self._arrived.pop(tid).peer, tid, "the request was aborted on the decode engine")
+                else:  # answered when it arrives
                     self._aborted[tid] = time.monotonic()
                 outputs.append(RequestOutput(req.request_id, [], None, True, "abort",
                                              num_prompt_tokens=req.num_prompt_tokens))

@@ -155,6 +155,31 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         silent.close()
 
 
+def test_aborting_an_import_whose_state_arrived_answers_the_sender_at_once(engines):
+    """A decode request aborted after its state arrived but before it was imported (the state came first, then the
+    request, then the abort) is answered at once: the prefill side fails it with the reason and frees its blocks,
+    without waiting out its transfer timeout."""
+    prefill, decode, _ = engines
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    prefill.add_request(_request("gone", PROMPTS[0], sampling,
+                                 TransferParams("t-gone", "export", decode.ready_message().transfer_address)))
+    deadline = time.monotonic() + 20
+    while "t-gone" not in decode.disagg._arrived:  # the state is in, no request waits for it yet
+        assert time.monotonic() < deadline, "the state never arrived"
+        prefill.step()
+        decode.step()
+    start = time.monotonic()
+    decode.add_request(_request("gone", PROMPTS[0], sampling, TransferParams("t-gone", "import")))
+    decode.abort(["gone"])
+    got = _run([prefill], _finished(["gone"]), timeout_s=20, errors_ok=True)[-1]
+    out = got["gone"][-1]
+    assert out.finish_reason == "error" and "aborted on the decode engine" in out.error, out.error
+    assert time.monotonic() - start < 2.5  # the prefill side's transfer timeout is 3 s
+    stats = prefill.stats()
+    assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+    assert decode.stats().num_blocks_free == decode.stats().num_blocks_total
+
+
 # a decode engine's receiving end that takes the handshake and the state, and never acknowledges
 _SILENT_RECEIVER = """
 import sys, time, msgspec
