@@ -25,6 +25,7 @@ tokens are what the plain step emits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -99,10 +100,17 @@ class VerifyTail:
         return drafts
 
 
+class CapturedTail(NamedTuple):
+    argmax: torch.cuda.CUDAGraph
+    tail: VerifyTail
+    body: torch.cuda.CUDAGraph
+    drafts: torch.Tensor  # the body's output [k, bs], rewritten by each replay
+
+
 class OverlappedStep:
     def __init__(self, spec) -> None:
         self.spec = spec
-        self.tails: dict[tuple[int, int, int], tuple[object, VerifyTail, object, torch.Tensor]] = {}
+        self.tails: dict[tuple[int, int, int], CapturedTail] = {}  # per verify graph key
         self._pinned = torch.empty(0, dtype=torch.long)
 
     def can_run(self, sched: list[ScheduledRequest], feeds: list[list[int]], replayed: Replayed | None) -> bool:
@@ -132,7 +140,7 @@ class OverlappedStep:
             tail = VerifyTail(self.spec, buf, out, key[1])
             argmax, _ = graphs.pool.capture(tail.argmax)
             body, drafts = graphs.pool.capture(tail.body)
-            self.tails[key] = (argmax, tail, body, drafts)
+            self.tails[key] = CapturedTail(argmax, tail, body, drafts)
         return len(keys)
 
     def launch(self, sched: list[ScheduledRequest], feeds: list[list[int]], replayed: Replayed,
