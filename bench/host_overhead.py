@@ -17,6 +17,7 @@ nothing overlaps.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,12 @@ def measure(config, model, batch: int, steps: int, warmup: int) -> dict:
            **{name: summarize_times(v) for name, v in parts.items()},
            "host_fraction_median": sorted(h / w for h, w in zip(hosts, walls))[len(walls) // 2]}
     core.close()
+    del core
+    gc.collect()  # the engine's graphs and cache go before the next engine captures its own
+    if config.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
     return row
 
 
