@@ -168,13 +168,12 @@ def test_aborting_an_import_whose_state_arrived_answers_the_sender_at_once(engin
         assert time.monotonic() < deadline, "the state never arrived"
         prefill.step()
         decode.step()
-    start = time.monotonic()
     decode.add_request(_request("gone", PROMPTS[0], sampling, TransferParams("t-gone", "import")))
     decode.abort(["gone"])
     got = _run([prefill], _finished(["gone"]), timeout_s=20, errors_ok=True)[-1]
     out = got["gone"][-1]
+    # the answer, not the prefill side's transfer timeout (3 s), which would say the state was not acknowledged
     assert out.finish_reason == "error" and "aborted on the decode engine" in out.error, out.error
-    assert time.monotonic() - start < 2.5  # the prefill side's transfer timeout is 3 s
     stats = prefill.stats()
     assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
     assert decode.stats().num_blocks_free == decode.stats().num_blocks_total
