@@ -16,7 +16,7 @@ the cache too and ends the request with an error that says why. A request with i
 (``disagg.remote_encode``); then it runs, and its prefill reads them instead of running a tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
-scheduler, for the state sent under its transfer id. Once it is here and the batch has room, the scheduler
+scheduler, for the state sent under its transfer id (or finds it here already: a state may beat its request). Once it is here and the batch has room, the scheduler
 admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
 them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
 the request decodes as if it had been prefilled here (its first output is the first token, with its
@@ -224,9 +224,12 @@ class Importer:
         if req.transfer is None or req.transfer.role != "import":
             raise ValueError("a decode-role engine takes only requests to import (kv_transfer_params with role "
                              "'import' and the transfer id the prefill engine was given)")
-        if req.transfer.transfer_id in self._waiting:
-            raise ValueError(f"duplicate transfer id {req.transfer.transfer_id!r}")
-        self._waiting[req.transfer.transfer_id] = (req, time.monotonic() + self.timeout_s)
+        tid = req.transfer.transfer_id
+        if tid in self._waiting:
+            raise ValueError(f"duplicate transfer id {tid!r}")
+        self._waiting[tid] = (req, time.monotonic() + self.timeout_s)
+        if tid in self._arrived:  # the state came first: nothing else would wake the loop to import it
+            self.wake()
         return False
 
     def has_events(self) -> bool:

@@ -155,6 +155,27 @@ def test_unacknowledged_transfer_fails_and_frees_the_blocks(engines):
         silent.close()
 
 
+def test_a_state_that_arrived_before_its_request_is_imported_at_once(engines):
+    """The state can beat its request to the decode engine (a chat template takes longer to apply than a short
+    prefill to run): the request's arrival alone gives the loop work, and it decodes as it would otherwise."""
+    prefill, decode, _ = engines
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    prefill.add_request(_request("early", PROMPTS[0], sampling,
+                                 TransferParams("t-early", "export", decode.ready_message().transfer_address)))
+    deadline = time.monotonic() + 20
+    while "t-early" not in decode.disagg._arrived:
+        assert time.monotonic() < deadline, "the state never arrived"
+        prefill.step()
+        decode.step()
+    assert not decode.has_work()
+    decode.add_request(_request("early", PROMPTS[0], sampling, TransferParams("t-early", "import")))
+    assert decode.has_work()  # the engine loop steps only an engine with work: this is what imports it
+    got = _run([prefill, decode], _finished(["early"]), timeout_s=10)
+    assert len(_tokens(got[-1]["early"])) == 4
+    stats = prefill.stats()
+    assert stats.num_transfers_held == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
 def test_aborting_an_import_whose_state_arrived_answers_the_sender_at_once(engines):
     """A decode request aborted after its state arrived but before it was imported (the state came first, then the
     request, then the abort) is answered at once: the prefill side fails it with the reason and frees its blocks,
