@@ -15,7 +15,9 @@
   the engine: it moves during the prefill after the one that its copy overlapped).
 - on a GPU, the control of the ``ipc`` row (``gpu_neighbour``): another process copying as many bytes within its own
   GPU memory at the same times, with no transfer: with both engines on one GPU, the decode side's copies share the
-  GPU with the prefill (time-sliced between the two processes), which no transfer path can avoid.
+  GPU with the prefill (time-sliced between the two processes), which no transfer path can avoid. With
+  ``--decode-device cuda:1`` the receiver's cache is on a second GPU (CUDA IPC reads across the two), and there is
+  no control row.
 
 The ratio is the prefill's best time with the transfers running beside it, divided by its best time alone, in one
 process: what the transfers cost the engine loop (GIL hand-offs and CPU), not the transfer's own speed. The
@@ -105,7 +107,7 @@ class StateTransfers:
     send states up to two in flight, which move while the next prefill runs). Start-up work (the connection, the
     handshake, the ``ipc`` receiver's mapping) is over, two states acknowledged, before it returns."""
 
-    def __init__(self, mbytes: int, backend: str, device: str) -> None:
+    def __init__(self, mbytes: int, backend: str, device: str, receiver_device: str) -> None:
         import multiprocessing as mp
 
         from flashinfra.disagg.ipc import IpcSender
@@ -113,8 +115,8 @@ class StateTransfers:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._halt = ctx.Event()
-        self._proc = ctx.Process(target=receiver_process, args=(child, self._halt, mbytes, backend, device),
-                                 daemon=True)
+        self._proc = ctx.Process(target=receiver_process,
+                                 args=(child, self._halt, mbytes, backend, receiver_device), daemon=True)
         self._proc.start()
         self._src = _cache(mbytes, device)
         layout = describe(self._src, "bench", "bench")
@@ -287,6 +289,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="time a real engine's prefill step")
     ap.add_argument("--model", default=None, help="with --engine: checkpoint (default: the built-in model)")
     ap.add_argument("--device", default="cpu", help="with --engine: the engine's device (cpu, cuda)")
+    ap.add_argument("--decode-device", default=None,
+                    help="with --engine: the receiving side's device (default --device; cuda:1: across two GPUs)")
     ap.add_argument("--skip-gil-holding", action="store_true", help="leave out the GIL-holding binding's row")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -302,12 +306,14 @@ def main() -> None:
     if bad is not None:
         print(f"beside a GIL-holding transfer {bad * 1e3:.2f} ms", flush=True)
     device = args.device if args.engine else "cpu"
-    names = ("zmq", "ipc") + (("gpu_neighbour",) if device.startswith("cuda") else ())
+    decode_device = (args.decode_device or device) if args.engine else "cpu"
+    # the control shares the prefill's GPU; across two GPUs nothing does
+    names = ("zmq", "ipc") + (("gpu_neighbour",) if device.startswith("cuda") and decode_device == device else ())
     drivers = {}
     try:
         for backend in names:
             drivers[backend] = (GpuNeighbour(args.mbytes, device) if backend == "gpu_neighbour"
-                                else StateTransfers(args.mbytes, backend, device))
+                                else StateTransfers(args.mbytes, backend, device, decode_device))
         rounds = paired_rounds(args, run_prefill, {"alone": None, **drivers})
     finally:
         for d in drivers.values():
@@ -326,8 +332,8 @@ def main() -> None:
               f"{transfers[b if b == 'gpu_neighbour' else f'{b}_transfer']['paired_ratio_median']:.3f}", flush=True)
     culprit = bad_probe.stalls[0].culprit_lines() if bad_probe is not None and bad_probe.stalls else []
     result = {
-        "device": (f"{args.device if args.engine else 'cpu'} ({platform.processor() or platform.machine()}, "
-                   f"{os.cpu_count()} cpus, torch threads 1)"),
+        "device": (f"{device}{'' if decode_device == device else f', receiver on {decode_device}'} "
+                   f"({platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads 1)"),
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "prefill": "engine step" if args.engine else "torch stand-in", "tokens": args.tokens,
