@@ -108,12 +108,12 @@ def check_layout(config: EngineConfig) -> None:
         raise ValueError(f"context_parallel_size {config.context_parallel_size} with expert_parallel_size "
                          f"{config.expert_parallel_size}: context parallelism combines with tensor parallelism "
                          "only (each tensor-parallel group a whole model), not with expert parallelism yet")
-    if config.context_parallel_size > 1 and (config.quantization in ("w8a8", "fp8") or config.load_format != "auto"
+    if config.context_parallel_size > 1 and (config.quantization in ("w8a8", "fp8")
                                              or CacheSpec.of(config) != CacheSpec()):
         raise ValueError(f"context_parallel_size {config.context_parallel_size} with quantization="
                          f"{config.quantization}, kv_cache_dtype={config.kv_cache_dtype}, kda_state_dtype="
-                         f"{config.kda_state_dtype}, load_format={config.load_format}: context-parallel ranks load "
-                         "the checkpoint whole and gather model-dtype latents (use the defaults)")
+                         f"{config.kda_state_dtype}: context-parallel ranks load the checkpoint whole and gather "
+                         "model-dtype latents (use the defaults)")
     cfg = load_config(_model_dir(config))
     layout = make_layout(cfg.text, config.tensor_parallel_size, config.expert_parallel_size, 0)
     check_shards(cfg, layout, config.quantization)
@@ -147,22 +147,27 @@ def join_world(config: EngineConfig, launch: Launch):
 
 def _context_parallel_model(config: EngineConfig, launch: Launch, path: Path):
     """This rank's ``ContextParallelModel``: the whole model, or with ``tensor_parallel_size`` > 1 its shard of
-    its tensor-parallel group (rank ``r``: tensor-parallel rank ``r % tp``, context-parallel rank ``r // tp``)."""
+    its tensor-parallel group (rank ``r``: tensor-parallel rank ``r % tp``, context-parallel rank ``r // tp``).
+    With ``load_format`` random every rank draws the same weights from ``config.seed``."""
     from flashinfra.config import load_config
-    from flashinfra.model.api import load_model
+    from flashinfra.model.api import load_model, random_model
     from flashinfra.parallel.collectives import Comm
     from flashinfra.parallel.context_model import ContextParallelModel
     from flashinfra.parallel.groups import make_context_comms
     from flashinfra.parallel.layout import make_layout
-    from flashinfra.parallel.load import load_shard, peak_host_bytes
+    from flashinfra.parallel.load import load_shard, peak_host_bytes, random_shard
 
     tp, cp = config.tensor_parallel_size, config.context_parallel_size
+    random = config.load_format == "random"
     if tp == 1:
-        loaded, cp_comm = load_model(path, config.dtype, launch.device), Comm(launch.world)
+        cp_comm = Comm(launch.world)
+        loaded = (random_model(load_config(path), config.dtype, launch.device, config.seed) if random
+                  else load_model(path, config.dtype, launch.device))
     else:
         comms, cp_comm = make_context_comms(tp, cp, launch.rank, config.dist_timeout_s)
         layout = make_layout(load_config(path).text, tp, 1, launch.rank % tp)
-        loaded = load_shard(path, layout, comms, config.dtype, launch.device)
+        loaded = (random_shard(load_config(path), layout, comms, config.dtype, launch.device, config.seed) if random
+                  else load_shard(path, layout, comms, config.dtype, launch.device))
     model = ContextParallelModel(loaded, cp_comm, launch.rank // tp, zigzag=config.context_parallel_zigzag,
                                  layer_split=config.layer_split)
     model.peak_host_bytes = peak_host_bytes()

@@ -24,19 +24,22 @@ ENGINE = dict(num_blocks=600, block_size=8, max_num_seqs=2, max_num_batched_toke
               device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize("layer_split,tp", [(False, 1), (True, 1), (False, 2)])
-def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split, tp):
-    """tp 2: 4 ranks, two tensor-parallel groups each holding the model split by heads."""
+@pytest.mark.parametrize("layer_split,tp,load_format", [(False, 1, "auto"), (True, 1, "auto"), (False, 2, "auto"),
+                                                       (False, 1, "random"), (False, 2, "random")])
+def test_context_parallel_engine_equals_one_rank(tmp_path, capfd, layer_split, tp, load_format):
+    """tp 2: 4 ranks, two tensor-parallel groups each holding the model split by heads. Random weights: every
+    rank draws its part of the one-rank model's."""
     ckpt = write_tiny_checkpoint(tmp_path, seed=1)
     rng = random.Random(5)
     long = [rng.randrange(10, 512) for _ in range(2 * MIN_TOKENS_PER_RANK + 9)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    one = flashinfra.LLM(ckpt, **ENGINE)
+    engine = dict(ENGINE, load_format=load_format, seed=3)
+    one = flashinfra.LLM(ckpt, **engine)
     prompts = [long, [11, 12, 13, 14, 15]]
     want = [o.token_ids for o in one.generate(prompts, params)]
     one.engine.close()
     llm = flashinfra.LLM(ckpt, context_parallel_size=2, tensor_parallel_size=tp, layer_split=layer_split,
-                         dist_timeout_s=60, **ENGINE)
+                         dist_timeout_s=60, **engine)
     try:
         comm = llm.engine.runner.model.comm  # plans go over the control channel, uncounted: only split steps count
         got = [o.token_ids for o in llm.generate([prompts[0]], params)]  # alone: its prefill is split
