@@ -147,7 +147,8 @@ def run_world(args, world: int, model_dir: Path) -> dict:
     runs.mkdir(parents=True, exist_ok=True)
     for old in runs.glob("rank*.json"):
         old.unlink()
-    engine = dict(model=str(model_dir), load_format="random", seed=0, device=args.device, dtype=args.dtype, context_parallel_size=world,
+    engine = dict(model=str(model_dir), load_format="random", seed=0, device=args.device, dtype=args.dtype,
+                  context_parallel_size=world,
                   context_parallel_zigzag=not args.contiguous, layer_split=args.layer_split and world > 1,
                   max_num_seqs=1, max_model_len=args.prompt_len + 16,
                   max_num_batched_tokens=args.tokens_per_rank * world, dist_timeout_s=1800.0)

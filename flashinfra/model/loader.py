@@ -209,6 +209,12 @@ def _is_extra(name: str, cfg: ModelConfig) -> bool:
     return name.startswith(mtp) or name.startswith("model.visual.")
 
 
+def weight_block(cfg: ModelConfig) -> tuple[int, int]:
+    """The [rows, columns] blocks of a block-FP8 checkpoint's scales (``weight_block_size``, 128 x 128 if unsaid)."""
+    qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
+    return tuple(qcfg.get("weight_block_size", (128, 128)))
+
+
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
                  raw_quantized: dict[str, list[RawQuantized]] | None = None,
                  progress: bool | None = None) -> LoadReport:
@@ -220,8 +226,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
     head = "lm_head.weight" if cfg.has_lm_head else None
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, head)
     names = reader.names()
-    qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
-    block = tuple(qcfg.get("weight_block_size", (128, 128)))
+    block = weight_block(cfg)
 
     plan, missing, misshaped, consumed = match_copies(layout, names, reader)
     extra = {n: reader.files[n] for n in names - consumed if _is_extra(n, cfg)}
@@ -249,3 +254,27 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource,
         bar.update(1)
     bar.close()
     return LoadReport(loaded=len(plan), extra=extra)
+
+
+def load_part(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource, part: str,
+              device: torch.device | str) -> None:
+    """Give the parameters of ``model`` (a ``Glm5NextModel`` built on ``meta``) named ``part`` or under it
+    (``"layers.3"``, ``"embed_tokens"``) storage on ``device``, filled from ``reader`` as ``load_weights`` fills
+    them (8-bit tensors dequantized): a model larger than one device, held one part at a time (a reference
+    computed layer by layer); ``module.to_empty(device="meta")`` frees a part again."""
+    params = dict(model.named_parameters())
+    layout = weight_layout(cfg.text, params, cfg.weight_prefix, "lm_head.weight" if cfg.has_lm_head else None)
+    block = weight_block(cfg)
+    names = reader.names()
+    for pname, forms in layout.items():
+        if pname != part and not pname.startswith(part + "."):
+            continue
+        form, absent = _choose_form(forms, names)
+        if form is None:
+            raise CheckpointError(f"{pname}: missing {', '.join(absent)}")
+        owner, _, leaf = pname.rpartition(".")
+        t = torch.empty(params[pname].shape, dtype=params[pname].dtype, device=device)
+        for copy in form:
+            dest = t[copy.index] if copy.index else t
+            dest.copy_(read_tensor(reader, copy.name, block)[0].reshape(dest.shape))
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(t, requires_grad=False))

@@ -33,7 +33,7 @@ from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.model.cache import ModelCache, pool_keys
 from flashinfra.model.forward_batch import ForwardBatch
-from flashinfra.model.loader import CheckpointError, TensorSource, match_copies, read_tensor
+from flashinfra.model.loader import CheckpointError, TensorSource, match_copies, read_tensor, weight_block
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import MoE
 from flashinfra.model.weights import Copy, Form, _mla, _mlp
@@ -134,8 +134,7 @@ def load_mtp(block: MTPBlock, cfg: ModelConfig, reader: TensorSource) -> int:
     layout = mtp_weight_layout(cfg.text, params, cfg.weight_prefix)
     p = f"{cfg.weight_prefix}layers.{cfg.text.num_hidden_layers}."
     names = {n for n in reader.names() if n.startswith(p)}
-    qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
-    fp8_block = tuple(qcfg.get("weight_block_size", (128, 128)))
+    fp8_block = weight_block(cfg)
     plan, missing, misshaped, consumed = match_copies(layout, names, reader)
     consumed |= {p + s for s in SHARED_COPIES} & names
     unexpected = sorted(names - consumed)

@@ -33,7 +33,7 @@ from flashinfra.model.api import (LoadedModel, load_model, model_config_from, ra
 from flashinfra.model.factory import RandomSource
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.loader import (FP8_DTYPES, CheckpointReader, _choose_form, dequantize_block_fp8,
-                                     load_weights, read_tensor, scale_name)
+                                     load_weights, read_tensor, scale_name, weight_block)
 from flashinfra.model.moe import MoE
 from flashinfra.model.weights import Copy, weight_layout
 from flashinfra.parallel.collectives import ParallelComms
@@ -113,8 +113,7 @@ def _build_shard(path: Path, cfg, source, build: torch.device, layout: ParallelL
         model = Glm5NextModel(cfg.text, torch_dtype, cfg.has_lm_head)
     # raises CheckpointError naming every mismatch
     report = load_weights(model, cfg, _ShapesOnly(source), progress=False)
-    qcfg = cfg.raw.get("quantization_config") or cfg.raw.get("text_config", {}).get("quantization_config") or {}
-    block = tuple(qcfg.get("weight_block_size", (128, 128)))
+    block = weight_block(cfg)
     names = source.names()
     layout_forms = weight_layout(cfg.text, dict(model.named_parameters()), cfg.weight_prefix,
                                  "lm_head.weight" if cfg.has_lm_head else None)
