@@ -10,7 +10,14 @@ Sources (Debian bookworm):
 - ``fortunes-min`` and ``fortunes``: one document per fortune.
 - ``python3.11-doc``: the Python manual in GNU info form, one document per info node.
 
-Split rule: within each source, document number ``i`` (in the order the source gives them) is held out
+Training-only sources (more text to train on; none of it held out, so the held-out set and its perplexities stay
+comparable with the three sources above alone):
+- ``perl-doc``: the Perl manual's POD pages, one document per ``=head1`` section, formatting codes dropped.
+- ``postgresql-doc-15``: the PostgreSQL manual's HTML pages, one document per page, navigation dropped.
+- ``dict-foldoc``, ``dict-jargon``, ``dict-devil``: the Free On-line Dictionary of Computing, the Jargon File and
+  Bierce's Devil's Dictionary (dictd databases), one document per entry.
+
+Split rule: within each held-out source, document number ``i`` (in the order the source gives them) is held out
 when ``i % 20 == 19``; everything else is training text.
 
 Writes into ``--out``: ``train.jsonl`` and ``heldout.jsonl`` (one ``{"source", "text"}`` per line),
@@ -26,13 +33,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import html
 import json
 import re
 import subprocess
 import unicodedata
+from html.parser import HTMLParser
 from pathlib import Path
 
-PACKAGES = ("bible-kjv-text", "bible-kjv", "fortunes-min", "fortunes", "python3.11-doc")
+PACKAGES = ("bible-kjv-text", "bible-kjv", "fortunes-min", "fortunes", "python3.11-doc", "perl-doc",
+            "postgresql-doc-15", "dict-foldoc", "dict-jargon", "dict-devil")
 HELDOUT_EVERY = 20
 SAMPLE_EVERY = 10
 MIN_DOC_CHARS = 40
@@ -130,10 +140,153 @@ def python_doc_documents(root: Path) -> list[str]:
     return docs
 
 
+_POD_ESCAPES = {"lt": "<", "gt": ">", "verbar": "|", "sol": "/"}
+_POD_WIDE = re.compile(r"([BCIFSLEXZ])(<{2,})\s")
+
+
+def _pod_code(kind: str, text: str) -> str:
+    """What the formatting code ``kind<text>`` (its text resolved already) reads as."""
+    if kind in "XZ":
+        return ""
+    if kind == "E":  # a named escape, an HTML entity name, or a decimal number (0x: hex, 0: octal)
+        if text in _POD_ESCAPES:
+            return _POD_ESCAPES[text]
+        if text[:1].isdigit():
+            return chr(int(text, 16 if text.startswith("0x") else 8 if text.startswith("0") else 10))
+        return html.unescape(f"&{text};")
+    if kind == "L":  # "text|target" -> text; "page/section" -> section
+        text = text.split("|", 1)[0] if "|" in text else text.rsplit("/", 1)[-1].strip('"')
+    return text
+
+
+def _pod_codes(s: str, i: int = 0, close: str = "") -> tuple[str, int]:
+    """``s`` from ``i`` with its formatting codes resolved, up to ``close`` (a code's end: ``>``, or ``>>`` after a
+    space for ``C<< ... >>``); the text and the index after ``close``."""
+    out = []
+    while i < len(s):
+        if close and s.startswith(close, i) and (close == ">" or s[i - 1].isspace()):
+            return "".join(out).strip() if close != ">" else "".join(out), i + len(close)
+        wide = _POD_WIDE.match(s, i)
+        if wide:
+            text, i = _pod_codes(s, wide.end(), ">" * len(wide.group(2)))
+            out.append(_pod_code(wide.group(1), text))
+        elif s[i] in "BCIFSLEXZ" and s.startswith("<", i + 1):
+            kind = s[i]
+            text, i = _pod_codes(s, i + 2, ">")
+            out.append(_pod_code(kind, text))
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out), i
+
+
+def pod_text(pod: str) -> str:
+    """A POD page as plain text: headings and items as paragraphs of their own, formatting codes resolved, commands
+    without text (``=over``, ``=cut``) and ``=begin`` ... ``=end`` blocks dropped."""
+    out, skipping = [], False
+    for block in re.split(r"\n\s*\n", pod):
+        command = re.match(r"^=(\w+)\s*(.*)", block, re.S)
+        if command:
+            name, rest = command.groups()
+            skipping = name == "begin" or (skipping and name != "end")
+            if skipping or not (name.startswith("head") or name == "item"):
+                continue
+            block = rest.strip()
+        if skipping or not block.strip():
+            continue
+        out.append(block if block[:1].isspace() else _pod_codes(block)[0])  # verbatim paragraphs as they are
+    return "\n\n".join(out)
+
+
+def perl_doc_documents(root: Path) -> list[str]:
+    """One document per ``=head1`` section of every page of the Perl manual, pages in name order."""
+    docs: list[str] = []
+    for path in sorted(root.glob("usr/share/perl/*/pod/*.pod")):
+        pod = path.read_text(encoding="utf-8", errors="replace")
+        sections = re.split(r"\n(?==head1 )", "\n" + pod)
+        docs.extend(normalize(pod_text(section)) for section in sections if section.strip())
+    return docs
+
+
+class _HtmlText(HTMLParser):
+    """The text of a DocBook HTML page: paragraphs and block elements on lines of their own, runs of spaces
+    collapsed outside ``<pre>``, the navigation header and footer dropped."""
+
+    BLOCKS = {"p", "div", "pre", "li", "dt", "dd", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "table", "br", "title"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skip_depth = 0  # > 0 inside a navigation div (counting the divs nested in it)
+        self.pre = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "div" and (self.skip_depth or dict(attrs).get("class") in ("navheader", "navfooter")):
+            self.skip_depth += 1
+        elif tag in ("script", "style", "head"):
+            self.skip_depth += 1
+        self.pre += tag == "pre"
+        if tag in self.BLOCKS:
+            self.parts.append("\n\n")
+
+    def handle_endtag(self, tag):
+        if (tag == "div" and self.skip_depth) or (tag in ("script", "style", "head") and self.skip_depth):
+            self.skip_depth -= 1
+        self.pre -= tag == "pre" and self.pre > 0
+        if tag in self.BLOCKS:
+            self.parts.append("\n\n")
+
+    def handle_data(self, data):
+        if self.skip_depth:
+            return
+        if not self.pre:
+            data = re.sub(r"\s+", " ", data)
+            if not self.parts or self.parts[-1].endswith("\n"):
+                data = data.lstrip()
+        self.parts.append(data)
+
+
+def html_text(page: str) -> str:
+    parser = _HtmlText()
+    parser.feed(page)
+    parser.close()
+    return "".join(parser.parts)
+
+
+def postgres_doc_documents(root: Path) -> list[str]:
+    """One document per page of the PostgreSQL manual, pages in name order."""
+    pages = sorted(root.glob("usr/share/doc/postgresql-doc-*/html/*.html"))
+    return [normalize(html_text(p.read_text(encoding="utf-8", errors="replace"))) for p in pages]
+
+
+_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+
+
+def dictd_documents(root: Path, name: str) -> list[str]:
+    """One document per entry of the dictd database ``name``, in its index's order (the database's own
+    ``00-database-*`` entries left out)."""
+    raw = gzip.decompress((root / f"usr/share/dictd/{name}.dict.dz").read_bytes())
+    docs: list[str] = []
+    for line in (root / f"usr/share/dictd/{name}.index").read_text(encoding="utf-8", errors="replace").splitlines():
+        word, offset, length = line.split("\t")[:3]
+        if word.startswith("00database") or word.startswith("00-database"):
+            continue
+        start, size = (sum(_B64[c] << 6 * i for i, c in enumerate(reversed(v))) for v in (offset, length))
+        docs.append(normalize(raw[start : start + size].decode("utf-8", errors="replace")))
+    return list(dict.fromkeys(docs))  # an entry indexed under several headwords, once
+
+
 SOURCES = {
     "bible": bible_documents,
     "fortunes": fortune_documents,
     "python-doc": python_doc_documents,
+}
+TRAIN_ONLY_SOURCES = {
+    "perl-doc": perl_doc_documents,
+    "postgresql-doc": postgres_doc_documents,
+    "foldoc": lambda root: dictd_documents(root, "foldoc"),
+    "jargon": lambda root: dictd_documents(root, "jargon"),
+    "devil": lambda root: dictd_documents(root, "devil"),
 }
 
 
@@ -150,9 +303,14 @@ def build(out: Path) -> dict:
     manifest: dict = {"packages": packages, "heldout_every": HELDOUT_EVERY, "sources": {}}
     train_rows: list[dict] = []
     heldout_rows: list[dict] = []
-    for name, extract in SOURCES.items():
-        train, heldout = split_documents(extract(out / "root"))
-        if not train or not heldout:
+    for name, extract in {**SOURCES, **TRAIN_ONLY_SOURCES}.items():
+        if name in SOURCES:
+            train, heldout = split_documents(extract(out / "root"))
+        else:
+            train, heldout = [d for d in extract(out / "root") if len(d) >= MIN_DOC_CHARS], []
+            if not train:
+                raise RuntimeError(f"source {name} gave no documents")
+        if not train or (name in SOURCES and not heldout):
             raise RuntimeError(f"source {name} gave no documents")
         train_rows += [{"source": name, "text": t} for t in train]
         heldout_rows += [{"source": name, "text": t} for t in heldout]

@@ -17,8 +17,8 @@ The chained tokens are the data's (teacher forcing, as DeepSeek-V3's MTP and EAG
 the label at ``i + s`` is the target's distribution after the data's tokens up to ``i + s``, so the token fed must
 be the data's too for input and label to share one context. In the engine a chained step is fed a draft, which
 counts only when it equals the target's greedy choice; training on text the target generated itself would close
-that gap. By default training starts from the checkpoint's own MTP layer when it has one (``--fresh``: from the
-target's last attention layer).
+that gap. By default training starts from the checkpoint's own MTP layer when it has one (``--mtp-from``: another
+checkpoint's, of the same configuration; ``--fresh``: from the target's last attention layer).
 
 Reported on held-out text, before and after: per chained position the block's top-1 agreement with the target's
 argmax (teacher-forced acceptance of draft ``s``); the share of bases whose drafts ``1..s`` all agree (what
@@ -194,7 +194,7 @@ def train(args) -> dict:
     target = Glm5NextForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32).to(device)
     target.eval().requires_grad_(False)
     block = MTPTrainBlock(target).to(device).train()
-    resumed = not args.fresh and read_mtp_layer(args.model, target, block)
+    resumed = not args.fresh and read_mtp_layer(args.mtp_from or args.model, target, block)
     weights = chain_weights(args.chain, args.chain_decay)
     params = [p for p in block.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
@@ -230,7 +230,8 @@ def train(args) -> dict:
     N = target.model.language_model.config.num_hidden_layers
     write_checkpoint(args.model, args.out, mtp_tensors(target, block), f"model.language_model.layers.{N}.")
     summary = {"steps": step, "train_s": round(train_s, 1), "tokens_seen": step * args.batch * MTP_CONTEXT,
-               "started_from": "the checkpoint's MTP layer" if resumed else "the target's last attention layer",
+               "started_from": (f"the MTP layer of {args.mtp_from or args.model}" if resumed
+                                else "the target's last attention layer"),
                "chain_weights": weights, "before": before, "after": after,
                "checkpoint_bytes": (args.out / "model.safetensors").stat().st_size,
                "args": {k: str(v) for k, v in vars(args).items()}}
@@ -251,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chain-decay", type=float, default=0.8, help="loss weight of draft s: decay ** (s - 1)")
     p.add_argument("--fresh", action="store_true",
                    help="start from the target's last attention layer even when the checkpoint has an MTP layer")
+    p.add_argument("--mtp-from", type=Path, default=None,
+                   help="the checkpoint whose MTP layer training starts from (default --model; e.g. the shipped "
+                        "model's, for a target retrained without one)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=20)
