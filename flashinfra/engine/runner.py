@@ -34,12 +34,10 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.staging import HostStaging
 from flashinfra.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from flashinfra.engine.penalties import PenaltyRows, PenaltyStep
-from flashinfra.engine.sampler import DeviceSample, SamplingRow, sample, sample_batch, sampling_columns
+from flashinfra.engine.sampler import DeviceSample, Fill, SamplingRow, sample, sample_batch, sampling_columns
 from flashinfra.multimodal.encoder import encoder_reserve_bytes, make_embedder
 
 CPU_DEFAULT_CACHE_BYTES = 256 * 2**20
-# tokens of a step that are still on the device: (source, [(position in the step's flat tokens, index into source)])
-Fill = tuple[torch.Tensor, list[tuple[int, int]]]
 GPU_CACHE_FRACTION = 0.85  # of the memory free after the model is loaded
 
 

@@ -146,6 +146,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[Sampli
     return _logprob_records(tokens.tolist(), _logprob_tensors(logits, tokens, rows), rows)
 
 
+# tokens of a step still on the device, gathered into its token ids: (source, [(position in the step's flat tokens,
+# index into source)]); the source is the samples (``DeviceSample.tokens``) of the step in flight
+Fill = tuple[torch.Tensor, list[tuple[int, int]]]
+
+
 class DeviceSample:
     """One batch's sampled tokens (``tokens`` [N] long), NaN rows and logprobs, still on the device.
     ``start_copy`` begins their copy to the host without waiting (pinned memory on a GPU); ``result`` waits for it

@@ -44,13 +44,11 @@ shrinks again, one catch-up covers every deferred position and drafting resumes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, FoldGraphs, chain_steps
-from flashinfra.engine.sampler import SamplingRow, apply_penalties, token_logprobs, truncated_probs
+from flashinfra.engine.sampler import Fill, SamplingRow, apply_penalties, token_logprobs, truncated_probs
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, ScheduledRequest
 from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
@@ -62,9 +60,6 @@ from flashinfra.model.loader import CheckpointReader
 from flashinfra.model.mtp import MTPBlock, allocate_mtp_cache, has_mtp, load_mtp
 from flashinfra.model.replay import ReplayRing, kda_fold
 from flashinfra.model.staging import HostStaging
-
-if TYPE_CHECKING:
-    from flashinfra.engine.runner import Fill
 
 MAX_DEFERRED = 1024  # positions a row's catch-up may wait while drafting is off: 1024 x hidden size per row
 
