@@ -193,3 +193,27 @@ def test_engine_generates_with_w8a8_weights_and_an_int8_cache():
     assert llm.engine.runner.cache.mla_latent[3].dtype == torch.int8
     outs = llm.generate(["The capital of France is", "Hello"], SamplingParams(max_tokens=6, temperature=0))
     assert all(o.finish_reason in ("length", "stop") and o.token_ids for o in outs)
+
+
+def test_8bit_modes_keep_long_context_perplexity():
+    """Over one 2,048-token window (half the built-in model's context) each 8-bit combination stays within 1 % of
+    the unquantized model's perplexity (each mode's goal is 1 % or tighter), and still gains from the context what
+    the unquantized model gains over 256-token windows: a long-context collapse (an 8-bit latent or key error that
+    grows with the positions attended) would lose that gain first."""
+    import importlib
+    import inspect
+
+    from flashinfra.eval.perplexity import perplexity
+    from flashinfra.server.tokenizer import Tokenizer
+
+    text = "\n\n".join(inspect.getdoc(importlib.import_module(n))
+                       for n in ("json", "re", "argparse", "csv", "heapq", "itertools"))
+    ids = Tokenizer(default_model_dir()).encode(text)[:2048]
+    assert len(ids) == 2048
+    base = load_model(default_model_dir(), quantization="none")
+    long, short = perplexity(base, ids, window=2048).perplexity, perplexity(base, ids, window=256).perplexity
+    assert long < 0.97 * short  # the model uses its context: what an 8-bit mode must not lose
+    for mode, kv in (("w8a8", "int8"), ("fp8", "fp8")):
+        m = load_model(default_model_dir(), quantization=mode, cache_spec=CacheSpec.from_flags(kv, "float32", None))
+        quantized = perplexity(m, ids, window=2048).perplexity
+        assert abs(quantized / long - 1) < 0.01, (mode, kv, quantized, long)
