@@ -130,6 +130,7 @@ class EngineCore:
             cache_layout=None if self.disagg is None or self.disagg.layout is None
             else msgspec.to_builtins(self.disagg.layout),
             vision="tower" if self.model.vision is not None else "encoder" if self.runner.embedder is not None else "",
+            **self.runner.cache_footprint(),
         )
 
     @property

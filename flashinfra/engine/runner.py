@@ -111,6 +111,17 @@ class ModelRunner:
             self.speculator = Speculator(model, self.cache, speculative_tokens, block_size, self.graphs,
                                           speculative_max_batch)
 
+    def cache_footprint(self) -> dict[str, int]:
+        """What the caches hold (``EngineReady``'s figures): every cache tensor's bytes, a cached token's bytes over
+        every layer, and a sequence slot's state bytes (with speculation the MTP layer's entries, the ReplaySSM
+        rings and the last hidden states too)."""
+        caches = [self.cache] if self.speculator is None else [self.cache, self.speculator.mtp_cache]
+        paged, slots = (sum(part) for part in zip(*(c.held_bytes() for c in caches)))
+        if self.speculator is not None:
+            slots += self.speculator.hidden.rows.nbytes
+        return dict(cache_bytes=paged + slots, cache_bytes_per_token=paged // (self.cache.num_blocks * self.block_size),
+                    state_bytes_per_seq=slots // self.cache.num_slots)
+
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)
         if g is None:

@@ -90,6 +90,14 @@ class ModelCache:
             indexer_pool_keys={i: pool_keys(cfg, num_blocks, block_size, dtype, device) for i in cfg.indexer_layers},
         )
 
+    def held_bytes(self) -> tuple[int, int]:
+        """The bytes this cache holds: in its paged tensors (the blocks' per-token entries) and in its per-slot
+        tensors (the KDA states and conv windows, and the ReplaySSM rings when speculating)."""
+        paged = (self.mla_latent, self.mla_latent_scale, self.indexer_keys, self.indexer_scale, self.indexer_pool_keys)
+        slots = [t for d in (self.conv_state, self.recurrent_state) for t in d.values()]
+        slots += [t for ring in self.replay.values() for t in vars(ring).values()]
+        return sum(t.nbytes for d in paged for t in d.values()), sum(t.nbytes for t in slots)
+
     @staticmethod
     def bytes_per_block(cfg: TextConfig, block_size: int, dtype: torch.dtype,
                         latent_dtypes: Mapping[int, torch.dtype] | None = None) -> int:

@@ -80,6 +80,13 @@ def _bind(host: str, port: int):
     return sock
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def _startup_lines(engine_config: EngineConfig, model_path, name: str, opts: ServeOptions, info) -> list[str]:
     import resource
 
@@ -97,7 +104,9 @@ def _startup_lines(engine_config: EngineConfig, model_path, name: str, opts: Ser
         ctx += (f" (--max-model-len {asked} lowered to what the model supports and the cache holds: "
                 f"{info.num_blocks} blocks x {info.block_size} tokens)")
     lines.append(ctx)
-    lines.append(f"cache: {info.num_blocks} blocks of {info.block_size} tokens, {info.max_num_seqs} sequence slots")
+    lines.append(f"cache: {info.num_blocks} blocks of {info.block_size} tokens, {info.max_num_seqs} sequence slots; "
+                 f"{_size(info.cache_bytes)} in all, {_size(info.cache_bytes_per_token)} per token, "
+                 f"{_size(info.state_bytes_per_seq)} of state per request")
     if info.role in ("prefill", "decode"):
         where = f", received at {info.transfer_address}" if info.role == "decode" else ""
         lines.append(f"role: {info.role}; request states move by --transfer-backend {info.transfer_backend}{where}")

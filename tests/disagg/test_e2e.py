@@ -119,10 +119,12 @@ def test_router_outputs_equal_a_single_server(cluster, stream):
 
 
 def test_the_decode_server_says_what_runs(cluster):
-    """The start-up block names the model, device, dtype, context, cache, role and how states move."""
+    """The start-up block names the model, device, dtype, context, cache (with a request's state bytes), role and
+    how states move."""
     decode = cluster["decode"]
     log, backend = decode.log(), decode.proc.args[decode.proc.args.index("--transfer-backend") + 1]
     for line in ("model: default (", "device: cpu, dtype: float32", "context length: ", "cache: 256 blocks of ",
+                 " of state per request",
                  f"role: decode; request states move by --transfer-backend {backend}, received at tcp://127.0.0.1:",
                  "listening on http://127.0.0.1:"):
         assert line in log, f"{line!r} not in the start-up log:\n{log}"

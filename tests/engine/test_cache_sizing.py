@@ -43,3 +43,29 @@ def test_engine_config_rejects_bad_values():
                dict(max_model_len=1), dict(dtype="int3"), dict(prefix_cache_slots=-1)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("speculative_tokens", [0, 3])
+def test_engine_reports_what_its_caches_hold(speculative_tokens):
+    """The ready message's figures are the allocated tensors': a token's entries and a request's state as the
+    sizing formulas count them; with drafts the MTP layer's entries per token and, per request, the ReplaySSM rings
+    of every KDA layer and the last hidden state on top."""
+    llm = flashinfra.LLM(device="cpu", dtype="float32", num_blocks=64, max_num_seqs=2,
+                         speculative_tokens=speculative_tokens)
+    try:
+        ready, model, cache = llm.engine.ready_message(), llm.engine.model, llm.engine.runner.cache
+        text = model.config.text
+        per_token = ModelCache.bytes_per_block(text, 16, model.dtype) // 16
+        per_slot = ModelCache.bytes_per_slot(text, model.dtype)
+        total = per_token * 64 * 16 + per_slot * cache.num_slots
+        if not speculative_tokens:
+            assert (ready.cache_bytes_per_token, ready.state_bytes_per_seq, ready.cache_bytes) == (per_token, per_slot,
+                                                                                                  total)
+            return
+        mtp_token = 4 * (text.kv_lora_rank + 2 * text.index_head_dim + text.index_head_dim // text.index_kpool)
+        C, H, K = text.linear_dim * 3, text.linear_num_heads, text.linear_head_dim
+        ring = (speculative_tokens + 1) * 4 * (C + 2 * H * K + H * K + H)  # x, k, v, g (float32), beta (float32)
+        assert ready.cache_bytes_per_token == per_token + mtp_token
+        assert ready.state_bytes_per_seq == per_slot + len(text.kda_layers) * ring + 4 * text.hidden_size
+    finally:
+        llm.engine.close()

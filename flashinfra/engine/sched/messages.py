@@ -246,6 +246,9 @@ class EngineReady(msgspec.Struct, tag=True):
     transfer_backend: str = "zmq"  # prefill/decode roles: how cache bytes move (--transfer-backend)
     cache_layout: dict | None = None  # prefill/decode roles: the engine's CacheLayout (flashinfra.disagg.layout)
     vision: str = ""  # what makes image embeddings: "tower" (loaded here), "encoder" (an encode engine) or "" (none)
+    cache_bytes: int = 0  # every cache tensor the engine allocated (the MTP layer's and the drafts' state included)
+    cache_bytes_per_token: int = 0  # of a cached token, every layer's entries
+    state_bytes_per_seq: int = 0  # of a sequence slot: KDA states and conv windows (+ ReplaySSM ring, last hidden)
 
 
 class EngineError(msgspec.Struct, tag=True):
