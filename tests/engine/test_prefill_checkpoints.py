@@ -77,3 +77,29 @@ def test_one_step_registers_every_checkpoint_and_hits_give_cold_logits(model):
     logits_again, _ = _run(warm, "a2", a)
     assert warm.stats().num_prefix_hit_tokens_total - hits == 2048 + 2992
     torch.testing.assert_close(logits_again, logits_a, rtol=1e-4, atol=2e-4)
+
+
+def test_checkpoint_states_are_the_same_bits_whatever_the_steps(model):
+    """A prefix checkpoint's KDA state (recurrent and conv) saved inside one 3000-token step is bit for bit the one
+    saved by a prefill cut into 512-token steps (the chunks fall alike: 512 is a multiple of the 64-token chunk),
+    so a hit restores exactly the state a cold run computes, not merely a close one."""
+    rng = random.Random(5)
+    a = [rng.randrange(1, model.config.text.vocab_size) for _ in range(3000)]
+    states = []
+    for budget in (4096, 512):
+        cfg = EngineConfig(device="cpu", dtype="float32", block_size=16, num_blocks=600, max_num_seqs=2,
+                           max_num_batched_tokens=budget, prefix_cache_slots=4, prefix_checkpoint_interval=1024)
+        engine = EngineCore(cfg, model=model)
+        _, steps = _run(engine, "a", a)
+        assert steps == (1 if budget == 4096 else 6)
+        cache = engine.runner.cache
+        states.append({len(e.tokens): [t[e.slot].clone() for layer in model.config.text.kda_layers
+                                       for t in (cache.recurrent_state[layer], cache.conv_state[layer])]
+                       for e in engine.scheduler.cache._prefixes.values()})
+    one_step, many_steps = states
+    assert sorted(one_step) == sorted(many_steps) == [1024, 2048, 2992]
+    for n in one_step:
+        assert all(torch.equal(x, y) for x, y in zip(one_step[n], many_steps[n])), n
+    # written, and each the state at its own position (a slot never written would be equal too: zeros)
+    assert all(x.abs().sum() > 0 for x in one_step[1024])
+    assert not torch.equal(one_step[1024][0], one_step[2048][0])
