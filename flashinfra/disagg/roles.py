@@ -16,11 +16,11 @@ the cache too and ends the request with an error that says why. A request with i
 (``disagg.remote_encode``); then it runs, and its prefill reads them instead of running a tower.
 
 Decode role (``Importer``): a request submitted with ``TransferParams(role="import")`` waits, outside the
-scheduler, for the state sent under its transfer id (or finds it here already: a state may beat its request). Once it is here and the batch has room, the scheduler
-admits the request with a slot and blocks for its prompt (``admit_imported``), the buffers are written into
-them, the generator (and the speculator's hidden state and drafts) restored, the sender is acknowledged, and
-the request decodes as if it had been prefilled here (its first output is the first token, with its
-logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake|ipc``) is read
+scheduler, for the state sent under its transfer id (or finds it here already: a state may beat its request).
+Once it is here and the batch has room, the scheduler admits the request with a slot and blocks for its prompt
+(``admit_imported``), the buffers are written into them, the generator (and the speculator's hidden state and
+drafts) restored, the sender is acknowledged, and the request decodes as if it had been prefilled here (its first
+output is the first token, with its logprobs when asked for). A state left in the sender's cache (``--transfer-backend mooncake|ipc``) is read
 straight into blocks and a slot taken for the request first, on the receiver's reader thread; the request
 joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most
 ``transfer_timeout_s`` for its state; a state nobody asks for within that time is refused back to its sender.

@@ -158,15 +158,15 @@ def _context_parallel_model(config: EngineConfig, launch: Launch, path: Path):
     from flashinfra.parallel.load import load_shard, peak_host_bytes, random_shard
 
     tp, cp = config.tensor_parallel_size, config.context_parallel_size
-    random = config.load_format == "random"
+    drawn = config.load_format == "random"
     if tp == 1:
         cp_comm = Comm(launch.world)
-        loaded = (random_model(load_config(path), config.dtype, launch.device, config.seed) if random
+        loaded = (random_model(load_config(path), config.dtype, launch.device, config.seed) if drawn
                   else load_model(path, config.dtype, launch.device))
     else:
         comms, cp_comm = make_context_comms(tp, cp, launch.rank, config.dist_timeout_s)
         layout = make_layout(load_config(path).text, tp, 1, launch.rank % tp)
-        loaded = (random_shard(load_config(path), layout, comms, config.dtype, launch.device, config.seed) if random
+        loaded = (random_shard(load_config(path), layout, comms, config.dtype, launch.device, config.seed) if drawn
                   else load_shard(path, layout, comms, config.dtype, launch.device))
     model = ContextParallelModel(loaded, cp_comm, launch.rank // tp, zigzag=config.context_parallel_zigzag,
                                  layer_split=config.layer_split)
