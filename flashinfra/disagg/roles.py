@@ -22,8 +22,9 @@ Once it is here and the batch has room, the scheduler admits the request with a 
 drafts) restored, the sender is acknowledged, and the request decodes as if it had been prefilled here (its first
 output is the first token, with its logprobs when asked for). A state left in the sender's cache
 (``--transfer-backend mooncake|ipc``) is read straight into blocks and a slot taken for the request first, on the
-receiver's reader thread; the request joins the batch when the read is over (an abort meanwhile frees them then). A request waits at most
-``transfer_timeout_s`` for its state; a state nobody asks for within that time is refused back to its sender.
+receiver's reader thread; the request joins the batch when the read is over (an abort meanwhile frees them then).
+A request waits at most ``transfer_timeout_s`` for its state; a state nobody asks for within that time is refused
+back to its sender.
 
 The threads behind both (the receiver's, an encode client's) wake the engine loop through ``wake_fd``, a pipe
 the loop polls beside its input socket. The sender has no thread (a Python thread waking during a step stalls
