@@ -12,21 +12,23 @@
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
-- ``topk_select``: the sort (``dsa_topk.sort_launch``) or ``dsa_topk.select`` (the sort or ``torch.topk``, by row
-  length) against ``torch.topk`` over the int64 sort keys, bit for bit (values and order), on rows built to tie: a
+- ``topk_select``: the sort (``dsa_topk.sort_launch``), the threshold select (``dsa_topk.threshold_launch``) or
+  ``dsa_topk.select`` (the sort or ``torch.topk``, by row length) against ``torch.topk`` over the int64 sort keys,
+  bit for bit (values and order), on rows built to tie: a
   few score values with ±0 and ±inf, all equal, all zero, fewer visible pools than ``k`` (the rest at the float32
   minimum, as the scorer writes pools a query cannot see), equal high bits with ties in the low bits, continuous
   scores, arbitrary bits.
+- ``topk_threshold_fallback``: the threshold select's exact path alone (every row sent there), bit for bit.
 - ``dsa_select_topk``: the indexer's selection (scores, then ``dsa_topk.select`` on whichever path the row length
   or the replaced ``SORT_MAX_POOLS`` gives) against ``torch.topk`` over the same scores' keys, bit for bit.
 
-Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last two), at
+Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last three), at
 fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
 and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
 alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools past
 ``SORT_MAX_POOLS``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes, and
-``torch.topk`` alone at longer rows; names end in ``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL``
-(capped at the row length).
+``torch.topk`` beside the threshold select (``hotpath.dsa_topk_threshold.*``) at longer rows; names end in
+``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
+import triton
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, dsa_topk
@@ -220,18 +223,25 @@ def _sort_max(pools: int):
         dsa_topk.SORT_MAX_POOLS = saved
 
 
-def topk_select(device: str, P: int, k: int, rows_per_kind=1, sort=True, sort_max: int | None = None,
-                seed=0) -> list[CheckResult]:
-    """``dsa_topk.sort_launch`` (not ``sort``: ``dsa_topk.select``, with ``sort_max`` replacing ``SORT_MAX_POOLS``)
-    on every kind of ``_tie_rows`` (``rows_per_kind`` fresh rows each) into a poisoned output, against
-    ``topk_ref``."""
+def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> tuple[list[str], torch.Tensor]:
+    """The kinds of ``_tie_rows`` and their rows stacked [kinds * rows_per_kind, P], each kind's rows together."""
     gen = _gen(device, seed)
     kinds = [_tie_rows(device, gen, P, k) for _ in range(rows_per_kind)]
     names = list(kinds[0])
-    scores = torch.stack([row[n] for n in names for row in kinds])  # [kinds * rows_per_kind, P]
+    return names, torch.stack([row[n] for n in names for row in kinds])
+
+
+def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_max: int | None = None,
+                seed=0) -> list[CheckResult]:
+    """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.threshold_launch`` ("threshold") or
+    ``dsa_topk.select`` ("select", with ``sort_max`` replacing ``SORT_MAX_POOLS``), on every kind of ``_tie_rows``
+    (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``."""
+    names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
     out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
-    if sort:
-        got, path = dsa_topk.sort_launch(scores, k, out=out), "sort"
+    if path == "sort":
+        got = dsa_topk.sort_launch(scores, k, out=out)
+    elif path == "threshold":
+        got = dsa_topk.threshold_launch(scores, k, out=out)
     else:
         with nullcontext() if sort_max is None else _sort_max(sort_max):
             got = dsa_topk.select(scores, k, out)
@@ -240,6 +250,20 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, sort=True, sort_ma
     r = rows_per_kind
     return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
             for i, n in enumerate(names)]
+
+
+def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> list[CheckResult]:
+    """``dsa_topk.threshold_finish_kernel`` with every row's counts at zero (no threshold has ``k`` keys above it),
+    so every row takes the exact path: chunks of ``cap - KB`` keys sorted beside the running top ``k``, into a
+    poisoned output, against ``topk_ref`` on every kind of ``_tie_rows``."""
+    names, scores = _tie_scores(device, P, k, 1, seed)
+    R, M, KB = len(scores), dsa_topk.THRESHOLDS, triton.next_power_of_2(k)
+    out = poison_(torch.empty(R, k, dtype=torch.int64, device=device))
+    counts = torch.zeros(R, M, dtype=torch.int32, device=device)
+    cand = torch.empty(R, cap, dtype=torch.int64, device=device)
+    dsa_topk.threshold_finish_kernel[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB)
+    want = dsa_topk.topk_ref(scores, k)
+    return [_same_keys(f"dsa_topk.threshold_exact.{n}", out[i:i + 1], want[i:i + 1]) for i, n in enumerate(names)]
 
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
@@ -285,13 +309,19 @@ def _dsa_topk(dev, act, seed):
         real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
         return (topk_select(dev, 1024, 512, rows_per_kind=3, seed=seed)
                 + topk_select(dev, 300, 32, rows_per_kind=2, seed=seed)
-                + topk_select(dev, 1024, 512, sort=False, seed=seed)
-                + topk_select(dev, 2048, 512, rows_per_kind=3, sort=False, seed=seed)
-                + topk_select(dev, 262144, 512, sort=False, seed=seed)
+                + topk_select(dev, 1024, 512, path="select", seed=seed)
+                + topk_select(dev, 2048, 512, rows_per_kind=3, path="select", seed=seed)
+                + topk_select(dev, 262144, 512, path="select", seed=seed)
+                + topk_select(dev, 262144, 512, rows_per_kind=3, path="threshold", seed=seed)
+                + topk_select(dev, 16385, 512, rows_per_kind=3, path="threshold", seed=seed)
+                + topk_threshold_fallback(dev, 20000, 512, 2048, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
-    return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, sort=False, seed=seed)
-            + topk_select(dev, 259, 5, sort=False, sort_max=64, seed=seed)
+    return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, path="select", seed=seed)
+            + topk_select(dev, 259, 5, path="select", sort_max=64, seed=seed)
+            + topk_select(dev, 130, 5, path="threshold", seed=seed)  # a sample of 128 keys
+            + topk_select(dev, 20, 20, path="threshold", seed=seed)  # k = P: the minimum key's row is done exactly
+            + topk_threshold_fallback(dev, 100, 8, 32, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed))
 
@@ -301,6 +331,8 @@ _TOPK_BENCHES = {
     "dsa_topk_sort": (dsa_topk.sort_launch, "DSA top-k: one sort per row of the int64 sort keys made from the score "
                       "bits"),
     "dsa_topk_torch": (dsa_topk.topk_ref, "torch.topk over the int64 sort keys made from the score bits"),
+    "dsa_topk_threshold": (dsa_topk.threshold_launch, "DSA top-k: a sampled threshold per row, the keys above it "
+                           "gathered and sorted"),
 }
 
 
@@ -334,6 +366,8 @@ for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (1
                    (1, 4096, None), (8192, 2048, None)):
     for _family in _TOPK_BENCHES:
         _topk_bench(_R, _P, _family, _K)
-# longer rows: torch.topk alone, select's path there
-for _R, _P in ((1, 32768), (1, 262144), (256, 262144)):
-    _topk_bench(_R, _P, "dsa_topk_torch")
+# longer rows: torch.topk (select's path there) beside the threshold select; 8192 rows of 262,144: a late 8192-token
+# prefill step at 1M context
+for _R, _P in ((1, 32768), (1, 262144), (256, 262144), (8192, 2048), (8192, 262144)):
+    for _family in ("dsa_topk_torch", "dsa_topk_threshold"):
+        _topk_bench(_R, _P, _family)

@@ -52,6 +52,136 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
     return out
 
 
+MIN_KEY = -9223372036854775808  # below every key but the one of score bits -2**31 at pool 0, which it equals
+THRESHOLD_SAMPLES = 1024  # keys sampled per row (S), at most: rows shorter than that sample a power of two below
+THRESHOLD_CHUNK = 4096  # keys per program of the count and gather passes
+THRESHOLDS = 16  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key
+
+
+@triton.jit(do_not_specialize=["P", "k"])
+def threshold_sample_kernel(scores, thresholds, P, k, S: tl.constexpr, M: tl.constexpr):
+    """Program ``row``: ``M`` decreasing thresholds for row ``row`` of ``scores [R, P]``: of ``S`` keys taken at a
+    stride of ``P / S``, sorted descending, the ones at ranks ``k S / P x 2 ** (j / 2)`` (about ``k x 2 ** (j / 2)``
+    keys of the row lie above rank ``k S / P x 2 ** (j / 2)``), the last the minimum key."""
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, S)
+    pos = o.to(tl.int64) * P // S
+    hi = tl.load(scores + row * P + pos)
+    key = tl.sort((hi.to(tl.int64) << 32) | pos, 0, descending=True)
+    j = tl.arange(0, M)
+    rank = (k.to(tl.float32) * S / P.to(tl.float32) * tl.exp2(j.to(tl.float32) * 0.5)).to(tl.int32)
+    rank = tl.minimum(rank, S - 1)
+    picked = tl.sum(tl.where(o[None, :] == rank[:, None], key[None, :], 0), axis=1)
+    tl.store(thresholds + row * M + j, tl.where(j == M - 1, -9223372036854775808, picked))
+
+
+@triton.jit
+def _chunk_keys(scores, row, P, C: tl.constexpr):
+    """Program (row, chunk)'s ``C`` keys of row ``row`` (the minimum key past ``P``), their pools and mask."""
+    o = tl.program_id(1) * C + tl.arange(0, C)
+    m = o < P
+    hi = tl.load(scores + row * P + o, mask=m, other=0)
+    return tl.where(m, (hi.to(tl.int64) << 32) | o.to(tl.int64), -9223372036854775808), m
+
+
+@triton.jit(do_not_specialize=["P"])
+def threshold_count_kernel(scores, thresholds, counts, P, C: tl.constexpr, M: tl.constexpr):
+    """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold."""
+    row = tl.program_id(0).to(tl.int64)
+    key, _ = _chunk_keys(scores, row, P, C)
+    for j in tl.static_range(M):
+        t = tl.load(thresholds + row * M + j)
+        tl.atomic_add(counts + row * M + j, tl.sum((key > t).to(tl.int32), 0))
+
+
+@triton.jit
+def _chosen(counts, row, k, M: tl.constexpr, CAP: tl.constexpr):
+    """Row ``row``'s threshold: the highest with at least ``k`` keys above it; its index, its count, and whether
+    they fit the candidate buffer (else the row takes the exact fallback)."""
+    j = tl.arange(0, M)
+    cnt = tl.load(counts + row * M + j)
+    n_ge = tl.sum((cnt >= k).to(tl.int32), 0)
+    chosen = M - n_ge
+    total = tl.sum(tl.where(j == chosen, cnt, 0), 0)
+    return chosen, total, (n_ge > 0) & (total <= CAP)
+
+
+@triton.jit(do_not_specialize=["P", "k"])
+def threshold_gather_kernel(scores, thresholds, counts, cursor, cand, P, k, C: tl.constexpr, M: tl.constexpr,
+                            CAP: tl.constexpr):
+    """Program (row, chunk): appends its keys above the row's threshold to ``cand [R, CAP]`` at the row's cursor
+    (an atomic add: the candidates' order varies, their set does not)."""
+    row = tl.program_id(0).to(tl.int64)
+    chosen, total, fits = _chosen(counts, row, k, M, CAP)
+    if fits:
+        j = tl.arange(0, M)
+        t = tl.sum(tl.where(j == chosen, tl.load(thresholds + row * M + j), 0), 0)
+        key, m = _chunk_keys(scores, row, P, C)
+        take = (m & (key > t)).to(tl.int32)
+        base = tl.atomic_add(cursor + row, tl.sum(take, 0))
+        tl.store(cand + row * CAP + base + tl.cumsum(take, 0) - 1, key, mask=take > 0)
+
+
+@triton.jit(do_not_specialize=["P", "k"])
+def threshold_finish_kernel(scores, counts, cand, out, P, k, M: tl.constexpr, CAP: tl.constexpr,
+                            KB: tl.constexpr):
+    """Program ``row``: the row's top ``k`` keys into ``out [R, k]``, sorted descending: a sort of its candidates;
+    or, where they did not fit (or the minimum key was needed), exact over the whole row: chunks of ``CAP - KB``
+    keys each sorted beside the running top ``k``."""
+    row = tl.program_id(0).to(tl.int64)
+    _, total, fits = _chosen(counts, row, k, M, CAP)
+    o = tl.arange(0, CAP)
+    if fits:
+        key = tl.sort(tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808), 0, descending=True)
+        tl.store(out + row * k + o, key, mask=o < k)
+    else:
+        for start in range(0, P, CAP - KB):
+            run = tl.load(out + row * k + o, mask=(o < k) & (start > 0), other=-9223372036854775808)
+            pos = start + o - KB
+            m = (o >= KB) & (pos < P)
+            hi = tl.load(scores + row * P + pos, mask=m, other=0)
+            key = tl.where(o < KB, run, tl.where(m, (hi.to(tl.int64) << 32) | pos.to(tl.int64),
+                                                 -9223372036854775808))
+            key = tl.sort(key, 0, descending=True)
+            tl.debug_barrier()  # every lane has read the running keys before any is overwritten
+            tl.store(out + row * k + o, key, mask=o < k)
+            tl.debug_barrier()
+
+
+def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                     cap: int | None = None) -> torch.Tensor:
+    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, in
+    four launches that read the row about twice: a sample of ``S`` keys per row (``THRESHOLD_SAMPLES``, or the
+    power of two below a shorter row) sorted for ``M`` candidate thresholds; one pass counting the keys above each;
+    one pass appending those above the highest threshold with at least ``k`` above it to a buffer of ``cap`` keys a
+    row (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates. A row
+    whose candidates overflow ``cap`` (or that needs the minimum key) is done exactly in chunks by its finishing
+    program, slower; the thresholds' spacing makes that rare."""
+    R, P = scores.shape
+    S, M, C = min(THRESHOLD_SAMPLES, 1 << (P.bit_length() - 1)), THRESHOLDS, THRESHOLD_CHUNK
+    KB = triton.next_power_of_2(k)
+    cap = cap or 4 * KB
+    if (not 1 <= k <= P or scores.dtype != torch.int32 or scores.stride() != (P, 1)
+            or cap != triton.next_power_of_2(cap) or cap < 2 * KB):
+        raise ValueError(f"threshold_launch: k={k}, cap={cap} of {tuple(scores.shape)} {scores.dtype} strides "
+                         f"{scores.stride()}")
+    out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
+    if R == 0:
+        return out
+    dev = scores.device
+    thresholds = torch.empty(R, M, dtype=torch.int64, device=dev)
+    counts, cursor = torch.zeros(R, M, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev)
+    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
+    chunks = (R, triton.cdiv(P, C))
+    # num_warps: guesses, not measured
+    fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
+    fast(threshold_count_kernel)[chunks](scores, thresholds, counts, P, C=C, M=M, num_warps=8)
+    fast(threshold_gather_kernel)[chunks](scores, thresholds, counts, cursor, cand, P, k, C=C, M=M, CAP=cap,
+                                          num_warps=8)
+    fast(threshold_finish_kernel)[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, num_warps=8)
+    return out
+
+
 def score_bits(score: torch.Tensor) -> torch.Tensor:
     """float32 scores -> the int32 ``index_score_kernel`` writes: integer order is float order, -0 is +0."""
     bits = torch.where(score == 0, torch.zeros_like(score), score).float().view(torch.int32)

@@ -52,7 +52,7 @@ def test_topk_sort_against_torch_topk(P, k):
 # (P, k, sort_max): select through the sort (below and at SORT_MAX_POOLS) and through torch.topk (above it)
 @pytest.mark.parametrize("P,k,sort_max", [(300, 9, None), (200, 7, 200), (201, 7, 200), (259, 5, 64)])
 def test_topk_select_against_torch_topk(P, k, sort_max):
-    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, sort=False, sort_max=sort_max, seed=P + k))
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, path="select", sort_max=sort_max, seed=P + k))
 
 
 # sort_max: the sort (the default), torch.topk (0)

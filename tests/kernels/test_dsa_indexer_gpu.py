@@ -43,11 +43,17 @@ def test_topk_sort_against_torch_topk(P):
 
 @pytest.mark.parametrize("P", [262144, 16385, 2048])
 def test_topk_select_against_torch_topk(P):
-    assert_passed(cases.topk_select("cuda", P, 512, rows_per_kind=2, sort=False, seed=P))
+    assert_passed(cases.topk_select("cuda", P, 512, rows_per_kind=2, path="select", seed=P))
+
+
+@pytest.mark.parametrize("P,k", [(262144, 512), (16385, 512), (1048576, 2048), (2048, 512)])
+def test_topk_threshold_against_torch_topk(P, k):
+    assert_passed(cases.topk_select("cuda", P, k, rows_per_kind=2, path="threshold", seed=P))
+    assert_passed(cases.topk_threshold_fallback("cuda", min(P, 20000), k, 4 * k, seed=P))
 
 
 def test_topk_kpool_1():  # index_topk 2048 pools of 1 token: k = 2048 over 1M pools
-    assert_passed(cases.topk_select("cuda", 1048576, 2048, sort=False, seed=1))
+    assert_passed(cases.topk_select("cuda", 1048576, 2048, path="select", seed=1))
 
 
 def test_selection_topk_at_1m_context():  # a decode row and a prefill slice over 262,144 pools
