@@ -13,6 +13,11 @@ Sort (``sort_kernel``): one program per row loads the row's ``P`` keys as one bl
 power of two; the lanes past ``P`` hold the int64 minimum, which no key is below, so they sort last), sorts it
 descending (``tl.sort``) and stores the first ``k``. One pass over the scores and one sort of ``BN`` keys, whatever
 ``k``.
+
+Threshold select (``threshold_launch``), for long rows: a sampled threshold per row, the keys above it gathered and
+sorted, an exact path in chunks for a row whose candidates overflow; the same bits again. It is checked and
+benchmarked beside ``torch.topk`` (``bench/notes/dsa_indexer.md``), and ``select`` takes it once a GPU run says
+where it is faster.
 """
 
 from __future__ import annotations
