@@ -2,8 +2,8 @@
 device memory per rank) and the cache capacity per rank with and without Layer Split.
 
 Model: the 4-layer full-width slice of ``bench/hotpath_slice.py`` (``slice_config``) with random bf16 weights
-(``--load-format random``, seed 0: every rank draws the same whole model on its GPU; ``--model-dir`` holds only
-its ``config.json``). For each N in ``--gpus`` the engine runs under ``torchrun --nproc-per-node N`` with
+(``--load-format random``, seed 0: every rank draws the same whole model on its GPU; ``--model-dir`` holds no
+weights: ``plan.write_model_dir``). For each N in ``--gpus`` the engine runs under ``torchrun --nproc-per-node N`` with
 ``context_parallel_size=N`` (zig-zag split; ``--layer-split`` runs it with Layer Split): rank 0 holds the
 ``EngineCore`` (``parallel.engine.make_engine``), the other ranks serve its steps. Rank 0 times one
 ``--prompt-len``-token request with one output token through ``serving_rows.prefill_row`` (``--warmup`` untimed
@@ -48,6 +48,7 @@ from flashinfra.config import resolve_config  # noqa: E402
 from flashinfra.engine.config import EngineConfig  # noqa: E402
 from flashinfra.feedback.timing import header, write_results  # noqa: E402
 from flashinfra.model.factory import TINY_TEXT_CONFIG  # noqa: E402
+from flashinfra.parallel.plan import write_model_dir  # noqa: E402
 
 GIB = 2**30
 PROMPT_1M = 1_048_544  # serving.py's long row
@@ -61,12 +62,6 @@ def model_config(args) -> dict:
     """The model's ``config.json``: a bare text model (logits from the embedding), positions past the prompt."""
     raw = dict(SMOKE_TEXT) if args.smoke else slice_config(False)
     return dict(raw, architectures=["Glm5NextTextModel"], max_position_embeddings=args.prompt_len + 1024)
-
-
-def write_model_dir(raw: dict, path: Path) -> None:
-    """The model directory the ranks draw their random weights by: ``config.json`` alone."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(raw, indent=1))
 
 
 def memory(device: str) -> dict:
