@@ -57,7 +57,6 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
     return out
 
 
-MIN_KEY = -9223372036854775808  # below every key but the one of score bits -2**31 at pool 0, which it equals
 THRESHOLD_SAMPLES = 1024  # keys sampled per row (S), at most: rows shorter than that sample a power of two below
 THRESHOLD_CHUNK = 4096  # keys per program of the count and gather passes
 THRESHOLDS = 16  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key
