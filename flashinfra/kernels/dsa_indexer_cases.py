@@ -33,7 +33,7 @@ alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows o
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -213,14 +213,16 @@ def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
 
 
 @contextmanager
-def _sort_max(pools: int):
-    """``dsa_topk.SORT_MAX_POOLS`` replaced by ``pools`` inside the block."""
-    saved = dsa_topk.SORT_MAX_POOLS
-    dsa_topk.SORT_MAX_POOLS = pools
+def _limits(sort_max: int | None, threshold_min: int | None):
+    """``dsa_topk.select``'s row-length limits ``SORT_MAX_POOLS`` and ``THRESHOLD_MIN_POOLS`` replaced inside the
+    block where given."""
+    saved = dsa_topk.SORT_MAX_POOLS, dsa_topk.THRESHOLD_MIN_POOLS
+    dsa_topk.SORT_MAX_POOLS = saved[0] if sort_max is None else sort_max
+    dsa_topk.THRESHOLD_MIN_POOLS = saved[1] if threshold_min is None else threshold_min
     try:
         yield
     finally:
-        dsa_topk.SORT_MAX_POOLS = saved
+        dsa_topk.SORT_MAX_POOLS, dsa_topk.THRESHOLD_MIN_POOLS = saved
 
 
 def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> tuple[list[str], torch.Tensor]:
@@ -232,10 +234,10 @@ def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> t
 
 
 def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_max: int | None = None,
-                seed=0) -> list[CheckResult]:
+                threshold_min: int | None = None, seed=0) -> list[CheckResult]:
     """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.threshold_launch`` ("threshold") or
-    ``dsa_topk.select`` ("select", with ``sort_max`` replacing ``SORT_MAX_POOLS``), on every kind of ``_tie_rows``
-    (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``."""
+    ``dsa_topk.select`` ("select", with ``sort_max`` and ``threshold_min`` replacing its limits), on every kind of
+    ``_tie_rows`` (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``."""
     names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
     out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
     if path == "sort":
@@ -243,9 +245,10 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_
     elif path == "threshold":
         got = dsa_topk.threshold_launch(scores, k, out=out)
     else:
-        with nullcontext() if sort_max is None else _sort_max(sort_max):
+        with _limits(sort_max, threshold_min):
             got = dsa_topk.select(scores, k, out)
-            path = "select_sort" if P <= dsa_topk.SORT_MAX_POOLS else "select_torch"
+            path = ("select_sort" if P <= dsa_topk.SORT_MAX_POOLS else
+                    "select_threshold" if P >= dsa_topk.THRESHOLD_MIN_POOLS else "select_torch")
     want = dsa_topk.topk_ref(scores, k)
     r = rows_per_kind
     return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
@@ -267,10 +270,11 @@ def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> li
 
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
-                    sort_max: int | None = None, dtype=torch.float32, seed=0) -> list[CheckResult]:
+                    sort_max: int | None = None, threshold_min: int | None = None, dtype=torch.float32,
+                    seed=0) -> list[CheckResult]:
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
-    the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` replaces
-    ``SORT_MAX_POOLS`` (0: every row takes ``torch.topk``)."""
+    the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` and
+    ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
@@ -282,7 +286,7 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
                              device=device)
     P = tables.shape[1] * bs // kpool
     k = min(topk // kpool, P)
-    with nullcontext() if sort_max is None else _sort_max(sort_max):
+    with _limits(sort_max, threshold_min):
         got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
     scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
     dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
@@ -319,11 +323,13 @@ def _dsa_topk(dev, act, seed):
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
     return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, path="select", seed=seed)
             + topk_select(dev, 259, 5, path="select", sort_max=64, seed=seed)
+            + topk_select(dev, 259, 5, path="select", sort_max=64, threshold_min=256, seed=seed)
             + topk_select(dev, 130, 5, path="threshold", seed=seed)  # a sample of 128 keys
             + topk_select(dev, 20, 20, path="threshold", seed=seed)  # k = P: the minimum key's row is done exactly
             + topk_threshold_fallback(dev, 100, 8, 32, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
-            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed))
+            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed))
 
 
 # benchmark family -> (the select, its description)

@@ -1,5 +1,6 @@
 """Top-k of the DSA indexer's scores per query, by row length (``select``): a sort of the whole row in Triton up to
-``SORT_MAX_POOLS`` pools (``sort_launch``), ``torch.topk`` over the int64 sort keys above (``topk_ref``).
+``SORT_MAX_POOLS`` pools (``sort_launch``), a sampled threshold from ``THRESHOLD_MIN_POOLS`` (``threshold_launch``),
+``torch.topk`` over the int64 sort keys between (``topk_ref``).
 
 Input: ``scores [R, P]`` int32, the order-preserving bits of each (query, pool) float score as
 ``index_score_kernel`` writes them (``score_bits``: a float's bits, the negative ones' magnitude bits flipped, so
@@ -15,9 +16,7 @@ descending (``tl.sort``) and stores the first ``k``. One pass over the scores an
 ``k``.
 
 Threshold select (``threshold_launch``), for long rows: a sampled threshold per row, the keys above it gathered and
-sorted, an exact path in chunks for a row whose candidates overflow; the same bits again. It is checked and
-benchmarked beside ``torch.topk`` (``bench/notes/dsa_indexer.md``), and ``select`` takes it once a GPU run says
-where it is faster.
+sorted, an exact path in chunks for a row whose candidates overflow; the same bits again.
 """
 
 from __future__ import annotations
@@ -57,7 +56,8 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
     return out
 
 
-THRESHOLD_SAMPLES = 1024  # keys sampled per row (S), at most: rows shorter than that sample a power of two below
+THRESHOLD_SAMPLES = (1024, 4096)  # keys sampled per row (S): at least, at most; enough that about 8 samples lie in
+# the top k (k S / P >= 8), for a candidate count close to k; a row shorter than S samples the power of two below P
 THRESHOLD_CHUNK = 4096  # keys per program of the count and gather passes
 THRESHOLDS = 16  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key
 
@@ -155,14 +155,16 @@ def threshold_finish_kernel(scores, counts, cand, out, P, k, M: tl.constexpr, CA
 def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
                      cap: int | None = None) -> torch.Tensor:
     """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, in
-    four launches that read the row about twice: a sample of ``S`` keys per row (``THRESHOLD_SAMPLES``, or the
-    power of two below a shorter row) sorted for ``M`` candidate thresholds; one pass counting the keys above each;
+    four launches that read the row about twice: a sample of ``S`` keys per row (``THRESHOLD_SAMPLES``) sorted for
+    ``M`` candidate thresholds; one pass counting the keys above each;
     one pass appending those above the highest threshold with at least ``k`` above it to a buffer of ``cap`` keys a
     row (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates. A row
     whose candidates overflow ``cap`` (or that needs the minimum key) is done exactly in chunks by its finishing
     program, slower; the thresholds' spacing makes that rare."""
     R, P = scores.shape
-    S, M, C = min(THRESHOLD_SAMPLES, 1 << (P.bit_length() - 1)), THRESHOLDS, THRESHOLD_CHUNK
+    lo, hi = THRESHOLD_SAMPLES
+    S = min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
+    M, C = THRESHOLDS, THRESHOLD_CHUNK
     KB = triton.next_power_of_2(k)
     cap = cap or 4 * KB
     if (not 1 <= k <= P or scores.dtype != torch.int32 or scores.stride() != (P, 1)
@@ -199,14 +201,18 @@ def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
     return top if out is None else out.copy_(top)
 
 
-# Rows of at most SORT_MAX_POOLS pools take the sort, longer ones ``torch.topk`` over the keys
-# (bench/notes/dsa_indexer.md: the sort measured fastest up to 1,024 pools; longer rows not yet measured against
-# ``torch.topk``).
+# Rows of at most SORT_MAX_POOLS pools take the sort, rows of at least THRESHOLD_MIN_POOLS the threshold select,
+# the ones between ``torch.topk`` over the keys (bench/notes/dsa_indexer.md: the sort measured fastest up to 1,024
+# pools, ``torch.topk`` at 2,048 and 4,096, the threshold select from 32,768).
 SORT_MAX_POOLS = 1024
+THRESHOLD_MIN_POOLS = 16384
 
 
 def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """``topk_ref``'s keys into ``out``, by whichever of the two is faster at this row length."""
-    if scores.shape[1] <= SORT_MAX_POOLS:
+    """``topk_ref``'s keys into ``out``, by whichever of the three is fastest at this row length."""
+    P = scores.shape[1]
+    if P <= SORT_MAX_POOLS:
         return sort_launch(scores, k, out=out)
+    if P >= THRESHOLD_MIN_POOLS:
+        return threshold_launch(scores, k, out=out)
     return topk_ref(scores, k, out=out)
