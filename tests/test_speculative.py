@@ -162,9 +162,9 @@ def test_drafting_pauses_above_max_batch_and_resumes_with_the_same_drafts(monkey
     drafted, paused, chained = {}, [], []
     draft, chain = Speculator.draft, Speculator._chain
 
-    def chain_seen(spec, h, pos, *args):
-        chained.append((h.clone(), list(pos)))
-        return chain(spec, h, pos, *args)
+    def chain_seen(spec, h, pos, slots, *args):
+        chained.append((h.clone(), list(zip(pos, slots))))  # rows by (position, state slot): positions may repeat
+        return chain(spec, h, pos, slots, *args)
 
     def recorded(spec, sched, feeds, cu, hidden, committed, nexts):
         chained.clear()
@@ -176,7 +176,7 @@ def test_drafting_pauses_above_max_batch_and_resumes_with_the_same_drafts(monkey
             if sr.request_id in spec.drafts:
                 h, where = chained[0]
                 drafted.setdefault(spec.max_batch, {})[(tuple(sr.prompt_token_ids), pos)] = (
-                    spec.drafts[sr.request_id], h[where.index(pos)])
+                    spec.drafts[sr.request_id], h[where.index((pos, sr.state_slot))])
 
     monkeypatch.setattr(Speculator, "draft", recorded)
     monkeypatch.setattr(Speculator, "_chain", chain_seen)
