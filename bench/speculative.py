@@ -67,41 +67,38 @@ def run(args) -> dict:
     from flashinfra.model.replay import copy_bytes_per_slot, replay_bytes_per_slot
 
     rows = []
-    adaptive = {"auto": None, "on": True, "off": False}
-    runs = [(c, k, a) for c in args.concurrency for k in args.ks for a in (["auto"] if k == 0 else args.adaptive)]
-    for c, k, a in runs:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
-                  speculative_max_batch=args.max_batch, speculative_adaptive=adaptive[a], max_num_seqs=max(c, 1),
-                  **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
-        compiles = KeptCompiles()
-        watch = CompileWatch(compiles).start() if args.device.startswith("cuda") else None
-        text = llm.engine.model.config.text
-        prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
-        full = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        t_full = _timed(llm, prompts, full, args.runs)
-        t_first = _timed(llm, prompts, first, args.runs)
-        if watch is not None:
-            watch.stop()
-        row = {"concurrency": c, "k": k, "max_batch": args.max_batch, "adaptive": a,
-               "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
-               "generate_s": t_full, "prefill_s": t_first,
-               "startup_s": getattr(llm.engine.warmup, "seconds", None),
-               "compiles_after_startup": compiles.summary()}
-        spec = llm.engine.runner.speculator
-        if spec is not None:
-            row["acceptance_per_position"] = [a / d if d else None
-                                              for a, d in zip(spec.num_accepted_at, spec.num_drafted_at)]
-            row["mean_accepted_per_step"] = sum(spec.num_accepted_at) / max(1, spec.num_drafted_at[0])
-            if spec.gate is not None:
-                row["gate_steps"] = {"verify": spec.gate.num_verify_steps, "plain": spec.gate.num_plain_steps}
-            H, K, W = text.linear_num_heads, text.linear_head_dim, text.linear_conv_kernel_dim
-            n = len(text.kda_layers)
-            dt = llm.engine.model.dtype
-            row["state_bytes_per_request"] = {"replay": n * replay_bytes_per_slot(H, K, K, W, k + 1, dt),
-                                              "copies": n * copy_bytes_per_slot(H, K, K, W, k + 1, dt)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for c in args.concurrency:
+        for k in args.ks:
+            llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_tokens=k,
+                      speculative_max_batch=args.max_batch, max_num_seqs=max(c, 1),
+                      **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
+            compiles = KeptCompiles()
+            watch = CompileWatch(compiles).start() if args.device.startswith("cuda") else None
+            text = llm.engine.model.config.text
+            prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
+            full = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+            first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            t_full = _timed(llm, prompts, full, args.runs)
+            t_first = _timed(llm, prompts, first, args.runs)
+            if watch is not None:
+                watch.stop()
+            row = {"concurrency": c, "k": k, "max_batch": args.max_batch,
+                   "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
+                   "generate_s": t_full, "prefill_s": t_first,
+                   "startup_s": getattr(llm.engine.warmup, "seconds", None),
+                   "compiles_after_startup": compiles.summary()}
+            spec = llm.engine.runner.speculator
+            if spec is not None:
+                row["acceptance_per_position"] = [a / d if d else None
+                                                  for a, d in zip(spec.num_accepted_at, spec.num_drafted_at)]
+                row["mean_accepted_per_step"] = sum(spec.num_accepted_at) / max(1, spec.num_drafted_at[0])
+                H, K, W = text.linear_num_heads, text.linear_head_dim, text.linear_conv_kernel_dim
+                n = len(text.kda_layers)
+                dt = llm.engine.model.dtype
+                row["state_bytes_per_request"] = {"replay": n * replay_bytes_per_slot(H, K, K, W, k + 1, dt),
+                                                  "copies": n * copy_bytes_per_slot(H, K, K, W, k + 1, dt)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     base = {r["concurrency"]: r["tpot_ms"] for r in rows if r["k"] == 0}
     for r in rows:
         if r["concurrency"] in base:
@@ -126,9 +123,6 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=0,
                    help="--speculative-max-batch: draft only while at most this many requests decode (0: always)")
-    p.add_argument("--adaptive", nargs="+", choices=("auto", "on", "off"), default=["auto"],
-                   help="--speculative-adaptive for the rows with k > 0, each value its own rows (auto: the engine's "
-                        "default)")
     p.add_argument("--text", help="a text file whose tokens make the prompts (acceptance on real text)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)

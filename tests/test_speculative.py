@@ -42,18 +42,6 @@ def test_greedy_with_drafts_equals_without(ckpt, reference, k):
     assert spec.num_drafted > 0
 
 
-def test_greedy_output_with_the_draft_gate_equals_output_without_drafts(ckpt, reference):
-    """``speculative_adaptive``: the gate (``engine/spec_gate.py``) drafts until it has timed verify steps, then
-    decodes plainly until it has timed plain ones, whatever the clock says; the output is the same."""
-    prompts, params, want = reference
-    params = [flashinfra.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in prompts]
-    want = [o.token_ids for o in flashinfra.LLM(ckpt, num_blocks=256, block_size=4).generate(prompts, params)]
-    llm = flashinfra.LLM(ckpt, num_blocks=256, block_size=4, speculative_tokens=2, speculative_adaptive=True)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    gate = llm.engine.runner.speculator.gate
-    assert gate.num_verify_steps > 0 and gate.num_plain_steps > 0, (gate.num_verify_steps, gate.num_plain_steps)
-
-
 def test_greedy_with_drafts_under_preemption_and_chunked_prefill(ckpt, reference):
     prompts, params, want = reference
     small = flashinfra.LLM(ckpt, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,

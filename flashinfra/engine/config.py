@@ -170,10 +170,6 @@ class EngineConfig(LoadConfig):
     speculative_max_batch: int = option(
         0, "with speculative decoding, draft only while a step leaves at most this many requests decoding; past it "
            "the steps decode plainly and the MTP layer's catch-up waits (0: always draft)", min=0)
-    speculative_adaptive: bool | None = option(
-        None, "with speculative decoding, draft only while it pays: while a verify step's accepted drafts cover its "
-              "cost over a plain step, both measured as the engine runs (engine/spec_gate.py) (default: on with a "
-              "GPU; off on a CPU, whose engine drafts at every step)")
     events_path: str | None = option(
         None, "write the engine's runtime events here, as JSONL (default: not written)", metavar="FILE")
     gil_probe_ms: float | None = option(
@@ -241,11 +237,6 @@ class EngineConfig(LoadConfig):
     @property
     def resolved_prefix_slots(self) -> int:
         return self.max_num_seqs if self.prefix_cache_slots is None else self.prefix_cache_slots
-
-    @property
-    def resolved_speculative_adaptive(self) -> bool:
-        wanted = self.speculative_adaptive
-        return self.device.startswith("cuda") if wanted is None else wanted
 
 
 def check_fields(config: Any) -> None:

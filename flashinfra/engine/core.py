@@ -82,8 +82,7 @@ class EngineCore:
                                   encoder_cache_bytes=config.encoder_cache_memory,
                                   remote_encoder=config.enable_vision and bool(config.encoder_address),
                                   speculative_tokens=config.speculative_tokens, deterministic=config.deterministic,
-                                  speculative_max_batch=config.speculative_max_batch,
-                                  speculative_adaptive=config.resolved_speculative_adaptive)
+                                  speculative_max_batch=config.speculative_max_batch)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,

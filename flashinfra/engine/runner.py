@@ -87,7 +87,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, num_slots: int, seed: int = 0,
                  num_prefix_slots: int = 0, cuda_graphs: bool = True, encoder_cache_bytes: int = 256 * 2**20,
                  speculative_tokens: int = 0, deterministic: bool = False, remote_encoder: bool = False,
-                 speculative_max_batch: int = 0, speculative_adaptive: bool = False) -> None:
+                 speculative_max_batch: int = 0) -> None:
         self.model = model
         self.deterministic = deterministic
         self.device = model.device
@@ -109,7 +109,7 @@ class ModelRunner:
             from flashinfra.engine.speculative import Speculator
 
             self.speculator = Speculator(model, self.cache, speculative_tokens, block_size, self.graphs,
-                                          speculative_max_batch, speculative_adaptive)
+                                          speculative_max_batch)
 
     def cache_footprint(self) -> dict[str, int]:
         """What the caches hold (``EngineReady``'s figures): every cache tensor's bytes, a cached token's bytes over

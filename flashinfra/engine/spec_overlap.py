@@ -116,7 +116,7 @@ class OverlappedStep:
     def can_run(self, sched: list[ScheduledRequest], feeds: list[list[int]], replayed: Replayed | None) -> bool:
         """Whether this verify step can run overlapped (see the module's docstring)."""
         s = self.spec
-        if replayed is None or replayed.key not in self.tails or 0 < s.max_batch < len(sched) or not s.drafting:
+        if (replayed is None or replayed.key not in self.tails or 0 < s.max_batch < len(sched)):
             return False
         for sr, f in zip(sched, feeds):
             p = sr.sampling

@@ -52,7 +52,6 @@ from flashinfra.engine.sampler import Fill, SamplingRow, apply_penalties, token_
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, ScheduledRequest
 from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
-from flashinfra.engine.spec_gate import DraftGate
 from flashinfra.engine.spec_overlap import OverlappedStep
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
@@ -97,11 +96,10 @@ class LastHidden:
 
 class Speculator:
     def __init__(self, model: LoadedModel, cache: ModelCache, num_tokens: int, block_size: int,
-                 graphs: DecodeGraphs | None = None, max_batch: int = 0, adaptive: bool = False):
+                 graphs: DecodeGraphs | None = None, max_batch: int = 0):
         """``graphs``: the runner's step graphs, whose scratch block, slot and memory pool the chained draft steps'
         graphs share (``engine/draft_graphs.py``); None: the chain runs eagerly. ``max_batch``: draft only while a
-        step leaves at most this many rows going on (0: always). ``adaptive``: draft only while it pays
-        (``engine/spec_gate.py``)."""
+        step leaves at most this many rows going on (0: always)."""
         text = model.config.text
         reader = CheckpointReader(model.path)
         if not has_mtp(model.config, reader.names()):
@@ -125,8 +123,6 @@ class Speculator:
         # entries wait for drafting to resume (c: the request's context at its next step)
         self.deferred: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
         self.max_batch = max_batch
-        self.gate = DraftGate() if adaptive else None
-        self.drafting = True  # whether this step drafts for the next (``max_batch`` aside): the gate's choice
         self._drafts: dict[str, list[int]] = {}  # request -> its drafts for its next step, on the host
         # the last drafts on their way to the host: (device [k, n], its host copy, the copy's event or None, each
         # column's (request or None, chained steps)), and request -> (its column, its number of drafts) while they
@@ -211,11 +207,6 @@ class Speculator:
             feeds.append(f)
             at += len(f)
         source = (self._pending[0].view(-1), fill) if fill else None
-        if self.gate is not None:
-            decoding = all(sr.num_new_tokens == 1 and sr.context_len > 0 for sr in sched)
-            drafted = any(len(f) > sr.num_new_tokens for f, sr in zip(feeds, sched))
-            self.gate.started(("verify" if drafted else "plain") if decoding else None, len(sched))
-            self.drafting = self.gate.decide(len(sched))
         if all(len(f) == sr.num_new_tokens for f, sr in zip(feeds, sched)):
             return feeds, (), source
         return feeds, tuple(len(f) > sr.num_new_tokens or (len(f) == 1 and sr.context_len > 0)
@@ -255,8 +246,6 @@ class Speculator:
 
     def count(self, out: list[int], drafts: list[int]) -> list[int]:
         """Count a row's verified and accepted drafts (``out``: its emitted tokens); -> ``out``."""
-        if self.gate is not None and drafts:
-            self.gate.row(len(out) - 1)
         self.num_drafted += len(drafts)
         for j in range(len(drafts)):
             self.num_drafted_at[j] += 1
@@ -313,7 +302,7 @@ class Speculator:
         embed = self.model.model.embed_tokens
         rows, hid, toks, qlens, ctxs, slots, tables = [], [], [], [], [], [], []
         going_on = sum(1 for b in range(len(sched)) if committed[b] and nexts[b] is not None)
-        defer = 0 < self.max_batch < going_on or not self.drafting
+        defer = 0 < self.max_batch < going_on
         kept, ends = [], []  # each row's (request, slot) and last committed position, gathered once below
         for b, sr in enumerate(sched):
             rid, c, m, nxt = sr.request_id, sr.context_len, committed[b], nexts[b]
