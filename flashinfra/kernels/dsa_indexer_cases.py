@@ -255,6 +255,20 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_
             for i, n in enumerate(names)]
 
 
+def topk_threshold_counts(device: str, P: int, k: int, rows_per_kind=1, seed=0) -> list[CheckResult]:
+    """``dsa_topk.threshold_counts``: the thresholds decrease along each row, and each count equals the number of
+    the row's keys above its threshold, counted by torch, on every kind of ``_tie_rows``."""
+    names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
+    thresholds, counts = dsa_topk.threshold_counts(scores, k)
+    keys = (scores.long() << 32) | torch.arange(P, device=device)
+    want = (keys[:, None, :] > thresholds[:, :, None]).sum(-1).to(torch.int32)
+    decreasing = bool((thresholds[:, 1:] <= thresholds[:, :-1]).all())
+    wrong = (counts != want).any(1).nonzero().flatten().tolist()
+    return [_verdict("dsa_topk.threshold_counts", decreasing and not wrong,
+                     f"{len(wrong)} of {len(scores)} rows' counts differ (first: {wrong[:4]}); thresholds "
+                     f"{'' if decreasing else 'not '}decreasing")]
+
+
 def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> list[CheckResult]:
     """``dsa_topk.threshold_finish_kernel`` with every row's counts at zero (no threshold has ``k`` keys above it),
     so every row takes the exact path: chunks of ``cap - KB`` keys sorted beside the running top ``k``, into a
@@ -319,6 +333,7 @@ def _dsa_topk(dev, act, seed):
                 + topk_select(dev, 262144, 512, rows_per_kind=3, path="threshold", seed=seed)
                 + topk_select(dev, 16385, 512, rows_per_kind=3, path="threshold", seed=seed)
                 + topk_threshold_fallback(dev, 20000, 512, 2048, seed=seed)
+                + topk_threshold_counts(dev, 262144, 512, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
     return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, path="select", seed=seed)
@@ -327,6 +342,7 @@ def _dsa_topk(dev, act, seed):
             + topk_select(dev, 130, 5, path="threshold", seed=seed)  # a sample of 128 keys
             + topk_select(dev, 20, 20, path="threshold", seed=seed)  # k = P: the minimum key's row is done exactly
             + topk_threshold_fallback(dev, 100, 8, 32, seed=seed)
+            + topk_threshold_counts(dev, 300, 8, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed))

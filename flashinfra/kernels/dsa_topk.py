@@ -89,13 +89,20 @@ def _chunk_keys(scores, row, P, C: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["P"])
-def threshold_count_kernel(scores, thresholds, counts, P, C: tl.constexpr, M: tl.constexpr):
-    """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold."""
+def threshold_count_kernel(scores, thresholds, counts, P, C: tl.constexpr, M: tl.constexpr, NB: tl.constexpr):
+    """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold. The
+    thresholds decrease, so the ones a key is above are the last ``n`` of them: a key's ``n`` in registers, one
+    histogram of them over ``NB`` (a power of two above ``M``) bins, and ``counts[j]`` the keys with ``n >= M - j``."""
     row = tl.program_id(0).to(tl.int64)
     key, _ = _chunk_keys(scores, row, P, C)
+    n = tl.zeros([C], dtype=tl.int32)
     for j in tl.static_range(M):
-        t = tl.load(thresholds + row * M + j)
-        tl.atomic_add(counts + row * M + j, tl.sum((key > t).to(tl.int32), 0))
+        n += (key > tl.load(thresholds + row * M + j)).to(tl.int32)
+    hist = tl.histogram(n, NB)
+    j = tl.arange(0, M)
+    b = tl.arange(0, NB)
+    above = tl.sum(tl.where(b[None, :] >= M - j[:, None], hist[None, :], 0), axis=1)
+    tl.atomic_add(counts + row * M + j, above)
 
 
 @triton.jit
@@ -152,18 +159,32 @@ def threshold_finish_kernel(scores, counts, cand, out, P, k, M: tl.constexpr, CA
             tl.debug_barrier()
 
 
-def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                     cap: int | None = None) -> torch.Tensor:
-    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, in
-    four launches that read the row about twice: a sample of ``S`` keys per row (``THRESHOLD_SAMPLES``) sorted for
-    ``M`` candidate thresholds; one pass counting the keys above each;
-    one pass appending those above the highest threshold with at least ``k`` above it to a buffer of ``cap`` keys a
-    row (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates. A row
-    whose candidates overflow ``cap`` (or that needs the minimum key) is done exactly in chunks by its finishing
-    program, slower; the thresholds' spacing makes that rare."""
+def threshold_counts(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first two launches of ``threshold_launch``: per row of ``scores [R, P]`` its ``M`` decreasing thresholds
+    ``[R, M]`` int64 (from a sample of ``S`` keys, ``THRESHOLD_SAMPLES``) and how many keys lie above each ``[R, M]``
+    int32."""
     R, P = scores.shape
     lo, hi = THRESHOLD_SAMPLES
     S = min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
+    M, C = THRESHOLDS, THRESHOLD_CHUNK
+    thresholds = torch.empty(R, M, dtype=torch.int64, device=scores.device)
+    counts = torch.zeros(R, M, dtype=torch.int32, device=scores.device)
+    # num_warps: guesses, not measured
+    fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
+    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, P, C=C, M=M, NB=2 * M,
+                                                         num_warps=8)
+    return thresholds, counts
+
+
+def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                     cap: int | None = None) -> torch.Tensor:
+    """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, in
+    four launches that read the row about twice: the thresholds and their counts (``threshold_counts``); one pass
+    appending the keys above the highest threshold with at least ``k`` above it to a buffer of ``cap`` keys a row
+    (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates. A row whose
+    candidates overflow ``cap`` (or that needs the minimum key) is done exactly in chunks by its finishing program,
+    slower; the thresholds' spacing makes that rare."""
+    R, P = scores.shape
     M, C = THRESHOLDS, THRESHOLD_CHUNK
     KB = triton.next_power_of_2(k)
     cap = cap or 4 * KB
@@ -174,16 +195,11 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
     if R == 0:
         return out
-    dev = scores.device
-    thresholds = torch.empty(R, M, dtype=torch.int64, device=dev)
-    counts, cursor = torch.zeros(R, M, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev)
-    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
-    chunks = (R, triton.cdiv(P, C))
-    # num_warps: guesses, not measured
-    fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
-    fast(threshold_count_kernel)[chunks](scores, thresholds, counts, P, C=C, M=M, num_warps=8)
-    fast(threshold_gather_kernel)[chunks](scores, thresholds, counts, cursor, cand, P, k, C=C, M=M, CAP=cap,
-                                          num_warps=8)
+    thresholds, counts = threshold_counts(scores, k)
+    cursor = torch.zeros(R, dtype=torch.int32, device=scores.device)
+    cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
+    fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, cursor, cand, P, k, C=C, M=M,
+                                                          CAP=cap, num_warps=8)
     fast(threshold_finish_kernel)[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, num_warps=8)
     return out
 
