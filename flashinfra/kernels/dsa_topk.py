@@ -219,7 +219,8 @@ def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
 
 # Rows of at most SORT_MAX_POOLS pools take the sort, rows of at least THRESHOLD_MIN_POOLS the threshold select,
 # the ones between ``torch.topk`` over the keys (bench/notes/dsa_indexer.md: the sort measured fastest up to 1,024
-# pools, ``torch.topk`` at 2,048 and 4,096, the threshold select from 32,768).
+# pools, ``torch.topk`` at 2,048 and 4,096; at 32,768 and 262,144 the threshold select 1.6-2.6x faster, except a
+# single decode row at 262,144, 0.93x; 16,384 lies between the two measured lengths).
 SORT_MAX_POOLS = 1024
 THRESHOLD_MIN_POOLS = 16384
 
