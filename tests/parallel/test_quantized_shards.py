@@ -127,15 +127,26 @@ def test_8bit_shards_match_one_rank(checkpoints):
     for key, source, quantization, spec, tp, ep in cases:
         ref = _one_rank(source, quantization, spec)
         scale = max(t.abs().max().item() for t in ref)
+        if quantization == "w8a8":  # one rank's W8A8 against the float model it rounds
+            exact = _one_rank(str(checkpoints["default"]), "none", CacheSpec())
+            q_rel, q_agree = _rel(ref, exact), _agree(ref, exact)
         for rank in range(2):
             got = out[(key, rank)]
             if quantization == "fp8":
                 err = max((g - w).abs().max().item() for g, w in zip(got, ref))
                 assert err <= 1e-5 * scale, (key, rank, err / scale)
-            else:  # activation scales per slice: two W8A8 roundings differ about as W8A8 differs from float
-                rel = max(float((g - w).norm() / w.norm()) for g, w in zip(got, ref))
-                agree = min(float((g.argmax(-1) == w.argmax(-1)).float().mean()) for g, w in zip(got, ref))
-                assert rel < 0.05 and agree >= 0.9, (key, rank, rel, agree)
+            else:  # activation scales per slice: two W8A8 roundings of the float model, each about as far from it
+                # as one rank's, so at most twice that apart; and where both argmaxes are the float one's, equal
+                rel, agree = _rel(got, ref), _agree(got, ref)
+                assert rel < 2 * q_rel and agree >= 2 * q_agree - 1, (key, rank, rel, q_rel, agree, q_agree)
+
+
+def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(float((g - w).norm() / w.norm()) for g, w in zip(got, want))
+
+
+def _agree(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return min(float((g.argmax(-1) == w.argmax(-1)).float().mean()) for g, w in zip(got, want))
 
 
 def test_fp8_split_through_a_block_is_refused(tmp_path):
