@@ -42,15 +42,16 @@ def test_positions_kernel(T, k, kpool, tail):
     assert_passed(cases.dsa_positions("cpu", T, k, kpool=kpool, tail=tail, seed=T))
 
 
-# (P, k): P not a power of two, P = k (a power of two or not), k = 1, one pool, the model's decode row (k = 512 of
-# 1,024 pools)
-@pytest.mark.parametrize("P,k", [(37, 5), (64, 64), (40, 40), (130, 1), (1, 1), (1024, 512)])
+# (P, k): P not a power of two, P = k (a power of two or not), k = 1 just past a power of two, one pool. The kernel is
+# the same at any size: the model's decode row (k = 512 of 1,024 pools) is left to the GPU tests (the interpreter
+# sorts 1,024 keys in seconds a row), and the registered check sorts rows of 259 pools (more than 256)
+@pytest.mark.parametrize("P,k", [(37, 5), (64, 64), (40, 40), (33, 1), (1, 1)])
 def test_topk_sort_against_torch_topk(P, k):
     assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, seed=P + k))
 
 
 # (P, k, sort_max): select through the sort (below and at SORT_MAX_POOLS) and through torch.topk (above it)
-@pytest.mark.parametrize("P,k,sort_max", [(300, 9, None), (200, 7, 200), (201, 7, 200), (259, 5, 64)])
+@pytest.mark.parametrize("P,k,sort_max", [(45, 9, None), (64, 7, 64), (65, 7, 64), (259, 5, 64)])
 def test_topk_select_against_torch_topk(P, k, sort_max):
     assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, path="select", sort_max=sort_max, seed=P + k))
 

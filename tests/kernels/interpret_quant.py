@@ -12,6 +12,12 @@ from flashinfra.kernels import check_cases as hotpath
 from flashinfra.kernels.quant import check_cases as cases
 from tests.kernels import model_cases
 
+# The model cases' prompts at 13 and 2 tokens (not 37, 5 and 20): two sequences of different lengths, the longer with
+# more pools (kpool 4) than the indexer's top k (2 pools), the shorter inside one pool, and the decode steps
+# completing a pool. The interpreter's forward pass takes about a third of a second a prefill token and more for
+# each sequence; the same kernels and branches run as at the full lengths
+PROMPT_LENGTHS = (13, 2)
+
 
 @pytest.mark.parametrize("T,K", [(1, 64), (7, 300), (33, 1000)])
 def test_quant_act(T, K):
@@ -47,11 +53,13 @@ def test_sparse_mla_quant(cache_dtype, split):
 
 def test_quantized_model_kernels_match_references(tmp_path, monkeypatch):
     # W8A8 weights and an int8 latent cache together (fp8 on the GPU only: the interpreter's e4m3 conversion)
-    model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8")
+    model_cases.quant_model_kernels_match_references(tmp_path, monkeypatch, "cpu", "w8a8", "int8",
+                                                     lengths=PROMPT_LENGTHS)
 
 
 def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypatch):
-    model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cpu", kernels=True)
+    model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cpu", kernels=True,
+                                                         lengths=PROMPT_LENGTHS)
 
 
 @pytest.mark.parametrize("ctx,qlens", [([0, 5, 30], [13, 1, 7]), ([63], [1])])

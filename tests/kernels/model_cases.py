@@ -99,7 +99,8 @@ def layerwise(device: str, dtype: str, hi_dtype: torch.dtype, factor: float, flo
 
 
 def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, quantization: str, kv_cache_dtype: str,
-                                         dtype="float32", steps: int = 3, atol=None, kda_state_dtype="float32"):
+                                         dtype="float32", steps: int = 3, atol=None, kda_state_dtype="float32",
+                                         lengths=(37, 5, 20)):
     """One quantized model (weights and cache) run through the Triton kernels and through the references: the same
     quantized arithmetic, so the logits agree to float32 rounding (a flipped int8 code at a rounding tie aside).
     ``atol`` (also the rtol) defaults to 2e-3 under the CPU interpreter, whose dots are float32, and to 2e-2 on
@@ -115,7 +116,7 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
                        quantization=quantization,
                        cache_spec=CacheSpec.from_flags(kv_cache_dtype, kda_state_dtype))
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
     assert dispatch.use_triton(torch.empty(0, device=device)), "the kernels' path is not active"
     if device == "cpu":  # the interpreter's e4m3 conversion mis-rounds (see check_cases): fp8 cache writes as torch
         from flashinfra.kernels.quant.act import quant_fp8_per_group_ref
@@ -133,7 +134,8 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
                            rtol=atol) for i, (a, b) in enumerate(zip(out, ref))])
 
 
-def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool):
+def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool,
+                                             lengths=(37, 5, 20)):
     """A W8A8 model's logits (prefill, then decode steps) with the RMSNorms quantizing their output for the int8
     projections (``quant.linear.rms_norm_for``) against those of the unfused path (the norm, then ``linear_8bit``'s
     own activation quantization): the same arithmetic in the same order, so bit for bit on the CPU (references or
@@ -152,7 +154,7 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
     checkpoint = write_tiny_checkpoint(tmp_path / "tiny", seed=2, tokenizer=False)
     model = load_model(checkpoint, dtype="float32", device=device, quantization="w8a8")
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: not kernels)
     assert dispatch.use_triton(torch.empty(0, device=device)) == kernels
     for module in (glm5_next, mla):
