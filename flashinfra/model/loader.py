@@ -264,17 +264,15 @@ def load_part(model: torch.nn.Module, cfg: ModelConfig, reader: TensorSource, pa
     computed layer by layer); ``module.to_empty(device="meta")`` frees a part again."""
     params = dict(model.named_parameters())
     layout = weight_layout(cfg.text, params, cfg.weight_prefix, "lm_head.weight" if cfg.has_lm_head else None)
+    inside = {p: forms for p, forms in layout.items() if p == part or p.startswith(part + ".")}
+    plan, missing, misshaped, _ = match_copies(inside, reader.names(), reader)
+    if missing or misshaped or not inside:
+        raise CheckpointError(f"{part}: " + ("; ".join(missing + misshaped) or "no parameter of the model"))
     block = weight_block(cfg)
-    names = reader.names()
-    for pname, forms in layout.items():
-        if pname != part and not pname.startswith(part + "."):
-            continue
-        form, absent = _choose_form(forms, names)
-        if form is None:
-            raise CheckpointError(f"{pname}: missing {', '.join(absent)}")
+    filled = {p: torch.empty(params[p].shape, dtype=params[p].dtype, device=device) for p in inside}
+    for pname, copy in plan:
+        dest = filled[pname][copy.index] if copy.index else filled[pname]
+        dest.copy_(read_tensor(reader, copy.name, block)[0].reshape(dest.shape))
+    for pname, t in filled.items():
         owner, _, leaf = pname.rpartition(".")
-        t = torch.empty(params[pname].shape, dtype=params[pname].dtype, device=device)
-        for copy in form:
-            dest = t[copy.index] if copy.index else t
-            dest.copy_(read_tensor(reader, copy.name, block)[0].reshape(dest.shape))
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(t, requires_grad=False))
