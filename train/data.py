@@ -290,12 +290,12 @@ TRAIN_ONLY_SOURCES = {
 }
 
 
-def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
-    """The fixed rule: document ``i`` is held out when ``i % HELDOUT_EVERY == HELDOUT_EVERY - 1``."""
+def split_documents(docs: list[str], held_out: bool = True) -> tuple[list[str], list[str]]:
+    """The fixed rule: document ``i`` is held out when ``i % HELDOUT_EVERY == HELDOUT_EVERY - 1`` (``held_out``:
+    the source gives held-out text; else all of it trains)."""
     docs = [d for d in docs if len(d) >= MIN_DOC_CHARS]
-    train = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    heldout = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
-    return train, heldout
+    held = [held_out and i % HELDOUT_EVERY == HELDOUT_EVERY - 1 for i in range(len(docs))]
+    return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
 
 
 def build(out: Path) -> dict:
@@ -304,12 +304,7 @@ def build(out: Path) -> dict:
     train_rows: list[dict] = []
     heldout_rows: list[dict] = []
     for name, extract in {**SOURCES, **TRAIN_ONLY_SOURCES}.items():
-        if name in SOURCES:
-            train, heldout = split_documents(extract(out / "root"))
-        else:
-            train, heldout = [d for d in extract(out / "root") if len(d) >= MIN_DOC_CHARS], []
-            if not train:
-                raise RuntimeError(f"source {name} gave no documents")
+        train, heldout = split_documents(extract(out / "root"), held_out=name in SOURCES)
         if not train or (name in SOURCES and not heldout):
             raise RuntimeError(f"source {name} gave no documents")
         train_rows += [{"source": name, "text": t} for t in train]
