@@ -13,16 +13,17 @@
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
 - ``topk_select``: the sort (``dsa_topk.sort_launch``), the threshold select (``dsa_topk.threshold_launch``) or
-  ``dsa_topk.select`` (the sort or ``torch.topk``, by row length) against ``torch.topk`` over the int64 sort keys,
+  ``dsa_topk.select`` (the sort, the threshold select or ``torch.topk``, by row length) against ``torch.topk`` over the int64 sort keys,
   bit for bit (values and order), on rows built to tie: a
   few score values with ±0 and ±inf, all equal, all zero, fewer visible pools than ``k`` (the rest at the float32
   minimum, as the scorer writes pools a query cannot see), equal high bits with ties in the low bits, continuous
   scores, arbitrary bits.
+- ``topk_threshold_counts``: the threshold select's thresholds and counts against counts made by torch.
 - ``topk_threshold_fallback``: the threshold select's exact path alone (every row sent there), bit for bit.
 - ``dsa_select_topk``: the indexer's selection (scores, then ``dsa_topk.select`` on whichever path the row length
-  or the replaced ``SORT_MAX_POOLS`` gives) against ``torch.topk`` over the same scores' keys, bit for bit.
+  or the replaced limits give) against ``torch.topk`` over the same scores' keys, bit for bit.
 
-Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last three), at
+Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last four), at
 fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
 and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
 alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools past
@@ -247,8 +248,7 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_
     else:
         with _limits(sort_max, threshold_min):
             got = dsa_topk.select(scores, k, out)
-            path = ("select_sort" if P <= dsa_topk.SORT_MAX_POOLS else
-                    "select_threshold" if P >= dsa_topk.THRESHOLD_MIN_POOLS else "select_torch")
+            path = f"select_{dsa_topk.route(P)}"
     want = dsa_topk.topk_ref(scores, k)
     r = rows_per_kind
     return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])

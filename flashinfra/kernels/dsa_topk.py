@@ -225,11 +225,12 @@ SORT_MAX_POOLS = 1024
 THRESHOLD_MIN_POOLS = 16384
 
 
+def route(P: int) -> str:
+    """Which select takes rows of ``P`` pools: "sort", "threshold" or "torch"."""
+    return "sort" if P <= SORT_MAX_POOLS else "threshold" if P >= THRESHOLD_MIN_POOLS else "torch"
+
+
 def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """``topk_ref``'s keys into ``out``, by whichever of the three is fastest at this row length."""
-    P = scores.shape[1]
-    if P <= SORT_MAX_POOLS:
-        return sort_launch(scores, k, out=out)
-    if P >= THRESHOLD_MIN_POOLS:
-        return threshold_launch(scores, k, out=out)
-    return topk_ref(scores, k, out=out)
+    """``topk_ref``'s keys into ``out``, by whichever of the three is fastest at this row length (``route``)."""
+    launch = {"sort": sort_launch, "threshold": threshold_launch, "torch": topk_ref}[route(scores.shape[1])]
+    return launch(scores, k, out=out)
