@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashinfra.engine.block_tables import BlockTables
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, Plan, StepResult
 from flashinfra.engine.spec_overlap import PendingAccept
@@ -98,6 +99,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(model, self.cache, num_blocks, num_slots + num_prefix_slots,
                                     verify_q=speculative_tokens + 1) if graphs else None)
         self.staging = HostStaging(self.device)  # every step's integer inputs, one copy to the device
+        self.block_tables = BlockTables()  # each running request's block table, kept as an array between steps
         self.generators: dict[str, torch.Generator] = {}
         self.penalties = PenaltyRows(model.config.text.vocab_size, self.device)
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
@@ -165,6 +167,7 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self.generators.pop(rid, None)
         self.penalties.release((*plan.finished_ids, *plan.preempted_ids))
+        self.block_tables.drop((*plan.finished_ids, *plan.preempted_ids))
         if self.grammars is not None:
             self.grammars.release(plan.finished_ids)
         if spec is not None:
@@ -231,7 +234,7 @@ class ModelRunner:
         then the tokens still on the device (``fill``: a source and ``(position, index)`` pairs) gathered into the
         token ids."""
         qlens, ctxs = [len(f) for f in feeds], [sr.context_len for sr in sched]
-        slots, tables = [sr.state_slot for sr in sched], [sr.block_table for sr in sched]
+        slots, tables = [sr.state_slot for sr in sched], [self.block_tables.table(sr) for sr in sched]
         arrays = ForwardBatch.host_arrays(qlens, ctxs, slots, tables, self.block_size)
         ids = [t for f in feeds for t in f]
         ends = list(itertools.accumulate(qlens))

@@ -17,8 +17,10 @@ adds its own arrays of the step to the same copy, and ``from_views`` makes the b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashinfra.model.staging import Array, HostStaging
@@ -32,7 +34,7 @@ class ForwardBatch:
     query_lens: tuple[int, ...]  # new tokens per sequence
     context_lens: tuple[int, ...]  # cached tokens per sequence before this step
     state_slots: tuple[int, ...]  # KDA state slot per sequence
-    block_tables: tuple[tuple[int, ...], ...]  # paged-cache blocks per sequence
+    block_tables: tuple[Sequence[int], ...]  # paged-cache blocks per sequence (lists or int32 arrays)
     block_size: int
     cu_seqlens: torch.Tensor  # [B + 1] int32, device
     slot_mapping: torch.Tensor  # [T] int64, device
@@ -86,7 +88,7 @@ class ForwardBatch:
         query_lens: list[int],
         context_lens: list[int],
         state_slots: list[int],
-        block_tables: list[list[int]],
+        block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str,
         staging: HostStaging | None = None,
@@ -102,39 +104,42 @@ class ForwardBatch:
         query_lens: list[int],
         context_lens: list[int],
         state_slots: list[int],
-        block_tables: list[list[int]],
+        block_tables: Sequence[Sequence[int]],
         block_size: int,
     ) -> list[Array]:
         """The batch's integer tensors as host arrays for ``HostStaging.upload`` (a caller adds its own, such as
-        the token ids, to the same copy)."""
-        if not (len(query_lens) == len(context_lens) == len(state_slots) == len(block_tables)):
+        the token ids, to the same copy). ``block_tables``: lists or int32 arrays (``engine/block_tables.py``
+        keeps long ones as arrays between steps); the work is whole-array, not per token."""
+        B = len(query_lens)
+        if not (B == len(context_lens) == len(state_slots) == len(block_tables)):
             raise ValueError("ForwardBatch.build: per-sequence lists differ in length")
-        slots: list[int] = []
-        token_seq: list[int] = []
-        positions: list[int] = []
-        for b, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            if q < 1:
-                raise ValueError("ForwardBatch.build: every sequence needs at least one new token")
-            if (c + q + block_size - 1) // block_size > len(table):
-                raise ValueError(f"ForwardBatch.build: {c + q} tokens do not fit in {len(table)} blocks")
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
-            token_seq.extend([b] * q)
-            positions.extend(range(c, c + q))
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        B, T = len(query_lens), len(slots)
-        width = max((len(t) for t in block_tables), default=0)
-        padded = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+        q = np.asarray(query_lens, dtype=np.int64).reshape(B)
+        c = np.asarray(context_lens, dtype=np.int64).reshape(B)
+        widths = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=B)
+        if B and q.min() < 1:
+            raise ValueError("ForwardBatch.build: every sequence needs at least one new token")
+        short = np.flatnonzero(-(-(c + q) // block_size) > widths)
+        if len(short):
+            b = int(short[0])
+            raise ValueError(f"ForwardBatch.build: {c[b] + q[b]} tokens do not fit in {widths[b]} blocks")
+        width = int(widths.max()) if B else 0
+        padded = np.zeros((B, width), dtype=np.int32)
+        for b, table in enumerate(block_tables):
+            padded[b, : len(table)] = table
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        token_seq = np.repeat(np.arange(B, dtype=np.int32), q)
+        positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - c, q)
+        slots = padded[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
         i32, i64 = torch.int32, torch.int64
         return [
             ("cu_seqlens", i32, cu, (B + 1,)),
-            ("slot_mapping", i64, slots, (T,)),
+            ("slot_mapping", i64, slots, (len(slots),)),
             ("state_slots_t", i64, list(state_slots), (B,)),
-            ("block_tables_t", i32, padded, (B, width)),
-            ("seq_lens_t", i32, [c + q for c, q in zip(context_lens, query_lens)], (B,)),
-            ("token_seq", i32, token_seq, (T,)),
-            ("positions", i32, positions, (T,)),
+            ("block_tables_t", i32, padded.reshape(-1), (B, width)),
+            ("seq_lens_t", i32, c + q, (B,)),
+            ("token_seq", i32, token_seq, (len(slots),)),
+            ("positions", i32, positions, (len(slots),)),
         ]
 
     @staticmethod
@@ -142,7 +147,7 @@ class ForwardBatch:
         query_lens: list[int],
         context_lens: list[int],
         state_slots: list[int],
-        block_tables: list[list[int]],
+        block_tables: Sequence[Sequence[int]],
         block_size: int,
         views: dict[str, torch.Tensor],
     ) -> "ForwardBatch":
@@ -151,7 +156,7 @@ class ForwardBatch:
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
             state_slots=tuple(state_slots),
-            block_tables=tuple(tuple(t) for t in block_tables),
+            block_tables=tuple(block_tables),
             block_size=block_size,
             **{name: views[name] for name in TENSOR_FIELDS},
         )

@@ -21,6 +21,8 @@ step. ``StagingBuffers`` is that pair of buffers alone; the grammar's bitmask tr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -29,7 +31,7 @@ from flashinfra.kernels.launch import POINTER_ALIGN_BYTES
 _WORDS = {torch.int32: 1, torch.int64: 2, torch.float32: 1}
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
-Array = tuple[str, torch.dtype, list[int], tuple[int, ...]]
+Array = tuple[str, torch.dtype, Sequence[int] | np.ndarray, tuple[int, ...]]  # flat values: a list or an array
 ALIGN_WORDS = POINTER_ALIGN_BYTES // 4  # each array's start, in int32 words
 
 
@@ -87,7 +89,7 @@ class HostStaging:
             words += w * len(values)
         host = self.buffers.reserve(words).numpy()
         for (_, dtype, values, _), off in zip(arrays, offsets):
-            if values:
+            if len(values):
                 host[off : off + _WORDS[dtype] * len(values)].view(_NUMPY[dtype])[:] = values
         dev = self.buffers.upload(words)
         self.num_copies += 1

@@ -215,7 +215,7 @@ class HybridCacheManager:
         """Let go of everything ``req`` holds (shared prefix blocks stay while the prefix cache holds them)."""
         for b in reversed(req.block_ids):
             self._blocks.release(b)
-        req.block_ids = []
+        req.set_blocks([])
         if req.state_slot is not None:
             self._slots.give(req.state_slot)
             req.state_slot = None
@@ -265,7 +265,7 @@ class HybridCacheManager:
             raise RuntimeError(f"request {req.request_id!r} already has cache content")
         for b in entry.block_ids:
             self._blocks.share(b)
-        req.block_ids = list(entry.block_ids)
+        req.set_blocks(list(entry.block_ids))
         req.num_computed_tokens = len(entry.tokens)
 
     def reserve_checkpoint_slot(self) -> int | None:

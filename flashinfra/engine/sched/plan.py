@@ -27,7 +27,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True):
     # while the step that samples it is in flight
     token_ids: list[int]
     context_len: int  # tokens already in the cache (0: the request starts fresh in its KDA slot)
-    block_table: list[int]  # every block the request owns, in order
+    # every block the request owns, in order: the request's own list, not a copy (it only grows by appends while
+    # ``blocks_epoch`` stays the same), so read it during the step and keep no reference
+    block_table: list[int]
     state_slot: int
     sample: bool  # this step reaches the request's last token, so a next token is sampled
     sampling: SamplingParams
@@ -42,6 +44,7 @@ class ScheduledRequest(msgspec.Struct, frozen=True):
     # speculative decoding: up to this many draft tokens may follow token_ids (the runner drafts them;
     # their cache space is allocated); the step's result then lists the emitted tokens in ``emitted``
     num_draft: int = 0
+    blocks_epoch: int = 0  # the request's ``blocks_epoch``: a change means ``block_table`` was replaced
 
     @property
     def num_new_tokens(self) -> int:

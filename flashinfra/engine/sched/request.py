@@ -32,7 +32,8 @@ class Request:
     # has not arrived yet
     num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # grows by appends; replaced only by ``set_blocks``
+    blocks_epoch: int = 0  # how many times ``set_blocks`` replaced ``block_ids`` (mirrors of it rebuild then)
     state_slot: int | None = None
     finish_reason: str | None = None
     error: str | None = None
@@ -44,6 +45,11 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: tuple[int, list[int]] | None = None
+
+    def set_blocks(self, block_ids: list[int]) -> None:
+        """Replace the request's blocks (freed, or a cached prefix's shared)."""
+        self.block_ids = block_ids
+        self.blocks_epoch += 1
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks: entry ``i`` identifies the first ``i + 1`` blocks.
