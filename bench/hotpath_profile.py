@@ -1,11 +1,15 @@
-"""Where a decode step of the 4-layer slice spends its GPU time: kernels of a CUDA-graph replay, per name.
+"""Where a step of the 4-layer slice spends its GPU time, per kernel name.
 
-Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights through the loader), then
-for batch 1, 32 and 128 at context 4096: the step's time back to back (median of 3 timings of 10 replays enqueued, no
-host preparation between them), the synchronized wall time per step (host preparation of the graph's inputs
-included), and the torch profiler's per-kernel GPU time over 5 replays, largest first.
+Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights through the loader), then for each
+decode batch (default 1, 32 and 128) at ``--context`` (default 4096): the step's time back to back (median of 3
+timings of 10 replays enqueued, no host preparation between them), the synchronized wall time per step (host
+preparation of the graph's inputs included), and the torch profiler's per-kernel GPU time over 5 replays, largest
+first. With ``--prefill-chunk T`` it profiles instead one prefill step of ``T`` new tokens after ``--context`` cached
+ones (a late step of a long prompt), eager as the engine runs it.
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
+       python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
+       python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 --out bench/results/hotpath_profile_1m_prefill.json
 """
 
 from __future__ import annotations
@@ -24,17 +28,24 @@ from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 
 
-def step_profile(lm, B: int, context: int) -> dict:
-    W = -(-(context + 1) // hs.BS)
+def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
+    """Decode (``chunk`` 0, from a CUDA graph) of ``B`` sequences at ``context``, or one prefill step of ``chunk``
+    tokens after ``context`` cached ones (eager)."""
+    T = chunk or 1
+    W = -(-(context + T) // hs.BS)
     cache = lm.allocate_cache(B * W + 1, hs.BS, B + 1)
     hs.fill_cache(cache)
     tables = [list(range(b * W, (b + 1) * W)) for b in range(B)]
-    batch = ForwardBatch.build([1] * B, [context] * B, list(range(B)), tables, hs.BS, "cuda")
-    ids = torch.randint(1, 1000, (B,), device="cuda")
-    graphs = DecodeGraphs(lm, cache, B * W, B)
+    batch = ForwardBatch.build([T] * B, [context] * B, list(range(B)), tables, hs.BS, "cuda")
+    ids = torch.randint(1, 1000, (B * T,), device="cuda")
+    if chunk:
+        def step():
+            lm.compute_logits(lm.forward(ids, batch, cache)[-1:])
+    else:
+        graphs = DecodeGraphs(lm, cache, B * W, B)
 
-    def step():
-        lm.compute_logits(graphs.run(ids, batch))
+        def step():
+            lm.compute_logits(graphs.run(ids, batch))
 
     for _ in range(3):
         step()
@@ -55,7 +66,7 @@ def step_profile(lm, B: int, context: int) -> dict:
         if t > 0:
             rows.append((t / 5, a.count / 5, a.key[:90]))
     rows.sort(reverse=True)
-    return dict(batch=B, context=context, back_to_back_us=back_to_back_us, wall_us=wall * 1e6,
+    return dict(batch=B, context=context, chunk=chunk, back_to_back_us=back_to_back_us, wall_us=wall * 1e6,
                 kernel_sum_us=sum(r[0] for r in rows),
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:40]])
 
@@ -64,14 +75,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/hotpath_decode_profile.json")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default="1,32,128", help="decode batch sizes (one with --prefill-chunk)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="profile a prefill step of this many tokens")
     args = ap.parse_args()
     hs.DEV = "cuda"
     cfg = hs.slice_config(False)
+    cfg["max_position_embeddings"] = max(args.context + args.prefill_chunk + 1024, 4096)  # the slice's limit is 4096
     lm = random_model(cfg, torch.bfloat16, "cuda")
     hs.free_memory()
-    report = header() | {"context": args.context, "steps": []}
-    for B in (1, 32, 128):
-        r = step_profile(lm, B, args.context)
+    report = header() | {"context": args.context, "prefill_chunk": args.prefill_chunk, "steps": []}
+    for B in [int(b) for b in args.batches.split(",")]:
+        r = step_profile(lm, B, args.context, args.prefill_chunk)
         hs.free_memory()  # the step's cache and graphs
         report["steps"].append(r)
         print(f"B={B}: back-to-back {r['back_to_back_us']:.0f} us/step, synced wall {r['wall_us']:.0f} us/step, "
