@@ -1,0 +1,200 @@
+"""DSA lightning indexer over the paged pool-key cache: scoring, top-k with the tail.
+
+Semantics are ``flashinfra.model.indexer`` (its ``Indexer.select`` is the reference, one sequence at a
+time): per complete pool of ``kpool`` cached tokens a compressed key (``kernels.dsa_pool_keys``, cached when the
+pool's last token is written); a query scores each pool with ``sum_h w_h relu(q_h . k_pool / sqrt(d))``, keeps
+the best ``index_topk / kpool`` pools whose last token it can see (ties to the more recent pool) and always the
+incomplete tail pool.
+
+The fast path takes tensors only (no per-sequence Python loop, no host sync), so a decode step can be
+captured in a CUDA graph:
+
+1. ``index_score_kernel``: per (query token, block of pools) the scores as int32 order-preserving bits
+   (``dsa_topk.score_bits``: integer order is float order, a zero of either sign is +0, as the reference's sort sees
+   them equal), reading the pool keys ``[num_blocks, block_size // kpool, Di]`` through the block table. Pools the
+   query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
+   table.
+2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
+   order (a sort of the row in Triton for short rows, ``torch.topk`` over those keys for long ones: the same
+   bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices
+   of at most ``KEY_BUFFER_BYTES`` of scores (a 1024-token chunk at 1M context would otherwise write 1 GiB); a
+   slice's rows are the same bits as in one pass, since each row is its own top-k.
+3. ``positions_kernel``: one launch from the top-k keys to the token list ``[T, k * kpool + kpool - 1]``
+   (-1 = nothing) that sparse MLA attends to: the selected pools' tokens in the keys' order, then the tail (in
+   deterministic mode the tail first, so that each position keeps its column whatever the batch's widest block
+   table makes the pools' width).
+
+Cache formats: the pool keys are in the query dtype whatever the entries' format (bf16 or e4m3 + scales), so
+scoring, top-k and the tail are one kernel for both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashinfra.kernels.dispatch import is_deterministic
+from flashinfra.kernels.dsa_topk import select
+from flashinfra.kernels.launch import fast
+
+FMIN = torch.finfo(torch.float32).min
+# the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
+KEY_BUFFER_BYTES = 256 << 20
+
+
+@triton.jit
+def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, W, P, scale, stride_qt, stride_wt,
+                       KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BP: tl.constexpr,
+                       IEEE: tl.constexpr):
+    i_t, i_p = tl.program_id(0), tl.program_id(1)
+    o_p = i_p * BP + tl.arange(0, BP)
+    m_p = o_p < P
+    pos = tl.load(positions + i_t)
+    visible = (o_p * KP + KP - 1 <= pos) & m_p
+    bits_min = tl.full([BP], -2139095040, tl.int32)  # float32 min's order bits
+    p_out = out + i_t.to(tl.int64) * P + o_p
+    if i_p * BP * KP + KP - 1 > pos:  # no pool of this block is visible to the query
+        tl.store(p_out, bits_min, mask=m_p)
+        return
+    b = tl.load(token_seq + i_t).to(tl.int64)
+    o_h = tl.arange(0, HI)
+    o_d = tl.arange(0, DI)
+    b_q = tl.load(q + i_t.to(tl.int64) * stride_qt + o_h[:, None] * DI + o_d[None, :])
+    blk = tl.load(block_tables + b * W + o_p * KP // BS, mask=visible, other=0).to(tl.int64)
+    row = blk * (BS // KP) + o_p % (BS // KP)  # the pool's row in the pool-key cache
+    b_k = tl.load(pool_keys + row[:, None] * DI + o_d[None, :], mask=visible[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    s = tl.maximum(s * scale, 0.0)  # [HI, BP]
+    b_w = tl.load(w + i_t * stride_wt + o_h)
+    score = tl.sum(b_w[:, None] * s, 0)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    tl.store(p_out, tl.where(visible, ordered, bits_min), mask=m_p)
+
+
+@triton.jit(do_not_specialize=["k", "S"])  # sizes that vary with the context: one compilation for all
+def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr,
+                     BT: tl.constexpr, TAIL_FIRST: tl.constexpr):
+    """Per query its row of positions: the ``k`` chosen pools' tokens (-1 for a pool it cannot see) and the tail's
+    (-1 past the query), the tail last, or first under ``TAIL_FIRST``."""
+    i_t = tl.program_id(0)
+    pos = tl.load(positions + i_t).to(tl.int64)
+    p_out = out + i_t.to(tl.int64) * S
+    if TAIL_FIRST:
+        pools_at = TAIL
+        tail_at = 0
+    else:
+        pools_at = 0
+        tail_at = k * KP
+    if BK > 0:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < k
+        pool = tl.load(top + i_t.to(tl.int64) * k + o_k, mask=m_k, other=0) & 0xFFFFFFFF  # the sort key's low word
+        seen = pool * KP + KP - 1 <= pos
+        for j in tl.static_range(KP):
+            tl.store(p_out + pools_at + o_k * KP + j, tl.where(seen, pool * KP + j, -1).to(tl.int32), mask=m_k)
+    if TAIL > 0:
+        o_j = tl.arange(0, BT)
+        tok = pos + 1 - (pos + 1) % KP + o_j
+        tl.store(p_out + tail_at + o_j, tl.where(tok <= pos, tok, -1).to(tl.int32), mask=o_j < TAIL)
+
+
+def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, out) -> torch.Tensor:
+    """out [T, P] int32 (P the block table's pool capacity): every query's score bits for every pool."""
+    T, Hi, Di = q.shape
+    W = block_tables.shape[1]
+    bs = pool_keys.shape[1] * kpool
+    P = out.shape[1]
+    BP = 64
+    fast(index_score_kernel)[(T, triton.cdiv(P, BP))](
+        q, w, pool_keys, block_tables, token_seq, positions, out, W, P, Di**-0.5, q.stride(0), w.stride(0),
+        KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
+    """[T, k] int64: each query's ``k`` best sort keys, best first (the pool in the low word; pools the query cannot
+    see come last), the queries in slices of at most ``KEY_BUFFER_BYTES`` of scores."""
+    T = q.shape[0]
+    P = block_tables.shape[1] * pool_keys.shape[1]
+    rows = max(1, min(T, KEY_BUFFER_BYTES // (4 * P)))
+    scores = torch.empty(rows, P, dtype=torch.int32, device=q.device)
+    top = torch.empty(T, k, dtype=torch.int64, device=q.device)
+    for t0 in range(0, T, rows):
+        n = min(rows, T - t0)
+        s = slice(t0, t0 + n)
+        scores_launch(pool_keys, q[s], w[s], block_tables, token_seq[s], positions[s], kpool, scores[:n])
+        select(scores[:n], k, top[s])
+    return top
+
+
+def select_bytes(T: int, P: int, k: int) -> int:
+    """Bytes of the selection beyond the pool keys: the scores written, then read once by the top-k, which writes
+    the keys (the sort's traffic)."""
+    return 4 * T * P + 4 * T * P + 8 * T * k
+
+
+def dsa_select(
+    pool_keys: torch.Tensor,  # [num_blocks, block_size // kpool, Di] every complete pool's key, new ones included
+    q: torch.Tensor,  # [T, Hi, Di]
+    head_weights: torch.Tensor,  # [T, Hi] float32
+    block_tables: torch.Tensor,  # [B, W] int32
+    token_seq: torch.Tensor,  # [T] int32, the sequence of each token
+    positions: torch.Tensor,  # [T] int32, each token's position in its sequence
+    kpool: int,
+    topk: int,
+    keep_tail: bool,
+) -> torch.Tensor:  # [T, k * kpool + tail] int32 positions to attend to, -1 = none
+    T, Hi, Di = q.shape
+    B, W = block_tables.shape
+    if pool_keys.shape[2] != Di or head_weights.shape != (T, Hi):
+        raise ValueError(f"dsa_select: pool keys {tuple(pool_keys.shape)}, weights {tuple(head_weights.shape)} do "
+                         f"not fit queries {tuple(q.shape)}")
+    if Hi & (Hi - 1) or Di & (Di - 1) or Hi < 16 or Di < 16:
+        raise ValueError(f"dsa_select: the Triton path needs power-of-two heads and head dim >= 16, got {Hi}x{Di}")
+    P = W * pool_keys.shape[1]
+    dev = q.device
+    tail = kpool - 1 if keep_tail and kpool > 1 else 0
+    k = min(topk // kpool, P) if T else 0
+    S = k * kpool + tail
+    if T == 0 or S == 0:
+        return torch.full((T, S or 1), -1, dtype=torch.int32, device=dev)
+    top = positions  # not read when no pool is chosen
+    if k:
+        q = q if q.stride(-1) == 1 and q.stride(-2) == Di else q.contiguous()
+        w = head_weights.float().contiguous()
+        top = select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool, k)  # [T, k]
+    # deterministic mode puts the tail first: the pools' column count follows the batch's widest block table, and
+    # the positions a token attends to must sit in the same columns (thus the same attention blocks) in any batch
+    return positions_launch(top, positions, kpool, k, tail, is_deterministic())
+
+
+def positions_launch(top, positions, kpool: int, k: int, tail: int, tail_first: bool, out=None) -> torch.Tensor:
+    """top [T, k] int64 sort keys (unread when ``k`` is 0), positions [T] -> [T, k * kpool + tail] int32."""
+    T = positions.shape[0]
+    out = torch.empty(T, k * kpool + tail, dtype=torch.int32, device=positions.device) if out is None else out
+    if T:
+        fast(positions_kernel)[(T,)](top, positions, out, k, out.shape[1], KP=kpool,
+                                     BK=triton.next_power_of_2(k) if k else 0, TAIL=tail,
+                                     BT=triton.next_power_of_2(tail) if tail else 0, TAIL_FIRST=tail_first,
+                                     num_warps=4)
+    return out
+
+
+def positions_ref(top, positions, kpool: int, k: int, tail: int, tail_first: bool) -> torch.Tensor:
+    pos = positions.long()
+    parts = []
+    if k:
+        pools = top[:, :k] & 0xFFFFFFFF
+        toks = pools[:, :, None] * kpool + torch.arange(kpool, device=pos.device)
+        seen = (pools * kpool + kpool - 1 <= pos[:, None])[:, :, None]
+        parts.append(torch.where(seen, toks, -1).flatten(1))
+    if tail:
+        toks = (pos + 1 - (pos + 1) % kpool)[:, None] + torch.arange(tail, device=pos.device)
+        parts.append(torch.where(toks <= pos[:, None], toks, -1))
+    return torch.cat(parts[::-1] if tail_first else parts, dim=1).to(torch.int32)
