@@ -9,11 +9,11 @@ incomplete tail pool.
 The fast path takes tensors only (no per-sequence Python loop, no host sync), so a decode step can be
 captured in a CUDA graph:
 
-1. ``index_score_kernel``: per (block of queries, block of pools) the scores as int32 order-preserving bits
+1. ``index_score_kernel``: per (query token, block of pools) the scores as int32 order-preserving bits
    (``dsa_topk.score_bits``: integer order is float order, a zero of either sign is +0, as the reference's sort sees
    them equal), reading the pool keys ``[num_blocks, block_size // kpool, Di]`` through the block table. Pools the
    query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
-   table. A block's queries share each pool key they read; per query the product has the pools as rows.
+   table.
 2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
    order (a sort of the row in Triton for short rows, ``torch.topk`` over those keys for long ones: the same
    bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices
@@ -41,52 +41,40 @@ from flashinfra.kernels.launch import fast
 FMIN = torch.finfo(torch.float32).min
 # the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
 KEY_BUFFER_BYTES = 256 << 20
-# the scoring kernel's tile: queries x pools a program scores (the same for every batch, so that a query's bits do
-# not depend on the batch; notes/dsa_indexer.md has the measurements)
-SCORE_QUERIES, SCORE_POOLS, SCORE_WARPS = 16, 128, 4
 
 
 @triton.jit
-def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, scale, stride_qt, stride_wt,
-                       KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr,
-                       BP: tl.constexpr, IEEE: tl.constexpr):
-    """Program (block of ``BT`` queries, block of ``BP`` pools): the queries' score bits for those pools. The pool
-    keys are read once for the block's queries (again where its sequence changes); per query one product
-    ``[BP, DI] x [DI, HI]`` with the pools as rows, so the sum over heads stays within each row."""
+def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, W, P, scale, stride_qt, stride_wt,
+                       KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BP: tl.constexpr,
+                       IEEE: tl.constexpr):
     i_t, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BP + tl.arange(0, BP)
     m_p = o_p < P
+    pos = tl.load(positions + i_t)
+    visible = (o_p * KP + KP - 1 <= pos) & m_p
+    bits_min = tl.full([BP], -2139095040, tl.int32)  # float32 min's order bits
+    p_out = out + i_t.to(tl.int64) * P + o_p
+    if i_p * BP * KP + KP - 1 > pos:  # no pool of this block is visible to the query
+        tl.store(p_out, bits_min, mask=m_p)
+        return
+    b = tl.load(token_seq + i_t).to(tl.int64)
     o_h = tl.arange(0, HI)
     o_d = tl.arange(0, DI)
-    o_t = i_t * BT + tl.arange(0, BT)
-    last = tl.max(tl.load(positions + o_t, mask=o_t < T, other=-1), 0)  # the block's furthest query
-    seen = (o_p * KP + KP - 1 <= last) & m_p  # pools some query of the block may see
-    b_k = tl.zeros([BP, DI], dtype=pool_keys.dtype.element_ty)
-    cur = tl.full([], -1, tl.int32)  # the sequence whose keys b_k holds
-    for i in range(0, tl.minimum(BT, T - i_t * BT)):
-        t = (i_t * BT + i).to(tl.int64)
-        pos = tl.load(positions + t)
-        visible = (o_p * KP + KP - 1 <= pos) & m_p
-        if i_p * BP * KP + KP - 1 <= pos:  # some pool of the block is visible to this query
-            b = tl.load(token_seq + t)
-            if b != cur:
-                blk = tl.load(block_tables + b.to(tl.int64) * W + o_p * KP // BS, mask=seen, other=0).to(tl.int64)
-                row = blk * (BS // KP) + o_p % (BS // KP)  # the pool's row in the pool-key cache
-                b_k = tl.load(pool_keys + row[:, None] * DI + o_d[None, :], mask=seen[:, None], other=0.0)
-                cur = b
-            b_q = tl.load(q + t * stride_qt + o_h[:, None] * DI + o_d[None, :])
-            if IEEE:
-                s = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))
-            b_w = tl.load(w + t * stride_wt + o_h)
-            score = tl.sum(b_w[None, :] * tl.maximum(s * scale, 0.0), 1)  # [BP]
-            score = tl.where(score == 0.0, 0.0, score)
-            bits = score.to(tl.int32, bitcast=True)
-            bits = tl.where(visible, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2139095040)
-        else:
-            bits = tl.full([BP], -2139095040, tl.int32)  # float32 min's order bits: pools it cannot see
-        tl.store(out + t * P + o_p, bits, mask=m_p)
+    b_q = tl.load(q + i_t.to(tl.int64) * stride_qt + o_h[:, None] * DI + o_d[None, :])
+    blk = tl.load(block_tables + b * W + o_p * KP // BS, mask=visible, other=0).to(tl.int64)
+    row = blk * (BS // KP) + o_p % (BS // KP)  # the pool's row in the pool-key cache
+    b_k = tl.load(pool_keys + row[:, None] * DI + o_d[None, :], mask=visible[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    s = tl.maximum(s * scale, 0.0)  # [HI, BP]
+    b_w = tl.load(w + i_t * stride_wt + o_h)
+    score = tl.sum(b_w[:, None] * s, 0)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    tl.store(p_out, tl.where(visible, ordered, bits_min), mask=m_p)
 
 
 @triton.jit(do_not_specialize=["k", "S"])  # sizes that vary with the context: one compilation for all
@@ -122,10 +110,10 @@ def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: in
     W = block_tables.shape[1]
     bs = pool_keys.shape[1] * kpool
     P = out.shape[1]
-    BP, BT = SCORE_POOLS, SCORE_QUERIES
-    fast(index_score_kernel)[(triton.cdiv(T, BT), triton.cdiv(P, BP))](
-        q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, Di**-0.5, q.stride(0), w.stride(0),
-        KP=kpool, BS=bs, HI=Hi, DI=Di, BT=BT, BP=BP, IEEE=q.dtype == torch.float32, num_warps=SCORE_WARPS)
+    BP = 64
+    fast(index_score_kernel)[(T, triton.cdiv(P, BP))](
+        q, w, pool_keys, block_tables, token_seq, positions, out, W, P, Di**-0.5, q.stride(0), w.stride(0),
+        KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
 
