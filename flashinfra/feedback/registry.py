@@ -52,6 +52,7 @@ PROVIDERS: tuple[str, ...] = (
     "flashinfra.kernels.kda.checks",
     "flashinfra.kernels.checks",
     "flashinfra.kernels.dsa_indexer_cases",
+    "flashinfra.kernels.dsa_benches",
     "flashinfra.kernels.vision_cases",
     "flashinfra.kernels.quant.checks",
     "flashinfra.model.checks",

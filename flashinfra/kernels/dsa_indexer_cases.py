@@ -24,12 +24,7 @@
   or the replaced limits give) against ``torch.topk`` over the same scores' keys, bit for bit.
 
 Registered checks ``hotpath.dsa_pool_keys`` (the first five cases) and ``hotpath.dsa_topk`` (the last four), at
-fixed sizes. Benchmarks: the decode step at long context (``hotpath.dsa_select.b1.n131072.t1``, ``...n1048576.t1``)
-and one 1024-token prefill chunk at 1M context, bytes and FLOPs as ``checks._dsa_bench`` derives them; the select
-alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools past
-``SORT_MAX_POOLS``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes, and
-``torch.topk`` beside the threshold select (``hotpath.dsa_topk_threshold.*``) at longer rows; names end in
-``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
+fixed sizes. The DSA benchmarks are ``dsa_benches``'s.
 """
 
 from __future__ import annotations
@@ -40,11 +35,11 @@ from types import SimpleNamespace
 import torch
 import triton
 
-from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, compare, poison_
+from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, dsa_topk
 from flashinfra.kernels.check_cases import (_d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd,
                                              select_over_entries, slots_of, tol)
-from flashinfra.kernels.checks import HI, DI, INDEX_TOPK, KPOOL, _bench, _bench_dev, _dsa_bench, _registered
+from flashinfra.kernels.checks import DI, HI, INDEX_TOPK, KPOOL, _registered
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
 
@@ -346,50 +341,3 @@ def _dsa_topk(dev, act, seed):
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed))
-
-
-# benchmark family -> (the select, its description)
-_TOPK_BENCHES = {
-    "dsa_topk_sort": (dsa_topk.sort_launch, "DSA top-k: one sort per row of the int64 sort keys made from the score "
-                      "bits"),
-    "dsa_topk_torch": (dsa_topk.topk_ref, "torch.topk over the int64 sort keys made from the score bits"),
-    "dsa_topk_threshold": (dsa_topk.threshold_launch, "DSA top-k: a sampled threshold per row, the keys above it "
-                           "gathered and sorted"),
-}
-
-
-def _topk_bench(R: int, P: int, family: str, k: int | None = None):
-    """``family``'s select (``_TOPK_BENCHES``) of the top ``k`` (default the model's ``INDEX_TOPK // KPOOL``, capped
-    at ``P``) of ``R`` rows of ``P`` pools, scores ``|randn|`` as ReLU-weighted sums mostly are."""
-    fn, description = _TOPK_BENCHES[family]
-
-    def make(ctx: BenchContext) -> BenchSpec:
-        dev, _ = _bench_dev(ctx)
-        r, p = (min(R, 2), min(P, 4096)) if ctx.quick else (R, P)
-        kk = min(k or INDEX_TOPK // KPOOL, p)
-
-        def inputs(seed):
-            gen = torch.Generator(device=dev).manual_seed(seed)
-            return dsa_topk.score_bits(torch.randn(r, p, device=dev, generator=gen).abs()), torch.empty(
-                r, kk, dtype=torch.int64, device=dev)
-
-        moved = 4 * r * p + 8 * r * kk  # the scores read once, the keys written
-        return BenchSpec(fn=lambda bits, out: fn(bits, kk, out=out), make_inputs=inputs, bytes=moved,
-                         description=description, params=dict(R=r, P=p, k=kk))
-    _bench(f"hotpath.{family}.t{R}.p{P}{f'.k{k}' if k else ''}", make)
-
-
-for _B, _N, _T in ((1, 131072, 1), (1, 1048576, 1), (1, 1048576, 1024)):
-    _dsa_bench(_B, _N, _T)
-
-# (rows, pools, k if not the model's), the sort beside torch.topk: the decode sizes up to SORT_MAX_POOLS, then rows
-# past it (a decode at 8k and 16k context, an 8k prefill), where select takes torch.topk, to decide that limit
-for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None), (1, 2048, None),
-                   (1, 4096, None), (8192, 2048, None)):
-    for _family in _TOPK_BENCHES:
-        _topk_bench(_R, _P, _family, _K)
-# longer rows: torch.topk (select's path there) beside the threshold select; 8192 rows of 262,144: a late 8192-token
-# prefill step at 1M context
-for _R, _P in ((1, 32768), (1, 262144), (256, 262144), (8192, 2048), (8192, 262144)):
-    for _family in ("dsa_topk_torch", "dsa_topk_threshold"):
-        _topk_bench(_R, _P, _family)

@@ -110,4 +110,4 @@ def start_server(tmp_path: Path, model_dir: Path | None, *args: str, api_key: st
         if time.monotonic() > deadline:
             server.stop()
             raise RuntimeError(f"server not ready after {timeout} s:\n{server.log()}")
-        time.sleep(0.25)
+        time.sleep(0.05)
