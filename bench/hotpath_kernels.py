@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = run_benchmarks(args.patterns, BenchContext(device="cuda", dtype="bfloat16"), runs=args.runs, ceilings=ceil,
-                            providers=("flashinfra.kernels.checks", "flashinfra.kernels.dsa_indexer_cases"),
+                            providers=("flashinfra.kernels.checks", "flashinfra.kernels.dsa_benches"),
                             graph=True)
     report["command"] = "python bench/hotpath_kernels.py " + " ".join(args.patterns) + f" --runs {args.runs}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

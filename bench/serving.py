@@ -190,6 +190,22 @@ def _prefill_8k(lm, core: EngineCore) -> dict:
                     **prefill_row(core, PROMPT_8K, 1))
 
 
+def short_rows(lm, rows: dict, kernel_prefill: dict, kernel_decode: dict) -> None:
+    """The rows of one engine at short context: new shapes after start-up, the 8k prompt, decode at 4k."""
+    core, startup = engine(lm, 16384, SHORT_CACHE_BYTES)
+    rows["new_shapes"] = dict(startup_s=startup, warmup=_warmup(core),
+                              batch_32=batch_shape_row(core, 32, 100), batch_128=batch_shape_row(core, 128, 200),
+                              first_4k_prompt=first_prompt_row(core, CONTEXT_4K, 400))
+    print("new shapes", {k: v.get("ratio") for k, v in rows["new_shapes"].items() if isinstance(v, dict)}, flush=True)
+    rows["prefill_8k"] = dict(_prefill_8k(lm, core), floor_s=kernel_prefill["median_s"],
+                              floor_source="kernel-only 8192-token prefill (hotpath_slice.prefill)")
+    rows["decode_4k"] = dict(decode_row(core, CONTEXT_4K, 500), floor_s=kernel_decode["floor_s"],
+                             kernel_graph_step_s=kernel_decode["graph_median_s"])
+    print("prefill_8k", rows["prefill_8k"]["ttft_s"], "decode_4k", rows["decode_4k"]["median_step_s"], flush=True)
+    del core
+    free_memory()
+
+
 def table(report: dict) -> list[str]:
     rows = report["rows"]
 
@@ -197,20 +213,19 @@ def table(report: dict) -> list[str]:
         return "-" if x is None else f"{x * 1e3:.2f} ms"
 
     lines = ["| what | ours | floor | ours / floor |", "| --- | --- | --- | --- |"]
-    p = rows["prefill_8k"]
-    lines.append(f"| 8000-token prompt, slice | {ms(p.get('ttft_s'))} in {p.get('steps', '?')} steps "
-                 f"| {ms(p['floor_s'])} | {p['ttft_s'] / p['floor_s'] if 'ttft_s' in p else float('nan'):.2f} |")
-    d = rows["decode_4k"]
-    lines.append(f"| decode step, batch 1, 4k, slice | {ms(d['median_step_s'])} | {ms(d['floor_s'])} "
-                 f"| {d['median_step_s'] / d['floor_s']:.2f} |")
-    n = rows["new_shapes"]
-    for key in ("batch_32", "batch_128", "first_4k_prompt"):
-        r = n[key]
-        first = (f"prefill {ms(r['prefill_s'])} (again {ms(r['prefill_again_s'])}), decode max "
-                 f"{ms(r['max_decode_step_s'])}" if "prefill_s" in r else f"max {ms(r['max_step_s'])}")
-        lines.append(f"| first steps at new shapes: {key} | {first} | steady {ms(r['steady_step_s'])} "
-                     f"| {r['ratio']:.2f} (goal <= 2) |")
-    lines.append(f"| engine start-up (warm-up) | {n['startup_s']:.1f} s | - | - |")
+    if "prefill_8k" in rows:
+        p, d, n = rows["prefill_8k"], rows["decode_4k"], rows["new_shapes"]
+        lines.append(f"| 8000-token prompt, slice | {ms(p.get('ttft_s'))} in {p.get('steps', '?')} steps "
+                     f"| {ms(p['floor_s'])} | {p['ttft_s'] / p['floor_s'] if 'ttft_s' in p else float('nan'):.2f} |")
+        lines.append(f"| decode step, batch 1, 4k, slice | {ms(d['median_step_s'])} | {ms(d['floor_s'])} "
+                     f"| {d['median_step_s'] / d['floor_s']:.2f} |")
+        for key in ("batch_32", "batch_128", "first_4k_prompt"):
+            r = n[key]
+            first = (f"prefill {ms(r['prefill_s'])} (again {ms(r['prefill_again_s'])}), decode max "
+                     f"{ms(r['max_decode_step_s'])}" if "prefill_s" in r else f"max {ms(r['max_step_s'])}")
+            lines.append(f"| first steps at new shapes: {key} | {first} | steady {ms(r['steady_step_s'])} "
+                         f"| {r['ratio']:.2f} (goal <= 2) |")
+        lines.append(f"| engine start-up (warm-up) | {n['startup_s']:.1f} s | - | - |")
     if "prefill_1m" in rows.get("long", {}):
         lp, ld = rows["long"]["prefill_1m"], rows["long"]["decode_1m"]
         lines.append(f"| 1M-token prompt TTFT, slice | {lp['ttft_s']:.1f} s (late step {ms(lp['late_step_median_s'])})"
@@ -233,6 +248,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/serving.json")
     ap.add_argument("--long", action="store_true", help="also the 1M-token rows (minutes; memory checked)")
     ap.add_argument("--no-server", action="store_true", help="skip the server rows")
+    ap.add_argument("--no-short", action="store_true", help="skip the 8k prompt, 4k decode and new-shape rows")
     args = ap.parse_args()
     out = Path(args.out)
     report = header()
@@ -253,20 +269,9 @@ def main() -> None:
     kernel_prefill = prefill(lm, 8192, 3, ceil)
     free_memory()
     weight_only = kernel_decode["bytes"] - cache_bytes(lm.config.text, CONTEXT_4K, 1)
-    core, startup = engine(lm, 16384, SHORT_CACHE_BYTES)
-    rows["new_shapes"] = dict(startup_s=startup, warmup=_warmup(core),
-                              batch_32=batch_shape_row(core, 32, 100), batch_128=batch_shape_row(core, 128, 200),
-                              first_4k_prompt=first_prompt_row(core, CONTEXT_4K, 400))
-    print("new shapes", {k: v.get("ratio") for k, v in rows["new_shapes"].items() if isinstance(v, dict)}, flush=True)
-    save()
-    rows["prefill_8k"] = dict(_prefill_8k(lm, core), floor_s=kernel_prefill["median_s"],
-                              floor_source="kernel-only 8192-token prefill (hotpath_slice.prefill)")
-    rows["decode_4k"] = dict(decode_row(core, CONTEXT_4K, 500), floor_s=kernel_decode["floor_s"],
-                             kernel_graph_step_s=kernel_decode["graph_median_s"])
-    print("prefill_8k", rows["prefill_8k"]["ttft_s"], "decode_4k", rows["decode_4k"]["median_step_s"], flush=True)
-    del core
-    free_memory()
-    save()
+    if not args.no_short:
+        short_rows(lm, rows, kernel_prefill, kernel_decode)
+        save()
     if args.long:
         rows["long"] = long_rows(lm, ceil, weight_only)
         save()

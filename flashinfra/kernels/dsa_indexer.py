@@ -9,11 +9,13 @@ incomplete tail pool.
 The fast path takes tensors only (no per-sequence Python loop, no host sync), so a decode step can be
 captured in a CUDA graph:
 
-1. ``index_score_kernel``: per (query token, block of pools) the scores as int32 order-preserving bits
+1. ``index_score_kernel``: per (block of queries, block of pools) the scores as int32 order-preserving bits
    (``dsa_topk.score_bits``: integer order is float order, a zero of either sign is +0, as the reference's sort sees
    them equal), reading the pool keys ``[num_blocks, block_size // kpool, Di]`` through the block table. Pools the
    query cannot see get the float32 minimum, like the reference; ``P`` is the pool capacity of the (padded) block
-   table.
+   table. The product has the pools as rows and a few queries' heads as columns (``[pools, Di] x [Di, 2 x heads]``:
+   each query's weighted sum over its heads stays within a row); a block's queries of one sequence share each key
+   tile.
 2. ``dsa_topk.select``: per query the ``k`` largest int64 sort keys ``bits << 32 | pool`` in descending
    order (a sort of the row in Triton for short rows, ``torch.topk`` over those keys for long ones: the same
    bits), i.e. the reference's tie rule (ties to the more recent pool). The queries go through steps 1-2 in slices
@@ -41,40 +43,82 @@ from flashinfra.kernels.launch import fast
 FMIN = torch.finfo(torch.float32).min
 # the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
 KEY_BUFFER_BYTES = 256 << 20
+# the scoring kernel's tile (notes/dsa_indexer.md has the measurements): pools per program and queries per product
+# (fixed, with the warps: a query's bits follow them), queries per program where a sequence has several (prompts),
+# the pipeline depth of their loads
+SCORE_POOLS, SCORE_COLUMN_QUERIES, SCORE_WARPS = 128, 2, 4
+SCORE_QUERIES, SCORE_STAGES = 32, 3
+SHARED_KEYS_MIN_QUERIES = 4  # queries per sequence, on average, from which a program scores a block of them
 
 
 @triton.jit
-def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, W, P, scale, stride_qt, stride_wt,
-                       KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BP: tl.constexpr,
-                       IEEE: tl.constexpr):
+def _score_bits(b_k, b_q, b_w, pos, o_p, m_p, scale, KP: tl.constexpr, QN: tl.constexpr, HI: tl.constexpr,
+                IEEE: tl.constexpr):
+    """``[BP, QN]`` order bits of ``QN`` queries (``b_q [QN * HI, DI]``, their heads side by side; ``b_w``, ``pos``
+    theirs) against a key tile ``[BP, DI]``: one product with the pools as rows, so each query's weighted sum over
+    its heads stays within a row; pools a query cannot see get the float32 minimum's bits."""
+    if IEEE:
+        s = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))
+    s = b_w[None, :] * tl.maximum(s * scale, 0.0)
+    score = tl.sum(tl.reshape(s, (s.shape[0], QN, HI)), 2)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where((o_p[:, None] * KP + KP - 1 <= pos[None, :]) & m_p[:, None], bits, -2139095040)
+
+
+@triton.jit
+def _key_tile(pool_keys, block_tables, b, W, o_p, o_d, seen, KP: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr):
+    """Sequence ``b``'s pool keys ``o_p`` through its block table, zero where not ``seen``."""
+    blk = tl.load(block_tables + b * W + o_p * KP // BS, mask=seen, other=0).to(tl.int64)
+    row = blk * (BS // KP) + o_p % (BS // KP)  # the pool's row in the pool-key cache
+    return tl.load(pool_keys + row[:, None] * DI + o_d[None, :], mask=seen[:, None], other=0.0)
+
+
+@triton.jit
+def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, scale, stride_qt, stride_wt,
+                       KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr,
+                       BP: tl.constexpr, QN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """Program (block of ``BT`` queries, block of ``BP`` pools): their score bits, ``QN`` queries per product. Queries
+    of one sequence share the key tile, loaded once, while their own loads are pipelined; a block that mixes
+    sequences loads each query's tile and puts that query in all ``QN`` columns (the same arithmetic either way)."""
     i_t, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BP + tl.arange(0, BP)
     m_p = o_p < P
-    pos = tl.load(positions + i_t)
-    visible = (o_p * KP + KP - 1 <= pos) & m_p
-    bits_min = tl.full([BP], -2139095040, tl.int32)  # float32 min's order bits
-    p_out = out + i_t.to(tl.int64) * P + o_p
-    if i_p * BP * KP + KP - 1 > pos:  # no pool of this block is visible to the query
-        tl.store(p_out, bits_min, mask=m_p)
-        return
-    b = tl.load(token_seq + i_t).to(tl.int64)
-    o_h = tl.arange(0, HI)
     o_d = tl.arange(0, DI)
-    b_q = tl.load(q + i_t.to(tl.int64) * stride_qt + o_h[:, None] * DI + o_d[None, :])
-    blk = tl.load(block_tables + b * W + o_p * KP // BS, mask=visible, other=0).to(tl.int64)
-    row = blk * (BS // KP) + o_p % (BS // KP)  # the pool's row in the pool-key cache
-    b_k = tl.load(pool_keys + row[:, None] * DI + o_d[None, :], mask=visible[:, None], other=0.0)
-    if IEEE:
-        s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+    o_c = tl.arange(0, QN * HI)  # column c: head c % HI of the block's query c // HI (from the loop's first)
+    o_n = tl.arange(0, QN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    last = tl.max(tl.load(positions + o_t, mask=m_t, other=-1), 0)
+    b0 = tl.load(token_seq + i_t * BT)
+    mixed = tl.max(tl.where(m_t, tl.load(token_seq + o_t, mask=m_t, other=0) != b0, False), 0)
+    if i_p * BP * KP + KP - 1 > last:  # no pool of this block is visible to any query of the block
+        tl.store(out + o_t.to(tl.int64)[:, None] * P + o_p[None, :], tl.full([BT, BP], -2139095040, tl.int32),
+                 mask=m_t[:, None] & m_p[None, :])
+    elif mixed == 0:
+        b_k = _key_tile(pool_keys, block_tables, b0.to(tl.int64), W, o_p, o_d, (o_p * KP + KP - 1 <= last) & m_p,
+                        KP, BS, DI)
+        for i in tl.range(0, BT, QN, num_stages=STAGES):
+            # past the block or T: its last query again (the same bits to the same place)
+            t_c = tl.minimum(i_t * BT + tl.minimum(i + o_c // HI, BT - 1), T - 1).to(tl.int64)
+            t_n = tl.minimum(i_t * BT + tl.minimum(i + o_n, BT - 1), T - 1).to(tl.int64)
+            b_q = tl.load(q + t_c[:, None] * stride_qt + (o_c % HI)[:, None] * DI + o_d[None, :])
+            b_w = tl.load(w + t_c * stride_wt + o_c % HI)
+            bits = _score_bits(b_k, b_q, b_w, tl.load(positions + t_n), o_p, m_p, scale, KP, QN, HI, IEEE)
+            tl.store(out + t_n[None, :] * P + o_p[:, None], bits, mask=m_p[:, None])
     else:
-        s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
-    s = tl.maximum(s * scale, 0.0)  # [HI, BP]
-    b_w = tl.load(w + i_t * stride_wt + o_h)
-    score = tl.sum(b_w[:, None] * s, 0)
-    score = tl.where(score == 0.0, 0.0, score)
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    tl.store(p_out, tl.where(visible, ordered, bits_min), mask=m_p)
+        for i in range(0, BT):
+            t = tl.minimum(i_t * BT + i, T - 1).to(tl.int64)
+            pos = tl.load(positions + t)
+            b_k = _key_tile(pool_keys, block_tables, tl.load(token_seq + t).to(tl.int64), W, o_p, o_d,
+                            (o_p * KP + KP - 1 <= pos) & m_p, KP, BS, DI)
+            b_q = tl.load(q + t * stride_qt + (o_c % HI)[:, None] * DI + o_d[None, :])
+            b_w = tl.load(w + t * stride_wt + o_c % HI)
+            bits = _score_bits(b_k, b_q, b_w, tl.full([QN], 0, tl.int32) + pos, o_p, m_p, scale, KP, QN, HI, IEEE)
+            tl.store(out + t * P + o_p[:, None] + o_n[None, :] * 0, bits, mask=m_p[:, None] & (o_n[None, :] == 0))
 
 
 @triton.jit(do_not_specialize=["k", "S"])  # sizes that vary with the context: one compilation for all
@@ -107,13 +151,16 @@ def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constex
 def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, out) -> torch.Tensor:
     """out [T, P] int32 (P the block table's pool capacity): every query's score bits for every pool."""
     T, Hi, Di = q.shape
-    W = block_tables.shape[1]
+    B, W = block_tables.shape
     bs = pool_keys.shape[1] * kpool
     P = out.shape[1]
-    BP = 64
-    fast(index_score_kernel)[(T, triton.cdiv(P, BP))](
-        q, w, pool_keys, block_tables, token_seq, positions, out, W, P, Di**-0.5, q.stride(0), w.stride(0),
-        KP=kpool, BS=bs, HI=Hi, DI=Di, BP=BP, IEEE=q.dtype == torch.float32, num_warps=4)
+    # a block of queries per program where the batch has several per sequence (prompts), else one (decode rows): a
+    # query's bits do not depend on it (the same product per query), only how often the key tiles are read
+    BT = SCORE_QUERIES if T >= SHARED_KEYS_MIN_QUERIES * B else 1
+    fast(index_score_kernel)[(triton.cdiv(T, BT), triton.cdiv(P, SCORE_POOLS))](
+        q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, Di**-0.5, q.stride(0), w.stride(0),
+        KP=kpool, BS=bs, HI=Hi, DI=Di, BT=BT, BP=SCORE_POOLS, QN=SCORE_COLUMN_QUERIES, STAGES=SCORE_STAGES,
+        IEEE=q.dtype == torch.float32, num_warps=SCORE_WARPS)
     return out
 
 

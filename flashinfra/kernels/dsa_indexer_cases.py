@@ -13,11 +13,10 @@
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
 - ``topk_select``: the sort (``dsa_topk.sort_launch``), the threshold select (``dsa_topk.threshold_launch``) or
-  ``dsa_topk.select`` (the sort, the threshold select or ``torch.topk``, by row length) against ``torch.topk`` over the int64 sort keys,
-  bit for bit (values and order), on rows built to tie: a
-  few score values with ±0 and ±inf, all equal, all zero, fewer visible pools than ``k`` (the rest at the float32
-  minimum, as the scorer writes pools a query cannot see), equal high bits with ties in the low bits, continuous
-  scores, arbitrary bits.
+  ``dsa_topk.select`` (the sort, the threshold select or ``torch.topk``, by row length) against ``torch.topk`` over
+  the int64 sort keys, bit for bit (values and order), on rows built to tie: a few score values with ±0 and ±inf,
+  all equal, all zero, fewer visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a
+  query cannot see), equal high bits with ties in the low bits, continuous scores, arbitrary bits.
 - ``topk_threshold_counts``: the threshold select's thresholds and counts against counts made by torch.
 - ``topk_threshold_fallback``: the threshold select's exact path alone (every row sent there), bit for bit.
 - ``dsa_select_topk``: the indexer's selection (scores, then ``dsa_topk.select`` on whichever path the row length

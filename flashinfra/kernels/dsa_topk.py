@@ -59,7 +59,9 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
 THRESHOLD_SAMPLES = (1024, 4096)  # keys sampled per row (S): at least, at most; enough that about 8 samples lie in
 # the top k (k S / P >= 8), for a candidate count close to k; a row shorter than S samples the power of two below P
 THRESHOLD_CHUNK = 4096  # keys per program of the count and gather passes
-THRESHOLDS = 16  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key
+THRESHOLDS = 8  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key; the
+# highest one chosen is at most 8x the top k's count, past the candidate buffer (4 KB) anyway, and each threshold is a
+# compare per key in the count pass (notes/dsa_indexer.md: 16 took that pass 1.3x longer)
 
 
 @triton.jit(do_not_specialize=["P", "k"])

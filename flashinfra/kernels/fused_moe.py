@@ -13,6 +13,9 @@
 3. ``moe_gemm2_kernel``: the down projection of each pair, times its routing weight.
 4. ``moe_sum_kernel``: per token, the sum of its ``k + 1`` pair outputs.
 
+Both GEMMs run on a flat grid in ``_tile``'s order: all column tiles of two neighbouring pair blocks before the next
+two, so that an expert's weight tiles and a block's activation rows are read from memory about once.
+
 The shared expert is one more pair per token (expert id ``E``, weight 1) in the same launches, its weights
 addressed as an offset from the routed experts' base pointer (no copy into one tensor).
 Only the weights of experts that received a token are read: at batch 1 that is ``k`` experts, which is
@@ -50,6 +53,10 @@ from flashinfra.kernels.launch import fast
 from flashinfra.kernels.moe_align import moe_align
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 from flashinfra.kernels.quant.gemm import matmul_8bit_ref
+
+# pair blocks whose column tiles the grid interleaves (``_tile``): an expert's pairs fill about two 128-row blocks in
+# a long prefill (8192 tokens x 9 pairs over 289 experts)
+PAIR_BLOCKS_PER_GROUP = tl.constexpr(2)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -111,11 +118,25 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, 
 
 
 @triton.jit
+def _tile(N: tl.constexpr, BN: tl.constexpr):
+    """This program's (block of pairs, tile of output columns). The grid is flat and goes through all column tiles of
+    ``PAIR_BLOCKS_PER_GROUP`` neighbouring pair blocks, those blocks alternating, before the next group: the blocks of
+    one expert then read each weight tile back to back (once from memory), and a block's activation rows stay in L2
+    for all its column tiles instead of coming back after every other block's."""
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    width = PAIR_BLOCKS_PER_GROUP * num_n
+    first = (pid // width) * PAIR_BLOCKS_PER_GROUP
+    size = tl.minimum(tl.num_programs(0) // num_n - first, PAIR_BLOCKS_PER_GROUP)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
 def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit, sx, sw,
                      stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                      WEIGHTS: tl.constexpr):
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
         return
     pair = tl.load(sorted_ids + i_m * BM + tl.arange(0, BM))
@@ -169,7 +190,7 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
                      stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
         return
     pair = tl.load(sorted_ids + i_m * BM + tl.arange(0, BM))
@@ -284,7 +305,7 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales, x_c
         sw13, sw2, ss13, ss2 = scales
         soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
-    grid1 = (sorted_ids.numel() // BM, triton.cdiv(N, cfg["BN1"]))
+    grid1 = (sorted_ids.numel() // BM * triton.cdiv(N, cfg["BN1"]),)
     # the scales' arguments go last, so that the float specialisation keeps its parameter layout (and machine code)
     fast(moe_gemm1_kernel)[grid1](
         a, w13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), _offset(shared13, w13), T * k,
@@ -292,7 +313,7 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales, x_c
         IEEE=ieee, WEIGHTS=fmt, **launch)
     hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
-    grid2 = (sorted_ids.numel() // BM, triton.cdiv(D, cfg["BN2"]))
+    grid2 = (sorted_ids.numel() // BM * triton.cdiv(D, cfg["BN2"]),)
     fast(moe_gemm2_kernel)[grid2](hq, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
                                   T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"],
                                   BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
