@@ -267,6 +267,7 @@ def main() -> None:
     free_memory()
     kernel_decode = decode(lm, 1, CONTEXT_4K, 10, ceil)
     kernel_prefill = prefill(lm, 8192, 3, ceil)
+    report["kernel_only"] = dict(prefill_8192_s=kernel_prefill["median_s"], decode_4k_s=kernel_decode["graph_median_s"])
     free_memory()
     weight_only = kernel_decode["bytes"] - cache_bytes(lm.config.text, CONTEXT_4K, 1)
     if not args.no_short:
