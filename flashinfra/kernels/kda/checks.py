@@ -261,3 +261,22 @@ def bench_conv_decode(ctx: BenchContext) -> BenchSpec:
     return BenchSpec(fn=conv.causal_conv1d_decode, make_inputs=make_inputs,
                      bytes=B * C * (2 * itemsize + 2 * (W - 1) * 4) + C * W * 4, flops=B * C * (2 * W + 4),
                      params={"B": B, "C": C, "W": W}, description="short conv decode step over q|k|v channels")
+
+
+@register_benchmark("kda.conv1d.prefill.t8192", tags=("kernel", "conv"))
+def bench_conv_prefill(ctx: BenchContext) -> BenchSpec:
+    """An 8192-token chunk of one sequence with a history (a later chunk of a long prompt), q|k|v channels in a
+    row of the fused projection's output, as the model hands them over."""
+    T, C, W = (64, 256, 4) if ctx.quick else (8192, 3 * 64 * 128, 4)
+    dtype = ctx.torch_dtype()
+    weight = torch.randn(C, W, device=ctx.device)
+    conv_state = torch.randn(1, C, W - 1, device=ctx.device).to(dtype)
+
+    def make_inputs(seed: int):
+        gen = torch.Generator(device=ctx.device).manual_seed(seed)
+        return torch.randn(T, C, device=ctx.device, generator=gen).to(dtype), weight, conv_state, [0, T], [0], [True]
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return BenchSpec(fn=conv.causal_conv1d_prefill, make_inputs=make_inputs,
+                     bytes=2 * T * C * itemsize + C * W * 4 + 2 * C * (W - 1) * itemsize, flops=T * C * (2 * W + 4),
+                     params={"T": T, "C": C, "W": W}, description="short conv over a prompt chunk's q|k|v channels")

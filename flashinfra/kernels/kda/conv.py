@@ -22,6 +22,9 @@ from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
 from flashinfra.kernels.varlen import cached_int_lists, cached_ints, chunk_tables
 
+# the prefill conv's tile is BT x BC = 32 x 128 over 8 warps: 16 elements a thread and no spill (ptxas, sm_90)
+CONV_PREFILL_WARPS = 8
+
 
 def causal_conv1d_prefill_ref(
     x: torch.Tensor,  # [T, C] packed tokens
@@ -56,34 +59,58 @@ def causal_conv1d_decode_ref(
 
 
 @triton.jit
+def _conv_rows(x_chunk, p_slot, w, t0, r0, stride_x, L, o_c, m_c,
+               W: tl.constexpr, ROWS: tl.constexpr, HISTORY: tl.constexpr):
+    """SiLU of the conv at the chunk's rows ``r0 .. r0 + ROWS`` (``[ROWS, BC]`` float32): per tap the input, at a
+    position below 0 the slot's history rounded to the input's dtype (``HISTORY``) or zero."""
+    o_r = r0 + tl.arange(0, ROWS)
+    m_t = t0 + o_r < L
+    acc = tl.zeros([ROWS, o_c.shape[0]], dtype=tl.float32)
+    for i_w in tl.static_range(W):
+        r = o_r - (W - 1) + i_w  # source row relative to the chunk; a position below 0 is in the slot
+        m_x = (t0 + r >= 0) & m_t
+        b_x = tl.load(x_chunk + r[:, None] * stride_x + o_c[None, :], mask=m_x[:, None] & m_c[None, :], other=0.0)
+        if HISTORY:
+            m_h = (t0 + r < 0) & m_t
+            b_h = tl.load(p_slot + o_c[None, :] * (W - 1) + (W - 1 + t0 + r)[:, None], mask=m_h[:, None] & m_c[None, :],
+                          other=0.0)
+            b_x += b_h.to(b_x.dtype)
+        b_w = tl.load(w + o_c * W + i_w, mask=m_c, other=0.0).to(tl.float32)
+        acc += b_x.to(tl.float32) * b_w[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
 def causal_conv1d_prefill_kernel(
     x, w, conv_state, y, cu_seqlens, chunk_indices, state_slots, has_initial_state,
     stride_x, stride_y, C,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
 ):
+    """Program (block of channels, chunk of ``BT`` tokens of one sequence): the chunk's rows from its input alone,
+    then, in a sequence's first chunk, its first ``W - 1`` rows again with the history (a ``[BH, BC]`` tile, stored
+    in their place): reading the slot across the whole tile, or a 64-bit address per element and tap, spilled the
+    tile to the stack."""
     i_c, i_chunk = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_chunk).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_chunk + 1)
+    t0 = tl.load(chunk_indices + 2 * i_chunk + 1) * BT  # the chunk's first position in the sequence
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    o_t = i_t * BT + tl.arange(0, BT)  # position in the sequence
-    has_init = (tl.load(has_initial_state + i_n) + tl.zeros([BT], tl.int32)) != 0
+    L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     o_c = i_c * BC + tl.arange(0, BC)
-    m_t, m_c = o_t < L, o_c < C
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for i_w in tl.static_range(W):
-        p = o_t - (W - 1) + i_w  # source position; negative: the history in the slot
-        m_x = (p >= 0) & m_t
-        b_x = tl.load(x + (bos + p)[:, None] * stride_x + o_c[None, :], mask=m_x[:, None] & m_c[None, :], other=0.0)
-        m_h = (p < 0) & m_t & has_init
-        p_h = conv_state + slot * C * (W - 1) + o_c[None, :] * (W - 1) + (W - 1 + p)[:, None]
-        b_h = tl.load(p_h, mask=m_h[:, None] & m_c[None, :], other=0.0).to(b_x.dtype)
-        b_w = tl.load(w + o_c * W + i_w, mask=m_c, other=0.0).to(tl.float32)
-        acc += (b_x + b_h).to(tl.float32) * b_w[None, :]
-    acc = acc * tl.sigmoid(acc)
-    tl.store(y + (bos + o_t)[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
-             mask=m_t[:, None] & m_c[None, :])
+    m_c = o_c < C
+    x_chunk = x + (bos + t0) * stride_x
+    y_chunk = y + (bos + t0) * stride_y
+    p_slot = conv_state + tl.load(state_slots + i_n).to(tl.int64) * C * (W - 1)
+    history = (t0 == 0) & (tl.load(has_initial_state + i_n) != 0)
+    o_r = tl.arange(0, BT)
+    acc = _conv_rows(x_chunk, p_slot, w, t0, 0, stride_x, L, o_c, m_c, W, BT, False)
+    m_y = (t0 + o_r < L) & (o_r >= (W - 1) * history.to(tl.int32))  # the history's rows are stored below
+    tl.store(y_chunk + o_r[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
+             mask=m_y[:, None] & m_c[None, :])
+    if history:
+        o_h = tl.arange(0, BH)
+        acc_h = _conv_rows(x_chunk, p_slot, w, t0, 0, stride_x, L, o_c, m_c, W, BH, True)
+        tl.store(y_chunk + o_h[:, None] * stride_y + o_c[None, :], acc_h.to(y.dtype.element_ty),
+                 mask=((o_h < W - 1) & (o_h < L))[:, None] & m_c[None, :])
 
 
 @triton.jit
@@ -164,7 +191,7 @@ def _as_index_tensor(values, device) -> torch.Tensor:
 
 
 def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state,
-                                 BT: int = 64, BC: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
+                                 BT: int = 32, BC: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
     C, W = _check_conv_args(x, weight, conv_state)
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     if cu[0] != 0 or cu[-1] != x.shape[0] or any(b > e for b, e in zip(cu, cu[1:])):
@@ -183,6 +210,7 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
         cu_t, slots_t, init_t = cached_int_lists((cu, state_slots, has_initial_state), dev)
     fast(causal_conv1d_prefill_kernel)[(triton.cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
+        BH=triton.next_power_of_2(W - 1), num_warps=CONV_PREFILL_WARPS,
     )
     fast(causal_conv1d_state_kernel)[(triton.cdiv(C, BC), B)](
         x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
