@@ -1,8 +1,10 @@
 """Registers and stack (spills) a thread of a Triton kernel takes on sm_90, compiled on this machine without a GPU
-(Triton's own ptxas, read back with its cuobjdump): the KDA prefill conv at the tiles it may run with, this tree's
-against a given revision's.
+(the installed Triton's ptxas, read back with its cuobjdump; put the GPU machine's Triton first on PYTHONPATH to see
+what it compiles): the KDA prefill conv at the tiles it may run with, this tree's against a given revision's, and
+the fused MoE's gemm1 at its prefill tiles.
 
-    python bench/kernel_resources.py --before f95f6fa --out bench/results/kernel_resources_conv.json
+    PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before f95f6fa \
+        --out bench/results/kernel_resources.json
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashinfra.feedback.timing import header, write_results
+from flashinfra.kernels import fused_moe
 from flashinfra.kernels.kda import conv
 
 REPO = Path(__file__).resolve().parents[1]
 CONV_SIGNATURE = dict(x="*bf16", w="*fp32", conv_state="*bf16", y="*bf16", cu_seqlens="*i32", chunk_indices="*i32",
                       state_slots="*i32", has_initial_state="*i32", stride_x="i32", stride_y="i32", C="i32")
 TILES = [(64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 128, 8)]  # (BT, BC, warps)
+MOE_SIGNATURE = dict(x="*bf16", w="*bf16", h="*bf16", sorted_ids="*i32", expert_ids="*i32", used="*i32", stride_x="i32",
+                     stride_we="i32", shared_off="i64", num_pairs="i32", limit="fp32", sx="*bf16", sw="*bf16",
+                     stride_se="i32", shared_soff="i64")
+MOE_TILES = [(128, 128, 64, 8), (128, 64, 64, 8), (128, 128, 32, 8), (64, 128, 64, 4)]  # (BM, BN, BK, warps)
 
 
 def resources(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
@@ -61,17 +68,27 @@ def conv_rows(module) -> list[dict]:
             for bt, bc, nw in TILES]
 
 
+def moe_rows() -> list[dict]:
+    """gemm1 of the 16-bit MoE at the slice's sizes (I 2048, D 4096, 288 experts, top 8 + the shared one)."""
+    return [dict(BM=bm, BN=bn, BK=bk, warps=nw,
+                 **resources(fused_moe.moe_gemm1_kernel, MOE_SIGNATURE,
+                             dict(E=288, N=2048, K=4096, TOPK=9, BM=bm, BN=bn, BK=bk, IEEE=False, WEIGHTS="float"), nw))
+            for bm, bn, bk, nw in MOE_TILES]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="a git revision whose conv kernel to compile beside this tree's")
-    ap.add_argument("--out", default="bench/results/kernel_resources_conv.json")
+    ap.add_argument("--out", default="bench/results/kernel_resources.json")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    report = header() | dict(target="sm_90 (ptxas of triton " + triton.__version__ + ")", before=args.before,
-                             shipped=dict(BT=32, BC=128, warps=conv.CONV_PREFILL_WARPS))
+    report = header() | dict(target=f"sm_90, ptxas of triton {triton.__version__}", before=args.before,
+                             shipped=dict(conv=dict(BT=32, BC=128, warps=conv.CONV_PREFILL_WARPS),
+                                          moe_gemm1=fused_moe.LARGE_TILES[2]))
     report["now"] = conv_rows(conv)
     if args.before:
         report["before_rows"] = conv_rows(revision_conv(args.before))
+    report["moe_gemm1"] = moe_rows()
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
     print("| BT x BC, warps | registers / stack bytes now |" + (" before |" if args.before else ""))
@@ -79,6 +96,9 @@ def main() -> None:
         b = report.get("before_rows", [None] * len(TILES))[i]
         print(f"| {r['BT']} x {r['BC']}, {r['warps']} | {r['registers']} / {r['stack_bytes']} |"
               + (f" {b['registers']} / {b['stack_bytes']} |" if b else ""))
+    print("| gemm1 BM x BN x BK, warps | registers / stack bytes |")
+    for r in report["moe_gemm1"]:
+        print(f"| {r['BM']} x {r['BN']} x {r['BK']}, {r['warps']} | {r['registers']} / {r['stack_bytes']} |")
 
 
 if __name__ == "__main__":
