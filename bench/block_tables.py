@@ -14,11 +14,8 @@ work is the subject; on a GPU it hides under the device's step only with asynchr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +29,7 @@ import torch  # noqa: E402
 from flashinfra.feedback.timing import header, write_results  # noqa: E402
 from flashinfra.model.forward_batch import ForwardBatch  # noqa: E402
 from flashinfra.model.staging import HostStaging  # noqa: E402
+from revisions import revision_module  # noqa: E402
 
 BS = 16
 # name: (query lengths, context lengths)
@@ -44,19 +42,6 @@ CASES = {
     "prefill_8192": ([8192], [0]),
     "mixed_63x1_2000": ([1] * 63 + [2000], [4096] * 63 + [0]),
 }
-
-
-def revision_forward_batch(rev: str):
-    """``ForwardBatch`` as it was at ``rev`` (its module loaded from ``git show``)."""
-    text = subprocess.run(["git", "show", f"{rev}:flashinfra/model/forward_batch.py"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "forward_batch_before.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("forward_batch_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.ForwardBatch
 
 
 def median_ms(fn, steps: int) -> float:
@@ -75,7 +60,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/block_tables_cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    before = revision_forward_batch(args.before) if args.before else None
+    before = revision_module(args.before, "flashinfra/model/forward_batch.py").ForwardBatch if args.before else None
     staging, rows = HostStaging("cpu"), []
     for name, (qlens, ctxs) in CASES.items():
         B = len(qlens)

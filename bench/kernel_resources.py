@@ -10,13 +10,12 @@ fused MoE's gemm1 at its prefill tiles and the sparse MLA kernel at its tiles.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 import triton
+from revisions import revision_module
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -24,7 +23,6 @@ from flashinfra.feedback.timing import header, write_results
 from flashinfra.kernels import fused_moe, sparse_mla
 from flashinfra.kernels.kda import conv
 
-REPO = Path(__file__).resolve().parents[1]
 CONV_SIGNATURE = dict(x="*bf16", w="*fp32", conv_state="*bf16", y="*bf16", cu_seqlens="*i32", chunk_indices="*i32",
                       state_slots="*i32", has_initial_state="*i32", stride_x="i32", stride_y="i32", C="i32")
 TILES = [(64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 128, 8)]  # (BT, BC, warps)
@@ -55,17 +53,6 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     return dict(registers=int(fields["REG"]), stack_bytes=int(fields["STACK"]), shared_bytes=int(fields["SHARED"]))
 
 
-def revision_conv(rev: str):
-    text = subprocess.run(["git", "show", f"{rev}:flashinfra/kernels/kda/conv.py"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "conv_before.py"
-    path.write_text(text)  # triton.jit reads the source through inspect
-    spec = importlib.util.spec_from_file_location("conv_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def conv_rows(module) -> list[dict]:
     kernel = module.causal_conv1d_prefill_kernel
     extra = {"BH": 4} if "BH" in kernel.arg_names else {}
@@ -94,13 +81,12 @@ def main() -> None:
     ap.add_argument("--before", help="a git revision whose conv kernel to compile beside this tree's")
     ap.add_argument("--out", default="bench/results/kernel_resources.json")
     args = ap.parse_args()
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     report = header() | dict(target=f"sm_90, ptxas of triton {triton.__version__}", before=args.before,
                              shipped=dict(conv=dict(BT=32, BC=128, warps=conv.CONV_PREFILL_WARPS),
                                           moe_gemm1=fused_moe.LARGE_TILES[2]))
     report["now"] = conv_rows(conv)
     if args.before:
-        report["before_rows"] = conv_rows(revision_conv(args.before))
+        report["before_rows"] = conv_rows(revision_module(args.before, "flashinfra/kernels/kda/conv.py"))
     report["moe_gemm1"] = moe_rows()
     report["sparse_mla"] = mla_rows()
     out = Path(args.out)

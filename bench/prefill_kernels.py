@@ -18,56 +18,20 @@ prompt; issue #39: the W8A8 prefill):
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+from revisions import revision_module
 
 from flashinfra.feedback import ceilings
-from flashinfra.feedback.timing import header, kernel_times_us, write_results
+from flashinfra.feedback.timing import call_times_us, header, kernel_times_us, write_results
 from flashinfra.kernels import dsa_indexer, fused_moe
 
-REPO = Path(__file__).resolve().parents[1]
 HI, DI, KPOOL, BS, CONTEXT = 32, 128, 4, 16, 1 << 20
 T_MOE, E, D, I, K = 8192, 288, 4096, 2048, 8
 # (queries per product, queries per program, pools per program, warps, stages)
 SCORE_CONFIGS = [(1, 16, 128, 4, 2), (2, 16, 128, 4, 2), (2, 32, 128, 4, 3), (2, 16, 128, 8, 2),
                  (2, 32, 256, 8, 3), (4, 16, 128, 8, 2), (4, 16, 128, 4, 2)]
-
-
-def revision_module(rev: str, path: str, exported: str | None = None):
-    """The module at ``path`` as it was at ``rev``: from ``git show``, or the file of that name in ``exported``
-    (a machine without the repository's history)."""
-    if exported:
-        text = (Path(exported) / Path(path).name).read_text()
-    else:
-        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
-                              text=True).stdout
-    name = Path(path).stem + "_before"
-    file = Path(tempfile.mkdtemp()) / f"{name}.py"
-    file.write_text(text)  # triton.jit reads a kernel's source through inspect: it must be a real file
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def event_us(fn, iters: int = 10) -> float:
-    """Best of three timed batches of ``iters`` calls, CUDA events, microseconds per call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / iters)
-    return best
 
 
 def from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -95,7 +59,9 @@ def score_rows(before, ceil: dict, configs: bool) -> list[dict]:
 
         def run(module):
             out = torch.full((T, P), 0x7F7F7F7F, dtype=torch.int32, device="cuda")  # poisoned
-            us = event_us(lambda: module.scores_launch(keys, q, w, tables, seq, pos, KPOOL, out))
+            # best of three batches of ten calls, between CUDA events
+            us = min(call_times_us(lambda: module.scores_launch(keys, q, w, tables, seq, pos, KPOOL, out), calls=10,
+                                   iters=3, warmup=1))
             return us, float((from_bits(out[probe]) - ref)[seen].abs().max())
 
         flops, nbytes = 2 * T * P * HI * DI, P * DI * 2 + 4 * T * P

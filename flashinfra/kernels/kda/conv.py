@@ -59,11 +59,11 @@ def causal_conv1d_decode_ref(
 
 
 @triton.jit
-def _conv_rows(x_chunk, p_slot, w, t0, r0, stride_x, L, o_c, m_c,
-               W: tl.constexpr, ROWS: tl.constexpr, HISTORY: tl.constexpr):
-    """SiLU of the conv at the chunk's rows ``r0 .. r0 + ROWS`` (``[ROWS, BC]`` float32): per tap the input, at a
-    position below 0 the slot's history rounded to the input's dtype (``HISTORY``) or zero."""
-    o_r = r0 + tl.arange(0, ROWS)
+def _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W: tl.constexpr, ROWS: tl.constexpr,
+               HISTORY: tl.constexpr):
+    """SiLU of the conv at the chunk's first ``ROWS`` rows (``[ROWS, BC]`` float32): per tap the input, at a position
+    below 0 the slot's history rounded to the input's dtype (``HISTORY``) or zero."""
+    o_r = tl.arange(0, ROWS)
     m_t = t0 + o_r < L
     acc = tl.zeros([ROWS, o_c.shape[0]], dtype=tl.float32)
     for i_w in tl.static_range(W):
@@ -102,13 +102,13 @@ def causal_conv1d_prefill_kernel(
     p_slot = conv_state + tl.load(state_slots + i_n).to(tl.int64) * C * (W - 1)
     history = (t0 == 0) & (tl.load(has_initial_state + i_n) != 0)
     o_r = tl.arange(0, BT)
-    acc = _conv_rows(x_chunk, p_slot, w, t0, 0, stride_x, L, o_c, m_c, W, BT, False)
+    acc = _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W, BT, False)
     m_y = (t0 + o_r < L) & (o_r >= (W - 1) * history.to(tl.int32))  # the history's rows are stored below
     tl.store(y_chunk + o_r[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
              mask=m_y[:, None] & m_c[None, :])
     if history:
         o_h = tl.arange(0, BH)
-        acc_h = _conv_rows(x_chunk, p_slot, w, t0, 0, stride_x, L, o_c, m_c, W, BH, True)
+        acc_h = _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W, BH, True)
         tl.store(y_chunk + o_h[:, None] * stride_y + o_c[None, :], acc_h.to(y.dtype.element_ty),
                  mask=((o_h < W - 1) & (o_h < L))[:, None] & m_c[None, :])
 
