@@ -10,7 +10,8 @@ prompt; issue #39: the W8A8 prefill):
   W8A8 int8, per GEMM (profiler kernel times). Floor: the larger of its FLOPs at the matmul rate and its weights'
   bytes at the copy rate.
 
-``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) to choose them.
+``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) and the MoE at other long-prefill
+tiles (``fused_moe.LARGE_TILES``) to choose them.
 
     python bench/prefill_kernels.py --before f7558ff --configs --out bench/results/prefill_kernels.json
 """
@@ -32,6 +33,11 @@ T_MOE, E, D, I, K = 8192, 288, 4096, 2048, 8
 # (queries per product, queries per program, pools per program, warps, stages)
 SCORE_CONFIGS = [(1, 16, 128, 4, 2), (2, 16, 128, 4, 2), (2, 32, 128, 4, 3), (2, 16, 128, 8, 2),
                  (2, 32, 256, 8, 3), (4, 16, 128, 8, 2), (4, 16, 128, 4, 2)]
+# (BM, BN1, BN2, BK, warps, stages) by weight bytes: gemm1 keeps two [BM, BN1] accumulators (gate and up)
+MOE_CONFIGS = {2: [(128, 128, 128, 64, 8, 3), (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 4),
+                   (128, 64, 128, 64, 4, 3), (128, 64, 64, 64, 4, 4), (64, 128, 128, 64, 4, 3)],
+               1: [(128, 128, 128, 128, 8, 3), (128, 64, 128, 128, 8, 3), (128, 64, 128, 128, 8, 4),
+                   (128, 64, 128, 128, 4, 3)]}
 
 
 def from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -90,7 +96,14 @@ def score_rows(before, ceil: dict, configs: bool) -> list[dict]:
     return rows
 
 
-def moe_rows(before, ceil: dict) -> list[dict]:
+def moe_times(module, x, args, flops: dict) -> dict:
+    times = kernel_times_us(lambda: module.fused_moe_launch(x, *args), calls=5)
+    parts = {g: sum(v for n, v in times.items() if f"moe_{g}_kernel" in n) for g in flops}
+    return dict(total_us=sum(times.values()), **{f"{g}_us": us for g, us in parts.items()},
+                **{f"{g}_tflops": flops[g] / us / 1e6 for g, us in parts.items()})
+
+
+def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
     torch.manual_seed(0)
     x = torch.randn(T_MOE, D, device="cuda", dtype=torch.bfloat16)
     topk_w = torch.rand(T_MOE, K, device="cuda")
@@ -118,11 +131,20 @@ def moe_rows(before, ceil: dict) -> list[dict]:
         want = fused_moe.fused_moe_launch(x, *args).float()
         for side, module in (("before", before), ("now", fused_moe)):
             got = module.fused_moe_launch(x, *args).float()
-            times = kernel_times_us(lambda: module.fused_moe_launch(x, *args), calls=5)
-            parts = {g: sum(v for n, v in times.items() if f"moe_{g}_kernel" in n) for g in flops}
-            row[side] = dict(total_us=sum(times.values()), **{f"{g}_us": us for g, us in parts.items()},
-                             **{f"{g}_tflops": flops[g] / us / 1e6 for g, us in parts.items()},
-                             max_abs_diff_to_now=float((got - want).abs().max()))
+            row[side] = moe_times(module, x, args, flops) | dict(max_abs_diff_to_now=float((got - want).abs().max()))
+        if configs:
+            elem = 2 if fmt == "bfloat16" else 1
+            shipped, row["configs"] = fused_moe.LARGE_TILES[elem], []
+            for cfg in MOE_CONFIGS[elem]:
+                tile = dict(zip(("BM", "BN1", "BN2", "BK", "num_warps", "num_stages"), cfg))
+                fused_moe.LARGE_TILES[elem] = tile
+                got = fused_moe.fused_moe_launch(x, *args).float()
+                row["configs"].append(tile | moe_times(fused_moe, x, args, flops)
+                                      | dict(max_abs_diff_to_now=float((got - want).abs().max())))
+                c = row["configs"][-1]
+                print(f"moe {fmt} {cfg}: {c['total_us']:.0f} us (gemm1 {c['gemm1_us']:.0f}, gemm2 {c['gemm2_us']:.0f})",
+                      flush=True)
+            fused_moe.LARGE_TILES[elem] = shipped
         row.update(speedup=row["before"]["total_us"] / row["now"]["total_us"],
                    now_floor_fraction=row["floor_us"] / row["now"]["total_us"])
         print(f"moe {fmt}: before {row['before']['total_us']:.0f} us, now {row['now']['total_us']:.0f} us "
@@ -137,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="the git revision whose kernels to time beside this tree's")
     ap.add_argument("--before-dir", help="that revision's dsa_indexer.py and fused_moe.py, exported here (git show)")
-    ap.add_argument("--configs", action="store_true", help="also the scoring kernel at other tiles")
+    ap.add_argument("--configs", action="store_true", help="also the scoring kernel and the MoE at other tiles")
     ap.add_argument("--out", default="bench/results/prefill_kernels.json")
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
@@ -145,7 +167,7 @@ def main() -> None:
     before = {name: revision_module(args.before, f"flashinfra/kernels/{name}.py", args.before_dir)
               for name in ("dsa_indexer", "fused_moe")}
     report["score"] = score_rows(before["dsa_indexer"], ceil, args.configs)
-    report["moe"] = moe_rows(before["fused_moe"], ceil)
+    report["moe"] = moe_rows(before["fused_moe"], ceil, args.configs)
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
     print("| kernel | before | now | speedup | of floor |\n| --- | --- | --- | --- | --- |")

@@ -208,16 +208,19 @@ def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
 
 
 @contextmanager
-def _limits(sort_max: int | None, threshold_min: int | None):
-    """``dsa_topk.select``'s row-length limits ``SORT_MAX_POOLS`` and ``THRESHOLD_MIN_POOLS`` replaced inside the
-    block where given."""
-    saved = dsa_topk.SORT_MAX_POOLS, dsa_topk.THRESHOLD_MIN_POOLS
-    dsa_topk.SORT_MAX_POOLS = saved[0] if sort_max is None else sort_max
-    dsa_topk.THRESHOLD_MIN_POOLS = saved[1] if threshold_min is None else threshold_min
+def _limits(sort_max: int | None, threshold_min: int | None, rank_max: int | None = None):
+    """``dsa_topk.select``'s row-length limits ``SORT_MAX_POOLS`` and ``THRESHOLD_MIN_POOLS`` and the threshold
+    select's ``RANK_MAX_ROWS`` replaced inside the block where given."""
+    names = ("SORT_MAX_POOLS", "THRESHOLD_MIN_POOLS", "RANK_MAX_ROWS")
+    saved = [getattr(dsa_topk, n) for n in names]
+    for n, v in zip(names, (sort_max, threshold_min, rank_max)):
+        if v is not None:
+            setattr(dsa_topk, n, v)
     try:
         yield
     finally:
-        dsa_topk.SORT_MAX_POOLS, dsa_topk.THRESHOLD_MIN_POOLS = saved
+        for n, v in zip(names, saved):
+            setattr(dsa_topk, n, v)
 
 
 def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> tuple[list[str], torch.Tensor]:
@@ -230,15 +233,17 @@ def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> t
 
 def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_max: int | None = None,
                 threshold_min: int | None = None, seed=0) -> list[CheckResult]:
-    """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.threshold_launch`` ("threshold") or
+    """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.threshold_launch`` with one program a row
+    ("threshold") or the few rows' ranks ("threshold_ranked"), or
     ``dsa_topk.select`` ("select", with ``sort_max`` and ``threshold_min`` replacing its limits), on every kind of
     ``_tie_rows`` (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``."""
     names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
     out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
     if path == "sort":
         got = dsa_topk.sort_launch(scores, k, out=out)
-    elif path == "threshold":
-        got = dsa_topk.threshold_launch(scores, k, out=out)
+    elif path in ("threshold", "threshold_ranked"):  # the sorts of a row's sample and candidates, or ranks
+        with _limits(None, None, rank_max=len(scores) if path == "threshold_ranked" else 0):
+            got = dsa_topk.threshold_launch(scores, k, out=out)
     else:
         with _limits(sort_max, threshold_min):
             got = dsa_topk.select(scores, k, out)
@@ -253,14 +258,21 @@ def topk_threshold_counts(device: str, P: int, k: int, rows_per_kind=1, seed=0) 
     """``dsa_topk.threshold_counts``: the thresholds decrease along each row, and each count equals the number of
     the row's keys above its threshold, counted by torch, on every kind of ``_tie_rows``."""
     names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
-    thresholds, counts = dsa_topk.threshold_counts(scores, k)
     keys = (scores.long() << 32) | torch.arange(P, device=device)
-    want = (keys[:, None, :] > thresholds[:, :, None]).sum(-1).to(torch.int32)
-    decreasing = bool((thresholds[:, 1:] <= thresholds[:, :-1]).all())
-    wrong = (counts != want).any(1).nonzero().flatten().tolist()
-    return [_verdict("dsa_topk.threshold_counts", decreasing and not wrong,
-                     f"{len(wrong)} of {len(scores)} rows' counts differ (first: {wrong[:4]}); thresholds "
-                     f"{'' if decreasing else 'not '}decreasing")]
+    out, picked = [], []
+    for how, rank_max in (("sorted", 0), ("ranked", len(scores))):  # the sample's sort, or its ranks
+        with _limits(None, None, rank_max):
+            thresholds, counts = dsa_topk.threshold_counts(scores, k)
+        picked.append(thresholds)
+        want = (keys[:, None, :] > thresholds[:, :, None]).sum(-1).to(torch.int32)
+        decreasing = bool((thresholds[:, 1:] <= thresholds[:, :-1]).all())
+        wrong = (counts != want).any(1).nonzero().flatten().tolist()
+        out.append(_verdict(f"dsa_topk.threshold_counts.{how}", decreasing and not wrong,
+                            f"{len(wrong)} of {len(scores)} rows' counts differ (first: {wrong[:4]}); thresholds "
+                            f"{'' if decreasing else 'not '}decreasing"))
+    same = bool((picked[0] == picked[1]).all())
+    return out + [_verdict("dsa_topk.threshold_ranks_as_sorted", same,
+                           f"the sample's ranks {'pick the same' if same else 'pick other'} thresholds as its sort")]
 
 
 def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> list[CheckResult]:
@@ -272,7 +284,7 @@ def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> li
     out = poison_(torch.empty(R, k, dtype=torch.int64, device=device))
     counts = torch.zeros(R, M, dtype=torch.int32, device=device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=device)
-    dsa_topk.threshold_finish_kernel[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB)
+    dsa_topk.threshold_finish_kernel[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, EXACT_ONLY=False)
     want = dsa_topk.topk_ref(scores, k)
     return [_same_keys(f"dsa_topk.threshold_exact.{n}", out[i:i + 1], want[i:i + 1]) for i, n in enumerate(names)]
 
@@ -326,6 +338,8 @@ def _dsa_topk(dev, act, seed):
                 + topk_select(dev, 262144, 512, path="select", seed=seed)
                 + topk_select(dev, 262144, 512, rows_per_kind=3, path="threshold", seed=seed)
                 + topk_select(dev, 16385, 512, rows_per_kind=3, path="threshold", seed=seed)
+                + topk_select(dev, 262144, 512, path="threshold_ranked", seed=seed)
+                + topk_select(dev, 16385, 512, rows_per_kind=2, path="threshold_ranked", seed=seed)
                 + topk_threshold_fallback(dev, 20000, 512, 2048, seed=seed)
                 + topk_threshold_counts(dev, 262144, 512, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
@@ -335,6 +349,8 @@ def _dsa_topk(dev, act, seed):
             + topk_select(dev, 259, 5, path="select", sort_max=64, threshold_min=256, seed=seed)
             + topk_select(dev, 130, 5, path="threshold", seed=seed)  # a sample of 128 keys
             + topk_select(dev, 20, 20, path="threshold", seed=seed)  # k = P: the minimum key's row is done exactly
+            + topk_select(dev, 130, 5, path="threshold_ranked", seed=seed)
+            + topk_select(dev, 20, 20, path="threshold_ranked", seed=seed)
             + topk_threshold_fallback(dev, 100, 8, 32, seed=seed)
             + topk_threshold_counts(dev, 300, 8, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)

@@ -62,6 +62,26 @@ THRESHOLD_CHUNK = 4096  # keys per program of the count and gather passes
 THRESHOLDS = 8  # candidate thresholds per row (M): sample ranks k S / P x 2 ** (j / 2), and the minimum key; the
 # highest one chosen is at most 8x the top k's count, past the candidate buffer (4 KB) anyway, and each threshold is a
 # compare per key in the count pass (notes/dsa_indexer.md: 16 took that pass 1.3x longer)
+# Up to RANK_MAX_ROWS rows (decode), the sample's and the candidates' sorts, one program a row, become ranks by
+# comparison (each key against all of its row's) in programs of RANK_BLOCK keys, RANK_KEYS compared at a time
+RANK_MAX_ROWS = 16
+RANK_BLOCK, RANK_KEYS = 64, 64
+
+
+@triton.jit
+def _sample_key(scores, row, P, o, S: tl.constexpr):
+    """Row ``row``'s sample keys ``o`` (of ``S``, at a stride of ``P / S``), the minimum key for ``o >= S``."""
+    m = o < S
+    pos = o.to(tl.int64) * P // S
+    hi = tl.load(scores + row * P + pos, mask=m, other=0)
+    return tl.where(m, (hi.to(tl.int64) << 32) | pos, -9223372036854775808)
+
+
+@triton.jit
+def _threshold_ranks(k, P, S: tl.constexpr, M: tl.constexpr):
+    """The sample ranks of the ``M`` thresholds: ``k S / P x 2 ** (j / 2)``, at most ``S - 1``."""
+    j = tl.arange(0, M)
+    return tl.minimum((k.to(tl.float32) * S / P.to(tl.float32) * tl.exp2(j.to(tl.float32) * 0.5)).to(tl.int32), S - 1)
 
 
 @triton.jit(do_not_specialize=["P", "k"])
@@ -71,14 +91,29 @@ def threshold_sample_kernel(scores, thresholds, P, k, S: tl.constexpr, M: tl.con
     keys of the row lie above rank ``k S / P x 2 ** (j / 2)``), the last the minimum key."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, S)
-    pos = o.to(tl.int64) * P // S
-    hi = tl.load(scores + row * P + pos)
-    key = tl.sort((hi.to(tl.int64) << 32) | pos, 0, descending=True)
+    key = tl.sort(_sample_key(scores, row, P, o, S), 0, descending=True)
     j = tl.arange(0, M)
-    rank = (k.to(tl.float32) * S / P.to(tl.float32) * tl.exp2(j.to(tl.float32) * 0.5)).to(tl.int32)
-    rank = tl.minimum(rank, S - 1)
-    picked = tl.sum(tl.where(o[None, :] == rank[:, None], key[None, :], 0), axis=1)
+    picked = tl.sum(tl.where(o[None, :] == _threshold_ranks(k, P, S, M)[:, None], key[None, :], 0), axis=1)
     tl.store(thresholds + row * M + j, tl.where(j == M - 1, -9223372036854775808, picked))
+
+
+@triton.jit(do_not_specialize=["P", "k"])
+def threshold_rank_kernel(scores, thresholds, P, k, S: tl.constexpr, M: tl.constexpr, B: tl.constexpr,
+                          KEYS: tl.constexpr):
+    """``threshold_sample_kernel``'s thresholds without its sort, for a few rows: program (row, block) ranks its
+    ``B`` samples by comparison with all ``S`` (distinct keys, ``S <= P``: a rank is how many lie above) and writes
+    the ones at a threshold's rank; block 0 also the minimum key."""
+    row = tl.program_id(0).to(tl.int64)
+    key = _sample_key(scores, row, P, tl.program_id(1) * B + tl.arange(0, B), S)
+    rank = tl.zeros([B], dtype=tl.int32)
+    for c in range(0, S, KEYS):
+        other = _sample_key(scores, row, P, c + tl.arange(0, KEYS), S)
+        rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+    j = tl.arange(0, M)
+    hit = rank[:, None] == _threshold_ranks(k, P, S, M)[None, :]
+    last = j == M - 1
+    tl.store(thresholds + row * M + j, tl.where(last, -9223372036854775808, tl.sum(tl.where(hit, key[:, None], 0), 0)),
+             mask=((tl.max(hit.to(tl.int32), 0) > 0) & (j < M - 1)) | (j + tl.program_id(1) * M == M - 1))
 
 
 @triton.jit
@@ -136,17 +171,38 @@ def threshold_gather_kernel(scores, thresholds, counts, cursor, cand, P, k, C: t
 
 
 @triton.jit(do_not_specialize=["P", "k"])
+def threshold_place_kernel(counts, cand, out, k, M: tl.constexpr, CAP: tl.constexpr, B: tl.constexpr,
+                           KEYS: tl.constexpr):
+    """``threshold_finish_kernel``'s sort for a few rows: program (row, block) ranks its ``B`` candidates by
+    comparison with all the row's (distinct keys) and stores those ranked below ``k`` at their rank. A row whose
+    candidates did not fit is left to ``threshold_finish_kernel`` (``EXACT_ONLY``)."""
+    row = tl.program_id(0).to(tl.int64)
+    _, total, fits = _chosen(counts, row, k, M, CAP)
+    if fits:
+        o = tl.program_id(1) * B + tl.arange(0, B)
+        key = tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808)
+        rank = tl.zeros([B], dtype=tl.int32)
+        for c in range(0, total, KEYS):
+            o_c = c + tl.arange(0, KEYS)
+            other = tl.load(cand + row * CAP + o_c, mask=o_c < total, other=-9223372036854775808)
+            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+        tl.store(out + row * k + rank, key, mask=(o < total) & (rank < k))
+
+
+@triton.jit(do_not_specialize=["P", "k"])
 def threshold_finish_kernel(scores, counts, cand, out, P, k, M: tl.constexpr, CAP: tl.constexpr,
-                            KB: tl.constexpr):
-    """Program ``row``: the row's top ``k`` keys into ``out [R, k]``, sorted descending: a sort of its candidates;
-    or, where they did not fit (or the minimum key was needed), exact over the whole row: chunks of ``CAP - KB``
-    keys each sorted beside the running top ``k``."""
+                            KB: tl.constexpr, EXACT_ONLY: tl.constexpr):
+    """Program ``row``: the row's top ``k`` keys into ``out [R, k]``, sorted descending: a sort of its candidates
+    (unless ``EXACT_ONLY``: ``threshold_place_kernel`` placed them); or, where they did not fit (or the minimum key
+    was needed), exact over the whole row: chunks of ``CAP - KB`` keys each sorted beside the running top ``k``."""
     row = tl.program_id(0).to(tl.int64)
     _, total, fits = _chosen(counts, row, k, M, CAP)
     o = tl.arange(0, CAP)
     if fits:
-        key = tl.sort(tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808), 0, descending=True)
-        tl.store(out + row * k + o, key, mask=o < k)
+        if not EXACT_ONLY:
+            key = tl.sort(tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808), 0,
+                          descending=True)
+            tl.store(out + row * k + o, key, mask=o < k)
     else:
         for start in range(0, P, CAP - KB):
             run = tl.load(out + row * k + o, mask=(o < k) & (start > 0), other=-9223372036854775808)
@@ -172,7 +228,11 @@ def threshold_counts(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     thresholds = torch.empty(R, M, dtype=torch.int64, device=scores.device)
     counts = torch.zeros(R, M, dtype=torch.int32, device=scores.device)
     # num_warps: guesses, not measured
-    fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
+    if R <= RANK_MAX_ROWS:
+        fast(threshold_rank_kernel)[(R, triton.cdiv(S, RANK_BLOCK))](scores, thresholds, P, k, S=S, M=M, B=RANK_BLOCK,
+                                                          KEYS=RANK_KEYS, num_warps=4)
+    else:
+        fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
     fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, P, C=C, M=M, NB=2 * M,
                                                          num_warps=8)
     return thresholds, counts
@@ -202,7 +262,12 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
     fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, cursor, cand, P, k, C=C, M=M,
                                                           CAP=cap, num_warps=8)
-    fast(threshold_finish_kernel)[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, num_warps=8)
+    few = R <= RANK_MAX_ROWS
+    if few:
+        fast(threshold_place_kernel)[(R, triton.cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap, B=RANK_BLOCK,
+                                                             KEYS=RANK_KEYS, num_warps=4)
+    fast(threshold_finish_kernel)[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, EXACT_ONLY=few,
+                                        num_warps=8)
     return out
 
 

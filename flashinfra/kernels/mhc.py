@@ -152,6 +152,9 @@ def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
 
 
 DETERMINISTIC_SPLIT = 16  # K-splits of the mix product in deterministic mode, whatever T is
+# Tokens per program of the mix product: every program reads the whole [(2 + n) n, n D] projection, so a prompt's
+# programs together read it T / MIX_TOKENS times (from L2); 64 rows are also the least a Hopper wgmma takes.
+MIX_TOKENS = 64
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -184,7 +187,7 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     if T == 0:
         return y, post, comb
-    BT, BN = 16, max(16, triton.next_power_of_2(NM))
+    BT, BN = MIX_TOKENS, max(16, triton.next_power_of_2(NM))
     BK = 64 if streams.dtype == torch.float32 else 128  # float32 tiles of 128 spill registers
     blocks = triton.cdiv(T, BT)
     # the split of the K reduction fills the GPU at small T; deterministic mode fixes it by K alone

@@ -49,7 +49,12 @@ def test_topk_select_against_torch_topk(P):
 @pytest.mark.parametrize("P,k", [(262144, 512), (16385, 512), (1048576, 2048), (2048, 512)])
 def test_topk_threshold_against_torch_topk(P, k):
     assert_passed(cases.topk_select("cuda", P, k, rows_per_kind=2, path="threshold", seed=P))
+    assert_passed(cases.topk_select("cuda", P, k, rows_per_kind=2, path="threshold_ranked", seed=P + 1))
     assert_passed(cases.topk_threshold_fallback("cuda", min(P, 20000), k, 4 * k, seed=P))
+
+
+def test_threshold_counts_sorted_and_ranked():  # both ways to the sample's thresholds, the same ones
+    assert_passed(cases.topk_threshold_counts("cuda", 262144, 512, rows_per_kind=2, seed=5))
 
 
 def test_topk_kpool_1():  # index_topk 2048 pools of 1 token: k = 2048 over 1M pools
