@@ -176,7 +176,7 @@ def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int
         n = min(rows, T - t0)
         s = slice(t0, t0 + n)
         scores_launch(pool_keys, q[s], w[s], block_tables, token_seq[s], positions[s], kpool, scores[:n])
-        select(scores[:n], k, top[s])
+        select(scores[:n], k, top[s], positions[s], kpool)
     return top
 
 

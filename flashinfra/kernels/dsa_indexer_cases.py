@@ -284,20 +284,24 @@ def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> li
     out = poison_(torch.empty(R, k, dtype=torch.int64, device=device))
     counts = torch.zeros(R, M, dtype=torch.int32, device=device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=device)
-    dsa_topk.threshold_finish_kernel[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, EXACT_ONLY=False)
+    dsa_topk.threshold_finish_kernel[(R,)](scores, scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=0,
+                                           EXACT_ONLY=False)
     want = dsa_topk.topk_ref(scores, k)
     return [_same_keys(f"dsa_topk.threshold_exact.{n}", out[i:i + 1], want[i:i + 1]) for i, n in enumerate(names)]
 
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
                     sort_max: int | None = None, threshold_min: int | None = None, dtype=torch.float32,
-                    seed=0) -> list[CheckResult]:
+                    wider: int = 1, rank_max: int | None = None, seed=0) -> list[CheckResult]:
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
     the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` and
-    ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort)."""
+    ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort), ``rank_max`` the threshold
+    select's ``RANK_MAX_ROWS``; ``wider``: the block
+    tables that many times wider than the longest sequence needs, zero-padded (a CUDA graph's width bucket)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)
+    tables = torch.nn.functional.pad(tables, (0, (wider - 1) * tables.shape[1]))
     pool_keys = rnd(int(tables.max()) + 1, bs // kpool, Di, device=device, gen=gen, dtype=dtype)
     T = sum(qlens)
     q, w = rnd(T, Hi, Di, device=device, gen=gen, dtype=dtype), rnd(T, Hi, device=device, gen=gen)
@@ -306,11 +310,11 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
                              device=device)
     P = tables.shape[1] * bs // kpool
     k = min(topk // kpool, P)
-    with _limits(sort_max, threshold_min):
+    with _limits(sort_max, threshold_min, rank_max):
         got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
     scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
     dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
-    return [_same_keys("dsa_select.topk", got, dsa_topk.topk_ref(scores, k))]
+    return [_same_keys(f"dsa_select.topk{f'.wider{wider}' if wider > 1 else ''}", got, dsa_topk.topk_ref(scores, k))]
 
 
 @_registered("hotpath.dsa_pool_keys", __name__)
@@ -343,7 +347,10 @@ def _dsa_topk(dev, act, seed):
                 + topk_threshold_fallback(dev, 20000, 512, 2048, seed=seed)
                 + topk_threshold_counts(dev, 262144, 512, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
-                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real))
+                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
+                + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, seed=seed, **real)
+                + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, rank_max=0,
+                                  seed=seed, **real))
     return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, path="select", seed=seed)
             + topk_select(dev, 259, 5, path="select", sort_max=64, seed=seed)
             + topk_select(dev, 259, 5, path="select", sort_max=64, threshold_min=256, seed=seed)
@@ -355,4 +362,7 @@ def _dsa_topk(dev, act, seed):
             + topk_threshold_counts(dev, 300, 8, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed)
-            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed))
+            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed)
+            + dsa_select_topk(dev, [60, 30, 3], [1, 1, 1], sort_max=0, threshold_min=8, wider=4, seed=seed)
+            + dsa_select_topk(dev, [60, 30, 3], [1, 1, 1], sort_max=0, threshold_min=8, wider=4, rank_max=0,
+                              seed=seed))

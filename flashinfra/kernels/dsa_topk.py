@@ -66,80 +66,111 @@ THRESHOLDS = 8  # candidate thresholds per row (M): sample ranks k S / P x 2 ** 
 # comparison (each key against all of its row's) in programs of RANK_BLOCK keys, RANK_KEYS compared at a time
 RANK_MAX_ROWS = 16
 RANK_BLOCK, RANK_KEYS = 64, 64
+MIN_KEY = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
-def _sample_key(scores, row, P, o, S: tl.constexpr):
-    """Row ``row``'s sample keys ``o`` (of ``S``, at a stride of ``P / S``), the minimum key for ``o >= S``."""
-    m = o < S
-    pos = o.to(tl.int64) * P // S
+def _row_length(positions, row, P, k, KP: tl.constexpr):
+    """The pools of row ``row`` the select reads: with ``positions`` (``KP`` > 0), those its query can see (the
+    scoring kernel writes its least score past them) when there are at least ``k``, else the whole row."""
+    if KP > 0:
+        n = (tl.load(positions + row) + 1) // KP
+        return tl.where(n >= k, tl.minimum(n, P), P)
+    else:
+        return P
+
+
+@triton.jit
+def _samples(L, S: tl.constexpr):
+    """How many keys row of ``L`` pools samples: ``S``, or the largest power of two within ``L`` (distinct pools)."""
+    n = S
+    while n > L:
+        n = n // 2
+    return n
+
+
+@triton.jit
+def _sample_key(scores, row, P, L, n, o):
+    """Row ``row``'s sample keys ``o`` (of ``n``, at a stride of ``L / n``), the minimum key for ``o >= n``."""
+    m = o < n
+    pos = o.to(tl.int64) * L // n
     hi = tl.load(scores + row * P + pos, mask=m, other=0)
-    return tl.where(m, (hi.to(tl.int64) << 32) | pos, -9223372036854775808)
+    return tl.where(m, (hi.to(tl.int64) << 32) | pos, MIN_KEY)
 
 
 @triton.jit
-def _threshold_ranks(k, P, S: tl.constexpr, M: tl.constexpr):
-    """The sample ranks of the ``M`` thresholds: ``k S / P x 2 ** (j / 2)``, at most ``S - 1``."""
+def _store_thresholds(thresholds, row, k, L, n, rank, key, M: tl.constexpr, first):
+    """Of keys ``key`` at sample ranks ``rank``, the ones at ranks ``k n / L x 2 ** (j / 2)`` (at most ``n - 1``) as
+    row ``row``'s first ``M - 1`` thresholds (about ``k x 2 ** (j / 2)`` keys of the row lie above each), the minimum
+    key as the last (where ``first`` is 1)."""
     j = tl.arange(0, M)
-    return tl.minimum((k.to(tl.float32) * S / P.to(tl.float32) * tl.exp2(j.to(tl.float32) * 0.5)).to(tl.int32), S - 1)
+    want = tl.minimum((k.to(tl.float32) * n / L.to(tl.float32) * tl.exp2(j.to(tl.float32) * 0.5)).to(tl.int32), n - 1)
+    hit = rank[:, None] == want[None, :]
+    last = j == M - 1
+    tl.store(thresholds + row * M + j, tl.where(last, MIN_KEY, tl.sum(tl.where(hit, key[:, None], 0), 0)),
+             mask=((tl.max(hit.to(tl.int32), 0) > 0) & (j < M - 1)) | (last & (j * 0 + first > 0)))
 
 
 @triton.jit(do_not_specialize=["P", "k"])
-def threshold_sample_kernel(scores, thresholds, P, k, S: tl.constexpr, M: tl.constexpr):
-    """Program ``row``: ``M`` decreasing thresholds for row ``row`` of ``scores [R, P]``: of ``S`` keys taken at a
-    stride of ``P / S``, sorted descending, the ones at ranks ``k S / P x 2 ** (j / 2)`` (about ``k x 2 ** (j / 2)``
-    keys of the row lie above rank ``k S / P x 2 ** (j / 2)``), the last the minimum key."""
+def threshold_sample_kernel(scores, positions, thresholds, P, k, S: tl.constexpr, M: tl.constexpr,
+                            KP: tl.constexpr):
+    """Program ``row``: ``M`` decreasing thresholds for row ``row`` of ``scores [R, P]`` from ``S`` keys of its
+    first ``L`` pools (``_row_length``) at a stride of ``L / S``, sorted descending."""
     row = tl.program_id(0).to(tl.int64)
+    L = _row_length(positions, row, P, k, KP)
+    n = _samples(L, S)
     o = tl.arange(0, S)
-    key = tl.sort(_sample_key(scores, row, P, o, S), 0, descending=True)
-    j = tl.arange(0, M)
-    picked = tl.sum(tl.where(o[None, :] == _threshold_ranks(k, P, S, M)[:, None], key[None, :], 0), axis=1)
-    tl.store(thresholds + row * M + j, tl.where(j == M - 1, -9223372036854775808, picked))
+    key = tl.sort(_sample_key(scores, row, P, L, n, o), 0, descending=True)
+    _store_thresholds(thresholds, row, k, L, n, o, key, M, 1)
 
 
 @triton.jit(do_not_specialize=["P", "k"])
-def threshold_rank_kernel(scores, thresholds, P, k, S: tl.constexpr, M: tl.constexpr, B: tl.constexpr,
-                          KEYS: tl.constexpr):
+def threshold_rank_kernel(scores, positions, thresholds, P, k, S: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
+                          B: tl.constexpr, KEYS: tl.constexpr):
     """``threshold_sample_kernel``'s thresholds without its sort, for a few rows: program (row, block) ranks its
-    ``B`` samples by comparison with all ``S`` (distinct keys, ``S <= P``: a rank is how many lie above) and writes
-    the ones at a threshold's rank; block 0 also the minimum key."""
+    ``B`` samples by comparison with all of them (how many lie above, a tie going to the lower index: the padding
+    past the samples equals the minimum key) and writes those at a threshold's rank."""
     row = tl.program_id(0).to(tl.int64)
-    key = _sample_key(scores, row, P, tl.program_id(1) * B + tl.arange(0, B), S)
+    L = _row_length(positions, row, P, k, KP)
+    n = _samples(L, S)
+    idx = tl.program_id(1) * B + tl.arange(0, B)
+    key = _sample_key(scores, row, P, L, n, idx)
     rank = tl.zeros([B], dtype=tl.int32)
     for c in range(0, S, KEYS):
-        other = _sample_key(scores, row, P, c + tl.arange(0, KEYS), S)
-        rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
-    j = tl.arange(0, M)
-    hit = rank[:, None] == _threshold_ranks(k, P, S, M)[None, :]
-    last = j == M - 1
-    tl.store(thresholds + row * M + j, tl.where(last, -9223372036854775808, tl.sum(tl.where(hit, key[:, None], 0), 0)),
-             mask=((tl.max(hit.to(tl.int32), 0) > 0) & (j < M - 1)) | (j + tl.program_id(1) * M == M - 1))
+        o = c + tl.arange(0, KEYS)
+        other = _sample_key(scores, row, P, L, n, o)
+        above = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (o[None, :] < idx[:, None]))
+        rank += tl.sum(above.to(tl.int32), 1)
+    _store_thresholds(thresholds, row, k, L, n, rank, key, M, (tl.program_id(1) == 0).to(tl.int32))
 
 
 @triton.jit
-def _chunk_keys(scores, row, P, C: tl.constexpr):
-    """Program (row, chunk)'s ``C`` keys of row ``row`` (the minimum key past ``P``), their pools and mask."""
+def _chunk_keys(scores, row, P, L, C: tl.constexpr):
+    """Program (row, chunk)'s ``C`` keys of row ``row`` (the minimum key past ``L``), their pools and mask."""
     o = tl.program_id(1) * C + tl.arange(0, C)
-    m = o < P
+    m = o < L
     hi = tl.load(scores + row * P + o, mask=m, other=0)
-    return tl.where(m, (hi.to(tl.int64) << 32) | o.to(tl.int64), -9223372036854775808), m
+    return tl.where(m, (hi.to(tl.int64) << 32) | o.to(tl.int64), MIN_KEY), m
 
 
-@triton.jit(do_not_specialize=["P"])
-def threshold_count_kernel(scores, thresholds, counts, P, C: tl.constexpr, M: tl.constexpr, NB: tl.constexpr):
+@triton.jit(do_not_specialize=["P", "k"])
+def threshold_count_kernel(scores, positions, thresholds, counts, P, k, C: tl.constexpr, M: tl.constexpr,
+                           NB: tl.constexpr, KP: tl.constexpr):
     """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold. The
     thresholds decrease, so the ones a key is above are the last ``n`` of them: a key's ``n`` in registers, one
     histogram of them over ``NB`` (a power of two above ``M``) bins, and ``counts[j]`` the keys with ``n >= M - j``."""
     row = tl.program_id(0).to(tl.int64)
-    key, _ = _chunk_keys(scores, row, P, C)
-    n = tl.zeros([C], dtype=tl.int32)
-    for j in tl.static_range(M):
-        n += (key > tl.load(thresholds + row * M + j)).to(tl.int32)
-    hist = tl.histogram(n, NB)
-    j = tl.arange(0, M)
-    b = tl.arange(0, NB)
-    above = tl.sum(tl.where(b[None, :] >= M - j[:, None], hist[None, :], 0), axis=1)
-    tl.atomic_add(counts + row * M + j, above)
+    L = _row_length(positions, row, P, k, KP)
+    if tl.program_id(1) * C < L:
+        key, _ = _chunk_keys(scores, row, P, L, C)
+        n = tl.zeros([C], dtype=tl.int32)
+        for j in tl.static_range(M):
+            n += (key > tl.load(thresholds + row * M + j)).to(tl.int32)
+        hist = tl.histogram(n, NB)
+        j = tl.arange(0, M)
+        b = tl.arange(0, NB)
+        above = tl.sum(tl.where(b[None, :] >= M - j[:, None], hist[None, :], 0), axis=1)
+        tl.atomic_add(counts + row * M + j, above)
 
 
 @triton.jit
@@ -155,22 +186,23 @@ def _chosen(counts, row, k, M: tl.constexpr, CAP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["P", "k"])
-def threshold_gather_kernel(scores, thresholds, counts, cursor, cand, P, k, C: tl.constexpr, M: tl.constexpr,
-                            CAP: tl.constexpr):
+def threshold_gather_kernel(scores, positions, thresholds, counts, cursor, cand, P, k, C: tl.constexpr,
+                            M: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr):
     """Program (row, chunk): appends its keys above the row's threshold to ``cand [R, CAP]`` at the row's cursor
     (an atomic add: the candidates' order varies, their set does not)."""
     row = tl.program_id(0).to(tl.int64)
+    L = _row_length(positions, row, P, k, KP)
     chosen, total, fits = _chosen(counts, row, k, M, CAP)
-    if fits:
+    if fits & (tl.program_id(1) * C < L):
         j = tl.arange(0, M)
         t = tl.sum(tl.where(j == chosen, tl.load(thresholds + row * M + j), 0), 0)
-        key, m = _chunk_keys(scores, row, P, C)
+        key, m = _chunk_keys(scores, row, P, L, C)
         take = (m & (key > t)).to(tl.int32)
         base = tl.atomic_add(cursor + row, tl.sum(take, 0))
         tl.store(cand + row * CAP + base + tl.cumsum(take, 0) - 1, key, mask=take > 0)
 
 
-@triton.jit(do_not_specialize=["P", "k"])
+@triton.jit(do_not_specialize=["k"])
 def threshold_place_kernel(counts, cand, out, k, M: tl.constexpr, CAP: tl.constexpr, B: tl.constexpr,
                            KEYS: tl.constexpr):
     """``threshold_finish_kernel``'s sort for a few rows: program (row, block) ranks its ``B`` candidates by
@@ -180,48 +212,61 @@ def threshold_place_kernel(counts, cand, out, k, M: tl.constexpr, CAP: tl.conste
     _, total, fits = _chosen(counts, row, k, M, CAP)
     if fits:
         o = tl.program_id(1) * B + tl.arange(0, B)
-        key = tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808)
+        key = tl.load(cand + row * CAP + o, mask=o < total, other=MIN_KEY)
         rank = tl.zeros([B], dtype=tl.int32)
         for c in range(0, total, KEYS):
             o_c = c + tl.arange(0, KEYS)
-            other = tl.load(cand + row * CAP + o_c, mask=o_c < total, other=-9223372036854775808)
+            other = tl.load(cand + row * CAP + o_c, mask=o_c < total, other=MIN_KEY)
             rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
         tl.store(out + row * k + rank, key, mask=(o < total) & (rank < k))
 
 
 @triton.jit(do_not_specialize=["P", "k"])
-def threshold_finish_kernel(scores, counts, cand, out, P, k, M: tl.constexpr, CAP: tl.constexpr,
-                            KB: tl.constexpr, EXACT_ONLY: tl.constexpr):
+def threshold_finish_kernel(scores, positions, counts, cand, out, P, k, M: tl.constexpr, CAP: tl.constexpr,
+                            KB: tl.constexpr, KP: tl.constexpr, EXACT_ONLY: tl.constexpr):
     """Program ``row``: the row's top ``k`` keys into ``out [R, k]``, sorted descending: a sort of its candidates
     (unless ``EXACT_ONLY``: ``threshold_place_kernel`` placed them); or, where they did not fit (or the minimum key
-    was needed), exact over the whole row: chunks of ``CAP - KB`` keys each sorted beside the running top ``k``."""
+    was needed), exact over the row's ``L`` pools: chunks of ``CAP - KB`` keys each sorted beside the running top
+    ``k``."""
     row = tl.program_id(0).to(tl.int64)
     _, total, fits = _chosen(counts, row, k, M, CAP)
     o = tl.arange(0, CAP)
     if fits:
         if not EXACT_ONLY:
-            key = tl.sort(tl.load(cand + row * CAP + o, mask=o < total, other=-9223372036854775808), 0,
-                          descending=True)
+            key = tl.sort(tl.load(cand + row * CAP + o, mask=o < total, other=MIN_KEY), 0, descending=True)
             tl.store(out + row * k + o, key, mask=o < k)
     else:
-        for start in range(0, P, CAP - KB):
-            run = tl.load(out + row * k + o, mask=(o < k) & (start > 0), other=-9223372036854775808)
+        L = _row_length(positions, row, P, k, KP)
+        for start in range(0, L, CAP - KB):
+            run = tl.load(out + row * k + o, mask=(o < k) & (start > 0), other=MIN_KEY)
             pos = start + o - KB
-            m = (o >= KB) & (pos < P)
+            m = (o >= KB) & (pos < L)
             hi = tl.load(scores + row * P + pos, mask=m, other=0)
-            key = tl.where(o < KB, run, tl.where(m, (hi.to(tl.int64) << 32) | pos.to(tl.int64),
-                                                 -9223372036854775808))
+            key = tl.where(o < KB, run, tl.where(m, (hi.to(tl.int64) << 32) | pos.to(tl.int64), MIN_KEY))
             key = tl.sort(key, 0, descending=True)
             tl.debug_barrier()  # every lane has read the running keys before any is overwritten
             tl.store(out + row * k + o, key, mask=o < k)
             tl.debug_barrier()
 
 
-def threshold_counts(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _visible(scores: torch.Tensor, positions: torch.Tensor | None, kpool: int) -> tuple[torch.Tensor, int]:
+    """The kernels' ``positions`` and ``KP`` arguments: a row's query positions bound the pools it reads, or (None,
+    0) the whole row."""
+    if positions is None:
+        return scores, 0  # unread
+    if positions.shape != scores.shape[:1] or positions.dtype != torch.int32 or kpool < 1:
+        raise ValueError(f"threshold select: positions {tuple(positions.shape)} {positions.dtype}, kpool {kpool} for "
+                         f"{scores.shape[0]} rows")
+    return positions, kpool
+
+
+def threshold_counts(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None,
+                     kpool: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The first two launches of ``threshold_launch``: per row of ``scores [R, P]`` its ``M`` decreasing thresholds
     ``[R, M]`` int64 (from a sample of ``S`` keys, ``THRESHOLD_SAMPLES``) and how many keys lie above each ``[R, M]``
     int32."""
     R, P = scores.shape
+    pos, KP = _visible(scores, positions, kpool)
     lo, hi = THRESHOLD_SAMPLES
     S = min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
     M, C = THRESHOLDS, THRESHOLD_CHUNK
@@ -229,23 +274,28 @@ def threshold_counts(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     counts = torch.zeros(R, M, dtype=torch.int32, device=scores.device)
     # num_warps: guesses, not measured
     if R <= RANK_MAX_ROWS:
-        fast(threshold_rank_kernel)[(R, triton.cdiv(S, RANK_BLOCK))](scores, thresholds, P, k, S=S, M=M, B=RANK_BLOCK,
-                                                          KEYS=RANK_KEYS, num_warps=4)
+        fast(threshold_rank_kernel)[(R, triton.cdiv(S, RANK_BLOCK))](
+            scores, pos, thresholds, P, k, S=S, M=M, KP=KP, B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
     else:
-        fast(threshold_sample_kernel)[(R,)](scores, thresholds, P, k, S=S, M=M, num_warps=8)
-    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, P, C=C, M=M, NB=2 * M,
-                                                         num_warps=8)
+        fast(threshold_sample_kernel)[(R,)](scores, pos, thresholds, P, k, S=S, M=M, KP=KP, num_warps=8)
+    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, NB=2 * M,
+                                                         KP=KP, num_warps=8)
     return thresholds, counts
 
 
-def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                     cap: int | None = None) -> torch.Tensor:
+def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, cap: int | None = None,
+                     positions: torch.Tensor | None = None, kpool: int = 0) -> torch.Tensor:
     """scores [R, P] int32 (rows contiguous), 1 <= k <= P -> [R, k] int64: ``topk_ref``'s values, bit for bit, in
     four launches that read the row about twice: the thresholds and their counts (``threshold_counts``); one pass
     appending the keys above the highest threshold with at least ``k`` above it to a buffer of ``cap`` keys a row
-    (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates. A row whose
-    candidates overflow ``cap`` (or that needs the minimum key) is done exactly in chunks by its finishing program,
-    slower; the thresholds' spacing makes that rare."""
+    (default ``4 KB``, ``KB`` = ``k`` rounded up to a power of two); a sort of each row's candidates (up to
+    ``RANK_MAX_ROWS`` rows: ranks by comparison). A row whose candidates overflow ``cap`` (or that needs the minimum
+    key) is done exactly in chunks by its finishing program, slower; the thresholds' spacing makes that rare.
+
+    With the rows' query ``positions`` [R] int32 and ``kpool``, a row reads only the pools its query can see where
+    there are at least ``k`` (a decode row of a CUDA graph whose block table is wider than its sequence): the same
+    keys as over the whole row whenever its ``k`` best visible pools score above the float32 minimum, which the
+    scoring kernel writes for the pools a query cannot see."""
     R, P = scores.shape
     M, C = THRESHOLDS, THRESHOLD_CHUNK
     KB = triton.next_power_of_2(k)
@@ -257,17 +307,18 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
     if R == 0:
         return out
-    thresholds, counts = threshold_counts(scores, k)
+    thresholds, counts = threshold_counts(scores, k, positions, kpool)
+    pos, KP = _visible(scores, positions, kpool)
     cursor = torch.zeros(R, dtype=torch.int32, device=scores.device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
-    fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, thresholds, counts, cursor, cand, P, k, C=C, M=M,
-                                                          CAP=cap, num_warps=8)
+    fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, cursor, cand, P, k, C=C,
+                                                          M=M, CAP=cap, KP=KP, num_warps=8)
     few = R <= RANK_MAX_ROWS
     if few:
-        fast(threshold_place_kernel)[(R, triton.cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap, B=RANK_BLOCK,
-                                                             KEYS=RANK_KEYS, num_warps=4)
-    fast(threshold_finish_kernel)[(R,)](scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, EXACT_ONLY=few,
-                                        num_warps=8)
+        fast(threshold_place_kernel)[(R, triton.cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap,
+                                                                        B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
+    fast(threshold_finish_kernel)[(R,)](scores, pos, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=KP,
+                                        EXACT_ONLY=few, num_warps=8)
     return out
 
 
@@ -297,7 +348,11 @@ def route(P: int) -> str:
     return "sort" if P <= SORT_MAX_POOLS else "threshold" if P >= THRESHOLD_MIN_POOLS else "torch"
 
 
-def select(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """``topk_ref``'s keys into ``out``, by whichever of the three is fastest at this row length (``route``)."""
-    launch = {"sort": sort_launch, "threshold": threshold_launch, "torch": topk_ref}[route(scores.shape[1])]
-    return launch(scores, k, out=out)
+def select(scores: torch.Tensor, k: int, out: torch.Tensor, positions: torch.Tensor | None = None,
+           kpool: int = 0) -> torch.Tensor:
+    """``topk_ref``'s keys into ``out``, by whichever of the three is fastest at this row length (``route``); the
+    threshold select reads only the pools the rows' queries can see, given their ``positions`` and ``kpool``."""
+    route_ = route(scores.shape[1])
+    if route_ == "threshold":
+        return threshold_launch(scores, k, out=out, positions=positions, kpool=kpool)
+    return (sort_launch if route_ == "sort" else topk_ref)(scores, k, out=out)
