@@ -64,7 +64,8 @@ THRESHOLDS = 8  # candidate thresholds per row (M): sample ranks k S / P x 2 ** 
 # compare per key in the count pass (notes/dsa_indexer.md: 16 took that pass 1.3x longer)
 # Up to RANK_MAX_ROWS rows (decode), the sample's and the candidates' sorts, one program a row, become ranks by
 # comparison (each key against all of its row's) in programs of RANK_BLOCK keys, RANK_KEYS compared at a time
-RANK_MAX_ROWS = 16
+# (notes/dsa_indexer.md: 1 row of 262,144 pools 203 -> 149 us; 16 rows 221 -> 552 us, 64 programs a row)
+RANK_MAX_ROWS = 1
 RANK_BLOCK, RANK_KEYS = 64, 64
 MIN_KEY = tl.constexpr(-9223372036854775808)
 

@@ -240,8 +240,9 @@ def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
     tl.store(y + t * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
-# Long prefills: 128 x 128 tiles in both GEMMs, the most reuse of each loaded weight tile (16-bit and 8-bit operands).
-LARGE_TILES = {1: dict(BM=128, BN1=128, BN2=128, BK=GROUP, num_warps=8, num_stages=3),
+# Long prefills: 128 x 128 tiles in both GEMMs, the most reuse of each loaded weight tile (16-bit and 8-bit operands);
+# gemm1 keeps two accumulators (gate and up), so 8-bit weights take 64 columns of each (notes/moe.md: tiles measured).
+LARGE_TILES = {1: dict(BM=128, BN1=64, BN2=128, BK=GROUP, num_warps=8, num_stages=3),
                2: dict(BM=128, BN1=128, BN2=128, BK=64, num_warps=8, num_stages=3)}
 # Deterministic mode: a pair's sums follow the K loop alone (BK, no split), not BM / BN / the warps, as long as every
 # tile is wide enough for Hopper's wgmma (64 rows): so 16-bit and 8-bit operands take these 64-row tiles while experts
