@@ -66,7 +66,7 @@ THRESHOLDS = 8  # candidate thresholds per row (M): sample ranks k S / P x 2 ** 
 # comparison (each key against all of its row's) in programs of RANK_BLOCK keys, RANK_KEYS compared at a time
 # (notes/dsa_indexer.md: 1 row of 262,144 pools 203 -> 149 us; 16 rows 221 -> 552 us, 64 programs a row)
 RANK_MAX_ROWS = 1
-RANK_BLOCK, RANK_KEYS = 64, 64
+RANK_BLOCK, RANK_KEYS = 8, 512  # few steps: each waits on a gather's latency
 MIN_KEY = tl.constexpr(-9223372036854775808)
 
 
@@ -83,18 +83,22 @@ def _row_length(positions, row, P, k, KP: tl.constexpr):
 
 @triton.jit
 def _samples(L, S: tl.constexpr):
-    """How many keys row of ``L`` pools samples: ``S``, or the largest power of two within ``L`` (distinct pools)."""
-    n = S
-    while n > L:
-        n = n // 2
-    return n
+    """How many keys a row of ``L`` pools samples: ``S``, or the largest power of two within ``L`` (distinct pools);
+    and its log2, so that a sample's pool is a shift rather than a 64-bit division."""
+    n = 1 + 0 * L
+    shift = 0 * L
+    while (n * 2 <= S) & (n * 2 <= L):
+        n = n * 2
+        shift += 1
+    return n, shift
 
 
 @triton.jit
-def _sample_key(scores, row, P, L, n, o):
-    """Row ``row``'s sample keys ``o`` (of ``n``, at a stride of ``L / n``), the minimum key for ``o >= n``."""
+def _sample_key(scores, row, P, L, n, shift, o):
+    """Row ``row``'s sample keys ``o`` (of ``n`` = ``2 ** shift``, at a stride of ``L / n``), the minimum key for
+    ``o >= n``."""
     m = o < n
-    pos = o.to(tl.int64) * L // n
+    pos = (o.to(tl.int64) * L) >> shift
     hi = tl.load(scores + row * P + pos, mask=m, other=0)
     return tl.where(m, (hi.to(tl.int64) << 32) | pos, MIN_KEY)
 
@@ -119,9 +123,9 @@ def threshold_sample_kernel(scores, positions, thresholds, P, k, S: tl.constexpr
     first ``L`` pools (``_row_length``) at a stride of ``L / S``, sorted descending."""
     row = tl.program_id(0).to(tl.int64)
     L = _row_length(positions, row, P, k, KP)
-    n = _samples(L, S)
+    n, shift = _samples(L, S)
     o = tl.arange(0, S)
-    key = tl.sort(_sample_key(scores, row, P, L, n, o), 0, descending=True)
+    key = tl.sort(_sample_key(scores, row, P, L, n, shift, o), 0, descending=True)
     _store_thresholds(thresholds, row, k, L, n, o, key, M, 1)
 
 
@@ -133,13 +137,13 @@ def threshold_rank_kernel(scores, positions, thresholds, P, k, S: tl.constexpr, 
     past the samples equals the minimum key) and writes those at a threshold's rank."""
     row = tl.program_id(0).to(tl.int64)
     L = _row_length(positions, row, P, k, KP)
-    n = _samples(L, S)
+    n, shift = _samples(L, S)
     idx = tl.program_id(1) * B + tl.arange(0, B)
-    key = _sample_key(scores, row, P, L, n, idx)
+    key = _sample_key(scores, row, P, L, n, shift, idx)
     rank = tl.zeros([B], dtype=tl.int32)
     for c in range(0, S, KEYS):
         o = c + tl.arange(0, KEYS)
-        other = _sample_key(scores, row, P, L, n, o)
+        other = _sample_key(scores, row, P, L, n, shift, o)
         above = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (o[None, :] < idx[:, None]))
         rank += tl.sum(above.to(tl.int32), 1)
     _store_thresholds(thresholds, row, k, L, n, rank, key, M, (tl.program_id(1) == 0).to(tl.int32))
