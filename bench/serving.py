@@ -10,7 +10,7 @@ each engine step is timed on the host (a step returns sampled tokens, so it ends
   bytes the step reads / copy bandwidth (``hotpath_slice.decode``).
 - ``new_shapes``: a fresh engine (start-up warm-up time and memory), then the first steps at batch 32, at
   batch 128 and of a first 4k prompt; max step / steady-state step (goal: at most 2).
-- ``--long`` only (minutes, memory checked first): a 1,048,544-token prompt (TTFT, late prefill steps;
+- ``--long`` only (minutes, memory checked first): a 1,048,544-token prompt (TTFT, every prefill step, late ones;
   floor: prefill FLOPs / bf16 matmul rate) and decode at that context (floor as ``decode_4k``'s).
 - ``server``: ``flashinfra serve`` with the built-in model, ``bench serve`` at concurrency 1/16/64/128;
   floor: the same API server in front of an engine that computes nothing (``bench/serving_server.py``).
@@ -160,7 +160,8 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
     out = dict(startup_s=startup, warmup=_warmup(core),
                prefill_1m=dict(tokens=PROMPT_1M, ttft_s=ttft, tok_s=PROMPT_1M / ttft, steps=len(prefill_steps),
                                late_step_median_s=statistics.median(late), floor_s=floor_prefill, flops=flops,
-                               ratio=ttft / floor_prefill, first_step_s=prefill_steps[0]),
+                               ratio=ttft / floor_prefill, first_step_s=prefill_steps[0],
+                               step_s=[round(s, 5) for s in prefill_steps]),
                decode_1m=dict(median_step_s=statistics.median(decode_steps), floor_s=floor_decode,
                               bytes=decode_bytes, ratio=statistics.median(decode_steps) / floor_decode,
                               steps=decode_steps))

@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import LINEAR_ATTENTION, TextConfig
-from flashinfra.kernels import batch_invariant
 from flashinfra.kernels.mhc import hc_collapse
 from flashinfra.kernels.norms import rms_norm
 from flashinfra.model.cache import ModelCache
@@ -21,7 +20,7 @@ from flashinfra.model.kda import KDAttention
 from flashinfra.model.mhc import HyperConnection
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import DenseMLP, MoE
-from flashinfra.quant.linear import rms_norm_for
+from flashinfra.quant.linear import linear, rms_norm_for
 
 
 class DecoderLayer(nn.Module):
@@ -90,4 +89,4 @@ class Glm5NextModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return batch_invariant.linear(hidden, head).float()
+        return linear(hidden, head).float()

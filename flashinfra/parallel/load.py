@@ -33,14 +33,14 @@ from flashinfra.model.api import (LoadedModel, load_model, model_config_from, ra
 from flashinfra.model.factory import RandomSource
 from flashinfra.model.glm5_next import Glm5NextModel
 from flashinfra.model.loader import (FP8_DTYPES, CheckpointReader, _choose_form, dequantize_block_fp8,
-                                     load_weights, read_tensor, scale_name, weight_block)
+                                     load_weights, read_tensor, scale_name, w8a8_scale_name, weight_block)
 from flashinfra.model.moe import MoE
 from flashinfra.model.weights import Copy, weight_layout
 from flashinfra.parallel.collectives import ParallelComms
 from flashinfra.parallel.layout import ParallelLayout
 from flashinfra.parallel.shard import ShardedModel, shard_layer
 from flashinfra.quant.cache import CacheSpec
-from flashinfra.quant.model import RawQuantized, quantize_model
+from flashinfra.quant.model import RawQuantized, quantize_model, quantize_own_parameters
 
 
 class _ShapesOnly:
@@ -119,17 +119,22 @@ def _build_shard(path: Path, cfg, source, build: torch.device, layout: ParallelL
                                  "lm_head.weight" if cfg.has_lm_head else None)
     forms = {p: _choose_form(f, names)[0] for p, f in layout_forms.items()}
 
-    def read_rows(name: str, rows: slice) -> torch.Tensor:
+    def read_rows(name: str, rows: slice) -> tuple[torch.Tensor, list[RawQuantized] | None]:
+        """Rows of a checkpoint tensor in float; for W8A8 int8 rows also their codes and scales as stored."""
         if source.files.get(name) is None:  # a tensor made in memory: whole, then the rows
-            return read_tensor(source, name, block)[0][rows]
+            return read_tensor(source, name, block)[0][rows], None
+        kind = source.meta(name)[1]
         with safe_open(source.files[name], framework="pt") as f:
-            if source.meta(name)[1] not in FP8_DTYPES:
-                return f.get_slice(name)[rows.start : rows.stop]
+            if kind == "I8":  # one scale per row: the rows' codes and scales are theirs alone
+                q, s = f.get_slice(name)[rows.start : rows.stop], source.get(w8a8_scale_name(name))[rows]
+                return q.float() * s.float()[:, None], [RawQuantized((), q, s, "w8a8")]
+            if kind not in FP8_DTYPES:
+                return f.get_slice(name)[rows.start : rows.stop], None
             # the [128, 128] blocks these rows lie in, then the rows themselves
             first = rows.start // block[0] * block[0]
             t = f.get_slice(name)[first : rows.stop]
         scale = source.get(scale_name(name))[first // block[0] :]
-        return dequantize_block_fp8(t, scale[: -(-t.shape[0] // block[0])], block)[rows.start - first :]
+        return dequantize_block_fp8(t, scale[: -(-t.shape[0] // block[0])], block)[rows.start - first :], None
 
     experts = layout.experts(cfg.text.n_routed_experts)
 
@@ -151,11 +156,14 @@ def _build_shard(path: Path, cfg, source, build: torch.device, layout: ParallelL
             dest.copy_(t.reshape(dest.shape))
 
     vocab = layout.rows(cfg.text.vocab_size)
+    head_codes = {}
     for name in ("embed_tokens", "lm_head"):
         if getattr(model, name) is not None:
             (copy,) = forms[name]
-            t = read_rows(copy.name, vocab).to(device=device, dtype=torch_dtype)
-            setattr(model, name, nn.Parameter(t, requires_grad=False))
+            t, head_codes[name] = read_rows(copy.name, vocab)
+            setattr(model, name, nn.Parameter(t.to(device=device, dtype=torch_dtype), requires_grad=False))
+    if mode != "none":  # the head's rows, where the mode quantizes it: a rank's rows of the one-rank codes
+        quantize_own_parameters(model, mode, head_codes)
     norm = read_tensor(source, forms["norm"][0].name, block)[0]
     model.norm = nn.Parameter(norm.to(device=device, dtype=torch_dtype), requires_grad=False)
 

@@ -201,8 +201,8 @@ def shard_parameters(model: nn.Module, layout: ParallelLayout, comms: ParallelCo
     if layout.tp > 1:
         vocab = layout.rows(model.cfg.vocab_size)
         _set(model, "embed_tokens", model.embed_tokens[vocab])
-        if model.lm_head is not None:
-            _set(model, "lm_head", model.lm_head[vocab])
+        if model.lm_head is not None:  # float, or W8A8 with a scale per vocabulary row
+            _set(model, "lm_head", take_rows(model.lm_head, vocab, "lm_head"))
     for layer in model.layers:
         shard_layer(layer, layout, comms)
 

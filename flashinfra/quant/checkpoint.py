@@ -1,7 +1,7 @@
 """``flashinfra quantize --w8a8|--fp8 SRC DST``: write an 8-bit checkpoint that loads directly.
 
 Format (release names, one ``model.safetensors``): every tensor of a quantized projection
-(``flashinfra.quant.model.QUANTIZED``) in 8 bits with its scale, every other tensor as in the source, in its float
+(``flashinfra.quant.model.QUANTIZED``, and ``W8A8_ONLY`` for ``--w8a8``) in 8 bits with its scale, every other tensor as in the source, in its float
 dtype (the MTP block and vision tower copied unchanged):
 
 - ``--w8a8``: ``<name>.weight`` int8 ``[out, in]`` plus ``<name>.weight_scale`` float32 ``[out]`` (symmetric, per
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from flashinfra.model.api import load_model
 from flashinfra.model.loader import CheckpointReader, scale_name, w8a8_scale_name
 from flashinfra.model.weights import weight_layout
-from flashinfra.quant.model import QUANTIZED, quantize_model, quantized_weights
+from flashinfra.quant.model import QUANTIZED, W8A8_ONLY, quantize_model, quantized_weights
 from flashinfra.quant.weights import FP8_BLOCK, QuantizedWeight, quantize_fp8_blocks
 
 NOT_QUANTIZED = ["embed_tokens", "lm_head", "*norm*", "mlp.gate (router)", "hc_* (mHC)", "f_b_proj", "g_b_proj",
@@ -43,8 +43,10 @@ SCHEMES = {
 
 
 def quantization_config(scheme: str = "w8a8") -> dict:
-    return {**SCHEMES[scheme], "quantized": {k: list(v) for k, v in QUANTIZED.items()},
-            "modules_not_quantized": NOT_QUANTIZED}
+    quantized = {**QUANTIZED, **(W8A8_ONLY if scheme == "w8a8" else {})}
+    kept = [m for m in NOT_QUANTIZED if not (scheme == "w8a8" and m == "lm_head")]
+    return {**SCHEMES[scheme], "quantized": {k: list(v) for k, v in quantized.items()},
+            "modules_not_quantized": kept}
 
 
 def _tensors(value: QuantizedWeight, part: torch.Tensor, copy, scheme: str) -> dict[str, torch.Tensor]:

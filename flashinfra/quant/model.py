@@ -1,8 +1,11 @@
 """Quantizing a loaded model in place, and refusing the combinations that cannot work.
 
 ``QUANTIZED`` lists the projections that become 8-bit: every dense projection of KDA (``in_proj``, ``o_proj``),
-MLA (``qkv_a_proj``, ``q_b_proj``, ``o_proj``), the dense MLPs and the experts (routed and shared). What stays in
-the model dtype: embeddings and ``lm_head``, every norm, the router, mHC, the KDA forget/output gate low-rank
+MLA (``qkv_a_proj``, ``q_b_proj``, ``o_proj``), the dense MLPs and the experts (routed and shared); W8A8 also
+quantizes ``lm_head`` (``W8A8_ONLY``: a quarter of the weight bytes a decode step reads at batch 1; one scale per
+vocabulary row, so a tensor-parallel rank's rows are exactly its slice of it, which FP8's 128-row blocks are not
+where the vocabulary splits off a block boundary). A model whose head is its embedding keeps it in the model dtype.
+What stays in the model dtype: the embeddings (and ``lm_head`` under FP8), every norm, the router, mHC, the KDA forget/output gate low-rank
 ``f_b_proj`` / ``g_b_proj`` and ``A_log`` / ``dt_bias``, the conv weights, MLA's ``kv_b_proj`` (absorbed into the
 query and output per head, an einsum rather than a GEMM of the model width) and the DSA indexer (its top-k choice
 is the most sensitive to rounding). ``in_proj`` carries beta's and the gates' low-rank inputs as rows: each row
@@ -30,6 +33,7 @@ QUANTIZED = {
     "DenseMLP": ("gate_up_proj", "down_proj"),
     "MoE": ("w13", "w2"),
 }
+W8A8_ONLY = {"Glm5NextModel": ("lm_head",)}
 
 
 class QuantizationError(ValueError):
@@ -149,18 +153,26 @@ def quantize_model(model: nn.Module, scheme: str, raw: dict[str, list[RawQuantiz
     # a MoE's shared expert goes with its experts (stacked with them, or left in float with them)
     shared = {id(m.shared) for m in model.modules() if type(m).__name__ == "MoE"}
     for mname, module in list(model.named_modules()):
-        names = QUANTIZED.get(type(module).__name__)
-        if not names or id(module) in shared:
+        if id(module) in shared:
             continue
         prefix = f"{mname}." if mname else ""
         if type(module).__name__ == "MoE":
             count += _quantize_moe(module, scheme, raw, prefix)
-            continue
-        for name in names:
-            p = module._parameters.get(name)
-            if p is None:
-                continue
-            _replace(module, name, _quantize(p.data, scheme, raw.get(prefix + name)))
+        else:
+            count += quantize_own_parameters(module, scheme, raw, prefix)
+    return count
+
+
+def quantize_own_parameters(module: nn.Module, scheme: str, raw: dict[str, list[RawQuantized]] | None = None,
+                            prefix: str = "") -> int:
+    """Quantize those of ``module``'s own parameters (not its children's) that ``scheme`` quantizes (``QUANTIZED``,
+    ``W8A8_ONLY``); ``raw`` as for ``quantize_model``, its names under ``prefix``. -> how many."""
+    cls = type(module).__name__
+    count = 0
+    for name in QUANTIZED.get(cls, ()) + (W8A8_ONLY.get(cls, ()) if scheme == "w8a8" else ()):
+        p = module._parameters.get(name)
+        if p is not None:
+            _replace(module, name, _quantize(p.data, scheme, (raw or {}).get(prefix + name)))
             count += 1
     return count
 
