@@ -14,6 +14,7 @@ prompt; issue #39: the W8A8 prefill):
 tiles (``fused_moe.LARGE_TILES``) to choose them.
 
     python bench/prefill_kernels.py --before f7558ff --configs --out bench/results/prefill_kernels.json
+    python bench/prefill_kernels.py --before HEAD --parts score --out bench/results/prefill_kernels_score.json
 """
 
 from __future__ import annotations
@@ -160,21 +161,23 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="the git revision whose kernels to time beside this tree's")
     ap.add_argument("--before-dir", help="that revision's dsa_indexer.py and fused_moe.py, exported here (git show)")
     ap.add_argument("--configs", action="store_true", help="also the scoring kernel and the MoE at other tiles")
+    ap.add_argument("--parts", default="score,moe", help="comma-separated subset of score,moe")
     ap.add_argument("--out", default="bench/results/prefill_kernels.json")
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = header() | dict(before=args.before, ceilings=ceil)
-    before = {name: revision_module(args.before, f"flashinfra/kernels/{name}.py", args.before_dir)
-              for name in ("dsa_indexer", "fused_moe")}
-    report["score"] = score_rows(before["dsa_indexer"], ceil, args.configs)
-    report["moe"] = moe_rows(before["fused_moe"], ceil, args.configs)
+    parts = {"score": ("dsa_indexer", score_rows), "moe": ("fused_moe", moe_rows)}
+    for part in args.parts.split(","):
+        module, rows = parts[part]
+        report[part] = rows(revision_module(args.before, f"flashinfra/kernels/{module}.py", args.before_dir), ceil,
+                            args.configs)
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
     print("| kernel | before | now | speedup | of floor |\n| --- | --- | --- | --- | --- |")
-    for r in report["score"]:
+    for r in report.get("score", []):
         print(f"| score T={r['T']} | {r['before_us']:.1f} us | {r['now_us']:.1f} us | {r['speedup']:.2f}x "
               f"| {r['now_floor_fraction']:.0%} |")
-    for r in report["moe"]:
+    for r in report.get("moe", []):
         print(f"| moe {r['format']} T={r['T']} | {r['before']['total_us']:.0f} us | {r['now']['total_us']:.0f} us "
               f"| {r['speedup']:.2f}x | {r['now_floor_fraction']:.0%} |")
 

@@ -56,12 +56,13 @@ def _score_bits(b_k, b_q, b_w, pos, o_p, m_p, scale, KP: tl.constexpr, QN: tl.co
                 IEEE: tl.constexpr):
     """``[BP, QN]`` order bits of ``QN`` queries (``b_q [QN * HI, DI]``, their heads side by side; ``b_w``, ``pos``
     theirs) against a key tile ``[BP, DI]``: one product with the pools as rows, so each query's weighted sum over
-    its heads stays within a row; pools a query cannot see get the float32 minimum's bits."""
+    its heads stays within a row; pools a query cannot see get the float32 minimum's bits. The positive ``scale``
+    goes into the head weights (``relu(s * scale) w = relu(s) (scale w)``): one multiply per head, not per pool."""
     if IEEE:
         s = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))
-    s = b_w[None, :] * tl.maximum(s * scale, 0.0)
+    s = (b_w * scale)[None, :] * tl.maximum(s, 0.0)
     score = tl.sum(tl.reshape(s, (s.shape[0], QN, HI)), 2)
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
