@@ -32,8 +32,8 @@ from flashinfra.kernels import dsa_indexer, fused_moe
 HI, DI, KPOOL, BS, CONTEXT = 32, 128, 4, 16, 1 << 20
 T_MOE, E, D, I, K = 8192, 288, 4096, 2048, 8
 # (queries per product, queries per program, pools per program, warps, stages)
-SCORE_CONFIGS = [(1, 16, 128, 4, 2), (2, 16, 128, 4, 2), (2, 32, 128, 4, 3), (2, 16, 128, 8, 2),
-                 (2, 32, 256, 8, 3), (4, 16, 128, 8, 2), (4, 16, 128, 4, 2)]
+SCORE_CONFIGS = [(2, 32, 128, 4, 3), (2, 64, 128, 4, 3), (2, 32, 256, 4, 3), (2, 32, 256, 8, 3), (2, 64, 256, 8, 3),
+                 (2, 16, 128, 4, 2), (4, 16, 128, 4, 2)]
 # (BM, BN1, BN2, BK, warps, stages) by weight bytes: gemm1 keeps two [BM, BN1] accumulators (gate and up)
 MOE_CONFIGS = {2: [(128, 128, 128, 64, 8, 3), (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 4),
                    (128, 64, 128, 64, 4, 3), (128, 64, 64, 64, 4, 4), (64, 128, 128, 64, 4, 3)],
