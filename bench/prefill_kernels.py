@@ -6,12 +6,12 @@ prompt; issue #39: the W8A8 prefill):
   x 128, block size 16, a shuffled block table). Floor: its FLOPs at the measured bf16 matmul rate (the slice), the
   pool keys' bytes at the copy rate (decode). Each result's largest error against a float32 computation of two
   queries' scores is reported beside it.
-- ``moe``: the fused MoE of an 8192-token prompt (288 experts top-8 + the shared one, D 4096, I 2048), bf16 and
-  W8A8 int8, per GEMM (profiler kernel times). Floor: the larger of its FLOPs at the matmul rate and its weights'
-  bytes at the copy rate.
+- ``moe``: the fused MoE of an 8192-token prompt (288 experts top-8 + the shared one, D 4096, I 2048), bf16, W8A8
+  int8 and block-FP8, per GEMM (profiler kernel times). Floor: the larger of its FLOPs at the matmul rate and its
+  weights' bytes at the copy rate.
 
-``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) and the MoE at other long-prefill
-tiles (``fused_moe.LARGE_TILES``) to choose them.
+``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) and the MoE at other
+long-prefill tiles (``fused_moe.LARGE_TILES``) to choose them.
 
     python bench/prefill_kernels.py --before f7558ff --configs --out bench/results/prefill_kernels.json
     python bench/prefill_kernels.py --before HEAD --parts score --out bench/results/prefill_kernels_score.json
@@ -112,7 +112,7 @@ def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
     pairs = T_MOE * (K + 1)
     flops = {"gemm1": 2 * pairs * 2 * I * D, "gemm2": 2 * pairs * I * D}
     rows = []
-    for fmt in ("bfloat16", "int8"):
+    for fmt in ("bfloat16", "int8", "fp8"):
         if fmt == "bfloat16":
             w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
             w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * I**-0.5
@@ -126,6 +126,16 @@ def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
                       torch.rand(2 * I, device="cuda") * 1e-3, torch.rand(D, device="cuda") * 1e-3)
             args = (codes(E, 2 * I, D), codes(E, D, I), topk_w, ids, 10.0, codes(2 * I, D), codes(D, I), scales)
             rate = 2 * ceil["matmul_flops_per_s_bfloat16"]
+        elif fmt == "fp8":  # e4m3 codes with one scale per 128 x 128 block; the fp8 rate taken as twice bf16's
+            def codes(*shape):
+                return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
+
+            def block_scales(*shape):
+                return torch.rand(*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128), device="cuda") * 1e-3
+            shapes = ((E, 2 * I, D), (E, D, I), (2 * I, D), (D, I))
+            w13, w2, s13, s2 = (codes(*sh) for sh in shapes)
+            args = (w13, w2, topk_w, ids, 10.0, s13, s2, tuple(block_scales(*sh) for sh in shapes))
+            rate = 2 * ceil["matmul_flops_per_s_bfloat16"]
         weight_bytes = sum(a.numel() * a.element_size() for a in args[:2] + args[5:7])
         row = dict(format=fmt, T=T_MOE, pairs=pairs, flops=sum(flops.values()), weight_bytes=weight_bytes,
                    floor_us=max(sum(flops.values()) / rate, weight_bytes / ceil["copy_bytes_per_s"]) * 1e6)
@@ -133,7 +143,7 @@ def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
         for side, module in (("before", before), ("now", fused_moe)):
             got = module.fused_moe_launch(x, *args).float()
             row[side] = moe_times(module, x, args, flops) | dict(max_abs_diff_to_now=float((got - want).abs().max()))
-        if configs:
+        if configs and fmt != "fp8":  # fp8 runs int8's tiles
             elem = 2 if fmt == "bfloat16" else 1
             shipped, row["configs"] = fused_moe.LARGE_TILES[elem], []
             for cfg in MOE_CONFIGS[elem]:

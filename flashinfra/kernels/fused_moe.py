@@ -155,8 +155,11 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     if WEIGHTS == "fp8":  # scales [ceil(2N / BK), ceil(K / BK)] per expert: one per 128 x 128 weight tile
         KB: tl.constexpr = (K + BK - 1) // BK
-        p_sg = sw + tl.where(e == E, shared_soff, e * stride_se) + (o_n // BK) * KB
-        p_su = sw + tl.where(e == E, shared_soff, e * stride_se) + ((o_n + N) // BK) * KB
+        # a column tile inside one weight block takes one scale per step (a multiply-add per element), else one a column
+        ONE_BLOCK: tl.constexpr = BK % BN == 0 and N % BN == 0
+        col = i_n * BN if ONE_BLOCK else o_n
+        p_sg = sw + tl.where(e == E, shared_soff, e * stride_se) + (col // BK) * KB
+        p_su = sw + tl.where(e == E, shared_soff, e * stride_se) + ((col + N) // BK) * KB
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -168,9 +171,13 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
             acc_g += tl.dot(b_x, b_g, input_precision="ieee")
             acc_u += tl.dot(b_x, b_u, input_precision="ieee")
         elif WEIGHTS == "fp8":  # each 128-wide step's product scaled by its activation and weight block scales
-            b_sx = tl.load(sx + tok * KB + k0 // BK, mask=m_p, other=0.0)[:, None]
-            acc_g += tl.dot(b_x, b_g) * b_sx * tl.load(p_sg + k0 // BK, mask=m_n, other=0.0)[None, :]
-            acc_u += tl.dot(b_x, b_u) * b_sx * tl.load(p_su + k0 // BK, mask=m_n, other=0.0)[None, :]
+            b_sx = tl.load(sx + tok * KB + k0 // BK, mask=m_p, other=0.0)
+            if ONE_BLOCK:
+                acc_g += tl.dot(b_x, b_g) * (b_sx * tl.load(p_sg + k0 // BK))[:, None]
+                acc_u += tl.dot(b_x, b_u) * (b_sx * tl.load(p_su + k0 // BK))[:, None]
+            else:
+                acc_g += tl.dot(b_x, b_g) * b_sx[:, None] * tl.load(p_sg + k0 // BK, mask=m_n, other=0.0)[None, :]
+                acc_u += tl.dot(b_x, b_u) * b_sx[:, None] * tl.load(p_su + k0 // BK, mask=m_n, other=0.0)[None, :]
         else:
             acc_g += tl.dot(b_x, b_g)
             acc_u += tl.dot(b_x, b_u)
@@ -206,7 +213,8 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     if WEIGHTS == "fp8":
         KB: tl.constexpr = (K + BK - 1) // BK
-        p_sw = sw + tl.where(e == E, shared_soff, e * stride_se) + (o_n // BK) * KB
+        ONE_BLOCK: tl.constexpr = BK % BN == 0  # as in gemm1
+        p_sw = sw + tl.where(e == E, shared_soff, e * stride_se) + ((i_n * BN if ONE_BLOCK else o_n) // BK) * KB
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -215,8 +223,11 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
         if IEEE:
             acc += tl.dot(b_h, b_w, input_precision="ieee")
         elif WEIGHTS == "fp8":
-            b_sh = tl.load(sh + rows * KB + k0 // BK, mask=m_p, other=0.0)[:, None]
-            acc += tl.dot(b_h, b_w) * b_sh * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
+            b_sh = tl.load(sh + rows * KB + k0 // BK, mask=m_p, other=0.0)
+            if ONE_BLOCK:
+                acc += tl.dot(b_h, b_w) * (b_sh * tl.load(p_sw + k0 // BK))[:, None]
+            else:
+                acc += tl.dot(b_h, b_w) * b_sh[:, None] * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
         else:
             acc += tl.dot(b_h, b_w)
     if WEIGHTS == "int8":

@@ -29,9 +29,10 @@ def test_w8a8_linear(T, K, N, bias):
     assert_passed(cases.linear("cpu", "w8a8", T, K, N, bias=bias, seed=T))
 
 
-@pytest.mark.parametrize("T,K,N,bias", [(1, 128, 64, False), (5, 300, 200, True), (40, 257, 129, False)])
-def test_fp8_block_linear(T, K, N, bias):
-    assert_passed(cases.linear("cpu", "fp8", T, K, N, bias=bias, seed=T))
+@pytest.mark.parametrize("T,K,N,bias,rows", [(1, 128, 64, False, 128), (5, 300, 200, True, 128),
+                                             (40, 257, 129, False, 128), (5, 300, 200, False, 32)])
+def test_fp8_block_linear(T, K, N, bias, rows):
+    assert_passed(cases.linear("cpu", "fp8", T, K, N, bias=bias, seed=T, block_rows=rows))
 
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(9, 5, 40, 24, 2, 10.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])
@@ -39,7 +40,8 @@ def test_w8a8_moe(T, E, D, I, k, limit):
     assert_passed(cases.moe("cpu", "w8a8", T, E, D, I, k, limit=limit, seed=T))
 
 
-@pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2)])
+# gemm1's column tiles inside one weight block (I a multiple of them) or across two
+@pytest.mark.parametrize("T,E,D,I,k", [(9, 5, 40, 24, 2), (20, 4, 200, 160, 2), (12, 4, 136, 128, 2)])
 def test_fp8_moe(T, E, D, I, k):
     assert_passed(cases.moe("cpu", "fp8", T, E, D, I, k, seed=T))
 

@@ -130,9 +130,10 @@ def _quantizer(scheme: str):
 
 
 def linear(device: str, scheme: str, T: int, K: int, N: int, dtype=torch.float32, bias=False,
-           seed=0) -> list[CheckResult]:
-    """The 8-bit GEMM on W8A8 (``scheme="w8a8"``) or block-FP8 weights against float64 of the same codes, and the
-    linear (activation quantization included) against the unquantized product."""
+           seed=0, block_rows: int = 128) -> list[CheckResult]:
+    """The 8-bit GEMM on W8A8 (``scheme="w8a8"``) or block-FP8 weights (``block_rows`` x 128 blocks; fewer rows than
+    a column tile take the per-column scale path) against float64 of the same codes, and the linear (activation
+    quantization included) against the unquantized product."""
     from flashinfra.kernels.quant import gemm
     from flashinfra.kernels.quant.act import quant_act_ref
 
@@ -141,7 +142,7 @@ def linear(device: str, scheme: str, T: int, K: int, N: int, dtype=torch.float32
     x = rnd(T, K, device=device, gen=gen, dtype=dtype)
     w = rnd(N, K, device=device, gen=gen, scale=K**-0.5)
     b = rnd(N, device=device, gen=gen) if bias else None
-    qw = quantize(w)
+    qw = quantize(w) if scheme == "w8a8" else quantize(w, (block_rows, 128))
     xq, sx = quant_act_ref("int8" if scheme == "w8a8" else "fp8", x)
     out = gemm.matmul_8bit_launch(xq, sx, qw.data, qw.scale, b, qw.block, dtype)
     ref = gemm.matmul_8bit_ref(xq, sx, qw.data, qw.scale, b, qw.block, torch.float64)

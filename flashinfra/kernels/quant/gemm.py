@@ -61,10 +61,12 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
     p_w = wq + o_n[None, :].to(tl.int64) * K
     if WEIGHTS == "int8":  # exact int32 sums, scaled once in the epilogue
         acc = tl.zeros([BM, BN], dtype=tl.int32)
-    else:  # fp8: scales [M, KB] and [ceil(N / BLOCK_N), KB]
+    else:  # fp8: scales [M, KB] and [ceil(N / BLOCK_N), KB]; a column tile inside one weight block takes one weight
+        # scale per step (a multiply-add per element), else one per column
         KB = tl.cdiv(K, BK)
+        ONE_BLOCK: tl.constexpr = BLOCK_N % BN == 0
         p_sx = sx + o_m.to(tl.int64) * KB
-        p_sw = sw + (o_n // BLOCK_N).to(tl.int64) * KB
+        p_sw = sw + ((i_n * BN if ONE_BLOCK else o_n) // BLOCK_N).to(tl.int64) * KB
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -75,8 +77,10 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
             acc += tl.dot(b_x, b_w)
         else:
             b_sx = tl.load(p_sx + k0 // BK, mask=m_m, other=0.0)
-            b_sw = tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)
-            acc += tl.dot(b_x, b_w) * b_sx[:, None] * b_sw[None, :]
+            if ONE_BLOCK:
+                acc += tl.dot(b_x, b_w) * (b_sx * tl.load(p_sw + k0 // BK))[:, None]
+            else:
+                acc += tl.dot(b_x, b_w) * b_sx[:, None] * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
     if WEIGHTS == "int8":
         b_sx = tl.load(sx + o_m, mask=m_m, other=0.0)
         b_sw = tl.load(sw + o_n, mask=m_n, other=0.0)
