@@ -160,22 +160,16 @@ def _chunk_keys(scores, row, P, L, C: tl.constexpr):
 
 @triton.jit(do_not_specialize=["P", "k"])
 def threshold_count_kernel(scores, positions, thresholds, counts, P, k, C: tl.constexpr, M: tl.constexpr,
-                           NB: tl.constexpr, KP: tl.constexpr):
-    """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold. The
-    thresholds decrease, so the ones a key is above are the last ``n`` of them: a key's ``n`` in registers, one
-    histogram of them over ``NB`` (a power of two above ``M``) bins, and ``counts[j]`` the keys with ``n >= M - j``."""
+                           KP: tl.constexpr):
+    """Program (row, chunk): adds to ``counts [R, M]`` how many keys of its chunk lie above each threshold, one sum
+    per threshold (no histogram of the keys' threshold counts: 960 against 1,272 instructions a thread on sm_90)."""
     row = tl.program_id(0).to(tl.int64)
     L = _row_length(positions, row, P, k, KP)
     if tl.program_id(1) * C < L:
         key, _ = _chunk_keys(scores, row, P, L, C)
-        n = tl.zeros([C], dtype=tl.int32)
-        for j in tl.static_range(M):
-            n += (key > tl.load(thresholds + row * M + j)).to(tl.int32)
-        hist = tl.histogram(n, NB)
-        j = tl.arange(0, M)
-        b = tl.arange(0, NB)
-        above = tl.sum(tl.where(b[None, :] >= M - j[:, None], hist[None, :], 0), axis=1)
-        tl.atomic_add(counts + row * M + j, above)
+        for j in tl.static_range(M):  # relaxed: the counts are read by the next launch
+            above = tl.sum((key > tl.load(thresholds + row * M + j)).to(tl.int32), 0)
+            tl.atomic_add(counts + row * M + j, above, sem="relaxed")
 
 
 @triton.jit
@@ -283,8 +277,8 @@ def threshold_counts(scores: torch.Tensor, k: int, positions: torch.Tensor | Non
             scores, pos, thresholds, P, k, S=S, M=M, KP=KP, B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
     else:
         fast(threshold_sample_kernel)[(R,)](scores, pos, thresholds, P, k, S=S, M=M, KP=KP, num_warps=8)
-    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, NB=2 * M,
-                                                         KP=KP, num_warps=8)
+    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, KP=KP,
+                                                         num_warps=8)
     return thresholds, counts
 
 
