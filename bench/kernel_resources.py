@@ -1,15 +1,25 @@
-"""Registers and stack (spills) a thread of a Triton kernel takes on sm_90, compiled on this machine without a GPU
-(the installed Triton's ptxas, read back with its cuobjdump; put the GPU machine's Triton first on PYTHONPATH to see
-what it compiles): the KDA prefill conv at the tiles it may run with, this tree's against a given revision's, the
-fused MoE's gemm1 at its prefill tiles and the sparse MLA kernel at its tiles.
+"""What a Triton kernel compiles to on sm_90, without a GPU: registers and stack (spills) a thread, shared memory, and
+the instructions of its hottest loop (one step of its main loop: tensor-core products, loads, float work), with the
+installed Triton's ptxas, read back with its cuobjdump and nvdisasm. Put the GPU machine's Triton first on PYTHONPATH
+to see what it compiles.
 
-    PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before f95f6fa \
+Each kernel is compiled as the runtime specializes it on a GPU: every pointer and every integer argument the engine
+passes as a multiple of 16 carries Triton's 16-divisibility attribute (without it, loads whose addresses it cannot
+prove aligned become one element per instruction, and the registers and spills differ from what runs).
+
+Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
+gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the DSA scoring kernel and the threshold select's count
+and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's modules beside this tree's.
+
+    PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
         --out bench/results/kernel_resources.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -20,88 +30,155 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashinfra.feedback.timing import header, write_results
-from flashinfra.kernels import fused_moe, sparse_mla
-from flashinfra.kernels.kda import conv
 
-CONV_SIGNATURE = dict(x="*bf16", w="*fp32", conv_state="*bf16", y="*bf16", cu_seqlens="*i32", chunk_indices="*i32",
-                      state_slots="*i32", has_initial_state="*i32", stride_x="i32", stride_y="i32", C="i32")
-TILES = [(64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 128, 8)]  # (BT, BC, warps)
-MOE_SIGNATURE = dict(x="*bf16", w="*bf16", h="*bf16", sorted_ids="*i32", expert_ids="*i32", used="*i32", stride_x="i32",
-                     stride_we="i32", shared_off="i64", num_pairs="i32", limit="fp32", sx="*bf16", sw="*bf16",
-                     stride_se="i32", shared_soff="i64")
-MOE_TILES = [(128, 128, 64, 8), (128, 64, 64, 8), (128, 128, 32, 8), (64, 128, 64, 4)]  # (BM, BN, BK, warps)
-MLA_SIGNATURE = dict(q="*bf16", latent="*bf16", sel="*i32", token_seq="*i32", block_tables="*i32", o="*bf16",
-                     part_acc="*bf16", part_ml="*bf16", stride_qt="i32", stride_qh="i32", S="i32", W="i32", H="i32",
-                     CH="i32", scale="fp32", latent_scale="*bf16")
-MLA_TILES = [(64, 64, 8), (64, 32, 8), (32, 64, 8)]  # (BH, BN, warps), 2 stages
+TOOLS = Path(triton.__file__).parent / "backends/nvidia/bin"
+# instruction classes reported for a loop step (SASS opcode prefixes)
+CLASSES = {"mma": ("HGMMA", "IGMMA", "QGMMA", "HMMA", "IMMA"), "global_loads": ("LDG", "LDGSTS"),
+           "shared": ("LDS", "STS", "LDSM"), "local (spills)": ("LDL", "STL"), "float": ("FMUL", "FFMA", "FADD", "FMNMX",
+                                                                                      "MUFU", "FSEL", "FSETP"),
+           "barriers": ("BAR", "MEMBAR")}
 
 
-def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
-    """``{"registers": .., "stack_bytes": .., "shared_bytes": ..}`` of ``fn`` compiled for sm_90."""
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    options = dict(num_warps=num_warps, num_stages=num_stages)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+def _spec(module: str, kernel: str, signature: dict, constexprs: dict, divisible: tuple, warps: int, stages: int,
+          label: str) -> dict:
+    return dict(module=module, kernel=kernel, signature=signature, constexprs=constexprs, divisible=divisible,
+                warps=warps, stages=stages, label=label)
+
+
+MOE1 = dict(x="*bf16", w="*bf16", h="*bf16", sorted_ids="*i32", expert_ids="*i32", used="*i32", stride_x="i32",
+            stride_we="i32", shared_off="i64", num_pairs="i32", limit="fp32", sx="*bf16", sw="*bf16", stride_se="i32",
+            shared_soff="i64")
+MOE2 = dict(h="*fp8e4nv", w="*fp8e4nv", out="*bf16", topk_w="*fp32", sorted_ids="*i32", expert_ids="*i32",
+            used="*i32", stride_we="i32", shared_off="i64", num_pairs="i32", sh="*fp32", sw="*fp32", stride_se="i32",
+            shared_soff="i64")
+MOE_INTS = ("stride_x", "stride_we", "shared_off", "stride_se", "shared_soff")
+MOE_SIZES = dict(E=288, K=4096, TOPK=9, IEEE=False)
+FP8 = dict(x="*fp8e4nv", w="*fp8e4nv", sx="*fp32", sw="*fp32")
+KERNELS = [
+    *[_spec("kda/conv", "causal_conv1d_prefill_kernel",
+            dict(x="*bf16", w="*fp32", conv_state="*bf16", y="*bf16", cu_seqlens="*i32", chunk_indices="*i32",
+                 state_slots="*i32", has_initial_state="*i32", stride_x="i32", stride_y="i32", C="i32"),
+            dict(W=4, BT=bt, BC=bc, BH=4), ("stride_x", "stride_y", "C"), nw, 3, f"conv {bt} x {bc}, {nw} warps")
+      for bt, bc, nw in ((64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 128, 8))],
+    _spec("fused_moe", "moe_gemm1_kernel", MOE1, dict(N=2048, BM=128, BN=128, BK=64, WEIGHTS="float", **MOE_SIZES),
+          MOE_INTS, 8, 3, "MoE gemm1 bf16 128 x 128 x 64"),
+    _spec("fused_moe", "moe_gemm1_kernel", dict(MOE1, x="*i8", w="*i8", sx="*fp32", sw="*fp32"),
+          dict(N=2048, BM=128, BN=64, BK=128, WEIGHTS="int8", **MOE_SIZES), MOE_INTS, 8, 3,
+          "MoE gemm1 int8 128 x 64 x 128"),
+    _spec("fused_moe", "moe_gemm1_kernel", dict(MOE1, **FP8), dict(N=2048, BM=128, BN=64, BK=128, WEIGHTS="fp8",
+                                                                    **MOE_SIZES),
+          MOE_INTS, 8, 3, "MoE gemm1 fp8 128 x 64 x 128"),
+    _spec("fused_moe", "moe_gemm2_kernel", MOE2, dict(E=288, N=4096, K=2048, BM=128, BN=128, BK=128, IEEE=False,
+                                                      WEIGHTS="fp8"),
+          ("stride_we", "shared_off", "stride_se", "shared_soff"), 8, 3, "MoE gemm2 fp8 128 x 128 x 128"),
+    *[_spec("quant/gemm", "matmul_8bit_kernel",
+            dict(xq="*fp8e4nv", sx="*fp32", wq="*fp8e4nv", sw="*fp32", bias="*fp32", y="*bf16", M="i32", N="i32",
+                 K="i32"),
+            dict(HAS_BIAS=False, BLOCK_N=128, BM=bm, BN=bn, BK=128, WEIGHTS="fp8"), ("N", "K"), nw, st,
+            f"FP8 linear {bm} x {bn}") for bm, bn, nw, st in ((16, 64, 4, 4), (128, 128, 8, 3))],
+    _spec("dsa_indexer", "index_score_kernel",
+          dict(q="*bf16", w="*fp32", pool_keys="*bf16", block_tables="*i32", token_seq="*i32", positions="*i32",
+               out="*i32", T="i32", W="i32", P="i32", scale="fp32", stride_qt="i32", stride_wt="i32"),
+          dict(KP=4, BS=64, HI=32, DI=128, BT=32, BP=128, QN=2, STAGES=3, IEEE=False), ("W", "P", "stride_qt",
+                                                                                      "stride_wt"),
+          4, 3, "DSA scoring 32 queries x 128 pools"),
+    _spec("dsa_topk", "threshold_count_kernel",
+          dict(scores="*i32", positions="*i32", thresholds="*i64", counts="*i32", P="i32", k="i32"),
+          dict(C=4096, M=8, KP=4, NB=16), (), 8, 3, "threshold count, 4096 keys"),
+    _spec("dsa_topk", "threshold_gather_kernel",
+          dict(scores="*i32", positions="*i32", thresholds="*i64", counts="*i32", cursor="*i32", cand="*i64", P="i32",
+               k="i32"),
+          dict(C=4096, M=8, CAP=2048, KP=4), (), 8, 3, "threshold gather, 4096 keys"),
+    *[_spec("sparse_mla", "sparse_mla_kernel",
+            dict(q="*bf16", latent="*bf16", sel="*i32", token_seq="*i32", block_tables="*i32", o="*bf16",
+                 part_acc="*bf16", part_ml="*bf16", stride_qt="i32", stride_qh="i32", S="i32", W="i32", H="i32",
+                 CH="i32", scale="fp32", latent_scale="*bf16"),
+            dict(R=512, BR=512, BS=64, BH=bh, BN=bn, SPLIT=1, IEEE=False, CACHE="float"),
+            ("stride_qt", "stride_qh", "W", "H"), nw, 2, f"sparse MLA {bh} heads x {bn} rows, {nw} warps")
+      for bh, bn, nw in ((64, 64, 8), (64, 32, 8), (32, 64, 8))],
+]
+
+
+def _mma(ops) -> int:
+    return sum(1 for op in ops if op.startswith(CLASSES["mma"]))
+
+
+def _sass_loop(text: str) -> tuple[int, collections.Counter]:
+    """The main loop's step: of the SASS's backward-branching blocks, the one with the most tensor-core products
+    (the first in code order among equals, else the longest); a kernel without a loop counts whole."""
+    ins, labels, loops = [], {}, []
+    for line in text.splitlines():
+        if m := re.match(r"\s*\.(L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+    for i, op in enumerate(ins):
+        m = re.search(r"BRA\b.*?(L_x_\d+)", op)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append(ins[labels[m.group(1)]: i + 1])
+    best = max(loops, key=lambda b: (_mma(b), 0 if _mma(b) else len(b)), default=ins)
+    return len(best), collections.Counter(op.split()[0] for op in best)
+
+
+def compile_kernel(fn, spec: dict) -> dict:
+    """Registers, stack, shared bytes and the main loop's instructions of ``fn`` compiled for sm_90 as ``spec``
+    says."""
+    constexprs = {k: v for k, v in spec["constexprs"].items() if k in fn.arg_names}  # an older revision's
+    sig = dict(spec["signature"], **{name: "constexpr" for name in constexprs})
+    divisible = [n for n, t in spec["signature"].items() if t.startswith("*")] + list(spec["divisible"])
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=spec["warps"], num_stages=spec["stages"]))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+        usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
-    line = next(ln for ln in text.splitlines() if "REG:" in ln)
-    fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
-    return dict(registers=int(fields["REG"]), stack_bytes=int(fields["STACK"]), shared_bytes=int(fields["SHARED"]))
+    fields = dict(item.split(":", 1) for item in next(ln for ln in usage.splitlines() if "REG:" in ln).split()
+                  if ":" in item)
+    length, ops = _sass_loop(sass)
+    classes = {name: sum(n for op, n in ops.items() if op.startswith(prefixes)) for name, prefixes in CLASSES.items()}
+    return dict(registers=int(fields["REG"]), stack_bytes=int(fields["STACK"]), shared_bytes=kernel.metadata.shared,
+                loop_instructions=length, loop_classes=classes, loop_top=dict(ops.most_common(12)))
 
 
-def conv_rows(module) -> list[dict]:
-    kernel = module.causal_conv1d_prefill_kernel
-    extra = {"BH": 4} if "BH" in kernel.arg_names else {}
-    return [dict(BT=bt, BC=bc, warps=nw, **resources(kernel, CONV_SIGNATURE, dict(W=4, BT=bt, BC=bc, **extra), nw))
-            for bt, bc, nw in TILES]
-
-
-def moe_rows() -> list[dict]:
-    """gemm1 of the 16-bit MoE at the slice's sizes (I 2048, D 4096, 288 experts, top 8 + the shared one)."""
-    return [dict(BM=bm, BN=bn, BK=bk, warps=nw,
-                 **resources(fused_moe.moe_gemm1_kernel, MOE_SIGNATURE,
-                             dict(E=288, N=2048, K=4096, TOPK=9, BM=bm, BN=bn, BK=bk, IEEE=False, WEIGHTS="float"), nw))
-            for bm, bn, bk, nw in MOE_TILES]
-
-
-def mla_rows() -> list[dict]:
-    """The sparse MLA kernel over a bf16 latent of rank 512 (64 heads), one split."""
-    return [dict(BH=bh, BN=bn, warps=nw,
-                 **resources(sparse_mla.sparse_mla_kernel, MLA_SIGNATURE,
-                             dict(R=512, BR=512, BS=16, BH=bh, BN=bn, SPLIT=1, IEEE=False, CACHE="float"), nw, 2))
-            for bh, bn, nw in MLA_TILES]
+def rows(before: str | None) -> list[dict]:
+    out, modules = [], {}
+    for spec in KERNELS:
+        path = f"flashinfra/kernels/{spec['module']}.py"
+        for side, rev in (("now", None), ("before", before)):
+            if side == "before" and rev is None:
+                continue
+            key = (path, rev)
+            if key not in modules:
+                modules[key] = (revision_module(rev, path) if rev else
+                                __import__(f"flashinfra.kernels.{spec['module'].replace('/', '.')}",
+                                           fromlist=["_"]))
+            fn = getattr(modules[key], spec["kernel"], None)
+            if fn is not None:
+                out.append(dict(label=spec["label"], side=side, **compile_kernel(fn, spec)))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", help="a git revision whose conv kernel to compile beside this tree's")
+    ap.add_argument("--before", help="a git revision whose kernels to compile beside this tree's")
     ap.add_argument("--out", default="bench/results/kernel_resources.json")
     args = ap.parse_args()
     report = header() | dict(target=f"sm_90, ptxas of triton {triton.__version__}", before=args.before,
-                             shipped=dict(conv=dict(BT=32, BC=128, warps=conv.CONV_PREFILL_WARPS),
-                                          moe_gemm1=fused_moe.LARGE_TILES[2]))
-    report["now"] = conv_rows(conv)
-    if args.before:
-        report["before_rows"] = conv_rows(revision_module(args.before, "flashinfra/kernels/kda/conv.py"))
-    report["moe_gemm1"] = moe_rows()
-    report["sparse_mla"] = mla_rows()
+                             kernels=rows(args.before))
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
-    print("| BT x BC, warps | registers / stack bytes now |" + (" before |" if args.before else ""))
-    for i, r in enumerate(report["now"]):
-        b = report.get("before_rows", [None] * len(TILES))[i]
-        print(f"| {r['BT']} x {r['BC']}, {r['warps']} | {r['registers']} / {r['stack_bytes']} |"
-              + (f" {b['registers']} / {b['stack_bytes']} |" if b else ""))
-    print("| gemm1 BM x BN x BK, warps | registers / stack bytes |")
-    for r in report["moe_gemm1"]:
-        print(f"| {r['BM']} x {r['BN']} x {r['BK']}, {r['warps']} | {r['registers']} / {r['stack_bytes']} |")
-    print("| sparse MLA BH x BN, warps | registers / stack bytes |")
-    for r in report["sparse_mla"]:
-        print(f"| {r['BH']} x {r['BN']}, {r['warps']} | {r['registers']} / {r['stack_bytes']} |")
+    print("| kernel | side | registers / stack | shared KB | loop step: instructions (mma, global loads, float, "
+          "spills) |\n| --- | --- | --- | --- | --- |")
+    for r in report["kernels"]:
+        c = r["loop_classes"]
+        print(f"| {r['label']} | {r['side']} | {r['registers']} / {r['stack_bytes']} | {r['shared_bytes'] / 1024:.0f} "
+              f"| {r['loop_instructions']} ({c['mma']}, {c['global_loads']}, {c['float']}, {c['local (spills)']}) |")
 
 
 if __name__ == "__main__":
