@@ -187,8 +187,9 @@ def _chosen(counts, row, k, M: tl.constexpr, CAP: tl.constexpr):
 @triton.jit(do_not_specialize=["P", "k"])
 def threshold_gather_kernel(scores, positions, thresholds, counts, cursor, cand, P, k, C: tl.constexpr,
                             M: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr):
-    """Program (row, chunk): appends its keys above the row's threshold to ``cand [R, CAP]`` at the row's cursor
-    (an atomic add: the candidates' order varies, their set does not)."""
+    """Program (row, chunk): appends its keys above the row's threshold to ``cand [R, CAP]`` at the row's cursor, a
+    relaxed atomic add per key taken (the compiler aggregates a warp's into one), not a prefix sum over the chunk for
+    the few it takes: the candidates' order varies, their set does not."""
     row = tl.program_id(0).to(tl.int64)
     L = _row_length(positions, row, P, k, KP)
     chosen, total, fits = _chosen(counts, row, k, M, CAP)
@@ -196,9 +197,9 @@ def threshold_gather_kernel(scores, positions, thresholds, counts, cursor, cand,
         j = tl.arange(0, M)
         t = tl.sum(tl.where(j == chosen, tl.load(thresholds + row * M + j), 0), 0)
         key, m = _chunk_keys(scores, row, P, L, C)
-        take = (m & (key > t)).to(tl.int32)
-        base = tl.atomic_add(cursor + row, tl.sum(take, 0))
-        tl.store(cand + row * CAP + base + tl.cumsum(take, 0) - 1, key, mask=take > 0)
+        take = m & (key > t)
+        slot = tl.atomic_add(cursor + row + tl.zeros([C], dtype=tl.int64), 1, mask=take, sem="relaxed")
+        tl.store(cand + row * CAP + slot, key, mask=take)
 
 
 @triton.jit(do_not_specialize=["k"])
