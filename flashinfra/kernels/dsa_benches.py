@@ -93,7 +93,9 @@ for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (1
     for _family in _TOPK_BENCHES:
         _topk_bench(_R, _P, _family, _K)
 # longer rows: torch.topk (select's path there) beside the threshold select; 8192 rows of 262,144: a late 8192-token
-# prefill step at 1M context; 16 rows: past the rows the threshold select ranks rather than sorts (RANK_MAX_ROWS)
-for _R, _P in ((1, 32768), (1, 262144), (16, 262144), (256, 262144), (8192, 2048), (8192, 262144)):
+# prefill step at 1M context; 16 rows: past the rows the threshold select ranks rather than sorts (RANK_MAX_ROWS);
+# 8192 rows of 8,192 and 16,384: an early step of a long prompt, about THRESHOLD_MIN_POOLS
+for _R, _P in ((1, 32768), (1, 262144), (16, 262144), (256, 262144), (8192, 2048), (8192, 8192), (8192, 16384),
+               (8192, 262144)):
     for _family in ("dsa_topk_torch", "dsa_topk_threshold"):
         _topk_bench(_R, _P, _family)
