@@ -265,8 +265,11 @@ def threshold_counts(scores: torch.Tensor, k: int, positions: torch.Tensor | Non
     """The first two launches of ``threshold_launch``: per row of ``scores [R, P]`` its ``M`` decreasing thresholds
     ``[R, M]`` int64 (from a sample of ``S`` keys, ``THRESHOLD_SAMPLES``) and how many keys lie above each ``[R, M]``
     int32."""
+    return _counts(scores, k, *_visible(scores, positions, kpool))
+
+
+def _counts(scores: torch.Tensor, k: int, pos: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor]:
     R, P = scores.shape
-    pos, KP = _visible(scores, positions, kpool)
     lo, hi = THRESHOLD_SAMPLES
     S = min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
     M, C = THRESHOLDS, THRESHOLD_CHUNK
@@ -307,8 +310,8 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
     if R == 0:
         return out
-    thresholds, counts = threshold_counts(scores, k, positions, kpool)
     pos, KP = _visible(scores, positions, kpool)
+    thresholds, counts = _counts(scores, k, pos, KP)
     cursor = torch.zeros(R, dtype=torch.int32, device=scores.device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
     fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, cursor, cand, P, k, C=C,

@@ -52,7 +52,7 @@ from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 from flashinfra.kernels.moe_align import moe_align
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
-from flashinfra.kernels.quant.gemm import matmul_8bit_ref
+from flashinfra.kernels.quant.gemm import fp8_step, matmul_8bit_ref
 
 # pair blocks whose column tiles the grid interleaves (``_tile``): an expert's pairs fill about two 128-row blocks in
 # a long prefill (8192 tokens x 9 pairs over 289 experts)
@@ -155,7 +155,7 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     if WEIGHTS == "fp8":  # scales [ceil(2N / BK), ceil(K / BK)] per expert: one per 128 x 128 weight tile
         KB: tl.constexpr = (K + BK - 1) // BK
-        # a column tile inside one weight block takes one scale per step (a multiply-add per element), else one a column
+        # a column tile inside one weight block takes one scale per step (``fp8_step``)
         ONE_BLOCK: tl.constexpr = BK % BN == 0 and N % BN == 0
         col = i_n * BN if ONE_BLOCK else o_n
         p_sg = sw + tl.where(e == E, shared_soff, e * stride_se) + (col // BK) * KB
@@ -172,12 +172,8 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
             acc_u += tl.dot(b_x, b_u, input_precision="ieee")
         elif WEIGHTS == "fp8":  # each 128-wide step's product scaled by its activation and weight block scales
             b_sx = tl.load(sx + tok * KB + k0 // BK, mask=m_p, other=0.0)
-            if ONE_BLOCK:
-                acc_g += tl.dot(b_x, b_g) * (b_sx * tl.load(p_sg + k0 // BK))[:, None]
-                acc_u += tl.dot(b_x, b_u) * (b_sx * tl.load(p_su + k0 // BK))[:, None]
-            else:
-                acc_g += tl.dot(b_x, b_g) * b_sx[:, None] * tl.load(p_sg + k0 // BK, mask=m_n, other=0.0)[None, :]
-                acc_u += tl.dot(b_x, b_u) * b_sx[:, None] * tl.load(p_su + k0 // BK, mask=m_n, other=0.0)[None, :]
+            acc_g += fp8_step(tl.dot(b_x, b_g), b_sx, p_sg + k0 // BK, m_n, ONE_BLOCK)
+            acc_u += fp8_step(tl.dot(b_x, b_u), b_sx, p_su + k0 // BK, m_n, ONE_BLOCK)
         else:
             acc_g += tl.dot(b_x, b_g)
             acc_u += tl.dot(b_x, b_u)
@@ -223,11 +219,8 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
         if IEEE:
             acc += tl.dot(b_h, b_w, input_precision="ieee")
         elif WEIGHTS == "fp8":
-            b_sh = tl.load(sh + rows * KB + k0 // BK, mask=m_p, other=0.0)
-            if ONE_BLOCK:
-                acc += tl.dot(b_h, b_w) * (b_sh * tl.load(p_sw + k0 // BK))[:, None]
-            else:
-                acc += tl.dot(b_h, b_w) * b_sh[:, None] * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
+            acc += fp8_step(tl.dot(b_h, b_w), tl.load(sh + rows * KB + k0 // BK, mask=m_p, other=0.0), p_sw + k0 // BK,
+                            m_n, ONE_BLOCK)
         else:
             acc += tl.dot(b_h, b_w)
     if WEIGHTS == "int8":

@@ -51,6 +51,18 @@ def linear_8bit_ref(x, wq, sw, bias=None, block=(GROUP, GROUP)):
 
 
 @triton.jit
+def fp8_step(prod, s_rows, p_sw, m_n, ONE_BLOCK: tl.constexpr):
+    """An FP8 K step's product scaled by its rows' activation scales ``s_rows`` and the weight block scales at
+    ``p_sw``: for a column tile inside one weight block (``ONE_BLOCK``, ``p_sw`` one pointer) one scale, folded into
+    the rows' (a multiply-add per element as it is accumulated); else one per column (``p_sw`` a pointer a column)."""
+    if ONE_BLOCK:
+        scaled = prod * (s_rows * tl.load(p_sw))[:, None]
+    else:
+        scaled = prod * s_rows[:, None] * tl.load(p_sw, mask=m_n, other=0.0)[None, :]
+    return scaled
+
+
+@triton.jit
 def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTS: tl.constexpr):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
@@ -61,8 +73,7 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
     p_w = wq + o_n[None, :].to(tl.int64) * K
     if WEIGHTS == "int8":  # exact int32 sums, scaled once in the epilogue
         acc = tl.zeros([BM, BN], dtype=tl.int32)
-    else:  # fp8: scales [M, KB] and [ceil(N / BLOCK_N), KB]; a column tile inside one weight block takes one weight
-        # scale per step (a multiply-add per element), else one per column
+    else:  # fp8: scales [M, KB] and [ceil(N / BLOCK_N), KB] (``fp8_step``)
         KB = tl.cdiv(K, BK)
         ONE_BLOCK: tl.constexpr = BLOCK_N % BN == 0
         p_sx = sx + o_m.to(tl.int64) * KB
@@ -76,11 +87,8 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
         if WEIGHTS == "int8":
             acc += tl.dot(b_x, b_w)
         else:
-            b_sx = tl.load(p_sx + k0 // BK, mask=m_m, other=0.0)
-            if ONE_BLOCK:
-                acc += tl.dot(b_x, b_w) * (b_sx * tl.load(p_sw + k0 // BK))[:, None]
-            else:
-                acc += tl.dot(b_x, b_w) * b_sx[:, None] * tl.load(p_sw + k0 // BK, mask=m_n, other=0.0)[None, :]
+            acc += fp8_step(tl.dot(b_x, b_w), tl.load(p_sx + k0 // BK, mask=m_m, other=0.0), p_sw + k0 // BK, m_n,
+                            ONE_BLOCK)
     if WEIGHTS == "int8":
         b_sx = tl.load(sx + o_m, mask=m_m, other=0.0)
         b_sw = tl.load(sw + o_n, mask=m_n, other=0.0)
