@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import re
 import subprocess
 import tempfile
@@ -34,9 +35,8 @@ from flashinfra.feedback.timing import header, write_results
 TOOLS = Path(triton.__file__).parent / "backends/nvidia/bin"
 # instruction classes reported for a loop step (SASS opcode prefixes)
 CLASSES = {"mma": ("HGMMA", "IGMMA", "QGMMA", "HMMA", "IMMA"), "global_loads": ("LDG", "LDGSTS"),
-           "shared": ("LDS", "STS", "LDSM"), "local (spills)": ("LDL", "STL"), "float": ("FMUL", "FFMA", "FADD", "FMNMX",
-                                                                                      "MUFU", "FSEL", "FSETP"),
-           "barriers": ("BAR", "MEMBAR")}
+           "shared": ("LDS", "STS", "LDSM"), "local (spills)": ("LDL", "STL"),
+           "float": ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "FSEL", "FSETP"), "barriers": ("BAR", "MEMBAR")}
 
 
 def _spec(module: str, kernel: str, signature: dict, constexprs: dict, divisible: tuple, warps: int, stages: int,
@@ -156,8 +156,7 @@ def rows(before: str | None) -> list[dict]:
             key = (path, rev)
             if key not in modules:
                 modules[key] = (revision_module(rev, path) if rev else
-                                __import__(f"flashinfra.kernels.{spec['module'].replace('/', '.')}",
-                                           fromlist=["_"]))
+                                importlib.import_module(f"flashinfra.kernels.{spec['module'].replace('/', '.')}"))
             fn = getattr(modules[key], spec["kernel"], None)
             if fn is not None:
                 out.append(dict(label=spec["label"], side=side, **compile_kernel(fn, spec)))

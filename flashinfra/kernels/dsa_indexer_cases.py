@@ -296,8 +296,8 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
     the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` and
     ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort), ``rank_max`` the threshold
-    select's ``RANK_MAX_ROWS``; ``wider``: the block
-    tables that many times wider than the longest sequence needs, zero-padded (a CUDA graph's width bucket)."""
+    select's ``RANK_MAX_ROWS``; ``wider``: the block tables that many times wider than the longest sequence needs,
+    zero-padded (a CUDA graph's width bucket)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)

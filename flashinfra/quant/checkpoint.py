@@ -1,8 +1,8 @@
 """``flashinfra quantize --w8a8|--fp8 SRC DST``: write an 8-bit checkpoint that loads directly.
 
 Format (release names, one ``model.safetensors``): every tensor of a quantized projection
-(``flashinfra.quant.model.QUANTIZED``, and ``W8A8_ONLY`` for ``--w8a8``) in 8 bits with its scale, every other tensor as in the source, in its float
-dtype (the MTP block and vision tower copied unchanged):
+(``flashinfra.quant.model.QUANTIZED``, and ``W8A8_ONLY`` for ``--w8a8``) in 8 bits with its scale, every other tensor
+as in the source, in its float dtype (the MTP block and vision tower copied unchanged):
 
 - ``--w8a8``: ``<name>.weight`` int8 ``[out, in]`` plus ``<name>.weight_scale`` float32 ``[out]`` (symmetric, per
   output channel: ``w = weight * weight_scale[:, None]``). Loading it with ``--quantization auto`` (or ``w8a8``)
@@ -32,7 +32,7 @@ from flashinfra.model.weights import weight_layout
 from flashinfra.quant.model import QUANTIZED, W8A8_ONLY, quantize_model, quantized_weights
 from flashinfra.quant.weights import FP8_BLOCK, QuantizedWeight, quantize_fp8_blocks
 
-NOT_QUANTIZED = ["embed_tokens", "lm_head", "*norm*", "mlp.gate (router)", "hc_* (mHC)", "f_b_proj", "g_b_proj",
+NOT_QUANTIZED = ["embed_tokens", "*norm*", "mlp.gate (router)", "hc_* (mHC)", "f_b_proj", "g_b_proj",
                  "A_log", "dt_bias", "*_conv1d", "kv_b_proj", "indexer.*", "mtp layer", "model.visual.*"]
 SCHEMES = {
     "w8a8": {"quant_method": "w8a8", "weights": "int8, symmetric, per output channel (weight_scale)",
@@ -43,8 +43,9 @@ SCHEMES = {
 
 
 def quantization_config(scheme: str = "w8a8") -> dict:
-    quantized = {**QUANTIZED, **(W8A8_ONLY if scheme == "w8a8" else {})}
-    kept = [m for m in NOT_QUANTIZED if not (scheme == "w8a8" and m == "lm_head")]
+    w8a8 = scheme == "w8a8"
+    quantized = {**QUANTIZED, **(W8A8_ONLY if w8a8 else {})}
+    kept = NOT_QUANTIZED + ([] if w8a8 else [name for names in W8A8_ONLY.values() for name in names])
     return {**SCHEMES[scheme], "quantized": {k: list(v) for k, v in quantized.items()},
             "modules_not_quantized": kept}
 

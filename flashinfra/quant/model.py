@@ -2,13 +2,13 @@
 
 ``QUANTIZED`` lists the projections that become 8-bit: every dense projection of KDA (``in_proj``, ``o_proj``),
 MLA (``qkv_a_proj``, ``q_b_proj``, ``o_proj``), the dense MLPs and the experts (routed and shared); W8A8 also
-quantizes ``lm_head`` (``W8A8_ONLY``: a quarter of the weight bytes a decode step reads at batch 1; one scale per
-vocabulary row, so a tensor-parallel rank's rows are exactly its slice of it, which FP8's 128-row blocks are not
-where the vocabulary splits off a block boundary). A model whose head is its embedding keeps it in the model dtype.
-What stays in the model dtype: the embeddings (and ``lm_head`` under FP8), every norm, the router, mHC, the KDA forget/output gate low-rank
-``f_b_proj`` / ``g_b_proj`` and ``A_log`` / ``dt_bias``, the conv weights, MLA's ``kv_b_proj`` (absorbed into the
-query and output per head, an einsum rather than a GEMM of the model width) and the DSA indexer (its top-k choice
-is the most sensitive to rounding). ``in_proj`` carries beta's and the gates' low-rank inputs as rows: each row
+quantizes ``lm_head`` (``W8A8_ONLY``: the largest single weight a decode step reads; one scale per vocabulary row, so
+a tensor-parallel rank's rows are exactly its slice of it, which FP8's 128-row blocks are not where the vocabulary
+splits off a block boundary). A model whose head is its embedding keeps it in the model dtype. What stays in the
+model dtype: the embeddings (and ``lm_head`` under FP8), every norm, the router, mHC, the KDA forget/output gate
+low-rank ``f_b_proj`` / ``g_b_proj`` and ``A_log`` / ``dt_bias``, the conv weights, MLA's ``kv_b_proj`` (absorbed
+into the query and output per head, an einsum rather than a GEMM of the model width) and the DSA indexer (its top-k
+choice is the most sensitive to rounding). ``in_proj`` carries beta's and the gates' low-rank inputs as rows: each row
 has its own scale, so they are quantized with it.
 
 Where the checkpoint already holds the 8-bit form (block-FP8 ``weight_scale_inv`` with ``--quantization fp8``,
