@@ -122,6 +122,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="checkpoint to trace ('default' for the built-in model)")
     p.add_argument("--prompt-lens", default="32,17", help="model: comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=3, help="model: forward steps traced")
+    p.add_argument("--arrivals", default=None, metavar="N,LEN",
+                   help="model: N new requests of LEN tokens join before every step, so steps mix prompts with "
+                        "the running rows' decode as a server's do (default: none)")
     add_config_args(p, LoadConfig, only=("dtype", "device"))
     add_config_args(p, EngineConfig, only=TRACE_ENGINE_OPTIONS)
     p.set_defaults(max_num_seqs=None)  # None: as many as the prompts, at least 4

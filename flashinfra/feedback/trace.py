@@ -190,9 +190,12 @@ def _bench_step(name: str, device: str, dtype: str | None, quick: bool, steps: i
 
 
 def _engine_step(model: str | None, device: str, dtype: str | None, prompt_lens: list[int],
-                 max_tokens: int, options: dict[str, Any]) -> Callable[[int], Any]:
+                 max_tokens: int, options: dict[str, Any],
+                 arrivals: tuple[int, int] = (0, 0)) -> Callable[[int], Any]:
     """Engine steps over requests with random prompts; a finished batch is replaced by a new one. ``options``:
-    further ``EngineConfig`` settings (speculative decoding, asynchronous scheduling, ...)."""
+    further ``EngineConfig`` settings (speculative decoding, asynchronous scheduling, ...). ``arrivals``
+    (count, length): that many new prompts of that length join before every step, which then mixes their
+    prefill with the running rows' decode (the steps a server under load runs)."""
     import random
 
     from flashinfra.engine.config import EngineConfig
@@ -205,8 +208,8 @@ def _engine_step(model: str | None, device: str, dtype: str | None, prompt_lens:
     rng = random.Random(0)
     batch = [0]
 
-    def add_batch():
-        for j, n in enumerate(prompt_lens):
+    def add_batch(lens: list[int]):
+        for j, n in enumerate(lens):
             ids = [rng.randrange(vocab) for _ in range(n)]
             engine.add_request(EngineRequest(f"trace-{batch[0]}-{j}", ids,
                                              SamplingParams(max_tokens=max_tokens, ignore_eos=True), time.time()))
@@ -214,7 +217,9 @@ def _engine_step(model: str | None, device: str, dtype: str | None, prompt_lens:
 
     def step(i: int):
         if not engine.has_work():
-            add_batch()
+            add_batch(prompt_lens)
+        elif arrivals[0]:
+            add_batch([arrivals[1]] * arrivals[0])
         return engine.step()
 
     return step
@@ -234,10 +239,15 @@ def cli_main(args) -> int:
             lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
             if not lens or min(lens) < 1:
                 raise ValueError("--prompt-lens needs positive integers")
+            arrivals = (0, 0)
+            if args.arrivals:
+                arrivals = tuple(int(x) for x in args.arrivals.split(","))
+                if len(arrivals) != 2 or min(arrivals) < 1:
+                    raise ValueError(f"--arrivals needs N,LEN with both positive, got {args.arrivals!r}")
             options = {name: getattr(args, name) for name in TRACE_ENGINE_OPTIONS
                        if getattr(args, name, None) is not None}
             step = _engine_step(None if args.model == "default" else args.model, device, args.dtype, lens,
-                                max_tokens=max(2, args.warmup + args.steps), options=options)
+                                max_tokens=max(2, args.warmup + args.steps), options=options, arrivals=arrivals)
     except (KeyError, ValueError, OSError) as exc:
         print(f"error: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 2

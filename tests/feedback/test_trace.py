@@ -60,6 +60,23 @@ def test_trace_engine_steps_on_a_tiny_checkpoint(tmp_path):
     assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear") for o in summary["top_cpu_ops"])
 
 
+def test_trace_arrivals_mix_new_prompts_into_decode_steps(tmp_path):
+    from flashinfra.feedback.trace import _engine_step
+    from flashinfra.model.factory import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    step = _engine_step(str(ckpt), "cpu", "float32", [5, 3], max_tokens=8, options={"max_num_seqs": 8},
+                        arrivals=(2, 4))
+    first = {o.request_id for o in step(0)}
+    assert first == {"trace-0-0", "trace-0-1"}
+    # each later step decodes the running rows and prefills the two prompts that joined just before it
+    for i in (1, 2):
+        ids = {o.request_id for o in step(i)}
+        assert {f"trace-{i}-0", f"trace-{i}-1", "trace-0-0", "trace-0-1"} <= ids
+    assert cli.main(["trace", "--model", str(ckpt), "--device", "cpu", "--arrivals", "2", "--out",
+                     str(tmp_path / "x")]) == 2
+
+
 def test_trace_needs_exactly_one_target(capsys):
     assert cli.main(["trace"]) == 2
     assert cli.main(["trace", "--bench", "no.such.bench", "--device", "cpu"]) == 2
