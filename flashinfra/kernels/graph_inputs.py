@@ -13,7 +13,9 @@ while that fits its table (``caps``: the table's capacity in tokens), past it th
 position; a padding row writes the scratch entry at position 1 from a table of the scratch block.
 
 In tensor ops each of these is some twenty launches, each a few microseconds of host time in a step whose host
-time is the bottleneck (a speculative step fills two such buffers); here one program per graph row does it all.
+time is the bottleneck (a speculative step fills two such buffers); here one launch does it all: per graph row, one
+program for its tokens, its scalars and the first ``BW`` columns of its table, and one more per further ``BW`` columns
+(a row's table at 1M tokens has 65,536 blocks, too many for one program to copy in a decode step's time).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
 
-BW = 256  # block-table columns per iteration
+BW = 256  # block-table columns per program: a row's table is copied by W / BW programs (at 1M tokens, 256 of them)
 
 
 # every integer argument changes with the step or the buffer: none specialised, one compilation per ``Q``
@@ -35,60 +37,60 @@ def fill_step_kernel(src_ids, cu, src_slot, src_pos, src_state, src_table, src_s
                      B, w, W, stride_src, scratch_entry, scratch_slot, scratch_block,
                      Q: tl.constexpr, QP: tl.constexpr, BW: tl.constexpr):
     r = tl.program_id(0)
-    o_q = tl.arange(0, QP)
-    m_q = o_q < Q
-    dst = r * Q + o_q
+    o = tl.program_id(1) * BW + tl.arange(0, BW)  # this program's table columns
     if r < B:
-        start = tl.load(cu + r)
-        n = tl.load(cu + r + 1) - start
-        real = o_q < n
-        s = start + o_q
-        length = tl.load(src_seq + r)
-        tl.store(ids + dst, tl.load(src_ids + s, mask=real, other=0), mask=m_q)
-        tl.store(slot + dst, tl.load(src_slot + s, mask=real, other=scratch_entry), mask=m_q)
-        tl.store(pos + dst, tl.where(real, tl.load(src_pos + s, mask=real, other=0), length - 1), mask=m_q)
-        tl.store(at + s, dst.to(tl.int64), mask=real)
-        tl.store(state + r, tl.load(src_state + r))
-        tl.store(seq + r, length)
-        for c in range(0, W, BW):
-            o = c + tl.arange(0, BW)
-            tl.store(table + r * W + o, tl.load(src_table + r * stride_src + o, mask=o < w, other=0), mask=o < W)
+        tl.store(table + r * W + o, tl.load(src_table + r * stride_src + o, mask=o < w, other=0), mask=o < W)
     else:
-        tl.store(ids + dst, tl.zeros([QP], dtype=tl.int64), mask=m_q)
-        tl.store(slot + dst, tl.zeros([QP], dtype=tl.int64) + scratch_entry, mask=m_q)
-        tl.store(pos + dst, tl.full([QP], 1, dtype=tl.int32), mask=m_q)
-        tl.store(state + r, scratch_slot.to(tl.int64))
-        tl.store(seq + r, 2)
-        for c in range(0, W, BW):
-            o = c + tl.arange(0, BW)
-            tl.store(table + r * W + o, tl.zeros([BW], dtype=tl.int32) + scratch_block, mask=o < W)
+        tl.store(table + r * W + o, tl.zeros([BW], dtype=tl.int32) + scratch_block, mask=o < W)
+    if tl.program_id(1) == 0:  # the row's tokens and scalars
+        o_q = tl.arange(0, QP)
+        m_q = o_q < Q
+        dst = r * Q + o_q
+        if r < B:
+            start = tl.load(cu + r)
+            n = tl.load(cu + r + 1) - start
+            real = o_q < n
+            s = start + o_q
+            length = tl.load(src_seq + r)
+            tl.store(ids + dst, tl.load(src_ids + s, mask=real, other=0), mask=m_q)
+            tl.store(slot + dst, tl.load(src_slot + s, mask=real, other=scratch_entry), mask=m_q)
+            tl.store(pos + dst, tl.where(real, tl.load(src_pos + s, mask=real, other=0), length - 1), mask=m_q)
+            tl.store(at + s, dst.to(tl.int64), mask=real)
+            tl.store(state + r, tl.load(src_state + r))
+            tl.store(seq + r, length)
+        else:
+            tl.store(ids + dst, tl.zeros([QP], dtype=tl.int64), mask=m_q)
+            tl.store(slot + dst, tl.zeros([QP], dtype=tl.int64) + scratch_entry, mask=m_q)
+            tl.store(pos + dst, tl.full([QP], 1, dtype=tl.int32), mask=m_q)
+            tl.store(state + r, scratch_slot.to(tl.int64))
+            tl.store(seq + r, 2)
 
 
 @triton.jit(do_not_specialize=["n", "w", "W", "bs", "stride_src", "block_size", "scratch_entry", "scratch_block"])
 def fill_chain_kernel(positions, caps, src_table, table, slot, pos, seq, n, w, W, bs, stride_src, block_size,
                       scratch_entry, scratch_block, STEPS: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr):
     r = tl.program_id(0)
-    o_j = tl.arange(0, SP)
-    m_j = o_j < STEPS
+    o = tl.program_id(1) * BW + tl.arange(0, BW)  # this program's table columns
     if r < n:
-        cap = tl.load(caps + r).to(tl.int64)
-        p = tl.minimum(tl.load(positions + r).to(tl.int64) + o_j, cap - 1)
-        block = tl.load(src_table + r * stride_src + p // block_size, mask=m_j & (p >= 0), other=0).to(tl.int64)
-        # the row's own steps: its next positions while they fit its table
-        own = o_j < tl.minimum(tl.maximum(cap - tl.load(positions + r).to(tl.int64), 0), STEPS)
-        tl.store(slot + o_j * bs + r, tl.where(own, block * block_size + p % block_size, scratch_entry), mask=m_j)
-        tl.store(pos + o_j * bs + r, p.to(tl.int32), mask=m_j)
-        tl.store(seq + o_j * bs + r, (p + 1).to(tl.int32), mask=m_j)
-        for c in range(0, W, BW):
-            o = c + tl.arange(0, BW)
-            tl.store(table + r * W + o, tl.load(src_table + r * stride_src + o, mask=o < w, other=0), mask=o < W)
+        tl.store(table + r * W + o, tl.load(src_table + r * stride_src + o, mask=o < w, other=0), mask=o < W)
     else:
-        tl.store(slot + o_j * bs + r, tl.zeros([SP], dtype=tl.int64) + scratch_entry, mask=m_j)
-        tl.store(pos + o_j * bs + r, tl.full([SP], 1, dtype=tl.int32), mask=m_j)
-        tl.store(seq + o_j * bs + r, tl.full([SP], 2, dtype=tl.int32), mask=m_j)
-        for c in range(0, W, BW):
-            o = c + tl.arange(0, BW)
-            tl.store(table + r * W + o, tl.zeros([BW], dtype=tl.int32) + scratch_block, mask=o < W)
+        tl.store(table + r * W + o, tl.zeros([BW], dtype=tl.int32) + scratch_block, mask=o < W)
+    if tl.program_id(1) == 0:  # the row's chained steps
+        o_j = tl.arange(0, SP)
+        m_j = o_j < STEPS
+        if r < n:
+            cap = tl.load(caps + r).to(tl.int64)
+            p = tl.minimum(tl.load(positions + r).to(tl.int64) + o_j, cap - 1)
+            block = tl.load(src_table + r * stride_src + p // block_size, mask=m_j & (p >= 0), other=0).to(tl.int64)
+            # the row's own steps: its next positions while they fit its table
+            own = o_j < tl.minimum(tl.maximum(cap - tl.load(positions + r).to(tl.int64), 0), STEPS)
+            tl.store(slot + o_j * bs + r, tl.where(own, block * block_size + p % block_size, scratch_entry), mask=m_j)
+            tl.store(pos + o_j * bs + r, p.to(tl.int32), mask=m_j)
+            tl.store(seq + o_j * bs + r, (p + 1).to(tl.int32), mask=m_j)
+        else:
+            tl.store(slot + o_j * bs + r, tl.zeros([SP], dtype=tl.int64) + scratch_entry, mask=m_j)
+            tl.store(pos + o_j * bs + r, tl.full([SP], 1, dtype=tl.int32), mask=m_j)
+            tl.store(seq + o_j * bs + r, tl.full([SP], 2, dtype=tl.int32), mask=m_j)
 
 
 def _check(src: tuple, dst: tuple, q: int) -> None:
@@ -116,7 +118,7 @@ def fill_step_launch(src: tuple, dst: tuple, q: int, scratch: tuple[int, int, in
     bs, B = dst[3].shape[0], src[1].shape[0] - 1
     entry, slot, block = scratch
     w, W = src[5].shape[1], dst[4].shape[1]
-    fast(fill_step_kernel)[(bs,)](*src, *dst, B, w, W, max(src[5].stride(0), 1), entry, slot, block,
+    fast(fill_step_kernel)[(bs, triton.cdiv(W, BW))](*src, *dst, B, w, W, max(src[5].stride(0), 1), entry, slot, block,
                                   Q=q, QP=triton.next_power_of_2(q), BW=BW, num_warps=1)
 
 
@@ -169,7 +171,8 @@ def fill_chain_launch(src: tuple, dst: tuple, block_size: int, scratch: tuple[in
     positions, caps, src_table = src
     table, slot, pos, seq = dst
     steps, bs = slot.shape[0], table.shape[0]
-    fast(fill_chain_kernel)[(bs,)](positions, caps, src_table, table, slot, pos, seq, positions.shape[0],
+    grid = (bs, triton.cdiv(table.shape[1], BW))
+    fast(fill_chain_kernel)[grid](positions, caps, src_table, table, slot, pos, seq, positions.shape[0],
                                    src_table.shape[1], table.shape[1], bs, max(src_table.stride(0), 1), block_size,
                                    *scratch, STEPS=steps, SP=max(1, triton.next_power_of_2(steps)), BW=BW, num_warps=1)
 

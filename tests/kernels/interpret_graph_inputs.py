@@ -8,7 +8,7 @@ from flashinfra.kernels import check_cases as cases
 
 
 @pytest.mark.parametrize("bs,q,B,w,W", [(8, 5, 5, 9, 300), (4, 1, 4, 3, 16), (16, 4, 1, 1, 64), (2, 3, 0, 0, 16),
-                                         (3, 6, 3, 16, 16)])
+                                         (3, 6, 3, 16, 16), (3, 1, 2, 600, 1024)])
 def test_graph_inputs(bs, q, B, w, W):
     assert_passed(cases.graph_inputs("cpu", bs, q, B, w, W, seed=bs + q + B))
 
