@@ -8,7 +8,7 @@ passes as a multiple of 16 carries Triton's 16-divisibility attribute (without i
 prove aligned become one element per instruction, and the registers and spills differ from what runs).
 
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
-gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the router's logits, the DSA scoring kernel and the threshold select's count
+gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the mHC pre kernel of a decode token, the router's logits, the DSA scoring kernel and the threshold select's count
 and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's modules beside this tree's.
 
     PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
@@ -76,6 +76,10 @@ KERNELS = [
                  K="i32"),
             dict(HAS_BIAS=False, BLOCK_N=128, BM=bm, BN=bn, BK=128, WEIGHTS="fp8"), ("N", "K"), nw, st,
             f"FP8 linear {bm} x {bn}") for bm, bn, nw, st in ((16, 64, 4, 4), (128, 128, 8, 3))],
+    _spec("mhc", "hc_pre_kernel",
+          dict(x="*bf16", part="*fp32", sumsq="*fp32", base="*fp32", scale="*fp32", y="*bf16", post="*fp32",
+               comb="*fp32", T="i32", D="i32", SPLIT="i32", iters="i32", eps="fp32", norm_eps="fp32", DCH="i32"),
+          dict(N=4, BN=32, BT=1, BD=1024, SP=64), ("D",), 4, 3, "mHC pre, one token, 1,024 columns"),
     _spec("moe_route", "router_logits_kernel",
           dict(x="*bf16", w="*fp32", out="*fp32", T="i32", E="i32", D="i32", stride_x="i32"),
           dict(BM=128, BN=64, BK=64, DOT_F32=False), ("D", "stride_x"), 8, 3, "router logits 128 x 64, bf16 x 3"),
@@ -126,9 +130,11 @@ def _sass_loop(text: str) -> tuple[int, collections.Counter]:
 def compile_kernel(fn, spec: dict) -> dict:
     """Registers, stack, shared bytes and the main loop's instructions of ``fn`` compiled for sm_90 as ``spec``
     says."""
-    constexprs = {k: v for k, v in spec["constexprs"].items() if k in fn.arg_names}  # an older revision's
-    sig = dict(spec["signature"], **{name: "constexpr" for name in constexprs})
-    divisible = [n for n, t in spec["signature"].items() if t.startswith("*")] + list(spec["divisible"])
+    # an older revision's kernel may lack some of the arguments
+    constexprs = {k: v for k, v in spec["constexprs"].items() if k in fn.arg_names}
+    runtime = {k: v for k, v in spec["signature"].items() if k in fn.arg_names}
+    sig = dict(runtime, **{name: "constexpr" for name in constexprs})
+    divisible = [n for n, t in runtime.items() if t.startswith("*")] + [n for n in spec["divisible"] if n in runtime]
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})

@@ -16,7 +16,7 @@ def test_norms(T, D):
     assert_passed(cases.norms("cpu", T, D, seed=T))
 
 
-@pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300)])
+@pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300), (2, 700)])
 def test_mhc(T, D):
     assert_passed(cases.mhc("cpu", T, D, seed=T))
 
