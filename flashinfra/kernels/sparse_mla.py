@@ -33,6 +33,9 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 
+# the most splits of a token's list: the merge reads splits x H x R float32 partials per token
+MAX_SPLIT = 16
+
 # the latent's element type -> the kernel's cache format; 8-bit formats carry a float32 scale per token
 CACHE_FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
@@ -167,8 +170,7 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     if split is None and is_deterministic():  # one program per token's whole list: a fixed order
         split = 1
     if split is None:
-        # at most 16 splits: the merge reads split x H x R float32 partials per token
-        split = 1 if programs >= 132 else min(16, triton.next_power_of_2(triton.cdiv(264, programs)),
+        split = 1 if programs >= 132 else min(MAX_SPLIT, triton.next_power_of_2(triton.cdiv(264, programs)),
                                               triton.next_power_of_2(triton.cdiv(S, BN)))
     CH = triton.cdiv(triton.cdiv(S, split), BN) * BN
     dev = q_lat.device
