@@ -10,10 +10,6 @@ prompt; issue #39: the W8A8 prefill):
   int8 and block-FP8, per GEMM (profiler kernel times). Floor: the larger of its FLOPs at the matmul rate and its
   weights' bytes at the copy rate.
 
-- ``router``: the MoE router's float32 logits of 8192 and 256 rows (288 experts, D 4096), cuBLAS's float32 GEMM
-  (what ran before) against ``moe_route.router_logits`` (three bfloat16 products). Floor: the larger of three
-  bfloat16 products' FLOPs at the matmul rate and the rows', weights' and logits' bytes at the copy rate.
-
 ``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) and the MoE at other
 long-prefill tiles (``fused_moe.LARGE_TILES``) to choose them.
 
@@ -24,7 +20,6 @@ long-prefill tiles (``fused_moe.LARGE_TILES``) to choose them.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
@@ -32,7 +27,7 @@ from revisions import revision_module
 
 from flashinfra.feedback import ceilings
 from flashinfra.feedback.timing import call_times_us, header, kernel_times_us, write_results
-from flashinfra.kernels import dsa_indexer, fused_moe, moe_route
+from flashinfra.kernels import dsa_indexer, fused_moe
 
 HI, DI, KPOOL, BS, CONTEXT = 32, 128, 4, 16, 1 << 20
 T_MOE, E, D, I, K = 8192, 288, 4096, 2048, 8
@@ -171,45 +166,21 @@ def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
     return rows
 
 
-def router_rows(_before, ceil: dict, _configs: bool) -> list[dict]:  # "before" is cuBLAS's float32 GEMM
-    rows = []
-    for T in (T_MOE, 256):
-        torch.manual_seed(T)
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(E, D, device="cuda") * D**-0.5
-        want = x.double() @ w.double().T
-        out = torch.empty(T, E, device="cuda")
-        sides = {"cublas_fp32": lambda: torch.nn.functional.linear(x.float(), w),
-                 "three_bf16": lambda: moe_route.router_logits_launch(x, w, out)}
-        row = dict(T=T, E=E, D=D, floor_us=max(3 * 2 * T * E * D / ceil["matmul_flops_per_s_bfloat16"],
-                                               (x.nbytes + w.nbytes + out.nbytes) / ceil["copy_bytes_per_s"]) * 1e6)
-        for side, fn in sides.items():
-            err = float((fn().double() - want).abs().max())
-            row[side] = dict(us=statistics.median(call_times_us(fn, calls=20)), max_abs_err=err)
-        row.update(speedup=row["cublas_fp32"]["us"] / row["three_bf16"]["us"],
-                   floor_fraction=row["floor_us"] / row["three_bf16"]["us"])
-        print(f"router T={T}: cuBLAS fp32 {row['cublas_fp32']['us']:.1f} us, three bf16 {row['three_bf16']['us']:.1f} "
-              f"us ({row['speedup']:.2f}x, {row['floor_fraction']:.0%} of floor); errors "
-              f"{row['cublas_fp32']['max_abs_err']:.1e} / {row['three_bf16']['max_abs_err']:.1e}", flush=True)
-        rows.append(row)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="the git revision whose kernels to time beside this tree's")
     ap.add_argument("--before-dir", help="that revision's dsa_indexer.py and fused_moe.py, exported here (git show)")
     ap.add_argument("--configs", action="store_true", help="also the scoring kernel and the MoE at other tiles")
-    ap.add_argument("--parts", default="score,moe", help="comma-separated subset of score,moe,router")
+    ap.add_argument("--parts", default="score,moe", help="comma-separated subset of score,moe")
     ap.add_argument("--out", default="bench/results/prefill_kernels.json")
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = header() | dict(before=args.before, ceilings=ceil)
-    parts = {"score": ("dsa_indexer", score_rows), "moe": ("fused_moe", moe_rows), "router": (None, router_rows)}
+    parts = {"score": ("dsa_indexer", score_rows), "moe": ("fused_moe", moe_rows)}
     for part in args.parts.split(","):
         module, rows = parts[part]
-        before = module and revision_module(args.before, f"flashinfra/kernels/{module}.py", args.before_dir)
-        report[part] = rows(before, ceil, args.configs)
+        report[part] = rows(revision_module(args.before, f"flashinfra/kernels/{module}.py", args.before_dir), ceil,
+                            args.configs)
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
     print("| kernel | before | now | speedup | of floor |\n| --- | --- | --- | --- | --- |")

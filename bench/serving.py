@@ -148,7 +148,12 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
                             f"{free / 2**30:.1f} GiB are")
     core, startup = engine(lm, max_len, need, max_num_seqs=LONG_SEQS)
     add(core, PROMPT_1M, DECODE_STEPS + 1, 7)
-    steps = run_steps(core)
+    compiled = KeptCompiles()
+    watch = CompileWatch(compiled).start()  # what the warm-up left to the long prompt
+    try:
+        steps = run_steps(core)
+    finally:
+        watch.stop()
     prefill_steps = [s for s, _ in steps[:-DECODE_STEPS]]
     decode_steps = [s for s, _ in steps[-DECODE_STEPS:]]
     flops = prefill_flops(lm, PROMPT_1M)
@@ -164,7 +169,8 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
                                step_s=[round(s, 5) for s in prefill_steps]),
                decode_1m=dict(median_step_s=statistics.median(decode_steps), floor_s=floor_decode,
                               bytes=decode_bytes, ratio=statistics.median(decode_steps) / floor_decode,
-                              steps=decode_steps))
+                              steps=decode_steps),
+               compiled_kernels=[dict(kernel=e["kernel"], spec=e["spec"], seconds=e["duration_s"]) for e in compiled])
     del core
     free_memory()
     return out

@@ -95,18 +95,6 @@ def route(device: str, T: int, E: int, D: int, top_k: int, n_group: int, topk_gr
                     atol=1e-5, rtol=1e-4)]
 
 
-def router_logits(device: str, T: int, E: int, D: int, dtype=torch.bfloat16, seed=0) -> list[CheckResult]:
-    """The 16-bit rows against float32 weights, by three bfloat16 products, against float64: within float32's
-    accumulation error (a bfloat16 product of the weights alone would be 2^-9 off)."""
-    gen = _gen(device, seed)
-    x = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    weight = rnd(E, D, device=device, gen=gen, scale=D**-0.5)
-    out = torch.full((T, E), float("nan"), device=device)
-    moe_route.router_logits_launch(x, weight, out)
-    want = _d(x) @ _d(weight).T
-    return [compare("hotpath.router_logits", out, want, atol=1e-6, rtol=1e-5)]
-
-
 def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, seed=0, limit=1.0,
               shared_mult: int = 1) -> list[CheckResult]:
     """Random routing (with repeats of experts across tokens, some experts unused) against the float64 loop."""

@@ -16,7 +16,7 @@ import torch
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
 from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, mhc, moe_align, norms, penalties, rnd,
-                                            route, router_logits, sparse_mla, token_bitmask)
+                                            route, sparse_mla, token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
 
@@ -63,9 +63,7 @@ def _mhc(dev, act, seed):
 @_registered("hotpath.moe")
 def _moe(dev, act, seed):
     T, Em, Dm, Im, k, BM = (37, 64, 1024, 512, TOPK, 16) if dev == "cuda" else (9, 6, 24, 20, 2, 4)
-    logits = (300, 288, 1024) if dev == "cuda" else (130, 70, 96)  # a partial row tile, expert tile and K step
     return (route(dev, T, Em, Dm, k, 2, 1, dtype=act, seed=seed) + moe_align(dev, T, Em, k, BM, seed=seed)
-            + router_logits(dev, *logits, seed=seed)
             + fused_moe(dev, T, Em, Dm, Im, k, dtype=act, seed=seed, limit=10.0))
 
 

@@ -78,12 +78,13 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T", "SPLIT", "iters", "DCH"])  # the step's token count: one compilation for all
-def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, DCH,
+@triton.jit(do_not_specialize=["T", "SPLIT", "iters", "NB"])  # the step's token count: one compilation for all
+def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, NB,
                   N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr):
-    """Per ``BT`` tokens: the weights from the mix partials, Sinkhorn, and the collapse of ``DCH`` columns (program
-    axis 1: a few tokens' collapse is spread over programs that each redo the tokens' 4 x 4 Sinkhorn, the same
-    arithmetic in each; the first stores the weights)."""
+    """Per ``BT`` tokens: the weights from the mix partials, Sinkhorn, and the collapse of ``NB`` blocks of ``BD``
+    columns (program axis 1: a few tokens' collapse is spread over programs that each redo the tokens' 4 x 4 Sinkhorn,
+    the same arithmetic in each; the first stores the weights). Column offsets are multiples of ``BD``, so the loads
+    stay vectorised."""
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -116,8 +117,8 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
         tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
         tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
     rows = o_t.to(tl.int64) * N * D
-    for d0 in range(i_d * DCH, tl.minimum(i_d * DCH + DCH, D), BD):
-        o_d = d0 + tl.arange(0, BD)
+    for j in range(0, NB):
+        o_d = (i_d * NB + j) * BD + tl.arange(0, BD)
         m = m_t[:, None, None] & (o_d < D)[None, None, :]
         b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
         b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
@@ -211,10 +212,10 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     BD = max(16, min(1024 // BT2, triton.next_power_of_2(D)))
     blocks2 = triton.cdiv(T, BT2)
     chunks = max(1, min(triton.cdiv(D, BD), COLLAPSE_PROGRAMS // blocks2))
-    DCH = triton.cdiv(triton.cdiv(D, chunks), BD) * BD
-    fast(hc_pre_kernel)[(blocks2, triton.cdiv(D, DCH))](
+    NB = triton.cdiv(triton.cdiv(D, BD), chunks)  # BD-column blocks a program collapses
+    fast(hc_pre_kernel)[(blocks2, triton.cdiv(triton.cdiv(D, BD), NB))](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        DCH, N=n, BN=BN, BT=BT2, BD=BD, SP=triton.next_power_of_2(SPLIT), num_warps=4)
+        NB, N=n, BN=BN, BT=BT2, BD=BD, SP=triton.next_power_of_2(SPLIT), num_warps=4)
     return y, post, comb
 
 

@@ -79,9 +79,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     scratch = torch.zeros(3 * E_P2 + 4, dtype=torch.int32, device=dev)
     counts, starts = scratch[:E_P2], scratch[E_P2:2 * E_P2]
     fill, used = scratch[2 * E_P2:3 * E_P2], scratch[3 * E_P2:3 * E_P2 + 1]
-    block = min(COUNT_BLOCK, max(16, triton.next_power_of_2(Tk)))
-    if Tk:
-        fast(moe_count_kernel)[(triton.cdiv(Tk, block),)](flat, counts, Tk, E_P2=E_P2, BLOCK=block, num_warps=4)
+    if Tk:  # one block size whatever the batch: no compilation per size
+        fast(moe_count_kernel)[(triton.cdiv(Tk, COUNT_BLOCK),)](flat, counts, Tk, E_P2=E_P2, BLOCK=COUNT_BLOCK,
+                                                                 num_warps=4)
     fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, fill, used, Tk, num_experts, BM=BM,
                                   E_P2=E_P2, num_warps=4)
     if Tk:

@@ -5,17 +5,11 @@ choice uses ``scores + bias``; groups are ranked by the sum of their two best bi
 ``topk_group`` best groups stay eligible; the chosen experts' unbiased scores are normalised (when
 ``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.
 
-Triton path: the router logits come from one float32 GEMM; ``route_kernel`` then does everything else, one token per single-warp program with all experts of the token in registers (``k``
+Triton path: the router logits come from one float32 GEMM (cuBLAS); ``route_kernel`` then does
+everything else, one token per single-warp program with all experts of the token in registers (``k``
 rounds of arg-max), so routing is two launches whatever the number of groups. The selected experts come out in
 descending order of their biased score; exact ties between scores (which random float weights do not
 produce) may be broken differently from ``torch.topk``.
-
-The logits GEMM: float32 weights against 16-bit rows. For a prompt's many rows (``LOGITS_KERNEL_MIN_ROWS`` and up)
-``router_logits_kernel`` splits each float32 weight tile into three bfloat16 terms (``hi + mid + lo`` equals it to
-within a float32 rounding) and runs three bfloat16 tensor-core products into one float32 accumulator: each product of
-two bfloat16 values is exact in float32, so the result is the float32 GEMM's up to the order of the additions, at
-the bfloat16 rate, where cuBLAS's float32 GEMM runs on the FMA units. Fewer rows (decode) read the float32 weights
-once through cuBLAS's GEMV; deterministic mode keeps the batch-invariant GEMM for every size.
 """
 
 from __future__ import annotations
@@ -26,11 +20,8 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.batch_invariant import linear
-from flashinfra.kernels.dispatch import interpreting, is_deterministic, use_triton
-from flashinfra.kernels.kda.common import mma_bf16
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import fast
-
-LOGITS_KERNEL_MIN_ROWS = 256  # below: a GEMV-shaped product, read-bound, where cuBLAS's float32 path is as fast
 
 
 def route_ref(
@@ -100,68 +91,12 @@ def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr,
         tl.store(p, tl.load(p, mask=m_t, other=0.0) * factor, mask=m_t)
 
 
-@triton.jit
-def _bf16_terms(w):
-    """A float32 tile as three bfloat16 tiles whose sum equals it to within a float32 rounding (each residual is
-    exact in float32)."""
-    hi = w.to(tl.bfloat16)
-    r = w - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def router_logits_kernel(x, w, out, T, E, D, stride_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DOT_F32: tl.constexpr):
-    """out [T, E] float32 = x [T, D] (16-bit) @ w [E, D] (float32)^T, one [BM, BN] tile a program."""
-    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, D, BK):
-        m_k = (k + o_k) < D
-        a = tl.load(x + o_m[:, None].to(tl.int64) * stride_x + (k + o_k)[None, :],
-                    mask=(o_m[:, None] < T) & m_k[None, :], other=0.0).to(tl.bfloat16)
-        b = tl.load(w + o_n[None, :] * D + (k + o_k)[:, None], mask=(o_n[None, :] < E) & m_k[:, None], other=0.0)
-        hi, mid, lo = _bf16_terms(b)
-        acc = mma_bf16(a, hi, acc, DOT_F32)
-        acc = mma_bf16(a, mid, acc, DOT_F32)
-        acc = mma_bf16(a, lo, acc, DOT_F32)
-    tl.store(out + o_m[:, None].to(tl.int64) * E + o_n[None, :], acc, mask=(o_m[:, None] < T) & (o_n[None, :] < E))
-
-
-def router_logits_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``router_logits_kernel`` into ``out`` [T, E] float32: x [T, D] 16-bit rows, weight [E, D] float32."""
-    T, D = x.shape
-    E = weight.shape[0]
-    if (x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1 or weight.dtype != torch.float32
-            or not weight.is_contiguous() or weight.shape[1] != D or out.shape != (T, E)
-            or out.dtype != torch.float32 or not out.is_contiguous()):
-        raise ValueError(f"router_logits: 16-bit rows [T, D] with contiguous features, contiguous float32 weights "
-                         f"[E, D] and a contiguous float32 out [T, E]; got x {x.dtype} {tuple(x.shape)}, weight "
-                         f"{weight.dtype} {tuple(weight.shape)}, out {out.dtype} {tuple(out.shape)}")
-    BM, BN = 128, 64
-    fast(router_logits_kernel)[(triton.cdiv(T, BM), triton.cdiv(E, BN))](x, weight, out, T, E, D, x.stride(0),
-                                                                          BM=BM, BN=BN, BK=64, DOT_F32=interpreting(),
-                                                                          num_warps=8, num_stages=3)
-    return out
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D] @ weight [E, D]^T in float32 (module docstring: which product runs)."""
-    if (is_deterministic() or x.shape[0] < LOGITS_KERNEL_MIN_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-            or weight.dtype != torch.float32):
-        return linear(x.float(), weight.float()).contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    return router_logits_launch(x, weight.contiguous(), out)
-
-
 def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
     """-> (weights [T, top_k] float32, ids [T, top_k] int32)."""
     E = weight.shape[0]
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
         raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
-    logits = router_logits(x, weight)
+    logits = linear(x.float(), weight.float()).contiguous()
     T = x.shape[0]
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
