@@ -8,7 +8,7 @@ passes as a multiple of 16 carries Triton's 16-divisibility attribute (without i
 prove aligned become one element per instruction, and the registers and spills differ from what runs).
 
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
-gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the MoE align's count and layout, the mHC pre kernel of a decode token, the DSA scoring kernel and the threshold select's count
+gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the MoE align's count and layout, the DSA scoring kernel and the threshold select's count
 and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's modules beside this tree's.
 
     PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
@@ -81,10 +81,6 @@ KERNELS = [
     _spec("moe_align", "moe_layout_kernel",
           dict(counts="*i32", sorted_ids="*i32", expert_ids="*i32", starts="*i32", fill="*i32", used="*i32",
                num_pairs="i32", num_experts="i32"), dict(BM=128, E_P2=512), (), 4, 3, "MoE align layout"),
-    _spec("mhc", "hc_pre_kernel",
-          dict(x="*bf16", part="*fp32", sumsq="*fp32", base="*fp32", scale="*fp32", y="*bf16", post="*fp32",
-               comb="*fp32", T="i32", D="i32", SPLIT="i32", iters="i32", eps="fp32", norm_eps="fp32", NB="i32"),
-          dict(N=4, BN=32, BT=1, BD=1024, SP=64), ("D",), 4, 3, "mHC pre, one token, 1,024 columns"),
     _spec("dsa_indexer", "index_score_kernel",
           dict(q="*bf16", w="*fp32", pool_keys="*bf16", block_tables="*i32", token_seq="*i32", positions="*i32",
                out="*i32", T="i32", W="i32", P="i32", scale="fp32", stride_qt="i32", stride_wt="i32"),

@@ -40,6 +40,9 @@ _SHORT_PROMPT = 17
 # divisible by 16.
 _MANY_PROMPTS = 16
 _MANY_PROMPT_TOKENS = 64
+# Decode rows beside a short prompt, few enough tokens a sequence that the indexer scores one query a program (a
+# loaded server's steps: an H100 compiled that variant on the first 128-prompt burst after the warm-up).
+_MANY_DECODE_ROWS = 31
 # The shortest of the power-of-two prompts.
 _SMALLEST_POWER = 16
 
@@ -62,7 +65,8 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
                    num_blocks: int) -> list[list[int]]:
     """Query lengths of the prefill warm-up steps (one list per step; a ``1`` is a decode row): the whole
     token budget as one prompt, a budget step shared with decode rows, a short odd-length prompt, a prompt of each
-    power-of-two length below the budget and one of a token less, and 16 short prompts together.
+    power-of-two length below the budget and one of a token less, 16 short prompts together, and a short prompt
+    among some 30 decode rows.
     Each step fits the context length, the sequence count and the cache blocks."""
     longest = min(budget, max_model_len - 1, num_blocks * block_size)
     shapes = [[longest]]
@@ -89,6 +93,12 @@ def prefill_shapes(budget: int, max_model_len: int, max_num_seqs: int, block_siz
     per = min(_MANY_PROMPT_TOKENS, longest // _MANY_PROMPTS, max_model_len - 1)
     if max_num_seqs >= _MANY_PROMPTS and per >= 1 and _MANY_PROMPTS * -(-per // block_size) <= num_blocks:
         shapes.append([per] * _MANY_PROMPTS)
+    # a short prompt among many decode rows (fewer than dsa_indexer.SHARED_KEYS_MIN_QUERIES tokens a sequence), with
+    # a token count 16 does not divide and one it does
+    many = min(_MANY_DECODE_ROWS, max_num_seqs - 1)
+    for rows in (many - 1, many):
+        if rows >= _MANY_PROMPTS and short + rows <= longest and -(-short // block_size) + rows <= num_blocks:
+            shapes.append([short] + [1] * rows)
     return shapes
 
 

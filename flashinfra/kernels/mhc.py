@@ -78,14 +78,10 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T", "SPLIT", "iters", "NB"])  # the step's token count: one compilation for all
-def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, NB,
+@triton.jit(do_not_specialize=["T", "SPLIT", "iters"])  # the step's token count: one compilation for all
+def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
                   N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr):
-    """Per ``BT`` tokens: the weights from the mix partials, Sinkhorn, and the collapse of ``NB`` blocks of ``BD``
-    columns (program axis 1: a few tokens' collapse is spread over programs that each redo the tokens' 4 x 4 Sinkhorn,
-    the same arithmetic in each; the first stores the weights). Column offsets are multiples of ``BD``, so the loads
-    stay vectorised."""
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_i = tl.arange(0, N)
@@ -113,12 +109,11 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     for _ in range(iters - 1):
         c = c / (tl.sum(c, 2)[:, :, None] + eps)
         c = c / (tl.sum(c, 1)[:, None, :] + eps)
-    if i_d == 0:
-        tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
-        tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
+    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
+    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
     rows = o_t.to(tl.int64) * N * D
-    for j in range(0, NB):
-        o_d = (i_d * NB + j) * BD + tl.arange(0, BD)
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
         m = m_t[:, None, None] & (o_d < D)[None, None, :]
         b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
         b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
@@ -160,9 +155,6 @@ DETERMINISTIC_SPLIT = 16  # K-splits of the mix product in deterministic mode, w
 # Tokens per program of the mix product: every program reads the whole [(2 + n) n, n D] projection, so a prompt's
 # programs together read it T / MIX_TOKENS times (from L2); 64 rows are also the least a Hopper wgmma takes.
 MIX_TOKENS = 64
-# hc_pre's programs below which a token block's collapse is split over columns (a decode step's one token would read
-# its n x D streams in one program, D / BD loads one after another)
-COLLAPSE_PROGRAMS = 64
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -207,15 +199,12 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     fast(hc_mix_kernel)[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
                                          IEEE=streams.dtype == torch.float32, num_warps=4)
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
-    # fewer, larger programs. Fewer token blocks than COLLAPSE_PROGRAMS (decode) split the collapse over columns.
+    # fewer, larger programs
     BT2 = _tokens_per_program(streams, T)
-    BD = max(16, min(1024 // BT2, triton.next_power_of_2(D)))
-    blocks2 = triton.cdiv(T, BT2)
-    chunks = max(1, min(triton.cdiv(D, BD), COLLAPSE_PROGRAMS // blocks2))
-    NB = triton.cdiv(triton.cdiv(D, BD), chunks)  # BD-column blocks a program collapses
-    fast(hc_pre_kernel)[(blocks2, triton.cdiv(triton.cdiv(D, BD), NB))](
+    fast(hc_pre_kernel)[(triton.cdiv(T, BT2),)](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        NB, N=n, BN=BN, BT=BT2, BD=BD, SP=triton.next_power_of_2(SPLIT), num_warps=4)
+        N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), SP=triton.next_power_of_2(SPLIT),
+        num_warps=4)
     return y, post, comb
 
 

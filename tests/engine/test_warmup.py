@@ -55,6 +55,10 @@ def test_prefill_shapes_fit_the_configuration(budget, max_len, seqs, block_size,
         assert any(1 in s for s in shapes)  # a step with decode rows beside the prefill
     if seqs >= 16 and num_blocks >= 16 * 4:
         assert any(len(s) == 16 for s in shapes)  # a step of 16 prompts
+    if seqs >= 32 and num_blocks >= 64 and min(budget, max_len - 1) >= 64:
+        # a short prompt among decode rows, fewer than 4 tokens a sequence (the indexer's one-query programs)
+        few = [s for s in shapes if s.count(1) >= 16]
+        assert len(few) == 2 and all(sum(s) < 4 * len(s) for s in few) and {sum(s) % 16 == 0 for s in few} == {0, 1}
 
 
 def test_warm_up_is_a_no_op_on_the_cpu(tmp_path):
