@@ -17,9 +17,9 @@ cache; a bf16 KDA state (every KDA kernel reads and stores a bf16 state).
    and 8192 tokens for each weight format (TFLOP/s and the fraction of that format's peak), the RMSNorm and the
    projection it feeds at the same token counts (``norm_gemms``: bf16; W8A8 with the activation quantization a
    kernel of its own; W8A8 with it in the norm's epilogue, as the model runs it), and on the 4-layer
-   full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, random weights) decode steps at batch 1 / 32 / 128 with
-   ``--context`` cached tokens (CUDA-graph replay, eager where capture fails) and a ``--prefill``-token prefill per
-   mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
+   full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, its own lm_head as the model has, random weights)
+   decode steps at batch 1 / 32 / 128 with ``--context`` cached tokens (CUDA-graph replay, eager where capture
+   fails) and a ``--prefill``-token prefill per mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
    layer the slice's output streams on a 256-token prompt against bf16's (``layerwise_rel``).
 
 usage: python bench/quant.py --out bench/results/quant.json [--smoke]
@@ -394,8 +394,10 @@ def main() -> int:
         result["accuracy"] = accuracy(dev, "bfloat16" if dev == "cuda" else "float32", ids,
                                       16 if smoke else args.greedy, 128 if smoke else 256)
         save()
-    slice_cfg = dict(num_hidden_layers=4, mlp_layer_types=["sparse"] * 4, index_kpool=4,
-                     **(SMOKE_SLICE if smoke else {}))
+    # the slice as the model is served: its own lm_head (GLM-5.3-Flash's is untied), which W8A8 quantizes
+    slice_cfg = dict(architectures=["Glm5NextForConditionalGeneration"], tie_word_embeddings=False,
+                     text_config=dict(num_hidden_layers=4, mlp_layer_types=["sparse"] * 4, index_kpool=4,
+                                      **(SMOKE_SLICE if smoke else {})))
     text_cfg = model_config_from(slice_cfg).text
     reps = 2 if smoke else args.reps
     tokens = (1, 32) if smoke else (1, 32, 128, 8192)
