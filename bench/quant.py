@@ -19,8 +19,9 @@ cache; a bf16 KDA state (every KDA kernel reads and stores a bf16 state).
    kernel of its own; W8A8 with it in the norm's epilogue, as the model runs it), and on the 4-layer
    full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, its own lm_head as the model has, random weights)
    decode steps at batch 1 / 32 / 128 with ``--context`` cached tokens (CUDA-graph replay, eager where capture
-   fails) and a ``--prefill``-token prefill per mode, each against bf16 (goals: decode <= 0.6x bf16's time at batch 1, prefill >= 1.5x bf16's speed), and per
-   layer the slice's output streams on a 256-token prompt against bf16's (``layerwise_rel``).
+   fails) and a ``--prefill``-token prefill per mode, each against bf16 (goals: decode <= 0.6x bf16's time at
+   batch 1, prefill >= 1.5x bf16's speed), and per layer the slice's output streams on a 256-token prompt against
+   bf16's (``layerwise_rel``).
 
 usage: python bench/quant.py --out bench/results/quant.json [--smoke]
        (--smoke: python bench/quant.py --smoke --out bench/results/quant_smoke.json, a few minutes on a CPU)
