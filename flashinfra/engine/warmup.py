@@ -54,9 +54,11 @@ class WarmupReport:
     prefill_shapes: tuple[tuple[int, ...], ...]
     memory_bytes: int  # device memory held after the warm-up that was not held before (graph pools)
     peak_bytes: int  # peak device memory allocated during the warm-up
+    long_selects: int = 0  # runs of the long rows' top-k select (``long_context_selects``)
 
     def line(self) -> str:
-        return (f"warm-up: {self.graphs_captured} CUDA graphs and {len(self.prefill_shapes)} prefill shapes "
+        return (f"warm-up: {self.graphs_captured} CUDA graphs, {len(self.prefill_shapes)} prefill shapes and "
+                f"{self.long_selects} long-row selects "
                 f"in {self.seconds:.1f} s; {self.memory_bytes / 2**20:.0f} MiB held, "
                 f"peak {self.peak_bytes / 2**30:.2f} GiB")
 
@@ -159,6 +161,20 @@ def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: in
     return captured
 
 
+def long_context_selects(cfg, max_model_len: int, block_size: int, device) -> int:
+    """The DSA indexer's top-k over rows longer than any warm-up prompt makes (contexts of 64k tokens and more): its
+    kernels' variants by row length, compiled here rather than midway through a long prompt. -> the runs."""
+    if not cfg.indexer_layers:
+        return 0
+    from flashinfra.kernels.dsa_topk import THRESHOLD_MIN_POOLS, warm_up_threshold
+
+    kpool = cfg.index_kpool
+    max_pools = -(-max_model_len // block_size) * (block_size // kpool)  # the widest block table's pools
+    if max_pools < THRESHOLD_MIN_POOLS:
+        return 0
+    return warm_up_threshold(max_pools, cfg.index_topk // kpool, kpool, device)
+
+
 def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int,
             checkpoint_slot: int | None = None) -> WarmupReport | None:
     """Capture the decode (and verify and draft) graphs and compile the prefill kernels of this configuration
@@ -188,10 +204,11 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
             for query_lens, verify in _mixed_verify_steps(runner, shapes[0][0], max_num_seqs, num_blocks):
                 batch = _prefill_batch(query_lens, runner.block_size, device, verify)
                 model.forward(torch.zeros(sum(query_lens), dtype=torch.long, device=device), batch, runner.cache)
+        selects = long_context_selects(model.config.text, max_model_len, runner.block_size, device)
         captured = capture_graphs(runner, max_num_seqs, max_model_len, num_blocks)
     torch.cuda.synchronize(device)
     report = WarmupReport(seconds=time.perf_counter() - start, graphs_captured=captured,
-                          prefill_shapes=tuple(tuple(s) for s in shapes),
+                          prefill_shapes=tuple(tuple(s) for s in shapes), long_selects=selects,
                           memory_bytes=max(0, torch.cuda.memory_reserved(device) - held_before),
                           peak_bytes=torch.cuda.max_memory_allocated(device))
     logger.info(report.line())

@@ -268,10 +268,41 @@ def threshold_counts(scores: torch.Tensor, k: int, positions: torch.Tensor | Non
     return _counts(scores, k, *_visible(scores, positions, kpool))
 
 
+def sample_size(P: int, k: int) -> int:
+    """Keys sampled per row of ``P`` pools (``S``, a constexpr of the sample kernels): about 8 in the top ``k``."""
+    lo, hi = THRESHOLD_SAMPLES
+    return min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
+
+
+def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:
+    """Run the threshold select once per kernel variant rows of up to ``max_pools`` pools can meet (its sample size
+    grows with the row, and Triton specialises the pool count on its divisibility by 16), on two rows of random
+    scores, so that a long prompt compiles none of them midway (``engine/warmup.py``). -> how many runs."""
+    lengths = []
+    for P in range(THRESHOLD_MIN_POOLS, max_pools + 1):  # the shortest row of each sample size
+        if not lengths or sample_size(P, k) != sample_size(lengths[-1], k):
+            lengths.append(P)
+        if sample_size(P, k) == THRESHOLD_SAMPLES[1]:
+            break
+    runs = 0
+    gen = torch.Generator(device=device).manual_seed(0)
+    for first in lengths:
+        whole = -(-first // 16) * 16  # a count 16 divides, and one it does not
+        other = -(-first // 4) * 4
+        other += 4 if other % 16 == 0 else 0
+        for P in (whole, other):
+            if P > max_pools or k > P:
+                continue
+            scores = torch.randint(-2**31, 2**31 - 1, (2, P), dtype=torch.int32, device=device, generator=gen)
+            positions = torch.full((2,), P * max(kpool, 1) - 1, dtype=torch.int32, device=device)
+            threshold_launch(scores, k, positions=positions if kpool else None, kpool=kpool)
+            runs += 1
+    return runs
+
+
 def _counts(scores: torch.Tensor, k: int, pos: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor]:
     R, P = scores.shape
-    lo, hi = THRESHOLD_SAMPLES
-    S = min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
+    S = sample_size(P, k)
     M, C = THRESHOLDS, THRESHOLD_CHUNK
     thresholds = torch.empty(R, M, dtype=torch.int64, device=scores.device)
     counts = torch.zeros(R, M, dtype=torch.int32, device=scores.device)

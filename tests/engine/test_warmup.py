@@ -109,3 +109,31 @@ def test_speculative_warm_up_mixes_a_prompt_with_verify_rows(longest, seqs, num_
         assert batch.replay == (False,) + (True,) * rows
         assert batch.context_lens == (0,) + (1,) * rows
         assert max(b for t in batch.block_tables for b in t) < num_blocks
+
+
+def test_long_context_selects_run_every_threshold_variant_a_long_prompt_meets(monkeypatch):
+    """Rows of 16,384 pools and more take the threshold select, whose sample size grows with the row (a constexpr of
+    its kernels) and whose pool count Triton specialises on divisibility by 16: the warm-up runs one row length of
+    each sample size, one that 16 divides and one it does not, and only up to the configuration's longest row."""
+    import types
+
+    from flashinfra.engine.warmup import long_context_selects
+    from flashinfra.kernels import dsa_topk
+
+    seen = []
+    monkeypatch.setattr(dsa_topk, "threshold_launch",
+                        lambda scores, k, positions=None, kpool=0: seen.append((scores.shape, k, kpool)))
+    cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=2048)
+    assert long_context_selects(cfg, 1 << 20, 16, "cpu") == len(seen) == 6
+    pools = [shape[1] for shape, _, _ in seen]
+    sizes = [dsa_topk.sample_size(P, 512) for P in pools]
+    assert sorted(set(sizes)) == [1024, 2048, 4096] and all(sizes.count(s) == 2 for s in set(sizes))
+    assert sorted(P % 16 == 0 for P in pools) == [False] * 3 + [True] * 3
+    assert all(shape[0] == 2 and k == 512 and kpool == 4 for shape, k, kpool in seen)
+    assert max(pools) <= (1 << 20) // 4
+    for P in pools:  # the shortest rows of their sample size, give or take the rounding
+        assert dsa_topk.sample_size(P - 16, 512) < dsa_topk.sample_size(P, 512) or P - 16 < dsa_topk.THRESHOLD_MIN_POOLS
+    seen.clear()
+    assert long_context_selects(cfg, 128 * 1024, 16, "cpu") == 2 and len(seen) == 2  # up to 32,768 pools: S 1,024
+    assert long_context_selects(cfg, 32 * 1024, 16, "cpu") == 0  # 8,192 pools: torch.topk's rows
+    assert long_context_selects(types.SimpleNamespace(indexer_layers=()), 1 << 20, 16, "cpu") == 0
