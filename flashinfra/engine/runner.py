@@ -104,6 +104,8 @@ class ModelRunner:
         self.penalties = PenaltyRows(model.config.text.vocab_size, self.device)
         self.grammars = None  # GrammarRuntime, made on the first request with a grammar
         self._seeds = random.Random(seed)
+        self.shared_generator = torch.Generator(device=self.device)  # the unseeded sampled rows' (``_row_generator``)
+        self.shared_generator.manual_seed(self._seeds.getrandbits(63))
         # None unless the vision tower is loaded or an encode engine (``remote_encoder``) makes the embeddings
         self.embedder = make_embedder(model, encoder_cache_bytes, remote_encoder)
         self.speculator = None
@@ -123,6 +125,14 @@ class ModelRunner:
             slots += self.speculator.hidden.rows.nbytes
         return dict(cache_bytes=paged + slots, cache_bytes_per_token=paged // (self.cache.num_blocks * self.block_size),
                     state_bytes_per_seq=slots // self.cache.num_slots)
+
+    def _row_generator(self, sr) -> torch.Generator | None:
+        """A sampled row's generator of its own: a seeded request's (its stream is the seed's alone), or in
+        deterministic mode any non-greedy row's (its tokens must not depend on the batch); other non-greedy rows
+        draw from ``shared_generator`` together, one launch a step (``sampler._draw``)."""
+        if sr.sampling.greedy or (sr.sampling.seed is None and not self.deterministic):
+            return None
+        return self._generator(sr.request_id, sr.sampling.seed)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)
@@ -312,16 +322,17 @@ class ModelRunner:
                 sr.sampling,
                 sr.prompt_token_ids,
                 sr.output_token_ids,
-                None if sr.sampling.greedy else self._generator(sr.request_id, sr.sampling.seed),
+                self._row_generator(sr),
             )
             for sr, _ in picks
         ]
         penalties = None if columns is None else PenaltyStep.of(self.penalties, columns)
         if grammar is None and (penalties is not None or not any(sr.sampling.has_penalties for sr, _ in picks)):
-            handle.sampled = sample_batch(logits, rows, columns=columns, penalties=penalties).start_copy()
+            handle.sampled = sample_batch(logits, rows, columns=columns, penalties=penalties,
+                                          shared=self.shared_generator).start_copy()
             handle.rows = {sr.request_id: i for i, (sr, _) in enumerate(picks)}
             return handle
-        self._record(picks, *sample(logits, rows, grammar), result)
+        self._record(picks, *sample(logits, rows, grammar, self.shared_generator), result)
         return handle
 
     @staticmethod

@@ -92,11 +92,19 @@ def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row by the exponential race; each row consumes only its own generator."""
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+          shared: torch.Generator | None) -> torch.Tensor:
+    """One token per row by the exponential race. A row with a generator of its own (a seeded request, or any row in
+    deterministic mode) consumes only it; the others share one draw from ``shared``: one launch for all of them,
+    where a generator per row is a launch per row."""
     noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        if shared is None:
+            raise ValueError("a non-greedy row needs a generator of its own or a shared one")
+        noise.exponential_(generator=shared)
     for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g)
+        if g is not None:
+            noise[i].exponential_(generator=g)
     return torch.argmax(probs / noise, dim=-1)
 
 
@@ -186,10 +194,12 @@ class DeviceSample:
 
 
 def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, batch_rows: list[int] | None = None,
-                 columns: dict[str, torch.Tensor] | None = None, penalties: PenaltyStep | None = None) -> DeviceSample:
+                 columns: dict[str, torch.Tensor] | None = None, penalties: PenaltyStep | None = None,
+                 shared: torch.Generator | None = None) -> DeviceSample:
     """Sample every row of ``logits`` [N, V] in one pass, without waiting for the device. ``columns``: the device
     views of ``sampling_columns`` of these rows (default: copied here, in one copy); ``penalties``: the step's
-    penalized rows from counts on the device, which count the sampled tokens too (default: from the rows' lists)."""
+    penalized rows from counts on the device, which count the sampled tokens too (default: from the rows' lists);
+    ``shared``: the generator of the non-greedy rows without one of their own (``_draw``)."""
     raw = logits
     x = logits.float().clone()
     if penalties is not None:
@@ -205,19 +215,17 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, ba
     if random_rows:
         idx = columns["random_rows"]
         probs = truncated_probs(x[idx], columns["temperature"], columns["top_k"], columns["top_p"], columns["min_p"])
-        generators = [rows[i].generator for i in random_rows]
-        if any(g is None for g in generators):
-            raise ValueError("a non-greedy row needs a generator")
-        tokens[idx] = _draw(probs, generators)
+        tokens[idx] = _draw(probs, [rows[i].generator for i in random_rows], shared)
     if penalties is not None:
         penalties.count(tokens)
     lp = _logprob_tensors(raw, tokens, rows, None if columns is None else columns["logprob_rows"])
     return DeviceSample(tokens, torch.isnan(raw).any(dim=-1), lp, rows)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           grammar=None) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
-    """Next token, logprob record and error message for each row of ``logits`` [N, V].
+def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar=None, shared: torch.Generator | None = None
+           ) -> tuple[list[int | None], list[TokenLogprob | None], list[str | None]]:
+    """Next token, logprob record and error message for each row of ``logits`` [N, V] (``shared``: as for
+    ``sample_batch``).
 
     The batch is sampled in one pass; if that raises, or a row fails, each row is retried alone so that only the
     rows that fail by themselves are reported as errors (their token is None)."""
@@ -225,10 +233,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(rows)} rows")
     if not rows:
         return [], [], []
-    saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+    used = {id(g): g for g in [r.generator for r in rows] + [shared] if g is not None}
+    saved = [(g, g.get_state()) for g in used.values()]
     try:
         if not (grammar is not None and grammar.errors):
-            tokens, lps, errors = sample_batch(logits, rows, grammar).result()
+            tokens, lps, errors = sample_batch(logits, rows, grammar, shared=shared).result()
             if not any(errors):
                 return tokens, lps, errors
     except Exception:
@@ -244,7 +253,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
                 raise FloatingPointError("the model produced NaN logits")
             if grammar is not None and i in grammar.errors:
                 raise ValueError(grammar.errors[i])
-            t, lp, _ = sample_batch(logits[i : i + 1], [row], grammar, [i]).result()
+            t, lp, _ = sample_batch(logits[i : i + 1], [row], grammar, [i], shared=shared).result()
             tokens_out.append(t[0])
             lps_out.append(lp[0])
             errors.append(None)

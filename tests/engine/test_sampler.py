@@ -201,3 +201,63 @@ def test_validate_rejects_bad_values():
         field = next(iter(kw))
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw).validate(100)
+
+
+def test_unseeded_rows_share_one_draw_and_seeded_rows_keep_their_own_stream(monkeypatch):
+    """Sampled rows without a generator of their own draw their noise together from the shared generator (one
+    launch for all of them, whatever their number); a seeded row still consumes only its own, so its tokens are
+    those it draws alone; the shared rows' tokens follow the truncated distribution."""
+    torch.manual_seed(6)
+    V = 12
+    logits = torch.randn(1, V) * 1.5
+    p = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05)
+    want = torch.tensor(ref_truncated(logits[0].double().tolist(), 0.8, 8, 0.9, 0.05))
+    draws = []
+    real = torch.Tensor.exponential_
+
+    def counted(self, *args, **kwargs):
+        draws.append(self.shape)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", counted)
+    shared, seeded = gen(21), SamplingParams(temperature=1.0, seed=77)
+    N, counts = 20000, torch.zeros(V)
+    for _ in range(N // 500):
+        rows = [SamplingRow(p, [], [], None) for _ in range(500)]
+        tokens, _, errors = sample(logits.expand(500, V).contiguous(), rows, shared=shared)
+        assert errors == [None] * 500
+        counts += torch.bincount(torch.tensor(tokens), minlength=V)
+    assert len(draws) == N // 500  # one draw a batch
+    assert counts[want == 0].sum() == 0 and torch.allclose(counts / N, want.float(), atol=0.015)
+
+    steps = [torch.randn(5, V) for _ in range(6)]
+    own = gen(77)
+    alone = [sample(s[1:2], [SamplingRow(seeded, [], [], own)])[0][0] for s in steps]
+    own, draws[:] = gen(77), []
+    mixed = [sample(s, [SamplingRow(seeded if i == 1 else p, [], [], own if i == 1 else None) for i in range(5)],
+                    shared=shared)[0][1] for s in steps]
+    assert mixed == alone and len(draws) == 2 * len(steps)  # the shared draw and the seeded row's own
+    _, _, errors = sample(steps[0][:2], [SamplingRow(p, [], [], None), row(SamplingParams(temperature=0.0))])
+    assert errors[0] is not None and "generator" in errors[0] and errors[1] is None  # no shared generator given
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_runner_gives_a_row_its_own_generator_when_seeded_or_deterministic(deterministic):
+    import random
+    import types
+
+    from flashinfra.engine.runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)  # only the generator bookkeeping
+    runner.deterministic, runner.generators, runner.device = deterministic, {}, torch.device("cpu")
+    runner._seeds = random.Random(0)
+
+    def sr(rid, **params):
+        return types.SimpleNamespace(request_id=rid, sampling=SamplingParams(**params))
+
+    assert runner._row_generator(sr("greedy", temperature=0.0)) is None
+    seeded = runner._row_generator(sr("seeded", temperature=1.0, seed=5))
+    assert seeded is runner._row_generator(sr("seeded", temperature=1.0, seed=5))  # kept across steps
+    assert torch.equal(seeded.get_state(), gen(5).get_state())
+    unseeded = runner._row_generator(sr("unseeded", temperature=1.0))
+    assert (unseeded is not None) == deterministic  # else it draws from the runner's shared generator
