@@ -60,3 +60,14 @@ def test_topk_select_against_torch_topk(P, k, sort_max):
 @pytest.mark.parametrize("sort_max", [None, 0])
 def test_selection_topk_equals_torch_topk(sort_max):
     assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], sort_max=sort_max, seed=11))
+
+
+def test_warm_up_threshold_runs_each_variant(monkeypatch):
+    """The start-up run of the threshold select over the row lengths a configuration can meet (engine/warmup.py)
+    goes through the real kernels, once per sample size and pool-count divisibility (the limits lowered so that the
+    interpreter's rows stay short)."""
+    from flashinfra.kernels import dsa_topk
+
+    monkeypatch.setattr(dsa_topk, "THRESHOLD_MIN_POOLS", 1024)
+    assert dsa_topk.warm_up_threshold(2100, 8, 4, "cpu") == 4  # S 1,024 at 1,024 pools and 2,048 at 2,048
+    assert dsa_topk.warm_up_threshold(1030, 8, 4, "cpu") == 2
