@@ -177,8 +177,8 @@ def long_context_selects(cfg, max_model_len: int, block_size: int, device) -> in
 
 def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int,
             checkpoint_slot: int | None = None) -> WarmupReport | None:
-    """Capture the decode (and verify and draft) graphs and compile the prefill kernels of this configuration
-    (CUDA only). ``checkpoint_slot``: a prefix checkpoint slot (prefix caching on), so that each prefill shape runs a
+    """Capture the decode (and verify and draft) graphs, compile the prefill kernels of this configuration and run the
+    logits of every row count up to ``max_num_seqs`` (CUDA only). ``checkpoint_slot``: a prefix checkpoint slot (prefix caching on), so that each prefill shape runs a
     second time with a checkpoint inside its first prompt: the kernels that write one compile other variants."""
     device = runner.device
     if device.type != "cuda":
@@ -204,6 +204,11 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
             for query_lens, verify in _mixed_verify_steps(runner, shapes[0][0], max_num_seqs, num_blocks):
                 batch = _prefill_batch(query_lens, runner.block_size, device, verify)
                 model.forward(torch.zeros(sum(query_lens), dtype=torch.long, device=device), batch, runner.cache)
+        # the logits of every row count a step can sample (outside the graphs): a loaded server's mixed steps met a
+        # new count almost every step, and cuBLAS's first product of a count stalled the host 2-3 ms
+        rows = torch.zeros(max_num_seqs, model.config.text.hidden_size, dtype=model.dtype, device=device)
+        for n in range(1, max_num_seqs + 1):
+            model.compute_logits(rows[:n])
         selects = long_context_selects(model.config.text, max_model_len, runner.block_size, device)
         captured = capture_graphs(runner, max_num_seqs, max_model_len, num_blocks)
     torch.cuda.synchronize(device)
