@@ -8,8 +8,9 @@ passes as a multiple of 16 carries Triton's 16-divisibility attribute (without i
 prove aligned become one element per instruction, and the registers and spills differ from what runs).
 
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
-gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the MoE align's count and layout, the DSA scoring kernel and the threshold select's count
-and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's modules beside this tree's.
+gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the MoE align's count and layout, the DSA scoring kernel
+and the threshold select's count and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that
+revision's modules beside this tree's.
 
     PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
         --out bench/results/kernel_resources.json
@@ -79,7 +80,7 @@ KERNELS = [
     _spec("moe_align", "moe_count_kernel", dict(ids="*i32", counts="*i32", num_pairs="i32"),
           dict(E_P2=512, BLOCK=4096), (), 4, 3, "MoE align count, 4,096 pairs"),
     _spec("moe_align", "moe_layout_kernel",
-          dict(counts="*i32", sorted_ids="*i32", expert_ids="*i32", starts="*i32", fill="*i32", used="*i32",
+          dict(counts="*i32", sorted_ids="*i32", expert_ids="*i32", starts="*i32", used="*i32",
                num_pairs="i32", num_experts="i32"), dict(BM=128, E_P2=512), (), 4, 3, "MoE align layout"),
     _spec("dsa_indexer", "index_score_kernel",
           dict(q="*bf16", w="*fp32", pool_keys="*bf16", block_tables="*i32", token_seq="*i32", positions="*i32",

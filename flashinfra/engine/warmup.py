@@ -178,8 +178,9 @@ def long_context_selects(cfg, max_model_len: int, block_size: int, device) -> in
 def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int,
             checkpoint_slot: int | None = None) -> WarmupReport | None:
     """Capture the decode (and verify and draft) graphs, compile the prefill kernels of this configuration and run the
-    logits of every row count up to ``max_num_seqs`` (CUDA only). ``checkpoint_slot``: a prefix checkpoint slot (prefix caching on), so that each prefill shape runs a
-    second time with a checkpoint inside its first prompt: the kernels that write one compile other variants."""
+    logits of every row count up to ``max_num_seqs`` (CUDA only). ``checkpoint_slot``: a prefix checkpoint slot
+    (prefix caching on), so that each prefill shape runs a second time with a checkpoint inside its first prompt: the
+    kernels that write one compile other variants."""
     device = runner.device
     if device.type != "cuda":
         return None

@@ -278,11 +278,13 @@ def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:
     """Run the threshold select once per kernel variant rows of up to ``max_pools`` pools can meet (its sample size
     grows with the row, and Triton specialises the pool count on its divisibility by 16), on two rows of random
     scores, so that a long prompt compiles none of them midway (``engine/warmup.py``). -> how many runs."""
-    lengths = []
+    lengths, last = [], None
     for P in range(THRESHOLD_MIN_POOLS, max_pools + 1):  # the shortest row of each sample size
-        if not lengths or sample_size(P, k) != sample_size(lengths[-1], k):
+        S = sample_size(P, k)
+        if S != last:
             lengths.append(P)
-        if sample_size(P, k) == THRESHOLD_SAMPLES[1]:
+            last = S
+        if S == THRESHOLD_SAMPLES[1]:
             break
     runs = 0
     gen = torch.Generator(device=device).manual_seed(0)

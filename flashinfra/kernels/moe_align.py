@@ -33,18 +33,16 @@ def moe_count_kernel(ids, counts, num_pairs, E_P2: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, fill, used, num_pairs, num_experts, BM: tl.constexpr,
+def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, used, num_pairs, num_experts, BM: tl.constexpr,
                       E_P2: tl.constexpr):
     """One program: each expert's run padded to ``BM`` rows and where it starts (``starts``), the rows used
-    (``used``), the expert of each used ``BM`` block, the sentinel ``num_pairs`` in each run's padding rows, and the
-    place kernel's counters zeroed."""
+    (``used``), the expert of each used ``BM`` block and the sentinel ``num_pairs`` in each run's padding rows."""
     o_e = tl.arange(0, E_P2)
     m_e = o_e < num_experts
     n = tl.load(counts + o_e, mask=m_e, other=0)
     padded = (n + BM - 1) // BM * BM
     start = tl.cumsum(padded, 0) - padded
     tl.store(starts + o_e, start)
-    tl.store(fill + o_e, tl.zeros([E_P2], dtype=tl.int32))
     tl.store(used, tl.sum(padded, 0))
     for j in range(0, tl.max(padded, 0) // BM):  # the j-th block of every expert that has one
         tl.store(expert_ids + start // BM + j, o_e, mask=m_e & (j * BM < padded))
@@ -82,7 +80,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     if Tk:  # one block size whatever the batch: no compilation per size
         fast(moe_count_kernel)[(triton.cdiv(Tk, COUNT_BLOCK),)](flat, counts, Tk, E_P2=E_P2, BLOCK=COUNT_BLOCK,
                                                                  num_warps=4)
-    fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, fill, used, Tk, num_experts, BM=BM,
+    fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, used, Tk, num_experts, BM=BM,
                                   E_P2=E_P2, num_warps=4)
     if Tk:
         fast(moe_place_kernel)[(triton.cdiv(Tk, 256),)](flat, starts, fill, sorted_ids, Tk, BLOCK=256, num_warps=4)
