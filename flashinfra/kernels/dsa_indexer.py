@@ -165,12 +165,20 @@ def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: in
     return out
 
 
+def slice_rows(T: int, P: int) -> int:
+    """Queries per slice of the selection: as many as ``KEY_BUFFER_BYTES`` of scores hold, in whole multiples of 16
+    where there are that many, so that each slice's tensors start as aligned as the whole batch's: Triton specialises
+    pointers on that, and a long prompt then runs the kernel variants its warm-up compiled."""
+    rows = min(T, KEY_BUFFER_BYTES // (4 * P))
+    return max(1, rows if rows == T or rows < 16 else rows // 16 * 16)
+
+
 def select_pools(pool_keys, q, w, block_tables, token_seq, positions, kpool: int, k: int) -> torch.Tensor:
     """[T, k] int64: each query's ``k`` best sort keys, best first (the pool in the low word; pools the query cannot
     see come last), the queries in slices of at most ``KEY_BUFFER_BYTES`` of scores."""
     T = q.shape[0]
     P = block_tables.shape[1] * pool_keys.shape[1]
-    rows = max(1, min(T, KEY_BUFFER_BYTES // (4 * P)))
+    rows = slice_rows(T, P)
     scores = torch.empty(rows, P, dtype=torch.int32, device=q.device)
     top = torch.empty(T, k, dtype=torch.int64, device=q.device)
     for t0 in range(0, T, rows):

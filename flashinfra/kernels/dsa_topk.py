@@ -276,8 +276,9 @@ def sample_size(P: int, k: int) -> int:
 
 def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:
     """Run the threshold select once per kernel variant rows of up to ``max_pools`` pools can meet (its sample size
-    grows with the row, and Triton specialises the pool count on its divisibility by 16), on two rows of random
-    scores, so that a long prompt compiles none of them midway (``engine/warmup.py``). -> how many runs."""
+    grows with the row, Triton specialises the pool count on its divisibility by 16, and one row takes the ranking
+    kernels, more the sampling ones), on random scores, so that a long prompt compiles none of them midway
+    (``engine/warmup.py``). -> how many runs."""
     lengths, last = [], None
     for P in range(THRESHOLD_MIN_POOLS, max_pools + 1):  # the shortest row of each sample size
         S = sample_size(P, k)
@@ -295,10 +296,11 @@ def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:
         for P in (whole, other):
             if P > max_pools or k > P:
                 continue
-            scores = torch.randint(-2**31, 2**31 - 1, (2, P), dtype=torch.int32, device=device, generator=gen)
-            positions = torch.full((2,), P * max(kpool, 1) - 1, dtype=torch.int32, device=device)
-            threshold_launch(scores, k, positions=positions if kpool else None, kpool=kpool)
-            runs += 1
+            for R in (RANK_MAX_ROWS, RANK_MAX_ROWS + 1):
+                scores = torch.randint(-2**31, 2**31 - 1, (R, P), dtype=torch.int32, device=device, generator=gen)
+                positions = torch.full((R,), P * max(kpool, 1) - 1, dtype=torch.int32, device=device)
+                threshold_launch(scores, k, positions=positions if kpool else None, kpool=kpool)
+                runs += 1
     return runs
 
 

@@ -69,5 +69,20 @@ def test_warm_up_threshold_runs_each_variant(monkeypatch):
     from flashinfra.kernels import dsa_topk
 
     monkeypatch.setattr(dsa_topk, "THRESHOLD_MIN_POOLS", 1024)
-    assert dsa_topk.warm_up_threshold(2100, 8, 4, "cpu") == 4  # S 1,024 at 1,024 pools and 2,048 at 2,048
-    assert dsa_topk.warm_up_threshold(1030, 8, 4, "cpu") == 2
+    # S 1,024 at 1,024 pools and 2,048 at 2,048, each on one row (the ranking kernels) and two (the sampling ones)
+    assert dsa_topk.warm_up_threshold(2100, 8, 4, "cpu") == 8
+    shapes = []
+    monkeypatch.setattr(dsa_topk, "threshold_launch", lambda scores, k, **_: shapes.append(tuple(scores.shape)))
+    assert dsa_topk.warm_up_threshold(1030, 8, 4, "cpu") == 4 and shapes == [(1, 1024), (2, 1024), (1, 1028), (2, 1028)]
+
+
+def test_slices_start_aligned():
+    """The selection's query slices hold whole multiples of 16 queries once they hold 16 (every slice then starts as
+    aligned as the batch: the kernels' variants do not change midway through a long prompt)."""
+    from flashinfra.kernels.dsa_indexer import KEY_BUFFER_BYTES, slice_rows
+
+    for T, P in [(8192, 24576), (8192, 10240), (8192, 262144), (5, 262144), (8192, 1 << 26), (100, 1000)]:
+        rows = slice_rows(T, P)
+        assert 1 <= rows <= T and 4 * rows * P <= max(KEY_BUFFER_BYTES, 4 * P)
+        assert rows == T or rows % 16 == 0 or rows < 16, (T, P, rows)
+    assert slice_rows(8192, 24576) == 2720  # 2,730 fit
