@@ -5,10 +5,12 @@ decode batch (default 1, 32 and 128) at ``--context`` (default 4096): the step's
 timings of 10 replays enqueued, no host preparation between them), the synchronized wall time per step (host
 preparation of the graph's inputs included), and the torch profiler's per-kernel GPU time over 5 replays, largest
 first. With ``--prefill-chunk T`` it profiles instead one prefill step of ``T`` new tokens after ``--context`` cached
-ones (a late step of a long prompt), eager as the engine runs it.
+ones (a late step of a long prompt), eager as the engine runs it. ``--quantization w8a8`` (or ``fp8``) profiles the
+slice quantized at load, as ``flashinfra serve --quantization`` runs it.
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
+       python bench/hotpath_profile.py --batches 1 --quantization w8a8 --out bench/results/hotpath_decode_profile_w8a8.json
        python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 --out bench/results/hotpath_profile_1m_prefill.json
 """
 
@@ -67,8 +69,8 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
             rows.append((t / 5, a.count / 5, a.key[:90]))
     rows.sort(reverse=True)
     return dict(batch=B, context=context, chunk=chunk, back_to_back_us=back_to_back_us, wall_us=wall * 1e6,
-                kernel_sum_us=sum(r[0] for r in rows),
-                kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:40]])
+                kernel_sum_us=sum(r[0] for r in rows), kernels_per_step=sum(r[1] for r in rows),
+                kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:60]])
 
 
 def main() -> None:
@@ -77,19 +79,23 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", default="1,32,128", help="decode batch sizes (one with --prefill-chunk)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="profile a prefill step of this many tokens")
+    ap.add_argument("--quantization", default="none", choices=("none", "w8a8", "fp8"))
     args = ap.parse_args()
     hs.DEV = "cuda"
     cfg = hs.slice_config(False)
     cfg["max_position_embeddings"] = max(args.context + args.prefill_chunk + 1024, 4096)  # the slice's limit is 4096
-    lm = random_model(cfg, torch.bfloat16, "cuda")
+    # its own lm_head, as the model has (untied), which W8A8 quantizes
+    cfg = dict(architectures=["Glm5NextForConditionalGeneration"], tie_word_embeddings=False, text_config=cfg)
+    lm = random_model(cfg, torch.bfloat16, "cuda", quantization=args.quantization)
     hs.free_memory()
-    report = header() | {"context": args.context, "prefill_chunk": args.prefill_chunk, "steps": []}
+    report = header() | {"context": args.context, "prefill_chunk": args.prefill_chunk,
+                         "quantization": args.quantization, "steps": []}
     for B in [int(b) for b in args.batches.split(",")]:
         r = step_profile(lm, B, args.context, args.prefill_chunk)
         hs.free_memory()  # the step's cache and graphs
         report["steps"].append(r)
         print(f"B={B}: back-to-back {r['back_to_back_us']:.0f} us/step, synced wall {r['wall_us']:.0f} us/step, "
-              f"kernel sum {r['kernel_sum_us']:.0f} us/step")
+              f"kernel sum {r['kernel_sum_us']:.0f} us/step in {r['kernels_per_step']:.0f} kernels")
         for k in r["kernels"][:20]:
             print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:4.1f}  {k['name']}")
         out = Path(args.out)

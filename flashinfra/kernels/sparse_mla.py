@@ -33,8 +33,9 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import fast
 
-# the most splits of a token's list: the merge reads splits x H x R float32 partials per token
-MAX_SPLIT = 16
+# the most splits of all programs' lists together (flash-decoding): the merge reads splits x H x R float32 partials
+# per token, so a batch of several programs splits each less
+MAX_SPLIT = 64
 
 # the latent's element type -> the kernel's cache format; 8-bit formats carry a float32 scale per token
 CACHE_FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
@@ -170,7 +171,8 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     if split is None and is_deterministic():  # one program per token's whole list: a fixed order
         split = 1
     if split is None:
-        split = 1 if programs >= 132 else min(MAX_SPLIT, triton.next_power_of_2(triton.cdiv(264, programs)),
+        split = 1 if programs >= 132 else min(max(1, MAX_SPLIT // programs),
+                                              triton.next_power_of_2(triton.cdiv(264, programs)),
                                               triton.next_power_of_2(triton.cdiv(S, BN)))
     CH = triton.cdiv(triton.cdiv(S, split), BN) * BN
     dev = q_lat.device
