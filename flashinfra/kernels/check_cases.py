@@ -113,22 +113,23 @@ def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=tor
 
 
 def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[CheckResult]:
-    """Every pair appears once, each block holds pairs of one expert only, padding is the sentinel."""
+    """Every pair (each token's ``top_k`` routed ones and its shared one, expert ``E``) appears once, each block
+    holds pairs of one expert only, padding is the sentinel."""
     ids = torch.randint(0, E, (T, top_k), device=device, generator=_gen(device, seed))
     sorted_ids, expert_ids, used = align(ids, E, BM)
-    n = int(used)
+    n, pairs = int(used), T * (top_k + 1)
     s = sorted_ids[:n].long().cpu()
-    real = s[s < T * top_k]
-    flat = ids.reshape(-1).cpu()
-    want = sum(-(-int(c) // BM) * BM for c in torch.bincount(flat, minlength=E))
+    real = s[s < pairs]
+    flat = torch.cat([ids.cpu(), torch.full((T, 1), E, dtype=ids.dtype)], 1).reshape(-1)  # each pair's expert
+    want = sum(-(-int(c) // BM) * BM for c in torch.bincount(flat, minlength=E + 1))
     mixed = []
     for b in range(n // BM):
         blk = s[b * BM:(b + 1) * BM]
-        blk = blk[blk < T * top_k]
+        blk = blk[blk < pairs]
         if not (blk.numel() and (flat[blk] == int(expert_ids[b])).all()):
             mixed.append(b)
-    return [_verdict("hotpath.moe_align.pairs", sorted(real.tolist()) == list(range(T * top_k)),
-                     f"{real.numel()} real entries for {T * top_k} pairs"),
+    return [_verdict("hotpath.moe_align.pairs", sorted(real.tolist()) == list(range(pairs)),
+                     f"{real.numel()} real entries for {pairs} pairs"),
             _verdict("hotpath.moe_align.blocks", not mixed,
                      f"{len(mixed)} of {n // BM} blocks empty or of several experts {mixed[:8] or ''}"),
             _verdict("hotpath.moe_align.padding", n % BM == 0 and n <= sorted_ids.numel(),

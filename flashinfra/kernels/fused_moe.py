@@ -2,22 +2,22 @@
 
 ``experts_ref`` is the reference (a loop over the used experts). The Triton path:
 
-1. ``moe_align`` (its own module): the ``T * k`` (token, expert) pairs grouped by expert (a counting sort: counts,
-   padded offsets, then ``moe_place_kernel`` drops each pair into its expert's run), each run padded to a
-   multiple of ``BM``, so every ``BM``-row block of the list belongs to one expert. No host sync, so it
-   can be captured in a CUDA graph; its size is the static bound ``min(T k + E (BM - 1), T k BM)`` and
-   blocks past the real end exit at once.
+1. ``moe_align`` (its own module): the ``T (k + 1)`` (token, expert) pairs, the shared expert's included,
+   grouped by expert (a counting sort: counts, padded offsets, then each pair dropped into its expert's run), each
+   run padded to a multiple of ``BM``, so every ``BM``-row block of the list belongs to one expert. No host sync,
+   so it can be captured in a CUDA graph; its size is a static bound and blocks past the real end exit at once.
 2. ``moe_gemm1_kernel``: per block of ``BM`` pairs and ``BN`` intermediate columns, the gate and up
    products of that expert (two accumulators over the same ``x`` tile), then ``silu(min(gate, L)) *
    clamp(up, -L, L)``, written once per pair.
-3. ``moe_gemm2_kernel``: the down projection of each pair, times its routing weight.
+3. ``moe_gemm2_kernel``: the down projection of each pair, times its routing weight (1 for the shared pair).
 4. ``moe_sum_kernel``: per token, the sum of its ``k + 1`` pair outputs.
 
 Both GEMMs run on a flat grid in ``_tile``'s order: all column tiles of two neighbouring pair blocks before the next
 two, so that an expert's weight tiles and a block's activation rows are read from memory about once.
 
-The shared expert is one more pair per token (expert id ``E``, weight 1) in the same launches, its weights
-addressed as an offset from the routed experts' base pointer (no copy into one tensor).
+The shared expert is one more pair per token (expert id ``E``, weight 1, the last of the token's ``k + 1``) in the
+same launches, its weights addressed as an offset from the routed experts' base pointer (no copy into one tensor);
+the router's ``[T, k]`` ids and weights are read as they are, the shared pair's implied.
 Only the weights of experts that received a token are read: at batch 1 that is ``k`` experts, which is
 what makes decode memory-bound on exactly the bytes it must touch.
 
@@ -191,8 +191,8 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 
 @triton.jit
 def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
-                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
+                     stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
     i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
         return
@@ -223,12 +223,16 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
                             m_n, ONE_BLOCK)
         else:
             acc += tl.dot(b_h, b_w)
+    # the pair's routing weight: token t's routed ones at topk_w [t, j], 1 for its last (shared) pair
+    tok = pair // TOPK
+    routed = m_p & (pair - tok * TOPK < TOPK - 1)
+    pw = tl.where(routed, tl.load(topk_w + pair - tok, mask=routed, other=0.0), 1.0)
     if WEIGHTS == "int8":
-        scale = tl.load(sh + rows, mask=m_p, other=0.0) * tl.load(topk_w + pair, mask=m_p, other=0.0)
+        scale = tl.load(sh + rows, mask=m_p, other=0.0) * pw
         p_s = sw + tl.where(e == E, shared_soff, e * stride_se) + o_n
         acc = acc.to(tl.float32) * scale[:, None] * tl.load(p_s, mask=m_n, other=0.0)[None, :]
     else:
-        acc = acc * tl.load(topk_w + pair, mask=m_p, other=0.0)[:, None]
+        acc = acc * pw[:, None]
     tl.store(out + rows[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_p[:, None] & m_n[None, :])
 
 
@@ -291,17 +295,18 @@ def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
     return delta // experts.element_size()
 
 
-def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales, x_codes):
-    """Grouped GEMMs over the pairs ``ids`` [T, k'] (expert ``E`` = the shared expert): weighted pair outputs
-    to ``out`` [T k', D]."""
-    T, k = ids.shape
+def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales, x_codes):
+    """Grouped GEMMs over each token's routed pairs (``topk_ids`` / ``topk_w`` [T, k]) and its shared pair
+    (expert ``E``, weight 1): weighted pair outputs to ``out`` [T (k + 1), D]."""
+    T, k = topk_ids.shape
+    k += 1  # pairs per token
     E, N2, K = w13.shape
     N = N2 // 2
     fmt = weight_format(w13)
     cfg = _config(T * k, E + 1, 1 if fmt != "float" else x.element_size())
     BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_ids, expert_ids, used = moe_align(ids, E + 1, BM)
+    sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
     ieee = x.dtype == torch.float32 and fmt == "float"
     if fmt == "float":  # no scales: the weights stand in for the unused scale pointers
         a, sa, (sw13, sw2), soff13, soff2 = x, x, (w13, w2), 0, 0
@@ -319,8 +324,8 @@ def _experts(x, w13, w2, shared13, shared2, pair_w, ids, limit, out, scales, x_c
     hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM * triton.cdiv(D, cfg["BN2"]),)
-    fast(moe_gemm2_kernel)[grid2](hq, w2, out, pair_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
-                                  T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, BM=BM, BN=cfg["BN2"],
+    fast(moe_gemm2_kernel)[grid2](hq, w2, out, topk_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
+                                  T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, TOPK=k, BM=BM, BN=cfg["BN2"],
                                   BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
 
 
@@ -393,12 +398,11 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     if shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]:  # a wider shared expert: on its own
         shared = linear(clamped_swiglu(linear(x, shared_w13), limit), shared_w2)
         return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)[:2]) + shared
-    # every token's k routed pairs plus one pair with the shared expert (id E, weight 1)
-    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), w13.shape[0], dtype=torch.int32, device=x.device)], 1)
-    pair_w = torch.cat([topk_weights.float(), torch.ones(T, 1, device=x.device)], 1).contiguous()
-    # pair outputs in the activation dtype: the reference rounds each weighted expert output there too
+    # every token's k routed pairs plus one pair with the shared expert (id E, weight 1); the pair outputs in the
+    # activation dtype: the reference rounds each weighted expert output there too
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
-    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales, x_codes)
+    _experts(x, w13, w2, shared_w13, shared_w2, topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous(),
+             limit, pairs, scales, x_codes)
     BD = min(1024, triton.next_power_of_2(D))
     fast(moe_sum_kernel)[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y

@@ -1,11 +1,16 @@
-"""The sorted dispatch of the fused MoE (``fused_moe.py``): the ``T * k`` (token, expert) pairs grouped by expert
-in runs padded to the GEMMs' ``BM``-row blocks, with the expert of each block. A counting sort on the device, with
-no host sync, so that it can be captured in a CUDA graph, in three launches after zeroing the counters:
-``moe_count_kernel`` counts the pairs per expert over many programs (a histogram each, added atomically);
-``moe_layout_kernel``, one program, lays out the padded runs (a prefix sum), names each block's expert and writes
-the padding sentinel into each run's tail; ``moe_place_kernel`` puts each pair in its expert's run. (Tensor ops would
-take a dozen launches per MoE layer: host time in an eager step, a graph node each in a decode step; one program
-counting a prompt's tens of thousands of pairs took a few hundred microseconds on one SM.)
+"""The sorted dispatch of the fused MoE (``fused_moe.py``): each token's ``k`` routed (token, expert) pairs and its
+pair with the shared expert, grouped by expert in runs padded to the GEMMs' ``BM``-row blocks, with the expert of each
+block. Pair ``p`` is token ``p // (k + 1)``'s routed choice ``p % (k + 1)``, or for the last of each token the shared
+expert (id ``E``): the router's ``[T, k]`` ids are read as they are, with no ``[T, k + 1]`` copy.
+
+A counting sort on the device, with no host sync, so that it can be captured in a CUDA graph. Up to ``ONE_PROGRAM``
+pairs (decode batches, short prompts) ``moe_align_one_kernel`` does it all in one program: count, lay out, place.
+Past that, three launches after zeroing the counters: ``moe_count_kernel`` counts the pairs per expert over many
+programs (a histogram each, added atomically); ``moe_layout_kernel``, one program, lays out the padded runs (a prefix
+sum), names each block's expert and writes the padding sentinel into each run's tail; ``moe_place_kernel`` puts each
+pair in its expert's run. (Tensor ops would take a dozen launches per MoE layer: host time in an eager step, a graph
+node each in a decode step; one program counting a prompt's tens of thousands of pairs took a few hundred
+microseconds on one SM.)
 
 The GEMMs stop at the rows used (``used``): what lies past them in ``sorted_ids`` and ``expert_ids`` is never read and
 is left unwritten.
@@ -20,26 +25,27 @@ import triton.language as tl
 from flashinfra.kernels.launch import fast
 
 COUNT_BLOCK = 4096  # pairs per counting program
+ONE_PROGRAM = 2048  # the most pairs one program aligns on its own
 
 
 @triton.jit
-def moe_count_kernel(ids, counts, num_pairs, E_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """The pairs of one block per expert, added to ``counts`` (zeroed before)."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids + o, mask=o < num_pairs, other=E_P2 - 1)  # masked lanes: the spare last bin, never read
-    o_e = tl.arange(0, E_P2)
-    h = tl.histogram(e, E_P2)
-    tl.atomic_add(counts + o_e, h, mask=(h > 0) & (o_e < E_P2 - 1), sem="relaxed")
+def _pair_expert(ids, o, m, K: tl.constexpr, E, E_P2: tl.constexpr):
+    """The expert of pairs ``o``: token ``o // (K + 1)``'s routed ids, then the shared expert ``E``; the spare last
+    bin ``E_P2 - 1`` (never read) for the masked lanes."""
+    t = o // (K + 1)
+    j = o - t * (K + 1)
+    e = tl.load(ids + t * K + j, mask=m & (j < K), other=0)
+    return tl.where(m, tl.where(j < K, e, E), E_P2 - 1)
 
 
 @triton.jit
-def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, used, num_pairs, num_experts, BM: tl.constexpr,
-                      E_P2: tl.constexpr):
-    """One program: each expert's run padded to ``BM`` rows and where it starts (``starts``), the rows used
-    (``used``), the expert of each used ``BM`` block and the sentinel ``num_pairs`` in each run's padding rows."""
+def _layout(counts, sorted_ids, expert_ids, starts, used, num_pairs, E, BM: tl.constexpr, E_P2: tl.constexpr):
+    """From the pair counts per expert (``counts`` [E_P2], the experts' lanes): each expert's run padded to ``BM``
+    rows and where it starts (stored at ``starts``), the rows used, the expert of each used ``BM`` block and the
+    sentinel ``num_pairs`` in each run's padding rows."""
     o_e = tl.arange(0, E_P2)
-    m_e = o_e < num_experts
-    n = tl.load(counts + o_e, mask=m_e, other=0)
+    m_e = o_e <= E
+    n = tl.where(m_e, counts, 0)
     padded = (n + BM - 1) // BM * BM
     start = tl.cumsum(padded, 0) - padded
     tl.store(starts + o_e, start)
@@ -51,37 +57,80 @@ def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, used, num_pairs, n
 
 
 @triton.jit
-def moe_place_kernel(ids, starts, fill, sorted_ids, num_pairs, BLOCK: tl.constexpr):
-    """Each pair takes the next free row of its expert's run (an atomic counter per expert)."""
+def moe_count_kernel(ids, counts, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """The pairs of one block per expert, added to ``counts`` (zeroed before)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = _pair_expert(ids, o, o < num_pairs, K, E, E_P2)
+    o_e = tl.arange(0, E_P2)
+    h = tl.histogram(e, E_P2)
+    tl.atomic_add(counts + o_e, h, mask=(h > 0) & (o_e < E_P2 - 1), sem="relaxed")
+
+
+@triton.jit
+def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, used, num_pairs, E, BM: tl.constexpr,
+                      E_P2: tl.constexpr):
+    """One program: ``_layout`` of the counts the counting programs added up."""
+    _layout(tl.load(counts + tl.arange(0, E_P2)), sorted_ids, expert_ids, starts, used, num_pairs, E, BM, E_P2)
+
+
+@triton.jit
+def moe_place_kernel(ids, starts, fill, sorted_ids, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Each pair takes the next free row of its expert's run (an atomic counter per expert, zeroed before)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < num_pairs
-    e = tl.load(ids + o, mask=m, other=0)
+    e = _pair_expert(ids, o, m, K, E, E_P2)
     row = tl.load(starts + e, mask=m, other=0) + tl.atomic_add(fill + e, 1, mask=m)
     tl.store(sorted_ids + row, o.to(tl.int32), mask=m)
 
 
+@triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one compilation for each BLOCK
+def moe_align_one_kernel(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K: tl.constexpr,
+                         E_P2: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
+    """One program, all ``num_pairs`` (at most ``BLOCK``) pairs: their counts (a histogram in registers), the layout,
+    then each pair placed by an atomic counter per expert that this program zeroes first (``scratch``: the starts,
+    then the counters)."""
+    o = tl.arange(0, BLOCK)
+    m = o < num_pairs
+    e = _pair_expert(ids, o, m, K, E, E_P2)
+    o_e = tl.arange(0, E_P2)
+    tl.store(scratch + E_P2 + o_e, tl.zeros([E_P2], dtype=tl.int32))
+    _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2)
+    tl.debug_barrier()  # the starts and the zeroed counters, seen by every thread of the program
+    row = tl.load(scratch + e, mask=m, other=0) + tl.atomic_add(scratch + E_P2 + e, 1, mask=m)
+    tl.store(sorted_ids + row, o.to(tl.int32), mask=m)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
-    """-> (sorted pair ids [S] int32 (padding: T*k), expert of each BM block [S / BM] int32, used length [1]); only
-    the first ``used`` rows and ``used / BM`` blocks are written.
+    """topk_ids [T, k] of ``num_experts`` routed experts; every token also pairs with the shared expert
+    ``num_experts`` -> (sorted pair ids [S] int32 (padding: ``T (k + 1)``), expert of each BM block [S / BM] int32,
+    used length [1]); only the first ``used`` rows and ``used / BM`` blocks are written.
 
     The order of pairs inside an expert's run follows the atomics (it varies from run to run), which
     changes no result: each row of a GEMM tile is computed on its own, and ``moe_sum_kernel`` adds a
     token's pair outputs in pair order."""
-    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    Tk, dev = flat.numel(), flat.device
-    S = triton.cdiv(min(Tk + num_experts * (BM - 1), Tk * BM), BM) * BM
-    E_P2 = triton.next_power_of_2(num_experts + 1)  # a spare bin for the masked lanes
+    ids = topk_ids.to(torch.int32).contiguous()
+    T, k = ids.shape
+    E, n, dev = num_experts, T * (k + 1), ids.device
+    S = triton.cdiv(min(n + (E + 1) * (BM - 1), n * BM), BM) * BM
+    E_P2 = triton.next_power_of_2(E + 2)  # the shared expert, and a spare bin for the masked lanes
     sorted_ids = torch.empty(S, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(S // BM, dtype=torch.int32, device=dev)
+    if n <= ONE_PROGRAM:
+        # starts, counters, used; each 16-byte aligned (the counters are zeroed by the program)
+        scratch = torch.empty(2 * E_P2 + 4, dtype=torch.int32, device=dev)
+        used = scratch[2 * E_P2:2 * E_P2 + 1]
+        fast(moe_align_one_kernel)[(1,)](ids, scratch, sorted_ids, expert_ids, used, n, E, K=k, E_P2=E_P2, BM=BM,
+                                         BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)
+        return sorted_ids, expert_ids, used
     # counts, starts, counters, used; each 16-byte aligned
     scratch = torch.zeros(3 * E_P2 + 4, dtype=torch.int32, device=dev)
     counts, starts = scratch[:E_P2], scratch[E_P2:2 * E_P2]
     fill, used = scratch[2 * E_P2:3 * E_P2], scratch[3 * E_P2:3 * E_P2 + 1]
-    if Tk:  # one block size whatever the batch: no compilation per size
-        fast(moe_count_kernel)[(triton.cdiv(Tk, COUNT_BLOCK),)](flat, counts, Tk, E_P2=E_P2, BLOCK=COUNT_BLOCK,
-                                                                 num_warps=4)
-    fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, used, Tk, num_experts, BM=BM,
-                                  E_P2=E_P2, num_warps=4)
-    if Tk:
-        fast(moe_place_kernel)[(triton.cdiv(Tk, 256),)](flat, starts, fill, sorted_ids, Tk, BLOCK=256, num_warps=4)
+    # one block size whatever the batch: no compilation per size
+    fast(moe_count_kernel)[(triton.cdiv(n, COUNT_BLOCK),)](ids, counts, n, E, K=k, E_P2=E_P2, BLOCK=COUNT_BLOCK,
+                                                           num_warps=4)
+    fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, used, n, E, BM=BM, E_P2=E_P2, num_warps=4)
+    fast(moe_place_kernel)[(triton.cdiv(n, 256),)](ids, starts, fill, sorted_ids, n, E, K=k, E_P2=E_P2, BLOCK=256,
+                                                   num_warps=4)
     return sorted_ids, expert_ids, used

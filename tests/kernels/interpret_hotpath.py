@@ -25,6 +25,7 @@ def test_moe_align():
     assert_passed(cases.moe_align("cpu", 7, 5, 2, 4))
     assert_passed(cases.moe_align("cpu", 1, 288, 8, 16))
     assert_passed(cases.moe_align("cpu", 33, 8, 3, 16, seed=1))
+    assert_passed(cases.moe_align("cpu", 300, 288, 8, 16, seed=2))  # past ONE_PROGRAM: count, layout, place
 
 
 @pytest.mark.parametrize("E,G,TG,k", [(24, 1, 1, 3), (16, 4, 2, 3), (40, 8, 4, 8)])
