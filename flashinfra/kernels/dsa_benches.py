@@ -6,7 +6,8 @@
 - ``hotpath.dsa_score.*``: the scoring kernel alone: decode and a 256-query slice (``KEY_BUFFER_BYTES``' slice of a
   late prefill step) at 1M, 32 decode rows at 4k.
 - The select alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools
-  past ``SORT_MAX_POOLS``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes,
+  past ``SORT_MAX_POOLS``), the rank select (``hotpath.dsa_topk_rank.*``, where its compares stay within 4x
+  ``RANK_SELECT_COMPARES``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes,
   and ``torch.topk`` beside the threshold select (``hotpath.dsa_topk_threshold.*``) at longer rows; names end in
   ``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec
-from flashinfra.kernels import dsa_indexer, dsa_topk
+from flashinfra.kernels import dsa_indexer, dsa_threshold, dsa_topk
 from flashinfra.kernels.check_cases import rnd
 from flashinfra.kernels.checks import DI, HI, INDEX_TOPK, KPOOL, _bench, _bench_dev, _dsa_bench
 
@@ -25,8 +26,9 @@ from flashinfra.kernels.checks import DI, HI, INDEX_TOPK, KPOOL, _bench, _bench_
 _TOPK_BENCHES = {
     "dsa_topk_sort": (dsa_topk.sort_launch, "DSA top-k: one sort per row of the int64 sort keys made from the score "
                       "bits"),
+    "dsa_topk_rank": (dsa_topk.rank_launch, "DSA top-k: each key ranked by comparison with its row's"),
     "dsa_topk_torch": (dsa_topk.topk_ref, "torch.topk over the int64 sort keys made from the score bits"),
-    "dsa_topk_threshold": (dsa_topk.threshold_launch, "DSA top-k: a sampled threshold per row, the keys above it "
+    "dsa_topk_threshold": (dsa_threshold.threshold_launch, "DSA top-k: a sampled threshold per row, the keys above it "
                            "gathered and sorted"),
 }
 
@@ -86,12 +88,14 @@ def _score_bench(B: int, ctx_len: int, T: int):
 for _B, _N, _T in ((1, 1048576, 1), (1, 1048576, 256), (32, 4096, 32)):
     _score_bench(_B, _N, _T)
 
-# (rows, pools, k if not the model's), the sort beside torch.topk: the decode sizes up to SORT_MAX_POOLS, then rows
-# past it (a decode at 8k and 16k context, an 8k prefill), where select takes torch.topk, to decide that limit
+# (rows, pools, k if not the model's), the sort and the rank select beside torch.topk: the decode sizes up to
+# SORT_MAX_POOLS, then rows past it (decode at 8k and 16k context, 32 decode rows at 8k, an 8k prefill), to decide
+# those limits
 for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None), (1, 2048, None),
-                   (1, 4096, None), (8192, 2048, None)):
+                   (32, 2048, None), (1, 4096, None), (8192, 2048, None)):
     for _family in _TOPK_BENCHES:
-        _topk_bench(_R, _P, _family, _K)
+        if _family != "dsa_topk_rank" or _R * _P * _P <= 4 * dsa_topk.RANK_SELECT_COMPARES:
+            _topk_bench(_R, _P, _family, _K)
 # longer rows: torch.topk (select's path there) beside the threshold select; 8192 rows of 262,144: a late 8192-token
 # prefill step at 1M context; 16 rows: past the rows the threshold select ranks rather than sorts (RANK_MAX_ROWS);
 # 8192 rows of 8,192 and 16,384: an early step of a long prompt, about THRESHOLD_MIN_POOLS

@@ -12,8 +12,9 @@
 - ``dsa_select_sliced``: the selection with the queries in slices of a few rows equals one pass, bit for bit.
 - ``dsa_positions``: the positions kernel (top-k sort keys -> token lists) against its reference, bit for bit,
   the tail last and first, poisoned output.
-- ``topk_select``: the sort (``dsa_topk.sort_launch``), the threshold select (``dsa_topk.threshold_launch``) or
-  ``dsa_topk.select`` (the sort, the threshold select or ``torch.topk``, by row length) against ``torch.topk`` over
+- ``topk_select``: the sort (``dsa_topk.sort_launch``), the rank select (``dsa_topk.rank_launch``), the threshold
+  select (``dsa_threshold.threshold_launch``) or ``dsa_topk.select`` (one of them or ``torch.topk``, by rows and row
+  length) against ``torch.topk`` over
   the int64 sort keys, bit for bit (values and order), on rows built to tie: a few score values with ±0 and ±inf,
   all equal, all zero, fewer visible pools than ``k`` (the rest at the float32 minimum, as the scorer writes pools a
   query cannot see), equal high bits with ties in the low bits, continuous scores, arbitrary bits.
@@ -35,7 +36,7 @@ import torch
 import triton
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
-from flashinfra.kernels import dsa_indexer, dsa_topk
+from flashinfra.kernels import dsa_indexer, dsa_threshold, dsa_topk
 from flashinfra.kernels.check_cases import (_d, _gen, _not_near_tie, _verdict, paged_cache, quantized_cache, rnd,
                                              select_over_entries, slots_of, tol)
 from flashinfra.kernels.checks import DI, HI, INDEX_TOPK, KPOOL, _registered
@@ -208,19 +209,21 @@ def _same_keys(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckResult:
 
 
 @contextmanager
-def _limits(sort_max: int | None, threshold_min: int | None, rank_max: int | None = None):
-    """``dsa_topk.select``'s row-length limits ``SORT_MAX_POOLS`` and ``THRESHOLD_MIN_POOLS`` and the threshold
-    select's ``RANK_MAX_ROWS`` replaced inside the block where given."""
-    names = ("SORT_MAX_POOLS", "THRESHOLD_MIN_POOLS", "RANK_MAX_ROWS")
-    saved = [getattr(dsa_topk, n) for n in names]
-    for n, v in zip(names, (sort_max, threshold_min, rank_max)):
+def _limits(sort_max: int | None, threshold_min: int | None, rank_max: int | None = None,
+            rank_compares: int | None = None):
+    """``dsa_topk.select``'s limits ``SORT_MAX_POOLS``, ``THRESHOLD_MIN_POOLS`` and ``RANK_SELECT_COMPARES`` and the
+    threshold select's ``RANK_MAX_ROWS`` replaced inside the block where given."""
+    limits = ((dsa_topk, "SORT_MAX_POOLS", sort_max), (dsa_topk, "THRESHOLD_MIN_POOLS", threshold_min),
+              (dsa_threshold, "RANK_MAX_ROWS", rank_max), (dsa_topk, "RANK_SELECT_COMPARES", rank_compares))
+    saved = [getattr(m, n) for m, n, _ in limits]
+    for m, n, v in limits:
         if v is not None:
-            setattr(dsa_topk, n, v)
+            setattr(m, n, v)
     try:
         yield
     finally:
-        for n, v in zip(names, saved):
-            setattr(dsa_topk, n, v)
+        for (m, n, _), v in zip(limits, saved):
+            setattr(m, n, v)
 
 
 def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> tuple[list[str], torch.Tensor]:
@@ -232,22 +235,23 @@ def _tie_scores(device: str, P: int, k: int, rows_per_kind: int, seed: int) -> t
 
 
 def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_max: int | None = None,
-                threshold_min: int | None = None, seed=0) -> list[CheckResult]:
-    """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.threshold_launch`` with one program a row
-    ("threshold") or the few rows' ranks ("threshold_ranked"), or
-    ``dsa_topk.select`` ("select", with ``sort_max`` and ``threshold_min`` replacing its limits), on every kind of
-    ``_tie_rows`` (``rows_per_kind`` fresh rows each) into a poisoned output, against ``topk_ref``."""
+                threshold_min: int | None = None, rank_compares: int | None = None, seed=0) -> list[CheckResult]:
+    """``path``: ``dsa_topk.sort_launch`` ("sort"), ``dsa_topk.rank_launch`` ("rank"),
+    ``dsa_threshold.threshold_launch`` with one program a row ("threshold") or the few rows' ranks
+    ("threshold_ranked"), or ``dsa_topk.select`` ("select", with ``sort_max``, ``threshold_min`` and
+    ``rank_compares`` replacing its limits), on every kind of ``_tie_rows`` (``rows_per_kind`` fresh rows each) into
+    a poisoned output, against ``topk_ref``."""
     names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
     out = poison_(torch.empty(len(scores), k, dtype=torch.int64, device=device))
-    if path == "sort":
-        got = dsa_topk.sort_launch(scores, k, out=out)
+    if path in ("sort", "rank"):
+        got = (dsa_topk.sort_launch if path == "sort" else dsa_topk.rank_launch)(scores, k, out=out)
     elif path in ("threshold", "threshold_ranked"):  # the sorts of a row's sample and candidates, or ranks
         with _limits(None, None, rank_max=len(scores) if path == "threshold_ranked" else 0):
-            got = dsa_topk.threshold_launch(scores, k, out=out)
+            got = dsa_threshold.threshold_launch(scores, k, out=out)
     else:
-        with _limits(sort_max, threshold_min):
+        with _limits(sort_max, threshold_min, rank_compares=rank_compares):
             got = dsa_topk.select(scores, k, out)
-            path = f"select_{dsa_topk.route(P)}"
+            path = f"select_{dsa_topk.route(len(scores), P)}"
     want = dsa_topk.topk_ref(scores, k)
     r = rows_per_kind
     return [_same_keys(f"dsa_topk.{path}.{n}", got[i * r:(i + 1) * r], want[i * r:(i + 1) * r])
@@ -255,14 +259,14 @@ def topk_select(device: str, P: int, k: int, rows_per_kind=1, path="sort", sort_
 
 
 def topk_threshold_counts(device: str, P: int, k: int, rows_per_kind=1, seed=0) -> list[CheckResult]:
-    """``dsa_topk.threshold_counts``: the thresholds decrease along each row, and each count equals the number of
+    """``dsa_threshold.threshold_counts``: the thresholds decrease along each row, and each count equals the number of
     the row's keys above its threshold, counted by torch, on every kind of ``_tie_rows``."""
     names, scores = _tie_scores(device, P, k, rows_per_kind, seed)
     keys = (scores.long() << 32) | torch.arange(P, device=device)
     out, picked = [], []
     for how, rank_max in (("sorted", 0), ("ranked", len(scores))):  # the sample's sort, or its ranks
         with _limits(None, None, rank_max):
-            thresholds, counts = dsa_topk.threshold_counts(scores, k)
+            thresholds, counts = dsa_threshold.threshold_counts(scores, k)
         picked.append(thresholds)
         want = (keys[:, None, :] > thresholds[:, :, None]).sum(-1).to(torch.int32)
         decreasing = bool((thresholds[:, 1:] <= thresholds[:, :-1]).all())
@@ -276,15 +280,15 @@ def topk_threshold_counts(device: str, P: int, k: int, rows_per_kind=1, seed=0) 
 
 
 def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> list[CheckResult]:
-    """``dsa_topk.threshold_finish_kernel`` with every row's counts at zero (no threshold has ``k`` keys above it),
+    """``dsa_threshold.threshold_finish_kernel`` with every row's counts at zero (no threshold has ``k`` keys above it),
     so every row takes the exact path: chunks of ``cap - KB`` keys sorted beside the running top ``k``, into a
     poisoned output, against ``topk_ref`` on every kind of ``_tie_rows``."""
     names, scores = _tie_scores(device, P, k, 1, seed)
-    R, M, KB = len(scores), dsa_topk.THRESHOLDS, triton.next_power_of_2(k)
+    R, M, KB = len(scores), dsa_threshold.THRESHOLDS, triton.next_power_of_2(k)
     out = poison_(torch.empty(R, k, dtype=torch.int64, device=device))
     counts = torch.zeros(R, M, dtype=torch.int32, device=device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=device)
-    dsa_topk.threshold_finish_kernel[(R,)](scores, scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=0,
+    dsa_threshold.threshold_finish_kernel[(R,)](scores, scores, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=0,
                                            EXACT_ONLY=False)
     want = dsa_topk.topk_ref(scores, k)
     return [_same_keys(f"dsa_topk.threshold_exact.{n}", out[i:i + 1], want[i:i + 1]) for i, n in enumerate(names)]
@@ -292,11 +296,12 @@ def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> li
 
 def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16, kpool=4, topk=8, bs=8,
                     sort_max: int | None = None, threshold_min: int | None = None, dtype=torch.float32,
-                    wider: int = 1, rank_max: int | None = None, seed=0) -> list[CheckResult]:
+                    wider: int = 1, rank_max: int | None = None, rank_compares: int | None = None,
+                    seed=0) -> list[CheckResult]:
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
     the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` and
-    ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort), ``rank_max`` the threshold
-    select's ``RANK_MAX_ROWS``; ``wider``: the block tables that many times wider than the longest sequence needs,
+    ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort; ``rank_compares=0``: none
+    the rank select), ``rank_max`` the threshold select's ``RANK_MAX_ROWS``; ``wider``: the block tables that many times wider than the longest sequence needs,
     zero-padded (a CUDA graph's width bucket)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
@@ -310,7 +315,7 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
                              device=device)
     P = tables.shape[1] * bs // kpool
     k = min(topk // kpool, P)
-    with _limits(sort_max, threshold_min, rank_max):
+    with _limits(sort_max, threshold_min, rank_max, rank_compares):
         got = dsa_indexer.select_pools(pool_keys, q, w, tables, token_seq, positions, kpool, k)
     scores = poison_(torch.empty(T, P, dtype=torch.int32, device=device))
     dsa_indexer.scores_launch(pool_keys, q, w, tables, token_seq, positions, kpool, scores)
@@ -337,8 +342,10 @@ def _dsa_topk(dev, act, seed):
         real = dict(Hi=HI, Di=DI, kpool=KPOOL, bs=64)
         return (topk_select(dev, 1024, 512, rows_per_kind=3, seed=seed)
                 + topk_select(dev, 300, 32, rows_per_kind=2, seed=seed)
-                + topk_select(dev, 1024, 512, path="select", seed=seed)
-                + topk_select(dev, 2048, 512, rows_per_kind=3, path="select", seed=seed)
+                + topk_select(dev, 1024, 512, path="select", rank_compares=0, seed=seed)
+                + topk_select(dev, 2048, 512, rows_per_kind=3, path="select", rank_compares=0, seed=seed)
+                + topk_select(dev, 2048, 512, rows_per_kind=2, path="select", seed=seed)  # the rank select
+                + topk_select(dev, 300, 32, path="rank", seed=seed)
                 + topk_select(dev, 262144, 512, path="select", seed=seed)
                 + topk_select(dev, 262144, 512, rows_per_kind=3, path="threshold", seed=seed)
                 + topk_select(dev, 16385, 512, rows_per_kind=3, path="threshold", seed=seed)
@@ -348,11 +355,16 @@ def _dsa_topk(dev, act, seed):
                 + topk_threshold_counts(dev, 262144, 512, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
+                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, rank_compares=0, seed=seed,
+                                  **real)
+                + dsa_select_topk(dev, [3000, 1000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, seed=seed, **real)
                 + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, seed=seed, **real)
                 + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, rank_max=0,
                                   seed=seed, **real))
     return (topk_select(dev, 37, 5, seed=seed) + topk_select(dev, 259, 5, path="select", seed=seed)
-            + topk_select(dev, 259, 5, path="select", sort_max=64, seed=seed)
+            + topk_select(dev, 37, 5, path="rank", seed=seed) + topk_select(dev, 20, 20, path="rank", seed=seed)
+            + topk_select(dev, 259, 5, path="select", rank_compares=0, seed=seed)
+            + topk_select(dev, 259, 5, path="select", sort_max=64, rank_compares=0, seed=seed)
             + topk_select(dev, 259, 5, path="select", sort_max=64, threshold_min=256, seed=seed)
             + topk_select(dev, 130, 5, path="threshold", seed=seed)  # a sample of 128 keys
             + topk_select(dev, 20, 20, path="threshold", seed=seed)  # k = P: the minimum key's row is done exactly
@@ -361,7 +373,9 @@ def _dsa_topk(dev, act, seed):
             + topk_threshold_fallback(dev, 100, 8, 32, seed=seed)
             + topk_threshold_counts(dev, 300, 8, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], seed=seed)
-            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], rank_compares=0, seed=seed)
+            + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, rank_compares=0, seed=seed)
+            + dsa_select_topk(dev, [60, 30, 3], [1, 1, 1], wider=4, seed=seed)
             + dsa_select_topk(dev, [40, 3], [1, 6], sort_max=0, threshold_min=8, seed=seed)
             + dsa_select_topk(dev, [60, 30, 3], [1, 1, 1], sort_max=0, threshold_min=8, wider=4, seed=seed)
             + dsa_select_topk(dev, [60, 30, 3], [1, 1, 1], sort_max=0, threshold_min=8, wider=4, rank_max=0,

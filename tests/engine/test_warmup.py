@@ -124,16 +124,18 @@ def test_long_context_selects_run_every_threshold_variant_a_long_prompt_meets(mo
     monkeypatch.setattr(dsa_topk, "threshold_launch",
                         lambda scores, k, positions=None, kpool=0: seen.append((scores.shape, k, kpool)))
     cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=2048)
-    assert long_context_selects(cfg, 1 << 20, 16, "cpu") == len(seen) == 6
+    assert long_context_selects(cfg, 1 << 20, 16, "cpu") == len(seen) == 12
     pools = [shape[1] for shape, _, _ in seen]
     sizes = [dsa_topk.sample_size(P, 512) for P in pools]
-    assert sorted(set(sizes)) == [1024, 2048, 4096] and all(sizes.count(s) == 2 for s in set(sizes))
-    assert sorted(P % 16 == 0 for P in pools) == [False] * 3 + [True] * 3
-    assert all(shape[0] == 2 and k == 512 and kpool == 4 for shape, k, kpool in seen)
+    assert sorted(set(sizes)) == [1024, 2048, 4096] and all(sizes.count(s) == 4 for s in set(sizes))
+    assert sorted(P % 16 == 0 for P in pools) == [False] * 6 + [True] * 6
+    # one row (the ranking kernels) and two (the sampling ones)
+    assert sorted(shape[0] for shape, _, _ in seen) == [1] * 6 + [2] * 6
+    assert all(k == 512 and kpool == 4 for shape, k, kpool in seen)
     assert max(pools) <= (1 << 20) // 4
     for P in pools:  # the shortest rows of their sample size, give or take the rounding
         assert dsa_topk.sample_size(P - 16, 512) < dsa_topk.sample_size(P, 512) or P - 16 < dsa_topk.THRESHOLD_MIN_POOLS
     seen.clear()
-    assert long_context_selects(cfg, 128 * 1024, 16, "cpu") == 2 and len(seen) == 2  # up to 32,768 pools: S 1,024
+    assert long_context_selects(cfg, 128 * 1024, 16, "cpu") == 4 and len(seen) == 4  # up to 32,768 pools: S 1,024
     assert long_context_selects(cfg, 32 * 1024, 16, "cpu") == 0  # 8,192 pools: torch.topk's rows
     assert long_context_selects(types.SimpleNamespace(indexer_layers=()), 1 << 20, 16, "cpu") == 0

@@ -46,20 +46,25 @@ def test_positions_kernel(T, k, kpool, tail):
 # the same at any size: the model's decode row (k = 512 of 1,024 pools) is left to the GPU tests (the interpreter
 # sorts 1,024 keys in seconds a row), and the registered check sorts rows of 259 pools (more than 256)
 @pytest.mark.parametrize("P,k", [(37, 5), (64, 64), (40, 40), (33, 1), (1, 1)])
-def test_topk_sort_against_torch_topk(P, k):
-    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, seed=P + k))
+@pytest.mark.parametrize("path", ["sort", "rank"])
+def test_topk_sort_and_rank_against_torch_topk(P, k, path):
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, path=path, seed=P + k))
 
 
-# (P, k, sort_max): select through the sort (below and at SORT_MAX_POOLS) and through torch.topk (above it)
-@pytest.mark.parametrize("P,k,sort_max", [(45, 9, None), (64, 7, 64), (65, 7, 64), (259, 5, 64)])
-def test_topk_select_against_torch_topk(P, k, sort_max):
-    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, path="select", sort_max=sort_max, seed=P + k))
+# (P, k, sort_max, rank_compares): select through the sort (below and at SORT_MAX_POOLS), through torch.topk (above
+# it), with no rank select (0); through the rank select (the default limit: these few short rows)
+@pytest.mark.parametrize("P,k,sort_max,rank_compares", [(45, 9, None, 0), (64, 7, 64, 0), (65, 7, 64, 0),
+                                                        (259, 5, 64, 0), (45, 9, None, None), (259, 5, 64, None)])
+def test_topk_select_against_torch_topk(P, k, sort_max, rank_compares):
+    assert_passed(cases.topk_select("cpu", P, k, rows_per_kind=2, path="select", sort_max=sort_max,
+                                    rank_compares=rank_compares, seed=P + k))
 
 
-# sort_max: the sort (the default), torch.topk (0)
-@pytest.mark.parametrize("sort_max", [None, 0])
-def test_selection_topk_equals_torch_topk(sort_max):
-    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], sort_max=sort_max, seed=11))
+# (sort_max, rank_compares): the sort, torch.topk, the rank select
+@pytest.mark.parametrize("sort_max,rank_compares", [(None, 0), (0, 0), (None, None)])
+def test_selection_topk_equals_torch_topk(sort_max, rank_compares):
+    assert_passed(cases.dsa_select_topk("cpu", [40, 3, 17], [1, 6, 2], sort_max=sort_max,
+                                        rank_compares=rank_compares, seed=11))
 
 
 def test_warm_up_threshold_runs_each_variant(monkeypatch):
