@@ -10,7 +10,7 @@ slice quantized at load, as ``flashinfra serve --quantization`` runs it.
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
-       python bench/hotpath_profile.py --batches 1 --quantization w8a8 --out bench/results/hotpath_decode_profile_w8a8.json
+       python bench/hotpath_profile.py --quantization w8a8 --out bench/results/hotpath_decode_profile_w8a8.json
        python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 --out bench/results/hotpath_profile_1m_prefill.json
 """
 

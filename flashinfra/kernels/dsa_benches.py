@@ -6,9 +6,9 @@
 - ``hotpath.dsa_score.*``: the scoring kernel alone: decode and a 256-query slice (``KEY_BUFFER_BYTES``' slice of a
   late prefill step) at 1M, 32 decode rows at 4k.
 - The select alone: the sort (``hotpath.dsa_topk_sort.*``, called directly, so also at rows of 2,048 and 4,096 pools
-  past ``SORT_MAX_POOLS``), the rank select (``hotpath.dsa_topk_rank.*``, where its compares stay within 4x
-  ``RANK_SELECT_COMPARES``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same shapes,
-  and ``torch.topk`` beside the threshold select (``hotpath.dsa_topk_threshold.*``) at longer rows; names end in
+  past ``SORT_MAX_POOLS``), the rank select (``hotpath.dsa_topk_rank.*``, where its compares stay within 4x the
+  larger ``RANK_SELECT_COMPARES``) and ``torch.topk`` over the int64 keys (``hotpath.dsa_topk_torch.*``) at the same
+  shapes, and ``torch.topk`` beside the threshold select (``hotpath.dsa_topk_threshold.*``) at longer rows; names end in
   ``.k<k>`` where ``k`` is not the model's ``INDEX_TOPK // KPOOL`` (capped at the row length).
 """
 
@@ -94,7 +94,7 @@ for _B, _N, _T in ((1, 1048576, 1), (1, 1048576, 256), (32, 4096, 32)):
 for _R, _P, _K in ((1, 64, 32), (1, 256, 32), (16, 256, 32), (1, 1024, None), (128, 1024, None), (1, 2048, None),
                    (32, 2048, None), (1, 4096, None), (8192, 2048, None)):
     for _family in _TOPK_BENCHES:
-        if _family != "dsa_topk_rank" or _R * _P * _P <= 4 * dsa_topk.RANK_SELECT_COMPARES:
+        if _family != "dsa_topk_rank" or _R * _P * _P <= 4 * dsa_topk.RANK_SELECT_COMPARES[1]:
             _topk_bench(_R, _P, _family, _K)
 # longer rows: torch.topk (select's path there) beside the threshold select; 8192 rows of 262,144: a late 8192-token
 # prefill step at 1M context; 16 rows: past the rows the threshold select ranks rather than sorts (RANK_MAX_ROWS);

@@ -213,6 +213,7 @@ def _limits(sort_max: int | None, threshold_min: int | None, rank_max: int | Non
             rank_compares: int | None = None):
     """``dsa_topk.select``'s limits ``SORT_MAX_POOLS``, ``THRESHOLD_MIN_POOLS`` and ``RANK_SELECT_COMPARES`` and the
     threshold select's ``RANK_MAX_ROWS`` replaced inside the block where given."""
+    rank_compares = None if rank_compares is None else (rank_compares, rank_compares)
     limits = ((dsa_topk, "SORT_MAX_POOLS", sort_max), (dsa_topk, "THRESHOLD_MIN_POOLS", threshold_min),
               (dsa_threshold, "RANK_MAX_ROWS", rank_max), (dsa_topk, "RANK_SELECT_COMPARES", rank_compares))
     saved = [getattr(m, n) for m, n, _ in limits]
@@ -355,8 +356,8 @@ def _dsa_topk(dev, act, seed):
                 + topk_threshold_counts(dev, 262144, 512, seed=seed)
                 + dsa_select_topk(dev, [70000, 0], [1, 200], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, seed=seed, **real)
-                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, rank_compares=0, seed=seed,
-                                  **real)
+                + dsa_select_topk(dev, [3000, 0], [1, 100], topk=INDEX_TOPK, dtype=act, rank_compares=1 << 30,
+                                  seed=seed, **real)
                 + dsa_select_topk(dev, [3000, 1000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, seed=seed, **real)
                 + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, seed=seed, **real)
                 + dsa_select_topk(dev, [70000, 30000], [1, 1], topk=INDEX_TOPK, dtype=act, wider=4, rank_max=0,

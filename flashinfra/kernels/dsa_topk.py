@@ -110,24 +110,25 @@ def topk_ref(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
     return top if out is None else out.copy_(top)
 
 
-# Rows of at least THRESHOLD_MIN_POOLS pools take the threshold select; shorter ones the rank select while rows x
-# pools x pools (its compares) stays within RANK_SELECT_COMPARES (decode rows), else the sort up to SORT_MAX_POOLS and
-# ``torch.topk`` over the keys between (bench/notes/dsa_indexer.md: the sort measured fastest up to 1,024 pools,
-# ``torch.topk`` at 2,048 and 4,096; at 32,768 and 262,144 the threshold select 1.6-2.6x faster, except a single
-# decode row at 262,144, 0.93x; 16,384 lies between the two measured lengths). The rank select's bound is a guess
-# from its compares: one 2,048-pool decode row is 4M of them.
+# Rows of at least THRESHOLD_MIN_POOLS pools take the threshold select. Shorter ones take the rank select while its
+# compares (rows x pools x pools) stay within RANK_SELECT_COMPARES: the first bound where the sort is the other choice
+# (rows of at most SORT_MAX_POOLS), the second where it is ``torch.topk`` (bench/notes/dsa_indexer.md: the rank select
+# 17-19 us up to 16M compares, 58-61 us at 134M; the sort 21-26 us at 1,024 pools whatever the rows, 55 us at 2,048;
+# ``torch.topk`` 67-79 us; at 32,768 and 262,144 pools the threshold select 1.6-2.6x faster than ``torch.topk``,
+# except a single decode row at 262,144, 0.93x; 16,384 lies between the two measured lengths).
 SORT_MAX_POOLS = 1024
 THRESHOLD_MIN_POOLS = 16384
-RANK_SELECT_COMPARES = 1 << 27
+RANK_SELECT_COMPARES = (1 << 24, 1 << 27)
 
 
 def route(R: int, P: int) -> str:
     """Which select takes ``R`` rows of ``P`` pools: "threshold", "rank", "sort" or "torch"."""
     if P >= THRESHOLD_MIN_POOLS:
         return "threshold"
-    if R * P * P <= RANK_SELECT_COMPARES:
+    short = P <= SORT_MAX_POOLS
+    if R * P * P <= RANK_SELECT_COMPARES[0 if short else 1]:
         return "rank"
-    return "sort" if P <= SORT_MAX_POOLS else "torch"
+    return "sort" if short else "torch"
 
 
 def select(scores: torch.Tensor, k: int, out: torch.Tensor, positions: torch.Tensor | None = None,
