@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 # one tile per operand width, never chosen by M: (BM, BN, BK, num_warps, num_stages)
 TILES = {2: (128, 128, 64, 8, 3), 4: (32, 32, 32, 4, 2)}
@@ -119,13 +119,13 @@ def split_plan(Bt: int, N: int, K: int, element_size: int) -> tuple[int, int]:
     a narrower one is split towards ``SPLIT_PROGRAMS`` (tile, split) pairs, in a power of two of splits of at
     least ``MIN_SPLIT_STEPS`` steps, at most ``MAX_SPLITS``. Every split is non-empty."""
     _, BN, BK, _, _ = TILES[element_size]
-    steps, tiles = triton.cdiv(K, BK), Bt * triton.cdiv(N, BN)
+    steps, tiles = cdiv(K, BK), Bt * cdiv(N, BN)
     if 2 * tiles >= SPLIT_PROGRAMS:
         return 1, steps
-    S = max(1, min(triton.cdiv(SPLIT_PROGRAMS, tiles), steps // MIN_SPLIT_STEPS, MAX_SPLITS))
+    S = max(1, min(cdiv(SPLIT_PROGRAMS, tiles), steps // MIN_SPLIT_STEPS, MAX_SPLITS))
     S = 1 << (S.bit_length() - 1)  # a power of two divides the step count of the usual K (multiples of 512)
-    CH = triton.cdiv(steps, S)
-    return triton.cdiv(steps, CH), CH
+    CH = cdiv(steps, S)
+    return cdiv(steps, CH), CH
 
 
 def spread(M: int, S: int, element_size: int) -> bool:
@@ -161,13 +161,13 @@ def matmul_nt_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     BM, BN, BK, warps, stages = TILES[size]
     S, CH = split_plan(Bt, N, K, size)
     ws = _workspace(S, Bt, M, N, a.device) if spread(M, S, size) else None
-    fast(bi_matmul_kernel)[(triton.cdiv(M, BM), triton.cdiv(N, BN), Bt * (S if ws is not None else 1))](
+    fast(bi_matmul_kernel)[(cdiv(M, BM), cdiv(N, BN), Bt * (S if ws is not None else 1))](
         a, b, c if bias is None else bias, c, c if ws is None else ws, M, N, K, S, CH, a.stride(0), a.stride(1),
         a.stride(2), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
         SPREAD=ws is not None, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, num_warps=warps,
         num_stages=stages)
     if ws is not None:
-        fast(bi_split_sum_kernel)[(M, triton.cdiv(N, SUM_BN), Bt)](
+        fast(bi_split_sum_kernel)[(M, cdiv(N, SUM_BN), Bt)](
             ws, c if bias is None else bias, c, M, N, S, c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
             BN=SUM_BN, num_warps=4)
     return c

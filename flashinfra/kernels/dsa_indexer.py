@@ -38,7 +38,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.dsa_topk import select
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 FMIN = torch.finfo(torch.float32).min
 # the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
@@ -158,7 +158,7 @@ def scores_launch(pool_keys, q, w, block_tables, token_seq, positions, kpool: in
     # a block of queries per program where the batch has several per sequence (prompts), else one (decode rows): a
     # query's bits do not depend on it (the same product per query), only how often the key tiles are read
     BT = SCORE_QUERIES if T >= SHARED_KEYS_MIN_QUERIES * B else 1
-    fast(index_score_kernel)[(triton.cdiv(T, BT), triton.cdiv(P, SCORE_POOLS))](
+    fast(index_score_kernel)[(cdiv(T, BT), cdiv(P, SCORE_POOLS))](
         q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, Di**-0.5, q.stride(0), w.stride(0),
         KP=kpool, BS=bs, HI=Hi, DI=Di, BT=BT, BP=SCORE_POOLS, QN=SCORE_COLUMN_QUERIES, STAGES=SCORE_STAGES,
         IEEE=q.dtype == torch.float32, num_warps=SCORE_WARPS)
@@ -236,8 +236,8 @@ def positions_launch(top, positions, kpool: int, k: int, tail: int, tail_first: 
     out = torch.empty(T, k * kpool + tail, dtype=torch.int32, device=positions.device) if out is None else out
     if T:
         fast(positions_kernel)[(T,)](top, positions, out, k, out.shape[1], KP=kpool,
-                                     BK=triton.next_power_of_2(k) if k else 0, TAIL=tail,
-                                     BT=triton.next_power_of_2(tail) if tail else 0, TAIL_FIRST=tail_first,
+                                     BK=next_power_of_2(k) if k else 0, TAIL=tail,
+                                     BT=next_power_of_2(tail) if tail else 0, TAIL_FIRST=tail_first,
                                      num_warps=4)
     return out
 

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
-import triton
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import dsa_indexer, dsa_threshold, dsa_topk
@@ -42,6 +41,7 @@ from flashinfra.kernels.check_cases import (_d, _gen, _not_near_tie, _verdict, p
 from flashinfra.kernels.checks import DI, HI, INDEX_TOPK, KPOOL, _registered
 from flashinfra.kernels.dsa_pool_keys import compress_pools, dequant_entries, write_pool_keys_launch, \
     write_pool_keys_ref
+from flashinfra.kernels.launch import next_power_of_2
 
 
 def _pools_of(flat: torch.Tensor, scale, slots: torch.Tensor, kpool: int, ape, dtype) -> torch.Tensor:
@@ -285,7 +285,7 @@ def topk_threshold_fallback(device: str, P: int, k: int, cap: int, seed=0) -> li
     so every row takes the exact path: chunks of ``cap - KB`` keys sorted beside the running top ``k``, into a
     poisoned output, against ``topk_ref`` on every kind of ``_tie_rows``."""
     names, scores = _tie_scores(device, P, k, 1, seed)
-    R, M, KB = len(scores), dsa_threshold.THRESHOLDS, triton.next_power_of_2(k)
+    R, M, KB = len(scores), dsa_threshold.THRESHOLDS, next_power_of_2(k)
     out = poison_(torch.empty(R, k, dtype=torch.int64, device=device))
     counts = torch.zeros(R, M, dtype=torch.int32, device=device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=device)
@@ -302,8 +302,8 @@ def dsa_select_topk(device: str, ctx: list[int], qlens: list[int], Hi=16, Di=16,
     """``dsa_indexer.select_pools`` (scores, then ``dsa_topk.select``) equals ``torch.topk`` over the int64 keys of
     the scores the scoring kernel writes, bit for bit, over a random pool-key cache; ``sort_max`` and
     ``threshold_min`` replace ``select``'s limits (``sort_max=0``: no row takes the sort; ``rank_compares=0``: none
-    the rank select), ``rank_max`` the threshold select's ``RANK_MAX_ROWS``; ``wider``: the block tables that many times wider than the longest sequence needs,
-    zero-padded (a CUDA graph's width bucket)."""
+    the rank select), ``rank_max`` the threshold select's ``RANK_MAX_ROWS``; ``wider``: the block tables that many
+    times wider than the longest sequence needs, zero-padded (a CUDA graph's width bucket)."""
     gen = _gen(device, seed)
     lens = [c + n for c, n in zip(ctx, qlens)]
     _, tables = paged_cache(device, gen, lens, bs, 1, dtype)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def write_pool_keys_launch(cache, scale, ape, slot_mapping, pool_keys) -> None:
     kp, Di = ape.shape
     fp8 = scale is not None
     BP = 16  # 16 pools x 128 channels x 8 warps: no register spills (ptxas, sm_90)
-    fast(pool_keys_write_kernel)[(triton.cdiv(T, BP),)](
+    fast(pool_keys_write_kernel)[(cdiv(T, BP),)](
         cache, scale.contiguous() if fp8 else cache, ape.contiguous(), slot_mapping.contiguous(), pool_keys, T,
         cache.stride(1), KP=kp, DI=Di, BP=BP, FP8=fp8, num_warps=8)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 
 THRESHOLD_SAMPLES = (1024, 4096)  # keys sampled per row (S): at least, at most; enough that about 8 samples lie in
@@ -233,7 +233,7 @@ def threshold_counts(scores: torch.Tensor, k: int, positions: torch.Tensor | Non
 def sample_size(P: int, k: int) -> int:
     """Keys sampled per row of ``P`` pools (``S``, a constexpr of the sample kernels): about 8 in the top ``k``."""
     lo, hi = THRESHOLD_SAMPLES
-    return min(max(lo, triton.next_power_of_2(triton.cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
+    return min(max(lo, next_power_of_2(cdiv(8 * P, k))), hi, 1 << (P.bit_length() - 1))
 
 def _counts(scores: torch.Tensor, k: int, pos: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor]:
     R, P = scores.shape
@@ -243,11 +243,11 @@ def _counts(scores: torch.Tensor, k: int, pos: torch.Tensor, KP: int) -> tuple[t
     counts = torch.zeros(R, M, dtype=torch.int32, device=scores.device)
     # num_warps: guesses, not measured
     if R <= RANK_MAX_ROWS:
-        fast(threshold_rank_kernel)[(R, triton.cdiv(S, RANK_BLOCK))](
+        fast(threshold_rank_kernel)[(R, cdiv(S, RANK_BLOCK))](
             scores, pos, thresholds, P, k, S=S, M=M, KP=KP, B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
     else:
         fast(threshold_sample_kernel)[(R,)](scores, pos, thresholds, P, k, S=S, M=M, KP=KP, num_warps=8)
-    fast(threshold_count_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, KP=KP,
+    fast(threshold_count_kernel)[(R, cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, KP=KP,
                                                          num_warps=8)
     return thresholds, counts
 
@@ -267,10 +267,10 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     scoring kernel writes for the pools a query cannot see."""
     R, P = scores.shape
     M, C = THRESHOLDS, THRESHOLD_CHUNK
-    KB = triton.next_power_of_2(k)
+    KB = next_power_of_2(k)
     cap = cap or 4 * KB
     if (not 1 <= k <= P or scores.dtype != torch.int32 or scores.stride() != (P, 1)
-            or cap != triton.next_power_of_2(cap) or cap < 2 * KB):
+            or cap != next_power_of_2(cap) or cap < 2 * KB):
         raise ValueError(f"threshold_launch: k={k}, cap={cap} of {tuple(scores.shape)} {scores.dtype} strides "
                          f"{scores.stride()}")
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
@@ -280,11 +280,11 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     thresholds, counts = _counts(scores, k, pos, KP)
     cursor = torch.zeros(R, dtype=torch.int32, device=scores.device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
-    fast(threshold_gather_kernel)[(R, triton.cdiv(P, C))](scores, pos, thresholds, counts, cursor, cand, P, k, C=C,
+    fast(threshold_gather_kernel)[(R, cdiv(P, C))](scores, pos, thresholds, counts, cursor, cand, P, k, C=C,
                                                           M=M, CAP=cap, KP=KP, num_warps=8)
     few = R <= RANK_MAX_ROWS
     if few:
-        fast(threshold_place_kernel)[(R, triton.cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap,
+        fast(threshold_place_kernel)[(R, cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap,
                                                                         B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
     fast(threshold_finish_kernel)[(R,)](scores, pos, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=KP,
                                         EXACT_ONLY=few, num_warps=8)

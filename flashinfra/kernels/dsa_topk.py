@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 from flashinfra.kernels.dsa_threshold import (MIN_KEY, RANK_BLOCK, RANK_KEYS, RANK_MAX_ROWS, THRESHOLD_SAMPLES,
                                             _chunk_keys, _row_length, _visible, sample_size, threshold_launch)
 
@@ -57,7 +57,7 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device) if out is None else out
     if R == 0:
         return out
-    BN = triton.next_power_of_2(P)
+    BN = next_power_of_2(P)
     # num_warps: a guess, not measured
     fast(sort_kernel)[(R,)](scores, out, P, k, BN=BN, num_warps=4 if BN <= 256 else 8)
     return out
@@ -92,7 +92,7 @@ def rank_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, p
     if R == 0:
         return out
     pos, KP = _visible(scores, positions, kpool)
-    fast(rank_select_kernel)[(R, triton.cdiv(P, RANK_BLOCK))](scores, pos, out, P, k, KP=KP, B=RANK_BLOCK,
+    fast(rank_select_kernel)[(R, cdiv(P, RANK_BLOCK))](scores, pos, out, P, k, KP=KP, B=RANK_BLOCK,
                                                               KEYS=RANK_KEYS, num_warps=4)
     return out
 

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 from flashinfra.kernels.moe_align import moe_align
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 from flashinfra.kernels.quant.gemm import fp8_step, matmul_8bit_ref
@@ -315,7 +315,7 @@ def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales
         sw13, sw2, ss13, ss2 = scales
         soff13, soff2 = _offset(ss13, sw13), _offset(ss2, sw2)
     h = torch.empty(T * k, N, dtype=x.dtype, device=x.device)
-    grid1 = (sorted_ids.numel() // BM * triton.cdiv(N, cfg["BN1"]),)
+    grid1 = (sorted_ids.numel() // BM * cdiv(N, cfg["BN1"]),)
     # the scales' arguments go last, so that the float specialisation keeps its parameter layout (and machine code)
     fast(moe_gemm1_kernel)[grid1](
         a, w13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), _offset(shared13, w13), T * k,
@@ -323,7 +323,7 @@ def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales
         IEEE=ieee, WEIGHTS=fmt, **launch)
     hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
-    grid2 = (sorted_ids.numel() // BM * triton.cdiv(D, cfg["BN2"]),)
+    grid2 = (sorted_ids.numel() // BM * cdiv(D, cfg["BN2"]),)
     fast(moe_gemm2_kernel)[grid2](hq, w2, out, topk_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
                                   T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, TOPK=k, BM=BM, BN=cfg["BN2"],
                                   BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
@@ -338,7 +338,7 @@ def _scale_shapes(fmt: str, E: int, N2: int, D: int) -> list[tuple]:
     """The scales' shapes of routed w13, routed w2, shared w13, shared w2 in an 8-bit format."""
     if fmt == "int8":
         return [(E, N2), (E, D), (N2,), (D,)]
-    g13, g2 = (triton.cdiv(N2, GROUP), triton.cdiv(D, GROUP)), (triton.cdiv(D, GROUP), triton.cdiv(N2 // 2, GROUP))
+    g13, g2 = (cdiv(N2, GROUP), cdiv(D, GROUP)), (cdiv(D, GROUP), cdiv(N2 // 2, GROUP))
     return [(E, *g13), (E, *g2), g13, g2]
 
 
@@ -401,10 +401,10 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
     # every token's k routed pairs plus one pair with the shared expert (id E, weight 1); the pair outputs in the
     # activation dtype: the reference rounds each weighted expert output there too
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
-    _experts(x, w13, w2, shared_w13, shared_w2, topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous(),
-             limit, pairs, scales, x_codes)
-    BD = min(1024, triton.next_power_of_2(D))
-    fast(moe_sum_kernel)[(T, triton.cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
+    pair_w, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
+    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales, x_codes)
+    BD = min(1024, next_power_of_2(D))
+    fast(moe_sum_kernel)[(T, cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 BW = 256  # block-table columns per program: a row's table is copied by W / BW programs (at 1M tokens, 256 of them)
 
@@ -118,8 +118,8 @@ def fill_step_launch(src: tuple, dst: tuple, q: int, scratch: tuple[int, int, in
     bs, B = dst[3].shape[0], src[1].shape[0] - 1
     entry, slot, block = scratch
     w, W = src[5].shape[1], dst[4].shape[1]
-    fast(fill_step_kernel)[(bs, triton.cdiv(W, BW))](*src, *dst, B, w, W, max(src[5].stride(0), 1), entry, slot, block,
-                                  Q=q, QP=triton.next_power_of_2(q), BW=BW, num_warps=1)
+    fast(fill_step_kernel)[(bs, cdiv(W, BW))](*src, *dst, B, w, W, max(src[5].stride(0), 1), entry, slot, block,
+                                  Q=q, QP=next_power_of_2(q), BW=BW, num_warps=1)
 
 
 def fill_step_ref(src: tuple, dst: tuple, q: int, scratch: tuple[int, int, int]) -> None:
@@ -171,10 +171,10 @@ def fill_chain_launch(src: tuple, dst: tuple, block_size: int, scratch: tuple[in
     positions, caps, src_table = src
     table, slot, pos, seq = dst
     steps, bs = slot.shape[0], table.shape[0]
-    grid = (bs, triton.cdiv(table.shape[1], BW))
+    grid = (bs, cdiv(table.shape[1], BW))
     fast(fill_chain_kernel)[grid](positions, caps, src_table, table, slot, pos, seq, positions.shape[0],
                                    src_table.shape[1], table.shape[1], bs, max(src_table.stride(0), 1), block_size,
-                                   *scratch, STEPS=steps, SP=max(1, triton.next_power_of_2(steps)), BW=BW, num_warps=1)
+                                   *scratch, STEPS=steps, SP=max(1, next_power_of_2(steps)), BW=BW, num_warps=1)
 
 
 def fill_chain_ref(src: tuple, dst: tuple, block_size: int, scratch: tuple[int, int]) -> None:

@@ -29,6 +29,17 @@ from flashinfra.kernels.dispatch import interpreting
 POINTER_ALIGN_BYTES = 16
 
 
+# Host-side sizes of grids and blocks. Triton's own ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr
+# functions, callable in kernels too, and cost microseconds a call on the host: an eager step makes hundreds of calls.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n`` (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class FastKernel:
     """``fn[grid](*args, **kwargs)`` with the compiled kernel kept per specialisation. Runtime arguments are given
     positionally; constexprs and launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...) by name."""

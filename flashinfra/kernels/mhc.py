@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.norms import unweighted_rms_norm_ref
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 
 def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
@@ -161,7 +161,7 @@ def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
     """Tokens per program of the per-token kernels; their tile shape sets the order of a token's reductions,
     so deterministic mode keeps it whatever T is."""
     most = 4 if streams.is_cuda else 16
-    return most if is_deterministic() else min(most, triton.next_power_of_2(T))
+    return most if is_deterministic() else min(most, next_power_of_2(T))
 
 
 def hc_collapse(streams: torch.Tensor) -> torch.Tensor:
@@ -187,13 +187,13 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     if T == 0:
         return y, post, comb
-    BT, BN = MIX_TOKENS, max(16, triton.next_power_of_2(NM))
+    BT, BN = MIX_TOKENS, max(16, next_power_of_2(NM))
     BK = 64 if streams.dtype == torch.float32 else 128  # float32 tiles of 128 spill registers
-    blocks = triton.cdiv(T, BT)
+    blocks = cdiv(T, BT)
     # the split of the K reduction fills the GPU at small T; deterministic mode fixes it by K alone
-    SPLIT = max(1, min(DETERMINISTIC_SPLIT if is_deterministic() else min(64, 256 // blocks), triton.cdiv(K, BK)))
-    KS = triton.cdiv(triton.cdiv(K, SPLIT), BK) * BK
-    SPLIT = triton.cdiv(K, KS)
+    SPLIT = max(1, min(DETERMINISTIC_SPLIT if is_deterministic() else min(64, 256 // blocks), cdiv(K, BK)))
+    KS = cdiv(cdiv(K, SPLIT), BK) * BK
+    SPLIT = cdiv(K, KS)
     part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=dev)
     sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=dev)
     fast(hc_mix_kernel)[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
@@ -201,9 +201,9 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
     # fewer, larger programs
     BT2 = _tokens_per_program(streams, T)
-    fast(hc_pre_kernel)[(triton.cdiv(T, BT2),)](
+    fast(hc_pre_kernel)[(cdiv(T, BT2),)](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, triton.next_power_of_2(D))), SP=triton.next_power_of_2(SPLIT),
+        N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, next_power_of_2(D))), SP=next_power_of_2(SPLIT),
         num_warps=4)
     return y, post, comb
 
@@ -217,8 +217,8 @@ def hc_post_launch(streams, out, post, comb):
     y = torch.empty_like(streams)
     if T:
         BT = _tokens_per_program(streams, T)
-        BD = max(16, min(1024 // BT, triton.next_power_of_2(D)))
-        fast(hc_post_kernel)[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        BD = max(16, min(1024 // BT, next_power_of_2(D)))
+        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](
             streams, out.contiguous(), post.contiguous(), comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD, num_warps=4)
     return y
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 COUNT_BLOCK = 4096  # pairs per counting program
 ONE_PROGRAM = 2048  # the most pairs one program aligns on its own
@@ -112,8 +112,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     ids = topk_ids.to(torch.int32).contiguous()
     T, k = ids.shape
     E, n, dev = num_experts, T * (k + 1), ids.device
-    S = triton.cdiv(min(n + (E + 1) * (BM - 1), n * BM), BM) * BM
-    E_P2 = triton.next_power_of_2(E + 2)  # the shared expert, and a spare bin for the masked lanes
+    S = cdiv(min(n + (E + 1) * (BM - 1), n * BM), BM) * BM
+    E_P2 = next_power_of_2(E + 2)  # the shared expert, and a spare bin for the masked lanes
     sorted_ids = torch.empty(S, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(S // BM, dtype=torch.int32, device=dev)
     if n <= ONE_PROGRAM:
@@ -121,16 +121,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
         scratch = torch.empty(2 * E_P2 + 4, dtype=torch.int32, device=dev)
         used = scratch[2 * E_P2:2 * E_P2 + 1]
         fast(moe_align_one_kernel)[(1,)](ids, scratch, sorted_ids, expert_ids, used, n, E, K=k, E_P2=E_P2, BM=BM,
-                                         BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)
+                                         BLOCK=max(16, next_power_of_2(n)), num_warps=4)
         return sorted_ids, expert_ids, used
     # counts, starts, counters, used; each 16-byte aligned
     scratch = torch.zeros(3 * E_P2 + 4, dtype=torch.int32, device=dev)
     counts, starts = scratch[:E_P2], scratch[E_P2:2 * E_P2]
     fill, used = scratch[2 * E_P2:3 * E_P2], scratch[3 * E_P2:3 * E_P2 + 1]
     # one block size whatever the batch: no compilation per size
-    fast(moe_count_kernel)[(triton.cdiv(n, COUNT_BLOCK),)](ids, counts, n, E, K=k, E_P2=E_P2, BLOCK=COUNT_BLOCK,
+    fast(moe_count_kernel)[(cdiv(n, COUNT_BLOCK),)](ids, counts, n, E, K=k, E_P2=E_P2, BLOCK=COUNT_BLOCK,
                                                            num_warps=4)
     fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, used, n, E, BM=BM, E_P2=E_P2, num_warps=4)
-    fast(moe_place_kernel)[(triton.cdiv(n, 256),)](ids, starts, fill, sorted_ids, n, E, K=k, E_P2=E_P2, BLOCK=256,
+    fast(moe_place_kernel)[(cdiv(n, 256),)](ids, starts, fill, sorted_ids, n, E, K=k, E_P2=E_P2, BLOCK=256,
                                                    num_warps=4)
     return sorted_ids, expert_ids, used

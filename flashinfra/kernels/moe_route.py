@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import fast, next_power_of_2
 
 
 def route_ref(
@@ -103,7 +103,7 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
     if T:
         # one warp per token: the k arg-max rounds reduce with warp shuffles only (several warps per program
         # would reduce through shared memory, a round trip per round)
-        BE = triton.next_power_of_2(E)
+        BE = next_power_of_2(E)
         fast(route_kernel)[(T,)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling), TOPK=top_k,
                                  G=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BT=1, BE=BE,
                                  num_warps=1 if BE <= 1024 else 4)

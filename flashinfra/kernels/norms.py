@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,7 +93,7 @@ def _output(x: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tenso
 
 
 def _block_rows(D: int) -> tuple[int, int]:
-    BD = triton.next_power_of_2(D)
+    BD = next_power_of_2(D)
     return BD, max(1, min(16, 4096 // BD))
 
 
@@ -104,7 +104,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, BT=BT, BD=BD,
+        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, BT=BT, BD=BD,
                                                      HAS_RES=False, num_warps=4 if BD <= 2048 else 8)
     return y
 
@@ -119,7 +119,7 @@ def add_rms_norm_launch(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(rms_norm_kernel)[(triton.cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, BT=BT, BD=BD,
+        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, BT=BT, BD=BD,
                                                      HAS_RES=True, num_warps=4 if BD <= 2048 else 8)
     return s, y
 
@@ -134,7 +134,7 @@ def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(gated_rms_norm_kernel)[(triton.cdiv(N, BT),)](
+        fast(gated_rms_norm_kernel)[(cdiv(N, BT),)](
             x2, g2, weight, y, x2.stride(0), g2.stride(0), N, D, eps, BT=BT, BD=BD, num_warps=4)
     return y
 

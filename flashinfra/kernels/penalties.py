@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 BV = 1024  # vocabulary entries per program
 
@@ -56,7 +56,7 @@ def penalize_launch(x, index, rows, counts, prompt, rep, freq, pres) -> torch.Te
     _check(x, index, rows, counts, prompt, rep, freq, pres)
     P, V = index.shape[0], x.shape[-1]
     if P and V:
-        fast(penalize_kernel)[(P, triton.cdiv(V, BV))](x, index, rows, counts, prompt, rep, freq, pres, V,
+        fast(penalize_kernel)[(P, cdiv(V, BV))](x, index, rows, counts, prompt, rep, freq, pres, V,
                                                       x.stride(0), BV=BV, num_warps=4)
     return x
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 BT = 16  # tokens per program
 
@@ -91,7 +91,7 @@ def qk_norm_rope_launch(qkv, q_weight, k_weight, cos, sin, eps: float, L: int, o
         if o.shape != shape or o.dtype != qkv.dtype or not o.is_contiguous():
             raise ValueError(f"qk_norm_rope: outputs must be contiguous {shape} {qkv.dtype}")
     if N:
-        fast(qk_norm_rope_kernel)[(triton.cdiv(N, BT), H)](
+        fast(qk_norm_rope_kernel)[(cdiv(N, BT), H)](
             qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), *outs, N, L, H * L * hd, L * hd, hd, eps,
             H=H, HALF=hd // 2, BT=BT, num_warps=2)
     return outs

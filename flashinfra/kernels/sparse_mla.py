@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 # the most splits of all programs' lists together (flash-decoding): the merge reads splits x H x R float32 partials
 # per token, so a batch of several programs splits each less
@@ -143,9 +143,9 @@ def _config(T: int, H: int, BR: int, elem_bytes: int = 2) -> dict:
     in one program with 64-row blocks: each gathered row is read once per token, and the products are
     64 x 64 tiles."""
     if elem_bytes > 2:  # float32 tiles of that shape exceed shared memory
-        return dict(BH=max(16, min(32, triton.next_power_of_2(H))), BN=32, num_warps=8 if BR >= 256 else 4,
+        return dict(BH=max(16, min(32, next_power_of_2(H))), BN=32, num_warps=8 if BR >= 256 else 4,
                     num_stages=2)
-    return dict(BH=max(16, min(64, triton.next_power_of_2(H))), BN=64, num_warps=8 if BR >= 256 else 4,
+    return dict(BH=max(16, min(64, next_power_of_2(H))), BN=64, num_warps=8 if BR >= 256 else 4,
                 num_stages=2)
 
 
@@ -164,21 +164,21 @@ def sparse_mla_launch(q_lat, latent, sel, token_seq, block_tables, scale: float,
     o = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
     if T == 0:
         return o
-    S, BR = sel.shape[1], triton.next_power_of_2(R)
+    S, BR = sel.shape[1], next_power_of_2(R)
     cfg = _config(T, H, BR, q_lat.element_size())
     BH, BN = cfg["BH"], cfg["BN"]
-    programs = T * triton.cdiv(H, BH)
+    programs = T * cdiv(H, BH)
     if split is None and is_deterministic():  # one program per token's whole list: a fixed order
         split = 1
     if split is None:
         split = 1 if programs >= 132 else min(max(1, MAX_SPLIT // programs),
-                                              triton.next_power_of_2(triton.cdiv(264, programs)),
-                                              triton.next_power_of_2(triton.cdiv(S, BN)))
-    CH = triton.cdiv(triton.cdiv(S, split), BN) * BN
+                                              next_power_of_2(cdiv(264, programs)),
+                                              next_power_of_2(cdiv(S, BN)))
+    CH = cdiv(cdiv(S, split), BN) * BN
     dev = q_lat.device
     part_acc = torch.empty(T * split * H, BR, dtype=torch.float32, device=dev) if split > 1 else o
     part_ml = torch.empty(T * split * H, 2, dtype=torch.float32, device=dev) if split > 1 else o
-    fast(sparse_mla_kernel)[(T, triton.cdiv(H, BH), split)](
+    fast(sparse_mla_kernel)[(T, cdiv(H, BH), split)](
         q_lat, latent, sel, token_seq, block_tables, o, part_acc, part_ml, q_lat.stride(0), q_lat.stride(1), S,
         block_tables.shape[1], H, CH, scale, latent if latent_scale is None else latent_scale.contiguous(), R=R, BR=BR,
         BS=latent.shape[1], BH=BH, BN=BN, SPLIT=split, IEEE=q_lat.dtype == torch.float32, CACHE=fmt,

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.fused_moe import clamped_swiglu as clamped_swiglu_ref
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 BI = 1024  # columns per program
 
@@ -38,7 +38,7 @@ def clamped_swiglu_launch(gate_up: torch.Tensor, limit: float, out: torch.Tensor
     if y.shape != (*gate_up.shape[:-1], I) or y.dtype != gate_up.dtype or not y.is_contiguous():
         raise ValueError(f"clamped_swiglu: out must be contiguous {(*gate_up.shape[:-1], I)} {gate_up.dtype}")
     if x.shape[0]:
-        fast(clamped_swiglu_kernel)[(x.shape[0], triton.cdiv(I, BI))](x, y, I, float(limit), BI=BI, num_warps=4)
+        fast(clamped_swiglu_kernel)[(x.shape[0], cdiv(I, BI))](x, y, I, float(limit), BI=BI, num_warps=4)
     return y
 
 

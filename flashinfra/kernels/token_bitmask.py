@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 
 BV = 1024  # tokens per program: 32 bitmask words
 _BITS = [1 << i for i in range(31)] + [-(1 << 31)]  # bit i of an int32 word
@@ -43,7 +43,7 @@ def apply_token_bitmask_launch(logits: torch.Tensor, bitmask: torch.Tensor, rows
     if rows.shape != (R,):
         raise ValueError(f"apply_token_bitmask: rows {tuple(rows.shape)} for a bitmask of {R} rows")
     if R and V:
-        fast(apply_token_bitmask_kernel)[(R, triton.cdiv(V, BV))](logits, bitmask, rows, V, logits.stride(0), W,
+        fast(apply_token_bitmask_kernel)[(R, cdiv(V, BV))](logits, bitmask, rows, V, logits.stride(0), W,
                                                                   BV=BV, num_warps=4)
     return logits
 

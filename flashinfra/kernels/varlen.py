@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.runtime.driver import driver
 
-from flashinfra.kernels.launch import POINTER_ALIGN_BYTES
+from flashinfra.kernels.launch import cdiv, POINTER_ALIGN_BYTES
 
 
 def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _chunk_tables(cu: tuple, chunk: int, device: torch.device, stream: int):
     pairs, offsets = [], []
     for n in range(len(cu) - 1):
         offsets.append(len(pairs) // 2)
-        for i in range(triton.cdiv(cu[n + 1] - cu[n], chunk)):
+        for i in range(cdiv(cu[n + 1] - cu[n], chunk)):
             pairs += (n, i)
     start = len(_padded(pairs))
     both = device_ints(_padded(pairs) + offsets, device)  # one copy

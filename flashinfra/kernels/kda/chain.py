@@ -27,6 +27,7 @@ from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.kda.prefill_fp32 import BT, kda_fp32_intra_kernel
 from flashinfra.kernels.kda.ref import kda_gate_ref, kda_summary_ref, kda_transition_ref
 from flashinfra.kernels.varlen import chunk_tables, device_ints
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 PRECISIONS = ("tf32x3", "tf32")
 # a [K, 64] block of columns per program on 4 warps
@@ -102,8 +103,8 @@ def kda_summary_launch(k, v, g, beta, cu_seqlens: list[int], gate=None, precisio
     h = result(out_h, (B, H, K, V), "out_h") if v is not None else m
     idx, offsets_t, nch = chunk_tables(cu, BT, dev)
     cu_t = device_ints(cu, dev)
-    BK = max(triton.next_power_of_2(K), 16)
-    BVF = max(triton.next_power_of_2(V), 16)
+    BK = max(next_power_of_2(K), 16)
+    BVF = max(next_power_of_2(V), 16)
     # the in-chunk kernel's q is k here (and v too without values): its outputs from q (qg, the q.k matrix) are
     # unused
     vv = k if v is None else v
@@ -122,8 +123,8 @@ def kda_summary_launch(k, v, g, beta, cu_seqlens: list[int], gate=None, precisio
             BETA_LOGITS=gate is not None, LOCAL_PRECISION=precision, SOLVE_PRECISION=precision, num_warps=4,
         )
     BM = min(CHAIN_BM, BK)
-    nmk = triton.cdiv(K, BM)
-    kda_chain_kernel[(nmk + (triton.cdiv(V, BM) if v is not None else 0), B * H)](
+    nmk = cdiv(K, BM)
+    kda_chain_kernel[(nmk + (cdiv(V, BM) if v is not None else 0), B * H)](
         w, kd, egl, u, m, h, cu_t, offsets_t, H=H, K=K, V=V, BK=BK, BM=BM, BT=BT, NMK=nmk, HAS_H=v is not None,
         PRECISION=precision, num_warps=CHAIN_WARPS,
     )

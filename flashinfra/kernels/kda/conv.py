@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 from flashinfra.kernels.varlen import cached_int_lists, cached_ints, chunk_tables
 
 # the prefill conv's tile is BT x BC = 32 x 128 over 8 warps: 16 elements a thread and no spill (ptxas, sm_90)
@@ -208,12 +208,12 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
         cu_t, slots_t, init_t = (_as_index_tensor(t, dev) for t in (cu, state_slots, has_initial_state))
     else:  # one cached copy for the three (varlen.py)
         cu_t, slots_t, init_t = cached_int_lists((cu, state_slots, has_initial_state), dev)
-    fast(causal_conv1d_prefill_kernel)[(triton.cdiv(C, BC), nch)](
+    fast(causal_conv1d_prefill_kernel)[(cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
-        BH=triton.next_power_of_2(W - 1), num_warps=CONV_PREFILL_WARPS,
+        BH=next_power_of_2(W - 1), num_warps=CONV_PREFILL_WARPS,
     )
-    fast(causal_conv1d_state_kernel)[(triton.cdiv(C, BC), B)](
-        x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
+    fast(causal_conv1d_state_kernel)[(cdiv(C, BC), B)](
+        x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=next_power_of_2(W - 1), BC=BC,
     )
     return y
 
@@ -226,9 +226,9 @@ def causal_conv1d_decode_launch(x, weight, conv_state, state_slots, BC: int = 25
     y = _output(out, x)
     if x.shape[0] == 0:
         return y
-    causal_conv1d_decode_kernel[(triton.cdiv(C, BC), x.shape[0])](
+    causal_conv1d_decode_kernel[(cdiv(C, BC), x.shape[0])](
         x, weight, conv_state, y, state_slots, x.stride(0), y.stride(0), C,
-        W=W, BW=triton.next_power_of_2(W - 1), BC=BC,
+        W=W, BW=next_power_of_2(W - 1), BC=BC,
     )
     return y
 

@@ -37,6 +37,7 @@ from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_step_s
 from flashinfra.kernels.kda.decode_prep import norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda.ref import kda_layer_decode_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -304,20 +305,20 @@ def _launch(qkv, conv_state, g_raw, beta_logits, gate, state_slots, out, conv_we
     B = qkv.shape[0]
     H, K, V = state.shape[1:]
     W = conv_weight.shape[1]
-    BVF = triton.next_power_of_2(V)
+    BVF = next_power_of_2(V)
     BV = min(cfg["BV"], BVF)
     pdl = cfg["pdl"] and qkv.is_cuda
     prepped = cfg["prep"]
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
-    sizes = dict(H=H, K=K, V=V, BK=triton.next_power_of_2(K), W=W, BW=triton.next_power_of_2(W - 1))
+    sizes = dict(H=H, K=K, V=V, BK=next_power_of_2(K), W=W, BW=next_power_of_2(W - 1))
     head_args = (qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb)
     strides = (qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5)
     heads = torch.empty((B * H, 4, sizes["BK"]) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     if prepped:
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, cfg["prep_heads"],
                           PREP_WARPS)
-    kda_layer_decode_block_kernel[(triton.cdiv(V, BV), B * H)](
+    kda_layer_decode_block_kernel[(cdiv(V, BV), B * H)](
         *head_args, state, state_slots, out, heads, *strides,
         **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
         EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=cfg["num_warps"], **register_cap(cfg["maxnreg"]))

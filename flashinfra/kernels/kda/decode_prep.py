@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashinfra.kernels.kda.common import kda_log_decay
 from flashinfra.kernels.kda.common import conv_slot
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, d
     """The prep launch, ``prep_heads`` heads of one sequence per program."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
-    kda_layer_decode_prep_heads_kernel[(B * triton.cdiv(H, prep_heads),)](
+    kda_layer_decode_prep_heads_kernel[(B * cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
         HAS_LOWER_BOUND=has_lower_bound, HB=prep_heads, num_warps=num_warps)
@@ -127,6 +128,6 @@ def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, d
 def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
     """The norm launch, ``norm_heads`` heads of one sequence per program."""
     B, H, V = out.shape
-    kda_layer_decode_norm_heads_kernel[(B * triton.cdiv(H, norm_heads),)](
-        gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=triton.next_power_of_2(V), HB=norm_heads,
+    kda_layer_decode_norm_heads_kernel[(B * cdiv(H, norm_heads),)](
+        gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=next_power_of_2(V), HB=norm_heads,
         num_warps=num_warps)

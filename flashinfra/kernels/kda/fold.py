@@ -24,6 +24,7 @@ import triton.language as tl
 from flashinfra.kernels.kda.common import conv_slot, state_step, state_tile
 from flashinfra.kernels.kda.decode import head_qk_norm
 from flashinfra.kernels.kda.verify import BV_VERIFY, VERIFY_WARPS
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 BC_FOLD = 128  # channels per conv-shift program
 
@@ -89,10 +90,10 @@ def kda_fold_launch(ring, conv_state: torch.Tensor, state: torch.Tensor, state_s
     B = state_slots.shape[0]
     if B == 0:
         return
-    BV = min(BV_VERIFY, triton.next_power_of_2(V))
-    kda_fold_state_kernel[(triton.cdiv(V, BV), B * H)](
+    BV = min(BV_VERIFY, next_power_of_2(V))
+    kda_fold_state_kernel[(cdiv(V, BV), B * H)](
         state, state_slots, num_accepted, ring.k, ring.v, ring.g, ring.beta, R, H=H, K=K, V=V,
-        BK=triton.next_power_of_2(K), BV=BV, num_warps=VERIFY_WARPS)
+        BK=next_power_of_2(K), BV=BV, num_warps=VERIFY_WARPS)
     if Wm1 > 0:
-        kda_fold_conv_kernel[(B, triton.cdiv(C, BC_FOLD))](conv_state, state_slots, num_accepted, ring.x, R, C,
+        kda_fold_conv_kernel[(B, cdiv(C, BC_FOLD))](conv_state, state_slots, num_accepted, ring.x, R, C,
                                                            W=Wm1 + 1, BC=BC_FOLD)

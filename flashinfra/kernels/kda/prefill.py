@@ -42,7 +42,7 @@ from flashinfra.kernels.kda.prefill_intra_offdiag import kda_intra_offdiag_kerne
 from flashinfra.kernels.kda.prefill_intra_wu import kda_intra_wu_kernel
 from flashinfra.kernels.kda.prefill_state import kda_state_pass_kernel
 from flashinfra.kernels.kda.ref import kda_prefill_gated_ref, kda_prefill_ref
-from flashinfra.kernels.launch import device_descriptors, fast
+from flashinfra.kernels.launch import cdiv, device_descriptors, fast
 from flashinfra.kernels.varlen import cached_int_lists, chunk_tables
 
 # The state chain's products: every operand a bf16 hi + lo pair (bf16x3: three bf16 products, about 16 bits of each
@@ -308,7 +308,7 @@ def chunk64_launches(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
         device_descriptors()
 
     def state_pass():
-        fast(kda_state_pass_kernel)[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+        fast(kda_state_pass_kernel)[(cdiv(V, BV), (len(cu) - 1) * H)](
             wqk_d, u_d, aqk_d, egl, o, state_d, cu_t, offsets_t, slots_t, init_t, wqk, u, aqk, tv, tv.stride(0),
             cu_t if saves_t is None else saves_t, state,
             H=H, K=K, V=V, BV=BV, CHAIN=chain, **slots, A_LO=a_lo, L2_AHEAD=0 if interpret else STATE_L2_AHEAD,

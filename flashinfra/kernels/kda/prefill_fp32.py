@@ -24,6 +24,7 @@ import triton.language as tl
 from flashinfra.kernels.kda.common import load_gate_beta
 from flashinfra.kernels.kda.common import state_tile
 from flashinfra.kernels.varlen import chunk_tables
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
     slots (prefill.py) or None."""
     T, H, K = q.shape
     V = v.shape[-1]
-    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    BV = min(max(next_power_of_2(V), 16), 64)
     chain_precision, local_precision = CHAIN_PRECISION, LOCAL_PRECISION
     idx, offsets_t, nch = chunk_tables(cu, BT, q.device)
     if not nch:
@@ -153,17 +154,17 @@ def kda_prefill_fp32(q, k, v, g, beta, o, state, cu: list[int], cu_t, slots_t, i
     aqk = torch.empty(T, H, BT, dtype=torch.float32, device=dev)
     egl = torch.empty(nch, H, K, dtype=torch.float32, device=dev)
     A_log, dt_bias, lower_bound = gate if gate is not None else (g, g, 0.0)
-    BK = max(triton.next_power_of_2(K), 16)
+    BK = max(next_power_of_2(K), 16)
     kda_fp32_intra_kernel[(nch, H)](
         q, k, v, g, beta, A_log, dt_bias, float(lower_bound) if lower_bound is not None else 0.0, cu_t, idx,
         w, u, qg, kd, aqk, egl,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), K**-0.5,
-        H=H, K=K, V=V, BK=BK, BVF=max(triton.next_power_of_2(V), 16), BT=BT, LOG2_BT=BT.bit_length() - 1,
+        H=H, K=K, V=V, BK=BK, BVF=max(next_power_of_2(V), 16), BT=BT, LOG2_BT=BT.bit_length() - 1,
         GATE_IN_KERNEL=gate is not None, HAS_LOWER_BOUND=gate is not None and lower_bound is not None,
         BETA_LOGITS=gate is not None, LOCAL_PRECISION=local_precision, SOLVE_PRECISION=chain_precision,
         num_warps=4,
     )
-    kda_fp32_state_kernel[(triton.cdiv(V, BV), (len(cu) - 1) * H)](
+    kda_fp32_state_kernel[(cdiv(V, BV), (len(cu) - 1) * H)](
         w, u, qg, kd, aqk, egl, o, state, cu_t, offsets_t, slots_t, init_t, cu_t if saves_t is None else saves_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, CHAIN_PRECISION=chain_precision, LOCAL_PRECISION=local_precision,
         SAVE=saves_t is not None,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from flashinfra.kernels.kda.common import conv_slot, state_step_store, state_tile
 from flashinfra.kernels.kda.decode import gated_norm, head_gate_beta, head_qk_norm
+from flashinfra.kernels.launch import cdiv, next_power_of_2
 
 # the decode kernel's single-sequence block layout: [K, 32] state blocks on 2 warps
 BV_VERIFY, VERIFY_WARPS, NORM_WARPS = 32, 2, 4
@@ -144,13 +145,13 @@ def kda_layer_verify_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, ga
     B = state_slots.shape[0]
     if T == 0 or B == 0:
         return out
-    BVF = triton.next_power_of_2(V)
+    BVF = next_power_of_2(V)
     BV = min(BV_VERIFY, BVF)
-    kda_layer_verify_kernel[(triton.cdiv(V, BV), B * H)](
+    kda_layer_verify_kernel[(cdiv(V, BV), B * H)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.contiguous(), dt_bias.float().contiguous(),
         float(lower_bound) if lower_bound is not None else 0.0, state, state_slots, cu_seqlens, out,
         ring.x, ring.k, ring.v, ring.g, ring.beta, qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), K**-0.5,
-        ring.x.shape[1], H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, W=conv_weight.shape[1],
+        ring.x.shape[1], H=H, K=K, V=V, BK=next_power_of_2(K), BV=BV, W=conv_weight.shape[1],
         HAS_LOWER_BOUND=lower_bound is not None, num_warps=VERIFY_WARPS)
     kda_layer_verify_norm_kernel[(T * H,)](gate, norm_weight.contiguous(), float(eps), out, gate.stride(0), H=H, V=V,
                                            BVF=BVF, num_warps=NORM_WARPS)

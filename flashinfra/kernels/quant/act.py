@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -41,7 +41,7 @@ def quant_int8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def quant_fp8_per_group_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = x.shape
-    G = triton.cdiv(K, group)
+    G = cdiv(K, group)
     xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).view(T, G, group)
     amax = xf.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -88,7 +88,7 @@ def quant_int8_per_token_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     q = torch.empty(T, K, dtype=torch.int8, device=x.device)
     s = torch.empty(T, dtype=torch.float32, device=x.device)
     if T:
-        BK = min(4096, triton.next_power_of_2(K))
+        BK = min(4096, next_power_of_2(K))
         fast(quant_int8_kernel)[(T,)](x, q, s, K, x.stride(0), BK=BK, num_warps=4 if BK <= 2048 else 8)
     return q, s
 
@@ -96,7 +96,7 @@ def quant_int8_per_token_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def quant_fp8_per_group_launch(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    G = triton.cdiv(K, group)
+    G = cdiv(K, group)
     q = torch.empty(T, K, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(T, G, dtype=torch.float32, device=x.device)
     if T:

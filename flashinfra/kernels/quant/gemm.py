@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 
 
@@ -116,8 +116,8 @@ def _check(fmt, xq, sx, wq, sw, block):
     if fmt == "int8":
         fits = sx.shape == (M,) and sw.shape == (N,)
     else:
-        KB = triton.cdiv(K, bk)
-        fits = bk == GROUP and sx.shape == (M, KB) and sw.shape == (triton.cdiv(N, bn), KB)
+        KB = cdiv(K, bk)
+        fits = bk == GROUP and sx.shape == (M, KB) and sw.shape == (cdiv(N, bn), KB)
     if wq.shape != (N, K) or not fits:
         raise ValueError(f"matmul_8bit: {fmt} x {tuple(xq.shape)} / scale {tuple(sx.shape)} and w {tuple(wq.shape)} "
                          f"/ scale {tuple(sw.shape)} do not fit" + (f" blocks {block}" if fmt == "fp8" else ""))
@@ -134,7 +134,7 @@ def matmul_8bit_launch(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtyp
     if M == 0:
         return y
     cfg = _config(M, fmt)
-    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]))
+    grid = (cdiv(M, cfg["BM"]), cdiv(N, cfg["BN"]))
     fast(matmul_8bit_kernel)[grid](xq, sx, wq, sw, bias if bias is not None else sw, y, M, N, K,
                                    HAS_BIAS=bias is not None, BLOCK_N=block[0], BM=cfg["BM"], BN=cfg["BN"],
                                    BK=cfg["BK"], WEIGHTS=fmt, num_warps=cfg["num_warps"],

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import fast
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 from flashinfra.kernels.norms import rms_norm_ref
 from flashinfra.kernels.quant.act import quant_int8_per_token_ref
 
@@ -86,9 +86,9 @@ def rms_norm_int8_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, keep
     N = x2.shape[0]
     y, q, s = _outputs(x, N, D, keep_normed, out)
     if N:
-        BD = triton.next_power_of_2(D)
+        BD = next_power_of_2(D)
         BT = max(1, min(16, 4096 // BD))  # norms.py's rows per program
-        fast(rms_norm_int8_kernel)[(triton.cdiv(N, BT),)](
+        fast(rms_norm_int8_kernel)[(cdiv(N, BT),)](
             x2, weight, q if y is None else y, q, s, x2.stride(0), N, D, eps, BT=BT, BD=BD, STORE_Y=keep_normed,
             num_warps=4 if BD <= 2048 else 8)
     return y, q, s
