@@ -21,6 +21,8 @@ usage: python bench/serving.py [--long] [--out bench/results/serving.json]
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -65,19 +67,35 @@ def add(core: EngineCore, prompt_len: int, max_tokens: int, seed: int) -> str:
     return rid
 
 
-def run_steps(core: EngineCore, prefill_marked: bool = False) -> list[tuple]:
+def run_steps(core: EngineCore, prefill_marked: bool = False, slowest: dict | None = None) -> list[tuple]:
     """Step until idle; per step: (seconds, tokens it sampled), and with ``prefill_marked`` whether it gave some
-    request its first token (a step that ran a prompt)."""
+    request its first token (a step that ran a prompt). With ``slowest`` (a dict), each step runs under cProfile and
+    the slowest one's largest functions by cumulative time are left in it (``profile_rows``)."""
     steps, started = [], set()
     while core.has_work():
+        prof = cProfile.Profile() if slowest is not None else None
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         outputs = checked_step(core)
         dt = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+            if dt > slowest.get("seconds", 0.0):
+                slowest.update(step=len(steps), seconds=dt, functions=profile_rows(prof))
         new = {o.request_id for o in outputs if o.new_token_ids} - started
         started |= new
         n = sum(len(o.new_token_ids) for o in outputs)
         steps.append((dt, n, bool(new)) if prefill_marked else (dt, n))
     return steps
+
+
+def profile_rows(prof: cProfile.Profile, n: int = 30) -> list[dict]:
+    """The ``n`` functions of a profile with the most cumulative time: where, calls, cumulative and own seconds."""
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:n]
+    return [dict(function=f"{Path(file).name}:{line}({name})", calls=nc, cumulative_s=round(ct, 6), own_s=round(tt, 6))
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def prefill_row(core: EngineCore, tokens: int, seed: int) -> dict:
@@ -135,8 +153,9 @@ def run_steps_after(core: EngineCore, tokens: int, seed: int) -> list[float]:
     return [s for s, _ in run_steps(core)]
 
 
-def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
-    """The 1M-token prompt and decode at 1M context, if the device holds the cache."""
+def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False) -> dict:
+    """The 1M-token prompt and decode at 1M context, if the device holds the cache; with ``profile``, every step
+    under cProfile and the slowest one's functions kept (``slowest_step``; the profiler's own cost slows the steps)."""
     cfg = lm.config.text
     max_len, slots = PROMPT_1M + 2 * DECODE_STEPS, 2 * LONG_SEQS
     blocks = -(-max_len // EngineConfig.block_size) * LONG_SEQS
@@ -150,8 +169,9 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
     add(core, PROMPT_1M, DECODE_STEPS + 1, 7)
     compiled = KeptCompiles()
     watch = CompileWatch(compiled).start()  # what the warm-up left to the long prompt
+    slowest = {} if profile else None
     try:
-        steps = run_steps(core)
+        steps = run_steps(core, slowest=slowest)
     finally:
         watch.stop()
     prefill_steps = [s for s, _ in steps[:-DECODE_STEPS]]
@@ -171,6 +191,8 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int) -> dict:
                               bytes=decode_bytes, ratio=statistics.median(decode_steps) / floor_decode,
                               steps=decode_steps),
                compiled_kernels=[dict(kernel=e["kernel"], spec=e["spec"], seconds=e["duration_s"]) for e in compiled])
+    if slowest is not None:
+        out["slowest_step"] = slowest
     del core
     free_memory()
     return out
@@ -256,6 +278,8 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="also the 1M-token rows (minutes; memory checked)")
     ap.add_argument("--no-server", action="store_true", help="skip the server rows")
     ap.add_argument("--no-short", action="store_true", help="skip the 8k prompt, 4k decode and new-shape rows")
+    ap.add_argument("--profile-slowest", action="store_true",
+                    help="--long: run each step under cProfile and keep the slowest step's functions")
     args = ap.parse_args()
     out = Path(args.out)
     report = header()
@@ -281,7 +305,7 @@ def main() -> None:
         short_rows(lm, rows, kernel_prefill, kernel_decode)
         save()
     if args.long:
-        rows["long"] = long_rows(lm, ceil, weight_only)
+        rows["long"] = long_rows(lm, ceil, weight_only, args.profile_slowest)
         save()
     del lm
     free_memory()
