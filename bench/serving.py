@@ -170,10 +170,13 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False) -> 
     compiled = KeptCompiles()
     watch = CompileWatch(compiled).start()  # what the warm-up left to the long prompt
     slowest = {} if profile else None
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     try:
         steps = run_steps(core, slowest=slowest)
     finally:
         watch.stop()
+    # allocations that found the device full: the caching allocator then frees its cache and waits for the device
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     prefill_steps = [s for s, _ in steps[:-DECODE_STEPS]]
     decode_steps = [s for s, _ in steps[-DECODE_STEPS:]]
     flops = prefill_flops(lm, PROMPT_1M)
@@ -191,6 +194,7 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False) -> 
                               bytes=decode_bytes, ratio=statistics.median(decode_steps) / floor_decode,
                               steps=decode_steps),
                compiled_kernels=[dict(kernel=e["kernel"], spec=e["spec"], seconds=e["duration_s"]) for e in compiled])
+    out["alloc_retries"] = retries
     if slowest is not None:
         out["slowest_step"] = slowest
     del core
