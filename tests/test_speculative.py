@@ -75,6 +75,24 @@ def test_seeded_sampling_with_drafts_is_reproducible(ckpt):
     assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])
 
 
+def test_sampled_rows_with_drafts_share_a_batch(ckpt):
+    """Greedy, seeded and unseeded sampled rows (and one with a penalty, accepted on its own) in one batch: the
+    greedy row's tokens are those decoding without drafts gives, and the seeded row's do not depend on its
+    neighbours (its random numbers are its generator's alone, whatever the other rows draw)."""
+    prompts, _ = _prompts(5, 4, max_len=10)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+    unseeded = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=8, temperature=0.7, presence_penalty=0.5, ignore_eos=True)
+    llm = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4, speculative_tokens=2)
+    together = [o.token_ids for o in llm.generate(prompts, [greedy, seeded, unseeded, penalised])]
+    apart = [o.token_ids for o in llm.generate([prompts[2], prompts[1]], [unseeded, seeded])]
+    base = flashinfra.LLM(ckpt, num_blocks=128, block_size=4, max_num_seqs=4)
+    assert together[0] == base.generate([prompts[0]], greedy)[0].token_ids
+    assert together[1] == apart[1]
+    assert all(len(t) == 8 and all(0 <= x < 4096 for x in t) for t in together)
+
+
 def test_no_mtp_layer_is_refused(tmp_path):
     plain = write_tiny_checkpoint(tmp_path / "plain", seed=0)
     with pytest.raises(ValueError, match="MTP layer"):

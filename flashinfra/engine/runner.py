@@ -282,8 +282,7 @@ class ModelRunner:
         nexts: list[int | None] = [None] * len(sched)
         drafted = [b for b, sr in enumerate(sched) if len(feeds[b]) > sr.num_new_tokens]
         accepted = spec.accept_rows([(sched[b], feeds[b], cu[b], cu[b + 1]) for b in drafted], hidden,
-                                    lambda sr: None if sr.sampling.greedy else self._generator(sr.request_id,
-                                                                                               sr.sampling.seed))
+                                    self._row_generator, self.shared_generator)
         for b, (out, lps) in zip(drafted, accepted):
             rid = sched[b].request_id
             result.emitted[rid] = out

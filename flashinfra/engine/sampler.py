@@ -92,6 +92,17 @@ def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def position_probs(logits: torch.Tensor, params: list[SamplingParams], sizes: list[int]) -> torch.Tensor:
+    """``truncated_probs`` of rows of positions: ``sizes[r]`` consecutive rows of ``logits`` [N, V] sampled with
+    ``params[r]`` (a speculative row's verified positions)."""
+    def col(name, dt):
+        return torch.tensor([getattr(p, name) for p, n in zip(params, sizes) for _ in range(n)], dtype=dt,
+                            device=logits.device)
+
+    return truncated_probs(logits.float(), col("temperature", torch.float32), col("top_k", torch.long),
+                           col("top_p", torch.float32), col("min_p", torch.float32))
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
           shared: torch.Generator | None) -> torch.Tensor:
     """One token per row by the exponential race. A row with a generator of its own (a seeded request, or any row in

@@ -7,8 +7,13 @@
   normalised residual ``max(0, p_j - q_j)``; when all drafts are kept a bonus token is drawn from
   ``p_k``. Each emitted token is then distributed exactly as the target's ``p`` (the output distribution is
   unchanged). ``p_j`` are the target's probabilities after temperature / top-k / top-p / min-p
-  (``truncated_probs``); ``q_j`` is one-hot for greedy (argmax) drafts. All random numbers come from the
-  request's own generator, so a seeded request is reproducible in any batch.
+  (``truncated_probs``); ``q_j`` is one-hot for greedy (argmax) drafts.
+
+``rejection_accept_rows`` runs it for many rows at once on the device: per position one uniform (the keep test) and
+one draw from that position's residual (from ``p`` itself past the last draft) by the exponential race, all
+positions together, then one read-back; the host only finds each row's first rejection. Each row's random numbers
+come from its own generator where it has one (a seeded request, or any row in deterministic mode: its tokens do not
+depend on the batch); the rows without one share one draw from ``shared``, a launch for all of them.
 """
 
 from __future__ import annotations
@@ -27,25 +32,57 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
     return out
 
 
-def rejection_accept(target_probs: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor | None,
-                     generator: torch.Generator) -> list[int]:
-    """target_probs [k + 1, V] (float), draft_probs [k, V] or None (one-hot drafts) -> emitted tokens."""
-    k = len(draft_tokens)
-    p = target_probs.double()
-    out: list[int] = []
-    for j, d in enumerate(draft_tokens):
-        q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
-        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
-        if q_d > 0 and float(u) * q_d < float(p[j, d]):
-            out.append(d)
-            continue
-        q = torch.zeros_like(p[j]) if draft_probs is None else draft_probs[j].double()
-        if draft_probs is None:
-            q[d] = 1.0
-        resid = (p[j] - q).clamp(min=0)
-        total = resid.sum()
-        resid = p[j] if float(total) <= 0 else resid / total
-        out.append(int(torch.multinomial(resid.float(), 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(p[k].float(), 1, generator=generator)))
+def rejection_accept_rows(probs: torch.Tensor, drafts: list[list[int]], generators: list[torch.Generator | None],
+                          shared: torch.Generator | None = None,
+                          draft_probs: torch.Tensor | None = None) -> list[list[int]]:
+    """probs [N, V] (float): each row's ``len(drafts[r]) + 1`` positions in turn; draft_probs alike (its rows at the
+    positions past the last draft unread) or None (one-hot drafts); one generator per row or None (then ``shared``)
+    -> each row's emitted tokens."""
+    N, V = probs.shape
+    dev = probs.device
+    sizes = [len(d) + 1 for d in drafts]
+    if sum(sizes) != N or len(generators) != len(drafts):
+        raise ValueError(f"rejection_accept_rows: {N} positions for drafts of {[len(d) for d in drafts]}, "
+                         f"{len(generators)} generators")
+    u = torch.empty(N, dtype=torch.float64, device=dev)
+    noise = torch.empty(N, V, dtype=torch.float32, device=dev)
+    if any(g is None for g in generators):
+        if shared is None:
+            raise ValueError("a row without a generator of its own needs a shared one")
+        u.uniform_(generator=shared)
+        noise.exponential_(generator=shared)
+    at = 0
+    for g, n in zip(generators, sizes):
+        if g is not None:
+            u[at : at + n].uniform_(generator=g)
+            noise[at : at + n].exponential_(generator=g)
+        at += n
+    draft_at = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.long).to(dev, non_blocking=True)
+    has = draft_at >= 0  # a draft at the position (not the bonus one)
+    d = draft_at.clamp(min=0)[:, None]
+    p = probs.double()
+    if draft_probs is None:  # q one-hot at the draft: max(0, p - q) is p without the draft's token
+        q_d = torch.ones(N, dtype=torch.float64, device=dev)
+        resid = p.scatter(1, d, 0.0)
+    else:
+        q = draft_probs.double()
+        q_d = q.gather(1, d).squeeze(1)
+        resid = (p - q).clamp(min=0)
+    keep = has & (q_d > 0) & (u * q_d < p.gather(1, d).squeeze(1))
+    total = resid.sum(1, keepdim=True)
+    resid = torch.where(has[:, None] & (total > 0), resid / total, p)  # the bonus position, or no residual: p
+    token = torch.argmax(resid.float() / noise, dim=-1)
+    keep, token = torch.stack([keep.long(), token]).cpu().tolist()  # one read-back
+    out, at = [], 0
+    for row in drafts:
+        emitted = []
+        for j, t in enumerate(row):
+            if not keep[at + j]:
+                emitted.append(token[at + j])
+                break
+            emitted.append(t)
+        else:
+            emitted.append(token[at + len(row)])
+        out.append(emitted)
+        at += len(row) + 1
     return out

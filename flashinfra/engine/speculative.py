@@ -48,10 +48,10 @@ import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
 from flashinfra.engine.draft_graphs import ChainBuffers, DraftGraphs, FoldGraphs, chain_steps
-from flashinfra.engine.sampler import Fill, SamplingRow, apply_penalties, token_logprobs, truncated_probs
+from flashinfra.engine.sampler import Fill, SamplingRow, apply_penalties, position_probs, token_logprobs
 from flashinfra.engine.sched.messages import TokenLogprob
 from flashinfra.engine.sched.plan import PLACEHOLDER_TOKEN, ScheduledRequest
-from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
+from flashinfra.engine.spec_accept import greedy_accept, rejection_accept_rows
 from flashinfra.engine.spec_overlap import OverlappedStep
 from flashinfra.model.api import LoadedModel
 from flashinfra.model.cache import ModelCache
@@ -223,25 +223,42 @@ class Speculator:
                 f[n:] = self._drafts[sr.request_id][: len(f) - n]
 
     def accept_rows(self, rows: list[tuple[ScheduledRequest, list[int], int, int]], hidden: torch.Tensor,
-                    generator) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+                    generator, shared: torch.Generator | None = None
+                    ) -> list[tuple[list[int], list[TokenLogprob] | None]]:
         """Each draft row ``(request, fed tokens, first, end)`` (its rows ``first:end`` of ``hidden``) -> its emitted
-        tokens and logprob records. The greedy rows without penalties or logprobs share one logits product and one
-        read-back; the others go through ``accept`` one by one (``generator(request)``: a sampled row's)."""
-        plain = [r for r in rows if r[0].sampling.greedy and not r[0].sampling.has_penalties
-                 and r[0].sampling.logprobs is None]
+        tokens and logprob records. The rows without penalties or logprobs share one logits product: the greedy ones
+        one argmax and read-back, the sampled ones one rejection sampling over all their positions
+        (``rejection_accept_rows``); the others go through ``accept`` one by one. ``generator(request)``: a sampled
+        row's generator of its own, or None to draw from ``shared``."""
+        plain = [r for r in rows if not r[0].sampling.has_penalties and r[0].sampling.logprobs is None]
         out: dict[int, tuple[list[int], None]] = {}
         if plain:
             spans = [(lo, hi) for _, _, lo, hi in plain]
             contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
             h = (hidden[spans[0][0] : spans[-1][1]] if contiguous else hidden[torch.tensor(
                 [i for lo, hi in spans for i in range(lo, hi)], dtype=torch.long, device=hidden.device)])
-            targets = torch.argmax(self.model.compute_logits(h), -1).tolist()
-            at = 0
-            for sr, fed, lo, hi in plain:
-                drafts = fed[sr.num_new_tokens:]
-                out[id(sr)] = (self.count(greedy_accept(targets[at : at + hi - lo], drafts), drafts), None)
-                at += hi - lo
-        return [out[id(sr)] if id(sr) in out else self.accept(sr, fed, hidden[lo:hi], generator(sr))
+            logits = self.model.compute_logits(h)
+            sizes = [hi - lo for lo, hi in spans]
+            first = [sum(sizes[:i]) for i in range(len(sizes))]
+            for greedy in (True, False):
+                mine = [i for i, r in enumerate(plain) if r[0].sampling.greedy == greedy]
+                if not mine:
+                    continue
+                part = logits if len(mine) == len(plain) else logits[torch.tensor(
+                    [first[i] + j for i in mine for j in range(sizes[i])], device=logits.device)]
+                drafts = [plain[i][1][plain[i][0].num_new_tokens:] for i in mine]
+                if greedy:
+                    targets, at, emitted = torch.argmax(part, -1).tolist(), 0, []
+                    for i, d in zip(mine, drafts):
+                        emitted.append(greedy_accept(targets[at : at + sizes[i]], d))
+                        at += sizes[i]
+                else:
+                    params = [plain[i][0].sampling for i in mine]
+                    emitted = rejection_accept_rows(position_probs(part, params, [sizes[i] for i in mine]), drafts,
+                                                    [generator(plain[i][0]) for i in mine], shared)
+                for i, d, e in zip(mine, drafts, emitted):
+                    out[id(plain[i][0])] = (self.count(e, d), None)
+        return [out[id(sr)] if id(sr) in out else self.accept(sr, fed, hidden[lo:hi], generator(sr), shared)
                 for sr, fed, lo, hi in rows]
 
     def count(self, out: list[int], drafts: list[int]) -> list[int]:
@@ -253,10 +270,10 @@ class Speculator:
             self.num_accepted_at[j] += 1
         return out
 
-    def accept(self, sr: ScheduledRequest, fed: list[int], hidden: torch.Tensor,
-               generator: torch.Generator | None) -> tuple[list[int], list[TokenLogprob] | None]:
+    def accept(self, sr: ScheduledRequest, fed: list[int], hidden: torch.Tensor, generator: torch.Generator | None,
+               shared: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
         """hidden [len(fed), D] of a draft row -> the emitted tokens and, if the request asks, their logprob
-        records."""
+        records (``generator``: a sampled row's own, or None to draw from ``shared``)."""
         drafts = fed[sr.num_new_tokens:]
         raw = self.model.compute_logits(hidden)
         s = sr.sampling
@@ -266,14 +283,7 @@ class Speculator:
         if s.greedy:
             out = greedy_accept(torch.argmax(logits, -1).tolist(), drafts)
         else:
-            n = logits.shape[0]
-
-            def col(v, dt):
-                return torch.full((n,), v, dtype=dt, device=logits.device)
-
-            probs = truncated_probs(logits.float(), col(s.temperature, torch.float32), col(s.top_k, torch.long),
-                                    col(s.top_p, torch.float32), col(s.min_p, torch.float32))
-            out = rejection_accept(probs, drafts, None, generator)
+            out = rejection_accept_rows(position_probs(logits, [s], [logits.shape[0]]), [drafts], [generator], shared)[0]
         self.count(out, drafts)
         if s.logprobs is None:
             return out, None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
-from flashinfra.engine.spec_accept import greedy_accept, rejection_accept
+from flashinfra.engine.spec_accept import greedy_accept, rejection_accept_rows
 
 
 def test_greedy_accept():
@@ -37,10 +38,10 @@ def test_rejection_sampling_preserves_the_target_distribution():
         for _ in range(N // 2):
             if one_hot:
                 d = [2, 5]
-                out = rejection_accept(p, d, None, gen)
+                out = rejection_accept_rows(p, [d], [gen])[0]
             else:
                 d = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
-                out = rejection_accept(p, d, q, gen)
+                out = rejection_accept_rows(p, [d], [gen], draft_probs=torch.cat([q, torch.zeros_like(q[:1])]))[0]
             first.append(out[0])
             lengths.append(len(out))
             if out[0] == d[0] and len(out) > 1:
@@ -54,5 +55,43 @@ def test_rejection_sampling_preserves_the_target_distribution():
 def test_seeded_generator_reproduces():
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(4, 9, generator=g), -1)
-    a = [rejection_accept(p, [1, 2, 3], None, torch.Generator().manual_seed(7)) for _ in range(3)]
+    a = [rejection_accept_rows(p, [[1, 2, 3]], [torch.Generator().manual_seed(7)])[0] for _ in range(3)]
     assert a[0] == a[1] == a[2]
+
+
+def test_rows_at_once_preserve_the_target_distribution():
+    """Many rows in one call, rows with a generator of their own beside rows sharing one: each row's first token
+    ~ p0, and after a kept first draft the next ~ p1; rows of different draft counts in one batch."""
+    V, R = 6, 3000
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)
+    p[1, 5] = 0.0
+    p[1] /= p[1].sum()
+    drafts = [[2, 5] if r % 3 else [2] for r in range(R)]
+    probs = torch.cat([p if len(d) == 2 else torch.stack([p[0], p[1]]) for d in drafts])
+    gens = [torch.Generator().manual_seed(r) if r % 5 == 0 else None for r in range(R)]
+    out = rejection_accept_rows(probs, drafts, gens, torch.Generator().manual_seed(4))
+    first = [o[0] for o in out]
+    second = [o[1] for o, d in zip(out, drafts) if o[0] == d[0] and len(o) > 1]
+    assert _chi2_p(first, p[0]) > 1e-3
+    assert _chi2_p(second, p[1]) > 1e-3
+    assert all(1 <= len(o) <= len(d) + 1 for o, d in zip(out, drafts))
+    assert all(o[:-1] == d[:len(o) - 1] for o, d in zip(out, drafts))  # kept drafts, then one drawn token
+
+
+def test_a_seeded_row_does_not_depend_on_its_neighbours():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(8, 9, generator=g), -1)
+    alone = rejection_accept_rows(p[:4], [[1, 2, 3]], [torch.Generator().manual_seed(7)])[0]
+    for shared_seed in (1, 2):
+        got = rejection_accept_rows(p, [[1, 2, 3], [4, 5, 6]], [torch.Generator().manual_seed(7), None],
+                                    torch.Generator().manual_seed(shared_seed))
+        assert got[0] == alone
+
+
+def test_rows_need_a_generator():
+    p = torch.softmax(torch.randn(2, 5), -1)
+    with pytest.raises(ValueError, match="shared"):
+        rejection_accept_rows(p, [[1]], [None])
+    with pytest.raises(ValueError, match="positions"):
+        rejection_accept_rows(p, [[1, 2]], [None], torch.Generator())
