@@ -76,13 +76,13 @@ def run(args) -> dict:
             watch = CompileWatch(compiles).start() if args.device.startswith("cuda") else None
             text = llm.engine.model.config.text
             prompts = _prompts(args, c, text.vocab_size, llm.tokenizer)
-            full = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            full = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+            first = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
             t_full = _timed(llm, prompts, full, args.runs)
             t_first = _timed(llm, prompts, first, args.runs)
             if watch is not None:
                 watch.stop()
-            row = {"concurrency": c, "k": k, "max_batch": args.max_batch,
+            row = {"concurrency": c, "k": k, "max_batch": args.max_batch, "temperature": args.temperature,
                    "tpot_ms": 1e3 * (t_full - t_first) / (args.max_tokens - 1),
                    "generate_s": t_full, "prefill_s": t_first,
                    "startup_s": getattr(llm.engine.warmup, "seconds", None),
@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rows (rejection sampling of drafts)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=0,
