@@ -86,7 +86,7 @@ def cached_int_lists(lists: Sequence[Sequence[int]], device: torch.device | str)
     """``device_ints`` of several lists at once, made once per distinct lists (and device and stream): one copy,
     one tensor per list (views of it, cached with it, so a later call makes no tensor at all); read-only."""
     device = torch.device(device)
-    return _ints_split(tuple(len(x) for x in lists), tuple(int(v) for x in lists for v in x), device,
+    return _ints_split(tuple(map(len, lists)), tuple(map(int, itertools.chain.from_iterable(lists))), device,
                        _stream_key(device))
 
 
@@ -101,4 +101,4 @@ def chunk_tables(cu_seqlens: Sequence[int], chunk: int, device: torch.device | s
     ``chunk_offsets`` int32 [sequences], each sequence's first chunk. One copy, cached like ``cached_ints``;
     read-only."""
     device = torch.device(device)
-    return _chunk_tables(tuple(int(c) for c in cu_seqlens), chunk, device, _stream_key(device))
+    return _chunk_tables(tuple(map(int, cu_seqlens)), chunk, device, _stream_key(device))

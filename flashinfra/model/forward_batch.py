@@ -17,6 +17,8 @@ adds its own arrays of the step to the same copy, and ``from_views`` makes the b
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,25 +60,23 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
-    @property
+    @functools.cached_property
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token to a non-empty cache."""
         return all(q == 1 for q in self.query_lens) and all(c > 0 for c in self.context_lens)
 
-    @property
+    @functools.cached_property
     def seq_lens(self) -> tuple[int, ...]:
         return tuple(c + q for c, q in zip(self.context_lens, self.query_lens))
 
-    @property
-    def cu_seqlens_list(self) -> list[int]:
-        out = [0]
-        for q in self.query_lens:
-            out.append(out[-1] + q)
-        return out
+    @functools.cached_property
+    def cu_seqlens_list(self) -> tuple[int, ...]:
+        """Cumulative query lengths from 0, on the host (made once per batch: every layer reads them)."""
+        return (0, *itertools.accumulate(self.query_lens))
 
-    @property
-    def has_initial_state(self) -> list[bool]:
-        return [c > 0 for c in self.context_lens]
+    @functools.cached_property
+    def has_initial_state(self) -> tuple[bool, ...]:
+        return tuple(c > 0 for c in self.context_lens)
 
     @property
     def last_token_indices(self) -> list[int]:
