@@ -26,6 +26,8 @@ gathered and sorted, an exact path in chunks for a row whose candidates overflow
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import triton
 import triton.language as tl
@@ -148,14 +150,13 @@ def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:
     grows with the row, Triton specialises the pool count on its divisibility by 16, and one row takes the ranking
     kernels, more the sampling ones), on random scores, so that a long prompt compiles none of them midway
     (``engine/warmup.py``). -> how many runs."""
-    lengths, last = [], None
-    for P in range(THRESHOLD_MIN_POOLS, max_pools + 1):  # the shortest row of each sample size
+    lengths, P = [], THRESHOLD_MIN_POOLS
+    while P <= max_pools:  # the shortest row of each sample size (which grows with the row)
+        lengths.append(P)
         S = sample_size(P, k)
-        if S != last:
-            lengths.append(P)
-            last = S
         if S == THRESHOLD_SAMPLES[1]:
             break
+        P += bisect.bisect_right(range(P, max_pools + 1), S, key=lambda n: sample_size(n, k))
     runs = 0
     gen = torch.Generator(device=device).manual_seed(0)
     for first in lengths:
