@@ -21,7 +21,7 @@ from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.sched.messages import EngineReady, EngineRequest, EngineStats, RequestOutput
 from flashinfra.engine.sched.plan import Plan, StepResult
 from flashinfra.engine.sched.request import Request
-from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN
+from flashinfra.engine.sched.aligned import DETERMINISTIC_ALIGN, KDA_CHUNK
 from flashinfra.engine.sched.scheduler import Scheduler, SchedulerConfig
 from flashinfra.feedback.compiles import CompileWatch
 
@@ -87,7 +87,7 @@ class EngineCore:
             SchedulerConfig.from_engine(config, max_model_len),
             HybridCacheManager(num_blocks, config.block_size, config.max_num_seqs, prefix_slots,
                                config.prefix_checkpoint_interval,
-                               align=DETERMINISTIC_ALIGN if config.deterministic else 1),
+                               align=DETERMINISTIC_ALIGN if config.deterministic else 1, chunk=KDA_CHUNK),
             events=self.events,
         )
         self.disagg = None

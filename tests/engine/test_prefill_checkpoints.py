@@ -1,5 +1,5 @@
 """Prefix checkpoints inside one prefill step, through ``EngineCore`` on a tiny random checkpoint: a long prompt
-prefilled in a single step registers a checkpoint at every interval and at its last block boundary, and later
+prefilled in a single step registers a checkpoint at every interval and at its last KDA chunk boundary, and later
 requests that hit them give the logits of a cold run."""
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ def test_one_step_registers_every_checkpoint_and_hits_give_cold_logits(model):
     logits_a, steps = _run(warm, "a", a)
     assert steps == 1  # the token budget alone cuts a step: no stop at the checkpoints
     cache = warm.scheduler.cache
-    assert sorted(len(e.tokens) for e in cache._prefixes.values()) == [1024, 2048, 2992]
+    assert sorted(len(e.tokens) for e in cache._prefixes.values()) == [1024, 2048, 2944]
     # each entry shares exactly its own prefix's blocks, the longer ones extending the shorter ones
     entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
-    assert [len(e.block_ids) for e in entries] == [64, 128, 187]
+    assert [len(e.block_ids) for e in entries] == [64, 128, 184]
     assert entries[1].block_ids[:64] == entries[0].block_ids and entries[2].block_ids[:128] == entries[1].block_ids
 
     hits = warm.stats().num_prefix_hit_tokens_total
@@ -73,9 +73,9 @@ def test_one_step_registers_every_checkpoint_and_hits_give_cold_logits(model):
     # the cold run sums the attention over the prefix in another order: float32 rounding, no more
     torch.testing.assert_close(logits_b, cold_b, rtol=1e-4, atol=2e-4)
 
-    # the last block boundary, inside the first step too: the repeated prompt starts after it
+    # the last KDA chunk boundary (a block boundary too), inside the first step: the repeated prompt starts after it
     logits_again, _ = _run(warm, "a2", a)
-    assert warm.stats().num_prefix_hit_tokens_total - hits == 2048 + 2992
+    assert warm.stats().num_prefix_hit_tokens_total - hits == 2048 + 2944
     torch.testing.assert_close(logits_again, logits_a, rtol=1e-4, atol=2e-4)
 
 
@@ -97,7 +97,7 @@ def test_checkpoint_states_are_the_same_bits_whatever_the_steps(model):
                                        for t in (cache.recurrent_state[layer], cache.conv_state[layer])]
                        for e in engine.scheduler.cache._prefixes.values()})
     one_step, many_steps = states
-    assert sorted(one_step) == sorted(many_steps) == [1024, 2048, 2992]
+    assert sorted(one_step) == sorted(many_steps) == [1024, 2048, 2944]
     for n in one_step:
         assert all(torch.equal(x, y) for x, y in zip(one_step[n], many_steps[n])), n
     # written, and each the state at its own position (a slot never written would be equal too: zeros)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from flashinfra.engine.sched.request import Request
 
-# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it)
-DETERMINISTIC_ALIGN = 64
+# the KDA prefill's chunk length for 16-bit activations (float32 takes 16-token chunks, which divide it): prefix
+# checkpoints sit on its multiples in every mode (``HybridCacheManager``), deterministic mode's cuts too
+KDA_CHUNK = 64
+DETERMINISTIC_ALIGN = KDA_CHUNK
 
 
 def aligned_piece(req: Request, start: int, n: int) -> int:

@@ -12,8 +12,8 @@ slots (ids ``num_slots ..``). ``c`` is a block boundary before a prompt's last t
 leaves at least one token to compute. A hit is token-exact: the stored prefix is compared, not just
 its hash, and so are the content hashes of the images/videos within it (same-size images have the same
 placeholder tokens). Cached prefixes are evicted least-recently-used first, before any request is preempted.
-Besides the last block boundary of each prompt, prefixes are also checkpointed every
-``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too. One step
+Besides the last KDA chunk boundary of each prompt (its last block boundary where it is shorter than a chunk),
+prefixes are also checkpointed every ``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too. One step
 may cross several checkpoint positions; each registers its own entry, sharing the first blocks with the
 shorter ones.
 
@@ -120,7 +120,7 @@ class PrefixEntry:
 
 class HybridCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, num_prefix_slots: int = 0,
-                 checkpoint_interval: int = 1024, align: int = 1) -> None:
+                 checkpoint_interval: int = 1024, align: int = 1, chunk: int = 1) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1 or num_slots < 1 or num_prefix_slots < 0:
@@ -136,6 +136,10 @@ class HybridCacheManager:
         # on a cached state would run the decode kernel's arithmetic)
         self.grain = math.lcm(block_size, align)
         self.min_left = 1 if align == 1 else 2
+        # a prompt's last checkpoint on a multiple of the KDA prefill's chunk too (``chunk``) where the prompt has
+        # one: there the prefill writes the state anyway, where inside a chunk a pass of its own over the chunk's
+        # head would reach it (every KDA layer, every prompt); a hit then recomputes under a chunk more
+        self.last_grain = math.lcm(self.grain, chunk)
         # rounded up to whole grains: a checkpoint's prefix is made of full blocks
         self.checkpoint_interval = -(-checkpoint_interval // self.grain) * self.grain
         self._blocks = _BlockPool(num_blocks)
@@ -232,12 +236,14 @@ class HybridCacheManager:
 
     # ---- prefix cache ----
     def last_checkpoint_position(self, req: Request) -> int:
-        """The last block boundary (grain boundary) before the prompt's last token (0: the prompt has none)."""
-        return max(0, req.num_prompt_tokens - self.min_left) // self.grain * self.grain
+        """The last chunk boundary (``last_grain``) before the prompt's last token, or where the prompt is shorter
+        than that, the last block boundary (grain boundary); 0: the prompt has none."""
+        n = max(0, req.num_prompt_tokens - self.min_left)
+        return n // self.last_grain * self.last_grain or n // self.grain * self.grain
 
     def checkpoints_between(self, req: Request, start: int, end: int) -> list[int]:
         """The positions in ``(start, end]`` where ``req``'s prompt prefix should be checkpointed and is not
-        cached yet, in order: multiples of ``checkpoint_interval`` and the last block boundary of the prompt."""
+        cached yet, in order: multiples of ``checkpoint_interval`` and ``last_checkpoint_position``."""
         last = self.last_checkpoint_position(req)
         out, q = [], start
         while q < last:
