@@ -13,9 +13,9 @@ leaves at least one token to compute. A hit is token-exact: the stored prefix is
 its hash, and so are the content hashes of the images/videos within it (same-size images have the same
 placeholder tokens). Cached prefixes are evicted least-recently-used first, before any request is preempted.
 Besides the last KDA chunk boundary of each prompt (its last block boundary where it is shorter than a chunk),
-prefixes are also checkpointed every ``checkpoint_interval`` tokens, so requests that share only a long system prompt find a hit too. One step
-may cross several checkpoint positions; each registers its own entry, sharing the first blocks with the
-shorter ones.
+prefixes are also checkpointed every ``checkpoint_interval`` tokens, so requests that share only a long system
+prompt find a hit too. One step may cross several checkpoint positions; each registers its own entry, sharing
+the first blocks with the shorter ones.
 
 The tensors themselves belong to ``ModelCache``; this module only hands out ids. Pure Python; no torch.
 """
