@@ -12,7 +12,7 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
 2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows),
    penalised as the sampler would at that position (the counts include the drafts before it, which are the outputs there
    whenever the position's token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run
-   rejection sampling with the request's generator (``spec_accept``). Each emitted token's logprob record comes from the
+   rejection sampling (``spec_accept``), those without penalties or logprobs all together on the device. Each emitted token's logprob record comes from the
    raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA checkpoint
    and shifts the conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed
    length: nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next step
