@@ -26,6 +26,7 @@ from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
 
 COUNT_BLOCK = 4096  # pairs per counting program
 ONE_PROGRAM = 2048  # the most pairs one program aligns on its own
+ONE_PROGRAM_SMALL = 256  # its block for up to this many (decode batches up to 28 rows)
 
 
 @triton.jit
@@ -120,8 +121,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
         # starts, counters, used; each 16-byte aligned (the counters are zeroed by the program)
         scratch = torch.empty(2 * E_P2 + 4, dtype=torch.int32, device=dev)
         used = scratch[2 * E_P2:2 * E_P2 + 1]
+        # two block sizes (decode batches, the rest): two compilations whatever the batch
         fast(moe_align_one_kernel)[(1,)](ids, scratch, sorted_ids, expert_ids, used, n, E, K=k, E_P2=E_P2, BM=BM,
-                                         BLOCK=max(16, next_power_of_2(n)), num_warps=4)
+                                         BLOCK=ONE_PROGRAM_SMALL if n <= ONE_PROGRAM_SMALL else ONE_PROGRAM,
+                                         num_warps=4)
         return sorted_ids, expert_ids, used
     # counts, starts, counters, used; each 16-byte aligned
     scratch = torch.zeros(3 * E_P2 + 4, dtype=torch.int32, device=dev)
