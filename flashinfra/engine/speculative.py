@@ -44,6 +44,8 @@ shrinks again, one catch-up covers every deferred position and drafting resumes.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from flashinfra.engine.cuda_graphs import DecodeGraphs
@@ -239,7 +241,7 @@ class Speculator:
                 [i for lo, hi in spans for i in range(lo, hi)], dtype=torch.long, device=hidden.device)])
             logits = self.model.compute_logits(h)
             sizes = [hi - lo for lo, hi in spans]
-            first = [sum(sizes[:i]) for i in range(len(sizes))]
+            first = [0, *itertools.accumulate(sizes)]  # each row's first position in ``logits``
             for greedy in (True, False):
                 mine = [i for i, r in enumerate(plain) if r[0].sampling.greedy == greedy]
                 if not mine:
