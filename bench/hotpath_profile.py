@@ -6,7 +6,8 @@ timings of 10 replays enqueued, no host preparation between them), the synchroni
 preparation of the graph's inputs included), and the torch profiler's per-kernel GPU time over 5 replays, largest
 first. With ``--prefill-chunk T`` it profiles instead one prefill step of ``T`` new tokens after ``--context`` cached
 ones (a late step of a long prompt), eager as the engine runs it. ``--quantization w8a8`` (or ``fp8``) profiles the
-slice quantized at load, as ``flashinfra serve --quantization`` runs it.
+slice quantized at load, as ``flashinfra serve --quantization`` runs it; ``--set NAME=INT`` changes a config field
+for an experiment (``hc_sinkhorn_iters=1``: what the mHC normalisation's 20 iterations cost a decode step).
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
@@ -80,16 +81,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128", help="decode batch sizes (one with --prefill-chunk)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="profile a prefill step of this many tokens")
     ap.add_argument("--quantization", default="none", choices=("none", "w8a8", "fp8"))
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                    help="a text-config field changed for the experiment (e.g. hc_sinkhorn_iters=1: what the mHC "
+                         "normalisation's iterations cost); repeatable")
     args = ap.parse_args()
     hs.DEV = "cuda"
     cfg = hs.slice_config(False)
     cfg["max_position_embeddings"] = max(args.context + args.prefill_chunk + 1024, 4096)  # the slice's limit is 4096
+    for item in args.set:
+        name, value = item.split("=", 1)
+        cfg[name] = int(value)
     # its own lm_head, as the model has (untied), which W8A8 quantizes
     cfg = dict(architectures=["Glm5NextForConditionalGeneration"], tie_word_embeddings=False, text_config=cfg)
     lm = random_model(cfg, torch.bfloat16, "cuda", quantization=args.quantization)
     hs.free_memory()
     report = header() | {"context": args.context, "prefill_chunk": args.prefill_chunk,
-                         "quantization": args.quantization, "steps": []}
+                         "quantization": args.quantization, "set": args.set, "steps": []}
     for B in [int(b) for b in args.batches.split(",")]:
         r = step_profile(lm, B, args.context, args.prefill_chunk)
         hs.free_memory()  # the step's cache and graphs
