@@ -12,7 +12,8 @@ for an experiment (``hc_sinkhorn_iters=1``: what the mHC normalisation's 20 iter
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
        python bench/hotpath_profile.py --quantization w8a8 --out bench/results/hotpath_decode_profile_w8a8.json
-       python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 --out bench/results/hotpath_profile_1m_prefill.json
+       python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 \
+           --out bench/results/hotpath_profile_1m_prefill.json
 """
 
 from __future__ import annotations

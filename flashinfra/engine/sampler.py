@@ -103,19 +103,29 @@ def position_probs(logits: torch.Tensor, params: list[SamplingParams], sizes: li
                            col("top_p", torch.float32), col("min_p", torch.float32))
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
-          shared: torch.Generator | None) -> torch.Tensor:
-    """One token per row by the exponential race. A row with a generator of its own (a seeded request, or any row in
-    deterministic mode) consumes only it; the others share one draw from ``shared``: one launch for all of them,
-    where a generator per row is a launch per row."""
-    noise = torch.empty_like(probs)
+def draw_rows(fill, out: torch.Tensor, sizes: list[int], generators: list[torch.Generator | None],
+              shared: torch.Generator | None) -> torch.Tensor:
+    """Random numbers into ``out`` (``fill(tensor, generator)``, e.g. an exponential draw), ``sizes[r]`` consecutive
+    rows for request ``r``: from its own generator where it has one (a seeded request, or any row in deterministic
+    mode), so its numbers do not depend on the batch; the other rows share one draw from ``shared``: one launch for
+    all of them, where a generator per row is a launch per row. -> ``out``."""
     if any(g is None for g in generators):
         if shared is None:
             raise ValueError("a non-greedy row needs a generator of its own or a shared one")
-        noise.exponential_(generator=shared)
-    for i, g in enumerate(generators):
+        fill(out, shared)
+    at = 0
+    for g, n in zip(generators, sizes):
         if g is not None:
-            noise[i].exponential_(generator=g)
+            fill(out[at : at + n], g)
+        at += n
+    return out
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+          shared: torch.Generator | None) -> torch.Tensor:
+    """One token per row by the exponential race (the noise by ``draw_rows``)."""
+    noise = draw_rows(lambda t, g: t.exponential_(generator=g), torch.empty_like(probs), [1] * len(generators),
+                      generators, shared)
     return torch.argmax(probs / noise, dim=-1)
 
 

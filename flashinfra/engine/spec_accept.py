@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from flashinfra.engine.sampler import draw_rows
+
 
 def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
     """target_tokens: argmax at the k + 1 positions; -> the emitted tokens (1 .. k + 1)."""
@@ -44,19 +46,10 @@ def rejection_accept_rows(probs: torch.Tensor, drafts: list[list[int]], generato
     if sum(sizes) != N or len(generators) != len(drafts):
         raise ValueError(f"rejection_accept_rows: {N} positions for drafts of {[len(d) for d in drafts]}, "
                          f"{len(generators)} generators")
-    u = torch.empty(N, dtype=torch.float64, device=dev)
-    noise = torch.empty(N, V, dtype=torch.float32, device=dev)
-    if any(g is None for g in generators):
-        if shared is None:
-            raise ValueError("a row without a generator of its own needs a shared one")
-        u.uniform_(generator=shared)
-        noise.exponential_(generator=shared)
-    at = 0
-    for g, n in zip(generators, sizes):
-        if g is not None:
-            u[at : at + n].uniform_(generator=g)
-            noise[at : at + n].exponential_(generator=g)
-        at += n
+    u = draw_rows(lambda t, g: t.uniform_(generator=g), torch.empty(N, dtype=torch.float64, device=dev), sizes,
+                  generators, shared)
+    noise = draw_rows(lambda t, g: t.exponential_(generator=g), torch.empty(N, V, dtype=torch.float32, device=dev),
+                      sizes, generators, shared)
     draft_at = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.long).to(dev, non_blocking=True)
     has = draft_at >= 0  # a draft at the position (not the bonus one)
     d = draft_at.clamp(min=0)[:, None]

@@ -9,14 +9,14 @@ Per step (``ModelRunner.execute`` calls these around the target's forward pass):
    drafts, the batch's ``replay`` flags send those rows
    (and the plain decode rows, so they too follow the decode recurrence bit for bit) through the KDA
    layers' verify path: the checkpoint is read, the ring written.
-2. ``accept_rows``: logits at every fed position of a draft row (one product and one read-back for all greedy rows),
-   penalised as the sampler would at that position (the counts include the drafts before it, which are the outputs there
-   whenever the position's token is emitted); greedy rows keep the drafts equal to the target's argmax, sampled rows run
-   rejection sampling (``spec_accept``), those without penalties or logprobs all together on the device. Each emitted token's logprob record comes from the
-   raw logits at its position, as the sampler's do. ``fold`` then replays the committed tokens into each KDA checkpoint
-   and shifts the conv window. Rejected drafts leave entries in the paged MLA / indexer caches past the committed
-   length: nothing reads them (attention and the k-pool indexer read up to the sequence length) and the next step
-   overwrites them, so a rejection is a cursor move.
+2. ``accept_rows``: logits at every fed position of a draft row (one product for all rows without penalties or
+   logprobs), penalised as the sampler would at that position (the counts include the drafts before it, which are the
+   outputs there whenever the position's token is emitted); greedy rows keep the drafts equal to the target's argmax,
+   sampled rows run rejection sampling (``spec_accept``), those without penalties or logprobs all together on the
+   device. Each emitted token's logprob record comes from the raw logits at its position, as the sampler's do.
+   ``fold`` then replays the committed tokens into each KDA checkpoint and shifts the conv window. Rejected drafts
+   leave entries in the paged MLA / indexer caches past the committed length: nothing reads them (attention and the
+   k-pool indexer read up to the sequence length) and the next step overwrites them, so a rejection is a cursor move.
 3. ``draft``: the MTP layer catches up over the committed positions (its entry at position ``i`` reads the
    target hidden at ``i`` and the token at ``i + 1``; the hidden of the previous step's last position is
    kept per request), the last entry (with the token just emitted) gives the first draft, and ``k - 1``
@@ -285,7 +285,8 @@ class Speculator:
         if s.greedy:
             out = greedy_accept(torch.argmax(logits, -1).tolist(), drafts)
         else:
-            out = rejection_accept_rows(position_probs(logits, [s], [logits.shape[0]]), [drafts], [generator], shared)[0]
+            probs = position_probs(logits, [s], [logits.shape[0]])
+            out = rejection_accept_rows(probs, [drafts], [generator], shared)[0]
         self.count(out, drafts)
         if s.logprobs is None:
             return out, None

@@ -248,7 +248,7 @@ def _counts(scores: torch.Tensor, k: int, pos: torch.Tensor, KP: int) -> tuple[t
     else:
         fast(threshold_sample_kernel)[(R,)](scores, pos, thresholds, P, k, S=S, M=M, KP=KP, num_warps=8)
     fast(threshold_count_kernel)[(R, cdiv(P, C))](scores, pos, thresholds, counts, P, k, C=C, M=M, KP=KP,
-                                                         num_warps=8)
+                                                  num_warps=8)
     return thresholds, counts
 
 
@@ -281,11 +281,11 @@ def threshold_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = No
     cursor = torch.zeros(R, dtype=torch.int32, device=scores.device)
     cand = torch.empty(R, cap, dtype=torch.int64, device=scores.device)
     fast(threshold_gather_kernel)[(R, cdiv(P, C))](scores, pos, thresholds, counts, cursor, cand, P, k, C=C,
-                                                          M=M, CAP=cap, KP=KP, num_warps=8)
+                                                   M=M, CAP=cap, KP=KP, num_warps=8)
     few = R <= RANK_MAX_ROWS
     if few:
         fast(threshold_place_kernel)[(R, cdiv(cap, RANK_BLOCK))](counts, cand, out, k, M=M, CAP=cap,
-                                                                        B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
+                                                                 B=RANK_BLOCK, KEYS=RANK_KEYS, num_warps=4)
     fast(threshold_finish_kernel)[(R,)](scores, pos, counts, cand, out, P, k, M=M, CAP=cap, KB=KB, KP=KP,
                                         EXACT_ONLY=few, num_warps=8)
     return out

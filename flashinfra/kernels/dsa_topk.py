@@ -95,7 +95,7 @@ def rank_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, p
         return out
     pos, KP = _visible(scores, positions, kpool)
     fast(rank_select_kernel)[(R, cdiv(P, RANK_BLOCK))](scores, pos, out, P, k, KP=KP, B=RANK_BLOCK,
-                                                              KEYS=RANK_KEYS, num_warps=4)
+                                                       KEYS=RANK_KEYS, num_warps=4)
     return out
 
 

@@ -58,6 +58,14 @@ def _layout(counts, sorted_ids, expert_ids, starts, used, num_pairs, E, BM: tl.c
 
 
 @triton.jit
+def _place(e, o, m, starts, fill, sorted_ids):
+    """Pairs ``o`` (of experts ``e``) each take the next free row of their expert's run: its start plus an atomic
+    counter per expert (``fill``, zeroed before)."""
+    row = tl.load(starts + e, mask=m, other=0) + tl.atomic_add(fill + e, 1, mask=m)
+    tl.store(sorted_ids + row, o.to(tl.int32), mask=m)
+
+
+@triton.jit
 def moe_count_kernel(ids, counts, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
     """The pairs of one block per expert, added to ``counts`` (zeroed before)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -77,12 +85,10 @@ def moe_layout_kernel(counts, sorted_ids, expert_ids, starts, used, num_pairs, E
 @triton.jit
 def moe_place_kernel(ids, starts, fill, sorted_ids, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """Each pair takes the next free row of its expert's run (an atomic counter per expert, zeroed before)."""
+    """A block of pairs placed in their experts' runs (``_place``)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < num_pairs
-    e = _pair_expert(ids, o, m, K, E, E_P2)
-    row = tl.load(starts + e, mask=m, other=0) + tl.atomic_add(fill + e, 1, mask=m)
-    tl.store(sorted_ids + row, o.to(tl.int32), mask=m)
+    _place(_pair_expert(ids, o, m, K, E, E_P2), o, m, starts, fill, sorted_ids)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one compilation for each BLOCK
@@ -98,8 +104,7 @@ def moe_align_one_kernel(ids, scratch, sorted_ids, expert_ids, used, num_pairs, 
     tl.store(scratch + E_P2 + o_e, tl.zeros([E_P2], dtype=tl.int32))
     _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2)
     tl.debug_barrier()  # the starts and the zeroed counters, seen by every thread of the program
-    row = tl.load(scratch + e, mask=m, other=0) + tl.atomic_add(scratch + E_P2 + e, 1, mask=m)
-    tl.store(sorted_ids + row, o.to(tl.int32), mask=m)
+    _place(e, o, m, scratch, scratch + E_P2, sorted_ids)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
@@ -132,8 +137,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     fill, used = scratch[2 * E_P2:3 * E_P2], scratch[3 * E_P2:3 * E_P2 + 1]
     # one block size whatever the batch: no compilation per size
     fast(moe_count_kernel)[(cdiv(n, COUNT_BLOCK),)](ids, counts, n, E, K=k, E_P2=E_P2, BLOCK=COUNT_BLOCK,
-                                                           num_warps=4)
+                                                    num_warps=4)
     fast(moe_layout_kernel)[(1,)](counts, sorted_ids, expert_ids, starts, used, n, E, BM=BM, E_P2=E_P2, num_warps=4)
     fast(moe_place_kernel)[(cdiv(n, 256),)](ids, starts, fill, sorted_ids, n, E, K=k, E_P2=E_P2, BLOCK=256,
-                                                   num_warps=4)
+                                            num_warps=4)
     return sorted_ids, expert_ids, used

@@ -105,7 +105,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     if N:
         BD, BT = _block_rows(D)
         fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, BT=BT, BD=BD,
-                                                     HAS_RES=False, num_warps=4 if BD <= 2048 else 8)
+                                              HAS_RES=False, num_warps=4 if BD <= 2048 else 8)
     return y
 
 
@@ -120,7 +120,7 @@ def add_rms_norm_launch(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
     if N:
         BD, BT = _block_rows(D)
         fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, BT=BT, BD=BD,
-                                                     HAS_RES=True, num_warps=4 if BD <= 2048 else 8)
+                                              HAS_RES=True, num_warps=4 if BD <= 2048 else 8)
     return s, y
 
 

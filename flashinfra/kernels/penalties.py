@@ -57,7 +57,7 @@ def penalize_launch(x, index, rows, counts, prompt, rep, freq, pres) -> torch.Te
     P, V = index.shape[0], x.shape[-1]
     if P and V:
         fast(penalize_kernel)[(P, cdiv(V, BV))](x, index, rows, counts, prompt, rep, freq, pres, V,
-                                                      x.stride(0), BV=BV, num_warps=4)
+                                                x.stride(0), BV=BV, num_warps=4)
     return x
 
 

@@ -44,7 +44,7 @@ def apply_token_bitmask_launch(logits: torch.Tensor, bitmask: torch.Tensor, rows
         raise ValueError(f"apply_token_bitmask: rows {tuple(rows.shape)} for a bitmask of {R} rows")
     if R and V:
         fast(apply_token_bitmask_kernel)[(R, cdiv(V, BV))](logits, bitmask, rows, V, logits.stride(0), W,
-                                                                  BV=BV, num_warps=4)
+                                                           BV=BV, num_warps=4)
     return logits
 
 

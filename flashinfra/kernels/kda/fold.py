@@ -96,4 +96,4 @@ def kda_fold_launch(ring, conv_state: torch.Tensor, state: torch.Tensor, state_s
         BK=next_power_of_2(K), BV=BV, num_warps=VERIFY_WARPS)
     if Wm1 > 0:
         kda_fold_conv_kernel[(B, cdiv(C, BC_FOLD))](conv_state, state_slots, num_accepted, ring.x, R, C,
-                                                           W=Wm1 + 1, BC=BC_FOLD)
+                                                    W=Wm1 + 1, BC=BC_FOLD)
