@@ -8,6 +8,8 @@ first. With ``--prefill-chunk T`` it profiles instead one prefill step of ``T`` 
 ones (a late step of a long prompt), eager as the engine runs it. ``--quantization w8a8`` (or ``fp8``) profiles the
 slice quantized at load, as ``flashinfra serve --quantization`` runs it; ``--set NAME=INT`` changes a config field
 for an experiment (``hc_sinkhorn_iters=1``: what the mHC normalisation's 20 iterations cost a decode step).
+``logits_digest`` (the first step's logits: sum and sum of squares, in float64) is the same in two runs whose
+kernels compute the same thing (``FLASHINFRA_PDL=0`` against the default: only the launches differ).
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
@@ -37,6 +39,7 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
     tokens after ``context`` cached ones (eager)."""
     T = chunk or 1
     W = -(-(context + T) // hs.BS)
+    torch.manual_seed(0)  # the same cache and tokens in every run: ``logits_digest`` compares runs
     cache = lm.allocate_cache(B * W + 1, hs.BS, B + 1)
     hs.fill_cache(cache)
     tables = [list(range(b * W, (b + 1) * W)) for b in range(B)]
@@ -44,14 +47,15 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
     ids = torch.randint(1, 1000, (B * T,), device="cuda")
     if chunk:
         def step():
-            lm.compute_logits(lm.forward(ids, batch, cache)[-1:])
+            return lm.compute_logits(lm.forward(ids, batch, cache)[-1:])
     else:
         graphs = DecodeGraphs(lm, cache, B * W, B)
 
         def step():
-            lm.compute_logits(graphs.run(ids, batch))
+            return lm.compute_logits(graphs.run(ids, batch))
 
-    for _ in range(3):
+    first = step().double()
+    for _ in range(2):
         step()
     torch.cuda.synchronize()
     back_to_back_us = time_stream(step, calls=10, iters=3)
@@ -70,7 +74,9 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
         if t > 0:
             rows.append((t / 5, a.count / 5, a.key[:90]))
     rows.sort(reverse=True)
-    return dict(batch=B, context=context, chunk=chunk, back_to_back_us=back_to_back_us, wall_us=wall * 1e6,
+    digest = [float(first.sum()), float(first.square().sum())]  # equal across runs of the same kernels, bit for bit
+    return dict(batch=B, context=context, chunk=chunk, logits_digest=digest, back_to_back_us=back_to_back_us,
+                wall_us=wall * 1e6,
                 kernel_sum_us=sum(r[0] for r in rows), kernels_per_step=sum(r[1] for r in rows),
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:60]])
 

@@ -29,6 +29,12 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def programmatic_launch() -> bool:
+    """``FLASHINFRA_PDL=0`` launches every kernel after the one before it has finished (no programmatic dependent
+    launch), to compare against; on by default where the GPU has it (``kernels/launch.py``)."""
+    return os.environ.get("FLASHINFRA_PDL", "1") not in ("", "0", "false", "False")
+
+
 def agent_endpoint() -> tuple[str | None, str | None, str | None]:
     """(base URL, model, API key) of the Infra Agent's chat-completions endpoint:
     ``FLASHINFRA_AGENT_BASE_URL`` / ``FLASHINFRA_AGENT_MODEL`` / ``FLASHINFRA_AGENT_API_KEY``, falling back

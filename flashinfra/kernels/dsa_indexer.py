@@ -38,7 +38,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.dsa_topk import select
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 FMIN = torch.finfo(torch.float32).min
 # the most bytes of int32 scores one slice of queries writes before its top-k (1M context: 256 queries a slice)
@@ -81,10 +81,12 @@ def _key_tile(pool_keys, block_tables, b, W, o_p, o_d, seen, KP: tl.constexpr, B
 @triton.jit
 def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out, T, W, P, scale, stride_qt, stride_wt,
                        KP: tl.constexpr, BS: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr,
-                       BP: tl.constexpr, QN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                       BP: tl.constexpr, QN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program (block of ``BT`` queries, block of ``BP`` pools): their score bits, ``QN`` queries per product. Queries
     of one sequence share the key tile, loaded once, while their own loads are pipelined; a block that mixes
     sequences loads each query's tile and puts that query in all ``QN`` columns (the same arithmetic either way)."""
+    pdl_wait(PDL)
     i_t, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BP + tl.arange(0, BP)
     m_p = o_p < P
@@ -124,9 +126,10 @@ def index_score_kernel(q, w, pool_keys, block_tables, token_seq, positions, out,
 
 @triton.jit(do_not_specialize=["k", "S"])  # sizes that vary with the context: one compilation for all
 def positions_kernel(top, positions, out, k, S, KP: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr,
-                     BT: tl.constexpr, TAIL_FIRST: tl.constexpr):
+                     BT: tl.constexpr, TAIL_FIRST: tl.constexpr, PDL: tl.constexpr = False):
     """Per query its row of positions: the ``k`` chosen pools' tokens (-1 for a pool it cannot see) and the tail's
     (-1 past the query), the tail last, or first under ``TAIL_FIRST``."""
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     pos = tl.load(positions + i_t).to(tl.int64)
     p_out = out + i_t.to(tl.int64) * S

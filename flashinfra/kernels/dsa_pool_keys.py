@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast
+from flashinfra.kernels.launch import cdiv, fast, pdl_wait
 
 
 @triton.jit
@@ -45,7 +45,8 @@ def _entry(cache, scale, row, m, o_d, stride_cb, half: tl.constexpr, dt: tl.cons
 
 @triton.jit
 def pool_keys_write_kernel(cache, scale, ape, slot_mapping, pool_keys, T, stride_cb, KP: tl.constexpr,
-                           DI: tl.constexpr, BP: tl.constexpr, FP8: tl.constexpr):
+                           DI: tl.constexpr, BP: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BP + tl.arange(0, BP)
     o_d = tl.arange(0, DI)

@@ -32,15 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 from flashinfra.kernels.dsa_threshold import (MIN_KEY, RANK_BLOCK, RANK_KEYS, RANK_MAX_ROWS, THRESHOLD_SAMPLES,
                                             _chunk_keys, _row_length, _visible, sample_size, threshold_launch)
 
 
 @triton.jit(do_not_specialize=["P", "k"])  # sizes that vary with the context: one compilation per BN
-def sort_kernel(scores, out, P, k, BN: tl.constexpr):
+def sort_kernel(scores, out, P, k, BN: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``row``: the top ``k`` keys of row ``row`` of ``scores [R, P]`` (``P <= BN``), sorted descending, at
     ``out [R, k]`` row ``row``."""
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     o = tl.arange(0, BN)
     hi = tl.load(scores + i_t.to(tl.int64) * P + o, mask=o < P, other=0)
@@ -65,9 +66,11 @@ def sort_launch(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -
     return out
 
 @triton.jit(do_not_specialize=["P", "k"])
-def rank_select_kernel(scores, positions, out, P, k, KP: tl.constexpr, B: tl.constexpr, KEYS: tl.constexpr):
+def rank_select_kernel(scores, positions, out, P, k, KP: tl.constexpr, B: tl.constexpr, KEYS: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program (row, block): its ``B`` keys of row ``row`` ranked by comparison with all of the row's first ``L``
     (``_row_length``; distinct keys, so how many lie above is the rank), each of rank below ``k`` stored there."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     L = _row_length(positions, row, P, k, KP)
     if tl.program_id(1) * B < L:

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 from flashinfra.kernels.moe_align import moe_align
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 from flashinfra.kernels.quant.gemm import fp8_step, matmul_8bit_ref
@@ -135,7 +135,8 @@ def _tile(N: tl.constexpr, BN: tl.constexpr):
 def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we, shared_off, num_pairs, limit, sx, sw,
                      stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                     WEIGHTS: tl.constexpr):
+                     WEIGHTS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
         return
@@ -192,7 +193,9 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 @triton.jit
 def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
                      stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
         return
@@ -237,7 +240,8 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
 
 
 @triton.jit
-def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr):
+def moe_sum_kernel(routed, y, D, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D

@@ -10,17 +10,29 @@ constexpr values and the launch options.
 
 Under the interpreter, for arguments off the GPU (the first runtime argument, a tensor or a host tensor descriptor,
 tells) or for a grid given as a function, the call is Triton's own.
+
+Programmatic dependent launch (Hopper): a kernel that declares the constexpr ``PDL`` (default False) and calls
+``pdl_wait(PDL)`` as its first statement is launched with ``PDL=True`` and the ``launch_pdl`` option on a GPU that
+has it. Its programs may then be scheduled while the kernel before it in the stream is still running; they wait in
+``pdl_wait`` until that kernel has finished and its writes are visible, then at once let the next kernel's programs
+be scheduled too. A decode step is a chain of about a hundred small kernels, each a few microseconds long: what
+this hides is each kernel's launch and its programs' start behind the kernel before it. Since every such kernel
+waits before any memory access, and the wait returns only once the kernel before has finished, the order of a
+stream is kept across any mix of kernels with and without it.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashinfra import env
 from flashinfra.kernels.dispatch import interpreting
 
 # Triton specialises a pointer argument on whether its address is a multiple of this many bytes: a tensor handed to a
@@ -40,6 +52,32 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """A kernel's first statement where it takes ``PDL``: wait for the kernel before it in the stream to finish,
+    then let the next one's programs start (nothing when launched without it)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_options(device: torch.device | int) -> dict:
+    """The launch arguments of a ``PDL`` kernel on ``device`` (a GPU's index, or a device): ``PDL`` and
+    ``launch_pdl`` where the GPU has programmatic dependent launch (compute capability 9.0 and later) and
+    ``FLASHINFRA_PDL`` does not turn it off; none off the GPU and under the interpreter."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda" or interpreting():
+            return {}
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    on = _pdl_devices.get(device)
+    if on is None:
+        on = _pdl_devices[device] = env.programmatic_launch() and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {}
+
+
 class FastKernel:
     """``fn[grid](*args, **kwargs)`` with the compiled kernel kept per specialisation. Runtime arguments are given
     positionally; constexprs and launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...) by name."""
@@ -52,6 +90,7 @@ class FastKernel:
         # specialisation (a tensor by name would be keyed by the object itself, and kept)
         self.positional = min((p.num for p in fn.params if p.is_constexpr), default=len(fn.params))
         self.runtime = frozenset(p.name for p in fn.params if not p.is_constexpr)
+        self.pdl = any(p.name == "PDL" and p.is_constexpr for p in fn.params)
         self._compiled: dict[tuple, object] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):
@@ -66,6 +105,8 @@ class FastKernel:
             self.fn[grid](*args, **kwargs)
             return
         device = first.device.index
+        if self.pdl:
+            kwargs = {**kwargs, **pdl_options(device)}
         key = (device, tuple([native_specialize_impl(BaseBackend, a, False, True, True) for a in args]),
                tuple(kwargs.items()))
         kept = self._compiled.get(key)

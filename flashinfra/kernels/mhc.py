@@ -9,7 +9,8 @@ so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot 
 Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
 fills the chip) writes partial dot products and sums of squares; ``hc_pre_kernel`` (``BT`` tokens per
 program) adds the partials, applies sigmoid / softmax / Sinkhorn on the ``n x n`` matrices in registers
-and collapses the streams; ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
+and collapses the streams (for a decode step's single token, whose streams it loads before the weights' math so
+that the load's latency overlaps it); ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.norms import unweighted_rms_norm_ref
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 
 def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
@@ -55,7 +56,8 @@ def hc_post_ref(streams, out, post, comb):
 
 @triton.jit
 def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, IEEE: tl.constexpr):
+                  BK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_n = tl.arange(0, BN)
@@ -80,12 +82,19 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
 
 @triton.jit(do_not_specialize=["T", "SPLIT", "iters"])  # the step's token count: one compilation for all
 def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-                  N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr):
+                  N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
+                  WHOLE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_i = tl.arange(0, N)
     o_ij = o_i[:, None] * N + o_i[None, :]
+    rows = o_t.to(tl.int64) * N * D
+    if WHOLE:  # the tokens' whole streams in one tile, asked for first: their loads overlap the weights' math
+        o_d = tl.arange(0, BD)
+        m_x = m_t[:, None, None] & (o_d < D)[None, None, :]
+        b_xw = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m_x, other=0.0)
     # the split partials of all tokens in one load each, summed over the split axis (a loop over the
     # splits would add up their load latencies)
     o_s = tl.arange(0, SP)
@@ -111,18 +120,24 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
         c = c / (tl.sum(c, 1)[:, None, :] + eps)
     tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
     tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
-    rows = o_t.to(tl.int64) * N * D
-    for d0 in range(0, D, BD):
-        o_d = d0 + tl.arange(0, BD)
-        m = m_t[:, None, None] & (o_d < D)[None, None, :]
-        b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
-        b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
+    if WHOLE:
+        b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
                  mask=m_t[:, None] & (o_d < D)[None, :])
+    else:
+        for d0 in range(0, D, BD):
+            o_d = d0 + tl.arange(0, BD)
+            m = m_t[:, None, None] & (o_d < D)[None, None, :]
+            b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
+            b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
+            tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
+                     mask=m_t[:, None] & (o_d < D)[None, :])
 
 
 @triton.jit
-def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_i = tl.arange(0, N)
@@ -155,6 +170,8 @@ DETERMINISTIC_SPLIT = 16  # K-splits of the mix product in deterministic mode, w
 # Tokens per program of the mix product: every program reads the whole [(2 + n) n, n D] projection, so a prompt's
 # programs together read it T / MIX_TOKENS times (from L2); 64 rows are also the least a Hopper wgmma takes.
 MIX_TOKENS = 64
+# Most elements of the streams ``hc_pre`` loads as one tile (128 a thread over its 4 warps).
+WHOLE_TILE = 16384
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -201,10 +218,11 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
     # fewer, larger programs
     BT2 = _tokens_per_program(streams, T)
+    whole = BT2 * n * next_power_of_2(D) <= WHOLE_TILE  # a decode step's token: its streams in one load
+    BD = next_power_of_2(D) if whole else max(16, min(1024 // BT2, next_power_of_2(D)))
     fast(hc_pre_kernel)[(cdiv(T, BT2),)](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        N=n, BN=BN, BT=BT2, BD=max(16, min(1024 // BT2, next_power_of_2(D))), SP=next_power_of_2(SPLIT),
-        num_warps=4)
+        N=n, BN=BN, BT=BT2, BD=BD, SP=next_power_of_2(SPLIT), WHOLE=whole, num_warps=4)
     return y, post, comb
 
 

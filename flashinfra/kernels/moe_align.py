@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 COUNT_BLOCK = 4096  # pairs per counting program
 ONE_PROGRAM = 2048  # the most pairs one program aligns on its own
@@ -66,8 +66,10 @@ def _place(e, o, m, starts, fill, sorted_ids):
 
 
 @triton.jit
-def moe_count_kernel(ids, counts, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+def moe_count_kernel(ids, counts, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """The pairs of one block per expert, added to ``counts`` (zeroed before)."""
+    pdl_wait(PDL)
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = _pair_expert(ids, o, o < num_pairs, K, E, E_P2)
     o_e = tl.arange(0, E_P2)
@@ -93,10 +95,11 @@ def moe_place_kernel(ids, starts, fill, sorted_ids, num_pairs, E, K: tl.constexp
 
 @triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one compilation for each BLOCK
 def moe_align_one_kernel(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K: tl.constexpr,
-                         E_P2: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
+                         E_P2: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program, all ``num_pairs`` (at most ``BLOCK``) pairs: their counts (a histogram in registers), the layout,
     then each pair placed by an atomic counter per expert that this program zeroes first (``scratch``: the starts,
     then the counters)."""
+    pdl_wait(PDL)
     o = tl.arange(0, BLOCK)
     m = o < num_pairs
     e = _pair_expert(ids, o, m, K, E, E_P2)

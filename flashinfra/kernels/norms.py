@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,7 +44,8 @@ def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps
 
 @triton.jit
 def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, BT: tl.constexpr, BD: tl.constexpr,
-                    HAS_RES: tl.constexpr):
+                    HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)

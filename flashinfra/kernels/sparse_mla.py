@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 # the most splits of all programs' lists together (flash-decoding): the merge reads splits x H x R float32 partials
 # per token, so a batch of several programs splits each less
@@ -75,7 +75,9 @@ def sparse_mla_ref(q_lat, latent, sel, token_seq, block_tables, scale, latent_sc
 @triton.jit
 def sparse_mla_kernel(q, latent, sel, token_seq, block_tables, o, part_acc, part_ml, stride_qt, stride_qh, S, W, H,
                       CH, scale, latent_scale, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr,
-                      BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr):
+                      BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t.to(tl.int64)
     b = tl.load(token_seq + i_t).to(tl.int64)
@@ -124,7 +126,9 @@ def sparse_mla_kernel(q, latent, sel, token_seq, block_tables, o, part_acc, part
 
 
 @triton.jit
-def sparse_mla_combine_kernel(part_acc, part_ml, o, H, R: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
+def sparse_mla_combine_kernel(part_acc, part_ml, o, H, R: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_s = tl.arange(0, SPLIT)

@@ -16,7 +16,8 @@ def test_norms(T, D):
     assert_passed(cases.norms("cpu", T, D, seed=T))
 
 
-@pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300), (2, 700)])
+# (37, 300): more of the streams than one tile holds, so the collapse loops over the width
+@pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300), (2, 700), (37, 300)])
 def test_mhc(T, D):
     assert_passed(cases.mhc("cpu", T, D, seed=T))
 
@@ -28,9 +29,16 @@ def test_moe_align():
     assert_passed(cases.moe_align("cpu", 300, 288, 8, 16, seed=2))  # past ONE_PROGRAM: count, layout, place
 
 
-@pytest.mark.parametrize("E,G,TG,k", [(24, 1, 1, 3), (16, 4, 2, 3), (40, 8, 4, 8)])
-def test_route(E, G, TG, k):
-    assert_passed(cases.route("cpu", 19, E, 16, k, G, TG, seed=E))
+# 1 and 3 tokens (up to FMA_ROWS): the logits as multiply-adds over whole rows
+@pytest.mark.parametrize("T,E,G,TG,k", [(19, 24, 1, 1, 3), (19, 16, 4, 2, 3), (19, 40, 8, 4, 8), (1, 24, 1, 1, 3),
+                                        (3, 40, 8, 4, 8)])
+def test_route(T, E, G, TG, k):
+    assert_passed(cases.route("cpu", T, E, 100, k, G, TG, seed=E))
+
+
+@pytest.mark.parametrize("T,E,D", [(1, 24, 100), (3, 40, 64), (70, 40, 100)])
+def test_router_logits(T, E, D):
+    assert_passed(cases.router_logits("cpu", T, E, D, seed=T))
 
 
 @pytest.mark.parametrize("T,E,D,I,k,limit", [(7, 5, 24, 20, 2, 1.0), (1, 9, 16, 16, 3, 10.0), (40, 6, 17, 33, 2, 0.5)])

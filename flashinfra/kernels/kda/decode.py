@@ -30,14 +30,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from flashinfra.kernels.dispatch import is_deterministic, register_cap, use_triton
 from flashinfra.kernels.kda.common import conv_slot, kda_log_decay, state_step_store, state_tile
 from flashinfra.kernels.kda.decode_prep import norm_heads_launch, prep_heads_launch
 from flashinfra.kernels.kda.ref import kda_layer_decode_ref
 from flashinfra.kernels.microbatch import micro_ranges, on_two_streams
-from flashinfra.kernels.launch import cdiv, next_power_of_2
+from flashinfra.kernels.launch import cdiv, next_power_of_2, pdl_options, pdl_wait
 
 
 @triton.jit
@@ -158,13 +157,14 @@ def kda_layer_decode_block_kernel(
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PREPPED: tl.constexpr,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(V, BV), B * H): the recurrence of one [K, BV] state block, its unnormalised output
     (rounded to out's dtype) and the shift of its own v channels' conv slot (no other program reads
     them). The head's q, k, decay and beta are either recomputed by each V block (q/k conv and gate, a
     few KB from L2) or, with ``PREPPED``, read from ``heads`` as the prep kernel wrote them. EVEN (BK == K
     and BV divides V): every block inside the state, no masks."""
+    pdl_wait(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -198,10 +198,8 @@ def kda_layer_decode_norm_kernel(
     W: tl.constexpr, BW: tl.constexpr, SHIFT_QK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B * H,), after the block kernel: the head's gated RMSNorm and, unless the prep kernel did it,
-    its q/k conv shift; with ``PDL`` (launched as a programmatic dependent of the block layout's state launch,
-    so that its start-up overlaps that launch's end) it waits for the state launch's writes first."""
-    if PDL:
-        gdc_wait()
+    its q/k conv shift."""
+    pdl_wait(PDL)
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     slot = tl.load(state_slots + i_b).to(tl.int64)
@@ -221,20 +219,20 @@ PREP_WARPS = NORM_WARPS = 4
 
 def decode_config(B: int) -> dict:
     """The launches per batch size, the fastest timed in a CUDA graph (H=64, K=V=128), for either state dtype.
-    B=1: the block layout ([K, 32] on 2 warps, q/k conv and gate recomputed by each block) with its norm launch a
-    programmatic dependent of the state launch (``pdl``): a prep launch costs more than it saves for one sequence.
+    B=1: the block layout ([K, 32] on 2 warps, q/k conv and gate recomputed by each block): a prep launch costs more
+    than it saves for one sequence.
     Above: the prep layout ([K, 64] on 4 warps at most 128 registers, four programs per SM), the prep launch 2 heads
     per program up to B=32, one above, the norm launch 4 heads per program; from B=8 two micro-batches on two
     streams inside a CUDA graph (one range's prep and norm launches run beside the other's state launch).
     Deterministic mode: the prep layout with one head per prep program whatever B is, so that a sequence's
     reductions (q/k norms, the state's products) have one tile shape in any batch; micro-batches split rows only."""
     if is_deterministic():
-        return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=1, norm_heads=4, pdl=False,
+        return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=1, norm_heads=4,
                     micro_batches=2 if B >= 8 else 1)
     if B <= 1:
-        return dict(prep=False, BV=32, num_warps=2, maxnreg=None, pdl=True, micro_batches=1)
+        return dict(prep=False, BV=32, num_warps=2, maxnreg=None, micro_batches=1)
     return dict(prep=True, BV=64, num_warps=4, maxnreg=128, prep_heads=2 if B <= 32 else 1, norm_heads=4,
-                pdl=False, micro_batches=2 if B >= 8 else 1)
+                micro_batches=2 if B >= 8 else 1)
 
 
 def _check_args(qkv, conv_weight, conv_state, g_raw, beta_logits, gate, A_log, dt_bias, norm_weight, state,
@@ -307,7 +305,7 @@ def _launch(qkv, conv_state, g_raw, beta_logits, gate, state_slots, out, conv_we
     W = conv_weight.shape[1]
     BVF = next_power_of_2(V)
     BV = min(cfg["BV"], BVF)
-    pdl = cfg["pdl"] and qkv.is_cuda
+    pdl = pdl_options(qkv.device)
     prepped = cfg["prep"]
     lb = float(lower_bound) if lower_bound is not None else 0.0
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.float().contiguous(), norm_weight.contiguous()
@@ -317,18 +315,17 @@ def _launch(qkv, conv_state, g_raw, beta_logits, gate, state_slots, out, conv_we
     heads = torch.empty((B * H, 4, sizes["BK"]) if prepped else (1,), dtype=torch.float32, device=qkv.device)
     if prepped:
         prep_heads_launch(*head_args, state_slots, heads, sizes, lower_bound is not None, cfg["prep_heads"],
-                          PREP_WARPS)
+                          PREP_WARPS, pdl)
     kda_layer_decode_block_kernel[(cdiv(V, BV), B * H)](
         *head_args, state, state_slots, out, heads, *strides,
         **sizes, BV=BV, HAS_LOWER_BOUND=lower_bound is not None, PREPPED=prepped,
-        EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=cfg["num_warps"], **register_cap(cfg["maxnreg"]))
+        EVEN=blocks_inside(K, V, sizes["BK"], BV), num_warps=cfg["num_warps"], **register_cap(cfg["maxnreg"]), **pdl)
     if prepped:
-        norm_heads_launch(gate, norm_weight, eps, out, cfg["norm_heads"], NORM_WARPS)
+        norm_heads_launch(gate, norm_weight, eps, out, cfg["norm_heads"], NORM_WARPS, pdl)
     else:
         kda_layer_decode_norm_kernel[(B * H,)](
             qkv, conv_state, gate, norm_weight, float(eps), state_slots, out, qkv.stride(0), gate.stride(0),
-            **sizes, BVF=BVF, SHIFT_QK=True, PDL=pdl, num_warps=NORM_WARPS,
-            **({"launch_pdl": True} if pdl else {}))
+            **sizes, BVF=BVF, SHIFT_QK=True, num_warps=NORM_WARPS, **pdl)
 
 
 def blocks_inside(K: int, V: int, BK: int, BV: int) -> bool:

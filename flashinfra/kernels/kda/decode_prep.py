@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashinfra.kernels.kda.common import kda_log_decay
 from flashinfra.kernels.kda.common import conv_slot
-from flashinfra.kernels.launch import cdiv, next_power_of_2
+from flashinfra.kernels.launch import cdiv, next_power_of_2, pdl_wait
 
 
 @triton.jit
@@ -54,11 +54,12 @@ def kda_layer_decode_prep_heads_kernel(
     qkv, conv_w, conv_state, g_raw, beta_logits, A_log, dt_bias, lower_bound, state_slots, heads,
     stride_x, stride_g, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr, HB: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B * cdiv(H, HB),): heads HB * j .. HB * j + HB - 1 of sequence i into ``heads`` [B * H, 4, BK]
     float32 (rows q (normalised, times ``scale``), k (normalised), decay, and beta in the first column; the rest of
     the beta row is left unwritten), which the block kernel reads with ``PREPPED``."""
+    pdl_wait(PDL)
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -93,10 +94,11 @@ def kda_layer_decode_prep_heads_kernel(
 @triton.jit
 def kda_layer_decode_norm_heads_kernel(
     gate, norm_w, eps, out, stride_gate,
-    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr,
+    H: tl.constexpr, V: tl.constexpr, BVF: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B * cdiv(H, HB),): the gated RMSNorm of HB heads' output rows of one sequence, in place (each
     row's reduction reads the whole row before any of it is stored)."""
+    pdl_wait(PDL)
     NHB: tl.constexpr = (H + HB - 1) // HB
     pid = tl.program_id(0)
     i_b = pid // NHB
@@ -115,19 +117,21 @@ def kda_layer_decode_norm_heads_kernel(
 
 
 def prep_heads_launch(qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots,
-                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, prep_heads: int, num_warps: int) -> None:
-    """The prep launch, ``prep_heads`` heads of one sequence per program."""
+                      heads: torch.Tensor, sizes: dict, has_lower_bound: bool, prep_heads: int, num_warps: int,
+                      pdl: dict) -> None:
+    """The prep launch, ``prep_heads`` heads of one sequence per program (``pdl``: ``launch.pdl_options``)."""
     B, H = qkv.shape[0], sizes["H"]
     sizes = {n: v for n, v in sizes.items() if n != "BW"}
     kda_layer_decode_prep_heads_kernel[(B * cdiv(H, prep_heads),)](
         qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, lb, state_slots, heads,
         qkv.stride(0), g_raw.stride(0), beta_logits.stride(0), sizes["K"] ** -0.5, **sizes,
-        HAS_LOWER_BOUND=has_lower_bound, HB=prep_heads, num_warps=num_warps)
+        HAS_LOWER_BOUND=has_lower_bound, HB=prep_heads, num_warps=num_warps, **pdl)
 
 
-def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int) -> None:
+def norm_heads_launch(gate, norm_weight, eps: float, out: torch.Tensor, norm_heads: int, num_warps: int,
+                      pdl: dict) -> None:
     """The norm launch, ``norm_heads`` heads of one sequence per program."""
     B, H, V = out.shape
     kda_layer_decode_norm_heads_kernel[(B * cdiv(H, norm_heads),)](
         gate, norm_weight, float(eps), out, gate.stride(0), H=H, V=V, BVF=next_power_of_2(V), HB=norm_heads,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -50,7 +50,8 @@ def quant_fp8_per_group_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Te
 
 
 @triton.jit
-def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr):
+def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -71,7 +72,8 @@ def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr):
 
 
 @triton.jit
-def quant_fp8_kernel(x, q, s, K, G, stride_x, GROUP: tl.constexpr):
+def quant_fp8_kernel(x, q, s, K, G, stride_x, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_k = i_g * GROUP + tl.arange(0, GROUP)
     b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)

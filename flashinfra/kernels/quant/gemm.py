@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast
+from flashinfra.kernels.launch import cdiv, fast, pdl_wait
 from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 
 
@@ -64,7 +64,9 @@ def fp8_step(prod, s_rows, p_sw, m_n, ONE_BLOCK: tl.constexpr):
 
 @triton.jit
 def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTS: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2
+from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 from flashinfra.kernels.norms import rms_norm_ref
 from flashinfra.kernels.quant.act import quant_int8_per_token_ref
 
@@ -37,7 +37,8 @@ def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_no
 
 @triton.jit
 def rms_norm_int8_kernel(x, w, y, q, s, stride_x, N, D, eps, BT: tl.constexpr, BD: tl.constexpr,
-                         STORE_Y: tl.constexpr):
+                         STORE_Y: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
