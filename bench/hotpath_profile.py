@@ -28,6 +28,7 @@ import hotpath_slice as hs
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashinfra import env
 from flashinfra.feedback.timing import header, time_stream, write_results
 from flashinfra.model.api import random_model
 from flashinfra.model.forward_batch import ForwardBatch
@@ -102,7 +103,8 @@ def main() -> None:
     cfg = dict(architectures=["Glm5NextForConditionalGeneration"], tie_word_embeddings=False, text_config=cfg)
     lm = random_model(cfg, torch.bfloat16, "cuda", quantization=args.quantization)
     hs.free_memory()
-    report = header() | {"context": args.context, "prefill_chunk": args.prefill_chunk,
+    report = header() | {"programmatic_launch": env.programmatic_launch(), "context": args.context,
+                         "prefill_chunk": args.prefill_chunk,
                          "quantization": args.quantization, "set": args.set, "steps": []}
     for B in [int(b) for b in args.batches.split(",")]:
         r = step_profile(lm, B, args.context, args.prefill_chunk)

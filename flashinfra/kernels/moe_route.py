@@ -32,7 +32,7 @@ from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 # streaming the weight), and from which they are TF32x3 products (enough row blocks to fill the GPU); between, and
 # in deterministic mode, cuBLAS's float32 GEMM of the widened rows.
 FMA_ROWS = 4
-TF32X3_ROWS = 2048
+TF32X3_ROWS = 1 << 62  # not taken until measured against cuBLAS (``bench/prefill_kernels.py --parts router``)
 
 
 def route_ref(
