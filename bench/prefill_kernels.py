@@ -10,11 +10,6 @@ prompt; issue #39: the W8A8 prefill):
   int8 and block-FP8, per GEMM (profiler kernel times). Floor: the larger of its FLOPs at the matmul rate and its
   weights' bytes at the copy rate.
 
-- ``router``: the MoE router's float32 logits (288 experts, D 4096) from bfloat16 rows at 1 to 8,192 tokens, each
-  way ``moe_route.router_logits_launch`` has (multiply-adds over whole rows up to 16 tokens; TF32x3 products)
-  against the rows widened and cuBLAS's float32 GEMM (which the kernel path takes between ``FMA_ROWS`` and
-  ``TF32X3_ROWS``), with each one's largest error against float64: where the thresholds go.
-
 ``--configs`` adds the scoring kernel at other tiles (the module's ``SCORE_*`` constants) and the MoE at other
 long-prefill tiles (``fused_moe.LARGE_TILES``) to choose them.
 
@@ -32,7 +27,7 @@ from revisions import revision_module
 
 from flashinfra.feedback import ceilings
 from flashinfra.feedback.timing import call_times_us, header, kernel_times_us, write_results
-from flashinfra.kernels import dsa_indexer, fused_moe, moe_route
+from flashinfra.kernels import dsa_indexer, fused_moe
 
 HI, DI, KPOOL, BS, CONTEXT = 32, 128, 4, 16, 1 << 20
 T_MOE, E, D, I, K = 8192, 288, 4096, 2048, 8
@@ -171,38 +166,17 @@ def moe_rows(before, ceil: dict, configs: bool) -> list[dict]:
     return rows
 
 
-def router_rows(before, ceil: dict, configs: bool) -> list[dict]:
-    torch.manual_seed(0)
-    w = torch.randn(E, D, device="cuda") * D**-0.5
-    rows = []
-    for T in (1, 4, 16, 32, 128, 512, 2048, 8192):
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        ref = x.double() @ w.double().t()
-        ways = {"cublas_fp32": lambda: torch.nn.functional.linear(x.float(), w),
-                "tf32x3": lambda: moe_route.router_logits_launch(x, w, False)}
-        if T <= 16:
-            ways["fma"] = lambda: moe_route.router_logits_launch(x, w, True)
-        row = dict(T=T, weight_bytes=w.numel() * 4, floor_us=w.numel() * 4 / ceil["copy_bytes_per_s"] * 1e6)
-        for name, fn in ways.items():
-            row[name] = dict(us=sum(kernel_times_us(fn, calls=5).values()),
-                             max_abs_err=float((fn().double() - ref).abs().max()))
-        print(f"router T={T}: " + ", ".join(f"{n} {row[n]['us']:.1f} us (err {row[n]['max_abs_err']:.1e})"
-                                            for n in ways), flush=True)
-        rows.append(row)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="the git revision whose kernels to time beside this tree's")
     ap.add_argument("--before-dir", help="that revision's dsa_indexer.py and fused_moe.py, exported here (git show)")
     ap.add_argument("--configs", action="store_true", help="also the scoring kernel and the MoE at other tiles")
-    ap.add_argument("--parts", default="score,moe", help="comma-separated subset of score,moe,router")
+    ap.add_argument("--parts", default="score,moe", help="comma-separated subset of score,moe")
     ap.add_argument("--out", default="bench/results/prefill_kernels.json")
     args = ap.parse_args()
     ceil = ceilings.measure("cuda")
     report = header() | dict(before=args.before, ceilings=ceil)
-    parts = {"score": ("dsa_indexer", score_rows), "moe": ("fused_moe", moe_rows), "router": ("moe_route", router_rows)}
+    parts = {"score": ("dsa_indexer", score_rows), "moe": ("fused_moe", moe_rows)}
     for part in args.parts.split(","):
         module, rows = parts[part]
         report[part] = rows(revision_module(args.before, f"flashinfra/kernels/{module}.py", args.before_dir), ceil,

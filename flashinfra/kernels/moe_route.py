@@ -5,12 +5,12 @@ choice uses ``scores + bias``; groups are ranked by the sum of their two best bi
 ``topk_group`` best groups stay eligible; the chosen experts' unbiased scores are normalised (when
 ``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.
 
-Triton path: ``router_logits_kernel`` computes the float32 logits from the activations as they are (bfloat16 rows
-are widened in registers, not copied): for a few tokens (a decode step, whose cost is the float32 weight's bytes)
-as float32 multiply-adds over whole rows, two experts a program; for a long prompt's chunk as tensor-core products
-in TF32x3 (each operand split into two TF32 parts, three products: float32's accuracy at several times float32's
-multiply-add rate); between, and in deterministic mode (a row's sums in one order whatever the batch), the rows
-widened to float32 and a float32 GEMM. ``route_kernel`` then does everything else, one token per single-warp
+Triton path: for a few tokens (a decode step, whose cost is the float32 weight's bytes) ``router_logits_kernel``
+computes the float32 logits from the activations as they are (bfloat16 rows widened in registers, not copied),
+float32 products summed over whole rows, two experts a program; above, and in deterministic mode (a row's sums in
+one order whatever the batch), the rows widened to float32 and cuBLAS's float32 GEMM (tensor-core products in
+three parts lose low bits in the tensor cores' accumulation, which the router's close scores turn into other
+experts: ``bench/notes/moe.md``). ``route_kernel`` then does everything else, one token per single-warp
 program with all experts of the token in registers (``k`` rounds of arg-max), so routing is two launches whatever
 the number of groups. The selected experts come out in
 descending order of their biased score; exact ties between scores (which random float weights do not
@@ -28,11 +28,9 @@ from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 
-# Tokens up to which the logits are float32 multiply-adds over whole rows (two experts a program: many programs
-# streaming the weight), and from which they are TF32x3 products (enough row blocks to fill the GPU); between, and
-# in deterministic mode, cuBLAS's float32 GEMM of the widened rows.
+# Tokens up to which the logits are float32 products summed over whole rows, two experts a program (144 programs
+# streaming the weight); above, and in deterministic mode, cuBLAS's float32 GEMM of the widened rows.
 FMA_ROWS = 4
-TF32X3_ROWS = 1 << 62  # not taken until measured against cuBLAS (``bench/prefill_kernels.py --parts router``)
 
 
 def route_ref(
@@ -61,61 +59,42 @@ def route_ref(
 
 @triton.jit
 def router_logits_kernel(x, w, out, T, E, D, stride_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         FMA: tl.constexpr, PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False):
     """Grid (cdiv(T, BM), cdiv(E, BN)): ``out[t, e] = x[t] . w[e]`` in float32 (``x`` [T, D] of any float dtype,
-    ``w`` [E, D] float32). ``FMA``: ``BK`` covers D, so each program asks for its rows once."""
+    ``w`` [E, D] float32), as float32 products summed over whole rows: ``BK`` covers D, so each program asks for
+    its rows once."""
     pdl_wait(PDL)
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
-    m_m, m_n = o_m < T, o_n < E
-    p_x = x + o_m[:, None].to(tl.int64) * stride_x
-    if FMA:
-        o_k = tl.arange(0, BK)
-        m_k = o_k < D
-        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_w = tl.load(w + o_n[:, None].to(tl.int64) * D + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc = tl.sum(b_x[:, None, :] * b_w[None, :, :], 2)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < D
-            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_w = tl.load(w + o_n[None, :].to(tl.int64) * D + o_k[:, None], mask=m_k[:, None] & m_n[None, :],
-                          other=0.0)
-            acc += tl.dot(b_x, b_w, input_precision="tf32x3")
+    o_k = tl.arange(0, BK)
+    m_m, m_n, m_k = o_m < T, o_n < E, o_k < D
+    b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                  other=0.0).to(tl.float32)
+    b_w = tl.load(w + o_n[:, None].to(tl.int64) * D + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    acc = tl.sum(b_x[:, None, :] * b_w[None, :, :], 2)
     tl.store(out + o_m[:, None].to(tl.int64) * E + o_n[None, :], acc, mask=m_m[:, None] & m_n[None, :])
 
 
-def router_logits_launch(x: torch.Tensor, weight: torch.Tensor, fma: bool) -> torch.Tensor:
-    """``x`` [T, D] times the float32 router weight [E, D] -> float32 logits [T, E]: multiply-adds over whole rows
-    (``fma``) or TF32x3 products."""
+def router_logits_launch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, D] (a few rows) times the float32 router weight [E, D] -> float32 logits [T, E]."""
     T, D = x.shape
     E = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight.float().contiguous()
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out
-    if fma:
-        BM, BN, BK = min(FMA_ROWS, next_power_of_2(T)), 2, next_power_of_2(D)
-        cfg = dict(FMA=True, num_warps=8)
-    else:
-        BM, BN, BK = (64, 16, 32) if T <= 64 else (128, 32, 32)
-        cfg = dict(FMA=False, num_warps=4, num_stages=3)
-    fast(router_logits_kernel)[(cdiv(T, BM), cdiv(E, BN))](x, weight, out, T, E, D, x.stride(0), BM=BM, BN=BN,
-                                                            BK=BK, **cfg)
+    if T:
+        BM = min(FMA_ROWS, next_power_of_2(T))
+        fast(router_logits_kernel)[(cdiv(T, BM), cdiv(E, 2))](x, weight, out, T, E, D, x.stride(0), BM=BM, BN=2,
+                                                              BK=next_power_of_2(D), num_warps=8)
     return out
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The router's float32 logits on the kernel path, by the number of tokens: multiply-adds up to ``FMA_ROWS``,
-    TF32x3 products from ``TF32X3_ROWS``, cuBLAS's float32 GEMM between (and in deterministic mode, the
-    batch-invariant one)."""
-    T = x.shape[0]
-    if not is_deterministic() and (T <= FMA_ROWS or T >= TF32X3_ROWS):
-        return router_logits_launch(x, weight, T <= FMA_ROWS)
+    """The router's float32 logits on the kernel path: ``router_logits_kernel`` up to ``FMA_ROWS`` tokens, else
+    the rows widened and cuBLAS's float32 GEMM (in deterministic mode, the batch-invariant one)."""
+    if x.shape[0] <= FMA_ROWS and not is_deterministic():
+        return router_logits_launch(x, weight)
     return linear(x.float(), weight.float()).contiguous()
 
 

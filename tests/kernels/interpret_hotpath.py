@@ -36,7 +36,7 @@ def test_route(T, E, G, TG, k):
     assert_passed(cases.route("cpu", T, E, 100, k, G, TG, seed=E))
 
 
-@pytest.mark.parametrize("T,E,D", [(1, 24, 100), (3, 40, 64), (70, 40, 100)])
+@pytest.mark.parametrize("T,E,D", [(1, 24, 100), (3, 40, 64), (9, 40, 100)])
 def test_router_logits(T, E, D):
     assert_passed(cases.router_logits("cpu", T, E, D, seed=T))
 

@@ -24,12 +24,12 @@ def test_mhc(T, dtype):
     assert_passed(cases.mhc("cuda", T, 4096, dtype=dtype, seed=T))
 
 
-@pytest.mark.parametrize("T", [1, 3, 67, 4096])
+@pytest.mark.parametrize("T", [1, 3, 4])
 def test_router_logits(T):
     assert_passed(cases.router_logits("cuda", T, 288, 4096, dtype=BF16, seed=T))
 
 
-@pytest.mark.parametrize("T", [1, 67, 1000, 2048])
+@pytest.mark.parametrize("T", [1, 67, 1000])
 def test_route(T):
     assert_passed(cases.route("cuda", T, 288, 4096, 8, 1, 1, seed=T))
     assert_passed(cases.route("cuda", T, 256, 512, 8, 8, 4, seed=T))
