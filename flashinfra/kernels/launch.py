@@ -61,7 +61,8 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-_pdl_devices: dict[int, bool] = {}
+_pdl_devices: dict[int, dict] = {}
+_PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
 def pdl_options(device: torch.device | int) -> dict:
@@ -72,10 +73,11 @@ def pdl_options(device: torch.device | int) -> dict:
         if device.type != "cuda" or interpreting():
             return {}
         device = device.index if device.index is not None else torch.cuda.current_device()
-    on = _pdl_devices.get(device)
-    if on is None:
-        on = _pdl_devices[device] = env.programmatic_launch() and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if on else {}
+    options = _pdl_devices.get(device)
+    if options is None:
+        on = env.programmatic_launch() and torch.cuda.get_device_capability(device)[0] >= 9
+        options = _pdl_devices[device] = _PDL_ON if on else {}
+    return options  # one dict per device, made once: it is read on every launch, never changed
 
 
 class FastKernel:
@@ -105,8 +107,8 @@ class FastKernel:
             self.fn[grid](*args, **kwargs)
             return
         device = first.device.index
-        if self.pdl:
-            kwargs = {**kwargs, **pdl_options(device)}
+        if self.pdl and (pdl := pdl_options(device)):
+            kwargs = {**kwargs, **pdl}
         key = (device, tuple([native_specialize_impl(BaseBackend, a, False, True, True) for a in args]),
                tuple(kwargs.items()))
         kept = self._compiled.get(key)
