@@ -26,7 +26,7 @@ import triton.language as tl
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 from flashinfra.kernels.norms import rms_norm_ref
-from flashinfra.kernels.quant.act import quant_int8_per_token_ref
+from flashinfra.kernels.quant.act import int8_codes, quant_int8_per_token_ref
 
 
 def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_normed: bool):
@@ -56,10 +56,7 @@ def rms_norm_int8_kernel(x, w, y, q, s, stride_x, N, D, eps, BT: tl.constexpr, B
     b_f = b_y.to(tl.float32)
     amax = tl.max(tl.abs(b_f), 1)
     scale = tl.where(amax > 0, amax / 127.0, 1.0)
-    v = b_f * (1.0 / scale)[:, None]
-    r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
-    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-    tl.store(q + rows * D + o_d[None, :], r.to(tl.int8), mask=m)
+    tl.store(q + rows * D + o_d[None, :], int8_codes(b_f * (1.0 / scale)[:, None]), mask=m)
     tl.store(s + o_t, scale, mask=m_t)
 
 
