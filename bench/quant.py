@@ -19,7 +19,7 @@ cache; a bf16 KDA state (every KDA kernel reads and stores a bf16 state).
    kernel of its own; W8A8 with it in the norm's epilogue, as the model runs it), and on the 4-layer
    full-width slice (3 KDA + 1 MLA/DSA, every MLP a MoE, its own lm_head as the model has, random weights)
    decode steps at batch 1 / 32 / 128 with ``--context`` cached tokens (CUDA-graph replay, eager where capture
-   fails) and a ``--prefill``-token prefill per mode, each against bf16 (goals: decode <= 0.6x bf16's time at
+   fails; steps back to back as the engine's asynchronous scheduling runs them, and ``_synced_ms`` each alone) and a ``--prefill``-token prefill per mode, each against bf16 (goals: decode <= 0.6x bf16's time at
    batch 1, prefill >= 1.5x bf16's speed), and per layer the slice's output streams on a 256-token prompt against
    bf16's (``layerwise_rel``).
 
@@ -42,6 +42,7 @@ from quant_kernels import free, gemms, median_s, moes, norm_gemms, peaks
 
 from flashinfra.config import resolve_config
 from flashinfra.eval.perplexity import perplexity
+from flashinfra.feedback.timing import time_stream
 from flashinfra.model.api import load_model, model_config_from, random_model
 from flashinfra.model.factory import default_model_dir
 from flashinfra.model.forward_batch import ForwardBatch
@@ -192,7 +193,10 @@ def slice_speed(dev: str, cfg: dict, batches: tuple[int, ...], context: int, pre
                     fn, how = (lambda: model.compute_logits(graphs.run(ids, batch))), "cuda_graph+logits"
                 except Exception as e:  # noqa: BLE001 - recorded, eager timing instead
                     row[f"decode_b{b}_graph_error"] = repr(e)[:300]
-            row[f"decode_b{b}_ms"] = median_s(fn, dev, reps) * 1e3
+            # steps queued back to back, as the engine's asynchronous scheduling runs them (a step's host work
+            # overlaps the one before); and each step synchronized alone, its host work in the time
+            row[f"decode_b{b}_ms"] = time_stream(fn, calls=10, iters=max(3, reps // 5), device=dev) / 1e3
+            row[f"decode_b{b}_synced_ms"] = median_s(fn, dev, reps) * 1e3
             row[f"decode_b{b}_how"] = how
         del cache, fn
         graphs = None  # it holds the model and the cache: else this mode's model lives on beside the next one's
