@@ -54,11 +54,11 @@ class WarmupReport:
     prefill_shapes: tuple[tuple[int, ...], ...]
     memory_bytes: int  # device memory held after the warm-up that was not held before (graph pools)
     peak_bytes: int  # peak device memory allocated during the warm-up
-    long_selects: int = 0  # runs of the long rows' top-k select (``long_context_selects``)
+    index_selects: int = 0  # runs of the indexer's top-k selects beside the prompts' (``index_selects``)
 
     def line(self) -> str:
         return (f"warm-up: {self.graphs_captured} CUDA graphs, {len(self.prefill_shapes)} prefill shapes and "
-                f"{self.long_selects} long-row selects "
+                f"{self.index_selects} index selects "
                 f"in {self.seconds:.1f} s; {self.memory_bytes / 2**20:.0f} MiB held, "
                 f"peak {self.peak_bytes / 2**30:.2f} GiB")
 
@@ -161,18 +161,20 @@ def capture_graphs(runner, max_num_seqs: int, max_model_len: int, num_blocks: in
     return captured
 
 
-def long_context_selects(cfg, max_model_len: int, block_size: int, device) -> int:
-    """The DSA indexer's top-k over rows longer than any warm-up prompt makes (contexts of 64k tokens and more): its
-    kernels' variants by row length, compiled here rather than midway through a long prompt. -> the runs."""
+def index_selects(cfg, max_model_len: int, block_size: int, budget: int, device) -> int:
+    """The DSA indexer's top-k over rows that the warm-up prompts do not make: the sort's widths that only many
+    prompts at once reach, and rows longer than any warm-up prompt (contexts of 64k tokens and more), compiled here
+    rather than in a server's first bursts or midway through a long prompt. -> the runs."""
     if not cfg.indexer_layers:
         return 0
-    from flashinfra.kernels.dsa_topk import THRESHOLD_MIN_POOLS, warm_up_threshold
+    from flashinfra.kernels.dsa_topk import THRESHOLD_MIN_POOLS, warm_up_sort, warm_up_threshold
 
-    kpool = cfg.index_kpool
+    kpool, k = cfg.index_kpool, cfg.index_topk // cfg.index_kpool
+    runs = warm_up_sort(budget, k, device)
     max_pools = -(-max_model_len // block_size) * (block_size // kpool)  # the widest block table's pools
-    if max_pools < THRESHOLD_MIN_POOLS:
-        return 0
-    return warm_up_threshold(max_pools, cfg.index_topk // kpool, kpool, device)
+    if max_pools >= THRESHOLD_MIN_POOLS:
+        runs += warm_up_threshold(max_pools, k, kpool, device)
+    return runs
 
 
 def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int,
@@ -210,11 +212,11 @@ def warm_up(runner, max_num_seqs: int, max_model_len: int, budget: int, num_bloc
         rows = torch.zeros(max_num_seqs, model.config.text.hidden_size, dtype=model.dtype, device=device)
         for n in range(1, max_num_seqs + 1):
             model.compute_logits(rows[:n])
-        selects = long_context_selects(model.config.text, max_model_len, runner.block_size, device)
+        selects = index_selects(model.config.text, max_model_len, runner.block_size, budget, device)
         captured = capture_graphs(runner, max_num_seqs, max_model_len, num_blocks)
     torch.cuda.synchronize(device)
     report = WarmupReport(seconds=time.perf_counter() - start, graphs_captured=captured,
-                          prefill_shapes=tuple(tuple(s) for s in shapes), long_selects=selects,
+                          prefill_shapes=tuple(tuple(s) for s in shapes), index_selects=selects,
                           memory_bytes=max(0, torch.cuda.memory_reserved(device) - held_before),
                           peak_bytes=torch.cuda.max_memory_allocated(device))
     logger.info(report.line())

@@ -37,7 +37,8 @@ from flashinfra.kernels.dsa_threshold import (MIN_KEY, RANK_BLOCK, RANK_KEYS, RA
                                             _chunk_keys, _row_length, _visible, sample_size, threshold_launch)
 
 
-@triton.jit(do_not_specialize=["P", "k"])  # sizes that vary with the context: one compilation per BN
+# sizes that vary with the context, and views of a step's buffers at offsets that vary with it: one compilation per BN
+@triton.jit(do_not_specialize=["P", "k"], do_not_specialize_on_alignment=["scores", "out"])
 def sort_kernel(scores, out, P, k, BN: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``row``: the top ``k`` keys of row ``row`` of ``scores [R, P]`` (``P <= BN``), sorted descending, at
     ``out [R, k]`` row ``row``."""
@@ -146,6 +147,23 @@ def select(scores: torch.Tensor, k: int, out: torch.Tensor, positions: torch.Ten
         launch = threshold_launch if route_ == "threshold" else rank_launch
         return launch(scores, k, out=out, positions=positions, kpool=kpool)
     return (sort_launch if route_ == "sort" else topk_ref)(scores, k, out=out)
+
+
+def warm_up_sort(max_rows: int, k: int, device) -> int:
+    """Run the sort once per block width a step of at most ``max_rows`` query rows can take it at (``route``: wide
+    enough rows only past ``RANK_SELECT_COMPARES[0]`` compares; 32 prompts of 250 tokens sort 64 pools, which no
+    warm-up prompt of its own does), on random scores, so that a server's first bursts compile none
+    (``engine/warmup.py``). -> how many runs."""
+    runs, BN = 0, 16
+    gen = torch.Generator(device=device).manual_seed(0)
+    while BN <= SORT_MAX_POOLS:
+        R = RANK_SELECT_COMPARES[0] // (BN * BN) + 1  # the fewest rows of BN pools that the sort takes
+        if R <= max_rows and k <= BN and route(R, BN) == "sort":
+            scores = torch.randint(-2**31, 2**31 - 1, (R, BN), dtype=torch.int32, device=device, generator=gen)
+            sort_launch(scores, k)
+            runs += 1
+        BN *= 2
+    return runs
 
 
 def warm_up_threshold(max_pools: int, k: int, kpool: int, device) -> int:

@@ -111,20 +111,21 @@ def test_speculative_warm_up_mixes_a_prompt_with_verify_rows(longest, seqs, num_
         assert max(b for t in batch.block_tables for b in t) < num_blocks
 
 
-def test_long_context_selects_run_every_threshold_variant_a_long_prompt_meets(monkeypatch):
+def test_index_selects_run_every_threshold_variant_a_long_prompt_meets(monkeypatch):
     """Rows of 16,384 pools and more take the threshold select, whose sample size grows with the row (a constexpr of
     its kernels) and whose pool count Triton specialises on divisibility by 16: the warm-up runs one row length of
     each sample size, one that 16 divides and one it does not, and only up to the configuration's longest row."""
     import types
 
-    from flashinfra.engine.warmup import long_context_selects
+    from flashinfra.engine.warmup import index_selects
     from flashinfra.kernels import dsa_topk
 
     seen = []
     monkeypatch.setattr(dsa_topk, "threshold_launch",
                         lambda scores, k, positions=None, kpool=0: seen.append((scores.shape, k, kpool)))
+    monkeypatch.setattr(dsa_topk, "sort_launch", lambda scores, k, out=None: None)
     cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=2048)
-    assert long_context_selects(cfg, 1 << 20, 16, "cpu") == len(seen) == 12
+    assert index_selects(cfg, 1 << 20, 16, 8192, "cpu") == len(seen) + 2 == 14  # and 2 sorts
     pools = [shape[1] for shape, _, _ in seen]
     sizes = [dsa_topk.sample_size(P, 512) for P in pools]
     assert sorted(set(sizes)) == [1024, 2048, 4096] and all(sizes.count(s) == 4 for s in set(sizes))
@@ -136,6 +137,25 @@ def test_long_context_selects_run_every_threshold_variant_a_long_prompt_meets(mo
     for P in pools:  # the shortest rows of their sample size, give or take the rounding
         assert dsa_topk.sample_size(P - 16, 512) < dsa_topk.sample_size(P, 512) or P - 16 < dsa_topk.THRESHOLD_MIN_POOLS
     seen.clear()
-    assert long_context_selects(cfg, 128 * 1024, 16, "cpu") == 4 and len(seen) == 4  # up to 32,768 pools: S 1,024
-    assert long_context_selects(cfg, 32 * 1024, 16, "cpu") == 0  # 8,192 pools: torch.topk's rows
-    assert long_context_selects(types.SimpleNamespace(indexer_layers=()), 1 << 20, 16, "cpu") == 0
+    assert index_selects(cfg, 128 * 1024, 16, 8192, "cpu") == 6 and len(seen) == 4  # up to 32,768 pools: S 1,024
+    assert index_selects(cfg, 32 * 1024, 16, 8192, "cpu") == 2  # 8,192 pools: torch.topk's rows; the sorts
+    assert index_selects(types.SimpleNamespace(indexer_layers=()), 1 << 20, 16, 8192, "cpu") == 0
+
+
+def test_index_selects_run_the_sort_at_every_width_a_step_can_sort(monkeypatch):
+    """The sort takes rows of at most 1,024 pools once a step has enough of them (``dsa_topk.route``): 32 prompts of
+    250 tokens sort 64 pools, which no warm-up prompt does alone. The warm-up sorts each width a step of the token
+    budget can reach, and no narrower one."""
+    import types
+
+    from flashinfra.engine.warmup import index_selects
+    from flashinfra.kernels import dsa_topk
+
+    seen = []
+    monkeypatch.setattr(dsa_topk, "sort_launch", lambda scores, k, out=None: seen.append(tuple(scores.shape)))
+    cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=64)
+    assert index_selects(cfg, 4096, 16, 8192, "cpu") == len(seen) == 5
+    assert [P for _, P in seen] == [64, 128, 256, 512, 1024]
+    assert all(dsa_topk.route(R, P) == "sort" and dsa_topk.route(R - 1, P) == "rank" for R, P in seen)
+    seen.clear()
+    assert index_selects(cfg, 4096, 16, 2048, "cpu") == 4  # 4,097 rows of 64 pools: past a 2,048-token budget
