@@ -103,8 +103,8 @@ def main() -> None:
     cfg = dict(architectures=["Glm5NextForConditionalGeneration"], tie_word_embeddings=False, text_config=cfg)
     lm = random_model(cfg, torch.bfloat16, "cuda", quantization=args.quantization)
     hs.free_memory()
-    report = header() | {"programmatic_launch": env.programmatic_launch(), "prefetch_bytes": env.prefetch_bytes(),
-                         "context": args.context, "prefill_chunk": args.prefill_chunk,
+    report = header() | {"programmatic_launch": env.programmatic_launch(), "context": args.context,
+                         "prefill_chunk": args.prefill_chunk,
                          "quantization": args.quantization, "set": args.set, "steps": []}
     for B in [int(b) for b in args.batches.split(",")]:
         r = step_profile(lm, B, args.context, args.prefill_chunk)

@@ -35,12 +35,6 @@ def programmatic_launch() -> bool:
     return os.environ.get("FLASHINFRA_PDL", "1") not in ("", "0", "false", "False")
 
 
-def prefetch_bytes() -> int:
-    """``FLASHINFRA_PREFETCH_MB``: how much of a decode step's next weight is asked of the L2 cache ahead of its GEMM
-    (``kernels/prefetch.py``), 24 MiB by default; 0 turns it off, to compare."""
-    return int(float(os.environ.get("FLASHINFRA_PREFETCH_MB", "24")) * 2**20)
-
-
 def agent_endpoint() -> tuple[str | None, str | None, str | None]:
     """(base URL, model, API key) of the Infra Agent's chat-completions endpoint:
     ``FLASHINFRA_AGENT_BASE_URL`` / ``FLASHINFRA_AGENT_MODEL`` / ``FLASHINFRA_AGENT_API_KEY``, falling back

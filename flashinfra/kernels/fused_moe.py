@@ -27,9 +27,8 @@ Weight formats (``WEIGHTS``, a constexpr read from the weights' dtype), each wit
 - ``float``: bf16 (float32 in tests) weights and activations, float32 accumulators.
 - ``int8`` (W8A8): int8 weights with one scale per output channel; ``x`` and the intermediate are quantized per
   row (``act.quant_act``: a row's scale needs the whole row, which no GEMM program sees; ``x``'s codes may come
-  from its producer instead, ``x_codes``: the RMSNorm's epilogue; a decode step's few pairs have their
-  intermediate's codes formed in gemm2's prologue, ``act.int8_row_codes``), the products sum exactly in int32 and
-  both scales are applied once, in the epilogue.
+  from its producer instead, ``x_codes``: the RMSNorm's epilogue), the products sum exactly in int32 and both
+  scales are applied once, in the epilogue.
 - ``fp8``: e4m3 weights with one scale per 128 x 128 tile; ``x`` and the intermediate are quantized per row per
   128 channels, and each 128-wide K step's float32 product is scaled by its
   activation and weight block scales before it is accumulated (the DeepSeek-V3 recipe). The gate and up halves
@@ -53,8 +52,7 @@ from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
 from flashinfra.kernels.moe_align import moe_align
 from flashinfra.kernels.moe_tiles import moe_tiles
-from flashinfra.kernels.quant.act import (GROUP, PROLOGUE_ROWS, PROLOGUE_WIDTH, WEIGHT_FORMATS, int8_row_codes,
-                                          quant_act, quant_act_ref)
+from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 from flashinfra.kernels.quant.gemm import fp8_step, matmul_8bit_ref
 
 # pair blocks whose column tiles the grid interleaves (``_tile``): an expert's pairs fill about two 128-row blocks in
@@ -197,7 +195,7 @@ def moe_gemm1_kernel(x, w, h, sorted_ids, expert_ids, used, stride_x, stride_we,
 def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we, shared_off, num_pairs, sh, sw,
                      stride_se, shared_soff, E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, WEIGHTS: tl.constexpr,
-                     QUANT_H: tl.constexpr = False, BKQ: tl.constexpr = 1, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_m, i_n = _tile(N, BN)
     if i_m * BM >= tl.load(used):
@@ -205,10 +203,6 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
     pair = tl.load(sorted_ids + i_m * BM + tl.arange(0, BM))
     m_p = pair < num_pairs
     rows = pair.to(tl.int64)
-    if QUANT_H:  # int8, a decode step's few pairs: ``sh`` holds the float intermediate, whose codes go into ``h``
-        # here, the block's pairs being the first of its rows (``act.int8_row_codes``)
-        b_sh = int8_row_codes(sh, h, sorted_ids + i_m * BM, 0, tl.sum(m_p.to(tl.int32)), K, BM, BKQ, True)
-        tl.debug_barrier()
     e = tl.load(expert_ids + i_m).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
@@ -238,9 +232,7 @@ def moe_gemm2_kernel(h, w, out, topk_w, sorted_ids, expert_ids, used, stride_we,
     routed = m_p & (pair - tok * TOPK < TOPK - 1)
     pw = tl.where(routed, tl.load(topk_w + pair - tok, mask=routed, other=0.0), 1.0)
     if WEIGHTS == "int8":
-        if not QUANT_H:
-            b_sh = tl.load(sh + rows, mask=m_p, other=0.0)
-        scale = b_sh * pw
+        scale = tl.load(sh + rows, mask=m_p, other=0.0) * pw
         p_s = sw + tl.where(e == E, shared_soff, e * stride_se) + o_n
         acc = acc.to(tl.float32) * scale[:, None] * tl.load(p_s, mask=m_n, other=0.0)[None, :]
     else:
@@ -296,19 +288,12 @@ def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales
         a, w13, h, sorted_ids, expert_ids, used, a.stride(0), w13.stride(0), _offset(shared13, w13), T * k,
         float(limit), sa, sw13, sw13.stride(0), soff13, E=E, N=N, K=K, TOPK=k, BM=BM, BN=cfg["BN1"], BK=BK,
         IEEE=ieee, WEIGHTS=fmt, **launch)
-    quant_h = fmt == "int8" and T * k <= PROLOGUE_ROWS  # the intermediate's codes formed in gemm2's prologue
-    if fmt == "float":
-        hq, sh = h, h
-    elif quant_h:
-        hq, sh = torch.empty(h.shape, dtype=torch.int8, device=h.device), h
-    else:
-        hq, sh = quant_act(fmt, h)
+    hq, sh = (h, h) if fmt == "float" else quant_act(fmt, h)
     D = w2.shape[1]
     grid2 = (sorted_ids.numel() // BM * cdiv(D, cfg["BN2"]),)
     fast(moe_gemm2_kernel)[grid2](hq, w2, out, topk_w, sorted_ids, expert_ids, used, w2.stride(0), _offset(shared2, w2),
                                   T * k, sh, sw2, sw2.stride(0), soff2, E=E, N=D, K=N, TOPK=k, BM=BM, BN=cfg["BN2"],
-                                  BK=BK, IEEE=ieee, WEIGHTS=fmt, QUANT_H=quant_h,
-                                  BKQ=min(PROLOGUE_WIDTH, next_power_of_2(N)) if quant_h else 1, **launch)
+                                  BK=BK, IEEE=ieee, WEIGHTS=fmt, **launch)
 
 
 def weight_format(w: torch.Tensor) -> str:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from flashinfra.config import LINEAR_ATTENTION, TextConfig
 from flashinfra.kernels.mhc import hc_collapse
 from flashinfra.kernels.norms import rms_norm
-from flashinfra.kernels.prefetch import prefetch_l2
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.kda import KDAttention
@@ -44,22 +43,17 @@ class DecoderLayer(nn.Module):
         # The projection each norm feeds, for its W8A8 form (``rms_norm_for``); None where a parallel wrapper
         # (flashinfra.parallel) replaced the module: plain rows then. MLA's indexer and the MoE's router read the
         # normed rows too.
-        moe = isinstance(self.mlp, MoE)
-        attn_proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
-        ffn_proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
-
         def attention(x):
-            x = rms_norm_for(x, self.input_norm, self.eps, attn_proj, not self.is_kda)
+            proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
+            x = rms_norm_for(x, self.input_norm, self.eps, proj, not self.is_kda)
             return self.attn(x, batch, cache) if self.is_kda else self.attn(x, batch, cache, masks)
 
         def ffn(x):
-            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, ffn_proj, moe))
+            moe = isinstance(self.mlp, MoE)
+            proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
+            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, proj, moe))
 
-        # each sub-block's first weight (the MoE's: its shared expert's, the routed ones being unknown yet) asked of
-        # L2 while mHC's small kernels run (at decode sizes on Hopper, else nothing)
-        prefetch_l2(attn_proj, streams.shape[0])
         streams = self.attn_hc(streams, attention)
-        prefetch_l2(getattr(self.mlp.shared, "gate_up_proj", None) if moe else ffn_proj, streams.shape[0])
         return self.ffn_hc(streams, ffn)
 
 
@@ -86,7 +80,6 @@ class Glm5NextModel(nn.Module):
         masks: dict[int, list[torch.Tensor]] = {}
         for layer in self.layers:
             streams = layer(streams, batch, cache, masks)
-        prefetch_l2(self.lm_head if self.lm_head is not None else self.embed_tokens, streams.shape[0])
         return self.final_norm(streams)
 
     def final_norm(self, streams: torch.Tensor) -> torch.Tensor:

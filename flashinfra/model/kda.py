@@ -18,7 +18,6 @@ from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.kda import (causal_conv1d_prefill, causal_conv1d_save_windows, kda_layer_decode,
                                    kda_prefill_gated)
 from flashinfra.kernels.norms import gated_rms_norm
-from flashinfra.kernels.prefetch import prefetch_l2
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.quant.linear import linear
@@ -59,7 +58,6 @@ class KDAttention(nn.Module):
         if is_deterministic() and not batch.is_decode and any(self._decode_rows(batch)):
             return linear(self._forward_mixed(qkv, g_raw, b, gate, batch, cache).reshape(T, H * K), self.o_proj)
         if batch.is_decode:
-            prefetch_l2(self.o_proj, T)  # streamed into L2 while the recurrence runs
             o = kda_layer_decode(qkv, self.conv_weight, conv_state, g_raw, b, gate, self.A_log, self.dt_bias,
                                  self.lower_bound, self.o_norm, self.eps, state, batch.state_slots_t)
             return linear(o.reshape(T, H * K), self.o_proj)

@@ -25,7 +25,6 @@ from flashinfra.kernels.batch_invariant import matmul_nt
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
 from flashinfra.kernels.norms import rms_norm
-from flashinfra.kernels.prefetch import prefetch_l2
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
@@ -69,7 +68,6 @@ class MLAttention(nn.Module):
         list of per-sequence ``[L, N]`` masks; kernel path: one ``[T, S]`` tensor of positions (-1 none)."""
         q, q_resid, _ = self.queries(x, batch, cache)
         x = normed(x)  # ``Int8Rows`` under W8A8 (DecoderLayer): the rows in the model dtype for the indexer
-        prefetch_l2(self.kv_b_proj, x.shape[0])  # into L2 while the indexer's small kernels select
         self.index(x, q_resid, batch, cache, masks)
         return self.attend(x, q, batch, cache, masks)
 
@@ -110,7 +108,6 @@ class MLAttention(nn.Module):
         if use_triton(x, cache.mla_latent[self.layer]):
             w = self.kv_b_proj.view(self.H, self.Dq + self.Dv, self.R)
             q_lat = matmul_nt(q.transpose(0, 1), w[:, : self.Dq].transpose(1, 2)).transpose(0, 1)  # [T, H, R]
-            prefetch_l2(self.o_proj, T)  # into L2 while the sparse attention runs
             o_lat = sparse_mla_launch(q_lat, cache.mla_latent[self.layer], selection, batch.token_seq,
                                       batch.block_tables_t, self.scaling, cache.mla_latent_scale.get(self.layer))
             out = matmul_nt(o_lat.transpose(0, 1), w[:, self.Dq :]).transpose(0, 1)  # [T, H, Dv]

@@ -31,8 +31,7 @@ def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypa
     model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cuda", kernels=True)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (5, 8192, 4096), (32, 4096, 1536), (1000, 8192, 4096),
-                                   (63, 1536, 16384)])
+@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
 def test_w8a8_linear(T, K, N):
     assert_passed(cases.linear("cuda", "w8a8", T, K, N, dtype=BF16, seed=T))
 

@@ -26,13 +26,6 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 GROUP = 128  # fp8 scales' block: weights per 128 x 128 tile, activations per 128 channels
-# W8A8 rows (a decode step's tokens, or its token-expert pairs in the MoE) up to which a GEMM forms the codes of its
-# float activations in its prologue (``int8_row_codes``: one launch, where the rows' scales would otherwise need a
-# kernel of their own first); each column tile's program reads its rows' whole width once more for their amax, from
-# L2, ``PROLOGUE_WIDTH`` columns at a time. Above, ``quant_int8_per_token`` runs first: a prompt's rows read by
-# each of its N / BN column tiles would cost more than the launch.
-PROLOGUE_ROWS = 16
-PROLOGUE_WIDTH = 4096
 # an 8-bit weight's element type -> its format, which the kernels take as a constexpr (float weights: none)
 WEIGHT_FORMATS = {torch.int8: "int8", FP8_DTYPE: "fp8"}
 
@@ -62,31 +55,6 @@ def int8_codes(v):
     +-127 (every int8 producer forms its codes here, so that they agree bit for bit)."""
     r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
     return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
-
-
-@triton.jit
-def int8_row_codes(x, codes, rows, first, n, K, BM: tl.constexpr, BKQ: tl.constexpr, GATHER: tl.constexpr):
-    """A GEMM program's prologue: the int8 codes of the first ``n`` of its ``BM`` rows of float ``x`` [., K] (rows
-    ``first + r``, or with ``GATHER`` the row ids at ``rows``), written to ``codes`` (rows as in ``x``), and the
-    rows' per-token scales [BM] (past ``n``: 1), as ``quant_int8_kernel`` forms them: a row at a time, its amax over
-    ``BKQ``-wide steps, then its codes. Every column tile's program writes the same bytes."""
-    o_r = tl.arange(0, BM)
-    scales = tl.full([BM], 1.0, tl.float32)
-    for r in range(0, n):
-        row = (tl.load(rows + r) if GATHER else first + r).to(tl.int64) * K
-        amax = tl.zeros([BKQ], dtype=tl.float32)
-        for k0 in range(0, K, BKQ):
-            o_k = k0 + tl.arange(0, BKQ)
-            amax = tl.maximum(amax, tl.abs(tl.load(x + row + o_k, mask=o_k < K, other=0.0).to(tl.float32)))
-        m = tl.max(amax, 0)
-        scale = tl.where(m > 0, m / 127.0, 1.0)
-        inv = 1.0 / scale
-        for k0 in range(0, K, BKQ):
-            o_k = k0 + tl.arange(0, BKQ)
-            b_x = tl.load(x + row + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-            tl.store(codes + row + o_k, int8_codes(b_x * inv), mask=o_k < K)
-        scales = tl.where(o_r == r, scale, scales)
-    return scales
 
 
 @triton.jit

@@ -10,13 +10,9 @@ cores. One kernel; the weight format (``WEIGHTS``) is a constexpr read from the 
   recipe), so the block scales never meet inside one tensor-core product. Hopper (sm_89+) runs it; older GPUs
   are refused by the caller (``flashinfra.quant.model``).
 
-Activations are quantized in one of three places, each forming the same codes and scales:
-- W8A8 rows that an RMSNorm produces: in the norm's epilogue (``norm_act.rms_norm_int8``), whose codes
-  ``matmul_8bit`` takes as they are;
-- other W8A8 rows, a decode step's few (``PROLOGUE_ROWS``): in this kernel's prologue (``QUANT_X``), which reads
-  each row's whole width for its scale before the K loop forms the codes of each step it loads (one launch);
-- the rest: ``act.quant_act`` first (a token's scale needs its whole row, which a program of a prompt's GEMM that
-  sees ``BK`` columns at a time does not have, and re-reading it in every column tile would cost more).
+Activations are quantized by ``act.quant_act`` (a small kernel before the GEMM: a token's scale needs its whole
+row, which a GEMM program that sees ``BK`` columns at a time does not have), or, for W8A8 rows that an RMSNorm
+produces, in the norm's epilogue (``norm_act.rms_norm_int8``), whose codes ``matmul_8bit`` takes as they are.
 ``matmul_8bit_ref`` is the same quantized arithmetic in float64 (int32 sums and e4m3 products are exact there);
 ``linear_8bit_ref`` adds the activation quantization reference in front. Float weights never come here: they run
 ``kernels.batch_invariant``.
@@ -29,9 +25,8 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
-from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
-from flashinfra.kernels.quant.act import (GROUP, PROLOGUE_ROWS, PROLOGUE_WIDTH, WEIGHT_FORMATS, int8_row_codes,
-                                          quant_act, quant_act_ref)
+from flashinfra.kernels.launch import cdiv, fast, pdl_wait
+from flashinfra.kernels.quant.act import GROUP, WEIGHT_FORMATS, quant_act, quant_act_ref
 
 
 def matmul_8bit_ref(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtype=torch.float32):
@@ -70,17 +65,12 @@ def fp8_step(prod, s_rows, p_sw, m_n, ONE_BLOCK: tl.constexpr):
 @triton.jit
 def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTS: tl.constexpr,
-                       QUANT_X: tl.constexpr = False, BKQ: tl.constexpr = 1, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
-    if QUANT_X:  # float rows ``xq``: their codes into ``sx`` [M, K] first (every column tile's program writes the
-        # same bytes), read back after the barrier as the codes of the other paths are
-        b_sx = int8_row_codes(xq, sx, xq, i_m * BM, tl.minimum(BM, M - i_m * BM), K, BM, BKQ, False)
-        tl.debug_barrier()
-        xq = sx
     p_x = xq + o_m[:, None].to(tl.int64) * K
     p_w = wq + o_n[None, :].to(tl.int64) * K
     if WEIGHTS == "int8":  # exact int32 sums, scaled once in the epilogue
@@ -102,8 +92,7 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
             acc += fp8_step(tl.dot(b_x, b_w), tl.load(p_sx + k0 // BK, mask=m_m, other=0.0), p_sw + k0 // BK, m_n,
                             ONE_BLOCK)
     if WEIGHTS == "int8":
-        if not QUANT_X:
-            b_sx = tl.load(sx + o_m, mask=m_m, other=0.0)
+        b_sx = tl.load(sx + o_m, mask=m_m, other=0.0)
         b_sw = tl.load(sw + o_n, mask=m_n, other=0.0)
         acc = acc.to(tl.float32) * b_sx[:, None] * b_sw[None, :]
     if HAS_BIAS:
@@ -126,19 +115,21 @@ def _check(fmt, xq, sx, wq, sw, block):
     M, K = xq.shape
     N = wq.shape[0]
     bn, bk = block
-    if fmt == "int8":  # sx None: the rows are float, their scales formed in the prologue
-        fits = (sx is None or sx.shape == (M,)) and sw.shape == (N,)
+    if fmt == "int8":
+        fits = sx.shape == (M,) and sw.shape == (N,)
     else:
         KB = cdiv(K, bk)
         fits = bk == GROUP and sx.shape == (M, KB) and sw.shape == (cdiv(N, bn), KB)
     if wq.shape != (N, K) or not fits:
         raise ValueError(f"matmul_8bit: {fmt} x {tuple(xq.shape)} / scale {tuple(sx.shape)} and w {tuple(wq.shape)} "
                          f"/ scale {tuple(sw.shape)} do not fit" + (f" blocks {block}" if fmt == "fp8" else ""))
-    if not all(t.is_contiguous() for t in (xq, sx, wq, sw) if t is not None):
+    if not all(t.is_contiguous() for t in (xq, sx, wq, sw)):
         raise ValueError("matmul_8bit: operands and scales must be contiguous")
 
 
-def _gemm(xq, sx, wq, sw, bias, block, out_dtype, fmt: str, quant_x: bool):
+def matmul_8bit_launch(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtype=torch.bfloat16):
+    fmt = WEIGHT_FORMATS[wq.dtype]
+    _check(fmt, xq, sx, wq, sw, block)
     M, K = xq.shape
     N = wq.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
@@ -146,33 +137,16 @@ def _gemm(xq, sx, wq, sw, bias, block, out_dtype, fmt: str, quant_x: bool):
         return y
     cfg = _config(M, fmt)
     grid = (cdiv(M, cfg["BM"]), cdiv(N, cfg["BN"]))
-    if quant_x:  # the codes' buffer in place of the scales, which the prologue forms
-        sx = torch.empty(M, K, dtype=torch.int8, device=xq.device)
     fast(matmul_8bit_kernel)[grid](xq, sx, wq, sw, bias if bias is not None else sw, y, M, N, K,
                                    HAS_BIAS=bias is not None, BLOCK_N=block[0], BM=cfg["BM"], BN=cfg["BN"],
-                                   BK=cfg["BK"], WEIGHTS=fmt, QUANT_X=quant_x,
-                                   BKQ=min(PROLOGUE_WIDTH, next_power_of_2(K)) if quant_x else 1,
-                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                   BK=cfg["BK"], WEIGHTS=fmt, num_warps=cfg["num_warps"],
+                                   num_stages=cfg["num_stages"])
     return y
 
 
-def matmul_8bit_launch(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtype=torch.bfloat16):
-    fmt = WEIGHT_FORMATS[wq.dtype]
-    _check(fmt, xq, sx, wq, sw, block)
-    return _gemm(xq, sx, wq, sw, bias, block, out_dtype, fmt, False)
-
-
 def linear_8bit_launch(x, wq, sw, bias=None, block=(GROUP, GROUP)):
-    fmt = WEIGHT_FORMATS[wq.dtype]
-    x2 = x.reshape(-1, x.shape[-1])
-    if fmt == "int8" and x2.shape[0] <= PROLOGUE_ROWS:  # the rows' codes formed in the GEMM's prologue
-        x2 = x2.contiguous()
-        _check(fmt, x2, None, wq, sw, block)
-        y = _gemm(x2, None, wq, sw, bias, block, x.dtype, fmt, True)
-    else:
-        xq, sx = quant_act(fmt, x2, block[1])
-        y = matmul_8bit_launch(xq, sx, wq, sw, bias, block, x.dtype)
-    return y.view(*x.shape[:-1], wq.shape[0])
+    xq, sx = quant_act(WEIGHT_FORMATS[wq.dtype], x.reshape(-1, x.shape[-1]), block[1])
+    return matmul_8bit_launch(xq, sx, wq, sw, bias, block, x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
 def linear_8bit(x, wq, sw, bias=None, block=(GROUP, GROUP)):
