@@ -8,9 +8,10 @@ passes as a multiple of 16 carries Triton's 16-divisibility attribute (without i
 prove aligned become one element per instruction, and the registers and spills differ from what runs).
 
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
-gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, the MoE align's count and layout, the DSA scoring kernel
-and the threshold select's count and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that
-revision's modules beside this tree's.
+gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, mHC's mix (bf16 and float32), the MoE align's count and
+layout, the DSA scoring kernel and the threshold select's count and gather passes, sparse MLA at its tiles.
+``--before REV`` compiles that revision's modules beside this tree's. Each row also lists ``buffer_hazards``
+(``mma_buffer_hazards``); ``--hazards`` compiles them all and lists only those (exit 1 if any: a CI test).
 
     PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
         --out bench/results/kernel_resources.json
@@ -77,6 +78,9 @@ KERNELS = [
                  K="i32"),
             dict(HAS_BIAS=False, BLOCK_N=128, BM=bm, BN=bn, BK=128, WEIGHTS="fp8"), ("N", "K"), nw, st,
             f"FP8 linear {bm} x {bn}") for bm, bn, nw, st in ((16, 64, 4, 4), (128, 128, 8, 3))],
+    *[_spec("mhc", "hc_mix_kernel", dict(x=f"*{t}", fn=f"*{t}", part="*fp32", sumsq="*fp32", T="i32", K="i32", KS="i32"),
+            dict(NM=24, BT=64, BN=32, BK=bk, IEEE=t == "fp32"), ("K", "KS"), 4, 3, f"mHC mix {t} 64 tokens")
+      for t, bk in (("bf16", 128), ("fp32", 64))],
     _spec("moe_align", "moe_count_kernel", dict(ids="*i32", counts="*i32", num_pairs="i32", E="i32"),
           dict(K=8, E_P2=512, BLOCK=4096), (), 4, 3, "MoE align count, 4,096 pairs"),
     _spec("moe_align", "moe_layout_kernel",
@@ -129,11 +133,29 @@ def _sass_loop(text: str) -> tuple[int, collections.Counter]:
     return len(best), collections.Counter(op.split()[0] for op in best)
 
 
+def mma_buffer_hazards(ttgir: str) -> list[str]:
+    """Pipelined tiles that both a register load (``ttg.local_load``) and an asynchronous tensor-core product
+    (``ttng.warp_group_dot``) read from one multi-buffered shared-memory allocation. Triton's pipeliner (3.6 to 3.9
+    at least) sizes such an allocation for the register load alone, one slot short of what the still-running MMA
+    needs, so the copy of the tile two steps ahead overwrites it under the MMA (``hc_mix_kernel`` gave wrong mHC
+    weights for some tokens of a bf16 prompt that way). -> one line per such allocation."""
+    allocs = dict(re.findall(r"(%[\w.]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir))
+    views = dict(re.findall(r"(%[\w.]+) = ttg\.memdesc_index (%[\w.]+)\[", ttgir))
+    loaded = set(re.findall(r"ttg\.local_load (%[\w.]+)", ttgir))
+    multiplied = {v for line in ttgir.splitlines() if "ttng.warp_group_dot " in line and "isAsync = true" in line
+                  for v in re.findall(r"%[\w.]+", line.split("=", 1)[1].split("{", 1)[0])}
+    hazards = {views[v] for v in loaded & multiplied if views.get(v) in allocs}
+    return [f"{a}: {allocs[a]} buffers read by registers and by an asynchronous MMA" for a in sorted(hazards)]
+
+
 def compile_kernel(fn, spec: dict) -> dict:
     """Registers, stack, shared bytes and the main loop's instructions of ``fn`` compiled for sm_90 as ``spec``
     says."""
     # an older revision's kernel may lack some of the arguments
     constexprs = {k: v for k, v in spec["constexprs"].items() if k in fn.arg_names}
+    # constexprs the spec leaves out take their defaults (``PDL``: off)
+    constexprs |= {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
+                   and p.name not in constexprs and p.name not in spec["signature"]}
     runtime = {k: v for k, v in spec["signature"].items() if k in fn.arg_names}
     sig = dict(runtime, **{name: "constexpr" for name in constexprs})
     divisible = [n for n, t in runtime.items() if t.startswith("*")] + [n for n in spec["divisible"] if n in runtime]
@@ -154,7 +176,8 @@ def compile_kernel(fn, spec: dict) -> dict:
     length, ops = _sass_loop(sass)
     classes = {name: sum(n for op, n in ops.items() if op.startswith(prefixes)) for name, prefixes in CLASSES.items()}
     return dict(registers=int(fields["REG"]), stack_bytes=int(fields["STACK"]), shared_bytes=kernel.metadata.shared,
-                loop_instructions=length, loop_classes=classes, loop_top=dict(ops.most_common(12)))
+                loop_instructions=length, loop_classes=classes, loop_top=dict(ops.most_common(12)),
+                buffer_hazards=mma_buffer_hazards(kernel.asm["ttgir"]))
 
 
 def rows(before: str | None) -> list[dict]:
@@ -170,7 +193,8 @@ def rows(before: str | None) -> list[dict]:
                                 importlib.import_module(f"flashinfra.kernels.{spec['module'].replace('/', '.')}"))
             fn = getattr(modules[key], spec["kernel"], None)
             named = set(spec["signature"]) | set(spec["constexprs"])
-            if fn is not None and named.issuperset(fn.arg_names):  # a kernel of other arguments is another kernel
+            required = {p.name for p in fn.params if not p.has_default} if fn is not None else set()
+            if fn is not None and named.issuperset(required):  # a kernel of other arguments is another kernel
                 out.append(dict(label=spec["label"], side=side, **compile_kernel(fn, spec)))
     return out
 
@@ -179,7 +203,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="a git revision whose kernels to compile beside this tree's")
     ap.add_argument("--out", default="bench/results/kernel_resources.json")
+    ap.add_argument("--hazards", action="store_true",
+                    help="only list the pipelined buffers read by registers and an async MMA (exit 1 if any)")
     args = ap.parse_args()
+    if args.hazards:
+        found = [f"{r['label']}: {h}" for r in rows(None) for h in r["buffer_hazards"]]
+        print("\n".join(found) or "no pipelined buffer read by registers and by an asynchronous MMA")
+        raise SystemExit(1 if found else 0)
     report = header() | dict(target=f"sm_90, ptxas of triton {triton.__version__}", before=args.before,
                              kernels=rows(args.before))
     out = Path(args.out)
