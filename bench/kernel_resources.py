@@ -79,7 +79,8 @@ KERNELS = [
             dict(HAS_BIAS=False, BLOCK_N=128, BM=bm, BN=bn, BK=128, WEIGHTS="fp8"), ("N", "K"), nw, st,
             f"FP8 linear {bm} x {bn}") for bm, bn, nw, st in ((16, 64, 4, 4), (128, 128, 8, 3))],
     *[_spec("mhc", "hc_mix_kernel",
-            dict(x=f"*{t}", fn=f"*{t}", part="*fp32", sumsq="*fp32", T="i32", K="i32", KS="i32"), dict(NM=24, BT=64, BN=32, BK=bk, IEEE=t == "fp32"), ("K", "KS"), 4, 3, f"mHC mix {t} 64 tokens")
+            dict(x=f"*{t}", fn=f"*{t}", part="*fp32", sumsq="*fp32", T="i32", K="i32", KS="i32"),
+            dict(NM=24, BT=64, BN=32, BK=bk, IEEE=t == "fp32"), ("K", "KS"), 4, 3, f"mHC mix {t} 64 tokens")
       for t, bk in (("bf16", 128), ("fp32", 64))],
     _spec("moe_align", "moe_count_kernel", dict(ids="*i32", counts="*i32", num_pairs="i32", E="i32"),
           dict(K=8, E_P2=512, BLOCK=4096), (), 4, 3, "MoE align count, 4,096 pairs"),
