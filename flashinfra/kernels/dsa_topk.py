@@ -153,14 +153,14 @@ def warm_up_sort(max_rows: int, k: int, device) -> int:
     """Run the sort once per block width a step of at most ``max_rows`` query rows can take it at (``route``: wide
     enough rows only past ``RANK_SELECT_COMPARES[0]`` compares; 32 prompts of 250 tokens sort 64 pools, which no
     warm-up prompt of its own does), on random scores, so that a server's first bursts compile none
-    (``engine/warmup.py``). -> how many runs."""
+    (``engine/warmup.py``). Rows shorter than ``k`` keep all their pools (``dsa_indexer.dsa_select``). -> the runs."""
     runs, BN = 0, 16
     gen = torch.Generator(device=device).manual_seed(0)
     while BN <= SORT_MAX_POOLS:
         R = RANK_SELECT_COMPARES[0] // (BN * BN) + 1  # the fewest rows of BN pools that the sort takes
-        if R <= max_rows and k <= BN and route(R, BN) == "sort":
+        if R <= max_rows and route(R, BN) == "sort":
             scores = torch.randint(-2**31, 2**31 - 1, (R, BN), dtype=torch.int32, device=device, generator=gen)
-            sort_launch(scores, k)
+            sort_launch(scores, min(k, BN))
             runs += 1
         BN *= 2
     return runs

@@ -125,7 +125,7 @@ def test_index_selects_run_every_threshold_variant_a_long_prompt_meets(monkeypat
                         lambda scores, k, positions=None, kpool=0: seen.append((scores.shape, k, kpool)))
     monkeypatch.setattr(dsa_topk, "sort_launch", lambda scores, k, out=None: None)
     cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=2048)
-    assert index_selects(cfg, 1 << 20, 16, 8192, "cpu") == len(seen) + 2 == 14  # and 2 sorts
+    assert index_selects(cfg, 1 << 20, 16, 8192, "cpu") == len(seen) + 5 == 17  # and 5 sorts
     pools = [shape[1] for shape, _, _ in seen]
     sizes = [dsa_topk.sample_size(P, 512) for P in pools]
     assert sorted(set(sizes)) == [1024, 2048, 4096] and all(sizes.count(s) == 4 for s in set(sizes))
@@ -137,8 +137,8 @@ def test_index_selects_run_every_threshold_variant_a_long_prompt_meets(monkeypat
     for P in pools:  # the shortest rows of their sample size, give or take the rounding
         assert dsa_topk.sample_size(P - 16, 512) < dsa_topk.sample_size(P, 512) or P - 16 < dsa_topk.THRESHOLD_MIN_POOLS
     seen.clear()
-    assert index_selects(cfg, 128 * 1024, 16, 8192, "cpu") == 6 and len(seen) == 4  # up to 32,768 pools: S 1,024
-    assert index_selects(cfg, 32 * 1024, 16, 8192, "cpu") == 2  # 8,192 pools: torch.topk's rows; the sorts
+    assert index_selects(cfg, 128 * 1024, 16, 8192, "cpu") == 9 and len(seen) == 4  # up to 32,768 pools: S 1,024
+    assert index_selects(cfg, 32 * 1024, 16, 8192, "cpu") == 5  # 8,192 pools: torch.topk's rows; the sorts
     assert index_selects(types.SimpleNamespace(indexer_layers=()), 1 << 20, 16, 8192, "cpu") == 0
 
 
@@ -152,10 +152,10 @@ def test_index_selects_run_the_sort_at_every_width_a_step_can_sort(monkeypatch):
     from flashinfra.kernels import dsa_topk
 
     seen = []
-    monkeypatch.setattr(dsa_topk, "sort_launch", lambda scores, k, out=None: seen.append(tuple(scores.shape)))
-    cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=64)
+    monkeypatch.setattr(dsa_topk, "sort_launch", lambda scores, k, out=None: seen.append((*scores.shape, k)))
+    cfg = types.SimpleNamespace(indexer_layers=(3,), index_kpool=4, index_topk=2048)  # 512 pools a row at most
     assert index_selects(cfg, 4096, 16, 8192, "cpu") == len(seen) == 5
-    assert [P for _, P in seen] == [64, 128, 256, 512, 1024]
-    assert all(dsa_topk.route(R, P) == "sort" and dsa_topk.route(R - 1, P) == "rank" for R, P in seen)
+    assert [(P, k) for _, P, k in seen] == [(64, 64), (128, 128), (256, 256), (512, 512), (1024, 512)]
+    assert all(dsa_topk.route(R, P) == "sort" and dsa_topk.route(R - 1, P) == "rank" for R, P, _ in seen)
     seen.clear()
     assert index_selects(cfg, 4096, 16, 2048, "cpu") == 4  # 4,097 rows of 64 pools: past a 2,048-token budget
