@@ -4,9 +4,11 @@ Builds the slice of ``bench/hotpath_slice.py`` (random release-format weights th
 decode batch (default 1, 32 and 128) at ``--context`` (default 4096): the step's time back to back (median of 3
 timings of 10 replays enqueued, no host preparation between them), the synchronized wall time per step (host
 preparation of the graph's inputs included), and the torch profiler's per-kernel GPU time over 5 replays, largest
-first. With ``--prefill-chunk T`` it profiles instead one prefill step of ``T`` new tokens after ``--context`` cached
-ones (a late step of a long prompt), eager as the engine runs it. ``--quantization w8a8`` (or ``fp8``) profiles the
-slice quantized at load, as ``flashinfra serve --quantization`` runs it; ``--set NAME=INT`` changes a config field
+first (launched without programmatic dependent launch, whose waits would count in each kernel's time; the
+back-to-back time runs with it, as the engine does). With ``--prefill-chunk T`` it profiles instead one prefill step
+of ``T`` new tokens after ``--context`` cached ones (a late step of a long prompt), eager as the engine runs it.
+``--quantization w8a8`` (or ``fp8``) profiles the slice quantized at load, as ``flashinfra serve --quantization``
+runs it; ``--set NAME=INT`` changes a config field
 for an experiment (``hc_sinkhorn_iters=1``: what the mHC normalisation's 20 iterations cost a decode step).
 ``logits_digest`` (the first step's logits: sum and sum of squares, in float64) is the same in two runs whose
 kernels compute the same thing (``FLASHINFRA_PDL=0`` against the default: only the launches differ).
@@ -30,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashinfra import env
 from flashinfra.feedback.timing import header, time_stream, write_results
+from flashinfra.kernels.launch import without_pdl
 from flashinfra.model.api import random_model
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.engine.cuda_graphs import DecodeGraphs
@@ -46,14 +49,13 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
     tables = [list(range(b * W, (b + 1) * W)) for b in range(B)]
     batch = ForwardBatch.build([T] * B, [context] * B, list(range(B)), tables, hs.BS, "cuda")
     ids = torch.randint(1, 1000, (B * T,), device="cuda")
-    if chunk:
-        def step():
-            return lm.compute_logits(lm.forward(ids, batch, cache)[-1:])
-    else:
+    def stepper():
+        if chunk:
+            return lambda: lm.compute_logits(lm.forward(ids, batch, cache)[-1:])
         graphs = DecodeGraphs(lm, cache, B * W, B)
+        return lambda: lm.compute_logits(graphs.run(ids, batch))
 
-        def step():
-            return lm.compute_logits(graphs.run(ids, batch))
+    step = stepper()
 
     first = step().double()
     for _ in range(2):
@@ -65,10 +67,18 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
         step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / 10
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+    # per kernel without programmatic dependent launch (a graph captured so): with it, a kernel's time holds its wait
+    # for the one before, and the times of a chain overlap
+    del step
+    with without_pdl():
+        lm.forward(ids, batch, cache)  # eager first: the kernels' variants without PDL compile outside a capture
+        step = stepper()
+        for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
     rows = []
     for a in prof.key_averages():
         t = getattr(a, "device_time_total", 0) or getattr(a, "cuda_time_total", 0)

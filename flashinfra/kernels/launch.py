@@ -23,6 +23,9 @@ stream is kept across any mix of kernels with and without it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -63,12 +66,28 @@ def pdl_wait(PDL: tl.constexpr):
 
 _pdl_devices: dict[int, dict] = {}
 _PDL_ON = {"PDL": True, "launch_pdl": True}
+_pdl_held_off = 0  # ``without_pdl`` blocks entered and not left
+
+
+@contextlib.contextmanager
+def without_pdl() -> Iterator[None]:
+    """Within the block, kernels launch after the one before has finished, whatever ``FLASHINFRA_PDL`` says (a graph
+    captured within keeps it): a kernel's profiled time then holds no wait for the kernel before it, which with PDL it
+    does, so per-kernel times add up to a step only without it (``bench/hotpath_profile.py``)."""
+    global _pdl_held_off
+    _pdl_held_off += 1
+    try:
+        yield
+    finally:
+        _pdl_held_off -= 1
 
 
 def pdl_options(device: torch.device | int) -> dict:
     """The launch arguments of a ``PDL`` kernel on ``device`` (a GPU's index, or a device): ``PDL`` and
     ``launch_pdl`` where the GPU has programmatic dependent launch (compute capability 9.0 and later) and
-    ``FLASHINFRA_PDL`` does not turn it off; none off the GPU and under the interpreter."""
+    ``FLASHINFRA_PDL`` does not turn it off; none off the GPU, under the interpreter and within ``without_pdl``."""
+    if _pdl_held_off:
+        return {}
     if isinstance(device, torch.device):
         if device.type != "cuda" or interpreting():
             return {}

@@ -128,3 +128,15 @@ def test_a_descriptor_first_takes_the_kept_kernel():
             kernel[(4,)](TensorDescriptor.from_tensor(x, [16, 32]), y, BT=16, BD=32)
             torch.testing.assert_close(y, x, rtol=0, atol=0)
     assert len(calls) == 1  # Triton's own launch once, then the kept kernel
+
+
+def test_without_pdl_holds_programmatic_launch_off_within_its_block(monkeypatch):
+    from flashinfra.kernels import launch
+
+    monkeypatch.setitem(launch._pdl_devices, 7, launch._PDL_ON)  # a device that has it
+    assert launch.pdl_options(7) == launch._PDL_ON
+    with launch.without_pdl():
+        with launch.without_pdl():
+            assert launch.pdl_options(7) == {}
+        assert launch.pdl_options(7) == {}
+    assert launch.pdl_options(7) == launch._PDL_ON
