@@ -8,8 +8,8 @@ passes as a multiple of 16 carries Triton's 16-divisibility attribute (without i
 prove aligned become one element per instruction, and the registers and spills differ from what runs).
 
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
-gemm2 (fp8) at their long-prefill tiles, the FP8 dense GEMM, mHC's mix (bf16 and float32), the MoE align's count and
-layout, the DSA scoring kernel and the threshold select's count and gather passes, sparse MLA at its tiles.
+gemm2 (fp8, int8, bf16) at their long-prefill tiles (and bf16's decode tile), the FP8 and W8A8 dense GEMMs at their
+decode and prefill tiles, mHC's mix (bf16 and float32), the MoE align's count and layout, the DSA scoring kernel and the threshold select's count and gather passes, sparse MLA at its tiles.
 ``--before REV`` compiles that revision's modules beside this tree's. Each row also lists ``buffer_hazards``
 (``mma_buffer_hazards``); ``--hazards`` compiles them all and lists only those (exit 1 if any: a CI test).
 
@@ -70,8 +70,8 @@ KERNELS = [
     _spec("fused_moe", "moe_gemm1_kernel", dict(MOE1, **FP8), dict(N=2048, BM=128, BN=64, BK=128, WEIGHTS="fp8",
                                                                     **MOE_SIZES),
           MOE_INTS, 8, 3, "MoE gemm1 fp8 128 x 64 x 128"),
-    _spec("fused_moe", "moe_gemm2_kernel", MOE2, dict(E=288, N=4096, K=2048, BM=128, BN=128, BK=128, IEEE=False,
-                                                      WEIGHTS="fp8"),
+    _spec("fused_moe", "moe_gemm2_kernel", MOE2, dict(E=288, N=4096, K=2048, TOPK=9, BM=128, BN=128, BK=128,
+                                                      IEEE=False, WEIGHTS="fp8"),
           ("stride_we", "shared_off", "stride_se", "shared_soff"), 8, 3, "MoE gemm2 fp8 128 x 128 x 128"),
     *[_spec("quant/gemm", "matmul_8bit_kernel",
             dict(xq="*fp8e4nv", sx="*fp32", wq="*fp8e4nv", sw="*fp32", bias="*fp32", y="*bf16", M="i32", N="i32",
@@ -82,6 +82,16 @@ KERNELS = [
             dict(x=f"*{t}", fn=f"*{t}", part="*fp32", sumsq="*fp32", T="i32", K="i32", KS="i32"),
             dict(NM=24, BT=64, BN=32, BK=bk, IEEE=t == "fp32"), ("K", "KS"), 4, 3, f"mHC mix {t} 64 tokens")
       for t, bk in (("bf16", 128), ("fp32", 64))],
+    *[_spec("fused_moe", "moe_gemm2_kernel", dict(MOE2, h=f"*{t}", w=f"*{t}", sh=s, sw=s),
+            dict(E=288, N=4096, K=2048, TOPK=9, BM=bm, BN=bn, BK=bk, IEEE=False, WEIGHTS=fmt),
+            ("stride_we", "shared_off", "stride_se", "shared_soff"), nw, st, f"MoE gemm2 {fmt} {bm} x {bn} x {bk}")
+      for t, s, fmt, bm, bn, bk, nw, st in (("i8", "*fp32", "int8", 128, 128, 128, 8, 3),
+                                            ("bf16", "*bf16", "float", 128, 128, 64, 8, 3),
+                                            ("bf16", "*bf16", "float", 16, 64, 128, 4, 4))],
+    *[_spec("quant/gemm", "matmul_8bit_kernel",
+            dict(xq="*i8", sx="*fp32", wq="*i8", sw="*fp32", bias="*fp32", y="*bf16", M="i32", N="i32", K="i32"),
+            dict(HAS_BIAS=False, BLOCK_N=128, BM=bm, BN=bn, BK=bk, WEIGHTS="int8"), ("N", "K"), nw, st,
+            f"W8A8 linear {bm} x {bn}") for bm, bn, bk, nw, st in ((16, 64, 256, 4, 4), (128, 128, 128, 8, 3))],
     _spec("moe_align", "moe_count_kernel", dict(ids="*i32", counts="*i32", num_pairs="i32", E="i32"),
           dict(K=8, E_P2=512, BLOCK=4096), (), 4, 3, "MoE align count, 4,096 pairs"),
     _spec("moe_align", "moe_layout_kernel",
