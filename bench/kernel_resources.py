@@ -10,8 +10,9 @@ prove aligned become one element per instruction, and the registers and spills d
 Kernels (``KERNELS``): the KDA prefill conv at the tiles it may run with, the fused MoE's gemm1 (bf16, int8, fp8) and
 gemm2 (fp8, int8, bf16) at their long-prefill tiles (and bf16's decode tile), the FP8 and W8A8 dense GEMMs at their
 decode and prefill tiles, mHC's mix (bf16 and float32), the MoE align's count and layout, the DSA scoring kernel and
-the threshold select's count and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's modules beside this tree's. Each row also lists ``buffer_hazards``
-(``mma_buffer_hazards``); ``--hazards`` compiles them all and lists only those (exit 1 if any: a CI test).
+the threshold select's count and gather passes, sparse MLA at its tiles. ``--before REV`` compiles that revision's
+modules beside this tree's. Each row also lists ``buffer_hazards`` (``mma_buffer_hazards``); ``--hazards`` compiles
+them all and lists only those (exit 1 if any: a CI test).
 
     PYTHONPATH=/tmp/triton-3.6:$PWD python bench/kernel_resources.py --before adf41e1 \
         --out bench/results/kernel_resources.json
