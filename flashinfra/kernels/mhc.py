@@ -74,8 +74,9 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
         if IEEE:
             acc += tl.dot(xf, b_w.to(tl.float32), input_precision="ieee")
         else:  # the rows' operand from registers, not from the tile's shared-memory buffer: read there both by the
-            # sum of squares and by an asynchronous MMA, Triton 3.6's pipeliner gives that buffer one slot too few
-            # and the copy of the tile two steps ahead overwrites it under the MMA (``tests/kernels/test_pipelines``)
+            # sum of squares and by an asynchronous MMA, Triton's pipeliner (3.6 to 3.9) gives that buffer one slot
+            # too few and the copy two steps ahead overwrites it under the MMA (``tests/kernels/test_pipelines.py``;
+            # rounding toward zero, exact here, keeps the compiler from folding the conversion back into the load)
             acc += tl.dot(xf.to(b_x.dtype, fp_downcast_rounding="rtz"), b_w.to(b_x.dtype))
     base = (i_s * T + o_t)
     tl.store(part + base[:, None] * BN + o_n[None, :], acc, mask=m_t[:, None])
