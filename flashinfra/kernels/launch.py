@@ -24,6 +24,7 @@ stream is kept across any mix of kernels with and without it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -66,27 +67,27 @@ def pdl_wait(PDL: tl.constexpr):
 
 _pdl_devices: dict[int, dict] = {}
 _PDL_ON = {"PDL": True, "launch_pdl": True}
-_pdl_held_off = 0  # ``without_pdl`` blocks entered and not left
+_pdl_held_off: contextvars.ContextVar[bool] = contextvars.ContextVar("flashinfra_pdl_held_off", default=False)
 
 
 @contextlib.contextmanager
 def without_pdl() -> Iterator[None]:
-    """Within the block, kernels launch after the one before has finished, whatever ``FLASHINFRA_PDL`` says (a graph
-    captured within keeps it): a kernel's profiled time then holds no wait for the kernel before it, which with PDL it
-    does, so per-kernel times add up to a step only without it (``bench/hotpath_profile.py``)."""
-    global _pdl_held_off
-    _pdl_held_off += 1
+    """Within the block (for that thread or task, as ``dispatch.kernel_path``), kernels launch after the one before has
+    finished, whatever ``FLASHINFRA_PDL`` says (a graph captured within keeps it): a kernel's profiled time then holds
+    no wait for the kernel before it, which with PDL it does, so per-kernel times add up to a step only without it
+    (``bench/hotpath_profile.py``)."""
+    token = _pdl_held_off.set(True)
     try:
         yield
     finally:
-        _pdl_held_off -= 1
+        _pdl_held_off.reset(token)
 
 
 def pdl_options(device: torch.device | int) -> dict:
     """The launch arguments of a ``PDL`` kernel on ``device`` (a GPU's index, or a device): ``PDL`` and
     ``launch_pdl`` where the GPU has programmatic dependent launch (compute capability 9.0 and later) and
     ``FLASHINFRA_PDL`` does not turn it off; none off the GPU, under the interpreter and within ``without_pdl``."""
-    if _pdl_held_off:
+    if _pdl_held_off.get():
         return {}
     if isinstance(device, torch.device):
         if device.type != "cuda" or interpreting():
