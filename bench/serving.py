@@ -48,10 +48,12 @@ LONG_HEADROOM_BYTES = 16 * 2**30  # activations of a budget-sized prefill step a
 SHORT_CACHE_BYTES = 8 * 2**30
 
 
-def engine(lm, max_model_len: int, cache_bytes_budget: int, max_num_seqs: int = 128) -> tuple[EngineCore, float]:
+def engine(lm, max_model_len: int, cache_bytes_budget: int, max_num_seqs: int = 128,
+           async_scheduling: bool | None = None) -> tuple[EngineCore, float]:
     """A fresh engine on the loaded slice (its start-up warm-up included); returns it and its start-up time."""
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          max_num_batched_tokens=BUDGET, kv_cache_memory=cache_bytes_budget)
+                          max_num_batched_tokens=BUDGET, kv_cache_memory=cache_bytes_budget,
+                          async_scheduling=async_scheduling)
     start = time.perf_counter()
     core = EngineCore(config, model=lm)
     return core, time.perf_counter() - start
@@ -67,13 +69,15 @@ def add(core: EngineCore, prompt_len: int, max_tokens: int, seed: int) -> str:
     return rid
 
 
-def run_steps(core: EngineCore, prefill_marked: bool = False, slowest: dict | None = None) -> list[tuple]:
+def run_steps(core: EngineCore, prefill_marked: bool = False, slowest: dict | None = None,
+              profile_from: int = 0) -> list[tuple]:
     """Step until idle; per step: (seconds, tokens it sampled), and with ``prefill_marked`` whether it gave some
-    request its first token (a step that ran a prompt). With ``slowest`` (a dict), each step runs under cProfile and
-    the slowest one's largest functions by cumulative time are left in it (``profile_rows``)."""
+    request its first token (a step that ran a prompt). With ``slowest`` (a dict), each step from the
+    ``profile_from``-th on runs under cProfile and the slowest one's largest functions by cumulative time are left in
+    it (``profile_rows``)."""
     steps, started = [], set()
     while core.has_work():
-        prof = cProfile.Profile() if slowest is not None else None
+        prof = cProfile.Profile() if slowest is not None and len(steps) >= profile_from else None
         t = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -153,9 +157,11 @@ def run_steps_after(core: EngineCore, tokens: int, seed: int) -> list[float]:
     return [s for s, _ in run_steps(core)]
 
 
-def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False) -> dict:
-    """The 1M-token prompt and decode at 1M context, if the device holds the cache; with ``profile``, every step
-    under cProfile and the slowest one's functions kept (``slowest_step``; the profiler's own cost slows the steps)."""
+def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False, sync: bool = False) -> dict:
+    """The 1M-token prompt and decode at 1M context, if the device holds the cache; with ``profile``, the steps
+    from the prompt's last chunks on under cProfile and the slowest one's functions kept (``slowest_step``; the
+    profiler's own cost slows the steps); with ``sync``, asynchronous scheduling off (each step's time is then its
+    own device time)."""
     cfg = lm.config.text
     max_len, slots = PROMPT_1M + 2 * DECODE_STEPS, 2 * LONG_SEQS
     blocks = -(-max_len // EngineConfig.block_size) * LONG_SEQS
@@ -165,14 +171,15 @@ def long_rows(lm, ceil: dict, weight_only_bytes: int, profile: bool = False) -> 
     if free < need + LONG_HEADROOM_BYTES:
         return dict(skipped=f"needs about {(need + LONG_HEADROOM_BYTES) / 2**30:.1f} GiB free, "
                             f"{free / 2**30:.1f} GiB are")
-    core, startup = engine(lm, max_len, need, max_num_seqs=LONG_SEQS)
+    core, startup = engine(lm, max_len, need, max_num_seqs=LONG_SEQS, async_scheduling=False if sync else None)
     add(core, PROMPT_1M, DECODE_STEPS + 1, 7)
     compiled = KeptCompiles()
     watch = CompileWatch(compiled).start()  # what the warm-up left to the long prompt
     slowest = {} if profile else None
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     try:
-        steps = run_steps(core, slowest=slowest)
+        # the profiler's cost on every one of the prompt's steps would take minutes: its last chunks and the decode
+        steps = run_steps(core, slowest=slowest, profile_from=-(-PROMPT_1M // BUDGET) - 2)
     finally:
         watch.stop()
     # allocations that found the device full: the caching allocator then frees its cache and waits for the device
@@ -283,7 +290,8 @@ def main() -> None:
     ap.add_argument("--no-server", action="store_true", help="skip the server rows")
     ap.add_argument("--no-short", action="store_true", help="skip the 8k prompt, 4k decode and new-shape rows")
     ap.add_argument("--profile-slowest", action="store_true",
-                    help="--long: run each step under cProfile and keep the slowest step's functions")
+                    help="--long: run the last steps under cProfile and keep the slowest one's functions")
+    ap.add_argument("--sync", action="store_true", help="--long: asynchronous scheduling off")
     args = ap.parse_args()
     out = Path(args.out)
     report = header()
@@ -309,7 +317,7 @@ def main() -> None:
         short_rows(lm, rows, kernel_prefill, kernel_decode)
         save()
     if args.long:
-        rows["long"] = long_rows(lm, ceil, weight_only, args.profile_slowest)
+        rows["long"] = long_rows(lm, ceil, weight_only, args.profile_slowest, args.sync)
         save()
     del lm
     free_memory()

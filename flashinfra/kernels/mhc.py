@@ -8,9 +8,10 @@ so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot 
 
 Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
 fills the chip) writes partial dot products and sums of squares; ``hc_pre_kernel`` (``BT`` tokens per
-program) adds the partials, applies sigmoid / softmax / Sinkhorn on the ``n x n`` matrices in registers
-and collapses the streams (for a decode step's single token, whose streams it loads before the weights' math so
-that the load's latency overlaps it); ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
+program, and for a decode batch's few tokens a slice of the width each) adds the partials, applies sigmoid /
+softmax / Sinkhorn on the ``n x n`` matrices in registers and collapses the streams (for a decode step's single
+token, whose streams it loads before the weights' math so that the load's latency overlaps it);
+``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
 """
 
 from __future__ import annotations
@@ -83,12 +84,12 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T", "SPLIT", "iters"])  # the step's token count: one compilation for all
-def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
+@triton.jit(do_not_specialize=["T", "SPLIT", "iters", "width"])  # the step's token count: one compilation for all
+def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, width,
                   N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
                   WHOLE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    i_t = tl.program_id(0)
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_i = tl.arange(0, N)
@@ -121,14 +122,15 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     for _ in range(iters - 1):
         c = c / (tl.sum(c, 2)[:, :, None] + eps)
         c = c / (tl.sum(c, 1)[:, None, :] + eps)
-    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_t[:, None])
-    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_t[:, None, None])
+    m_w = o_t < tl.where(i_s == 0, T, 0)  # every width slice's program computes the weights; the first stores them
+    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_w[:, None])
+    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_w[:, None, None])
     if WHOLE:
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
                  mask=m_t[:, None] & (o_d < D)[None, :])
     else:
-        for d0 in range(0, D, BD):
+        for d0 in range(i_s * width, tl.minimum(i_s * width + width, D), BD):  # this program's slice of the width
             o_d = d0 + tl.arange(0, BD)
             m = m_t[:, None, None] & (o_d < D)[None, None, :]
             b_x = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m, other=0.0)
@@ -175,6 +177,9 @@ DETERMINISTIC_SPLIT = 16  # K-splits of the mix product in deterministic mode, w
 MIX_TOKENS = 64
 # Most elements of the streams ``hc_pre`` loads as one tile (128 a thread over its 4 warps).
 WHOLE_TILE = 16384
+# Programs ``hc_pre`` makes at least, splitting the collapse over the width while its tokens make fewer: a batch of
+# 32 decode rows is 8 programs of 4 tokens, each reading 128 KB of streams in 16 dependent steps.
+COLLAPSE_PROGRAMS = 128
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -223,9 +228,12 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     BT2 = _tokens_per_program(streams, T)
     whole = BT2 * n * next_power_of_2(D) <= WHOLE_TILE  # a decode step's token: its streams in one load
     BD = next_power_of_2(D) if whole else max(16, min(1024 // BT2, next_power_of_2(D)))
-    fast(hc_pre_kernel)[(cdiv(T, BT2),)](
+    # a decode batch's few programs split the collapse over the width too (each recomputing its tokens' weights)
+    slices = 1 if whole else max(1, min(cdiv(D, BD), COLLAPSE_PROGRAMS // cdiv(T, BT2)))
+    width = cdiv(cdiv(D, slices), BD) * BD
+    fast(hc_pre_kernel)[(cdiv(T, BT2), cdiv(D, width))](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        N=n, BN=BN, BT=BT2, BD=BD, SP=next_power_of_2(SPLIT), WHOLE=whole, num_warps=4)
+        width, N=n, BN=BN, BT=BT2, BD=BD, SP=next_power_of_2(SPLIT), WHOLE=whole, num_warps=4)
     return y, post, comb
 
 

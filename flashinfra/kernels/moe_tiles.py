@@ -27,8 +27,8 @@ def moe_tiles(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> dict:
         large = per_expert > 64 and elem_bytes in LARGE_TILES
         return LARGE_TILES[elem_bytes] if large else DETERMINISTIC_CONFIG[min(elem_bytes, 4)]
     if elem_bytes == 1:
-        if num_pairs <= 64 or per_expert <= 16:
-            return dict(BM=16, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
+        if num_pairs <= 64 or per_expert <= 16:  # gemm1's two accumulators in 32 columns: twice the programs
+            return dict(BM=16, BN1=32, BN2=64, BK=GROUP, num_warps=4, num_stages=3)
         if per_expert <= 64:
             return dict(BM=32, BN1=64, BN2=64, BK=GROUP, num_warps=4, num_stages=4)
         return LARGE_TILES[1]

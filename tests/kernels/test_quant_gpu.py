@@ -17,9 +17,9 @@ def _fp8_ok() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-@pytest.mark.parametrize("T", [1, 33, 1000])
-def test_quant_act(T):
-    assert_passed(cases.quant_act("cuda", T, 4096, dtype=BF16, seed=T))
+@pytest.mark.parametrize("T,K", [(1, 4096), (33, 4096), (1000, 4096), (1, 16384), (3, 20000)])
+def test_quant_act(T, K):
+    assert_passed(cases.quant_act("cuda", T, K, dtype=BF16, seed=T))
 
 
 @pytest.mark.parametrize("T,D", [(1, 4096), (33, 1536), (1000, 4096), (7, 6144)])
@@ -31,7 +31,9 @@ def test_w8a8_norm_fusion_leaves_the_kernels_logits_unchanged(tmp_path, monkeypa
     model_cases.w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, "cuda", kernels=True)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (32, 4096, 1536), (1000, 8192, 4096), (63, 1536, 16384)])
+# decode rows at narrow outputs (32- and 16-column tiles) and wide ones, then prompt-sized
+@pytest.mark.parametrize("T,K,N", [(1, 4096, 12288), (1, 8192, 4096), (5, 4096, 2048), (32, 4096, 1536),
+                                   (1000, 8192, 4096), (63, 1536, 16384)])
 def test_w8a8_linear(T, K, N):
     assert_passed(cases.linear("cuda", "w8a8", T, K, N, dtype=BF16, seed=T))
 

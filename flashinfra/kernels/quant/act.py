@@ -28,6 +28,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 GROUP = 128  # fp8 scales' block: weights per 128 x 128 tile, activations per 128 channels
 # an 8-bit weight's element type -> its format, which the kernels take as a constexpr (float weights: none)
 WEIGHT_FORMATS = {torch.int8: "int8", FP8_DTYPE: "fp8"}
+# Widest row ``quant_int8_kernel`` holds in one tile (32 values a thread over 16 warps); wider rows take two passes.
+WHOLE_ROW = 16384
 
 
 def quant_int8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,21 +60,28 @@ def int8_codes(v):
 
 
 @triton.jit
-def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, PDL: tl.constexpr = False):
+def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_t = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
+    if WHOLE:  # the row in one tile: one load (a decode step's rows, up to 16,384 wide)
+        o_k = tl.arange(0, BK)
         b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(b_x))
-    m = tl.max(amax, 0)
-    scale = tl.where(m > 0, m / 127.0, 1.0)
-    inv = 1.0 / scale
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        tl.store(q + i_t * K + o_k, int8_codes(b_x * inv), mask=o_k < K)
+        m = tl.max(tl.abs(b_x), 0)
+        scale = tl.where(m > 0, m / 127.0, 1.0)
+        tl.store(q + i_t * K + o_k, int8_codes(b_x * (1.0 / scale)), mask=o_k < K)
+    else:
+        amax = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(b_x))
+        m = tl.max(amax, 0)
+        scale = tl.where(m > 0, m / 127.0, 1.0)
+        inv = 1.0 / scale
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+            tl.store(q + i_t * K + o_k, int8_codes(b_x * inv), mask=o_k < K)
     tl.store(s + i_t, scale)
 
 
@@ -95,8 +104,9 @@ def quant_int8_per_token_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     q = torch.empty(T, K, dtype=torch.int8, device=x.device)
     s = torch.empty(T, dtype=torch.float32, device=x.device)
     if T:
-        BK = min(4096, next_power_of_2(K))
-        fast(quant_int8_kernel)[(T,)](x, q, s, K, x.stride(0), BK=BK, num_warps=4 if BK <= 2048 else 8)
+        BK = min(WHOLE_ROW, next_power_of_2(K))
+        fast(quant_int8_kernel)[(T,)](x, q, s, K, x.stride(0), BK=BK, WHOLE=BK >= K,
+                                      num_warps=4 if BK <= 2048 else 8 if BK <= 8192 else 16)
     return q, s
 
 

@@ -101,11 +101,22 @@ def matmul_8bit_kernel(xq, sx, wq, sw, bias, y, M, N, K, HAS_BIAS: tl.constexpr,
              mask=m_m[:, None] & m_n[None, :])
 
 
-def _config(M: int, fmt: str) -> dict:
+# Programs a decode GEMM's output columns should at least make, about one an SM: fewer leave SMs without a share of
+# the weight stream (an output 4,096 wide in 64-column tiles is 64 programs).
+DECODE_PROGRAMS = 128
+
+
+def _config(M: int, N: int, fmt: str) -> dict:
     """Thin M tiles for decode (the weight stream is the cost), square ones for prefill; fp8 steps through K by
-    its scales' block."""
+    its scales' block. An int8 decode GEMM narrows its column tiles until they make ``DECODE_PROGRAMS``, each then
+    streaming longer K steps deeper (``notes/quant.md``: decode tiles measured)."""
     if M <= 16:
-        return dict(BM=16, BN=64, BK=256 if fmt == "int8" else GROUP, num_warps=4, num_stages=4)
+        if fmt != "int8":
+            return dict(BM=16, BN=64, BK=GROUP, num_warps=4, num_stages=4)
+        BN = 64
+        while BN > 16 and cdiv(N, BN) < DECODE_PROGRAMS:
+            BN //= 2
+        return dict(BM=16, BN=BN, BK=256 if BN == 64 else 512, num_warps=4, num_stages=4 if BN == 64 else 6)
     if M <= 64:
         return dict(BM=64, BN=64, BK=GROUP, num_warps=4, num_stages=4)
     return dict(BM=128, BN=128, BK=GROUP, num_warps=8, num_stages=3)
@@ -135,7 +146,7 @@ def matmul_8bit_launch(xq, sx, wq, sw, bias=None, block=(GROUP, GROUP), out_dtyp
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return y
-    cfg = _config(M, fmt)
+    cfg = _config(M, N, fmt)
     grid = (cdiv(M, cfg["BM"]), cdiv(N, cfg["BN"]))
     fast(matmul_8bit_kernel)[grid](xq, sx, wq, sw, bias if bias is not None else sw, y, M, N, K,
                                    HAS_BIAS=bias is not None, BLOCK_N=block[0], BM=cfg["BM"], BN=cfg["BN"],
