@@ -61,7 +61,8 @@ KERNELS = [
     *[_spec("kda/conv", "causal_conv1d_prefill_kernel",
             dict(x="*bf16", w="*fp32", conv_state="*bf16", y="*bf16", cu_seqlens="*i32", chunk_indices="*i32",
                  state_slots="*i32", has_initial_state="*i32", stride_x="i32", stride_y="i32", C="i32"),
-            dict(W=4, BT=bt, BC=bc, BH=4), ("stride_x", "stride_y", "C"), nw, 3, f"conv {bt} x {bc}, {nw} warps")
+            dict(W=4, BT=bt, BC=bc, BH=4, STEPS=8), ("stride_x", "stride_y", "C"), nw, 3,
+            f"conv {bt} x {bc}, {nw} warps, 8 tiles")
       for bt, bc, nw in ((64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 128, 8))],
     _spec("fused_moe", "moe_gemm1_kernel", MOE1, dict(N=2048, BM=128, BN=128, BK=64, WEIGHTS="float", **MOE_SIZES),
           MOE_INTS, 8, 3, "MoE gemm1 bf16 128 x 128 x 64"),

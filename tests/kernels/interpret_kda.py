@@ -181,9 +181,10 @@ def test_layer_decode_bad_conv_width():
         layer_decode.kda_layer_decode_launch(**a)
 
 
-@pytest.mark.parametrize("lens", [[1, 2, 40], [5], [3, 70]])
-def test_conv_prefill(lens):
-    cases.conv_prefill("cpu", lens, C=40, BT=16, BC=16)
+# rows=64: chunks of 4 tiles, so a sequence spans several chunks and a chunk ends inside one (170 = 2 x 64 + 42)
+@pytest.mark.parametrize("lens,rows", [([1, 2, 40], 16), ([5], 16), ([3, 70], 16), ([170, 3, 64], 64)])
+def test_conv_prefill(lens, rows):
+    cases.conv_prefill("cpu", lens, C=40, BT=16, BC=16, rows=rows)
 
 
 def test_conv_decode():

@@ -4,8 +4,8 @@ The conv state of a sequence holds its last ``W - 1`` inputs (before the conv), 
 decode step continues exactly where the previous one stopped. The conv runs in the weight's dtype
 (float32 in GLM-5.3-Flash) and its output is cast back to the input's dtype.
 
-Triton path: prefill is two launches, the conv (each program a block of tokens of one sequence and a
-block of channels, reading the history from the slot) and then the state update (one program per
+Triton path: prefill is two launches, the conv (each program a block of tokens of one sequence, a tile of
+rows at a time, and a block of channels, reading the history from the slot) and then the state update (one program per
 sequence and channel block), so that no program overwrites a slot another program still reads. Decode
 is one launch that reads the slot, convolves and writes the shifted slot back. Both accept ``x`` with a
 row stride (a column slice of a wider projection output) as long as channels are contiguous.
@@ -24,6 +24,9 @@ from flashinfra.kernels.varlen import cached_int_lists, cached_ints, chunk_table
 
 # the prefill conv's tile is BT x BC = 32 x 128 over 8 warps: 16 elements a thread and no spill (ptxas, sm_90)
 CONV_PREFILL_WARPS = 8
+# Rows a prefill conv program covers, a tile at a time: a program of one tile spent most of its life on the chain of
+# index loads before its first input load (an 8,192-token chunk was 49,152 programs at two an SM)
+CONV_PREFILL_ROWS = 256
 
 
 def causal_conv1d_prefill_ref(
@@ -84,15 +87,15 @@ def _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W: tl.constexpr, R
 def causal_conv1d_prefill_kernel(
     x, w, conv_state, y, cu_seqlens, chunk_indices, state_slots, has_initial_state,
     stride_x, stride_y, C,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr, STEPS: tl.constexpr,
 ):
-    """Program (block of channels, chunk of ``BT`` tokens of one sequence): the chunk's rows from its input alone,
-    then, in a sequence's first chunk, its first ``W - 1`` rows again with the history (a ``[BH, BC]`` tile, stored
-    in their place): reading the slot across the whole tile, or a 64-bit address per element and tap, spilled the
-    tile to the stack."""
+    """Program (block of channels, chunk of ``STEPS`` tiles of ``BT`` tokens of one sequence): the chunk's rows from
+    its input alone, a tile at a time, then, in a sequence's first chunk, its first ``W - 1`` rows again with the
+    history (a ``[BH, BC]`` tile, stored in their place): reading the slot across the whole tile, or a 64-bit address
+    per element and tap, spilled the tile to the stack."""
     i_c, i_chunk = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_chunk).to(tl.int64)
-    t0 = tl.load(chunk_indices + 2 * i_chunk + 1) * BT  # the chunk's first position in the sequence
+    t0 = tl.load(chunk_indices + 2 * i_chunk + 1) * (BT * STEPS)  # the chunk's first position in the sequence
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -102,10 +105,12 @@ def causal_conv1d_prefill_kernel(
     p_slot = conv_state + tl.load(state_slots + i_n).to(tl.int64) * C * (W - 1)
     history = (t0 == 0) & (tl.load(has_initial_state + i_n) != 0)
     o_r = tl.arange(0, BT)
-    acc = _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W, BT, False)
-    m_y = (t0 + o_r < L) & (o_r >= (W - 1) * history.to(tl.int32))  # the history's rows are stored below
-    tl.store(y_chunk + o_r[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
-             mask=m_y[:, None] & m_c[None, :])
+    first = (W - 1) * history.to(tl.int32)  # the history's rows are stored below
+    for r0 in range(0, tl.minimum(BT * STEPS, L - t0), BT):
+        acc = _conv_rows(x_chunk + r0 * stride_x, p_slot, w, t0 + r0, stride_x, L, o_c, m_c, W, BT, False)
+        m_y = (t0 + r0 + o_r < L) & (r0 + o_r >= first)
+        tl.store(y_chunk + (r0 + o_r)[:, None] * stride_y + o_c[None, :], acc.to(y.dtype.element_ty),
+                 mask=m_y[:, None] & m_c[None, :])
     if history:
         o_h = tl.arange(0, BH)
         acc_h = _conv_rows(x_chunk, p_slot, w, t0, stride_x, L, o_c, m_c, W, BH, True)
@@ -191,7 +196,8 @@ def _as_index_tensor(values, device) -> torch.Tensor:
 
 
 def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots, has_initial_state,
-                                 BT: int = 32, BC: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
+                                 BT: int = 32, BC: int = 128, rows: int = CONV_PREFILL_ROWS,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
     C, W = _check_conv_args(x, weight, conv_state)
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     if cu[0] != 0 or cu[-1] != x.shape[0] or any(b > e for b, e in zip(cu, cu[1:])):
@@ -201,7 +207,8 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
         raise ValueError("causal_conv1d_prefill: need one state slot and one has_initial_state per sequence")
     y = _output(out, x)
     dev = x.device
-    idx_t, _, nch = chunk_tables(cu, BT, dev)
+    steps = max(1, rows // BT)
+    idx_t, _, nch = chunk_tables(cu, BT * steps, dev)
     if not nch:
         return y
     if isinstance(state_slots, torch.Tensor) or isinstance(has_initial_state, torch.Tensor):
@@ -210,7 +217,7 @@ def causal_conv1d_prefill_launch(x, weight, conv_state, cu_seqlens, state_slots,
         cu_t, slots_t, init_t = cached_int_lists((cu, state_slots, has_initial_state), dev)
     fast(causal_conv1d_prefill_kernel)[(cdiv(C, BC), nch)](
         x, weight, conv_state, y, cu_t, idx_t, slots_t, init_t, x.stride(0), y.stride(0), C, W=W, BT=BT, BC=BC,
-        BH=next_power_of_2(W - 1), num_warps=CONV_PREFILL_WARPS,
+        BH=next_power_of_2(W - 1), STEPS=steps, num_warps=CONV_PREFILL_WARPS,
     )
     fast(causal_conv1d_state_kernel)[(cdiv(C, BC), B)](
         x, conv_state, cu_t, slots_t, init_t, x.stride(0), C, W=W, BW=next_power_of_2(W - 1), BC=BC,
