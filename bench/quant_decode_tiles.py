@@ -1,6 +1,6 @@
-"""The 8-bit GEMMs' decode tiles: each of the slice's dense projections at one row (W8A8 int8 weights, rotated through
-copies past L2 so every call streams from memory) and the int8 fused MoE at 1 and 16 tokens (9 pairs a token), for
-the shipped tile against candidates. Per-kernel device time without programmatic dependent launch (whose waits would
+"""The 8-bit GEMMs' decode tiles: each of the slice's dense projections at one row (W8A8 int8 weights, and FP8 with
+128 x 128 block scales, rotated through copies past L2 so every call streams from memory) and the int8 fused MoE at
+1 and 16 tokens (9 pairs a token), for the shipped tile against candidates. Per-kernel device time without programmatic dependent launch (whose waits would
 be counted in), the fraction of the byte floor at the copy bandwidth measured in the run, and every candidate's output
 checked equal to the shipped tile's (int32 sums are exact whatever the tile).
 
@@ -20,7 +20,7 @@ from flashinfra.feedback.timing import header, kernel_times_us, write_results
 from flashinfra.kernels import fused_moe as fm
 from flashinfra.kernels.launch import without_pdl
 from flashinfra.kernels.quant import gemm
-from flashinfra.kernels.quant.act import quant_act
+from flashinfra.kernels.quant.act import FP8_DTYPE, GROUP, quant_act
 
 # (N, K) of the slice's 8-bit projections at decode: KDA in_proj and o_proj, MLA qkv_a, q_b and o_proj, the
 # indexer's wq_b, the head
@@ -29,21 +29,28 @@ E, D, I, TOPK = 288, 4096, 2048, 8
 ROTATE_BYTES = 256 * 2**20  # weight copies per shape: at least this many bytes, five times the H100's L2
 
 
-def _dense_candidates() -> list[dict]:
+def _dense_candidates(fmt: str) -> list[dict]:
+    ks = (256, 512) if fmt == "int8" else (GROUP,)  # fp8 steps K by its scales' block
     return [dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=st)
-            for bn, bk, st in itertools.product((16, 32, 64), (256, 512), (4, 6))]
+            for bn, bk, st in itertools.product((16, 32, 64), ks, (4, 6))]
 
 
-def dense_rows(bw: float) -> list[dict]:
+def _weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if fmt == "int8":
+        return torch.randint(-127, 128, (N, K), device="cuda", dtype=torch.int8), torch.rand(N, device="cuda") * 1e-3
+    w = (torch.rand(N, K, device="cuda") * 2 - 1).to(FP8_DTYPE)
+    return w, torch.rand(-(-N // GROUP), -(-K // GROUP), device="cuda") * 1e-3
+
+
+def dense_rows(bw: float, fmt: str) -> list[dict]:
     rows, shipped_fn = [], gemm._config
     for N, K in DENSE:
         copies = max(1, -(-ROTATE_BYTES // (N * K)))
-        ws = [torch.randint(-127, 128, (N, K), device="cuda", dtype=torch.int8) for _ in range(copies)]
-        ss = [torch.rand(N, device="cuda") * 1e-3 for _ in range(copies)]
-        xq, sx = quant_act("int8", torch.randn(1, K, device="cuda", dtype=torch.bfloat16))
+        ws, ss = zip(*[_weights(fmt, N, K) for _ in range(copies)])
+        xq, sx = quant_act(fmt, torch.randn(1, K, device="cuda", dtype=torch.bfloat16))
         ref = gemm.matmul_8bit_launch(xq, sx, ws[0], ss[0]).clone()
-        shipped = shipped_fn(1, N, "int8")
-        for cfg in [shipped] + [c for c in _dense_candidates() if c != shipped]:
+        shipped = shipped_fn(1, N, fmt)
+        for cfg in [shipped] + [c for c in _dense_candidates(fmt) if c != shipped]:
             gemm._config = lambda M, N_, fmt, cfg=cfg: cfg
             try:
                 same = bool(torch.equal(gemm.matmul_8bit_launch(xq, sx, ws[0], ss[0]), ref))
@@ -52,8 +59,8 @@ def dense_rows(bw: float) -> list[dict]:
             finally:
                 gemm._config = shipped_fn
             us = sum(v for k, v in kt.items() if "matmul_8bit" in k) / copies
-            rows.append(dict(N=N, K=K, cfg=cfg, shipped=cfg == shipped, us=us, of_floor=N * K / bw / (us * 1e-6),
-                             same=same))
+            rows.append(dict(format=fmt, N=N, K=K, cfg=cfg, shipped=cfg == shipped, us=us,
+                             of_floor=N * K / bw / (us * 1e-6), same=same))
     return rows
 
 
@@ -101,15 +108,15 @@ def main() -> None:
     torch.manual_seed(0)
     report = header()
     bw = report["copy_bytes_per_s"] = ceilings.measure("cuda")["copy_bytes_per_s"]
-    report["dense"] = dense = dense_rows(bw)
+    report["dense"] = dense = dense_rows(bw, "int8") + dense_rows(bw, "fp8")
     report["moe"] = moe = moe_rows(bw)
     report["not_same"] = [r["cfg"] for r in dense + moe if not r["same"]]
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
-    for N, K in DENSE:
-        rs = [r for r in dense if (r["N"], r["K"]) == (N, K)]
+    for fmt, (N, K) in itertools.product(("int8", "fp8"), DENSE):
+        rs = [r for r in dense if (r["format"], r["N"], r["K"]) == (fmt, N, K)]
         s, b = next(r for r in rs if r["shipped"]), min(rs, key=lambda r: r["us"])
-        print(f"{N:>6} x {K:<5} shipped {s['us']:6.1f} us ({s['of_floor']:.2f})  best {b['us']:6.1f} us "
+        print(f"{fmt} {N:>6} x {K:<5} shipped {s['us']:6.1f} us ({s['of_floor']:.2f})  best {b['us']:6.1f} us "
               f"({b['of_floor']:.2f}) {b['cfg']}")
     for T in (1, 16):
         rs = [r for r in moe if r["T"] == T]
