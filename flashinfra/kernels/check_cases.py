@@ -78,7 +78,34 @@ def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) ->
     return [compare("hotpath.mhc.post_weights", post, rpost, **wtol),
             compare("hotpath.mhc.comb", comb, rcomb, **wtol),
             compare("hotpath.mhc.collapsed", y, ry, **tol(dtype)),
-            compare("hotpath.mhc.expand", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype))]
+            compare("hotpath.mhc.expand", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
+            *_mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol)]
+
+
+def _mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol) -> list[CheckResult]:
+    """``hc_pre_norm``: the collapse with the block's input norm (plain rows; int8 codes with and without the normed
+    rows) against the float64 collapse then norm, and its codes against the int8 rounding of its own normed rows."""
+    from flashinfra.kernels.quant.act import quant_int8_per_token_ref
+
+    dtype, D = streams.dtype, streams.shape[2]
+    w = 1 + rnd(D, device=streams.device, gen=gen, dtype=dtype, scale=0.3)
+    rn = nm.rms_norm_ref(ry, _d(w), 1e-5)
+    y, q, s, post, comb = hc.hc_pre_norm(streams, fn, base, scale, n, 20, 1e-6, 1e-5, w, 1e-5, False, False)
+    res = [compare("hotpath.mhc_norm.normed", y, rn, **tol(dtype)),
+           compare("hotpath.mhc_norm.comb", comb, rcomb, **wtol),
+           compare("hotpath.mhc_norm.post_weights", post, rpost, **wtol)]
+    for keep in (True, False):
+        y, q, s, _, _ = hc.hc_pre_norm(streams, fn, base, scale, n, 20, 1e-6, 1e-5, w, 1e-5, True, keep)
+        step = s.double()[:, None]  # one code's width: the int8 rounding's error is at most half of it
+        res.append(compare(f"hotpath.mhc_norm.codes_keep{int(keep)}", q.double() * step, rn,
+                           atol=float(step.max()) / 2 + tol(dtype)["atol"], rtol=tol(dtype)["rtol"]))
+        if keep:
+            rq, rs = quant_int8_per_token_ref(y)
+            res.append(_verdict("hotpath.mhc_norm.codes_of_its_rows", torch.equal(q, rq) and torch.equal(s, rs),
+                                "the codes are the int8 rounding of the normed rows it returns"))
+        else:
+            res.append(_verdict("hotpath.mhc_norm.no_rows", y is None, "no normed rows unless kept"))
+    return res
 
 
 def router_logits(device: str, T: int, E: int, D: int, dtype=torch.float32, seed=0) -> list[CheckResult]:

@@ -5,6 +5,9 @@
 the RMS-normalised flattened streams: since the norm is a scalar per token, ``mix = rstd * (x @ fn^T)``,
 so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot products together.
 ``hc_post``: ``out_streams[i] = post_i * out + sum_j comb[j, i] * stream_j``.
+``hc_pre_norm``: ``hc_pre`` and then the block's input RMSNorm of the collapsed rows (with W8A8 projections, its
+int8 codes), as ``norms.rms_norm`` / ``norm_act.rms_norm_int8`` compute it: in the collapse's kernel where a
+program holds its tokens' whole rows (a decode step's token), one launch less a block.
 
 Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
 fills the chip) writes partial dot products and sums of squares; ``hc_pre_kernel`` (``BT`` tokens per
@@ -22,8 +25,10 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
-from flashinfra.kernels.norms import unweighted_rms_norm_ref
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
+from flashinfra.kernels.norms import rms_norm, rms_norm_ref, unweighted_rms_norm_ref
+from flashinfra.kernels.quant.act import int8_codes
+from flashinfra.kernels.quant.norm_act import rms_norm_int8, rms_norm_int8_ref
 
 
 def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
@@ -84,10 +89,20 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
+@triton.jit
+def _rms_norm_rows(b_x, w_norm, o_d, D, rms_eps, dtype: tl.constexpr):
+    """``norms.rms_norm_kernel``'s arithmetic on rows already in registers (float32 of the rounded rows)."""
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + rms_eps)
+    b_n = (b_x * b_r[:, None]).to(dtype)
+    b_w = tl.load(w_norm + o_d, mask=o_d < D, other=0.0)
+    return (b_w[None, :].to(tl.float32) * b_n.to(tl.float32)).to(dtype)
+
+
 @triton.jit(do_not_specialize=["T", "SPLIT", "iters", "width"])  # the step's token count: one compilation for all
 def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, width,
-                  N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
-                  WHOLE: tl.constexpr, PDL: tl.constexpr = False):
+                  w_norm, q, s, rms_eps, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                  SP: tl.constexpr, WHOLE: tl.constexpr, NORM: tl.constexpr = False, CODES: tl.constexpr = False,
+                  STORE_Y: tl.constexpr = True, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -127,8 +142,19 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_w[:, None, None])
     if WHOLE:
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
-        tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
-                 mask=m_t[:, None] & (o_d < D)[None, :])
+        m_y = m_t[:, None] & (o_d < D)[None, :]
+        if NORM:  # the block's input norm on the collapsed rows, with norms.rms_norm's roundings (and its codes)
+            b_y = _rms_norm_rows(b_y.to(y.dtype.element_ty).to(tl.float32), w_norm, o_d, D, rms_eps,
+                                 y.dtype.element_ty)
+            if CODES:
+                b_f = b_y.to(tl.float32)  # masked columns are zeros, which leave the amax alone
+                amax = tl.max(tl.abs(b_f), 1)
+                b_s = tl.where(amax > 0, amax / 127.0, 1.0)
+                tl.store(q + o_t[:, None].to(tl.int64) * D + o_d[None, :], int8_codes(b_f * (1.0 / b_s)[:, None]),
+                         mask=m_y)
+                tl.store(s + o_t, b_s, mask=m_t)
+        if STORE_Y:
+            tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_y)
     else:
         for d0 in range(i_s * width, tl.minimum(i_s * width + width, D), BD):  # this program's slice of the width
             o_d = d0 + tl.arange(0, BD)
@@ -200,18 +226,17 @@ def hc_collapse(streams: torch.Tensor) -> torch.Tensor:
     return (acc / streams.shape[1]).to(streams.dtype)
 
 
-def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
-    T, D = _check(streams, n, "hc_pre")
+def _check_weights(fn, base, scale, n: int, D: int) -> None:
     NM, K = (2 + n) * n, n * D
     if fn.shape != (NM, K) or base.shape != (NM,) or scale.shape != (3,):
         raise ValueError(f"hc_pre: fn {tuple(fn.shape)} base {tuple(base.shape)} scale {tuple(scale.shape)} "
                          f"do not fit {n} streams of width {D}")
-    dev = streams.device
-    y = torch.empty(T, D, dtype=streams.dtype, device=dev)
-    post = torch.empty(T, n, dtype=torch.float32, device=dev)
-    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
-    if T == 0:
-        return y, post, comb
+
+
+def _mix(streams, fn, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The mix product's split partials and sums of squares (``hc_mix_kernel``) -> (part, sumsq, SPLIT, BN)."""
+    T, D = streams.shape[0], streams.shape[2]
+    NM, K = (2 + n) * n, n * D
     BT, BN = MIX_TOKENS, max(16, next_power_of_2(NM))
     BK = 64 if streams.dtype == torch.float32 else 128  # float32 tiles of 128 spill registers
     blocks = cdiv(T, BT)
@@ -219,22 +244,72 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     SPLIT = max(1, min(DETERMINISTIC_SPLIT if is_deterministic() else min(64, 256 // blocks), cdiv(K, BK)))
     KS = cdiv(cdiv(K, SPLIT), BK) * BK
     SPLIT = cdiv(K, KS)
-    part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=dev)
-    sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=dev)
+    part = torch.empty(SPLIT, T, BN, dtype=torch.float32, device=streams.device)
+    sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=streams.device)
     fast(hc_mix_kernel)[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
                                          IEEE=streams.dtype == torch.float32, num_warps=4)
+    return part, sumsq, SPLIT, BN
+
+
+def _whole(streams, T: int, D: int, n: int) -> bool:
+    """Whether the collapse's programs take their tokens' whole streams as one tile (a decode step's token)."""
+    return _tokens_per_program(streams, T) * n * next_power_of_2(D) <= WHOLE_TILE
+
+
+def _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, mixed, norm=None, **norm_consts):
+    """``hc_pre_kernel`` over the ``mixed`` partials (``_mix``); ``norm``: (weight, codes, scales, eps) of a fused
+    input norm (whole tiles only)."""
+    T, D = streams.shape[0], streams.shape[2]
+    part, sumsq, SPLIT, BN = mixed
     # 4 tokens per program on the GPU keeps the [BT, n, BD] tiles in registers; the interpreter prefers
     # fewer, larger programs
     BT2 = _tokens_per_program(streams, T)
-    whole = BT2 * n * next_power_of_2(D) <= WHOLE_TILE  # a decode step's token: its streams in one load
+    whole = _whole(streams, T, D, n)
     BD = next_power_of_2(D) if whole else max(16, min(1024 // BT2, next_power_of_2(D)))
     # a decode batch's few programs split the collapse over the width too (each recomputing its tokens' weights)
     slices = 1 if whole else max(1, min(cdiv(D, BD), COLLAPSE_PROGRAMS // cdiv(T, BT2)))
     width = cdiv(cdiv(D, slices), BD) * BD
+    w_norm, q, s, rms_eps = norm if norm is not None else (post, post, post, 0.0)
     fast(hc_pre_kernel)[(cdiv(T, BT2), cdiv(D, width))](
         streams, part, sumsq, base.contiguous(), scale.contiguous(), y, post, comb, T, D, SPLIT, iters, eps, norm_eps,
-        width, N=n, BN=BN, BT=BT2, BD=BD, SP=next_power_of_2(SPLIT), WHOLE=whole, num_warps=4)
+        width, w_norm, q, s, rms_eps, N=n, BN=BN, BT=BT2, BD=BD, SP=next_power_of_2(SPLIT), WHOLE=whole,
+        num_warps=4, **norm_consts)
+
+
+def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
+    T, D = _check(streams, n, "hc_pre")
+    _check_weights(fn, base, scale, n, D)
+    dev = streams.device
+    y = torch.empty(T, D, dtype=streams.dtype, device=dev)
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T:
+        _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, _mix(streams, fn, n))
     return y, post, comb
+
+
+def hc_pre_norm_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float, weight,
+                       rms_eps: float, codes: bool, keep_normed: bool):
+    T, D = _check(streams, n, "hc_pre")
+    if not _whole(streams, T, D, n) or T == 0:  # the norm's own kernel after the collapse
+        collapsed, post, comb = hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
+        if codes:
+            return (*rms_norm_int8(collapsed, weight, rms_eps, keep_normed), post, comb)
+        return rms_norm(collapsed, weight, rms_eps), None, None, post, comb
+    _check_weights(fn, base, scale, n, D)
+    if weight.shape != (D,):
+        raise ValueError(f"hc_pre_norm: norm weight {tuple(weight.shape)} does not fit width {D}")
+    dev = streams.device
+    y = torch.empty(T, D, dtype=streams.dtype, device=dev) if keep_normed or not codes else None
+    q = torch.empty(T, D, dtype=torch.int8, device=dev) if codes else None
+    s = torch.empty(T, dtype=torch.float32, device=dev) if codes else None
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    # the buffers not made stand in for their pointers, never written (y's dtype sets the norm's roundings)
+    _collapse(streams, base, scale, n, iters, eps, norm_eps, streams if y is None else y, post, comb,
+              _mix(streams, fn, n), (weight, post if q is None else q, post if s is None else s, rms_eps),
+              NORM=True, CODES=codes, STORE_Y=y is not None)
+    return y, q, s, post, comb
 
 
 def hc_post_launch(streams, out, post, comb):
@@ -256,6 +331,21 @@ def hc_pre(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: f
     if use_triton(streams, fn, base, scale):
         return hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
     return hc_pre_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
+
+
+def hc_pre_norm(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float, weight, rms_eps: float,
+                codes: bool, keep_normed: bool):
+    """``hc_pre``, then the block's input RMSNorm of the collapsed rows: ``norms.rms_norm``, or with ``codes``
+    ``norm_act.rms_norm_int8`` (its int8 codes and scales, and the normed rows where ``keep_normed``) -> (normed rows
+    or None, codes or None, scales or None, post, comb). One kernel where the tokens' streams fit one tile (a decode
+    step's token), the norm's own kernel after the collapse otherwise."""
+    if use_triton(streams, fn, base, scale, weight):
+        return hc_pre_norm_launch(streams, fn, base, scale, n, iters, eps, norm_eps, weight, rms_eps, codes,
+                                  keep_normed)
+    collapsed, post, comb = hc_pre_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
+    if codes:
+        return (*rms_norm_int8_ref(collapsed, weight, rms_eps, keep_normed), post, comb)
+    return rms_norm_ref(collapsed, weight, rms_eps), None, None, post, comb
 
 
 def hc_post(streams, out, post, comb):

@@ -20,7 +20,7 @@ from flashinfra.model.kda import KDAttention
 from flashinfra.model.mhc import HyperConnection
 from flashinfra.model.mla import MLAttention
 from flashinfra.model.moe import DenseMLP, MoE
-from flashinfra.quant.linear import linear, rms_norm_for
+from flashinfra.quant.linear import linear
 
 
 class DecoderLayer(nn.Module):
@@ -40,21 +40,17 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
-        # The projection each norm feeds, for its W8A8 form (``rms_norm_for``); None where a parallel wrapper
-        # (flashinfra.parallel) replaced the module: plain rows then. MLA's indexer and the MoE's router read the
-        # normed rows too.
+        # Each block takes its input normed with mHC's collapse, in the form the projection the norm feeds reads
+        # (W8A8: int8 codes, ``rms_norm_for``); the projection is None where a parallel wrapper (flashinfra.parallel)
+        # replaced the module: plain rows then. MLA's indexer and the MoE's router read the normed rows too.
         def attention(x):
-            proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
-            x = rms_norm_for(x, self.input_norm, self.eps, proj, not self.is_kda)
             return self.attn(x, batch, cache) if self.is_kda else self.attn(x, batch, cache, masks)
 
-        def ffn(x):
-            moe = isinstance(self.mlp, MoE)
-            proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
-            return self.mlp(rms_norm_for(x, self.post_attn_norm, self.eps, proj, moe))
-
-        streams = self.attn_hc(streams, attention)
-        return self.ffn_hc(streams, ffn)
+        moe = isinstance(self.mlp, MoE)
+        attn_proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
+        mlp_proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
+        streams = self.attn_hc(streams, attention, (self.input_norm, self.eps, attn_proj, not self.is_kda))
+        return self.ffn_hc(streams, self.mlp, (self.post_attn_norm, self.eps, mlp_proj, moe))
 
 
 class Glm5NextModel(nn.Module):

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.mhc import hc_post, hc_pre, hc_weights_ref
+from flashinfra.kernels.mhc import hc_post, hc_pre, hc_pre_norm, hc_weights_ref
+from flashinfra.quant.linear import Int8Rows, is_w8a8
 
 
 class HyperConnection(nn.Module):
@@ -28,8 +29,17 @@ class HyperConnection(nn.Module):
         """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]), all float32."""
         return hc_weights_ref(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps, self.norm_eps)
 
-    def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
-        """Apply ``block`` (a function of the collapsed [T, D] input) as a hyper-connected sub-layer."""
-        collapsed, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
-                                       self.norm_eps)
-        return hc_post(streams, block(collapsed), post, comb)
+    def forward(self, streams: torch.Tensor, block, norm: tuple | None = None) -> torch.Tensor:
+        """Apply ``block`` (a function of the collapsed [T, D] input) as a hyper-connected sub-layer. ``norm``: the
+        block's input RMSNorm (weight, eps) and the projection the normed rows feed and whether another consumer
+        reads them (``rms_norm_for``'s ``proj`` and ``keep_normed``); ``block`` then takes the rows in the form
+        ``rms_norm_for`` gives, normed with the collapse (one kernel for a decode step's token)."""
+        if norm is None:
+            x, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
+                                   self.norm_eps)
+            return hc_post(streams, block(x), post, comb)
+        weight, eps, proj, keep_normed = norm
+        codes = is_w8a8(proj)
+        y, q, s, post, comb = hc_pre_norm(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
+                                          self.norm_eps, weight, eps, codes, keep_normed)
+        return hc_post(streams, block(Int8Rows(q, s, streams.dtype, y) if codes else y), post, comb)

@@ -137,16 +137,17 @@ def quant_model_kernels_match_references(tmp_path, monkeypatch, device: str, qua
 def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str, kernels: bool,
                                              lengths=(37, 5, 20)):
     """A W8A8 model's logits (prefill, then decode steps) with the RMSNorms quantizing their output for the int8
-    projections (``quant.linear.rms_norm_for``) against those of the unfused path (the norm, then ``linear_8bit``'s
-    own activation quantization): the same arithmetic in the same order, so bit for bit on the CPU (references or
-    the interpreter). ``kernels``: the Triton path (CUDA, or the CPU interpreter), else the references.
+    projections (MLA's ``quant.linear.rms_norm_for``; the blocks' input norms with mHC's collapse,
+    ``model.mhc.HyperConnection``) against those of the unfused path (the norm, then ``linear_8bit``'s own activation
+    quantization): the same arithmetic in the same order, so bit for bit on the CPU (references or the interpreter).
+    ``kernels``: the Triton path (CUDA, or the CPU interpreter), else the references.
 
     On CUDA the fused kernel and ``norms.rms_norm`` each sum a row's squares in the order of the register layout the
     compiler picks for that kernel (the fused one stores int8 codes too, which changes it), so a norm differs in
     its last float32 bit and, rarely, an int8 code at a rounding tie flips. There the fused logits must move by
     less than a quarter of what W8A8 itself moves them (the same checkpoint unquantized, fed the same tokens)."""
     from flashinfra.kernels import dispatch, norms
-    from flashinfra.model import glm5_next, mla
+    from flashinfra.model import mhc, mla
     from flashinfra.model.api import load_model
     from flashinfra.model.factory import write_tiny_checkpoint
     from flashinfra.quant import linear as qlinear
@@ -157,8 +158,8 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
     monkeypatch.setattr(dispatch, "_reference_forced", lambda: not kernels)
     assert dispatch.use_triton(torch.empty(0, device=device)) == kernels
-    for module in (glm5_next, mla):
-        monkeypatch.setattr(module, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
+    monkeypatch.setattr(mla, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
+    monkeypatch.setattr(mhc, "is_w8a8", lambda proj: False)  # the collapse's norm then gives plain rows
     tokens, unfused = batched_greedy(model, prompts, 3)
     again = batched_greedy(model, prompts, 3, feed=tokens)[1]  # the run-to-run noise, named in a failure's message
     calls = []
@@ -167,8 +168,12 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
         calls.append(qlinear.is_w8a8(args[3]))
         return qlinear.rms_norm_for(*args)
 
-    for module in (glm5_next, mla):
-        monkeypatch.setattr(module, "rms_norm_for", counted)
+    def counted_collapse(proj):
+        calls.append(qlinear.is_w8a8(proj))
+        return calls[-1]
+
+    monkeypatch.setattr(mla, "rms_norm_for", counted)
+    monkeypatch.setattr(mhc, "is_w8a8", counted_collapse)
     fused = batched_greedy(model, prompts, 3, feed=tokens)[1]
     assert calls and all(calls), "every norm before a projection (MoE included) feeds a W8A8 one"
     noise = [float((b - c).abs().max()) for b, c in zip(unfused, again)]
