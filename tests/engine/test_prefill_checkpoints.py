@@ -60,11 +60,12 @@ def test_one_step_registers_every_checkpoint_and_hits_give_cold_logits(model):
     logits_a, steps = _run(warm, "a", a)
     assert steps == 1  # the token budget alone cuts a step: no stop at the checkpoints
     cache = warm.scheduler.cache
-    assert sorted(len(e.tokens) for e in cache._prefixes.values()) == [1024, 2048, 2944]
+    assert sorted(e.length for e in cache._prefixes.values()) == [1024, 2048, 2944]
     # each entry shares exactly its own prefix's blocks, the longer ones extending the shorter ones
-    entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
+    entries = sorted(cache._prefixes.values(), key=lambda e: e.length)
     assert [len(e.block_ids) for e in entries] == [64, 128, 184]
-    assert entries[1].block_ids[:64] == entries[0].block_ids and entries[2].block_ids[:128] == entries[1].block_ids
+    assert entries[1].block_ids[:64].tolist() == entries[0].block_ids.tolist()
+    assert entries[2].block_ids[:128].tolist() == entries[1].block_ids.tolist()
 
     hits = warm.stats().num_prefix_hit_tokens_total
     logits_b, _ = _run(warm, "b", b)
@@ -93,7 +94,7 @@ def test_checkpoint_states_are_the_same_bits_whatever_the_steps(model):
         _, steps = _run(engine, "a", a)
         assert steps == (1 if budget == 4096 else 6)
         cache = engine.runner.cache
-        states.append({len(e.tokens): [t[e.slot].clone() for layer in model.config.text.kda_layers
+        states.append({e.length: [t[e.slot].clone() for layer in model.config.text.kda_layers
                                        for t in (cache.recurrent_state[layer], cache.conv_state[layer])]
                        for e in engine.scheduler.cache._prefixes.values()})
     one_step, many_steps = states

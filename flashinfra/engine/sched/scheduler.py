@@ -195,7 +195,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if hit is not None:
-                self.num_prefix_hit_tokens_total += len(hit.tokens)
+                self.num_prefix_hit_tokens_total += hit.length
             scheduled.append((req, n, None if hit is None else hit.slot, self._save_slots(req, n)))
             budget -= n
             if req.first_scheduled_time is None:

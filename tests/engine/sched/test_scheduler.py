@@ -67,6 +67,24 @@ def test_prefix_cache_hits_are_token_exact(num_blocks):
         assert sched.num_preemptions_total > 0
 
 
+def test_a_cached_prefix_hits_only_token_for_token():
+    """A prefix entry shares the caching request's token list (no copy); a request whose block hashes match it but
+    whose tokens differ (a hash collision, forced here) gets no hit, and the entry's prefix is not changed by the
+    tokens its request appends later."""
+    cache = HybridCacheManager(64, 4, 2, num_prefix_slots=2, checkpoint_interval=8)
+    owner = Request("a", list(range(20, 40)), SamplingParams(max_tokens=4), 0.0)
+    assert cache.try_allocate(owner, 16)
+    slot = cache.reserve_checkpoint_slot()
+    cache.register_prefix(owner, 16, slot)
+    owner.append_output(7)  # the entry's list grows; its first 16 tokens do not change
+    same = Request("b", list(range(20, 36)) + [1, 2], SamplingParams(max_tokens=4), 0.0)
+    other = Request("c", list(range(20, 35)) + [99, 1, 2], SamplingParams(max_tokens=4), 0.0)
+    other._block_hashes = (4, same.block_hashes(4))  # the colliding hashes
+    hit = cache.match_prefix(same)
+    assert hit is not None and hit.length == 16 and hit.source is owner.all_token_ids
+    assert cache.match_prefix(other) is None
+
+
 def test_one_step_saves_every_checkpoint_it_crosses_while_slots_last():
     """Only the token budget cuts a step: a 3000-token prompt runs in one step that saves its checkpoints at 1024,
     2048 and its last block boundary (2992), each registered after the step with its own blocks; without a free
@@ -82,9 +100,9 @@ def test_one_step_saves_every_checkpoint_it_crosses_while_slots_last():
         (sr,) = plan.scheduled
         assert sr.num_new_tokens == 3000 and [p for p, _ in sr.save_states] == want
         sched.update(plan, StepResult(sampled={"a": 1}))
-        entries = sorted(cache._prefixes.values(), key=lambda e: len(e.tokens))
-        assert [len(e.tokens) for e in entries] == want
-        assert all(e.block_ids == entries[-1].block_ids[: len(e.tokens) // 16] for e in entries)
+        entries = sorted(cache._prefixes.values(), key=lambda e: e.length)
+        assert [e.length for e in entries] == want
+        assert all(e.block_ids.tolist() == entries[-1].block_ids[: e.length // 16].tolist() for e in entries)
         assert [e.slot for e in entries] == [slot for _, slot in sr.save_states]
     cache = HybridCacheManager(400, 16, 2, 4, checkpoint_interval=1024)
     sched = Scheduler(cfg, cache)
