@@ -1,8 +1,8 @@
 """The 8-bit GEMMs' decode tiles: each of the slice's dense projections at one row (W8A8 int8 weights, and FP8 with
 128 x 128 block scales, rotated through copies past L2 so every call streams from memory) and the int8 fused MoE at
-1 and 16 tokens (9 pairs a token), for the shipped tile against candidates. Per-kernel device time without programmatic dependent launch (whose waits would
-be counted in), the fraction of the byte floor at the copy bandwidth measured in the run, and every candidate's output
-checked equal to the shipped tile's (int32 sums are exact whatever the tile).
+1 and 16 tokens (9 pairs a token), for the shipped tile against candidates. Per-kernel device time without
+programmatic dependent launch (whose waits would be counted in), the fraction of the byte floor at the copy bandwidth
+measured in the run, and every candidate's output checked equal to the shipped tile's.
 
     python3 bench/quant_decode_tiles.py --out bench/results/quant_decode_tiles.json
 """
