@@ -221,6 +221,8 @@ class HybridCacheManager:
     def try_allocate(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` a state slot (if it has none) and blocks for ``num_tokens`` tokens, evicting cached
         prefixes if needed; False (and nothing taken) if that is not possible."""
+        if req.state_slot is not None and num_tokens <= len(req.block_ids) * self.block_size:
+            return True  # held already (a decode row inside its last block): the common case, kept short
         if not self.can_allocate(req, num_tokens):
             return False
         if req.state_slot is None:

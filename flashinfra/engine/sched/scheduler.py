@@ -313,9 +313,9 @@ class Scheduler:
 
     def _save_slots(self, req: Request, n: int) -> tuple[tuple[int, int], ...]:
         """A checkpoint slot for each of ``req``'s checkpoint positions this step crosses, while slots last."""
-        if not self.cache.prefix_caching:
-            return ()
         start = req.num_computed_tokens
+        if not self.cache.prefix_caching or start >= req.num_prompt_tokens:  # checkpoints lie inside the prompt
+            return ()
         saves = []
         for position in self.cache.checkpoints_between(req, start, start + n):
             slot = self.cache.reserve_checkpoint_slot()
@@ -341,7 +341,8 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             load_state_from=load,
             save_states=saves,
-            mm_items=tuple(it for it in req.mm_items if it.offset < start + n and it.end > start),
+            mm_items=(tuple(it for it in req.mm_items if it.offset < start + n and it.end > start) if req.mm_items
+                      else ()),
             num_draft=drafts,
         )
 
