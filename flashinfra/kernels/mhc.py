@@ -26,9 +26,9 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
-from flashinfra.kernels.norms import rms_norm, rms_norm_ref, unweighted_rms_norm_ref
-from flashinfra.kernels.quant.act import int8_codes
-from flashinfra.kernels.quant.norm_act import rms_norm_int8, rms_norm_int8_ref
+from flashinfra.kernels.norms import rms_norm, rms_norm_rows, unweighted_rms_norm_ref
+from flashinfra.kernels.quant.act import int8_rows
+from flashinfra.kernels.quant.norm_act import rms_norm_int8
 
 
 def hc_weights_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
@@ -89,15 +89,6 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit
-def _rms_norm_rows(b_x, w_norm, o_d, D, rms_eps, dtype: tl.constexpr):
-    """``norms.rms_norm_kernel``'s arithmetic on rows already in registers (float32 of the rounded rows)."""
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + rms_eps)
-    b_n = (b_x * b_r[:, None]).to(dtype)
-    b_w = tl.load(w_norm + o_d, mask=o_d < D, other=0.0)
-    return (b_w[None, :].to(tl.float32) * b_n.to(tl.float32)).to(dtype)
-
-
 @triton.jit(do_not_specialize=["T", "SPLIT", "iters", "width"])  # the step's token count: one compilation for all
 def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, width,
                   w_norm, q, s, rms_eps, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -143,15 +134,12 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     if WHOLE:
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         m_y = m_t[:, None] & (o_d < D)[None, :]
-        if NORM:  # the block's input norm on the collapsed rows, with norms.rms_norm's roundings (and its codes)
-            b_y = _rms_norm_rows(b_y.to(y.dtype.element_ty).to(tl.float32), w_norm, o_d, D, rms_eps,
-                                 y.dtype.element_ty)
+        if NORM:  # the block's input norm on the collapsed rows (and its codes), as rms_norm / rms_norm_int8
+            b_y = rms_norm_rows(b_y.to(y.dtype.element_ty).to(tl.float32), w_norm, o_d, D, rms_eps,
+                                y.dtype.element_ty)
             if CODES:
-                b_f = b_y.to(tl.float32)  # masked columns are zeros, which leave the amax alone
-                amax = tl.max(tl.abs(b_f), 1)
-                b_s = tl.where(amax > 0, amax / 127.0, 1.0)
-                tl.store(q + o_t[:, None].to(tl.int64) * D + o_d[None, :], int8_codes(b_f * (1.0 / b_s)[:, None]),
-                         mask=m_y)
+                codes, b_s = int8_rows(b_y.to(tl.float32))
+                tl.store(q + o_t[:, None].to(tl.int64) * D + o_d[None, :], codes, mask=m_y)
                 tl.store(s + o_t, b_s, mask=m_t)
         if STORE_Y:
             tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_y)
@@ -256,6 +244,11 @@ def _whole(streams, T: int, D: int, n: int) -> bool:
     return _tokens_per_program(streams, T) * n * next_power_of_2(D) <= WHOLE_TILE
 
 
+def fused_norm(streams, n: int) -> bool:
+    """Whether ``hc_pre_norm``'s norm fits the collapse's kernel: tokens whose streams fit one tile a program."""
+    return streams.shape[0] > 0 and _whole(streams, streams.shape[0], streams.shape[2], n)
+
+
 def _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, mixed, norm=None, **norm_consts):
     """``hc_pre_kernel`` over the ``mixed`` partials (``_mix``); ``norm``: (weight, codes, scales, eps) of a fused
     input norm (whole tiles only)."""
@@ -290,12 +283,10 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
 
 def hc_pre_norm_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float, weight,
                        rms_eps: float, codes: bool, keep_normed: bool):
+    """``hc_pre_norm`` in one kernel, for tokens whose streams fit one tile (``fused_norm``)."""
     T, D = _check(streams, n, "hc_pre")
-    if not _whole(streams, T, D, n) or T == 0:  # the norm's own kernel after the collapse
-        collapsed, post, comb = hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
-        if codes:
-            return (*rms_norm_int8(collapsed, weight, rms_eps, keep_normed), post, comb)
-        return rms_norm(collapsed, weight, rms_eps), None, None, post, comb
+    if not fused_norm(streams, n):
+        raise ValueError(f"hc_pre_norm: {T} tokens of width {D} do not fit one tile a program")
     _check_weights(fn, base, scale, n, D)
     if weight.shape != (D,):
         raise ValueError(f"hc_pre_norm: norm weight {tuple(weight.shape)} does not fit width {D}")
@@ -339,13 +330,13 @@ def hc_pre_norm(streams, fn, base, scale, n: int, iters: int, eps: float, norm_e
     ``norm_act.rms_norm_int8`` (its int8 codes and scales, and the normed rows where ``keep_normed``) -> (normed rows
     or None, codes or None, scales or None, post, comb). One kernel where the tokens' streams fit one tile (a decode
     step's token), the norm's own kernel after the collapse otherwise."""
-    if use_triton(streams, fn, base, scale, weight):
+    if use_triton(streams, fn, base, scale, weight) and fused_norm(streams, n):
         return hc_pre_norm_launch(streams, fn, base, scale, n, iters, eps, norm_eps, weight, rms_eps, codes,
                                   keep_normed)
-    collapsed, post, comb = hc_pre_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
+    collapsed, post, comb = hc_pre(streams, fn, base, scale, n, iters, eps, norm_eps)
     if codes:
-        return (*rms_norm_int8_ref(collapsed, weight, rms_eps, keep_normed), post, comb)
-    return rms_norm_ref(collapsed, weight, rms_eps), None, None, post, comb
+        return (*rms_norm_int8(collapsed, weight, rms_eps, keep_normed), post, comb)
+    return rms_norm(collapsed, weight, rms_eps), None, None, post, comb
 
 
 def hc_post(streams, out, post, comb):

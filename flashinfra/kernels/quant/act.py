@@ -60,14 +60,27 @@ def int8_codes(v):
 
 
 @triton.jit
+def int8_scale(amax):
+    """Per-token int8 scales from the rows' absolute maxima (1 for an all-zero row)."""
+    return tl.where(amax > 0, amax / 127.0, 1.0)
+
+
+@triton.jit
+def int8_rows(b_f):
+    """Rows [R, C] in registers (float32; masked columns zero, which leave the amax alone) -> (int8 codes, scales
+    [R]), as ``quant_int8_per_token`` forms them: the producers that hold whole rows form them here."""
+    scale = int8_scale(tl.max(tl.abs(b_f), 1))
+    return int8_codes(b_f * (1.0 / scale)[:, None]), scale
+
+
+@triton.jit
 def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     if WHOLE:  # the row in one tile: one load (a decode step's rows, up to 16,384 wide)
         o_k = tl.arange(0, BK)
         b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        m = tl.max(tl.abs(b_x), 0)
-        scale = tl.where(m > 0, m / 127.0, 1.0)
+        scale = int8_scale(tl.max(tl.abs(b_x), 0))
         tl.store(q + i_t * K + o_k, int8_codes(b_x * (1.0 / scale)), mask=o_k < K)
     else:
         amax = tl.zeros([BK], dtype=tl.float32)
@@ -75,8 +88,7 @@ def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, WHOLE: tl.constexp
             o_k = k0 + tl.arange(0, BK)
             b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(b_x))
-        m = tl.max(amax, 0)
-        scale = tl.where(m > 0, m / 127.0, 1.0)
+        scale = int8_scale(tl.max(amax, 0))
         inv = 1.0 / scale
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
-from flashinfra.kernels.norms import rms_norm_ref
-from flashinfra.kernels.quant.act import int8_codes, quant_int8_per_token_ref
+from flashinfra.kernels.norms import rms_norm_ref, rms_norm_rows
+from flashinfra.kernels.quant.act import int8_rows, quant_int8_per_token_ref
 
 
 def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_normed: bool):
@@ -46,17 +46,11 @@ def rms_norm_int8_kernel(x, w, y, q, s, stride_x, N, D, eps, BT: tl.constexpr, B
     m = m_t[:, None] & (o_d < D)[None, :]
     rows = o_t[:, None].to(tl.int64)
     b_x = tl.load(x + rows * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
-    b_n = (b_x * b_r[:, None]).to(x.dtype.element_ty)  # rms_norm rounds here, then after the weight
-    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0)
-    b_y = (b_w[None, :].to(tl.float32) * b_n.to(tl.float32)).to(x.dtype.element_ty)
+    b_y = rms_norm_rows(b_x, w, o_d, D, eps, x.dtype.element_ty)
     if STORE_Y:
         tl.store(y + rows * D + o_d[None, :], b_y, mask=m)
-    # quant_int8_per_token of the rounded row: masked columns are zeros, which leave the amax alone
-    b_f = b_y.to(tl.float32)
-    amax = tl.max(tl.abs(b_f), 1)
-    scale = tl.where(amax > 0, amax / 127.0, 1.0)
-    tl.store(q + rows * D + o_d[None, :], int8_codes(b_f * (1.0 / scale)[:, None]), mask=m)
+    codes, scale = int8_rows(b_y.to(tl.float32))  # quant_int8_per_token of the rounded rows
+    tl.store(q + rows * D + o_d[None, :], codes, mask=m)
     tl.store(s + o_t, scale, mask=m_t)
 
 
