@@ -1,10 +1,10 @@
-"""Correctness cases of the hot-path kernels (norms, mHC, MoE routing and fused MoE, DSA indexer, sparse MLA, the
+"""Correctness cases of the hot-path kernels (norms, MoE routing and fused MoE, DSA indexer, sparse MLA, the
 grammar's token bitmask), shared by the registered checks (checks.py, fixed sizes) and the tests
 (``tests/kernels/interpret_hotpath.py`` and ``interpret_token_bitmask.py`` at the interpreter's small odd sizes,
 ``tests/kernels/test_hotpath_gpu.py`` at the GPU's real ones, through ``assert_passed``). The 8-bit caches' cases
-are these with a cache format (``sparse_mla``, ``dsa_select``).
+are these with a cache format (``sparse_mla``, ``dsa_select``). mHC's cases are in ``mhc_cases.py``.
 
-Each case (``norms``, ``mhc``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``,
+Each case (``norms``, ``route``, ``fused_moe``, ``moe_align``, ``dsa_select``, ``sparse_mla``,
 ``token_bitmask``, ``penalties``, ``graph_inputs``) takes the device, the sizes, the dtype and a seed; it draws
 fresh random inputs, poisons the outputs with NaN where the launcher takes them, compares with the reference
 computed in float64 (integer outputs: exactly) and returns ``list[CheckResult]``, failed ones included, instead of
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare, poison_
-from flashinfra.kernels import dsa_indexer, fused_moe as fm, mhc as hc, moe_route, norms as nm, sparse_mla as sm
+from flashinfra.kernels import dsa_indexer, fused_moe as fm, moe_route, norms as nm, sparse_mla as sm
 from flashinfra.kernels import penalties as pen
 from flashinfra.kernels.graph_inputs import fill_chain_launch, fill_chain_ref, fill_step_launch, fill_step_ref
 from flashinfra.kernels.dsa_pool_keys import write_pool_keys_launch
@@ -62,50 +62,6 @@ def norms(device: str, T: int, D: int, dtype=torch.float32, seed=0) -> list[Chec
     results.append(compare("hotpath.norms.gated", gout, nm.gated_rms_norm_ref(_d(x), _d(g), _d(w), 1e-5),
                            **tol(dtype)))
     return results
-
-
-def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) -> list[CheckResult]:
-    gen = _gen(device, seed)
-    streams = rnd(T, n, D, device=device, gen=gen, dtype=dtype)
-    fn = rnd((2 + n) * n, n * D, device=device, gen=gen, dtype=dtype, scale=(n * D) ** -0.5)
-    base = rnd((2 + n) * n, device=device, gen=gen, scale=0.3)
-    scale = 1 + rnd(3, device=device, gen=gen, scale=0.3)
-    y, post, comb = hc.hc_pre_launch(streams, fn, base, scale, n, 20, 1e-6, 1e-5)
-    ry, rpost, rcomb = hc.hc_pre_ref(_d(streams), _d(fn), _d(base), _d(scale), n, 20, 1e-6, 1e-5)
-    wtol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    out = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    new = hc.hc_post_launch(streams, out, post, comb)
-    return [compare("hotpath.mhc.post_weights", post, rpost, **wtol),
-            compare("hotpath.mhc.comb", comb, rcomb, **wtol),
-            compare("hotpath.mhc.collapsed", y, ry, **tol(dtype)),
-            compare("hotpath.mhc.expand", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
-            *_mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol)]
-
-
-def _mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol) -> list[CheckResult]:
-    """``hc_pre_norm``: the collapse with the block's input norm (plain rows; int8 codes with and without the normed
-    rows) against the float64 collapse then norm, and its codes against the int8 rounding of its own normed rows."""
-    from flashinfra.kernels.quant.act import quant_int8_per_token_ref
-
-    dtype, D = streams.dtype, streams.shape[2]
-    w = 1 + rnd(D, device=streams.device, gen=gen, dtype=dtype, scale=0.3)
-    rn = nm.rms_norm_ref(ry, _d(w), 1e-5)
-    y, q, s, post, comb = hc.hc_pre_norm(streams, fn, base, scale, n, 20, 1e-6, 1e-5, w, 1e-5, False, False)
-    res = [compare("hotpath.mhc_norm.normed", y, rn, **tol(dtype)),
-           compare("hotpath.mhc_norm.comb", comb, rcomb, **wtol),
-           compare("hotpath.mhc_norm.post_weights", post, rpost, **wtol)]
-    for keep in (True, False):
-        y, q, s, _, _ = hc.hc_pre_norm(streams, fn, base, scale, n, 20, 1e-6, 1e-5, w, 1e-5, True, keep)
-        step = s.double()[:, None]  # one code's width: the int8 rounding's error is at most half of it
-        res.append(compare(f"hotpath.mhc_norm.codes_keep{int(keep)}", q.double() * step, rn,
-                           atol=float(step.max()) / 2 + tol(dtype)["atol"], rtol=tol(dtype)["rtol"]))
-        if keep:
-            rq, rs = quant_int8_per_token_ref(y)
-            res.append(_verdict("hotpath.mhc_norm.codes_of_its_rows", torch.equal(q, rq) and torch.equal(s, rs),
-                                "the codes are the int8 rounding of the normed rows it returns"))
-        else:
-            res.append(_verdict("hotpath.mhc_norm.no_rows", y is None, "no normed rows unless kept"))
-    return res
 
 
 def router_logits(device: str, T: int, E: int, D: int, dtype=torch.float32, seed=0) -> list[CheckResult]:

@@ -15,9 +15,10 @@ import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
 from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
-from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, mhc, moe_align, norms, penalties, rnd,
+from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, moe_align, norms, penalties, rnd,
                                             route, sparse_mla, token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
+from flashinfra.kernels.mhc_cases import mhc
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
 
 TAGS = ("kernel", "hotpath", "triton")

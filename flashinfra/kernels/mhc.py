@@ -19,6 +19,8 @@ token, whose streams it loads before the weights' math so that the load's latenc
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -177,6 +179,43 @@ def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexp
     tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], acc.to(dt), mask=m3)
 
 
+@triton.jit
+def hc_post_mix_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr, NM: tl.constexpr,
+                       BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+    """``hc_post_kernel``'s expand, a new stream at a time (each element's sum in the same order), and the next
+    hyper-connection's mix product over this program's columns of every stream: its split ``i_d`` of the partials
+    and sums of squares that ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new
+    streams as that kernel would load them."""
+    pdl_wait(PDL)
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_m = tl.arange(0, BN)
+    m_t, m_d = o_t < T, o_d < D
+    dt = y.dtype.element_ty
+    rows = o_t.to(tl.int64) * N * D
+    m2 = m_t[:, None] & m_d[None, :]
+    b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc_m = tl.zeros([BT, BN], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for i in tl.static_range(N):
+        p_i = tl.load(post + o_t * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
+        y_i = p_i[:, None] * b_o
+        for j in tl.static_range(N):
+            c_ji = tl.load(comb + o_t * N * N + j * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
+            y_i += c_ji[:, None] * tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        y_r = y_i.to(dt)
+        tl.store(y + rows[:, None] + i * D + o_d[None, :], y_r, mask=m2)
+        yf = y_r.to(tl.float32)
+        ss += tl.sum(yf * yf, 1)
+        b_w = tl.load(fn + o_m[:, None] * (N * D) + i * D + o_d[None, :], mask=(o_m < NM)[:, None] & m_d[None, :],
+                      other=0.0)
+        acc_m += tl.sum(yf[:, None, :] * b_w.to(dt).to(tl.float32)[None, :, :], 2)
+    split = (i_d * T + o_t)
+    tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
+    tl.store(sumsq + split, ss, mask=m_t)
+
+
 def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
     if streams.dim() != 3 or streams.shape[1] != n or not streams.is_contiguous():
         raise ValueError(f"{name}: streams must be contiguous [T, {n}, D], got {tuple(streams.shape)}")
@@ -194,6 +233,11 @@ WHOLE_TILE = 16384
 # Programs ``hc_pre`` makes at least, splitting the collapse over the width while its tokens make fewer: a batch of
 # 32 decode rows is 8 programs of 4 tokens, each reading 128 KB of streams in 16 dependent steps.
 COLLAPSE_PROGRAMS = 128
+# Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its programs
+# (``hc_post_mix_kernel``), in this many column splits at most: no mix launch of their own, which at a few tokens is
+# bound by its latency, not by the 1.5 MB of projection it reads.
+POST_MIX_TOKENS = 32
+POST_MIX_SPLIT = 64
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -221,8 +265,17 @@ def _check_weights(fn, base, scale, n: int, D: int) -> None:
                          f"do not fit {n} streams of width {D}")
 
 
-def _mix(streams, fn, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The mix product's split partials and sums of squares (``hc_mix_kernel``) -> (part, sumsq, SPLIT, BN)."""
+class Mixed(NamedTuple):
+    """Some streams' mix product with one projection, as split partials for ``hc_pre_kernel`` to add up."""
+
+    part: torch.Tensor  # [split, T, bn] float32 dot products
+    sumsq: torch.Tensor  # [split, T] float32 sums of squares
+    split: int
+    bn: int
+
+
+def _mix(streams, fn, n: int) -> Mixed:
+    """The mix product's split partials and sums of squares (``hc_mix_kernel``)."""
     T, D = streams.shape[0], streams.shape[2]
     NM, K = (2 + n) * n, n * D
     BT, BN = MIX_TOKENS, max(16, next_power_of_2(NM))
@@ -236,7 +289,7 @@ def _mix(streams, fn, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     sumsq = torch.empty(SPLIT, T, dtype=torch.float32, device=streams.device)
     fast(hc_mix_kernel)[(blocks, SPLIT)](streams, fn.contiguous(), part, sumsq, T, K, KS, NM=NM, BT=BT, BN=BN, BK=BK,
                                          IEEE=streams.dtype == torch.float32, num_warps=4)
-    return part, sumsq, SPLIT, BN
+    return Mixed(part, sumsq, SPLIT, BN)
 
 
 def _whole(streams, T: int, D: int, n: int) -> bool:
@@ -269,6 +322,13 @@ def _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, mixe
         num_warps=4, **norm_consts)
 
 
+def _mixed(streams, fn, n: int) -> Mixed:
+    """The streams' mix product with ``fn``: the one the expand that made them handed over with them
+    (``hc_post_launch``), else ``hc_mix_kernel``'s."""
+    held = getattr(streams, "hc_mixed", None)
+    return held[1] if held is not None and held[0] is fn else _mix(streams, fn, n)
+
+
 def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     T, D = _check(streams, n, "hc_pre")
     _check_weights(fn, base, scale, n, D)
@@ -277,7 +337,7 @@ def hc_pre_launch(streams, fn, base, scale, n: int, iters: int, eps: float, norm
     post = torch.empty(T, n, dtype=torch.float32, device=dev)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     if T:
-        _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, _mix(streams, fn, n))
+        _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, _mixed(streams, fn, n))
     return y, post, comb
 
 
@@ -298,23 +358,41 @@ def hc_pre_norm_launch(streams, fn, base, scale, n: int, iters: int, eps: float,
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     # the buffers not made stand in for their pointers, never written (y's dtype sets the norm's roundings)
     _collapse(streams, base, scale, n, iters, eps, norm_eps, streams if y is None else y, post, comb,
-              _mix(streams, fn, n), (weight, post if q is None else q, post if s is None else s, rms_eps),
+              _mixed(streams, fn, n), (weight, post if q is None else q, post if s is None else s, rms_eps),
               NORM=True, CODES=codes, STORE_Y=y is not None)
     return y, q, s, post, comb
 
 
-def hc_post_launch(streams, out, post, comb):
+def post_mix(T: int, next_fn) -> bool:
+    """Whether the expand forms the next hyper-connection's mix product (``next_fn``: its projection, or None)."""
+    return next_fn is not None and 0 < T <= POST_MIX_TOKENS and not is_deterministic()
+
+
+def hc_post_launch(streams, out, post, comb, next_fn=None):
+    """The new streams; with ``next_fn`` (``post_mix``) they carry the next hyper-connection's mix product, which
+    its ``hc_pre`` then takes instead of a mix launch (``_mixed``)."""
     n = streams.shape[1] if streams.dim() == 3 else 0
     T, D = _check(streams, n, "hc_post")
     if out.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n):
         raise ValueError(f"hc_post: out {tuple(out.shape)} post {tuple(post.shape)} comb {tuple(comb.shape)} "
                          f"do not fit streams {tuple(streams.shape)}")
     y = torch.empty_like(streams)
-    if T:
-        BT = _tokens_per_program(streams, T)
+    BT = _tokens_per_program(streams, T)
+    args = (streams, out.contiguous(), post.contiguous(), comb.contiguous(), y)
+    if post_mix(T, next_fn):
+        NM, BN = (2 + n) * n, max(16, next_power_of_2((2 + n) * n))
+        if next_fn.shape != (NM, n * D):
+            raise ValueError(f"hc_post: next fn {tuple(next_fn.shape)} does not fit {n} streams of width {D}")
+        BD = max(16, next_power_of_2(cdiv(D, POST_MIX_SPLIT)))
+        split = cdiv(D, BD)
+        part = torch.empty(split, T, BN, dtype=torch.float32, device=streams.device)
+        sumsq = torch.empty(split, T, dtype=torch.float32, device=streams.device)
+        fast(hc_post_mix_kernel)[(cdiv(T, BT), split)](*args, next_fn.contiguous(), part, sumsq, T, D, N=n, NM=NM,
+                                                       BT=BT, BD=BD, BN=BN, num_warps=4)
+        y.hc_mixed = (next_fn, Mixed(part, sumsq, split, BN))
+    elif T:
         BD = max(16, min(1024 // BT, next_power_of_2(D)))
-        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](
-            streams, out.contiguous(), post.contiguous(), comb.contiguous(), y, T, D, N=n, BT=BT, BD=BD, num_warps=4)
+        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](*args, T, D, N=n, BT=BT, BD=BD, num_warps=4)
     return y
 
 
@@ -339,7 +417,9 @@ def hc_pre_norm(streams, fn, base, scale, n: int, iters: int, eps: float, norm_e
     return rms_norm(collapsed, weight, rms_eps), None, None, post, comb
 
 
-def hc_post(streams, out, post, comb):
+def hc_post(streams, out, post, comb, next_fn=None):
+    """The expand; ``next_fn``: the next hyper-connection's projection, whose mix product the expand's kernel forms
+    too where it can (``post_mix``)."""
     if use_triton(streams, out, post, comb):
-        return hc_post_launch(streams, out, post, comb)
+        return hc_post_launch(streams, out, post, comb, next_fn)
     return hc_post_ref(streams, out, post, comb)

@@ -39,7 +39,9 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg, dtype)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict) -> torch.Tensor:
+    def forward(self, streams, batch: ForwardBatch, cache: ModelCache, masks: dict,
+                then: HyperConnection | None = None) -> torch.Tensor:
+        """``then``: the next layer's first hyper-connection (``HyperConnection.forward``), or None."""
         # Each block takes its input normed with mHC's collapse, in the form the projection the norm feeds reads
         # (W8A8: int8 codes, ``rms_norm_for``); the projection is None where a parallel wrapper (flashinfra.parallel)
         # replaced the module: plain rows then. MLA's indexer and the MoE's router read the normed rows too.
@@ -49,8 +51,9 @@ class DecoderLayer(nn.Module):
         moe = isinstance(self.mlp, MoE)
         attn_proj = getattr(self.attn, "in_proj" if self.is_kda else "qkv_a_proj", None)
         mlp_proj = getattr(self.mlp, "w13" if moe else "gate_up_proj", None)
-        streams = self.attn_hc(streams, attention, (self.input_norm, self.eps, attn_proj, not self.is_kda))
-        return self.ffn_hc(streams, self.mlp, (self.post_attn_norm, self.eps, mlp_proj, moe))
+        streams = self.attn_hc(streams, attention, (self.input_norm, self.eps, attn_proj, not self.is_kda),
+                               self.ffn_hc)
+        return self.ffn_hc(streams, self.mlp, (self.post_attn_norm, self.eps, mlp_proj, moe), then)
 
 
 class Glm5NextModel(nn.Module):
@@ -74,8 +77,8 @@ class Glm5NextModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
         masks: dict[int, list[torch.Tensor]] = {}
-        for layer in self.layers:
-            streams = layer(streams, batch, cache, masks)
+        for layer, after in zip(self.layers, [*self.layers[1:], None]):
+            streams = layer(streams, batch, cache, masks, after.attn_hc if after is not None else None)
         return self.final_norm(streams)
 
     def final_norm(self, streams: torch.Tensor) -> torch.Tensor:

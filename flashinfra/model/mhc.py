@@ -29,17 +29,20 @@ class HyperConnection(nn.Module):
         """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]), all float32."""
         return hc_weights_ref(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps, self.norm_eps)
 
-    def forward(self, streams: torch.Tensor, block, norm: tuple | None = None) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, block, norm: tuple | None = None,
+                then: HyperConnection | None = None) -> torch.Tensor:
         """Apply ``block`` (a function of the collapsed [T, D] input) as a hyper-connected sub-layer. ``norm``: the
         block's input RMSNorm (weight, eps) and the projection the normed rows feed and whether another consumer
         reads them (``rms_norm_for``'s ``proj`` and ``keep_normed``); ``block`` then takes the rows in the form
-        ``rms_norm_for`` gives, normed with the collapse (one kernel for a decode step's token)."""
+        ``rms_norm_for`` gives, normed with the collapse (one kernel for a decode step's token). ``then``: the
+        hyper-connection the new streams go to next, whose mix product the expand forms for a decode batch."""
+        next_fn = then.fn if then is not None else None
         if norm is None:
             x, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
                                    self.norm_eps)
-            return hc_post(streams, block(x), post, comb)
+            return hc_post(streams, block(x), post, comb, next_fn)
         weight, eps, proj, keep_normed = norm
         codes = is_w8a8(proj)
         y, q, s, post, comb = hc_pre_norm(streams, self.fn, self.base, self.scale, self.n, self.iters, self.eps,
                                           self.norm_eps, weight, eps, codes, keep_normed)
-        return hc_post(streams, block(Int8Rows(q, s, streams.dtype, y) if codes else y), post, comb)
+        return hc_post(streams, block(Int8Rows(q, s, streams.dtype, y) if codes else y), post, comb, next_fn)
