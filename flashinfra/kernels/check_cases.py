@@ -79,12 +79,22 @@ def route(device: str, T: int, E: int, D: int, top_k: int, n_group: int, topk_gr
     gen = _gen(device, seed)
     x = rnd(T, D, device=device, gen=gen, dtype=dtype)
     weight, bias = rnd(E, D, device=device, gen=gen, scale=D**-0.5), rnd(E, device=device, gen=gen, scale=0.1)
-    w, ids = moe_route.route_launch(x, weight, bias, top_k, n_group, topk_group, True, 2.5)
     rw, rids = moe_route.route_ref(_d(x), _d(weight), _d(bias), top_k, n_group, topk_group, True, 2.5)
-    order, rorder = ids.long().sort(-1), rids.sort(-1)
-    return [compare("hotpath.route.ids", order.values, rorder.values, atol=0, rtol=0),
-            compare("hotpath.route.weights", w.gather(1, order.indices), rw.gather(1, rorder.indices),
-                    atol=1e-5, rtol=1e-4)]
+    rorder = rids.sort(-1)
+    res = []
+    # up to FMA_ROWS tokens also routed and aligned in one program (the MoE's block rows at decode)
+    aligned = T <= moe_route.FMA_ROWS
+    for name in ("route", "route_align") if aligned else ("route",):
+        out = (moe_route.route_align_launch if name == "route_align" else moe_route.route_launch)(
+            x, weight, bias, top_k, n_group, topk_group, True, 2.5)
+        order = out[1].long().sort(-1)
+        res += [compare(f"hotpath.{name}.ids", order.values, rorder.values, atol=0, rtol=0),
+                compare(f"hotpath.{name}.weights", out[0].gather(1, order.indices), rw.gather(1, rorder.indices),
+                        atol=1e-5, rtol=1e-4)]
+        if name == "route_align":
+            sorted_ids, expert_ids, used, BM = out[2]
+            res += _alignment("hotpath.route_align", out[1], E, BM, sorted_ids, expert_ids, used)
+    return res
 
 
 def fused_moe(device: str, T: int, E: int, D: int, I: int, top_k: int, dtype=torch.float32, seed=0, limit=1.0,
@@ -108,7 +118,12 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[
     """Every pair (each token's ``top_k`` routed ones and its shared one, expert ``E``) appears once, each block
     holds pairs of one expert only, padding is the sentinel."""
     ids = torch.randint(0, E, (T, top_k), device=device, generator=_gen(device, seed))
-    sorted_ids, expert_ids, used = align(ids, E, BM)
+    return _alignment("hotpath.moe_align", ids, E, BM, *align(ids, E, BM))
+
+
+def _alignment(name: str, ids, E: int, BM: int, sorted_ids, expert_ids, used) -> list[CheckResult]:
+    """``moe_align``'s properties of an alignment of the pairs of ``ids`` [T, top_k]."""
+    T, top_k = ids.shape
     n, pairs = int(used), T * (top_k + 1)
     s = sorted_ids[:n].long().cpu()
     real = s[s < pairs]
@@ -120,13 +135,13 @@ def moe_align(device: str, T: int, E: int, top_k: int, BM: int, seed=0) -> list[
         blk = blk[blk < pairs]
         if not (blk.numel() and (flat[blk] == int(expert_ids[b])).all()):
             mixed.append(b)
-    return [_verdict("hotpath.moe_align.pairs", sorted(real.tolist()) == list(range(pairs)),
+    return [_verdict(f"{name}.pairs", sorted(real.tolist()) == list(range(pairs)),
                      f"{real.numel()} real entries for {pairs} pairs"),
-            _verdict("hotpath.moe_align.blocks", not mixed,
+            _verdict(f"{name}.blocks", not mixed,
                      f"{len(mixed)} of {n // BM} blocks empty or of several experts {mixed[:8] or ''}"),
-            _verdict("hotpath.moe_align.padding", n % BM == 0 and n <= sorted_ids.numel(),
+            _verdict(f"{name}.padding", n % BM == 0 and n <= sorted_ids.numel(),
                      f"{n} entries used of {sorted_ids.numel()}, blocks of {BM}"),
-            _verdict("hotpath.moe_align.used", n == want, f"{n} rows used, each expert's run padded to {BM}: {want}")]
+            _verdict(f"{name}.used", n == want, f"{n} rows used, each expert's run padded to {BM}: {want}")]
 
 
 def paged_cache(device, gen, lens: list[int], bs: int, width: int, dtype):

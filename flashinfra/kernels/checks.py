@@ -14,7 +14,8 @@ import random
 import torch
 
 from flashinfra.feedback.registry import BenchContext, BenchSpec, CheckResult, register_benchmark, register_check
-from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, norms as nm, sparse_mla as sm
+from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc as hc, mhc_expand, norms as nm
+from flashinfra.kernels import sparse_mla as sm
 from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, moe_align, norms, penalties, rnd,
                                             route, sparse_mla, token_bitmask)
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
@@ -144,7 +145,7 @@ def _mhc_bench(T: int):
 
         def step(x, out):
             y, post, comb = hc.hc_pre_launch(x, fn, base, scale, N_HC, 20, 1e-6, 1e-5)
-            return hc.hc_post_launch(x, out + y, post, comb)
+            return mhc_expand.hc_post_launch(x, out + y, post, comb)
 
         es = act.itemsize
         return BenchSpec(fn=step, make_inputs=lambda seed: _fresh(seed, (t, N_HC, d), (t, d), device=dev, dtype=act),

@@ -262,9 +262,10 @@ def _offset(shared: torch.Tensor, experts: torch.Tensor) -> int:
     return delta // experts.element_size()
 
 
-def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales, x_codes):
+def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales, x_codes, aligned):
     """Grouped GEMMs over each token's routed pairs (``topk_ids`` / ``topk_w`` [T, k]) and its shared pair
-    (expert ``E``, weight 1): weighted pair outputs to ``out`` [T (k + 1), D]."""
+    (expert ``E``, weight 1): weighted pair outputs to ``out`` [T (k + 1), D]. ``aligned``: the pairs already
+    aligned (``moe_route.route_align_launch``), used where laid out for these GEMMs' block rows."""
     T, k = topk_ids.shape
     k += 1  # pairs per token
     E, N2, K = w13.shape
@@ -273,7 +274,10 @@ def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales
     cfg = moe_tiles(T * k, E + 1, 1 if fmt != "float" else x.element_size())
     BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
+    if aligned is not None and aligned[3] == BM:
+        sorted_ids, expert_ids, used = aligned[:3]
+    else:
+        sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
     ieee = x.dtype == torch.float32 and fmt == "float"
     if fmt == "float":  # no scales: the weights stand in for the unused scale pointers
         a, sa, (sw13, sw2), soff13, soff2 = x, x, (w13, w2), 0, 0
@@ -345,11 +349,12 @@ def _no_shared(w13, w2, scales=None):
 
 
 def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None,
-                     x_codes=None):
+                     x_codes=None, aligned=None):
     """Routed experts plus the shared expert: ``fused_moe_ref(...)`` in one pass of fused kernels. Float weights,
     or 8-bit ones (int8 or e4m3) with ``scales`` = (routed w13, routed w2, shared w13, shared w2) scales; a
     shared expert of ``None`` is none. ``x_codes``: int8 weights only, x's per-token codes and scales as
-    ``quant_act`` forms them, made by x's producer."""
+    ``quant_act`` forms them, made by x's producer. ``aligned``: ``moe_route.route_align_launch``'s alignment of
+    the pairs."""
     if shared_w13 is None:
         shared_w13, shared_w2, scales = _no_shared(w13, w2, scales)
     _check(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, scales)
@@ -364,18 +369,21 @@ def fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w1
         return y
     if shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]:  # a wider shared expert: on its own
         shared = linear(clamped_swiglu(linear(x, shared_w13), limit), shared_w2)
-        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)[:2]) + shared
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, *_no_shared(w13, w2)[:2],
+                                aligned=aligned) + shared
     # every token's k routed pairs plus one pair with the shared expert (id E, weight 1); the pair outputs in the
     # activation dtype: the reference rounds each weighted expert output there too
     pairs = torch.empty(T * (k + 1), D, dtype=x.dtype, device=x.device)
     pair_w, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
-    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales, x_codes)
+    _experts(x, w13, w2, shared_w13, shared_w2, pair_w, ids, limit, pairs, scales, x_codes, aligned)
     BD = min(1024, next_power_of_2(D))
     fast(moe_sum_kernel)[(T, cdiv(D, BD))](pairs, y, D, TOPK=k + 1, BD=BD, num_warps=4)
     return y
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None, x_codes=None):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2, scales=None, x_codes=None,
+              aligned=None):
     if use_triton(x, w13, w2, topk_weights, topk_ids):
-        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales, x_codes)
+        return fused_moe_launch(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales, x_codes,
+                                aligned)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, scales, x_codes)

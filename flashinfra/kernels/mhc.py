@@ -1,20 +1,19 @@
-"""mHC (hyper-connection) ops: weights + Sinkhorn + collapse (``hc_pre``) and expand (``hc_post``).
+"""mHC (hyper-connection) ops: weights + Sinkhorn + collapse (``hc_pre``); the expand is ``mhc_expand.py``.
 
 ``hc_pre``: streams ``[T, n, D]`` -> the block input ``sum_i pre_i * stream_i`` ``[T, D]`` plus the
 ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` weights (float32). The weights come from one projection of
 the RMS-normalised flattened streams: since the norm is a scalar per token, ``mix = rstd * (x @ fn^T)``,
 so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot products together.
-``hc_post``: ``out_streams[i] = post_i * out + sum_j comb[j, i] * stream_j``.
 ``hc_pre_norm``: ``hc_pre`` and then the block's input RMSNorm of the collapsed rows (with W8A8 projections, its
 int8 codes), as ``norms.rms_norm`` / ``norm_act.rms_norm_int8`` compute it: in the collapse's kernel where a
 program holds its tokens' whole rows (a decode step's token), one launch less a block.
 
 Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
-fills the chip) writes partial dot products and sums of squares; ``hc_pre_kernel`` (``BT`` tokens per
-program, and for a decode batch's few tokens a slice of the width each) adds the partials, applies sigmoid /
-softmax / Sinkhorn on the ``n x n`` matrices in registers and collapses the streams (for a decode step's single
-token, whose streams it loads before the weights' math so that the load's latency overlaps it);
-``hc_post_kernel`` (per ``BT`` tokens and ``D`` block) expands.
+fills the chip) writes partial dot products and sums of squares, unless the expand that made the streams formed
+them already (``HANDED_OVER``); ``hc_pre_kernel`` (``BT`` tokens per program, and for a decode batch's few tokens
+a slice of the width each) adds the partials, applies sigmoid / softmax / Sinkhorn on the ``n x n`` matrices in
+registers and collapses the streams (for a decode step's single token, whose streams it loads before the weights'
+math so that the load's latency overlaps it).
 """
 
 from __future__ import annotations
@@ -54,12 +53,6 @@ def hc_pre_ref(streams, fn, base, scale, n: int, iters: int, eps: float, norm_ep
     """-> (collapsed [T, D] in the streams' dtype, post [T, n], comb [T, n, n])."""
     pre, post, comb = hc_weights_ref(streams, fn, base, scale, n, iters, eps, norm_eps)
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), post, comb
-
-
-def hc_post_ref(streams, out, post, comb):
-    """streams [T, n, D], block output [T, D] -> new streams [T, n, D]."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 @triton.jit
@@ -155,67 +148,6 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
                      mask=m_t[:, None] & (o_d < D)[None, :])
 
 
-@triton.jit
-def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_i = tl.arange(0, N)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_t, m_d = o_t < T, o_d < D
-    dt = y.dtype.element_ty
-    rows = o_t.to(tl.int64) * N * D
-    m2 = m_t[:, None] & m_d[None, :]
-    # the reference rounds the weights to the streams' dtype before using them
-    pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
-    b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc = pst[:, :, None] * b_o[:, None, :]  # [BT, N(i), BD]
-    for j in tl.static_range(N):
-        c_j = tl.load(comb + o_t[:, None] * N * N + j * N + o_i[None, :], mask=m_t[:, None], other=0.0)  # [BT, i]
-        x_j = tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)  # [BT, BD]
-        acc += c_j.to(dt).to(tl.float32)[:, :, None] * x_j[:, None, :]
-    m3 = m_t[:, None, None] & m_d[None, None, :]
-    tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], acc.to(dt), mask=m3)
-
-
-@triton.jit
-def hc_post_mix_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr, NM: tl.constexpr,
-                       BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-    """``hc_post_kernel``'s expand, a new stream at a time (each element's sum in the same order), and the next
-    hyper-connection's mix product over this program's columns of every stream: its split ``i_d`` of the partials
-    and sums of squares that ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new
-    streams as that kernel would load them."""
-    pdl_wait(PDL)
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_d = i_d * BD + tl.arange(0, BD)
-    o_m = tl.arange(0, BN)
-    m_t, m_d = o_t < T, o_d < D
-    dt = y.dtype.element_ty
-    rows = o_t.to(tl.int64) * N * D
-    m2 = m_t[:, None] & m_d[None, :]
-    b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc_m = tl.zeros([BT, BN], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for i in tl.static_range(N):
-        p_i = tl.load(post + o_t * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
-        y_i = p_i[:, None] * b_o
-        for j in tl.static_range(N):
-            c_ji = tl.load(comb + o_t * N * N + j * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
-            y_i += c_ji[:, None] * tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        y_r = y_i.to(dt)
-        tl.store(y + rows[:, None] + i * D + o_d[None, :], y_r, mask=m2)
-        yf = y_r.to(tl.float32)
-        ss += tl.sum(yf * yf, 1)
-        b_w = tl.load(fn + o_m[:, None] * (N * D) + i * D + o_d[None, :], mask=(o_m < NM)[:, None] & m_d[None, :],
-                      other=0.0)
-        acc_m += tl.sum(yf[:, None, :] * b_w.to(dt).to(tl.float32)[None, :, :], 2)
-    split = (i_d * T + o_t)
-    tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
-    tl.store(sumsq + split, ss, mask=m_t)
-
-
 def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
     if streams.dim() != 3 or streams.shape[1] != n or not streams.is_contiguous():
         raise ValueError(f"{name}: streams must be contiguous [T, {n}, D], got {tuple(streams.shape)}")
@@ -233,11 +165,9 @@ WHOLE_TILE = 16384
 # Programs ``hc_pre`` makes at least, splitting the collapse over the width while its tokens make fewer: a batch of
 # 32 decode rows is 8 programs of 4 tokens, each reading 128 KB of streams in 16 dependent steps.
 COLLAPSE_PROGRAMS = 128
-# Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its programs
-# (``hc_post_mix_kernel``), in this many column splits at most: no mix launch of their own, which at a few tokens is
-# bound by its latency, not by the 1.5 MB of projection it reads.
-POST_MIX_TOKENS = 32
-POST_MIX_SPLIT = 64
+# The attribute of streams that carries their mix product with the next hyper-connection's projection, as
+# (projection, ``Mixed``), where the expand that made them formed it (``mhc_expand.hc_post_launch``).
+HANDED_OVER = "hc_mixed"
 
 
 def _tokens_per_program(streams: torch.Tensor, T: int) -> int:
@@ -325,7 +255,7 @@ def _collapse(streams, base, scale, n, iters, eps, norm_eps, y, post, comb, mixe
 def _mixed(streams, fn, n: int) -> Mixed:
     """The streams' mix product with ``fn``: the one the expand that made them handed over with them
     (``hc_post_launch``), else ``hc_mix_kernel``'s."""
-    held = getattr(streams, "hc_mixed", None)
+    held = getattr(streams, HANDED_OVER, None)
     return held[1] if held is not None and held[0] is fn else _mix(streams, fn, n)
 
 
@@ -363,39 +293,6 @@ def hc_pre_norm_launch(streams, fn, base, scale, n: int, iters: int, eps: float,
     return y, q, s, post, comb
 
 
-def post_mix(T: int, next_fn) -> bool:
-    """Whether the expand forms the next hyper-connection's mix product (``next_fn``: its projection, or None)."""
-    return next_fn is not None and 0 < T <= POST_MIX_TOKENS and not is_deterministic()
-
-
-def hc_post_launch(streams, out, post, comb, next_fn=None):
-    """The new streams; with ``next_fn`` (``post_mix``) they carry the next hyper-connection's mix product, which
-    its ``hc_pre`` then takes instead of a mix launch (``_mixed``)."""
-    n = streams.shape[1] if streams.dim() == 3 else 0
-    T, D = _check(streams, n, "hc_post")
-    if out.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n):
-        raise ValueError(f"hc_post: out {tuple(out.shape)} post {tuple(post.shape)} comb {tuple(comb.shape)} "
-                         f"do not fit streams {tuple(streams.shape)}")
-    y = torch.empty_like(streams)
-    BT = _tokens_per_program(streams, T)
-    args = (streams, out.contiguous(), post.contiguous(), comb.contiguous(), y)
-    if post_mix(T, next_fn):
-        NM, BN = (2 + n) * n, max(16, next_power_of_2((2 + n) * n))
-        if next_fn.shape != (NM, n * D):
-            raise ValueError(f"hc_post: next fn {tuple(next_fn.shape)} does not fit {n} streams of width {D}")
-        BD = max(16, next_power_of_2(cdiv(D, POST_MIX_SPLIT)))
-        split = cdiv(D, BD)
-        part = torch.empty(split, T, BN, dtype=torch.float32, device=streams.device)
-        sumsq = torch.empty(split, T, dtype=torch.float32, device=streams.device)
-        fast(hc_post_mix_kernel)[(cdiv(T, BT), split)](*args, next_fn.contiguous(), part, sumsq, T, D, N=n, NM=NM,
-                                                       BT=BT, BD=BD, BN=BN, num_warps=4)
-        y.hc_mixed = (next_fn, Mixed(part, sumsq, split, BN))
-    elif T:
-        BD = max(16, min(1024 // BT, next_power_of_2(D)))
-        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](*args, T, D, N=n, BT=BT, BD=BD, num_warps=4)
-    return y
-
-
 def hc_pre(streams, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     if use_triton(streams, fn, base, scale):
         return hc_pre_launch(streams, fn, base, scale, n, iters, eps, norm_eps)
@@ -415,11 +312,3 @@ def hc_pre_norm(streams, fn, base, scale, n: int, iters: int, eps: float, norm_e
     if codes:
         return (*rms_norm_int8(collapsed, weight, rms_eps, keep_normed), post, comb)
     return rms_norm(collapsed, weight, rms_eps), None, None, post, comb
-
-
-def hc_post(streams, out, post, comb, next_fn=None):
-    """The expand; ``next_fn``: the next hyper-connection's projection, whose mix product the expand's kernel forms
-    too where it can (``post_mix``)."""
-    if use_triton(streams, out, post, comb):
-        return hc_post_launch(streams, out, post, comb, next_fn)
-    return hc_post_ref(streams, out, post, comb)

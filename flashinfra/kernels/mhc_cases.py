@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from flashinfra.feedback.registry import CheckResult, compare
-from flashinfra.kernels import mhc as hc, norms as nm
+from flashinfra.kernels import mhc as hc, mhc_expand as ex, norms as nm
 from flashinfra.kernels.check_cases import _d, _gen, _verdict, rnd, tol
 
 
@@ -21,11 +21,11 @@ def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) ->
     ry, rpost, rcomb = hc.hc_pre_ref(_d(streams), _d(fn), _d(base), _d(scale), n, 20, 1e-6, 1e-5)
     wtol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     out = rnd(T, D, device=device, gen=gen, dtype=dtype)
-    new = hc.hc_post_launch(streams, out, post, comb)
+    new = ex.hc_post_launch(streams, out, post, comb)
     return [compare("hotpath.mhc.post_weights", post, rpost, **wtol),
             compare("hotpath.mhc.comb", comb, rcomb, **wtol),
             compare("hotpath.mhc.collapsed", y, ry, **tol(dtype)),
-            compare("hotpath.mhc.expand", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
+            compare("hotpath.mhc.expand", new, ex.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
             *_mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol),
             *_post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol)]
 
@@ -62,14 +62,14 @@ def _post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol) -> list[Chec
     dtype, dev, (T, _, D) = streams.dtype, streams.device, streams.shape
     fn = rnd((2 + n) * n, n * D, device=dev, gen=gen, dtype=dtype, scale=(n * D) ** -0.5)
     base, scale = rnd((2 + n) * n, device=dev, gen=gen, scale=0.3), 1 + rnd(3, device=dev, gen=gen, scale=0.3)
-    new = hc.hc_post_launch(streams, out, post, comb, fn)
+    new = ex.hc_post_launch(streams, out, post, comb, fn)
     formed = getattr(new, "hc_mixed", None) is not None
     y, npost, ncomb = hc.hc_pre_launch(new, fn, base, scale, n, 20, 1e-6, 1e-5)
     ry, rpost2, rcomb2 = hc.hc_pre_ref(_d(new), _d(fn), _d(base), _d(scale), n, 20, 1e-6, 1e-5)
-    return [compare("hotpath.mhc_post_mix.expand", new, hc.hc_post_ref(_d(streams), _d(out), rpost, rcomb),
+    return [compare("hotpath.mhc_post_mix.expand", new, ex.hc_post_ref(_d(streams), _d(out), rpost, rcomb),
                     **tol(dtype)),
-            _verdict("hotpath.mhc_post_mix.formed", formed == hc.post_mix(T, fn),
-                     f"the expand formed the next mix product: {formed}, expected {hc.post_mix(T, fn)}"),
+            _verdict("hotpath.mhc_post_mix.formed", formed == ex.post_mix(T, fn),
+                     f"the expand formed the next mix product: {formed}, expected {ex.post_mix(T, fn)}"),
             compare("hotpath.mhc_post_mix.collapsed", y, ry, **tol(dtype)),
             compare("hotpath.mhc_post_mix.post_weights", npost, rpost2, **wtol),
             compare("hotpath.mhc_post_mix.comb", ncomb, rcomb2, **wtol)]

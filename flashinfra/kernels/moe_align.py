@@ -100,6 +100,13 @@ def moe_align_one_kernel(ids, scratch, sorted_ids, expert_ids, used, num_pairs, 
     then each pair placed by an atomic counter per expert that this program zeroes first (``scratch``: the starts,
     then the counters)."""
     pdl_wait(PDL)
+    align_one(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K, E_P2, BM, BLOCK)
+
+
+@triton.jit
+def align_one(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K: tl.constexpr, E_P2: tl.constexpr,
+              BM: tl.constexpr, BLOCK: tl.constexpr):
+    """``moe_align_one_kernel``'s work, in the calling program."""
     o = tl.arange(0, BLOCK)
     m = o < num_pairs
     e = _pair_expert(ids, o, m, K, E, E_P2)
@@ -108,6 +115,28 @@ def moe_align_one_kernel(ids, scratch, sorted_ids, expert_ids, used, num_pairs, 
     _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2)
     tl.debug_barrier()  # the starts and the zeroed counters, seen by every thread of the program
     _place(e, o, m, scratch, scratch + E_P2, sorted_ids)
+
+
+def bins(num_experts: int) -> int:
+    """The counting sort's bins: the routed experts, the shared one, and a spare for the masked lanes."""
+    return next_power_of_2(num_experts + 2)
+
+
+def aligned_buffers(T: int, k: int, num_experts: int, BM: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sorted_ids`` and ``expert_ids`` for ``T`` tokens of ``k`` routed pairs and a shared one, in the longest
+    layout their runs can take."""
+    n = T * (k + 1)
+    S = cdiv(min(n + (num_experts + 1) * (BM - 1), n * BM), BM) * BM
+    return (torch.empty(S, dtype=torch.int32, device=device),
+            torch.empty(S // BM, dtype=torch.int32, device=device))
+
+
+def one_program_scratch(num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_one``'s scratch (starts, counters, used; each 16-byte aligned; the counters zeroed by the program)
+    and the used length in it."""
+    E_P2 = bins(num_experts)
+    scratch = torch.empty(2 * E_P2 + 4, dtype=torch.int32, device=device)
+    return scratch, scratch[2 * E_P2:2 * E_P2 + 1]
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
@@ -121,14 +150,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, BM: int):
     ids = topk_ids.to(torch.int32).contiguous()
     T, k = ids.shape
     E, n, dev = num_experts, T * (k + 1), ids.device
-    S = cdiv(min(n + (E + 1) * (BM - 1), n * BM), BM) * BM
-    E_P2 = next_power_of_2(E + 2)  # the shared expert, and a spare bin for the masked lanes
-    sorted_ids = torch.empty(S, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(S // BM, dtype=torch.int32, device=dev)
+    E_P2 = bins(E)
+    sorted_ids, expert_ids = aligned_buffers(T, k, E, BM, dev)
     if n <= ONE_PROGRAM:
-        # starts, counters, used; each 16-byte aligned (the counters are zeroed by the program)
-        scratch = torch.empty(2 * E_P2 + 4, dtype=torch.int32, device=dev)
-        used = scratch[2 * E_P2:2 * E_P2 + 1]
+        scratch, used = one_program_scratch(E, dev)
         # two block sizes (decode batches, the rest): two compilations whatever the batch
         fast(moe_align_one_kernel)[(1,)](ids, scratch, sorted_ids, expert_ids, used, n, E, K=k, E_P2=E_P2, BM=BM,
                                          BLOCK=ONE_PROGRAM_SMALL if n <= ONE_PROGRAM_SMALL else ONE_PROGRAM,

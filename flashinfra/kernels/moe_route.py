@@ -27,6 +27,8 @@ import triton.language as tl
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
+from flashinfra.kernels.moe_align import align_one, aligned_buffers, bins, one_program_scratch
+from flashinfra.kernels.moe_tiles import moe_tiles
 
 # Tokens up to which the logits are float32 products summed over whole rows, two experts a program (144 programs
 # streaming the weight); above, and in deterministic mode, cuBLAS's float32 GEMM of the widened rows.
@@ -103,8 +105,27 @@ def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr,
                  TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                  PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    i_t = tl.program_id(0)
-    o_t = i_t * BT + tl.arange(0, BT)
+    _route(logits, bias, w_out, id_out, tl.program_id(0) * BT + tl.arange(0, BT), T, E, scaling, TOPK, G,
+           TOPK_GROUP, NORM, BT, BE)
+
+
+@triton.jit(do_not_specialize=["T"])  # 1 to FMA_ROWS tokens: one compilation for each BT
+def route_align_kernel(logits, bias, w_out, id_out, scratch, sorted_ids, expert_ids, used, T, E, scaling,
+                       TOPK: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                       BT: tl.constexpr, BE: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """A decode step's few tokens (``BT`` covers them all) routed, then their pairs aligned for the fused MoE
+    (``moe_align.align_one``), in one program."""
+    pdl_wait(PDL)
+    _route(logits, bias, w_out, id_out, tl.arange(0, BT), T, E, scaling, TOPK, G, TOPK_GROUP, NORM, BT, BE)
+    tl.debug_barrier()  # the chosen ids, seen by every thread of the program
+    align_one(id_out, scratch, sorted_ids, expert_ids, used, T * (TOPK + 1), E, TOPK, E_P2, BM, BLOCK)
+
+
+@triton.jit
+def _route(logits, bias, w_out, id_out, o_t, T, E, scaling, TOPK: tl.constexpr, G: tl.constexpr,
+           TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    """Tokens ``o_t`` (``BT`` of them)' choices from their logits: ``route_ref`` after the logits."""
     o_e = tl.arange(0, BE)
     m_t, m_e = o_t < T, o_e < E
     neg = float("-inf")
@@ -143,11 +164,15 @@ def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr,
         tl.store(p, tl.load(p, mask=m_t, other=0.0) * factor, mask=m_t)
 
 
+def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
+        raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
+
+
 def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
     """-> (weights [T, top_k] float32, ids [T, top_k] int32)."""
     E = weight.shape[0]
-    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
-        raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
+    _check_groups(E, top_k, n_group, topk_group)
     logits = router_logits(x, weight)
     T = x.shape[0]
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
@@ -166,3 +191,36 @@ def route(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
     if use_triton(x, weight, bias):
         return route_launch(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
     return route_ref(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+
+
+def route_align_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                       scaling: float):
+    """``route_launch`` for 1 to ``FMA_ROWS`` tokens, with the fused MoE's alignment of their pairs formed in the
+    routing's program -> (weights, ids, aligned): ``aligned`` is ``moe_align``'s (sorted_ids, expert_ids, used)
+    and the block rows ``BM`` it lays the pairs out for (the MoE's GEMMs' at these tokens, ``moe_tiles``)."""
+    _check_groups(weight.shape[0], top_k, n_group, topk_group)
+    T, E, dev = x.shape[0], weight.shape[0], x.device
+    if not 0 < T <= FMA_ROWS:
+        raise ValueError(f"route_align: {T} tokens, the one-program routing takes 1 to {FMA_ROWS}")
+    logits = router_logits_launch(x, weight)
+    n = T * (top_k + 1)
+    BM = moe_tiles(n, E + 1)["BM"]
+    sorted_ids, expert_ids = aligned_buffers(T, top_k, E, BM, dev)
+    scratch, used = one_program_scratch(E, dev)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    BT, BE = next_power_of_2(T), next_power_of_2(E)
+    fast(route_align_kernel)[(1,)](logits, bias.float().contiguous(), w, ids, scratch, sorted_ids, expert_ids, used,
+                                   T, E, float(scaling), TOPK=top_k, G=n_group, TOPK_GROUP=topk_group,
+                                   NORM=norm_topk_prob, BT=BT, BE=BE, E_P2=bins(E), BM=BM,
+                                   BLOCK=max(16, next_power_of_2(n)), num_warps=1 if BT * BE <= 1024 else 4)
+    return w, ids, (sorted_ids, expert_ids, used, BM)
+
+
+def route_aligned(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    """``route`` -> (weights, ids, aligned or None): a decode step's few tokens on the kernel path also get the fused
+    MoE's alignment of their pairs from the routing's launch (``route_align_launch``; not in deterministic mode,
+    whose logits take the batch-invariant GEMM); the MoE aligns them itself otherwise."""
+    if use_triton(x, weight, bias) and 0 < x.shape[0] <= FMA_ROWS and not is_deterministic():
+        return route_align_launch(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+    return (*route(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling), None)

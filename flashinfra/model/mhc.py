@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from flashinfra.config import TextConfig
-from flashinfra.kernels.mhc import hc_post, hc_pre, hc_pre_norm, hc_weights_ref
+from flashinfra.kernels.mhc import hc_pre, hc_pre_norm, hc_weights_ref
+from flashinfra.kernels.mhc_expand import hc_post
 from flashinfra.quant.linear import Int8Rows, is_w8a8
 
 

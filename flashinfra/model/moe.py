@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from flashinfra.config import TextConfig
 from flashinfra.kernels.fused_moe import clamped_swiglu, experts_ref
-from flashinfra.kernels.moe_route import route, route_ref
+from flashinfra.kernels.moe_route import route_aligned, route_ref
 from flashinfra.quant.linear import Int8Rows, linear, moe_experts, normed
 
 __all__ = ["DenseMLP", "MoE", "clamped_swiglu", "experts_ref", "route_ref"]
@@ -44,9 +44,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
         """``x`` rows, or under W8A8 ``Int8Rows`` with the normed rows kept (the router's input)."""
         c = self.cfg
-        w, ids = route(
+        w, ids, aligned = route_aligned(
             normed(x), self.router_weight, self.router_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )
         return moe_experts(x, self.w13, self.w2, w, ids, c.swiglu_limit, self.shared.gate_up_proj,
-                           self.shared.down_proj)
+                           self.shared.down_proj, aligned)

@@ -80,16 +80,17 @@ def shared_is_grouped(w13: QuantizedWeight, shared_w13, shared_w2) -> bool:
             and shared_w13.scheme == w13.scheme and shared_w13.data.shape == w13.data.shape[1:])
 
 
-def moe_experts(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2) -> torch.Tensor:
+def moe_experts(x, w13, w2, topk_weights, topk_ids, limit: float, shared_w13, shared_w2,
+                aligned=None) -> torch.Tensor:
     """Routed experts plus the shared expert, as ``fused_moe``; ``x`` rows, or ``Int8Rows`` kept with their normed
-    rows (W8A8 experts)."""
+    rows (W8A8 experts); ``aligned``: the router's alignment of the pairs (``moe_route.route_aligned``)."""
     rows, x = x, normed(x)
     codes = (rows.q, rows.s) if isinstance(rows, Int8Rows) else None
     if not isinstance(w13, QuantizedWeight):
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, limit, shared_w13, shared_w2, aligned=aligned)
     if shared_is_grouped(w13, shared_w13, shared_w2):
         return fused_moe(x, w13.data, w2.data, topk_weights, topk_ids, limit, shared_w13.data, shared_w2.data,
-                         (w13.scale, w2.scale, shared_w13.scale, shared_w2.scale), codes)
+                         (w13.scale, w2.scale, shared_w13.scale, shared_w2.scale), codes, aligned)
     shared = linear(clamped_swiglu(linear(rows, shared_w13), limit), shared_w2)
     return fused_moe(x, w13.data, w2.data, topk_weights, topk_ids, limit, None, None,
-                     (w13.scale, w2.scale, None, None), codes) + shared
+                     (w13.scale, w2.scale, None, None), codes, aligned) + shared
