@@ -188,6 +188,41 @@ def hc_collapse(streams: torch.Tensor) -> torch.Tensor:
     return (acc / streams.shape[1]).to(streams.dtype)
 
 
+@triton.jit
+def hc_collapse_norm_kernel(x, w, y, D, eps, N: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    """One token's final hidden state: its streams' mean (a float32 sum in stream order, rounded to their dtype, as
+    ``hc_collapse`` in deterministic mode) and the final RMSNorm of it (``norms.rms_norm_rows``)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m = o_d < D
+    acc = tl.load(x + row * N * D + o_d, mask=m, other=0.0).to(tl.float32)
+    for i in tl.static_range(1, N):
+        acc += tl.load(x + row * N * D + i * D + o_d, mask=m, other=0.0).to(tl.float32)
+    dt = y.dtype.element_ty
+    b_y = rms_norm_rows((acc / N).to(dt).to(tl.float32)[None, :], w, o_d, D, eps, dt)
+    tl.store(y + row * D + o_d[None, :], b_y, mask=m[None, :])
+
+
+def hc_collapse_norm_launch(streams, weight, eps: float) -> torch.Tensor:
+    n = streams.shape[1] if streams.dim() == 3 else 0
+    T, D = _check(streams, n, "hc_collapse_norm")
+    if weight.shape != (D,):
+        raise ValueError(f"hc_collapse_norm: norm weight {tuple(weight.shape)} does not fit width {D}")
+    y = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
+    if T:
+        BD = next_power_of_2(D)
+        fast(hc_collapse_norm_kernel)[(T,)](streams, weight, y, D, eps, N=n, BD=BD, num_warps=4 if BD <= 2048 else 8)
+    return y
+
+
+def hc_collapse_norm(streams, weight, eps: float) -> torch.Tensor:
+    """The final hidden states: ``norms.rms_norm`` of ``hc_collapse``, in one kernel on the Triton path."""
+    if use_triton(streams, weight):
+        return hc_collapse_norm_launch(streams, weight, eps)
+    return rms_norm(hc_collapse(streams), weight, eps)
+
+
 def _check_weights(fn, base, scale, n: int, D: int) -> None:
     NM, K = (2 + n) * n, n * D
     if fn.shape != (NM, K) or base.shape != (NM,) or scale.shape != (3,):

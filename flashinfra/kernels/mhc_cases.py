@@ -27,7 +27,7 @@ def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) ->
             compare("hotpath.mhc.collapsed", y, ry, **tol(dtype)),
             compare("hotpath.mhc.expand", new, ex.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
             *_mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol),
-            *_post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol)]
+            *_post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol), *_collapse_norm(streams, gen)]
 
 
 def _mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol) -> list[CheckResult]:
@@ -73,3 +73,18 @@ def _post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol) -> list[Chec
             compare("hotpath.mhc_post_mix.collapsed", y, ry, **tol(dtype)),
             compare("hotpath.mhc_post_mix.post_weights", npost, rpost2, **wtol),
             compare("hotpath.mhc_post_mix.comb", ncomb, rcomb2, **wtol)]
+
+
+def _collapse_norm(streams, gen) -> list[CheckResult]:
+    """The final hidden states (``hc_collapse_norm``) against float64's norm of the streams' mean, and the same bits as
+    deterministic mode's mean (a sum in stream order) then the norm kernel."""
+    from flashinfra.kernels.dispatch import deterministic
+
+    dtype, D = streams.dtype, streams.shape[2]
+    w = 1 + rnd(D, device=streams.device, gen=gen, dtype=dtype, scale=0.3)
+    y = hc.hc_collapse_norm_launch(streams, w, 1e-5)
+    with deterministic(True):
+        two = nm.rms_norm_launch(hc.hc_collapse(streams), w, 1e-5)
+    return [compare("hotpath.mhc_final.normed", y, nm.rms_norm_ref(_d(streams).mean(1), _d(w), 1e-5), **tol(dtype)),
+            _verdict("hotpath.mhc_final.as_two_ops", torch.equal(y, two),
+                     "the same bits as the stream-order mean, then the norm")]

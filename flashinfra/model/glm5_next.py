@@ -12,8 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashinfra.config import LINEAR_ATTENTION, TextConfig
-from flashinfra.kernels.mhc import hc_collapse
-from flashinfra.kernels.norms import rms_norm
+from flashinfra.kernels.mhc import hc_collapse_norm
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.kda import KDAttention
@@ -83,7 +82,7 @@ class Glm5NextModel(nn.Module):
 
     def final_norm(self, streams: torch.Tensor) -> torch.Tensor:
         """The last layer's streams [T, n, D] -> final hidden states [T, D]: collapse by mean, then norm."""
-        return rms_norm(hc_collapse(streams), self.norm, self.cfg.rms_norm_eps)
+        return hc_collapse_norm(streams, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
