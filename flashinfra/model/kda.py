@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from flashinfra.config import TextConfig
+from flashinfra.kernels.batch_invariant import matmul_nt
 from flashinfra.kernels.dispatch import is_deterministic
 from flashinfra.kernels.kda import (causal_conv1d_prefill, causal_conv1d_save_windows, kda_layer_decode,
                                    kda_prefill_gated)
@@ -36,8 +37,7 @@ class KDAttention(nn.Module):
 
         self.in_proj = param(sum(self.splits), D)
         self.conv_weight = param(3 * H * K, cfg.linear_conv_kernel_dim, dt=torch.float32)
-        self.f_b_proj = param(H * K, K)
-        self.g_b_proj = param(H * K, K)
+        self.fg_b_proj = param(2, H * K, K)  # the forget gate's and the output gate's low-rank up-projections
         self.dt_bias = param(H * K, dt=torch.float32)
         self.A_log = param(H, dt=torch.float32)
         self.o_norm = param(K)
@@ -46,8 +46,10 @@ class KDAttention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q|k|v before the conv [T, 3 H K], the forget gate's input [T, H K], beta's logits [T, H]
         and the output gate before its sigmoid [T, H K]."""
-        qkv, f_a, g_a, b = linear(x, self.in_proj).split(self.splits, dim=-1)
-        return qkv, linear(f_a, self.f_b_proj), b, linear(g_a, self.g_b_proj)
+        qkv, fg_a, b = linear(x, self.in_proj).split([self.splits[0], 2 * self.K, self.splits[3]], dim=-1)
+        # both gates' up-projections as one batched product, from the adjacent f_a | g_a columns as they are
+        f, g = matmul_nt(fg_a.unflatten(-1, (2, self.K)).transpose(0, 1), self.fg_b_proj).unbind(0)
+        return qkv, f, b, g
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K

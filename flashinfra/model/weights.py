@@ -71,10 +71,10 @@ def _kda(p: str, cfg: TextConfig, params: dict[str, torch.Tensor], q: str) -> di
         [Copy(f"{a}{x}_conv1d.weight", (slice(i * HK, (i + 1) * HK),), (HK, 1, W)) for i, x in enumerate("qkv")],
         [Copy(f"{a}conv1d.weight", (), (3 * HK, 1, W))],
     ]
-    out[q + "f_b_proj"] = [[Copy(n + ".weight", (), (HK, K))] for n in gate_names("f_b_proj")]
+    out[q + "fg_b_proj"] = [[Copy(n + ".weight", (0,), (HK, K)), Copy(f"{a}g_b_proj.weight", (1,), (HK, K))]
+                            for n in gate_names("f_b_proj")]
     out[q + "dt_bias"] = [[Copy(n, (), (HK,))] for n in gate_names("dt_bias")]
     out[q + "A_log"] = [[Copy(n, (), (H,))] for n in gate_names("A_log")]
-    out[q + "g_b_proj"] = [_whole(f"{a}g_b_proj.weight", params[q + "g_b_proj"])]
     out[q + "o_norm"] = [_whole(f"{a}o_norm.weight", params[q + "o_norm"])]
     out[q + "o_proj"] = [_whole(f"{a}o_proj.weight", params[q + "o_proj"])]
     return out

@@ -115,7 +115,7 @@ def _shard_kda(m: KDAttention, layout: ParallelLayout, name: str) -> None:
                                  _head_rows(v, heads, K, w + " (v rows)"), gates,
                                  _head_rows(b, heads, 1, w + " (beta rows)")], w))
     _set(m, "conv_weight", torch.cat([c[heads.start * K : heads.stop * K] for c in m.conv_weight.split(HK)]))
-    for pname in ("f_b_proj", "g_b_proj", "dt_bias"):
+    for pname in ("fg_b_proj", "dt_bias"):
         _set(m, pname, _head_rows(getattr(m, pname), heads, K, f"{name}.{pname}"))
     _set(m, "A_log", m.A_log[heads])
     _set(m, "o_proj", take_cols(m.o_proj, slice(heads.start * K, heads.stop * K), f"{name}.o_proj"))

@@ -6,7 +6,7 @@ quantizes ``lm_head`` (``W8A8_ONLY``: the largest single weight a decode step re
 a tensor-parallel rank's rows are exactly its slice of it, which FP8's 128-row blocks are not where the vocabulary
 splits off a block boundary). A model whose head is its embedding keeps it in the model dtype. What stays in the
 model dtype: the embeddings (and ``lm_head`` under FP8), every norm, the router, mHC, the KDA forget/output gate
-low-rank ``f_b_proj`` / ``g_b_proj`` and ``A_log`` / ``dt_bias``, the conv weights, MLA's ``kv_b_proj`` (absorbed
+low-rank up-projections (``fg_b_proj``) and ``A_log`` / ``dt_bias``, the conv weights, MLA's ``kv_b_proj`` (absorbed
 into the query and output per head, an einsum rather than a GEMM of the model width) and the DSA indexer (its top-k
 choice is the most sensitive to rounding). ``in_proj`` carries beta's and the gates' low-rank inputs as rows: each row
 has its own scale, so they are quantized with it.
