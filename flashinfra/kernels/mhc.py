@@ -100,6 +100,8 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
         o_d = tl.arange(0, BD)
         m_x = m_t[:, None, None] & (o_d < D)[None, None, :]
         b_xw = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m_x, other=0.0)
+        if NORM:  # before the weights' stores, which the compiler cannot move a load past
+            b_wn = tl.load(w_norm + o_d, mask=o_d < D, other=0.0)
     # the split partials of all tokens in one load each, summed over the split axis (a loop over the
     # splits would add up their load latencies)
     o_s = tl.arange(0, SP)
@@ -130,8 +132,7 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         m_y = m_t[:, None] & (o_d < D)[None, :]
         if NORM:  # the block's input norm on the collapsed rows (and its codes), as rms_norm / rms_norm_int8
-            b_y = rms_norm_rows(b_y.to(y.dtype.element_ty).to(tl.float32), w_norm, o_d, D, rms_eps,
-                                y.dtype.element_ty)
+            b_y = rms_norm_rows(b_y.to(y.dtype.element_ty).to(tl.float32), b_wn, D, rms_eps, y.dtype.element_ty)
             if CODES:
                 codes, b_s = int8_rows(b_y.to(tl.float32))
                 tl.store(q + o_t[:, None].to(tl.int64) * D + o_d[None, :], codes, mask=m_y)
@@ -200,7 +201,7 @@ def hc_collapse_norm_kernel(x, w, y, D, eps, N: tl.constexpr, BD: tl.constexpr, 
     for i in tl.static_range(1, N):
         acc += tl.load(x + row * N * D + i * D + o_d, mask=m, other=0.0).to(tl.float32)
     dt = y.dtype.element_ty
-    b_y = rms_norm_rows((acc / N).to(dt).to(tl.float32)[None, :], w, o_d, D, eps, dt)
+    b_y = rms_norm_rows((acc / N).to(dt).to(tl.float32)[None, :], tl.load(w + o_d, mask=m, other=0.0), D, eps, dt)
     tl.store(y + row * D + o_d[None, :], b_y, mask=m[None, :])
 
 

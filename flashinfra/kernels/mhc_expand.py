@@ -51,38 +51,41 @@ def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexp
 @triton.jit
 def hc_post_mix_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr, NM: tl.constexpr,
                        BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-    """``hc_post_kernel``'s expand, a new stream at a time (each element's sum in the same order), and the next
-    hyper-connection's mix product over this program's columns of every stream: its split ``i_d`` of the partials
-    and sums of squares that ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new
-    streams as that kernel would load them."""
+    """``hc_post_kernel``'s expand (each element's sum in the same order) and the next hyper-connection's mix product
+    over this program's columns of every stream: its split ``i_d`` of the partials and sums of squares that
+    ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new streams as that kernel would
+    load them. Every load comes before the store of the new streams, which the compiler cannot move them past."""
     pdl_wait(PDL)
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
+    o_i = tl.arange(0, N)
     o_d = i_d * BD + tl.arange(0, BD)
     o_m = tl.arange(0, BN)
     m_t, m_d = o_t < T, o_d < D
     dt = y.dtype.element_ty
     rows = o_t.to(tl.int64) * N * D
     m2 = m_t[:, None] & m_d[None, :]
+    b_w = tl.load(fn + o_m[:, None, None] * (N * D) + o_i[None, :, None] * D + o_d[None, None, :],
+                  mask=(o_m < NM)[:, None, None] & m_d[None, None, :], other=0.0).to(dt).to(tl.float32)  # [BN, N, BD]
+    pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
     b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = pst[:, :, None] * b_o[:, None, :]  # [BT, N(i), BD]
+    for j in tl.static_range(N):
+        c_j = tl.load(comb + o_t[:, None] * N * N + j * N + o_i[None, :], mask=m_t[:, None], other=0.0)  # [BT, i]
+        x_j = tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)  # [BT, BD]
+        acc += c_j.to(dt).to(tl.float32)[:, :, None] * x_j[:, None, :]
+    b_y = acc.to(dt)
+    m3 = m_t[:, None, None] & m_d[None, None, :]
+    tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], b_y, mask=m3)
+    yf = b_y.to(tl.float32)
     acc_m = tl.zeros([BT, BN], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for i in tl.static_range(N):
-        p_i = tl.load(post + o_t * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
-        y_i = p_i[:, None] * b_o
-        for j in tl.static_range(N):
-            c_ji = tl.load(comb + o_t * N * N + j * N + i, mask=m_t, other=0.0).to(dt).to(tl.float32)
-            y_i += c_ji[:, None] * tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        y_r = y_i.to(dt)
-        tl.store(y + rows[:, None] + i * D + o_d[None, :], y_r, mask=m2)
-        yf = y_r.to(tl.float32)
-        ss += tl.sum(yf * yf, 1)
-        b_w = tl.load(fn + o_m[:, None] * (N * D) + i * D + o_d[None, :], mask=(o_m < NM)[:, None] & m_d[None, :],
-                      other=0.0)
-        acc_m += tl.sum(yf[:, None, :] * b_w.to(dt).to(tl.float32)[None, :, :], 2)
-    split = (i_d * T + o_t)
+    for i in tl.static_range(N):  # stream i's columns of the rows and of the projection
+        y_i = tl.sum(tl.where((o_i == i)[None, :, None], yf, 0.0), 1)  # [BT, BD]
+        w_i = tl.sum(tl.where((o_i == i)[None, :, None], b_w, 0.0), 1)  # [BN, BD]
+        acc_m += tl.sum(y_i[:, None, :] * w_i[None, :, :], 2)
+    split = i_d * T + o_t
     tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
-    tl.store(sumsq + split, ss, mask=m_t)
+    tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
 
 
 # Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its programs

@@ -43,13 +43,13 @@ def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps
 
 
 @triton.jit
-def rms_norm_rows(b_x, w, o_d, D, eps, dtype: tl.constexpr):
-    """RMSNorm of rows in registers (float32 of rows in ``dtype``; masked columns zero) times the weight at columns
-    ``o_d``, with the reference's roundings to ``dtype`` (the normed rows, then the product): the one arithmetic of
-    every kernel that norms whole rows (this module's, ``quant.norm_act``'s, mHC's collapse)."""
+def rms_norm_rows(b_x, b_w, D, eps, dtype: tl.constexpr):
+    """RMSNorm of rows in registers (float32 of rows in ``dtype``; masked columns zero) times the weight ``b_w`` (the
+    row's columns, loaded by the caller: as early as its kernel allows), with the reference's roundings to ``dtype``
+    (the normed rows, then the product): the one arithmetic of every kernel that norms whole rows (this module's,
+    ``quant.norm_act``'s, mHC's collapse)."""
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_n = (b_x * b_r[:, None]).to(dtype)
-    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0)
     return (b_w[None, :].to(tl.float32) * b_n.to(tl.float32)).to(dtype)
 
 
@@ -66,7 +66,7 @@ def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, BT: tl.constex
         p_rs = o_t[:, None].to(tl.int64) * D + o_d[None, :]
         b_x = (b_x.to(tl.float32) + tl.load(r + p_rs, mask=m, other=0.0).to(tl.float32)).to(s.dtype.element_ty)
         tl.store(s + p_rs, b_x, mask=m)
-    b_y = rms_norm_rows(b_x.to(tl.float32), w, o_d, D, eps, y.dtype.element_ty)
+    b_y = rms_norm_rows(b_x.to(tl.float32), tl.load(w + o_d, mask=o_d < D, other=0.0), D, eps, y.dtype.element_ty)
     tl.store(y + o_t[:, None].to(tl.int64) * stride_y + o_d[None, :], b_y, mask=m)
 
 

@@ -46,7 +46,7 @@ def rms_norm_int8_kernel(x, w, y, q, s, stride_x, N, D, eps, BT: tl.constexpr, B
     m = m_t[:, None] & (o_d < D)[None, :]
     rows = o_t[:, None].to(tl.int64)
     b_x = tl.load(x + rows * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_y = rms_norm_rows(b_x, w, o_d, D, eps, x.dtype.element_ty)
+    b_y = rms_norm_rows(b_x, tl.load(w + o_d, mask=o_d < D, other=0.0), D, eps, x.dtype.element_ty)
     if STORE_Y:
         tl.store(y + rows * D + o_d[None, :], b_y, mask=m)
     codes, scale = int8_rows(b_y.to(tl.float32))  # quant_int8_per_token of the rounded rows
