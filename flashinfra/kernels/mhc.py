@@ -100,7 +100,7 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
         o_d = tl.arange(0, BD)
         m_x = m_t[:, None, None] & (o_d < D)[None, None, :]
         b_xw = tl.load(x + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], mask=m_x, other=0.0)
-        if NORM:  # before the weights' stores, which the compiler cannot move a load past
+        if NORM:
             b_wn = tl.load(w_norm + o_d, mask=o_d < D, other=0.0)
     # the split partials of all tokens in one load each, summed over the split axis (a loop over the
     # splits would add up their load latencies)
@@ -125,9 +125,6 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     for _ in range(iters - 1):
         c = c / (tl.sum(c, 2)[:, :, None] + eps)
         c = c / (tl.sum(c, 1)[:, None, :] + eps)
-    m_w = o_t < tl.where(i_s == 0, T, 0)  # every width slice's program computes the weights; the first stores them
-    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_w[:, None])
-    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_w[:, None, None])
     if WHOLE:
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         m_y = m_t[:, None] & (o_d < D)[None, :]
@@ -147,6 +144,10 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
             b_y = tl.sum(pre[:, :, None] * b_x.to(tl.float32), 1)
             tl.store(y + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty),
                      mask=m_t[:, None] & (o_d < D)[None, :])
+    # the weights last: a load after a store waits for it (the compiler cannot tell the pointers apart)
+    m_w = o_t < tl.where(i_s == 0, T, 0)  # every width slice's program computes the weights; the first stores them
+    tl.store(post + o_t[:, None] * N + o_i[None, :], pst, mask=m_w[:, None])
+    tl.store(comb + o_t[:, None, None] * N * N + o_ij[None, :, :], c, mask=m_w[:, None, None])
 
 
 def _check(streams: torch.Tensor, n: int, name: str) -> tuple[int, int]:
