@@ -113,7 +113,7 @@ KERNELS = [
     *[_spec("moe_route", "route_align_kernel",
             dict(logits="*fp32", bias="*fp32", w_out="*fp32", id_out="*i32", scratch="*i32", sorted_ids="*i32",
                  expert_ids="*i32", used="*i32", T="i32", E="i32", scaling="fp32"),
-            dict(TOPK=8, G=1, TOPK_GROUP=1, NORM=True, BT=bt, BE=512, E_P2=512, BM=16, BLOCK=block), (), nw, 3,
+            dict(TOPK=8, G=1, TOPK_GROUP=1, NORM=True, BT=bt, BE=512, TOPK_P2=8, E_P2=512, BM=16, BLOCK=block), (), nw, 3,
             f"route and align, {bt} tokens") for bt, block, nw in ((1, 16, 1), (4, 64, 4))],
     _spec("mhc", "hc_collapse_norm_kernel", dict(x="*bf16", w="*bf16", y="*bf16", D="i32", eps="fp32"),
           dict(N=4, BD=4096), ("D",), 8, 3, "final collapse and norm"),

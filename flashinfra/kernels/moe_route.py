@@ -103,28 +103,28 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def route_kernel(logits, bias, w_out, id_out, T, E, scaling, TOPK: tl.constexpr, G: tl.constexpr,
                  TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 TOPK_P2: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     _route(logits, bias, w_out, id_out, tl.program_id(0) * BT + tl.arange(0, BT), T, E, scaling, TOPK, G,
-           TOPK_GROUP, NORM, BT, BE)
+           TOPK_GROUP, NORM, BT, BE, TOPK_P2)
 
 
 @triton.jit(do_not_specialize=["T"])  # 1 to FMA_ROWS tokens: one compilation for each BT
 def route_align_kernel(logits, bias, w_out, id_out, scratch, sorted_ids, expert_ids, used, T, E, scaling,
                        TOPK: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                       BT: tl.constexpr, BE: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                       BT: tl.constexpr, BE: tl.constexpr, TOPK_P2: tl.constexpr, E_P2: tl.constexpr,
+                       BM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """A decode step's few tokens (``BT`` covers them all) routed, then their pairs aligned for the fused MoE
     (``moe_align.align_one``), in one program."""
     pdl_wait(PDL)
-    _route(logits, bias, w_out, id_out, tl.arange(0, BT), T, E, scaling, TOPK, G, TOPK_GROUP, NORM, BT, BE)
+    _route(logits, bias, w_out, id_out, tl.arange(0, BT), T, E, scaling, TOPK, G, TOPK_GROUP, NORM, BT, BE, TOPK_P2)
     tl.debug_barrier()  # the chosen ids, seen by every thread of the program
     align_one(id_out, scratch, sorted_ids, expert_ids, used, T * (TOPK + 1), E, TOPK, E_P2, BM, BLOCK)
 
 
 @triton.jit
 def _route(logits, bias, w_out, id_out, o_t, T, E, scaling, TOPK: tl.constexpr, G: tl.constexpr,
-           TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+           TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, TOPK_P2: tl.constexpr):
     """Tokens ``o_t`` (``BT`` of them)' choices from their logits: ``route_ref`` after the logits."""
     o_e = tl.arange(0, BE)
     m_t, m_e = o_t < T, o_e < E
@@ -146,6 +146,10 @@ def _route(logits, bias, w_out, id_out, o_t, T, E, scaling, TOPK: tl.constexpr, 
             best = tl.argmax(tl.where(keep | ~m_e[None, :], neg, gscore), 1) // gsize
             keep = keep | (gid[None, :] == best[:, None])
         choice = tl.where(keep, choice, neg)
+    # the k choices gathered in registers, then stored once (a load of what a store just wrote is a round trip)
+    o_k = tl.arange(0, TOPK_P2)
+    picks = tl.zeros([BT, TOPK_P2], dtype=tl.int32)
+    ws = tl.zeros([BT, TOPK_P2], dtype=tl.float32)
     total = tl.zeros([BT], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         pick = tl.argmax(choice, 1)
@@ -153,15 +157,15 @@ def _route(logits, bias, w_out, id_out, o_t, T, E, scaling, TOPK: tl.constexpr, 
         w = tl.sum(tl.where(hit, scores, 0.0), 1)
         total += w
         choice = tl.where(hit, neg, choice)
-        tl.store(id_out + o_t * TOPK + j, pick.to(id_out.dtype.element_ty), mask=m_t)
-        tl.store(w_out + o_t * TOPK + j, w, mask=m_t)
+        picks = tl.where(o_k[None, :] == j, pick[:, None], picks)
+        ws = tl.where(o_k[None, :] == j, w[:, None], ws)
     if NORM:
         factor = scaling / (total + 1e-20)
     else:
         factor = tl.full([BT], scaling, tl.float32)
-    for j in tl.static_range(TOPK):
-        p = w_out + o_t * TOPK + j
-        tl.store(p, tl.load(p, mask=m_t, other=0.0) * factor, mask=m_t)
+    m_k = m_t[:, None] & (o_k < TOPK)[None, :]
+    tl.store(id_out + o_t[:, None] * TOPK + o_k[None, :], picks.to(id_out.dtype.element_ty), mask=m_k)
+    tl.store(w_out + o_t[:, None] * TOPK + o_k[None, :], ws * factor[:, None], mask=m_k)
 
 
 def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -183,6 +187,7 @@ def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, nor
         BE = next_power_of_2(E)
         fast(route_kernel)[(T,)](logits, bias.float().contiguous(), w, ids, T, E, float(scaling), TOPK=top_k,
                                  G=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BT=1, BE=BE,
+                                 TOPK_P2=next_power_of_2(top_k),
                                  num_warps=1 if BE <= 1024 else 4)
     return w, ids
 
@@ -212,8 +217,8 @@ def route_align_launch(x, weight, bias, top_k: int, n_group: int, topk_group: in
     BT, BE = next_power_of_2(T), next_power_of_2(E)
     fast(route_align_kernel)[(1,)](logits, bias.float().contiguous(), w, ids, scratch, sorted_ids, expert_ids, used,
                                    T, E, float(scaling), TOPK=top_k, G=n_group, TOPK_GROUP=topk_group,
-                                   NORM=norm_topk_prob, BT=BT, BE=BE, E_P2=bins(E), BM=BM,
-                                   BLOCK=max(16, next_power_of_2(n)), num_warps=1 if BT * BE <= 1024 else 4)
+                                   NORM=norm_topk_prob, BT=BT, BE=BE, TOPK_P2=next_power_of_2(top_k), E_P2=bins(E),
+                                   BM=BM, BLOCK=max(16, next_power_of_2(n)), num_warps=1 if BT * BE <= 1024 else 4)
     return w, ids, (sorted_ids, expert_ids, used, BM)
 
 
