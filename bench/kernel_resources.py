@@ -87,9 +87,9 @@ KERNELS = [
             dict(x=f"*{t}", fn=f"*{t}", part="*fp32", sumsq="*fp32", T="i32", K="i32", KS="i32"),
             dict(NM=24, BT=64, BN=32, BK=bk, IEEE=t == "fp32"), ("K", "KS"), 4, 3, f"mHC mix {t} 64 tokens")
       for t, bk in (("bf16", 128), ("fp32", 64))],
-    *[_spec("mhc_expand", "hc_post_mix_kernel",
+    *[_spec("mhc_expand", "hc_post_kernel",
             dict(x="*bf16", out="*bf16", post="*fp32", comb="*fp32", y="*bf16", fn="*bf16", part="*fp32",
-                 sumsq="*fp32", T="i32", D="i32"), dict(N=4, NM=24, BT=bt, BD=64, BN=32), ("D",), 4, 3,
+                 sumsq="*fp32", T="i32", D="i32"), dict(N=4, BT=bt, BD=64, MIX=True, NM=24, BN=32), ("D",), 4, 3,
             f"mHC expand with the next mix, {bt} tokens") for bt in (1, 4)],
     *[_spec("fused_moe", "moe_gemm2_kernel", dict(MOE2, h=f"*{t}", w=f"*{t}", sh=s, sw=s),
             dict(E=288, N=4096, K=2048, TOPK=9, BM=bm, BN=bn, BK=bk, IEEE=False, WEIGHTS=fmt),

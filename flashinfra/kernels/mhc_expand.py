@@ -1,8 +1,8 @@
 """mHC's expand (``hc_post``): ``out_streams[i] = post_i * out + sum_j comb[j, i] * stream_j`` from the block's output
 and the weights its collapse (``mhc.hc_pre``) made.
 
-Triton path: ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block). For a decode batch of a few tokens,
-``hc_post_mix_kernel`` also forms the next hyper-connection's mix product from the new streams it writes, as
+Triton path: ``hc_post_kernel`` (per ``BT`` tokens and ``D`` block). For a decode batch of a few tokens, it also
+forms the next hyper-connection's mix product from the new streams it writes, as
 ``mhc.hc_mix_kernel``'s split partials, and the new streams carry it to that collapse (``mhc.HANDED_OVER``): a mix
 launch less for every block after the first.
 """
@@ -25,8 +25,14 @@ def hc_post_ref(streams, out, post, comb):
 
 
 @triton.jit
-def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+def hc_post_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr, BT: tl.constexpr,
+                   BD: tl.constexpr, MIX: tl.constexpr = False, NM: tl.constexpr = 1, BN: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
+    """The expand of ``BT`` tokens over ``BD`` columns. With ``MIX``, also the next hyper-connection's mix product
+    (projection ``fn``) over this program's columns of every stream: its split ``i_d`` of the partials and sums of
+    squares that ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new streams as that
+    kernel would load them. Every load comes before the store of the new streams, which the compiler cannot move a
+    load past."""
     pdl_wait(PDL)
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -36,37 +42,11 @@ def hc_post_kernel(x, out, post, comb, y, T, D, N: tl.constexpr, BT: tl.constexp
     dt = y.dtype.element_ty
     rows = o_t.to(tl.int64) * N * D
     m2 = m_t[:, None] & m_d[None, :]
+    if MIX:
+        o_m = tl.arange(0, BN)
+        b_w = tl.load(fn + o_m[:, None, None] * (N * D) + o_i[None, :, None] * D + o_d[None, None, :],
+                      mask=(o_m < NM)[:, None, None] & m_d[None, None, :], other=0.0).to(dt).to(tl.float32)
     # the reference rounds the weights to the streams' dtype before using them
-    pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
-    b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc = pst[:, :, None] * b_o[:, None, :]  # [BT, N(i), BD]
-    for j in tl.static_range(N):
-        c_j = tl.load(comb + o_t[:, None] * N * N + j * N + o_i[None, :], mask=m_t[:, None], other=0.0)  # [BT, i]
-        x_j = tl.load(x + rows[:, None] + j * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)  # [BT, BD]
-        acc += c_j.to(dt).to(tl.float32)[:, :, None] * x_j[:, None, :]
-    m3 = m_t[:, None, None] & m_d[None, None, :]
-    tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], acc.to(dt), mask=m3)
-
-
-@triton.jit
-def hc_post_mix_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr, NM: tl.constexpr,
-                       BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-    """``hc_post_kernel``'s expand (each element's sum in the same order) and the next hyper-connection's mix product
-    over this program's columns of every stream: its split ``i_d`` of the partials and sums of squares that
-    ``hc_mix_kernel`` writes (``[SPLIT, T, BN]``, ``[SPLIT, T]``), from the rounded new streams as that kernel would
-    load them. Every load comes before the store of the new streams, which the compiler cannot move them past."""
-    pdl_wait(PDL)
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_i = tl.arange(0, N)
-    o_d = i_d * BD + tl.arange(0, BD)
-    o_m = tl.arange(0, BN)
-    m_t, m_d = o_t < T, o_d < D
-    dt = y.dtype.element_ty
-    rows = o_t.to(tl.int64) * N * D
-    m2 = m_t[:, None] & m_d[None, :]
-    b_w = tl.load(fn + o_m[:, None, None] * (N * D) + o_i[None, :, None] * D + o_d[None, None, :],
-                  mask=(o_m < NM)[:, None, None] & m_d[None, None, :], other=0.0).to(dt).to(tl.float32)  # [BN, N, BD]
     pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
     b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
     acc = pst[:, :, None] * b_o[:, None, :]  # [BT, N(i), BD]
@@ -77,19 +57,20 @@ def hc_post_mix_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.const
     b_y = acc.to(dt)
     m3 = m_t[:, None, None] & m_d[None, None, :]
     tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], b_y, mask=m3)
-    yf = b_y.to(tl.float32)
-    acc_m = tl.zeros([BT, BN], dtype=tl.float32)
-    for i in tl.static_range(N):  # stream i's columns of the rows and of the projection
-        y_i = tl.sum(tl.where((o_i == i)[None, :, None], yf, 0.0), 1)  # [BT, BD]
-        w_i = tl.sum(tl.where((o_i == i)[None, :, None], b_w, 0.0), 1)  # [BN, BD]
-        acc_m += tl.sum(y_i[:, None, :] * w_i[None, :, :], 2)
-    split = i_d * T + o_t
-    tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
-    tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
+    if MIX:
+        yf = b_y.to(tl.float32)
+        acc_m = tl.zeros([BT, BN], dtype=tl.float32)
+        for i in tl.static_range(N):  # stream i's columns of the rows and of the projection
+            y_i = tl.sum(tl.where((o_i == i)[None, :, None], yf, 0.0), 1)  # [BT, BD]
+            w_i = tl.sum(tl.where((o_i == i)[None, :, None], b_w, 0.0), 1)  # [BN, BD]
+            acc_m += tl.sum(y_i[:, None, :] * w_i[None, :, :], 2)
+        split = i_d * T + o_t
+        tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
+        tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
 
 
 # Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its programs
-# (``hc_post_mix_kernel``), in this many column splits at most: no mix launch of their own, which at a few tokens is
+# (``hc_post_kernel`` with ``MIX``), in this many column splits at most: no mix launch of their own, which at a few tokens is
 # bound by its latency, not by the 1.5 MB of projection it reads.
 POST_MIX_TOKENS = 32
 POST_MIX_SPLIT = 64
@@ -119,12 +100,12 @@ def hc_post_launch(streams, out, post, comb, next_fn=None):
         split = cdiv(D, BD)
         part = torch.empty(split, T, BN, dtype=torch.float32, device=streams.device)
         sumsq = torch.empty(split, T, dtype=torch.float32, device=streams.device)
-        fast(hc_post_mix_kernel)[(cdiv(T, BT), split)](*args, next_fn.contiguous(), part, sumsq, T, D, N=n, NM=NM,
-                                                       BT=BT, BD=BD, BN=BN, num_warps=4)
+        fast(hc_post_kernel)[(cdiv(T, BT), split)](*args, next_fn.contiguous(), part, sumsq, T, D, N=n, BT=BT, BD=BD,
+                                                   MIX=True, NM=NM, BN=BN, num_warps=4)
         setattr(y, HANDED_OVER, (next_fn, Mixed(part, sumsq, split, BN)))
     elif T:
         BD = max(16, min(1024 // BT, next_power_of_2(D)))
-        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](*args, T, D, N=n, BT=BT, BD=BD, num_warps=4)
+        fast(hc_post_kernel)[(cdiv(T, BT), cdiv(D, BD))](*args, y, y, y, T, D, N=n, BT=BT, BD=BD, num_warps=4)
     return y
 
 
