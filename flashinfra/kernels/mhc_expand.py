@@ -69,9 +69,9 @@ def hc_post_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr
         tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
 
 
-# Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its programs
-# (``hc_post_kernel`` with ``MIX``), in this many column splits at most: no mix launch of their own, which at a few tokens is
-# bound by its latency, not by the 1.5 MB of projection it reads.
+# Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its
+# programs (``hc_post_kernel`` with ``MIX``), in this many column splits at most: no mix launch of their own, which
+# at a few tokens is bound by its latency, not by the 1.5 MB of projection it reads.
 POST_MIX_TOKENS = 32
 POST_MIX_SPLIT = 64
 
