@@ -54,8 +54,8 @@ def rms_norm_rows(b_x, b_w, D, eps, dtype: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, BT: tl.constexpr, BD: tl.constexpr,
-                    HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, cache, slots, BT: tl.constexpr, BD: tl.constexpr,
+                    HAS_RES: tl.constexpr, TO_SLOTS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -68,6 +68,9 @@ def rms_norm_kernel(x, w, y, stride_x, stride_y, N, D, eps, r, s, BT: tl.constex
         tl.store(s + p_rs, b_x, mask=m)
     b_y = rms_norm_rows(b_x.to(tl.float32), tl.load(w + o_d, mask=o_d < D, other=0.0), D, eps, y.dtype.element_ty)
     tl.store(y + o_t[:, None].to(tl.int64) * stride_y + o_d[None, :], b_y, mask=m)
+    if TO_SLOTS:  # the rows also into a cache's rows [S, D] at their slots (negative: none)
+        slot = tl.load(slots + o_t, mask=o_t < N, other=-1).to(tl.int64)
+        tl.store(cache + slot[:, None] * D + o_d[None, :], b_y, mask=m & (slot >= 0)[:, None])
 
 
 @triton.jit
@@ -112,8 +115,28 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, BT=BT, BD=BD,
+        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, y, y, BT=BT, BD=BD,
                                               HAS_RES=False, num_warps=4 if BD <= 2048 else 8)
+    return y
+
+
+def rms_norm_to_slots_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, cache_rows: torch.Tensor,
+                             slots: torch.Tensor) -> torch.Tensor:
+    """``rms_norm`` of ``x`` [T, D], its rows also stored at ``slots`` [T] (negative: none) of ``cache_rows`` [S, D]
+    (contiguous, x's dtype), in one launch -> the normed rows."""
+    D = weight.shape[0]
+    x2 = _rows(x, D, "rms_norm_to_slots")
+    N = x2.shape[0]
+    if (cache_rows.dim() != 2 or cache_rows.shape[1] != D or cache_rows.dtype != x.dtype
+            or not cache_rows.is_contiguous() or slots.shape != (N,)):
+        raise ValueError(f"rms_norm_to_slots: cache rows {tuple(cache_rows.shape)} {cache_rows.dtype} and slots "
+                         f"{tuple(slots.shape)} do not fit {N} rows of {D} {x.dtype}")
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N:
+        BD, BT = _block_rows(D)
+        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, x2, y, cache_rows,
+                                              slots.contiguous(), BT=BT, BD=BD, HAS_RES=False, TO_SLOTS=True,
+                                              num_warps=4 if BD <= 2048 else 8)
     return y
 
 
@@ -127,7 +150,7 @@ def add_rms_norm_launch(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
     N = x2.shape[0]
     if N:
         BD, BT = _block_rows(D)
-        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, BT=BT, BD=BD,
+        fast(rms_norm_kernel)[(cdiv(N, BT),)](x2, weight, y, x2.stride(0), D, N, D, eps, r2, s, y, y, BT=BT, BD=BD,
                                               HAS_RES=True, num_warps=4 if BD <= 2048 else 8)
     return s, y
 

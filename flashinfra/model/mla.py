@@ -24,12 +24,11 @@ from flashinfra.config import TextConfig
 from flashinfra.kernels.batch_invariant import matmul_nt
 from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_indexer import dsa_select
-from flashinfra.kernels.norms import rms_norm
 from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
-from flashinfra.quant.cache import read_index_entries, read_latent, write_index_entries, write_latent
+from flashinfra.quant.cache import norm_latent, read_index_entries, read_latent, write_index_entries
 from flashinfra.quant.linear import linear, normed, rms_norm_for
 
 
@@ -80,8 +79,7 @@ class MLAttention(nn.Module):
         q_rows = rms_norm_for(q_a, self.q_a_norm, self.eps, self.q_b_proj, True)
         q_resid = normed(q_rows)
         q = linear(q_rows, self.q_b_proj).view(T, self.H, self.Dq)
-        latent = rms_norm(kv_a, self.kv_a_norm, self.eps)
-        write_latent(cache, self.layer, batch.slot_mapping, latent)
+        latent = norm_latent(cache, self.layer, batch.slot_mapping, kv_a, self.kv_a_norm, self.eps)
         return q, q_resid, latent
 
     def index(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: ModelCache,

@@ -5,7 +5,8 @@ token; the KDA recurrent state in float32 or bf16 (the conv state stays in the m
 ``first:bfloat16,last:bfloat16`` or ``3:bfloat16``). ``write_latent`` quantizes a layer's new latent rows on the way
 into the cache (scale ``amax / 127`` or ``amax / 448`` per token), ``read_latent`` dequantizes one sequence's
 rows for the reference path; the Triton path reads the 8-bit cache directly (``kernels.sparse_mla``).
-``tokens_per_gib`` is the cache capacity that the choice buys. The KDA state's dtype is the allocation's
+``norm_latent`` forms the latent (the kv_a norm) and stores it in one launch where the cache is in the
+rows' dtype. ``tokens_per_gib`` is the cache capacity that the choice buys. The KDA state's dtype is the allocation's
 (``ModelCache``): the kernels (decode, prefill, checkpoints, verify) and the references read it into float32 and
 round to it where they store.
 
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flashinfra.kernels.dispatch import use_triton
 from flashinfra.kernels.dsa_pool_keys import dequant_entries, write_pool_keys
+from flashinfra.kernels.norms import rms_norm, rms_norm_to_slots_launch
 from flashinfra.kernels.quant import quant_fp8_per_group, quant_int8_per_token
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
@@ -153,6 +156,18 @@ def write_latent(cache, layer: int, slot_mapping: torch.Tensor, rows: torch.Tens
         s = s[:, 0]
     flat[slot_mapping] = q
     cache.mla_latent_scale[layer].view(-1)[slot_mapping] = s
+
+
+def norm_latent(cache, layer: int, slot_mapping: torch.Tensor, kv_a: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """The new tokens' latent, ``rms_norm`` of their ``kv_a`` rows [T, R], stored at ``slot_mapping`` as
+    ``write_latent`` stores it -> the rows; one launch for a cache in their dtype on the kernel path."""
+    latent = cache.mla_latent[layer]
+    if latent.dtype == kv_a.dtype and use_triton(kv_a, latent):
+        return rms_norm_to_slots_launch(kv_a, weight, eps, latent.view(-1, latent.shape[-1]), slot_mapping)
+    rows = rms_norm(kv_a, weight, eps)
+    write_latent(cache, layer, slot_mapping, rows)
+    return rows
 
 
 def read_latent(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
