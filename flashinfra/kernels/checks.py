@@ -18,6 +18,7 @@ from flashinfra.kernels import dsa_indexer, dsa_pool_keys, fused_moe as fm, mhc 
 from flashinfra.kernels import sparse_mla as sm
 from flashinfra.kernels.check_cases import (dsa_select, fused_moe, graph_inputs, moe_align, norms, penalties, rnd,
                                             route, sparse_mla, token_bitmask)
+from flashinfra.kernels.cache_write_cases import cache_writes
 from flashinfra.kernels.interpreted import kernel_device, run_in_interpreter
 from flashinfra.kernels.mhc_cases import mhc
 from flashinfra.kernels.token_bitmask import apply_token_bitmask_launch
@@ -74,6 +75,11 @@ def _dsa_select(dev, act, seed):
     if dev == "cuda":
         return dsa_select(dev, [699, 1], [1, 300], Hi=HI, Di=DI, kpool=KPOOL, topk=64, bs=64, seed=seed)
     return dsa_select(dev, [36, 0], [1, 9], kpool=KPOOL, seed=seed)
+
+
+@_registered("hotpath.cache_writes")
+def _cache_writes(dev, act, seed):
+    return cache_writes(dev, *((33, R, DI) if dev == "cuda" else (7, 48, 16)), dtype=act, seed=seed)
 
 
 @_registered("hotpath.sparse_mla")

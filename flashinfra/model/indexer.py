@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
 from flashinfra.kernels.batch_invariant import linear
+from flashinfra.kernels.dsa_entries import EPS
 from flashinfra.kernels.dsa_pool_keys import compress_pools
 
 
@@ -41,18 +42,20 @@ class Indexer(nn.Module):
         self.pool_ape = param(self.kpool, Di)
 
     def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (cache entries [T, 2 Di] = key | gate score, queries [T, Hi, Di], head weights [T, Hi] float32)."""
-        k, gate, w = linear(x, self.x_proj).split(self.splits, dim=-1)
+        """-> (key | gate score [T, 2 Di] before the key's norm (``entries_of``), queries [T, Hi, Di], head weights
+        [T, Hi] float32)."""
+        kg, w = linear(x, self.x_proj).split([2 * self.Di, self.Hi], dim=-1)
         q = linear(q_resid, self.wq_b).view(-1, self.Hi, self.Di)
-        return self._entries(k, gate), q, w.float() * self.Hi**-0.5
+        return kg, q, w.float() * self.Hi**-0.5
 
     def entries(self, x: torch.Tensor) -> torch.Tensor:
-        """The cache entries [T, 2 Di] of ``project`` alone."""
-        k, gate = linear(x, self.x_proj[: 2 * self.Di]).split(self.Di, dim=-1)
-        return self._entries(k, gate)
+        """The cache entries [T, 2 Di] of ``x`` alone."""
+        return self.entries_of(linear(x, self.x_proj[: 2 * self.Di]))
 
-    def _entries(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+    def entries_of(self, kg: torch.Tensor) -> torch.Tensor:
+        """Key | gate score rows -> the cache entries: the key LayerNorm-ed, the gate score as it is."""
+        k, gate = kg.split(self.Di, dim=-1)
+        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=EPS)
         return torch.cat([k, gate], dim=-1)
 
     def select(

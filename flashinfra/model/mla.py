@@ -28,7 +28,7 @@ from flashinfra.kernels.sparse_mla import sparse_mla_launch
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.indexer import Indexer
-from flashinfra.quant.cache import norm_latent, read_index_entries, read_latent, write_index_entries
+from flashinfra.quant.cache import norm_latent, read_index_entries, read_latent, write_index_rows
 from flashinfra.quant.linear import linear, normed, rms_norm_for
 
 
@@ -120,8 +120,8 @@ class MLAttention(nn.Module):
     def _index_new_tokens(self, x, q_resid, batch: ForwardBatch, cache: ModelCache):
         """Write the new tokens' indexer entries (and the pools they complete) to the cache -> (queries, head
         weights)."""
-        entries, q, w = self.indexer.project(x, q_resid)
-        write_index_entries(cache, self.layer, batch.slot_mapping, entries, self.indexer.pool_ape)
+        kg, q, w = self.indexer.project(x, q_resid)
+        write_index_rows(cache, self.layer, batch.slot_mapping, kg, self.indexer)
         return q, w
 
     def _select(self, x, q_resid, batch: ForwardBatch, cache: ModelCache) -> list[torch.Tensor]:

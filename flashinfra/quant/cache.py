@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flashinfra.kernels.dispatch import use_triton
+from flashinfra.kernels.dsa_entries import write_entries_launch
 from flashinfra.kernels.dsa_pool_keys import dequant_entries, write_pool_keys
 from flashinfra.kernels.norms import rms_norm, rms_norm_to_slots_launch
 from flashinfra.kernels.quant import quant_fp8_per_group, quant_int8_per_token
@@ -130,6 +131,19 @@ def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: 
         cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
     if layer in cache.indexer_pool_keys:
         write_pool_keys(keys, cache.indexer_scale.get(layer), pool_ape, slot_mapping, cache.indexer_pool_keys[layer])
+
+
+def write_index_rows(cache, layer: int, slot_mapping: torch.Tensor, kg: torch.Tensor, indexer) -> None:
+    """``write_index_entries`` of the entries ``indexer.entries_of(kg)`` forms from the key | gate score rows ``kg``;
+    the norm and the store in one launch where the cache is in the rows' dtype on the kernel path."""
+    keys = cache.indexer_keys[layer]
+    if layer in cache.indexer_scale or keys.dtype != kg.dtype or not use_triton(kg, keys):
+        write_index_entries(cache, layer, slot_mapping, indexer.entries_of(kg), indexer.pool_ape)
+        return
+    write_entries_launch(kg, indexer.k_norm_weight, indexer.k_norm_bias, keys.view(-1, keys.shape[-1]),
+                         slot_mapping)
+    if layer in cache.indexer_pool_keys:
+        write_pool_keys(keys, None, indexer.pool_ape, slot_mapping, cache.indexer_pool_keys[layer])
 
 
 def read_index_entries(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:

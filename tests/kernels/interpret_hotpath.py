@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import check_cases as cases, mhc_cases
+from flashinfra.kernels import cache_write_cases, check_cases as cases, mhc_cases
 from tests.kernels import model_cases
 
 
@@ -20,6 +20,10 @@ def test_norms(T, D):
 @pytest.mark.parametrize("T,D", [(1, 64), (37, 24), (5, 300), (2, 700), (37, 300)])
 def test_mhc(T, D):
     assert_passed(mhc_cases.mhc("cpu", T, D, seed=T))
+
+
+def test_cache_writes():
+    assert_passed(cache_write_cases.cache_writes("cpu", 7, 48, 16))
 
 
 def test_moe_align():
@@ -81,5 +85,6 @@ def test_registered_checks_pass():
     import flashinfra.kernels.checks  # noqa: F401  (registers them)
     from flashinfra.feedback.registry import checks
 
-    for name in ("hotpath.norms", "hotpath.mhc", "hotpath.moe", "hotpath.dsa_select", "hotpath.sparse_mla"):
+    for name in ("hotpath.norms", "hotpath.mhc", "hotpath.moe", "hotpath.dsa_select", "hotpath.sparse_mla",
+                 "hotpath.cache_writes"):
         assert_passed(checks()[name].fn())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashinfra.feedback.registry import assert_passed
-from flashinfra.kernels import check_cases as cases, mhc_cases
+from flashinfra.kernels import cache_write_cases, check_cases as cases, mhc_cases
 from tests.kernels import model_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,6 +34,11 @@ def test_router_logits(T):
 def test_route(T):
     assert_passed(cases.route("cuda", T, 288, 4096, 8, 1, 1, seed=T))
     assert_passed(cases.route("cuda", T, 256, 512, 8, 8, 4, seed=T))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_cache_writes(dtype):
+    assert_passed(cache_write_cases.cache_writes("cuda", 33, 512, 128, dtype=dtype))
 
 
 def test_moe_align():
