@@ -191,6 +191,31 @@ def hc_collapse(streams: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def hc_embed_kernel(ids, table, y, D, N: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    """One token's embedding row (columns ``BD`` of it) copied into each of its ``N`` streams."""
+    pdl_wait(PDL)
+    row, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m = o_d < D
+    b_x = tl.load(table + tl.load(ids + row).to(tl.int64) * D + o_d, mask=m)
+    for i in tl.static_range(N):
+        tl.store(y + (row * N + i) * D + o_d, b_x, mask=m)
+
+
+def hc_embed(input_ids: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first layer's streams [T, n, D]: each token's embedding row in every stream; one launch on the Triton path
+    (the lookup, then the expanded copy, otherwise)."""
+    T, D = input_ids.shape[0], table.shape[1]
+    if not use_triton(input_ids, table):
+        return F.embedding(input_ids, table).unsqueeze(1).expand(-1, n, -1).contiguous()
+    y = torch.empty(T, n, D, dtype=table.dtype, device=table.device)
+    if T:
+        BD = min(1024, next_power_of_2(D))
+        fast(hc_embed_kernel)[(T, cdiv(D, BD))](input_ids.contiguous(), table, y, D, N=n, BD=BD, num_warps=4)
+    return y
+
+
+@triton.jit
 def hc_collapse_norm_kernel(x, w, y, D, eps, N: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """One token's final hidden state: its streams' mean (a float32 sum in stream order, rounded to their dtype, as
     ``hc_collapse`` in deterministic mode) and the final RMSNorm of it (``norms.rms_norm_rows``)."""

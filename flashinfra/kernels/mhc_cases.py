@@ -27,7 +27,8 @@ def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) ->
             compare("hotpath.mhc.collapsed", y, ry, **tol(dtype)),
             compare("hotpath.mhc.expand", new, ex.hc_post_ref(_d(streams), _d(out), rpost, rcomb), **tol(dtype)),
             *_mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol),
-            *_post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol), *_collapse_norm(streams, gen)]
+            *_post_mix(streams, out, post, comb, n, gen, rpost, rcomb, wtol), *_collapse_norm(streams, gen),
+            _embed(streams, gen)]
 
 
 def _mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol) -> list[CheckResult]:
@@ -88,3 +89,13 @@ def _collapse_norm(streams, gen) -> list[CheckResult]:
     return [compare("hotpath.mhc_final.normed", y, nm.rms_norm_ref(_d(streams).mean(1), _d(w), 1e-5), **tol(dtype)),
             _verdict("hotpath.mhc_final.as_two_ops", torch.equal(y, two),
                      "the same bits as the stream-order mean, then the norm")]
+
+
+def _embed(streams, gen) -> CheckResult:
+    """The first layer's streams (``hc_embed``): each token's embedding row in every stream, exactly."""
+    (T, n, D), dev = streams.shape, streams.device
+    table = rnd(3 * T + 5, D, device=dev, gen=gen, dtype=streams.dtype)
+    ids = torch.randint(0, 3 * T + 5, (T,), device=dev, generator=gen)
+    got = hc.hc_embed(ids, table, n)
+    return _verdict("hotpath.mhc_embed.streams", torch.equal(got, table[ids][:, None, :].expand(T, n, D)),
+                    "every stream the token's embedding row")

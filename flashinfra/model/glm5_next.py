@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashinfra.config import LINEAR_ATTENTION, TextConfig
-from flashinfra.kernels.mhc import hc_collapse_norm
+from flashinfra.kernels.mhc import hc_collapse_norm, hc_embed
 from flashinfra.model.cache import ModelCache
 from flashinfra.model.forward_batch import ForwardBatch
 from flashinfra.model.kda import KDAttention
@@ -73,8 +72,11 @@ class Glm5NextModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] packed -> final hidden states [T, D] (after the final norm). ``inputs_embeds`` [T, D]
         replaces the embedding lookup (images and video: ``flashinfra.multimodal.encoder``)."""
-        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
-        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
+        n = self.cfg.hc_mult
+        if inputs_embeds is None:
+            streams = hc_embed(input_ids, self.embed_tokens, n)  # [T, n, D]
+        else:
+            streams = inputs_embeds.unsqueeze(1).expand(-1, n, -1).contiguous()
         masks: dict[int, list[torch.Tensor]] = {}
         for layer, after in zip(self.layers, [*self.layers[1:], None]):
             streams = layer(streams, batch, cache, masks, after.attn_hc if after is not None else None)
