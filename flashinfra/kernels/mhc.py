@@ -6,7 +6,8 @@ the RMS-normalised flattened streams: since the norm is a scalar per token, ``mi
 so one pass over ``x`` accumulates the sum of squares and the ``(2 + n) n`` dot products together.
 ``hc_pre_norm``: ``hc_pre`` and then the block's input RMSNorm of the collapsed rows (with W8A8 projections, its
 int8 codes), as ``norms.rms_norm`` / ``norm_act.rms_norm_int8`` compute it: in the collapse's kernel where a
-program holds its tokens' whole rows (a decode step's token), one launch less a block.
+program holds its tokens' whole rows (a decode step's token), one launch less a block. ``hc_embed`` makes the first
+layer's streams from the embedding, ``hc_collapse_norm`` the final hidden states from the last layer's.
 
 Triton path: ``hc_mix_kernel`` (split over the ``n D`` axis so that a decode step of a few tokens still
 fills the chip) writes partial dot products and sums of squares, unless the expand that made the streams formed
