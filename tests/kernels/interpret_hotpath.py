@@ -77,6 +77,10 @@ def test_tiny_model_batched_greedy_same_with_kernels_and_references(tmp_path, mo
     model_cases.tiny_model_batched_greedy_same(tmp_path, monkeypatch, "cpu")
 
 
+def test_decode_fusions_taken(tmp_path, monkeypatch):
+    model_cases.decode_fusions_taken(tmp_path, monkeypatch, "cpu")
+
+
 def test_each_layer_as_accurate_as_the_references():
     model_cases.layerwise("cpu", "float32", torch.float64, factor=2.0, floor=1e-6, lengths=(13, 2))
 

@@ -1,6 +1,6 @@
 """Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
-layer's accuracy with the kernels against the references, and a quantized model's logits with the 8-bit kernels
-against the references. The kernel cases live in ``flashinfra.kernels.check_cases`` and
+layer's accuracy with the kernels against the references, a quantized model's logits with the 8-bit kernels
+against the references, and the decode step's fusions taken where they apply. The kernel cases live in ``flashinfra.kernels.check_cases`` and
 ``flashinfra.kernels.quant.check_cases``."""
 
 from __future__ import annotations
@@ -187,3 +187,41 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
         moved, quant = float((a - b).abs().max()), float((b - r).abs().max())
         assert moved <= 0.25 * quant, (f"step {step}: fusion moved the logits by {moved:.3g}, W8A8 itself by "
                                        f"{quant:.3g}; the unfused path against itself: {noise[step]:.3g}")
+
+
+def decode_fusions_taken(tmp_path, monkeypatch, device: str):
+    """A decode step of a few rows on the kernel path launches mHC's mix product once, for the first block (every
+    expand after it forms the next block's), and has each MoE's pairs aligned in its routing's program: no
+    ``moe_align`` of its own. A prompt's step (more tokens than either fusion takes) keeps a mix per block."""
+    from flashinfra.kernels import dispatch, fused_moe, mhc as hc, moe_route
+    from flashinfra.model import glm5_next
+    from flashinfra.model.api import load_model
+    from flashinfra.model.factory import write_tiny_checkpoint
+    from flashinfra.model.moe import MoE
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=2), dtype="float32", device=device)
+    monkeypatch.setattr(dispatch, "_reference_forced", lambda: False)
+    forwards: list[dict] = []
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            forwards[-1][name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    def embed(ids, table, n):
+        forwards.append(dict(tokens=ids.shape[0], mix=0, align=0, route_align=0))
+        return hc.hc_embed(ids, table, n)
+
+    monkeypatch.setattr(glm5_next, "hc_embed", embed)
+    monkeypatch.setattr(hc, "_mix", counted("mix", hc._mix))
+    monkeypatch.setattr(fused_moe, "moe_align", counted("align", fused_moe.moe_align))
+    monkeypatch.setattr(moe_route, "route_align_launch", counted("route_align", moe_route.route_align_launch))
+    batched_greedy(model, [[5] * 40, [7] * 3, [9] * 21], 3)
+    layers = model.model.layers
+    moe = sum(isinstance(layer.mlp, MoE) for layer in layers)
+    prompt, *decode = forwards
+    assert moe and len(decode) == 2 and all(f["tokens"] == 3 for f in decode)
+    assert prompt["mix"] == 2 * len(layers) and prompt["route_align"] == 0 and prompt["align"] == moe, prompt
+    for f in decode:
+        assert f["mix"] == 1 and f["align"] == 0 and f["route_align"] == moe, f

@@ -78,3 +78,7 @@ def test_trained_model_batched_greedy_same_with_kernels_and_references(tmp_path,
 @pytest.mark.parametrize("dtype,hi,floor", [("float32", torch.float64, 2e-3), ("bfloat16", torch.float32, 1e-3)])
 def test_each_layer_as_accurate_as_the_references(dtype, hi, floor):
     model_cases.layerwise("cuda", dtype, hi, factor=2.0, floor=floor)
+
+
+def test_decode_fusions_taken(tmp_path, monkeypatch):
+    model_cases.decode_fusions_taken(tmp_path, monkeypatch, "cuda")
