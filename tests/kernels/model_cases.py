@@ -1,7 +1,7 @@
 """Model-level cases shared by the interpreter tests and the GPU tests: the model's greedy tokens and each
 layer's accuracy with the kernels against the references, a quantized model's logits with the 8-bit kernels
-against the references, and the decode step's fusions taken where they apply. The kernel cases live in ``flashinfra.kernels.check_cases`` and
-``flashinfra.kernels.quant.check_cases``."""
+against the references, and the decode step's fusions taken where they apply. The kernel cases live in
+``flashinfra.kernels.check_cases`` and ``flashinfra.kernels.quant.check_cases``."""
 
 from __future__ import annotations
 
