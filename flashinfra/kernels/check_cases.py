@@ -93,8 +93,8 @@ def route(device: str, T: int, E: int, D: int, top_k: int, n_group: int, topk_gr
                 compare(f"hotpath.{name}.weights", out[0].gather(1, order.indices), rw.gather(1, rorder.indices),
                         atol=1e-5, rtol=1e-4)]
         if name == "route_align":
-            sorted_ids, expert_ids, used, BM = out[2]
-            res += _alignment("hotpath.route_align", out[1], E, BM, sorted_ids, expert_ids, used)
+            a = out[2]
+            res += _alignment("hotpath.route_align", out[1], E, a.block_rows, a.sorted_ids, a.expert_ids, a.used)
     return res
 
 

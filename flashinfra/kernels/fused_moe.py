@@ -274,8 +274,8 @@ def _experts(x, w13, w2, shared13, shared2, topk_w, topk_ids, limit, out, scales
     cfg = moe_tiles(T * k, E + 1, 1 if fmt != "float" else x.element_size())
     BM, BK = cfg["BM"], cfg["BK"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if aligned is not None and aligned[3] == BM:
-        sorted_ids, expert_ids, used = aligned[:3]
+    if aligned is not None and aligned.block_rows == BM:
+        sorted_ids, expert_ids, used = aligned.sorted_ids, aligned.expert_ids, aligned.used
     else:
         sorted_ids, expert_ids, used = moe_align(topk_ids, E, BM)
     ieee = x.dtype == torch.float32 and fmt == "float"

@@ -18,6 +18,8 @@ is left unwritten.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -115,6 +117,15 @@ def align_one(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K: tl.co
     _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2)
     tl.debug_barrier()  # the starts and the zeroed counters, seen by every thread of the program
     _place(e, o, m, scratch, scratch + E_P2, sorted_ids)
+
+
+class Aligned(NamedTuple):
+    """``moe_align``'s result, laid out for ``block_rows``-row blocks."""
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    used: torch.Tensor
+    block_rows: int
 
 
 def bins(num_experts: int) -> int:

@@ -27,7 +27,7 @@ import triton.language as tl
 from flashinfra.kernels.batch_invariant import linear
 from flashinfra.kernels.dispatch import is_deterministic, use_triton
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
-from flashinfra.kernels.moe_align import align_one, aligned_buffers, bins, one_program_scratch
+from flashinfra.kernels.moe_align import Aligned, align_one, aligned_buffers, bins, one_program_scratch
 from flashinfra.kernels.moe_tiles import moe_tiles
 
 # Tokens up to which the logits are float32 products summed over whole rows, two experts a program (144 programs
@@ -201,8 +201,8 @@ def route(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
 def route_align_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                        scaling: float):
     """``route_launch`` for 1 to ``FMA_ROWS`` tokens, with the fused MoE's alignment of their pairs formed in the
-    routing's program -> (weights, ids, aligned): ``aligned`` is ``moe_align``'s (sorted_ids, expert_ids, used)
-    and the block rows ``BM`` it lays the pairs out for (the MoE's GEMMs' at these tokens, ``moe_tiles``)."""
+    routing's program -> (weights, ids, ``Aligned``), laid out for the block rows the MoE's GEMMs take at these
+    tokens (``moe_tiles``)."""
     _check_groups(weight.shape[0], top_k, n_group, topk_group)
     T, E, dev = x.shape[0], weight.shape[0], x.device
     if not 0 < T <= FMA_ROWS:
@@ -219,7 +219,7 @@ def route_align_launch(x, weight, bias, top_k: int, n_group: int, topk_group: in
                                    T, E, float(scaling), TOPK=top_k, G=n_group, TOPK_GROUP=topk_group,
                                    NORM=norm_topk_prob, BT=BT, BE=BE, TOPK_P2=next_power_of_2(top_k), E_P2=bins(E),
                                    BM=BM, BLOCK=max(16, next_power_of_2(n)), num_warps=1 if BT * BE <= 1024 else 4)
-    return w, ids, (sorted_ids, expert_ids, used, BM)
+    return w, ids, Aligned(sorted_ids, expert_ids, used, BM)
 
 
 def route_aligned(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):

@@ -129,8 +129,7 @@ def write_index_entries(cache, layer: int, slot_mapping: torch.Tensor, entries: 
         q, s = quant_fp8_per_group(entries, keys.shape[-1] // 2)
         flat[slot_mapping] = q
         cache.indexer_scale[layer].view(-1, 2)[slot_mapping] = s
-    if layer in cache.indexer_pool_keys:
-        write_pool_keys(keys, cache.indexer_scale.get(layer), pool_ape, slot_mapping, cache.indexer_pool_keys[layer])
+    _pool_keys(cache, layer, slot_mapping, pool_ape)
 
 
 def write_index_rows(cache, layer: int, slot_mapping: torch.Tensor, kg: torch.Tensor, indexer) -> None:
@@ -142,8 +141,15 @@ def write_index_rows(cache, layer: int, slot_mapping: torch.Tensor, kg: torch.Te
         return
     write_entries_launch(kg, indexer.k_norm_weight, indexer.k_norm_bias, keys.view(-1, keys.shape[-1]),
                          slot_mapping)
+    _pool_keys(cache, layer, slot_mapping, indexer.pool_ape)
+
+
+def _pool_keys(cache, layer: int, slot_mapping: torch.Tensor, pool_ape: torch.Tensor) -> None:
+    """The key of every pool a new token completes, where the cache keeps pool keys for the layer (``pool_ape``
+    [kpool, Di]: the indexer's pool position bias), from the entries just stored."""
     if layer in cache.indexer_pool_keys:
-        write_pool_keys(keys, None, indexer.pool_ape, slot_mapping, cache.indexer_pool_keys[layer])
+        write_pool_keys(cache.indexer_keys[layer], cache.indexer_scale.get(layer), pool_ape, slot_mapping,
+                        cache.indexer_pool_keys[layer])
 
 
 def read_index_entries(cache, layer: int, blocks: tuple[int, ...], n: int, dtype: torch.dtype) -> torch.Tensor:
