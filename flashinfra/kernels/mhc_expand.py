@@ -69,10 +69,12 @@ def hc_post_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr
         tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
 
 
-# Decode batches up to this many tokens have the expand form the next hyper-connection's mix product in its
-# programs (``hc_post_kernel`` with ``MIX``), in this many column splits at most: no mix launch of their own, which
-# at a few tokens is bound by its latency, not by the 1.5 MB of projection it reads.
-POST_MIX_TOKENS = 32
+# Decode batches up to this many tokens (one program's on the GPU) have the expand form the next hyper-connection's
+# mix product in its programs (``hc_post_kernel`` with ``MIX``), in this many column splits at most: no mix launch of
+# their own, which at a few tokens is bound by its latency, not by the 1.5 MB of projection it reads. Each further
+# program of tokens reads the projection again and multiplies on the CUDA cores (at 32 tokens the expand took 8x the
+# mix launch it saves: ``notes/mhc.md``).
+POST_MIX_TOKENS = 4
 POST_MIX_SPLIT = 64
 
 

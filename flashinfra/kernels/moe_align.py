@@ -42,21 +42,30 @@ def _pair_expert(ids, o, m, K: tl.constexpr, E, E_P2: tl.constexpr):
 
 
 @triton.jit
-def _layout(counts, sorted_ids, expert_ids, starts, used, num_pairs, E, BM: tl.constexpr, E_P2: tl.constexpr):
+def _layout(counts, sorted_ids, expert_ids, starts, used, num_pairs, E, BM: tl.constexpr, E_P2: tl.constexpr,
+            FILL_ALL: tl.constexpr = False):
     """From the pair counts per expert (``counts`` [E_P2], the experts' lanes): each expert's run padded to ``BM``
     rows and where it starts (stored at ``starts``), the rows used, the expert of each used ``BM`` block and the
-    sentinel ``num_pairs`` in each run's padding rows."""
+    sentinel ``num_pairs`` in each run's padding rows. ``FILL_ALL``: the sentinel in every used row instead, which
+    the placement then overwrites where a pair goes (a few contiguous stores for a few pairs, where the tails' are
+    ``BM - 1`` scattered ones over every expert's lane)."""
     o_e = tl.arange(0, E_P2)
     m_e = o_e <= E
     n = tl.where(m_e, counts, 0)
     padded = (n + BM - 1) // BM * BM
     start = tl.cumsum(padded, 0) - padded
+    total = tl.sum(padded, 0)
     tl.store(starts + o_e, start)
-    tl.store(used, tl.sum(padded, 0))
+    tl.store(used, total)
     for j in range(0, tl.max(padded, 0) // BM):  # the j-th block of every expert that has one
         tl.store(expert_ids + start // BM + j, o_e, mask=m_e & (j * BM < padded))
-    for j in range(0, BM - 1):  # the j-th padding row of every run with one
-        tl.store(sorted_ids + start + n + j, tl.zeros([E_P2], dtype=tl.int32) + num_pairs, mask=m_e & (n + j < padded))
+    sentinel = tl.zeros([E_P2], dtype=tl.int32) + num_pairs
+    if FILL_ALL:
+        for r0 in range(0, total, E_P2):
+            tl.store(sorted_ids + r0 + o_e, sentinel, mask=r0 + o_e < total)
+    else:
+        for j in range(0, BM - 1):  # the j-th padding row of every run with one
+            tl.store(sorted_ids + start + n + j, sentinel, mask=m_e & (n + j < padded))
 
 
 @triton.jit
@@ -114,8 +123,8 @@ def align_one(ids, scratch, sorted_ids, expert_ids, used, num_pairs, E, K: tl.co
     e = _pair_expert(ids, o, m, K, E, E_P2)
     o_e = tl.arange(0, E_P2)
     tl.store(scratch + E_P2 + o_e, tl.zeros([E_P2], dtype=tl.int32))
-    _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2)
-    tl.debug_barrier()  # the starts and the zeroed counters, seen by every thread of the program
+    _layout(tl.histogram(e, E_P2), sorted_ids, expert_ids, scratch, used, num_pairs, E, BM, E_P2, FILL_ALL=True)
+    tl.debug_barrier()  # the starts, the zeroed counters and the sentinels, seen by every thread of the program
     _place(e, o, m, scratch, scratch + E_P2, sorted_ids)
 
 

@@ -109,10 +109,11 @@ DECODE_PROGRAMS = 128
 def _config(M: int, N: int, fmt: str) -> dict:
     """Thin M tiles for decode (the weight stream is the cost), square ones for prefill; fp8 steps through K by
     its scales' block. An int8 decode GEMM narrows its column tiles until they make ``DECODE_PROGRAMS``, each then
-    streaming longer K steps deeper (``notes/quant.md``: decode tiles measured)."""
+    streaming longer K steps deeper; an fp8 one takes 32 columns, deeper where 64 would make too few programs
+    (``notes/quant.md``: decode tiles measured)."""
     if M <= 16:
         if fmt != "int8":
-            return dict(BM=16, BN=64, BK=GROUP, num_warps=4, num_stages=4)
+            return dict(BM=16, BN=32, BK=GROUP, num_warps=4, num_stages=6 if cdiv(N, 64) < DECODE_PROGRAMS else 4)
         BN = 64
         while BN > 16 and cdiv(N, BN) < DECODE_PROGRAMS:
             BN //= 2
