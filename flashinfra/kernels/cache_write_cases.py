@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from flashinfra.feedback.registry import CheckResult, compare, poison_
 from flashinfra.kernels import norms as nm
 from flashinfra.kernels.check_cases import _d, _gen, _verdict, rnd, tol
-from flashinfra.kernels.dsa_entries import EPS, write_entries_launch
+from flashinfra.kernels.dsa_entries import write_entries_launch
 
 
 def _slots(T: int, S: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +39,9 @@ def cache_writes(device: str, T: int, D: int, Di: int, dtype=torch.float32, seed
     lw, lb = 1 + rnd(Di, device=device, gen=gen, dtype=dtype, scale=0.3), rnd(Di, device=device, gen=gen, dtype=dtype)
     rows = poison_(torch.empty(2 * T + 3, 2 * Di, dtype=dtype, device=device))
     slots, untouched = _slots(T, 2 * T + 3, device, gen)
-    write_entries_launch(kg, lw, lb, rows, slots)
+    write_entries_launch(kg, lw, lb, 1e-6, rows, slots)
     kept = slots >= 0
-    ref = torch.cat([F.layer_norm(_d(kg[:, :Di]), (Di,), _d(lw), _d(lb), eps=EPS), _d(kg[:, Di:])], dim=-1)
+    ref = torch.cat([F.layer_norm(_d(kg[:, :Di]), (Di,), _d(lw), _d(lb), eps=1e-6), _d(kg[:, Di:])], dim=-1)
     return res + [compare("hotpath.cache_writes.entries", rows[slots[kept]], ref[kept], **tol(dtype)),
                   _verdict("hotpath.cache_writes.entries_others", bool(rows[untouched].isnan().all()),
                            "no other row written")]

@@ -1,5 +1,5 @@
 """The DSA indexer's new cache entries in one launch: each token's key LayerNorm-ed (``Indexer.entries``' arithmetic:
-float32 mean and biased variance, eps 1e-6, rounded once to the cache's dtype) and its gate score beside it, stored
+float32 mean and biased variance, rounded once to the cache's dtype) and its gate score beside it, stored
 at the token's slot of the entries cache ``[S, 2 Di]``, from the indexer projection's key | gate columns as they
 are. It stands for the norm, the concatenation and the indexed store (three launches) where the cache holds the
 model dtype; an e4m3 cache quantizes the formed entries (``quant.cache.write_index_entries``).
@@ -12,8 +12,6 @@ import triton
 import triton.language as tl
 
 from flashinfra.kernels.launch import cdiv, fast, next_power_of_2, pdl_wait
-
-EPS = 1e-6  # the indexer key norm's
 
 
 @triton.jit
@@ -40,10 +38,10 @@ def entries_write_kernel(kg, w, b, rows, slots, T, DI, stride_kg, eps, BT: tl.co
     tl.store(dst + DI, gate.to(rows.dtype.element_ty), mask=keep)
 
 
-def write_entries_launch(kg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor,
+def write_entries_launch(kg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, rows: torch.Tensor,
                          slots: torch.Tensor) -> None:
-    """``kg`` [T, 2 Di] key | gate score (rows of unit column stride), the key norm's ``weight`` and ``bias`` [Di]
-    -> the entries stored at ``slots`` [T] (negative: none) of ``rows`` [S, 2 Di] (contiguous)."""
+    """``kg`` [T, 2 Di] key | gate score (rows of unit column stride), the key norm's ``weight``, ``bias`` [Di] and
+    ``eps`` -> the entries stored at ``slots`` [T] (negative: none) of ``rows`` [S, 2 Di] (contiguous)."""
     T, Di = kg.shape[0], weight.shape[0]
     if (kg.shape != (T, 2 * Di) or kg.stride(-1) != 1 or bias.shape != (Di,) or rows.dim() != 2
             or rows.shape[1] != 2 * Di or not rows.is_contiguous() or slots.shape != (T,)):
@@ -52,4 +50,4 @@ def write_entries_launch(kg: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if T:
         BT = 8
         fast(entries_write_kernel)[(cdiv(T, BT),)](kg, weight, bias, rows, slots.contiguous(), T, Di, kg.stride(0),
-                                                   EPS, BT=BT, BD=next_power_of_2(Di), num_warps=4)
+                                                   float(eps), BT=BT, BD=next_power_of_2(Di), num_warps=4)

@@ -173,14 +173,19 @@ def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
         raise ValueError(f"route: {E} experts, {n_group} groups, topk_group {topk_group}, top_k {top_k} do not fit")
 
 
+def _choices(T: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing's outputs: weights [T, top_k] float32, ids [T, top_k] int32."""
+    return (torch.empty(T, top_k, dtype=torch.float32, device=device),
+            torch.empty(T, top_k, dtype=torch.int32, device=device))
+
+
 def route_launch(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
     """-> (weights [T, top_k] float32, ids [T, top_k] int32)."""
     E = weight.shape[0]
     _check_groups(E, top_k, n_group, topk_group)
     logits = router_logits(x, weight)
     T = x.shape[0]
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    w, ids = _choices(T, top_k, x.device)
     if T:
         # one warp per token: the k arg-max rounds reduce with warp shuffles only (several warps per program
         # would reduce through shared memory, a round trip per round)
@@ -212,8 +217,7 @@ def route_align_launch(x, weight, bias, top_k: int, n_group: int, topk_group: in
     BM = moe_tiles(n, E + 1)["BM"]
     sorted_ids, expert_ids = aligned_buffers(T, top_k, E, BM, dev)
     scratch, used = one_program_scratch(E, dev)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    w, ids = _choices(T, top_k, dev)
     BT, BE = next_power_of_2(T), next_power_of_2(E)
     fast(route_align_kernel)[(1,)](logits, bias.float().contiguous(), w, ids, scratch, sorted_ids, expert_ids, used,
                                    T, E, float(scaling), TOPK=top_k, G=n_group, TOPK_GROUP=topk_group,

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from flashinfra.config import TextConfig
 from flashinfra.kernels.batch_invariant import linear
-from flashinfra.kernels.dsa_entries import EPS
 from flashinfra.kernels.dsa_pool_keys import compress_pools
 
 
 class Indexer(nn.Module):
+    K_NORM_EPS = 1e-6  # the key LayerNorm's
+
     def __init__(self, cfg: TextConfig, dtype: torch.dtype):
         super().__init__()
         Hi, Di, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
@@ -55,7 +56,7 @@ class Indexer(nn.Module):
     def entries_of(self, kg: torch.Tensor) -> torch.Tensor:
         """Key | gate score rows -> the cache entries: the key LayerNorm-ed, the gate score as it is."""
         k, gate = kg.split(self.Di, dim=-1)
-        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=EPS)
+        k = F.layer_norm(k, (self.Di,), self.k_norm_weight, self.k_norm_bias, eps=self.K_NORM_EPS)
         return torch.cat([k, gate], dim=-1)
 
     def select(

@@ -139,8 +139,8 @@ def write_index_rows(cache, layer: int, slot_mapping: torch.Tensor, kg: torch.Te
     if layer in cache.indexer_scale or keys.dtype != kg.dtype or not use_triton(kg, keys):
         write_index_entries(cache, layer, slot_mapping, indexer.entries_of(kg), indexer.pool_ape)
         return
-    write_entries_launch(kg, indexer.k_norm_weight, indexer.k_norm_bias, keys.view(-1, keys.shape[-1]),
-                         slot_mapping)
+    write_entries_launch(kg, indexer.k_norm_weight, indexer.k_norm_bias, indexer.K_NORM_EPS,
+                         keys.view(-1, keys.shape[-1]), slot_mapping)
     _pool_keys(cache, layer, slot_mapping, indexer.pool_ape)
 
 
