@@ -61,10 +61,8 @@ def int8_codes(v):
 
 @triton.jit
 def int8_scale(amax):
-    """Per-token int8 scales from the rows' absolute maxima (1 for an all-zero row). The scales and their reciprocals
-    are IEEE-rounded divisions (``div_rn``; ``/`` compiles to an approximate one on the GPU), so that every producer's
-    codes equal the float reference's bit for bit."""
-    return tl.where(amax > 0, tl.div_rn(amax, 127.0), 1.0)
+    """Per-token int8 scales from the rows' absolute maxima (1 for an all-zero row)."""
+    return tl.where(amax > 0, amax / 127.0, 1.0)
 
 
 @triton.jit
@@ -72,7 +70,7 @@ def int8_rows(b_f):
     """Rows [R, C] in registers (float32; masked columns zero, which leave the amax alone) -> (int8 codes, scales
     [R]), as ``quant_int8_per_token`` forms them: the producers that hold whole rows form them here."""
     scale = int8_scale(tl.max(tl.abs(b_f), 1))
-    return int8_codes(b_f * tl.div_rn(1.0, scale)[:, None]), scale
+    return int8_codes(b_f * (1.0 / scale)[:, None]), scale
 
 
 @triton.jit
@@ -83,7 +81,7 @@ def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, WHOLE: tl.constexp
         o_k = tl.arange(0, BK)
         b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
         scale = int8_scale(tl.max(tl.abs(b_x), 0))
-        tl.store(q + i_t * K + o_k, int8_codes(b_x * tl.div_rn(1.0, scale)), mask=o_k < K)
+        tl.store(q + i_t * K + o_k, int8_codes(b_x * (1.0 / scale)), mask=o_k < K)
     else:
         amax = tl.zeros([BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -91,7 +89,7 @@ def quant_int8_kernel(x, q, s, K, stride_x, BK: tl.constexpr, WHOLE: tl.constexp
             b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(b_x))
         scale = int8_scale(tl.max(amax, 0))
-        inv = tl.div_rn(1.0, scale)
+        inv = 1.0 / scale
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
@@ -106,8 +104,8 @@ def quant_fp8_kernel(x, q, s, K, G, stride_x, GROUP: tl.constexpr, PDL: tl.const
     o_k = i_g * GROUP + tl.arange(0, GROUP)
     b_x = tl.load(x + i_t * stride_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)
     m = tl.max(tl.abs(b_x), 0)
-    scale = tl.where(m > 0, tl.div_rn(m, 448.0), 1.0)
-    v = tl.minimum(tl.maximum(b_x * tl.div_rn(1.0, scale), -448.0), 448.0)
+    scale = tl.where(m > 0, m / 448.0, 1.0)
+    v = tl.minimum(tl.maximum(b_x * (1.0 / scale), -448.0), 448.0)
     tl.store(q + i_t * K + o_k, v.to(q.dtype.element_ty), mask=o_k < K)
     tl.store(s + i_t * G + i_g, scale)
 
