@@ -11,18 +11,22 @@ of ``T`` new tokens after ``--context`` cached ones (a late step of a long promp
 runs it; ``--set NAME=INT`` changes a config field
 for an experiment (``hc_sinkhorn_iters=1``: what the mHC normalisation's 20 iterations cost a decode step).
 ``logits_digest`` (the first step's logits: sum and sum of squares, in float64) is the same in two runs whose
-kernels compute the same thing (``FLASHINFRA_PDL=0`` against the default: only the launches differ).
+kernels compute the same thing (``FLASHINFRA_PDL=0`` against the default: only the launches differ). ``--against
+FILE`` (an earlier run's JSON, e.g. another revision's in the same call) prints what changed per kernel; without a
+GPU, ``--diff BEFORE.json AFTER.json`` prints the same for two saved runs.
 
 usage: python bench/hotpath_profile.py --out bench/results/hotpath_decode_profile.json
        python bench/hotpath_profile.py --context 1048576 --batches 1 --out bench/results/hotpath_profile_1m.json
        python bench/hotpath_profile.py --quantization w8a8 --out bench/results/hotpath_decode_profile_w8a8.json
        python bench/hotpath_profile.py --context 1040384 --prefill-chunk 8192 \
            --out bench/results/hotpath_profile_1m_prefill.json
+       python bench/hotpath_profile.py --diff bench/results/A.json bench/results/B.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -92,6 +96,34 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:60]])
 
 
+def diff(before: dict, after: dict, least_us: float = 1.5) -> str:
+    """Per step of two runs (matched by batch, context and chunk): the totals, then every kernel whose time moved by
+    ``least_us`` or more a step or whose calls a step changed, largest gain first."""
+    lines = []
+    old = {(s["batch"], s["context"], s["chunk"]): s for s in before["steps"]}
+    for b in after["steps"]:
+        a = old.get((b["batch"], b["context"], b["chunk"]))
+        if a is None:
+            continue
+        same = "same" if a["logits_digest"] == b["logits_digest"] else "different"
+        lines.append(f"B={b['batch']} context {b['context']} chunk {b['chunk']}: back-to-back "
+                     f"{a['back_to_back_us']:.0f} -> {b['back_to_back_us']:.0f} us, kernel sum "
+                     f"{a['kernel_sum_us']:.0f} -> {b['kernel_sum_us']:.0f} us, kernels {a['kernels_per_step']:.0f} -> "
+                     f"{b['kernels_per_step']:.0f}, logits {same}")
+        ka, kb = ({k["name"]: k for k in s["kernels"]} for s in (a, b))
+        rows = []
+        for name in ka.keys() | kb.keys():
+            x, y = ka.get(name, {}), kb.get(name, {})
+            us = (x.get("us_per_step", 0.0), y.get("us_per_step", 0.0))
+            calls = (x.get("calls_per_step", 0.0), y.get("calls_per_step", 0.0))
+            if abs(us[1] - us[0]) >= least_us or calls[0] != calls[1]:
+                rows.append((us[1] - us[0], us, calls, name))
+        for d, us, calls, name in sorted(rows):
+            lines.append(f"  {d:+8.1f} us  {us[0]:8.1f} -> {us[1]:8.1f}  calls {calls[0]:.0f} -> {calls[1]:.0f}  "
+                         f"{name[:80]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/hotpath_decode_profile.json")
@@ -102,7 +134,13 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
                     help="a text-config field changed for the experiment (e.g. hc_sinkhorn_iters=1: what the mHC "
                          "normalisation's iterations cost); repeatable")
+    ap.add_argument("--against", type=Path, help="an earlier run's JSON: print what changed per kernel")
+    ap.add_argument("--diff", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                    help="only print what changed between two saved runs (no GPU)")
     args = ap.parse_args()
+    if args.diff:
+        print(diff(*(json.loads(p.read_text()) for p in args.diff)))
+        return
     hs.DEV = "cuda"
     cfg = hs.slice_config(False)
     cfg["max_position_embeddings"] = max(args.context + args.prefill_chunk + 1024, 4096)  # the slice's limit is 4096
@@ -126,6 +164,8 @@ def main() -> None:
             print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:4.1f}  {k['name']}")
         out = Path(args.out)
         write_results(out.stem, report, directory=out.parent)  # after each batch size
+    if args.against:
+        print(diff(json.loads(args.against.read_text()), report))
 
 
 if __name__ == "__main__":
