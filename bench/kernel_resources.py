@@ -208,9 +208,9 @@ def compile_kernel(fn, spec: dict) -> dict:
                 buffer_hazards=mma_buffer_hazards(kernel.asm["ttgir"]))
 
 
-def rows(before: str | None) -> list[dict]:
+def rows(before: str | None, only: str = "") -> list[dict]:
     out, modules = [], {}
-    for spec in KERNELS:
+    for spec in (s for s in KERNELS if only in s["label"]):
         path = f"flashinfra/kernels/{spec['module']}.py"
         for side, rev in (("now", None), ("before", before)):
             if side == "before" and rev is None:
@@ -233,13 +233,14 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/kernel_resources.json")
     ap.add_argument("--hazards", action="store_true",
                     help="only list the pipelined buffers read by registers and an async MMA (exit 1 if any)")
+    ap.add_argument("--only", default="", help="only the kernels whose label contains this text")
     args = ap.parse_args()
     if args.hazards:
         found = [f"{r['label']}: {h}" for r in rows(None) for h in r["buffer_hazards"]]
         print("\n".join(found) or "no pipelined buffer read by registers and by an asynchronous MMA")
         raise SystemExit(1 if found else 0)
     report = header() | dict(target=f"sm_90, ptxas of triton {triton.__version__}", before=args.before,
-                             kernels=rows(args.before))
+                             kernels=rows(args.before, args.only))
     out = Path(args.out)
     write_results(out.stem, report, directory=out.parent)
     print("| kernel | side | registers / stack | shared KB | loop step: instructions (mma, global loads, float, "

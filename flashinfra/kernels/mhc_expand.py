@@ -42,10 +42,11 @@ def hc_post_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr
     dt = y.dtype.element_ty
     rows = o_t.to(tl.int64) * N * D
     m2 = m_t[:, None] & m_d[None, :]
-    if MIX:
-        o_m = tl.arange(0, BN)
-        b_w = tl.load(fn + o_m[:, None, None] * (N * D) + o_i[None, :, None] * D + o_d[None, None, :],
-                      mask=(o_m < NM)[:, None, None] & m_d[None, None, :], other=0.0).to(dt).to(tl.float32)
+    if MIX:  # the projection's columns of this block in every stream, as one [BN, N BD] tile (stream-major)
+        o_m, o_c = tl.arange(0, BN), tl.arange(0, N * BD)
+        c_d = i_d * BD + o_c % BD
+        b_w = tl.load(fn + o_m[:, None] * (N * D) + (o_c // BD)[None, :] * D + c_d[None, :],
+                      mask=(o_m < NM)[:, None] & (c_d < D)[None, :], other=0.0).to(dt).to(tl.float32)
     # the reference rounds the weights to the streams' dtype before using them
     pst = tl.load(post + o_t[:, None] * N + o_i[None, :], mask=m_t[:, None], other=0.0).to(dt).to(tl.float32)
     b_o = tl.load(out + o_t[:, None].to(tl.int64) * D + o_d[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -57,16 +58,12 @@ def hc_post_kernel(x, out, post, comb, y, fn, part, sumsq, T, D, N: tl.constexpr
     b_y = acc.to(dt)
     m3 = m_t[:, None, None] & m_d[None, None, :]
     tl.store(y + rows[:, None, None] + o_i[None, :, None] * D + o_d[None, None, :], b_y, mask=m3)
-    if MIX:
-        yf = b_y.to(tl.float32)
-        acc_m = tl.zeros([BT, BN], dtype=tl.float32)
-        for i in tl.static_range(N):  # stream i's columns of the rows and of the projection
-            y_i = tl.sum(tl.where((o_i == i)[None, :, None], yf, 0.0), 1)  # [BT, BD]
-            w_i = tl.sum(tl.where((o_i == i)[None, :, None], b_w, 0.0), 1)  # [BN, BD]
-            acc_m += tl.sum(y_i[:, None, :] * w_i[None, :, :], 2)
+    if MIX:  # the rows flattened as the projection's tile is: one product over every stream's columns
+        yf = tl.reshape(b_y.to(tl.float32), [BT, N * BD])
+        acc_m = tl.sum(yf[:, None, :] * b_w[None, :, :], 2)  # [BT, BN]
         split = i_d * T + o_t
         tl.store(part + split[:, None] * BN + o_m[None, :], acc_m, mask=m_t[:, None])
-        tl.store(sumsq + split, tl.sum(tl.sum(yf * yf, 2), 1), mask=m_t)
+        tl.store(sumsq + split, tl.sum(yf * yf, 1), mask=m_t)
 
 
 # Decode batches up to this many tokens (one program's on the GPU) have the expand form the next hyper-connection's
