@@ -115,6 +115,13 @@ KERNELS = [
                  expert_ids="*i32", used="*i32", T="i32", E="i32", scaling="fp32"),
             dict(TOPK=8, G=1, TOPK_GROUP=1, NORM=True, BT=bt, BE=512, TOPK_P2=8, E_P2=512, BM=16, BLOCK=block), (),
             nw, 3, f"route and align, {bt} tokens") for bt, block, nw in ((1, 16, 1), (4, 64, 4))],
+    *[_spec("mhc", "hc_pre_kernel",
+            dict(x="*bf16", part="*fp32", sumsq="*fp32", base="*fp32", scale="*fp32", y="*bf16", post="*fp32",
+                 comb="*fp32", T="i32", D="i32", SPLIT="i32", iters="i32", eps="fp32", norm_eps="fp32", width="i32",
+                 w_norm="*bf16", q="*i8", s="*fp32", rms_eps="fp32"),
+            dict(N=4, BN=32, BT=1, BD=4096, SP=64, WHOLE=True, NORM=True, CODES=codes, STORE_Y=not codes), ("D",),
+            4, 3, f"mHC collapse with the block's norm{' and codes' if codes else ''}, one token")
+      for codes in (False, True)],
     _spec("mhc", "hc_collapse_norm_kernel", dict(x="*bf16", w="*bf16", y="*bf16", D="i32", eps="fp32"),
           dict(N=4, BD=4096), ("D",), 8, 3, "final collapse and norm"),
     _spec("dsa_indexer", "index_score_kernel",
