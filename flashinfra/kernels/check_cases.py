@@ -64,7 +64,6 @@ def norms(device: str, T: int, D: int, dtype=torch.float32, seed=0) -> list[Chec
     return results
 
 
-
 def router_logits(device: str, T: int, E: int, D: int, dtype=torch.float32, seed=0) -> list[CheckResult]:
     """The router's float32 logits of a few rows against float64."""
     gen = _gen(device, seed)

@@ -34,7 +34,7 @@ def mhc(device: str, T: int, D: int, n: int = 4, dtype=torch.float32, seed=0) ->
 def _mhc_norm(streams, fn, base, scale, n, gen, ry, rpost, rcomb, wtol) -> list[CheckResult]:
     """``hc_pre_norm``: the collapse with the block's input norm (plain rows; int8 codes with and without the normed
     rows) against the float64 collapse then norm, and its codes against the activation quantizer's of its own normed
-    rows on the same device (the GPU contracts the codes' rounding into an FMA, which a float reference does not)."""
+    rows on the same device (the GPU may contract the codes' rounding into an FMA, which a float reference does not)."""
     from flashinfra.kernels.quant.act import quant_int8_per_token
 
     dtype, D = streams.dtype, streams.shape[2]
