@@ -161,7 +161,8 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
     monkeypatch.setattr(mla, "rms_norm_for", lambda x, w, eps, proj, keep: norms.rms_norm(x, w, eps))
     monkeypatch.setattr(mhc, "is_w8a8", lambda proj: False)  # the collapse's norm then gives plain rows
     tokens, unfused = batched_greedy(model, prompts, 3)
-    again = batched_greedy(model, prompts, 3, feed=tokens)[1]  # the run-to-run noise, named in a failure's message
+    # the run-to-run noise, named in a failure's message on CUDA (the CPU's comparison is exact)
+    again = None if device == "cpu" else batched_greedy(model, prompts, 3, feed=tokens)[1]
     calls = []
 
     def counted(*args):
@@ -176,13 +177,12 @@ def w8a8_norm_fusion_leaves_logits_unchanged(tmp_path, monkeypatch, device: str,
     monkeypatch.setattr(mhc, "is_w8a8", counted_collapse)
     fused = batched_greedy(model, prompts, 3, feed=tokens)[1]
     assert calls and all(calls), "every norm before a projection (MoE included) feeds a W8A8 one"
-    noise = [float((b - c).abs().max()) for b, c in zip(unfused, again)]
     if device == "cpu":
         for step, (a, b) in enumerate(zip(fused, unfused)):
-            assert torch.equal(a, b), (f"step {step}: max difference {float((a - b).abs().max()):.3g}; the unfused "
-                                       f"path against itself: {noise[step]:.3g}")
+            assert torch.equal(a, b), f"step {step}: max difference {float((a - b).abs().max()):.3g}"
         return
     plain = batched_greedy(load_model(checkpoint, dtype="float32", device=device), prompts, 3, feed=tokens)[1]
+    noise = [float((b - c).abs().max()) for b, c in zip(unfused, again)]
     for step, (a, b, r) in enumerate(zip(fused, unfused, plain)):
         moved, quant = float((a - b).abs().max()), float((b - r).abs().max())
         assert moved <= 0.25 * quant, (f"step {step}: fusion moved the logits by {moved:.3g}, W8A8 itself by "
