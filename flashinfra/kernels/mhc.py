@@ -102,6 +102,13 @@ def _join4(v0, v1, v2, v3):
 
 
 @triton.jit
+def _scaled4(a, b, c, d, eps):
+    """Four entries divided by their sum + eps, as one reciprocal and four products."""
+    r = 1.0 / ((a + b) + (c + d) + eps)
+    return a * r, b * r, c * r, d * r
+
+
+@triton.jit
 def _sinkhorn(c, rounds, eps, N: tl.constexpr):
     """``rounds`` Sinkhorn rounds on ``c`` [BT, N, N]: each row, then each column, divided by its sum + eps. With 4
     streams the 16 entries are taken apart into [BT] vectors first, so that a token's sums are adds in one thread
@@ -112,23 +119,15 @@ def _sinkhorn(c, rounds, eps, N: tl.constexpr):
         a01, a11, a21, a31 = _split4(c1)
         a02, a12, a22, a32 = _split4(c2)
         a03, a13, a23, a33 = _split4(c3)
-        for _ in range(rounds):
-            r = 1.0 / ((a00 + a01) + (a02 + a03) + eps)
-            a00, a01, a02, a03 = a00 * r, a01 * r, a02 * r, a03 * r
-            r = 1.0 / ((a10 + a11) + (a12 + a13) + eps)
-            a10, a11, a12, a13 = a10 * r, a11 * r, a12 * r, a13 * r
-            r = 1.0 / ((a20 + a21) + (a22 + a23) + eps)
-            a20, a21, a22, a23 = a20 * r, a21 * r, a22 * r, a23 * r
-            r = 1.0 / ((a30 + a31) + (a32 + a33) + eps)
-            a30, a31, a32, a33 = a30 * r, a31 * r, a32 * r, a33 * r
-            r = 1.0 / ((a00 + a10) + (a20 + a30) + eps)
-            a00, a10, a20, a30 = a00 * r, a10 * r, a20 * r, a30 * r
-            r = 1.0 / ((a01 + a11) + (a21 + a31) + eps)
-            a01, a11, a21, a31 = a01 * r, a11 * r, a21 * r, a31 * r
-            r = 1.0 / ((a02 + a12) + (a22 + a32) + eps)
-            a02, a12, a22, a32 = a02 * r, a12 * r, a22 * r, a32 * r
-            r = 1.0 / ((a03 + a13) + (a23 + a33) + eps)
-            a03, a13, a23, a33 = a03 * r, a13 * r, a23 * r, a33 * r
+        for _ in range(rounds):  # each row, then each column
+            a00, a01, a02, a03 = _scaled4(a00, a01, a02, a03, eps)
+            a10, a11, a12, a13 = _scaled4(a10, a11, a12, a13, eps)
+            a20, a21, a22, a23 = _scaled4(a20, a21, a22, a23, eps)
+            a30, a31, a32, a33 = _scaled4(a30, a31, a32, a33, eps)
+            a00, a10, a20, a30 = _scaled4(a00, a10, a20, a30, eps)
+            a01, a11, a21, a31 = _scaled4(a01, a11, a21, a31, eps)
+            a02, a12, a22, a32 = _scaled4(a02, a12, a22, a32, eps)
+            a03, a13, a23, a33 = _scaled4(a03, a13, a23, a33, eps)
         c = _join4(_join4(a00, a10, a20, a30), _join4(a01, a11, a21, a31), _join4(a02, a12, a22, a32),
                    _join4(a03, a13, a23, a33))
     else:
