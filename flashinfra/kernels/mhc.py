@@ -85,58 +85,6 @@ def hc_mix_kernel(x, fn, part, sumsq, T, K, KS, NM: tl.constexpr, BT: tl.constex
     tl.store(sumsq + base, ss, mask=m_t)
 
 
-@triton.jit
-def _split4(v):
-    """[..., 4] -> its four entries along the last axis, each [...]."""
-    even, odd = tl.split(tl.reshape(v, v.shape[:-1] + [2, 2]))  # index 2 hi + lo; split on lo
-    v0, v2 = tl.split(even)
-    v1, v3 = tl.split(odd)
-    return v0, v1, v2, v3
-
-
-@triton.jit
-def _join4(v0, v1, v2, v3):
-    """``_split4``'s inverse."""
-    both = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [..., hi, lo]
-    return tl.reshape(both, both.shape[:-2] + [4])
-
-
-@triton.jit
-def _scaled4(a, b, c, d, eps):
-    """Four entries divided by their sum + eps, as one reciprocal and four products."""
-    r = 1.0 / ((a + b) + (c + d) + eps)
-    return a * r, b * r, c * r, d * r
-
-
-@triton.jit
-def _sinkhorn(c, rounds, eps, N: tl.constexpr):
-    """``rounds`` Sinkhorn rounds on ``c`` [BT, N, N]: each row, then each column, divided by its sum + eps. With 4
-    streams the 16 entries are taken apart into [BT] vectors first, so that a token's sums are adds in one thread
-    (a [BT, 4, 4] tile spreads a token over 16 lanes, and each sum over them is a chain of shuffles)."""
-    if N == 4:
-        c0, c1, c2, c3 = _split4(c)  # columns, [BT, 4] over the rows
-        a00, a10, a20, a30 = _split4(c0)
-        a01, a11, a21, a31 = _split4(c1)
-        a02, a12, a22, a32 = _split4(c2)
-        a03, a13, a23, a33 = _split4(c3)
-        for _ in range(rounds):  # each row, then each column
-            a00, a01, a02, a03 = _scaled4(a00, a01, a02, a03, eps)
-            a10, a11, a12, a13 = _scaled4(a10, a11, a12, a13, eps)
-            a20, a21, a22, a23 = _scaled4(a20, a21, a22, a23, eps)
-            a30, a31, a32, a33 = _scaled4(a30, a31, a32, a33, eps)
-            a00, a10, a20, a30 = _scaled4(a00, a10, a20, a30, eps)
-            a01, a11, a21, a31 = _scaled4(a01, a11, a21, a31, eps)
-            a02, a12, a22, a32 = _scaled4(a02, a12, a22, a32, eps)
-            a03, a13, a23, a33 = _scaled4(a03, a13, a23, a33, eps)
-        c = _join4(_join4(a00, a10, a20, a30), _join4(a01, a11, a21, a31), _join4(a02, a12, a22, a32),
-                   _join4(a03, a13, a23, a33))
-    else:
-        for _ in range(rounds):
-            c = c / (tl.sum(c, 2)[:, :, None] + eps)
-            c = c / (tl.sum(c, 1)[:, None, :] + eps)
-    return c
-
-
 @triton.jit(do_not_specialize=["T", "SPLIT", "iters", "width"])  # the step's token count: one compilation for all
 def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters, eps, norm_eps, width,
                   w_norm, q, s, rms_eps, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -174,7 +122,10 @@ def hc_pre_kernel(x, part, sumsq, base, scale, y, post, comb, T, D, SPLIT, iters
     c = w_comb * rstd[:, None, None] * s_comb + tl.load(base + 2 * N + o_ij)[None, :, :]
     c = tl.exp(c - tl.max(c, 2)[:, :, None])
     c = c / tl.sum(c, 2)[:, :, None] + eps
-    c = _sinkhorn(c / (tl.sum(c, 1)[:, None, :] + eps), iters - 1, eps, N)
+    c = c / (tl.sum(c, 1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, 2)[:, :, None] + eps)
+        c = c / (tl.sum(c, 1)[:, None, :] + eps)
     if WHOLE:
         b_y = tl.sum(pre[:, :, None] * b_xw.to(tl.float32), 1)
         m_y = m_t[:, None] & (o_d < D)[None, :]
