@@ -35,7 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashinfra import env
-from flashinfra.feedback.timing import header, time_stream, write_results
+from flashinfra.feedback.timing import call_times_us, header, write_results
 from flashinfra.kernels.launch import without_pdl
 from flashinfra.model.api import random_model
 from flashinfra.model.forward_batch import ForwardBatch
@@ -65,7 +65,10 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    back_to_back_us = time_stream(step, calls=10, iters=3)
+    # 15 timings of 10 steps, their spread kept with the median: runs of the same kernels have differed by up to
+    # 40 us a step in the gaps between kernels (notes/quant.md)
+    times = sorted(call_times_us(step, calls=10, iters=15, warmup=0))
+    back_to_back_us = times[len(times) // 2]
     t0 = time.perf_counter()
     for _ in range(10):
         step()
@@ -91,9 +94,16 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
     rows.sort(reverse=True)
     digest = [float(first.sum()), float(first.square().sum())]  # equal across runs of the same kernels, bit for bit
     return dict(batch=B, context=context, chunk=chunk, logits_digest=digest, back_to_back_us=back_to_back_us,
+                back_to_back_range_us=[times[0], times[-1]],
                 wall_us=wall * 1e6,
                 kernel_sum_us=sum(r[0] for r in rows), kernels_per_step=sum(r[1] for r in rows),
                 kernels=[dict(us_per_step=t, calls_per_step=n, name=k) for t, n, k in rows[:60]])
+
+
+def _range(step: dict) -> str:
+    """`` (least-most)`` of a run's back-to-back timings (runs saved before they were kept: nothing)."""
+    lo_hi = step.get("back_to_back_range_us")
+    return f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else ""
 
 
 def diff(before: dict, after: dict, least_us: float = 1.5) -> str:
@@ -107,7 +117,7 @@ def diff(before: dict, after: dict, least_us: float = 1.5) -> str:
             continue
         same = "same" if a["logits_digest"] == b["logits_digest"] else "different"
         lines.append(f"B={b['batch']} context {b['context']} chunk {b['chunk']}: back-to-back "
-                     f"{a['back_to_back_us']:.0f} -> {b['back_to_back_us']:.0f} us, kernel sum "
+                     f"{a['back_to_back_us']:.0f}{_range(a)} -> {b['back_to_back_us']:.0f}{_range(b)} us, kernel sum "
                      f"{a['kernel_sum_us']:.0f} -> {b['kernel_sum_us']:.0f} us, kernels {a['kernels_per_step']:.0f} -> "
                      f"{b['kernels_per_step']:.0f}, logits {same}")
         ka, kb = ({k["name"]: k for k in s["kernels"]} for s in (a, b))

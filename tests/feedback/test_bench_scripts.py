@@ -31,3 +31,5 @@ def test_profile_diff_names_what_changed(monkeypatch):
     named = [line.split()[-1] for line in lines[1:]]
     assert named == ["mix", "fused", "post"], lines  # largest gain first; the unchanged GEMM left out
     assert "calls 8 -> 0" in lines[1]
+    after["steps"][0]["back_to_back_range_us"] = [960.4, 1010.2]  # kept by runs since: the timings' spread
+    assert "back-to-back 1000 -> 980 (960-1010) us" in diff(before, after).splitlines()[0]
