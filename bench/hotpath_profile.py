@@ -101,7 +101,7 @@ def step_profile(lm, B: int, context: int, chunk: int = 0) -> dict:
 
 
 def _range(step: dict) -> str:
-    """`` (least-most)`` of a run's back-to-back timings (runs saved before they were kept: nothing)."""
+    """`` (least-most)`` of a run's back-to-back timings; nothing for a run saved without them."""
     lo_hi = step.get("back_to_back_range_us")
     return f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else ""
 
