@@ -74,11 +74,14 @@ def test_warm_up_threshold_runs_each_variant(monkeypatch):
     from flashinfra.kernels import dsa_topk
 
     monkeypatch.setattr(dsa_topk, "THRESHOLD_MIN_POOLS", 1024)
-    # S 1,024 at 1,024 pools and 2,048 at 2,048, each on one row (the ranking kernels) and two (the sampling ones)
-    assert dsa_topk.warm_up_threshold(2100, 8, 4, "cpu") == 8
+    # the real kernels at S 1,024: 1,024 and 1,028 pools, each on one row (the ranking kernels) and two (the sampling
+    # ones)
+    assert dsa_topk.warm_up_threshold(1030, 8, 4, "cpu") == 4
     shapes = []
     monkeypatch.setattr(dsa_topk, "threshold_launch", lambda scores, k, **_: shapes.append(tuple(scores.shape)))
-    assert dsa_topk.warm_up_threshold(1030, 8, 4, "cpu") == 4 and shapes == [(1, 1024), (2, 1024), (1, 1028), (2, 1028)]
+    # from 2,048 pools the sample is 2,048 keys: its two row lengths too
+    assert dsa_topk.warm_up_threshold(2100, 8, 4, "cpu") == 8
+    assert shapes == [(1, 1024), (2, 1024), (1, 1028), (2, 1028), (1, 2048), (2, 2048), (1, 2052), (2, 2052)]
 
 
 def test_slices_start_aligned():
