@@ -32,6 +32,10 @@ class LayerError:
     kind: str
     kernel_err: float  # |kernel path - hi| / |hi|
     reference_err: float  # |reference path - hi| / |hi|
+    # the token (row) the kernel path is furthest from hi on, and that row's |kernel - hi| / |hi|: one token far off
+    # and the rest close is a routing choice that went the other way, an error spread over all rows is arithmetic
+    worst_token: int = -1
+    worst_token_err: float = 0.0
 
     def within(self, factor: float, floor: float) -> bool:
         return self.kernel_err <= factor * self.reference_err + floor
@@ -55,6 +59,14 @@ def in_dtype(module: torch.nn.Module, dtype: torch.dtype, recurse: bool = True):
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _worst_row(a: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
+    """The row of ``a`` [T, ...] relatively furthest from ``ref``'s, and that distance."""
+    d, r = a.double().flatten(1), ref.double().flatten(1)
+    rel = (d - r).norm(dim=1) / r.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    i = int(rel.argmax())
+    return i, float(rel[i])
 
 
 class _Step:
@@ -92,7 +104,8 @@ class _Step:
         for i, layer in enumerate(model.layers):
             kind = ("kda" if layer.is_kda else "mla") + "+" + type(layer.mlp).__name__.lower()
             hi = runs["hi"][i]
-            errors.append(LayerError(name, i, kind, _rel(runs["kernel"][i], hi), _rel(outputs[i], hi)))
+            errors.append(LayerError(name, i, kind, _rel(runs["kernel"][i], hi), _rel(outputs[i], hi),
+                                     *_worst_row(runs["kernel"][i], hi)))
         last = torch.tensor(batch.last_token_indices, device=dev)
         logits = {}
         for path, dtype in (("reference", self.lm.dtype), *paths.items()):
