@@ -160,5 +160,6 @@ def check_layers_with_kernels():
     return [CheckResult(name=f"model.layers.kernels.{e.step}.{e.layer}", passed=e.within(2.0, floor),
                         rel_norm=e.kernel_err, dtype=dtype,
                         message=f"{e.kind}: kernel path {e.kernel_err:.2e}, reference path {e.reference_err:.2e} "
-                                f"from {hi}; worst token {e.worst_token}: {e.worst_token_err:.2e}".replace("torch.", ""))
+                                f"from {str(hi).replace('torch.', '')}; worst token {e.worst_token}: "
+                                f"{e.worst_token_err:.2e}")
             for e in errors]
