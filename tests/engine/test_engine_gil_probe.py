@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 from flashinfra.engine.config import EngineConfig
 from flashinfra.engine.core import EngineCore
 from flashinfra.model.factory import write_tiny_checkpoint
 
 
-def hold_the_gil() -> int:
-    return sum(range(3 * 10**7))  # one C call: the interpreter never gets to switch threads inside it
+def hold_the_gil(release: threading.Event) -> int:
+    total = sum(range(3 * 10**7))  # one C call: the interpreter never gets to switch threads inside it
+    release.wait(10)  # this frame stays on the thread's stack, the GIL free, until the probe has taken the stacks
+    return total
 
 
 def test_engine_reports_a_gil_stall_with_its_culprit(tmp_path):
@@ -20,8 +23,13 @@ def test_engine_reports_a_gil_stall_with_its_culprit(tmp_path):
     core = EngineCore(EngineConfig(model=str(ckpt), num_blocks=16, max_num_seqs=2, gil_probe_ms=50,
                                    events_path=str(events)))
     try:
-        culprit = threading.Thread(target=hold_the_gil, name="culprit")
+        release = threading.Event()
+        culprit = threading.Thread(target=hold_the_gil, args=(release,), name="culprit")
         culprit.start()
+        deadline = time.monotonic() + 10
+        while core.gil_probe.count == 0 and time.monotonic() < deadline:  # the stall recorded, its stacks taken
+            time.sleep(0.01)
+        release.set()
         culprit.join()
     finally:
         core.close()
