@@ -32,10 +32,10 @@ class LayerError:
     kind: str
     kernel_err: float  # |kernel path - hi| / |hi|
     reference_err: float  # |reference path - hi| / |hi|
-    # the token (row) the kernel path is furthest from hi on, and that row's |kernel - hi| / |hi|: one token far off
-    # and the rest close is a routing choice that went the other way, an error spread over all rows is arithmetic
-    worst_token: int = -1
-    worst_token_err: float = 0.0
+    # the row (token; for the head, sampled row) the kernel path is furthest from hi on, and its |kernel - hi| / |hi|:
+    # one token far off and the rest close is a routing choice that went the other way, an error over all is arithmetic
+    worst_token: int
+    worst_token_err: float
 
     def within(self, factor: float, floor: float) -> bool:
         return self.kernel_err <= factor * self.reference_err + floor
@@ -112,7 +112,7 @@ class _Step:
             with kernel_path(path == "kernel"), in_dtype(model, dtype, recurse=False):
                 logits[path] = model.compute_logits(model.final_norm(outputs[-1].to(dtype))[last])
         errors.append(LayerError(name, -1, "norm+head", _rel(logits["kernel"], logits["hi"]),
-                                 _rel(logits["reference"], logits["hi"])))
+                                 _rel(logits["reference"], logits["hi"]), *_worst_row(logits["kernel"], logits["hi"])))
         return errors, logits["hi"].argmax(-1)
 
 
